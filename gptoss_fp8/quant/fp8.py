@@ -1,0 +1,177 @@
+"""FP8 e4m3 numeric conventions shared by the converter, the CPU w8a8 path and the GPU kernels.
+
+Byte layouts
+------------
+* Weights: ``W`` float8_e4m3fn [..., N, K] (N = output features, K = input features) with
+  ``scale_inv`` float32 [..., ceil(N/128), ceil(K/128)]. Block (i, j) covers rows
+  ``128*i : 128*(i+1)`` and columns ``128*j : 128*(j+1)``; blocks at the bottom / right edge are
+  partial when N or K is not a multiple of 128 (2880 = 22*128 + 64). The dequantized weight is
+  ``W.float() * scale_inv`` of the element's block.
+* Activations: per token (row), groups of 128 along K (the last group may be partial).
+  ``scale`` float32 [T, ceil(K/128)] = max(amax, ACT_EPS) / 448; ``x_fp8 = rne(x / scale)``
+  saturated to +-448. Dequantized value = ``x_fp8.float() * scale`` of its group.
+
+Weight scale modes
+------------------
+* ``pow2`` (default): the block scale is the smallest power of two 2^k with amax / 2^k <= 448.
+  Dividing by a power of two is exact, so every value whose magnitude stays in e4m3's range after
+  the shift (within ~17 binades of the block max, normals and subnormals) keeps its bits: MXFP4
+  inputs (one mantissa bit) convert losslessly when their group exponents lie within ~14 binades of
+  the block max.
+* ``amax``: scale = amax / 448 (the DeepSeek-V3 convention); uses the whole e4m3 range but rounds
+  about half of the MXFP4 values.
+An all-zero block gets scale 1.0 in both modes. Finite input never yields NaN or inf.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+ACT_GROUP = 128
+ACT_EPS = 1e-10
+
+
+class ScaleMode(str, enum.Enum):
+    pow2 = "pow2"
+    amax = "amax"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_grid(n: int, k: int, block: int = BLOCK) -> tuple[int, int]:
+    """Shape of the block-scale grid of an [n, k] weight."""
+    return cdiv(n, block), cdiv(k, block)
+
+
+def to_fp8_saturating(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even cast to e4m3 that saturates at +-448 (NaN stays NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def pow2_scale_for_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two 2^k with amax / 2^k <= 448, as float32; 1.0 where amax == 0.
+
+    Integer logic on frexp (amax = f * 2^e, f in [0.5, 1)), so no log2 rounding can pick the
+    wrong binade: 448 = 0.875 * 2^9, hence k = e - 9 if f <= 0.875 else e - 8.
+    """
+    amax = amax.float()
+    f, e = torch.frexp(amax)
+    k = torch.where(f <= 0.875, e - 9, e - 8)
+    # fp32 reaches 2^-149 (subnormal); a smaller scale is never needed for finite fp32 inputs.
+    k = k.clamp(min=-149, max=127)
+    scale = torch.ldexp(torch.ones_like(amax), k)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def amax_scale_for_amax(amax: torch.Tensor) -> torch.Tensor:
+    """DeepSeek convention amax / 448 (float32); 1.0 where amax == 0."""
+    amax = amax.float()
+    scale = amax / FP8_MAX
+    # amax / 448 underflows to 0 only for amax below ~6e-43; keep it a usable divisor.
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float32).tiny))
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def block_amax(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Max |w| over each 128x128 block: [..., N, K] -> [..., ceil(N/128), ceil(K/128)] float32."""
+    *lead, n, k = w.shape
+    nb, kb = scale_grid(n, k, block)
+    a = w.float().abs()
+    a = torch.nn.functional.pad(a, (0, kb * block - k, 0, nb * block - n))
+    a = a.reshape(*lead, nb, block, kb, block)
+    return a.amax(dim=(-3, -1))
+
+
+def expand_blocks(s: torch.Tensor, n: int, k: int, block: int = BLOCK) -> torch.Tensor:
+    """Broadcast a per-block tensor [..., nb, kb] to per-element [..., n, k]."""
+    return s.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)[..., :k]
+
+
+def quantize_weight_blocks(
+    w: torch.Tensor, mode: ScaleMode | str = ScaleMode.pow2, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D or stacked weight to FP8 with 128x128 block scales.
+
+    w: [..., N, K] any float dtype. Returns (w_fp8 float8_e4m3fn [..., N, K],
+    scale_inv float32 [..., ceil(N/128), ceil(K/128)]).
+    """
+    assert w.dim() >= 2, f"weight must be at least 2-D, got {tuple(w.shape)}"
+    mode = ScaleMode(mode)
+    n, k = w.shape[-2:]
+    amax = block_amax(w, block)
+    scale = pow2_scale_for_amax(amax) if mode is ScaleMode.pow2 else amax_scale_for_amax(amax)
+    q = to_fp8_saturating(w.float() / expand_blocks(scale, n, k, block))
+    return q, scale
+
+
+def dequantize_weight_blocks(
+    w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK
+) -> torch.Tensor:
+    """Inverse of quantize_weight_blocks: [..., N, K] fp8 x block scales -> [..., N, K] ``dtype``."""
+    n, k = w_fp8.shape[-2:]
+    assert scale_inv.shape[-2:] == scale_grid(n, k, block), (
+        f"scale grid {tuple(scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
+    )
+    return (w_fp8.float() * expand_blocks(scale_inv.float(), n, k, block)).to(dtype)
+
+
+def quantize_act(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization, groups of 128 along K.
+
+    x: [..., K] float. Returns (x_fp8 float8_e4m3fn [..., K], scale float32 [..., ceil(K/128)])
+    with scale = max(amax, 1e-10) / 448 and x_fp8 = rne(x / scale) saturated.
+    """
+    k = x.shape[-1]
+    g = cdiv(k, group)
+    xf = x.float()
+    xp = torch.nn.functional.pad(xf, (0, g * group - k)).reshape(*x.shape[:-1], g, group)
+    scale = xp.abs().amax(dim=-1).clamp(min=ACT_EPS) / FP8_MAX
+    q = to_fp8_saturating(xp / scale.unsqueeze(-1)).reshape(*x.shape[:-1], g * group)[..., :k]
+    return q.contiguous(), scale
+
+
+def dequantize_act(x_fp8: torch.Tensor, scale: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    """[..., K] fp8 with [..., ceil(K/128)] scales -> float32 [..., K]."""
+    k = x_fp8.shape[-1]
+    assert scale.shape[-1] == cdiv(k, group), f"scale {tuple(scale.shape)} does not fit x {tuple(x_fp8.shape)}"
+    return x_fp8.float() * scale.repeat_interleave(group, dim=-1)[..., :k]
+
+
+def block_gemm_reference(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Plain-torch specification of the FP8 block GEMM: y = (x * s_x) @ (W * s_W)^T + b.
+
+    x_fp8 [M, K] with x_scale [M, ceil(K/128)]; w_fp8 [N, K] with w_scale_inv
+    [ceil(N/128), ceil(K/128)]; bias [N] or None. fp32 accumulation (exact products of the
+    dequantized operands), bias added in fp32, cast to ``out_dtype`` once.
+    """
+    x = dequantize_act(x_fp8, x_scale)
+    w = dequantize_weight_blocks(w_fp8, w_scale_inv)
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_exact_fraction(reconstructed: torch.Tensor, original: torch.Tensor) -> tuple[int, float]:
+    """(count of elements reconstructed bit-exactly, max relative error) of a round trip."""
+    r, o = reconstructed.double(), original.double()
+    exact = int((r == o).sum())
+    denom = o.abs()
+    err = (r - o).abs()
+    rel = torch.where(denom > 0, err / denom.clamp(min=math.ldexp(1.0, -1074)), err)
+    return exact, float(rel.max()) if rel.numel() else 0.0
