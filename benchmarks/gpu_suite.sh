@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one device call:
+#   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|kernels|convert|all]...
+set -uo pipefail
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
+what=${*:-all}
+has() { [[ " $what " == *" all "* || " $what " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+if has tests; then
+  python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log"
+fi
+if has kernels; then
+  python3 -m gptoss_fp8.cli.main bench kernels --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
+fi
+if has convert; then
+  bash benchmarks/convert_bench.sh --device cuda 2>&1 | tee "$OUT/bench_convert_cuda.log"
+fi
