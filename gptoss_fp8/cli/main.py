@@ -35,10 +35,11 @@ def _root(
 
 def _register() -> None:
     # Imported here so `--help` stays fast and each command stays in its own module.
-    from gptoss_fp8.cli import bench, convert, synth
+    from gptoss_fp8.cli import bench, convert, download, synth
 
     app.command("synth", no_args_is_help=True)(synth.synth)
     app.command("convert", no_args_is_help=True)(convert.convert)
+    app.command("download", no_args_is_help=True)(download.download)
     app.add_typer(bench.app, name="bench")
 
 
