@@ -36,3 +36,11 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def progress_bar(total: int, desc: str, initial: int = 0):
+    """A bytes progress bar with rate and ETA on stderr (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=None, dynamic_ncols=True)

@@ -1,8 +1,75 @@
-"""``gptoss-fp8 convert``."""
+"""``gptoss-fp8 convert``: MXFP4 checkpoint -> FP8 (e4m3, 128x128 blocks)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
 
-def convert() -> None:
-    """(being written)"""
-    raise NotImplementedError
+import typer
+
+from gptoss_fp8.cli.common import progress_bar, user_errors
+from gptoss_fp8.quant.fp8 import ScaleMode
+
+
+def print_report(report: dict, dst: Path, worst: int = 5) -> None:
+    ex = report["exactness"]
+    o = ex["overall"]
+    typer.echo(f"exactness: {o['exact']}/{o['total']} converted weights exact ({100 * o['exact_fraction']:.4f}%), "
+               f"max relative error {o['max_rel_err']:.3g}")
+    groups: dict[str, list] = {}
+    for name, t in ex["tensors"].items():
+        key = "experts" if ".experts." in name else "attention" if ".self_attn." in name else "other"
+        groups.setdefault(key, []).append(t)
+    for key, ts in groups.items():
+        tot, exa = sum(t["total"] for t in ts), sum(t["exact"] for t in ts)
+        mre = max(t["max_rel_err"] for t in ts)
+        typer.echo(f"  {key:9s}: {len(ts)} tensors, {100 * exa / tot:.4f}% exact, max relative error {mre:.3g}")
+    lossy = sorted(ex["tensors"].items(), key=lambda kv: kv[1]["exact_fraction"])[:worst]
+    lossy = [(n, t) for n, t in lossy if t["exact_fraction"] < 1.0]
+    if lossy:
+        typer.echo("  least exact tensors:")
+        for n, t in lossy:
+            typer.echo(f"    {n}: {100 * t['exact_fraction']:.4f}% exact, max relative error {t['max_rel_err']:.3g}")
+    typer.echo(f"report: {dst / 'conversion.json'}")
+
+
+@user_errors
+def convert(
+    src: Annotated[str, typer.Argument(help="Local HF-layout gpt-oss directory, or a hub repo id ORG/NAME[@REVISION].")],
+    dst: Annotated[Path, typer.Argument(help="Output directory for the FP8 checkpoint.")],
+    scale_mode: Annotated[ScaleMode, typer.Option(help="pow2: power-of-two block scales (lossless for MXFP4); amax: amax/448 (DeepSeek).")] = ScaleMode.pow2,
+    keep_attention_bf16: Annotated[bool, typer.Option(help="Leave attention q/k/v/o projections in bf16.")] = False,
+    device: Annotated[str, typer.Option(help="Where the math runs: cpu, cuda, cuda:N.")] = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing checkpoint in DST.")] = False,
+    resume: Annotated[bool, typer.Option(help="Finish an interrupted conversion into DST (same source and options).")] = False,
+    revision: Annotated[str | None, typer.Option(help="Hub revision when SRC is a repo id.")] = None,
+    token: Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN / the saved login).")] = None,
+    max_shard_size: Annotated[float, typer.Option(help="Largest output file, in GB.")] = 5.0,
+    report: Annotated[Path | None, typer.Option(help="Also write the exactness/provenance JSON here.")] = None,
+) -> None:
+    """Convert a gpt-oss MXFP4 checkpoint to FP8 e4m3 with 128x128 block scales, streaming."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.hub import resolve_source
+
+    resolved = resolve_source(src, revision=revision, token=token)
+    source = {k: v for k, v in (("repo_id", resolved.repo_id), ("revision", resolved.revision)) if v}
+    bar = None
+
+    def on_plan(total: int, done: int) -> None:
+        nonlocal bar
+        bar = progress_bar(total, "convert", initial=done)
+
+    try:
+        result = convert_checkpoint(
+            resolved.path, dst, scale_mode=scale_mode, keep_attention_bf16=keep_attention_bf16, device=device,
+            overwrite=overwrite, resume=resume, source=source, shard_bytes=int(max_shard_size * 1e9),
+            progress=lambda n: bar.update(n) if bar is not None else None, on_plan=on_plan,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print_report(result, dst)
+    if report is not None:
+        report.write_text(json.dumps(result, indent=1) + "\n")
+    typer.echo(f"wrote FP8 checkpoint to {dst}")

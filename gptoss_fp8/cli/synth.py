@@ -1,8 +1,44 @@
-"""``gptoss-fp8 synth``."""
+"""``gptoss-fp8 synth``: write a synthetic gpt-oss MXFP4 checkpoint."""
 
 from __future__ import annotations
 
+import enum
+from pathlib import Path
+from typing import Annotated
 
-def synth() -> None:
-    """(being written)"""
-    raise NotImplementedError
+import typer
+
+from gptoss_fp8.cli.common import progress_bar, user_errors
+
+
+class Preset(str, enum.Enum):
+    tiny = "tiny"
+    b20 = "20b"
+    b120 = "120b"
+
+
+class Layout(str, enum.Enum):
+    hf = "hf"
+    original = "original"
+    both = "both"
+
+
+@user_errors
+def synth(
+    dst: Annotated[Path, typer.Argument(help="Directory to create (must be empty or new).")],
+    preset: Annotated[Preset, typer.Option(help="Shapes: tiny (tests), 20b or 120b (real shapes, streamed to disk).")] = Preset.tiny,
+    layers: Annotated[int | None, typer.Option(min=1, help="Number of layers (default: the preset's).")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed regenerates the same bytes.")] = 0,
+    layout: Annotated[Layout, typer.Option(help="hf (Hugging Face root layout), original (OpenAI's original/), or both.")] = Layout.hf,
+    overwrite: Annotated[bool, typer.Option(help="Write into a non-empty DST.")] = False,
+) -> None:
+    """Write a synthetic gpt-oss MXFP4 checkpoint with realistic statistics (no network needed)."""
+    from gptoss_fp8.convert.synth import _spec_bytes, preset_config, write_synthetic
+    from gptoss_fp8.convert.layout import hf_source_tensors
+
+    cfg = preset_config(preset.value, layers)
+    total = sum(map(_spec_bytes, hf_source_tensors(cfg))) * (2 if layout is Layout.both else 1)
+    with progress_bar(total, "synth") as bar:
+        write_synthetic(dst, preset.value, layers=layers, seed=seed, layout=layout.value, overwrite=overwrite,
+                        progress=bar.update)
+    typer.echo(f"wrote {preset.value} checkpoint ({cfg.num_hidden_layers} layers, seed {seed}, layout {layout.value}) to {dst}")

@@ -1,0 +1,96 @@
+"""Checkpoint layouts: which tensors a gpt-oss checkpoint holds and what the converter does to each.
+
+One table (``RULES``) maps every source tensor name pattern to its transform; no other code
+decides how a tensor is converted. Names are Hugging Face names throughout (design.md, section 2).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from gptoss_fp8.model.config import GptOssConfig
+
+
+class Kind(str, enum.Enum):
+    copy = "copy"  # written unchanged (bf16 / float tensors)
+    linear_fp8 = "linear_fp8"  # bf16 [N, K] weight -> fp8 weight + weight_scale_inv
+    experts_mxfp4 = "experts_mxfp4"  # *_blocks + *_scales (MXFP4) -> fp8 [E, N, K] + *_scale_inv
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: re.Pattern
+    kind: Kind
+
+
+_L = r"model\.layers\.(\d+)\."
+RULES: tuple[Rule, ...] = (
+    Rule(re.compile(_L + r"self_attn\.[qkvo]_proj\.weight"), Kind.linear_fp8),
+    Rule(re.compile(_L + r"mlp\.experts\.(gate_up|down)_proj_blocks"), Kind.experts_mxfp4),
+    Rule(re.compile(r".*"), Kind.copy),
+)
+
+# Modules left in bf16 by the FP8 checkpoint (quantization_config.modules_to_not_convert).
+NOT_CONVERTED = ["model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+ATTENTION_MODULES = "model.layers.*.self_attn"
+
+
+def rule_for(name: str) -> Rule:
+    for r in RULES:
+        if r.pattern.fullmatch(name):
+            return r
+    raise AssertionError(name)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "float" (any float dtype, bf16 in the real checkpoints) or "uint8"
+
+
+def hf_source_tensors(cfg: GptOssConfig) -> list[TensorSpec]:
+    """Every tensor of an HF-layout gpt-oss MXFP4 checkpoint, with its shape, in file order."""
+    h, i, e, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.vocab_size
+    out: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (v, h), "float")]
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        out += [
+            TensorSpec(p + "input_layernorm.weight", (h,), "float"),
+            TensorSpec(p + "self_attn.q_proj.weight", (cfg.q_dim, h), "float"),
+            TensorSpec(p + "self_attn.q_proj.bias", (cfg.q_dim,), "float"),
+            TensorSpec(p + "self_attn.k_proj.weight", (cfg.kv_dim, h), "float"),
+            TensorSpec(p + "self_attn.k_proj.bias", (cfg.kv_dim,), "float"),
+            TensorSpec(p + "self_attn.v_proj.weight", (cfg.kv_dim, h), "float"),
+            TensorSpec(p + "self_attn.v_proj.bias", (cfg.kv_dim,), "float"),
+            TensorSpec(p + "self_attn.o_proj.weight", (h, cfg.q_dim), "float"),
+            TensorSpec(p + "self_attn.o_proj.bias", (h,), "float"),
+            TensorSpec(p + "self_attn.sinks", (cfg.num_attention_heads,), "float"),
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), "float"),
+            TensorSpec(p + "mlp.router.weight", (e, h), "float"),
+            TensorSpec(p + "mlp.router.bias", (e,), "float"),
+            TensorSpec(p + "mlp.experts.gate_up_proj_blocks", (e, 2 * i, h // 32, 16), "uint8"),
+            TensorSpec(p + "mlp.experts.gate_up_proj_scales", (e, 2 * i, h // 32), "uint8"),
+            TensorSpec(p + "mlp.experts.gate_up_proj_bias", (e, 2 * i), "float"),
+            TensorSpec(p + "mlp.experts.down_proj_blocks", (e, h, i // 32, 16), "uint8"),
+            TensorSpec(p + "mlp.experts.down_proj_scales", (e, h, i // 32), "uint8"),
+            TensorSpec(p + "mlp.experts.down_proj_bias", (e, h), "float"),
+        ]
+    out += [TensorSpec("model.norm.weight", (h,), "float"), TensorSpec("lm_head.weight", (v, h), "float")]
+    return out
+
+
+def scales_name(blocks_name: str) -> str:
+    assert blocks_name.endswith("_blocks"), blocks_name
+    return blocks_name[: -len("_blocks")] + "_scales"
+
+
+def fp8_names(source_name: str, kind: Kind) -> tuple[str, str]:
+    """(weight name, scale_inv name) of the FP8 output for a converted source tensor."""
+    if kind is Kind.experts_mxfp4:
+        base = source_name[: -len("_blocks")]  # ...experts.gate_up_proj
+        return base, base + "_scale_inv"
+    assert kind is Kind.linear_fp8, kind
+    return source_name, source_name + "_scale_inv"

@@ -1,0 +1,181 @@
+"""MXFP4 (OCP microscaling, e2m1 values + e8m0 scales) codec and the direct MXFP4 -> FP8 path.
+
+Byte layout (gpt-oss checkpoints)
+---------------------------------
+* ``blocks`` uint8 [..., N, G, 16]: 32 e2m1 values per group along the last (input) dimension,
+  two per byte, LOW nibble = even element, HIGH nibble = odd element. K = 32 * G.
+* ``scales`` uint8 [..., N, G]: one e8m0 exponent per group, value 2^(s - 127); 255 is NaN in the
+  OCP MX spec and is rejected.
+* e2m1 nibble -> value: ``[+0, +.5, +1, +1.5, +2, +3, +4, +6, -0, -.5, -1, -1.5, -2, -3, -4, -6]``.
+* Decoded weight [..., N, K] = e2m1(nibble) * 2^(s - 127).
+
+Direct path to FP8 (no float intermediates)
+-------------------------------------------
+For a 128x128 block in ``pow2`` mode the scale is 2^k with k = (largest value exponent in the
+block) - 8 (see quant/fp8.py: amax = m * 2^e with m in {1, 1.5} fits under 448 = 1.75 * 2^8).
+Each group then needs a shift d = s - 127 - k, and every byte of the group maps to two e4m3 bytes
+by a table ``T[byte, d]`` (uint16, low byte = even element). Every value of a group is exact when
+d >= -8 (the smallest e4m3 subnormal is 2^-9); groups with smaller d are rounded (RNE, as a float
+cast would) and counted in the exactness statistics. The result is bit-identical to
+``quantize_weight_blocks(decode_mxfp4(...), "pow2")``, which tests check on random inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, cdiv, to_fp8_saturating
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
+E8M0_NAN = 255
+VALUES_PER_GROUP = 32
+BYTES_PER_GROUP = 16
+
+# Exponent of each e2m1 magnitude code 0..7 (value = m * 2^e, m in {1, 1.5}); code 0 has none.
+_CODE_EXP = (-1000, -1, 0, 0, 1, 1, 2, 2)
+# Shift range held in the table. d <= 9 always holds for a group with a nonzero value; groups of
+# zeros may have any d, and their bytes map to (signed) zeros for every d. d < D_MIN rounds
+# everything to zero, exactly as d = D_MIN does (6 * 2^-17 < 2^-10).
+D_MIN, D_MAX = -17, 9
+EXACT_MIN_SHIFT = -8
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Decode MXFP4: blocks uint8 [..., G, 16], scales uint8 [..., G] -> ``dtype`` [..., G * 32].
+
+    Values are computed exactly in float32 (e2m1 times a power of two) and cast once; for
+    bf16/fp32 outputs and scales below 253 this is exact, and bit-identical to OpenAI's
+    ``gpt_oss.torch.weights.Checkpoint``.
+    """
+    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
+    assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == BYTES_PER_GROUP, (
+        f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match"
+    )
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]
+    vals = lut[codes].flatten(-2)  # [..., G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
+    return vals.flatten(-2).to(dtype)
+
+
+def nan_scale_count(scales: torch.Tensor) -> int:
+    """Number of e8m0 scales equal to 255 (NaN in the OCP MX spec)."""
+    return int((scales == E8M0_NAN).sum())
+
+
+@dataclass
+class _Tables:
+    # Flat tables indexed by (d - D_MIN) * 256 + byte.
+    pair: torch.Tensor  # int16: two e4m3 bytes, little-endian (low byte = even element)
+    exact: torch.Tensor  # uint8: how many of the two values are exact (0..2)
+    relerr: torch.Tensor  # float32: max relative error of the two values
+    code_exp: torch.Tensor  # int32 [8]: exponent of magnitude codes 0..7
+
+
+_TABLES: dict[torch.device, _Tables] = {}
+
+
+def _build_tables(device: torch.device) -> _Tables:
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    byte = torch.arange(256)
+    pair_vals = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1)  # [256, 2]
+    d = torch.arange(D_MIN, D_MAX + 1, dtype=torch.float64)
+    vals = torch.pow(2.0, d)[:, None, None] * pair_vals[None]  # [nd, 256, 2]
+    # Built once with the same RNE saturating cast the float path uses.
+    q = to_fp8_saturating(vals.float())
+    back = q.double()
+    exact = (back == vals).sum(-1).to(torch.uint8)
+    rel = torch.where(vals != 0, (back - vals).abs() / vals.abs().clamp(min=1e-300), torch.zeros_like(vals))
+    pair = q.contiguous().view(torch.uint8).view(torch.int16).squeeze(-1)  # [nd, 256], little-endian
+    return _Tables(
+        pair=pair.reshape(-1).to(device),
+        exact=exact.reshape(-1).to(device),
+        relerr=rel.amax(-1).float().reshape(-1).to(device),
+        code_exp=torch.tensor(_CODE_EXP, dtype=torch.int32, device=device),
+    )
+
+
+def _tables(device: torch.device) -> _Tables:
+    if device not in _TABLES:
+        _TABLES[device] = _build_tables(device)
+    return _TABLES[device]
+
+
+@dataclass
+class ExactStats:
+    """Exactness of a conversion: how many values equal their source bit for bit."""
+
+    total: int = 0
+    exact: int = 0
+    max_rel_err: float = 0.0
+
+    def add(self, other: "ExactStats") -> None:
+        self.total += other.total
+        self.exact += other.exact
+        self.max_rel_err = max(self.max_rel_err, other.max_rel_err)
+
+    @property
+    def exact_fraction(self) -> float:
+        return self.exact / self.total if self.total else 1.0
+
+
+def group_exponents(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Exponent of each group's largest value (int32 [..., N, G]); -1000 for all-zero groups."""
+    t = _tables(blocks.device)
+    maxcode = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(dim=-1)  # [..., N, G] (codes are monotone)
+    e = t.code_exp[maxcode.int()]
+    return torch.where(maxcode > 0, e + scales.to(torch.int32) - E8M0_BIAS, torch.full_like(e, -1000))
+
+
+def block_scale_exponents(group_exp: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Pow2 block-scale exponent k per 128x128 block from group exponents [..., N, G].
+
+    k = max exponent in the block - 8; all-zero blocks get k = 0 (scale 1.0).
+    Returns int32 [..., ceil(N/128), ceil(K/128)].
+    """
+    assert block % VALUES_PER_GROUP == 0
+    gpb = block // VALUES_PER_GROUP  # groups per block column
+    *lead, n, g = group_exp.shape
+    nb, kb = cdiv(n, block), cdiv(g, gpb)
+    e = torch.nn.functional.pad(group_exp, (0, kb * gpb - g, 0, nb * block - n), value=-1000)
+    emax = e.reshape(*lead, nb, block, kb, gpb).amax(dim=(-3, -1))
+    return torch.where(emax > -1000, emax - 8, torch.zeros_like(emax))
+
+
+def mxfp4_to_fp8(
+    blocks: torch.Tensor, scales: torch.Tensor, *, with_stats: bool = True, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, ExactStats]:
+    """Direct MXFP4 -> FP8 e4m3 with pow2 128x128 block scales, by integer table look-ups.
+
+    blocks uint8 [..., N, G, 16], scales uint8 [..., N, G] (no 255s; check with nan_scale_count).
+    Returns (w_fp8 float8_e4m3fn [..., N, 32G], scale_inv float32 [..., ceil(N/128), ceil(32G/128)],
+    stats) where stats counts values that are bit-exact against the MXFP4 source.
+    """
+    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
+    assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == BYTES_PER_GROUP, (
+        f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match"
+    )
+    t = _tables(blocks.device)
+    *lead, n, g, _ = blocks.shape
+    gpb = block // VALUES_PER_GROUP
+    k_exp = block_scale_exponents(group_exponents(blocks, scales), block)  # [..., nb, kb]
+    # Per-group shift d = s - 127 - k of its block.
+    k_group = k_exp.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(gpb, dim=-1)[..., :g]
+    d = (scales.to(torch.int32) - E8M0_BIAS - k_group).clamp(D_MIN, D_MAX)  # [..., N, G]
+    # int32 indices: index_select takes them, and they cost half of int64 to build.
+    idx = ((d - D_MIN) * 256).unsqueeze(-1) + blocks  # int32 [..., N, G, 16]
+    pairs = t.pair.index_select(0, idx.reshape(-1))  # int16, two e4m3 bytes each
+    w_fp8 = pairs.view(torch.uint8).view(FP8_DTYPE).reshape(*lead, n, g * VALUES_PER_GROUP)
+    scale_inv = torch.ldexp(torch.ones(k_exp.shape, dtype=torch.float32, device=blocks.device), k_exp)
+
+    stats = ExactStats(total=blocks.numel() * 2, exact=blocks.numel() * 2)
+    if with_stats:
+        lossy = d < EXACT_MIN_SHIFT  # only these groups can lose bits
+        if bool(lossy.any()):
+            sub = idx[lossy].reshape(-1)  # [n_lossy * 16]
+            stats.exact -= sub.numel() * 2 - int(t.exact.index_select(0, sub).sum())
+            stats.max_rel_err = float(t.relerr.index_select(0, sub).max())
+    return w_fp8, scale_inv, stats
