@@ -16,5 +16,5 @@ if has kernels; then
   python3 -m gptoss_fp8.cli.main bench kernels --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
 fi
 if has convert; then
-  bash benchmarks/convert_bench.sh --device cuda 2>&1 | tee "$OUT/bench_convert_cuda.log"
+  python3 -m gptoss_fp8.cli.main synth /tmp/src20b --preset 20b --layers 8 >/dev/null && python3 benchmarks/convert_bench.py /tmp/src20b --device cuda 2>&1 | tee "$OUT/bench_convert_cuda.log"
 fi

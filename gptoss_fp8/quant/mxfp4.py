@@ -122,12 +122,30 @@ class ExactStats:
         return self.exact / self.total if self.total else 1.0
 
 
+_MAG = 0x7777777777777777  # magnitude bits of 16 nibbles
+_PAIR_BIT = 0x2222222222222222  # bit 1 of each nibble
+# Exponent of the largest code given the OR of a group's codes (bits 0..2), when no code is 6 or 7:
+# OR has bit 2 -> a code in 4..5 (exp 1); bit 1 -> 2..3 (exp 0); bit 0 -> 1 (exp -1); 0 -> zero group.
+_EXP_FROM_OR = (-1000, -1, 0, 0, 1, 1, 1, 1)
+
+
 def group_exponents(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Exponent of each group's largest value (int32 [..., N, G]); -1000 for all-zero groups."""
-    t = _tables(blocks.device)
-    maxcode = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(dim=-1)  # [..., N, G] (codes are monotone)
-    e = t.code_exp[maxcode.int()]
-    return torch.where(maxcode > 0, e + scales.to(torch.int32) - E8M0_BIAS, torch.full_like(e, -1000))
+    """Exponent of each group's largest value (int32 [..., N, G]); -1000 for all-zero groups.
+
+    Bit-parallel on int64 words (16 nibbles each) instead of per byte: the group's largest code
+    is 6 or 7 iff some nibble has bits 2 and 1 set, otherwise the OR of its codes tells.
+    """
+    x = blocks.contiguous().view(torch.int64)  # [..., N, G, 2]
+    m = x & _MAG
+    big = ((m & (m >> 1) & _PAIR_BIT) != 0).any(dim=-1)  # some code in {6, 7}
+    o = m[..., 0] | m[..., 1]
+    o = o | (o >> 32)
+    o = o | (o >> 16)
+    o = o | (o >> 8)
+    o = (o | (o >> 4)) & 0x7
+    lut = torch.tensor(_EXP_FROM_OR, dtype=torch.int32, device=blocks.device)
+    e = torch.where(big, torch.full_like(o, 2, dtype=torch.int32), lut[o.int()])
+    return torch.where(e > -1000, e + scales.to(torch.int32) - E8M0_BIAS, e)
 
 
 def block_scale_exponents(group_exp: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
