@@ -32,8 +32,9 @@ from gptoss_fp8.quant.mxfp4 import E2M1_VALUES
 
 PRESETS: dict[str, dict] = {
     # Small but not aligned anywhere: hidden 1.5 blocks, intermediate 1.25 blocks, odd vocab.
-    "tiny": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, hidden_size=192,
-                 intermediate_size=160, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    # 8 q heads and 8 experts so every tp/ep layout up to 8 has work on every rank.
+    "tiny": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, hidden_size=192,
+                 intermediate_size=160, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
                  vocab_size=503, sliding_window=8),
     "20b": dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, hidden_size=2880,
                 intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
