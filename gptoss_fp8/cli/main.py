@@ -35,11 +35,12 @@ def _root(
 
 def _register() -> None:
     # Imported here so `--help` stays fast and each command stays in its own module.
-    from gptoss_fp8.cli import bench, convert, download, golden, synth, verify_logits
+    from gptoss_fp8.cli import bench, convert, download, golden, plan, synth, verify_logits
 
     app.command("synth", no_args_is_help=True)(synth.synth)
     app.command("convert", no_args_is_help=True)(convert.convert)
     app.command("download", no_args_is_help=True)(download.download)
+    app.command("plan", no_args_is_help=True)(plan.plan)
     app.command("verify-logits", no_args_is_help=True)(verify_logits.verify_logits)
     app.add_typer(golden.app, name="golden")
     app.add_typer(bench.app, name="bench")

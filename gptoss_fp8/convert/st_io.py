@@ -10,6 +10,7 @@ header-first so a tensor never has to be held in memory as a whole.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -124,6 +125,7 @@ class StreamingWriter:
         raw += b" " * (-len(raw) % 8)
         self.total_bytes = 8 + len(raw) + off
         self._f = open(self.tmp, "wb")
+        self.sha256 = hashlib.sha256()
         self._idx = 0
         self._written_in_tensor = 0
         self._write(struct.pack("<Q", len(raw)) + raw)
@@ -131,6 +133,7 @@ class StreamingWriter:
     def _write(self, data) -> None:
         try:
             self._f.write(data)
+            self.sha256.update(data)
         except OSError as e:
             self.abort()
             if e.errno == errno.ENOSPC:
