@@ -14,7 +14,9 @@ import hashlib
 import json
 import math
 import os
+import queue
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +109,12 @@ class StreamingWriter:
     """Write one safetensors file header-first, tensors (or row chunks of them) in header order.
 
     The file is written as ``<path>.tmp`` and renamed to ``path`` by ``commit()`` after fsync,
-    so a file under its final name is always complete.
+    so a file under its final name is always complete. Writing and hashing (sha256, for the
+    manifest) happen on a background thread, overlapping the caller's compute; at most
+    ``QUEUE_CHUNKS`` chunks wait in memory. Callers must not modify a tensor after passing it.
     """
+
+    QUEUE_CHUNKS = 3
 
     def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
         self.path = path
@@ -128,20 +134,33 @@ class StreamingWriter:
         self.sha256 = hashlib.sha256()
         self._idx = 0
         self._written_in_tensor = 0
+        self._error: OSError | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=self.QUEUE_CHUNKS)
+        self._thread = threading.Thread(target=self._drain, name=f"write {path.name}", daemon=True)
+        self._thread.start()
         self._write(struct.pack("<Q", len(raw)) + raw)
 
+    def _drain(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._f.write(data)
+                    self.sha256.update(data)
+                except OSError as e:
+                    self._error = e
+
+    def _fail(self, e: OSError) -> GptOssFp8Error:
+        self.abort()
+        if e.errno == errno.ENOSPC:
+            return GptOssFp8Error(
+                f"disk full while writing {self.path}; free at least {self.total_bytes / 1e9:.1f} GB and rerun with --resume"
+            )
+        return GptOssFp8Error(f"cannot write {self.path}: {e.strerror}; fix that and rerun with --resume")
+
     def _write(self, data) -> None:
-        try:
-            self._f.write(data)
-            self.sha256.update(data)
-        except OSError as e:
-            self.abort()
-            if e.errno == errno.ENOSPC:
-                raise GptOssFp8Error(
-                    f"disk full while writing {self.path}; free at least {self.total_bytes / 1e9:.1f} GB "
-                    "and rerun with --resume"
-                ) from None
-            raise GptOssFp8Error(f"cannot write {self.path}: {e.strerror}") from None
+        if self._error is not None:
+            raise self._fail(self._error)
+        self._queue.put(data)
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """Append a tensor, or the next row chunk of it, in header order."""
@@ -155,18 +174,28 @@ class StreamingWriter:
             self._idx += 1
             self._written_in_tensor = 0
 
+    def _stop_thread(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
     def commit(self) -> None:
         assert self._idx == len(self._order), f"{self.path}: {len(self._order) - self._idx} tensors not written"
+        self._stop_thread()
         try:
+            if self._error is not None:
+                raise self._error
             self._f.flush()
             os.fsync(self._f.fileno())
         except OSError as e:
-            self.abort()
-            raise GptOssFp8Error(f"cannot write {self.path}: {e.strerror}; free space and rerun with --resume") from None
+            raise self._fail(e) from None
         self._f.close()
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
+        if self._thread.is_alive():
+            self._error = self._error or OSError("aborted")  # the thread drops what is still queued
+            self._stop_thread()
         if not self._f.closed:
             self._f.close()
         self.tmp.unlink(missing_ok=True)

@@ -22,6 +22,8 @@ cast would) and counted in the exactness statistics. The result is bit-identical
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -164,18 +166,69 @@ def block_scale_exponents(group_exp: torch.Tensor, block: int = BLOCK) -> torch.
 
 
 def mxfp4_to_fp8(
-    blocks: torch.Tensor, scales: torch.Tensor, *, with_stats: bool = True, block: int = BLOCK
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    with_stats: bool = True,
+    block: int = BLOCK,
+    rows_per_piece: int | None = None,
+    workers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, ExactStats]:
-    """Direct MXFP4 -> FP8 e4m3 with pow2 128x128 block scales, by integer table look-ups.
+    """Direct MXFP4 -> FP8 e4m3 with pow2 128x128 block scales, by integer arithmetic and tables.
 
     blocks uint8 [..., N, G, 16], scales uint8 [..., N, G] (no 255s; check with nan_scale_count).
     Returns (w_fp8 float8_e4m3fn [..., N, 32G], scale_inv float32 [..., ceil(N/128), ceil(32G/128)],
     stats) where stats counts values that are bit-exact against the MXFP4 source.
+
+    On CPU the work is cut into bands of ``rows_per_piece`` rows (a multiple of 128, so bands hold
+    whole blocks) that stay in cache, run on ``workers`` threads (torch ops release the GIL); on
+    CUDA one piece per tensor.
     """
     assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
     assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == BYTES_PER_GROUP, (
         f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match"
     )
+    *lead, n, g, _ = blocks.shape
+    if blocks.device.type != "cpu":
+        return _mxfp4_to_fp8_piece(blocks, scales, with_stats, block)
+    rows = rows_per_piece or max(block, (2 * 1024 * 1024 // max(g * BYTES_PER_GROUP, 1)) // block * block)
+    assert rows % block == 0, rows
+    bf, sf = blocks.reshape(-1, n, g, BYTES_PER_GROUP), scales.reshape(-1, n, g)
+    nb, kb = cdiv(n, block), cdiv(g * VALUES_PER_GROUP, block)
+    out = torch.empty((bf.shape[0], n, g * VALUES_PER_GROUP), dtype=torch.uint8)
+    scale_inv = torch.empty((bf.shape[0], nb, kb), dtype=torch.float32)
+    pieces = [(e, r0, min(n, r0 + rows)) for e in range(bf.shape[0]) for r0 in range(0, n, rows)]
+
+    def work(p: tuple[int, int, int]) -> ExactStats:
+        e, r0, r1 = p
+        q, s_, st = _mxfp4_to_fp8_piece(bf[e, r0:r1], sf[e, r0:r1], with_stats, block)
+        out[e, r0:r1] = q.view(torch.uint8)
+        scale_inv[e, r0 // block : cdiv(r1, block)] = s_
+        return st
+
+    stats = ExactStats()
+    nworkers = min(workers or os.cpu_count() or 1, len(pieces))
+    if nworkers > 1:
+        # One torch thread per worker: the pieces are the parallelism (intra-op threads on top of
+        # them oversubscribe the cores and stall on each other).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(nworkers) as ex:
+                for st in ex.map(work, pieces):
+                    stats.add(st)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        for p in pieces:
+            stats.add(work(p))
+    return out.view(FP8_DTYPE).reshape(*lead, n, g * VALUES_PER_GROUP), scale_inv.reshape(*lead, nb, kb), stats
+
+
+def _mxfp4_to_fp8_piece(
+    blocks: torch.Tensor, scales: torch.Tensor, with_stats: bool, block: int
+) -> tuple[torch.Tensor, torch.Tensor, ExactStats]:
+    """mxfp4_to_fp8 on one piece (any leading dims), in one go."""
     t = _tables(blocks.device)
     *lead, n, g, _ = blocks.shape
     gpb = block // VALUES_PER_GROUP
@@ -183,17 +236,49 @@ def mxfp4_to_fp8(
     # Per-group shift d = s - 127 - k of its block.
     k_group = k_exp.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(gpb, dim=-1)[..., :g]
     d = (scales.to(torch.int32) - E8M0_BIAS - k_group).clamp(D_MIN, D_MAX)  # [..., N, G]
-    # int32 indices: index_select takes them, and they cost half of int64 to build.
-    idx = ((d - D_MIN) * 256).unsqueeze(-1) + blocks  # int32 [..., N, G, 16]
-    pairs = t.pair.index_select(0, idx.reshape(-1))  # int16, two e4m3 bytes each
-    w_fp8 = pairs.view(torch.uint8).view(FP8_DTYPE).reshape(*lead, n, g * VALUES_PER_GROUP)
-    scale_inv = torch.ldexp(torch.ones(k_exp.shape, dtype=torch.float32, device=blocks.device), k_exp)
-
+    out = _swar_normal(blocks, d)  # uint8 [..., N, G, 32], right wherever d >= SWAR_MIN_SHIFT
     stats = ExactStats(total=blocks.numel() * 2, exact=blocks.numel() * 2)
-    if with_stats:
-        lossy = d < EXACT_MIN_SHIFT  # only these groups can lose bits
-        if bool(lossy.any()):
-            sub = idx[lossy].reshape(-1)  # [n_lossy * 16]
+    low = d < SWAR_MIN_SHIFT  # groups with subnormal (or rounded) results: table look-ups
+    if bool(low.any()):
+        # int32 indices: index_select takes them, and they cost half of int64 to build.
+        idx = ((d[low] - D_MIN) * 256).unsqueeze(-1) + blocks[low]  # [n_low, 16]
+        out[low] = t.pair.index_select(0, idx.reshape(-1)).view(torch.uint8).reshape(-1, VALUES_PER_GROUP)
+        lossy = d[low] < EXACT_MIN_SHIFT  # only these groups can lose bits
+        if with_stats and bool(lossy.any()):
+            sub = idx[lossy].reshape(-1)
             stats.exact -= sub.numel() * 2 - int(t.exact.index_select(0, sub).sum())
             stats.max_rel_err = float(t.relerr.index_select(0, sub).max())
+    w_fp8 = out.view(FP8_DTYPE).reshape(*lead, n, g * VALUES_PER_GROUP)
+    scale_inv = torch.ldexp(torch.ones(k_exp.shape, dtype=torch.float32, device=blocks.device), k_exp)
     return w_fp8, scale_inv, stats
+
+
+# SWAR (bytes inside int64 words) encoding of e2m1 codes shifted by d into e4m3, for groups whose
+# every nonzero result is a normal e4m3 number (d >= -5: the smallest, 0.5 * 2^d, has exponent
+# field d + 6 >= 1). For magnitude code c >= 2 (e2m1 exponent E = c >> 1, mantissa bit M = c & 1)
+# the e4m3 byte is (E + d + 6) << 3 | M << 2 = (c << 2) + 8 (d + 6); for c = 1 (0.5, an e2m1
+# subnormal) it is 8 (d + 6); for c = 0 it is 0; the sign nibble bit becomes bit 7.
+SWAR_MIN_SHIFT = -5
+_B01, _B04, _B07, _B08, _B0F, _B7F, _B80 = (int.from_bytes(bytes([v]) * 8, "little", signed=True)
+                                            for v in (0x01, 0x04, 0x07, 0x08, 0x0F, 0x7F, 0x80))
+
+
+def _swar_encode(nib: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
+    """nib: int64 words of 8 bytes each holding one e2m1 nibble; dd: 8 (d + 6) in every byte."""
+    sign = (nib & _B08) << 4
+    c = nib & _B07
+    # (>> is arithmetic on int64: mask after shifting)
+    nonzero = ((((c + _B7F) & _B80) >> 7) & _B01) * 0xFF  # 0xFF in bytes with c != 0
+    not_one = ((c ^ _B01) + _B7F) & _B80  # 0x80 in bytes with c != 1
+    is_one = (((~not_one) & _B80) >> 5) & _B04  # 0x04 in bytes with c == 1
+    return (((c << 2) + dd - is_one) & nonzero) | sign
+
+
+def _swar_normal(blocks: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes [..., N, G, 32] of every group, valid where d >= SWAR_MIN_SHIFT."""
+    x = blocks.contiguous().view(torch.int64)  # [..., N, G, 2]: 8 bytes, 16 nibbles each
+    dd = ((d.clamp(min=SWAR_MIN_SHIFT).to(torch.int64) + 6) * 8 * _B01).unsqueeze(-1)  # [..., N, G, 1]
+    lo = _swar_encode(x & _B0F, dd)  # byte i: element 2i
+    hi = _swar_encode((x >> 4) & _B0F, dd)  # byte i: element 2i + 1
+    out = torch.stack((lo.view(torch.uint8), hi.view(torch.uint8)), dim=-1)  # [..., N, G, 16, 2]
+    return out.reshape(*blocks.shape[:-1], VALUES_PER_GROUP)
