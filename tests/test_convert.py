@@ -386,3 +386,12 @@ def test_header_length_overflow(tmp_path):
     f.write_bytes(b"abc")
     with pytest.raises(GptOssFp8Error, match="shorter than 8 bytes"):
         read_header(f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,ep", [(1, 1), (4, 2)])
+def test_cuda_conversion_is_byte_identical_to_cpu(tiny_src, tmp_path, tp, ep):
+    convert_checkpoint(tiny_src, tmp_path / "cpu", tp=tp, ep=ep)
+    convert_checkpoint(tiny_src, tmp_path / "cuda", tp=tp, ep=ep, device="cuda")
+    for f in sorted((tmp_path / "cpu").rglob("*.safetensors")):
+        assert f.read_bytes() == (tmp_path / "cuda" / f.relative_to(tmp_path / "cpu")).read_bytes(), f
