@@ -1,0 +1,355 @@
+"""``gptoss-fp8 bench kernels --only gemm``: FP8 block GEMM + bias and the fused FP8 MoE FFN.
+
+Peers, measured in the same run on the same inputs (median of ``triton.testing.do_bench``):
+- dense: torch blockwise ``torch._scaled_mm`` (x scales 1x128 [M, K/128] column-major, weight
+  scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 128 only if torch refuses
+  the unpadded call), followed by an in-place bias add. Ours includes the bias in the kernel; both
+  start from already-quantized activations.
+- MoE FFN (route + sort + both grouped GEMMs + SwiGLU + weighted combine, everything from bf16 x
+  to bf16 out): ours (FP8, activation quantization included) against the same FFN in bf16 with
+  ``torch._grouped_mm``.
+FLOPs: dense 2*M*N*K; MoE 2*T*top_k*(H*2I + I*H) (router and elementwise work not counted).
+
+``python -m gptoss_fp8.bench.kernels_gemm --sweep`` times tile configurations (used to pick the
+defaults in fp8_gemm.dense_config and moe.moe_config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+
+from gptoss_fp8.kernels.fp8_gemm import dense_config, fp8_gemm
+from gptoss_fp8.kernels.act_quant import act_quant
+from gptoss_fp8.kernels.moe import fused_moe, moe_align, moe_config, moe_experts, route, swiglu_reference
+from gptoss_fp8.quant.fp8 import BLOCK, cdiv, quantize_act, quantize_weight_blocks
+
+HIDDEN = 2880
+INTER = 2880
+TOP_K = 4
+# (name, N, K): gpt-oss dense projections (qkv fused, o) and an expert-sized dense GEMM.
+DENSE_SHAPES = [("qkv 5120x2880", 5120, 2880), ("o 2880x4096", 2880, 4096), ("5760x2880", 5760, 2880)]
+MOE_EXPERTS = [32, 128]
+
+
+def _warm(fn) -> None:
+    # Compile, load and run once outside the timing: without this the first case measured in a
+    # process read up to 2x slow on the H200 (0.100 ms vs 0.052 ms, qkv M=1024).
+    fn()
+    fn()
+    torch.cuda.synchronize()
+
+
+def _ms(fn) -> float:
+    _warm(fn)
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 and math.isfinite(ms) else float("nan")
+
+
+def _row(case, flops, ms, peer, peer_ms) -> dict:
+    tf, ptf = _tflops(flops, ms), _tflops(flops, peer_ms)
+    return dict(case=case, ms=ms, tflops=tf, peer=peer, peer_ms=peer_ms, peer_tflops=ptf,
+                ratio=peer_ms / ms if math.isfinite(peer_ms) else float("nan"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense
+# ------------------------------------------------------------------------------------------------
+
+
+def _scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale):
+    """torch blockwise FP8 GEMM: returns a callable computing bf16 x @ W^T (no bias)."""
+    a_scale = x_scale.t().contiguous().t()  # [M, K/128] column-major
+    b = w_fp8.t()  # [K, N] column-major
+    b_scale = w_scale.t()  # [K/128, N/128]
+    return lambda: torch._scaled_mm(x_fp8, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+
+def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias):
+    """(callable peer GEMM + bias add, note) trying unpadded K first, then K padded to 128."""
+    try:
+        mm = _scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale)
+        mm()
+        note = ""
+    except RuntimeError:
+        k = x_fp8.shape[1]
+        kp = cdiv(k, BLOCK) * BLOCK
+        xp = torch.nn.functional.pad(x_fp8.view(torch.uint8), (0, kp - k)).view(torch.float8_e4m3fn)
+        wp = torch.nn.functional.pad(w_fp8.view(torch.uint8), (0, kp - k)).view(torch.float8_e4m3fn)
+        mm = _scaled_mm_blockwise(xp, x_scale, wp, w_scale)
+        mm()
+        note = f" (K padded to {kp})"
+
+    def peer():
+        y = mm()
+        y += bias
+        return y
+
+    return peer, note
+
+
+def bench_dense(tokens: list[int]) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k in DENSE_SHAPES:
+        w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+        bias = (torch.randn(n, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+        for m in tokens:
+            x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
+            flops = 2.0 * m * n * k
+            ours = lambda: fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias)  # noqa: E731
+            ms = _ms(ours)
+            try:
+                peer, note = _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias)
+                peer_ms = _ms(peer)
+            except RuntimeError as err:  # the peer's failure is a result to print, not a crash
+                note, peer_ms = f" (failed: {str(err).splitlines()[0][:80]})", float("nan")
+            rows.append(_row(f"dense+bias {name} M={m}", flops, ms, "_scaled_mm blockwise + bias" + note, peer_ms))
+            del x_fp8, x_scale
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE
+# ------------------------------------------------------------------------------------------------
+
+
+def _moe_weights(e: int, g: torch.Generator):
+    w13 = torch.randn(e, 2 * INTER, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16) / HIDDEN**0.5
+    w2 = torch.randn(e, HIDDEN, INTER, device="cuda", generator=g, dtype=torch.bfloat16) / INTER**0.5
+    b13 = (torch.randn(e, 2 * INTER, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+    b2 = (torch.randn(e, HIDDEN, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    wr = (torch.randn(e, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5).to(torch.bfloat16)
+    br = (torch.randn(e, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    return w13, b13, w2, b2, wr, br
+
+
+def moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, top_k: int) -> torch.Tensor:
+    """The peer: the gpt-oss expert FFN in bf16 with torch._grouped_mm (same routing)."""
+    t, h = x.shape
+    e = w13.shape[0]
+    weights, ids = route(x, wr, br, top_k)
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, sorted_e, torch.ones_like(sorted_e, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // top_k
+    hg = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs) + b13[sorted_e]
+    a = swiglu_reference(hg)
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs) + b2[sorted_e]
+    y = y * weights.reshape(-1)[order, None]
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y.float())
+    return out.to(x.dtype)
+
+
+def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for e in experts:
+        w13, b13, w2, b2, wr, br = _moe_weights(e, g)
+        w13_fp8, s13 = quantize_weight_blocks(w13)
+        w2_fp8, s2 = quantize_weight_blocks(w2)
+        for t in tokens:
+            x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+            flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+            ours = lambda: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K)  # noqa: E731
+            peer = lambda: moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, TOP_K)  # noqa: E731
+            ms = _ms(ours)
+            try:
+                peer_ms = _ms(peer)
+                note = ""
+            except RuntimeError as err:
+                peer_ms, note = float("nan"), f" (failed: {str(err).splitlines()[0][:80]})"
+            rows.append(_row(f"moe ffn E={e} top{TOP_K} T={t}", flops, ms, "bf16 _grouped_mm ffn" + note, peer_ms))
+        del w13, w2, w13_fp8, w2_fp8
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench(tokens: list[int]) -> list[dict]:
+    """Rows {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (peer_ms / ms; > 1: ours faster)}."""
+    return bench_dense(tokens) + bench_moe(tokens)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile sweep
+# ------------------------------------------------------------------------------------------------
+
+DENSE_SWEEP = [
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=5, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=16, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, SPLIT_N=False),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, SPLIT_N=False),
+]
+
+
+def _moe_sweep_configs() -> list[dict]:
+    gu64 = dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4)
+    gu64s3 = dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)
+    gu128 = dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)
+    dn64 = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+    dn64w = dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4)
+    dn128 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+    dn128w = dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)
+    return [
+        dict(ALIGN_M=64, TMA=True, gate_up=gu64, down=dn64),
+        dict(ALIGN_M=64, TMA=True, gate_up=gu64s3, down=dn64),
+        dict(ALIGN_M=64, TMA=True, gate_up=gu64, down=dn64w),
+        dict(ALIGN_M=64, TMA=False, gate_up=gu64, down=dn64),
+        dict(ALIGN_M=128, TMA=True, gate_up=gu64, down=dn128),
+        dict(ALIGN_M=128, TMA=True, gate_up=gu64, down=dn128w),
+        dict(ALIGN_M=128, TMA=True, gate_up=gu128, down=dn128),
+        dict(ALIGN_M=128, TMA=True, gate_up=gu64, down=dn64w),
+    ]
+
+
+def _ms_quick(fn) -> float:
+    _warm(fn)
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def kernel_resources() -> list[str]:
+    """Registers / spills of every compiled variant of our GEMM kernels (from Triton's cache)."""
+    from gptoss_fp8.kernels import fp8_gemm as dense_mod, moe as moe_mod
+
+    lines = []
+    for kern in (dense_mod._fp8_gemm_kernel, moe_mod._moe_gemm_kernel):
+        for dev_cache in getattr(kern, "device_caches", {}).values():
+            for key, ck in dev_cache[0].items():
+                md = ck.metadata
+                lines.append(f"{kern.fn.__name__} regs={ck.n_regs} spills={ck.n_spills} warps={md.num_warps} "
+                             f"stages={md.num_stages} shared={md.shared} key={str(key)[-260:]}")
+    return lines
+
+
+def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) -> list[dict]:
+    """Time each dense and MoE tile configuration; rows {case, config, ms, tflops}."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for name, n, k in DENSE_SHAPES[:2]:
+        w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+        bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        for m in tokens:
+            x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
+            for cfg in DENSE_SWEEP + [dense_config(m, n, k)]:
+                try:
+                    ms = _ms_quick(lambda: fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, config=cfg))
+                except Exception as err:  # noqa: BLE001 - a config that does not compile is a data point
+                    ms = float("nan")
+                    print("config failed", cfg, str(err).splitlines()[:1])
+                rows.append(dict(case=f"dense {name} M={m}", config=json.dumps(cfg), ms=ms, tflops=_tflops(2.0 * m * n * k, ms)))
+                print(rows[-1], flush=True)
+    for e in MOE_EXPERTS:
+        w13, b13, w2, b2, wr, br = _moe_weights(e, g)
+        w13_fp8, s13 = quantize_weight_blocks(w13)
+        w2_fp8, s2 = quantize_weight_blocks(w2)
+        del w13, w2
+        for t in moe_tokens:
+            x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+            # Where the time goes with the default configuration (the GEMMs are the remainder).
+            w, ids = route(x, wr, br, TOP_K)
+            base = moe_config(t, TOP_K, e)
+            parts = {
+                "route": lambda: route(x, wr, br, TOP_K),
+                "align": lambda: moe_align(ids, 0, e, base["ALIGN_M"]),
+                "act_quant": lambda: act_quant(x),
+                "experts (quant+align+2 GEMMs+combine)": lambda: moe_experts(x, w, ids, w13_fp8, s13, b13, w2_fp8, s2, b2),
+            }
+            for name, fn in parts.items():
+                rows.append(dict(case=f"moe E={e} T={t} part", config=name, ms=_ms_quick(fn), tflops=float("nan")))
+                print(rows[-1], flush=True)
+            cfgs = [moe_config(t, TOP_K, e)] + _moe_sweep_configs()
+            flops = 2.0 * t * TOP_K * 3 * HIDDEN * INTER
+            for cfg in cfgs:
+                try:
+                    ms = _ms_quick(lambda: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K, config=cfg))
+                except Exception as err:  # noqa: BLE001
+                    ms = float("nan")
+                    print("config failed", cfg, str(err).splitlines()[:1])
+                rows.append(dict(case=f"moe E={e} T={t}", config=json.dumps(cfg), ms=ms, tflops=_tflops(flops, ms)))
+                print(rows[-1], flush=True)
+        del w13_fp8, w2_fp8
+        torch.cuda.empty_cache()
+    return rows
+
+
+PROBE_CONFIGS = [
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5),
+]
+
+
+def probe(tokens: list[int]) -> list[dict]:
+    """Small-M check: each config timed twice, alternating, with plain launches (host overhead
+    included, as ``bench``) and with CUDA-graph replay (device time only); the peer likewise."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for name, n, k in DENSE_SHAPES[:2]:
+        w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+        bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        for m in tokens:
+            x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
+            fns = {json.dumps(c): (lambda c=c: fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, config=c)) for c in PROBE_CONFIGS}
+            fns["peer"] = _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias)[0]
+            for rep in range(2):
+                for label, fn in fns.items():
+                    fn()
+                    plain = _ms(fn)
+                    graph = float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+                    rows.append(dict(case=f"probe {name} M={m} rep{rep}", config=label, ms=plain, graph_ms=graph,
+                                     tflops=_tflops(2.0 * m * n * k, plain), graph_tflops=_tflops(2.0 * m * n * k, graph)))
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1024,8192,32768")
+    p.add_argument("--moe-tokens", default="8192", help="token counts of the MoE sweep")
+    p.add_argument("--sweep", action="store_true", help="time tile configurations instead of the peer comparison")
+    p.add_argument("--probe", action="store_true", help="small-M timing check: plain launches vs CUDA graphs")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    tokens = [int(t) for t in a.tokens.split(",") if t]
+    if a.probe:
+        rows = probe(tokens)
+    elif a.sweep:
+        rows = sweep(tokens, [int(t) for t in a.moe_tokens.split(",") if t])
+    else:
+        rows = bench(tokens)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    for r in rows:
+        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+    if a.sweep:
+        print("\n".join(kernel_resources()))
+        best: dict[str, dict] = {}
+        for r in rows:
+            if r["ms"] == r["ms"] and (r["case"] not in best or r["ms"] < best[r["case"]]["ms"]):
+                best[r["case"]] = r
+        print("best per case:")
+        for r in best.values():
+            print(f"  {r['case']}: {r['ms']:.4f} ms {r['tflops']:.0f} TFLOP/s {r['config']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Per-token activation quantization to FP8 e4m3, groups of 128 along K (Triton).
+
+Contract (gptoss_fp8.quant.fp8): x [..., K] bf16/fp16/fp32 -> x_fp8 float8_e4m3fn [..., K] and
+scale float32 [..., ceil(K/128)], scale = max(amax, 1e-10) / 448 over each group of 128 (the last
+group may be partial, e.g. K = 2880 = 22*128 + 64), x_fp8 = rne(x / scale) saturated at +-448.
+
+The rounding to e4m3 is done in fp32 by ``round_to_e4m3`` (integer arithmetic on the fp32 bits)
+before the cast, so the cast only ever sees representable values. This makes the result exact in
+Triton's interpreter too, whose fp32 -> fp8 cast drops the carry when rounding crosses a binade
+(e.g. 124.8 -> 64 instead of 128); on the GPU it costs a few integer ops per element.
+``round_to_e4m3`` is shared with the fused SwiGLU-quantize epilogue of the MoE (moe.py).
+
+Division on the GPU: Triton's fp32 ``/`` is not IEEE-rounded (measured on the H200: 29% of
+quotients 1 ulp off, max relative 1.7e-7), and neither is torch's CUDA division by a scalar (a
+multiplication by the reciprocal). The scales therefore match ``quantize_act`` on CUDA exactly, and
+about 6e-5 of the FP8 values land one e4m3 step from torch's (quotients within an ulp of a rounding
+tie). ``tl.math.div_rn`` is exact, but a version using it failed the MoE tests on the H200 for a
+reason not found within the session (see the notes), so it is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, quantize_act
+
+
+@triton.jit
+def round_to_e4m3(q):
+    """Round fp32 values already clamped to [-448, 448] to the nearest e4m3 value (ties to even).
+
+    Returns fp32 holding exactly representable e4m3 values, so a following cast is exact.
+    """
+    # Normal e4m3 range (|q| >= 2^-6): keep 3 mantissa bits of the fp32 pattern, round to nearest
+    # even on the 20 dropped bits; a mantissa carry moves into the exponent as it should.
+    bits = q.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    bits = (bits + 0x7FFFF + lsb) & -1048576  # -1048576 == 0xFFF00000 as int32
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormal range (|q| < 2^-6): fixed spacing 2^-9. Adding 1.5 * 2^14 (whose fp32 ulp is
+    # 2^-9) rounds to that grid with the FPU's round-to-nearest-even.
+    magic = 24576.0
+    sub = (q + magic) - magic
+    return tl.where(tl.abs(q) < 0.015625, sub, normal)
+
+
+@triton.jit
+def group_scale(amax, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+    """Per-row scale max(amax, eps) / 448."""
+    return tl.maximum(amax, EPS) / FP8_MAX_C
+
+
+@triton.jit
+def quantize_with_scale(x, scale, FP8_MAX_C: tl.constexpr):
+    """x [BLOCK_M, G] fp32, scale [BLOCK_M] -> fp32 e4m3 values rne(x / scale) saturated."""
+    q = x / scale[:, None]
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    return round_to_e4m3(q)
+
+
+@triton.jit
+def quantize_group_rows(x, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+    """x [BLOCK_M, G] fp32 (one group per row, masked entries 0) -> (q fp32 e4m3 values, scale [BLOCK_M])."""
+    scale = group_scale(tl.max(tl.abs(x), axis=1), FP8_MAX_C, EPS)
+    return quantize_with_scale(x, scale, FP8_MAX_C), scale
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, K, stride_xm, stride_qm, stride_sm,
+    BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_g * GROUP + tl.arange(0, GROUP)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    rows = offs_m.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = quantize_group_rows(x, FP8_MAX_C, EPS)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=offs_m < M)
+
+
+def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations per token in groups of 128 along the last dimension.
+
+    x: [..., K] bf16 / fp16 / fp32, last dimension contiguous. Returns (x_fp8 float8_e4m3fn
+    [..., K] contiguous, scale float32 [..., ceil(K/128)]), bit-identical to
+    ``gptoss_fp8.quant.fp8.quantize_act`` in the interpreter; on the GPU up to the division
+    rounding described above.
+    """
+    assert group == ACT_GROUP, f"only groups of {ACT_GROUP} are supported, got {group}"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x dtype {x.dtype}"
+    assert x.shape[-1] > 0, f"empty last dimension in {tuple(x.shape)}"
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    g = cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if m > 0:
+        block_m = 16
+        grid = (triton.cdiv(m, block_m), g)
+        _act_quant_kernel[grid](
+            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0),
+            BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
+        )
+    return q.reshape(*lead, k), s.reshape(*lead, g)
+
+
+def act_quant_reference(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-torch specification (quant/fp8.py owns it)."""
+    return quantize_act(x, group)

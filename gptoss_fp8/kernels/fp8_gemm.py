@@ -1,0 +1,265 @@
+"""Dense FP8 block GEMM with fused bias (Triton): y = (x_fp8 * s_x) @ (W_fp8 * s_W)^T + b.
+
+Layouts (gptoss_fp8.quant.fp8): x_fp8 float8_e4m3fn [M, K] with x_scale float32 [M, ceil(K/128)]
+(1x128 groups per token); W float8_e4m3fn [N, K] with scale_inv float32 [ceil(N/128), ceil(K/128)]
+(128x128 blocks, partial at the edges); bias [N] (bf16 or fp32) or None; out bf16 [M, N].
+
+Numerics: the K loop steps one scale group (128) at a time; each step's fp8 tensor-core product is
+scaled by s_x[row] * s_W[col block] and added to an fp32 accumulator (DeepSeek-V3's "promotion
+every 128": Hopper's fp8 MMA accumulates with reduced precision inside one instruction chain, so the
+chain is kept to one group). The bias is added in fp32 in the epilogue, then one cast to bf16.
+Tail handling: K tails read as zeros (masked loads, or the TMA engine's zero fill), M and N tails
+are clamped indices (or zero fill) on load and masked stores, so any M >= 1, N >= 1 and K >= 1
+with 16-byte aligned rows (K % 16 == 0) works.
+
+Performance notes (H200, benchmarks/notes/kernels_gemm.md): the weight scale is a scalar per
+128-column half and K step, so the per-step rescale is one FMA per accumulator element (with a
+per-column scale vector, 128x128 tiles spilled registers and ran at 417 instead of 732 TFLOP/s);
+loads go through tensor descriptors (TMA).
+
+``fp8_block_mainloop`` is shared with the grouped expert GEMMs in moe.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
+from gptoss_fp8.kernels.act_quant import act_quant
+
+
+@triton.jit
+def _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, B_TMA: tl.constexpr):
+    """[BLOCK_K, WIDTH] fp8 tile of B^T: B rows b_col0 .. b_col0 + WIDTH, K columns k0 .. k0 + BLOCK_K."""
+    if B_TMA:
+        b = b_src.load([b_row0, k0]).T
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        cols = tl.minimum(b_col0 + tl.arange(0, WIDTH), N_B - 1).to(tl.int64)
+        b = tl.load(b_src + cols[None, :] * stride_bn + (k0 + offs_k)[:, None], mask=offs_k[:, None] < K - k0, other=0.0)
+    return b
+
+
+@triton.jit
+def fp8_block_mainloop(
+    a_src, a_row0, a_rows, stride_am, as_ptr, stride_asm,
+    b_src, b_row0, b_col0, N_B, stride_bn, bs_ptr, stride_bsn,
+    K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, SPLIT_N: tl.constexpr = True,
+):
+    """sum over K of (A[rows] * s_a) @ (B[b_col0 : b_col0 + BLOCK_N] * s_b)^T in fp32.
+
+    Returns (acc_lo, acc_hi). BLOCK_N = 256 is computed as two 128-column halves (lo, hi), each
+    inside one weight scale block, so the weight scale is one scalar per half and K step;
+    BLOCK_N <= 128 gives acc_lo [BLOCK_M, BLOCK_N] (acc_hi is the same tensor, unused), and so
+    does BLOCK_N = 256 with SPLIT_N=False: one 256-wide product scaled by a per-column vector.
+    b_col0 must be a multiple of min(BLOCK_N, 128): tiles never straddle a weight block.
+
+    A operand: with A_TMA, ``a_src`` is a tensor descriptor over A [rows, K] (block [BLOCK_M,
+    BLOCK_K]) and the tile starts at row ``a_row0`` (out-of-range rows and K read as zeros);
+    otherwise ``a_src`` points at A and ``a_rows`` [BLOCK_M] (int64, clamped to valid rows) are
+    gathered. ``a_rows`` also index the activation scales (as_ptr + row * stride_asm + k block).
+    B operand [N_B, K]: with B_TMA a descriptor (block [min(BLOCK_N, 128), BLOCK_K]) read from row
+    ``b_row0``, else a pointer (rows clamped to N_B - 1). Weight scales at bs_ptr + (col // 128) *
+    stride_bsn + k block. BLOCK_K must equal the group (128).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    if not A_TMA:
+        a_ptrs = a_src + a_rows[:, None] * stride_am + offs_k[None, :]
+    as_ptrs = as_ptr + a_rows * stride_asm
+    bs_lo = bs_ptr + (b_col0 // BLOCK_K) * stride_bsn
+    if BLOCK_N > BLOCK_K:
+        bs_hi = bs_ptr + (tl.minimum(b_col0 + BLOCK_K, N_B - 1) // BLOCK_K) * stride_bsn
+    if BLOCK_N > BLOCK_K and SPLIT_N:
+        acc_lo = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        acc_hi = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    else:
+        acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kb * BLOCK_K
+        if A_TMA:
+            a = a_src.load([a_row0, k0])
+        else:
+            a = tl.load(a_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0)
+        s_a = tl.load(as_ptrs + kb)
+        if BLOCK_N > BLOCK_K and SPLIT_N:
+            b_lo = _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, BLOCK_K, BLOCK_K, B_TMA)
+            b_hi = _load_b_tile(b_src, b_row0 + BLOCK_K, b_col0 + BLOCK_K, N_B, k0, K, stride_bn, BLOCK_K, BLOCK_K, B_TMA)
+            acc_lo += tl.dot(a, b_lo) * (s_a * tl.load(bs_lo + kb))[:, None]
+            acc_hi += tl.dot(a, b_hi) * (s_a * tl.load(bs_hi + kb))[:, None]
+        elif BLOCK_N > BLOCK_K:
+            b = _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, BLOCK_N, BLOCK_K, B_TMA)
+            s_b = tl.where(tl.arange(0, BLOCK_N) < BLOCK_K, tl.load(bs_lo + kb), tl.load(bs_hi + kb))
+            acc_lo += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+        else:
+            b = _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, BLOCK_N, BLOCK_K, B_TMA)
+            acc_lo += tl.dot(a, b) * (s_a * tl.load(bs_lo + kb))[:, None]
+    if BLOCK_N > BLOCK_K and SPLIT_N:
+        return acc_lo, acc_hi
+    else:
+        return acc_lo, acc_lo
+
+
+@triton.jit
+def store_rows(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr):
+    """c[rows, col0 : col0 + WIDTH] = acc (+ bias[cols]) cast to c's dtype; masked by row_mask and N."""
+    offs_n = col0 + tl.arange(0, WIDTH)
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_src, as_ptr, b_src, bs_ptr, bias_ptr, c_ptr,
+    M, N, K, num_progs,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+    HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # num_progs programs walk the tiles (persistent when it is the SM count). Grouped order:
+    # GROUP_M row tiles sweep the N tiles together, so their A rows and the weight tiles they share
+    # stay in L2.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs):
+        group = tile // per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        a_rows = (offs_m % M).to(tl.int64)
+        acc_lo, acc_hi = fp8_block_mainloop(
+            a_src, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
+            b_src, pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr, stride_bsn,
+            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA, SPLIT_N,
+        )
+        rows = offs_m.to(tl.int64)
+        row_mask = offs_m < M
+        if BLOCK_N > BLOCK_K and SPLIT_N:
+            store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
+            store_rows(c_ptr, rows, row_mask, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
+        else:
+            store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs exercise the persistent loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dense_config(m: int, n: int, k: int) -> dict:
+    """Launch configuration by problem size (block shapes, warps, pipeline depth).
+
+    Picked from the H200 sweep recorded in benchmarks/notes/kernels_gemm.md: 128x128 tiles, 8
+    warps (two warpgroups of 64 rows), 4 stages of TMA loads lead from ~1024 rows on.
+    """
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
+    if m <= 512:
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True)
+
+
+def fp8_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FP8 block GEMM with fused bias.
+
+    x_fp8 float8_e4m3fn [..., K] (last dim contiguous) with x_scale float32 [..., ceil(K/128)];
+    w_fp8 float8_e4m3fn [N, K] contiguous with w_scale_inv float32 [ceil(N/128), ceil(K/128)];
+    bias [N] bf16/fp32 or None; ``out`` an optional contiguous [..., N] tensor to write into.
+    Returns ``out_dtype`` [..., N]. Agrees with
+    ``gptoss_fp8.quant.fp8.block_gemm_reference`` up to fp32 summation order.
+    """
+    assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
+    assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
+    n, k = w_fp8.shape
+    assert x_fp8.shape[-1] == k, f"x {tuple(x_fp8.shape)} does not match weight {tuple(w_fp8.shape)}"
+    assert k % 16 == 0, f"K={k} must be a multiple of 16 (16-byte rows)"
+    lead = x_fp8.shape[:-1]
+    a = x_fp8.reshape(-1, k)
+    m = a.shape[0]
+    a_s = x_scale.reshape(-1, x_scale.shape[-1])
+    assert a_s.shape == (m, cdiv(k, BLOCK)), f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}"
+    assert a_s.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32"
+    assert w_scale_inv.shape == scale_grid(n, k), f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
+    assert a.stride(-1) == 1 and a_s.stride(-1) == 1, "x and x_scale need a contiguous last dimension"
+    assert w_fp8.is_contiguous() and w_scale_inv.is_contiguous(), "weight and its scales must be contiguous"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype in (torch.bfloat16, torch.float32), f"bias {tuple(bias.shape)} {bias.dtype}"
+        assert bias.is_contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
+    else:
+        assert out.shape == (*lead, n) and out.dtype == out_dtype and out.is_contiguous(), (
+            f"out {tuple(out.shape)} {out.dtype} is not a contiguous {(*lead, n)} {out_dtype}"
+        )
+        out = out.view(m, n)
+    if m == 0:
+        return out.reshape(*lead, n)
+    cfg = dict(config or dense_config(m, n, k))
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    assert bn in (16, 32, 64, 128, 256), f"BLOCK_N={bn}: tiles must not straddle a 128-column weight block"
+    tma = cfg.pop("TMA", False)
+    split = cfg.pop("SPLIT_N", True)
+    persistent = cfg.pop("PERSISTENT", False)
+    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    num_progs = min(num_tiles, _num_sms(x_fp8.device)) if persistent else num_tiles
+    tma = tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
+    if tma:
+        a_src = TensorDescriptor.from_tensor(a, [bm, BLOCK])
+        b_src = TensorDescriptor.from_tensor(w_fp8, [min(bn, BLOCK) if split else bn, BLOCK])
+    else:
+        a_src, b_src = a, w_fp8
+    _fp8_gemm_kernel[(num_progs,)](
+        a_src, a_s, b_src, w_scale_inv, bias if bias is not None else out, out,
+        m, n, k, num_progs,
+        a.stride(0), a_s.stride(0), w_fp8.stride(0), w_scale_inv.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, TMA=tma, SPLIT_N=split,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, **cfg,
+    )
+    return out.reshape(*lead, n)
+
+
+def fp8_linear(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bf16 [..., K] -> bf16 [..., N]: per-token 1x128 quantization, then the block GEMM + bias."""
+    x_fp8, x_scale = act_quant(x)
+    return fp8_gemm(x_fp8, x_scale, w_fp8, w_scale_inv, bias, out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
+
+
+def fp8_gemm_reference(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The plain-torch specification (quant/fp8.py), accepting [..., K] activations."""
+    k = x_fp8.shape[-1]
+    y = block_gemm_reference(
+        x_fp8.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1]), w_fp8, w_scale_inv, bias, out_dtype
+    )
+    return y.reshape(*x_fp8.shape[:-1], w_fp8.shape[0])

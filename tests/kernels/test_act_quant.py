@@ -1,0 +1,65 @@
+"""act_quant (Triton) against quant/fp8.quantize_act.
+
+Tolerances: through the interpreter (CPU), exact: identical scales and FP8 bytes (the kernel
+rounds to e4m3 with integer arithmetic before the cast, so the interpreter's own faulty fp32 -> fp8
+cast never rounds). On the GPU, Triton's fp32 division is not IEEE-rounded (and torch's CUDA
+division by a scalar is a multiplication by its reciprocal), so: scales within 1 fp32 ulp, and at
+most 1e-4 of the FP8 values one e4m3 step away from torch's, none further.
+"""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.act_quant import act_quant, act_quant_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = shape[-1]
+    # Magnitudes over 12 decades along K, so groups hit fp8 normals, subnormals and saturation.
+    x = torch.randn(shape, generator=g) * torch.logspace(-6, 6, k)
+    x = x.to(dtype)
+    x.view(-1, k)[0, :4] = torch.tensor([1e-12, -3e-8, 0.0, 448.0], dtype=dtype)  # tiny, zero-ish, exact max
+    return x.to(DEV)
+
+
+def _check(x):
+    q, s = act_quant(x)
+    q_ref, s_ref = act_quant_reference(x)
+    assert q.shape == x.shape and s.shape == s_ref.shape
+    if x.device.type == "cpu":
+        assert torch.equal(s, s_ref), f"scales differ at {int((s != s_ref).sum())} places"
+        diff = q.float() != q_ref.float()
+        assert int(diff.sum()) == 0, f"{int(diff.sum())} of {q.numel()} fp8 values differ"
+        return
+    ulp = torch.finfo(torch.float32).eps * s_ref.abs()
+    assert bool(((s - s_ref).abs() <= ulp).all()), f"scales differ by more than 1 ulp: {(s - s_ref).abs().max().item()}"
+    # One e4m3 step at most: compare the fp8 values' ordinal positions (bit patterns of |q|, signed).
+    def ordinal(t):
+        b = t.view(torch.uint8).to(torch.int16)
+        return torch.where(b >= 128, -(b - 128), b)
+    step = (ordinal(q) - ordinal(q_ref)).abs()
+    assert int(step.max()) <= 1, f"fp8 values differ by {int(step.max())} steps"
+    frac = float((step > 0).float().mean())
+    assert frac <= 1e-4, f"{frac:.2e} of the fp8 values differ by one step"
+
+
+@pytest.mark.parametrize("shape", [(37, 2880), (5, 160), (3, 64), (2, 3, 288)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_quant_small(shape, dtype):
+    _check(_inputs(shape, dtype, seed=hash((shape, str(dtype))) % 1000))
+
+
+def test_act_quant_zero_group():
+    # An all-zero group takes the eps scale and quantizes to zeros (the one place zeros are right).
+    x = _inputs((4, 256), torch.bfloat16, seed=3)
+    x[1, 128:] = 0
+    _check(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 2880), (1, 2880), (4099, 4096), (131072, 160)])
+def test_act_quant_gpu(shape):
+    _check(_inputs(shape, torch.bfloat16, seed=shape[0]))

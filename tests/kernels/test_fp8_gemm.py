@@ -1,0 +1,132 @@
+"""Dense FP8 block GEMM + bias (Triton) against quant/fp8.block_gemm_reference.
+
+Inputs: fresh random x (quantized 1x128 with torch) and weights (128x128 pow2 blocks), random bias.
+The reference is computed in fp32 (before the bf16 cast). Tolerances:
+- GPU (bf16 round-to-nearest output, fp32 accumulation in a different order):
+  |y - ref| <= 2^-8 |ref| + 1e-3 max|ref| elementwise, and ||y - ref|| / ||ref|| <= 2e-3.
+- CPU interpreter (bf16 stores truncate instead of rounding: up to one bf16 ulp):
+  |y - ref| <= 2^-7 |ref| + 1e-3 max|ref|, and ||y - ref|| / ||ref|| <= 6e-3.
+The output is poisoned with NaN first, so every element must be written.
+"""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference, fp8_linear
+from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+REL_ELEM, REL_NORM = (2.0**-8, 2e-3) if HAS_CUDA else (2.0**-7, 6e-3)
+
+
+def _problem(m, n, k, seed, bias=True, lead=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * (1 + 3 * torch.rand(m, 1, generator=g))
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    x, w = x.to(DEV), w.to(DEV)
+    x_fp8, x_scale = quantize_act(x)
+    w_fp8, w_scale = quantize_weight_blocks(w)
+    if lead is not None:
+        x_fp8, x_scale = x_fp8.reshape(*lead, k), x_scale.reshape(*lead, -1)
+    return x_fp8, x_scale, w_fp8, w_scale, (b.to(DEV) if b is not None else None)
+
+
+def _check(y, ref):
+    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) or NaN outputs"
+    y, ref = y.float(), ref.float()
+    err = (y - ref).abs()
+    bound = REL_ELEM * ref.abs() + 1e-3 * ref.abs().max()
+    assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst excess {(err - bound).max().item():.3e}"
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert rel <= REL_NORM, f"relative error {rel:.2e} > {REL_NORM:.0e}"
+
+
+def _run(m, n, k, seed, bias=True, lead=None, config=None):
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed, bias, lead)
+    out = torch.full((*x_fp8.shape[:-1], n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, config=config)
+    assert y.data_ptr() == out.data_ptr() and y.shape == (*x_fp8.shape[:-1], n)
+    ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
+    _check(y, ref)
+
+
+# Small shapes through the interpreter on CPU: partial M/N/K tiles, K = 2880 and 160 (half groups),
+# a 64-row k/v-like shard, no bias, 3-D activations.
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [(37, 320, 160, True), (5, 64, 2880, True), (130, 200, 288, False), (1, 192, 160, True), (20, 136, 2880, True)],
+)
+def test_fp8_gemm_small(m, n, k, bias):
+    _run(m, n, k, seed=m * 7 + n, bias=bias)
+
+
+# The kernel's variants: tensor-descriptor (TMA) loads, persistent tile loop, both.
+VARIANTS = [
+    dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3, TMA=True),
+    dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3, PERSISTENT=True),
+    dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=3, num_warps=4, num_stages=3, TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=3, TMA=True),
+    dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=3),
+    dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=3, TMA=True, SPLIT_N=False),
+]
+
+
+@pytest.mark.parametrize(
+    "config", VARIANTS, ids=["tma", "persistent", "tma-persistent", "tma-n256", "ptr-n256", "tma-n256-unsplit"]
+)
+@pytest.mark.parametrize("n", [200, 100])
+def test_fp8_gemm_variants_small(config, n):
+    # N = 200: the last 128-column half is partial; N = 100 with 256-wide tiles: it is empty.
+    _run(150, n, 288, seed=17 + n, config=config)
+
+
+def test_fp8_gemm_3d_input():
+    _run(12, 96, 160, seed=5, lead=(3, 4))
+
+
+def test_fp8_linear_quantizes_like_the_spec():
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(9, 160, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    w_fp8, w_scale = quantize_weight_blocks((torch.randn(72, 160, generator=g) * 0.05).to(DEV))
+    b = torch.randn(72, generator=g).to(torch.bfloat16).to(DEV)
+    x_fp8, x_scale = quantize_act(x)
+    _check(fp8_linear(x, w_fp8, w_scale, b), fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+
+
+def test_fp8_gemm_rejects_bad_scales():
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(4, 64, 160, seed=1)
+    with pytest.raises(AssertionError):
+        fp8_gemm(x_fp8, x_scale[:, :1], w_fp8, w_scale, b)
+
+
+# gpt-oss shapes on the GPU: qkv 5120x2880, o 2880x4096, expert-sized 5760x2880 and 2880x2880,
+# k/v 512x2880, 64-row k/v shards, TP shards of the experts (1440 = 5760/4, K 720 = 2880/4),
+# K = 160; M from 1 to 131072.
+GPU_CASES = [
+    (1, 5120, 2880), (33, 2880, 4096), (1024, 5760, 2880), (8192, 5120, 2880), (8192, 2880, 4096),
+    (4096, 512, 2880), (3000, 64, 2880), (517, 1440, 2880), (2048, 2880, 720), (999, 2880, 160),
+    (131072, 512, 2880),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_CASES)
+def test_fp8_gemm_gpu(m, n, k):
+    _run(m, n, k, seed=m + n + k)
+
+
+GPU_VARIANTS = [
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, SPLIT_N=False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_VARIANTS, ids=["ptr", "ptr-n256", "tma-persistent", "tma-n256-unsplit"])
+@pytest.mark.parametrize("m,n,k", [(3001, 2880, 2880), (200, 64, 160)])
+def test_fp8_gemm_variants_gpu(m, n, k, config):
+    _run(m, n, k, seed=m + n, config=config)

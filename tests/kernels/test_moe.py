@@ -1,0 +1,167 @@
+"""Fused FP8 MoE (Triton) against the plain-torch w8a8 specification ``moe_experts_reference``.
+
+Routing is the same torch function in both (bf16 logits, sorted top-k, bf16 softmax), so the two
+pick the same experts; the reference then quantizes x per token (1x128), runs the block GEMMs in
+fp32 with dequantized operands, SwiGLU in fp32, quantizes the intermediate (1x128), rounds each
+expert's down output to bf16 and sums the weighted outputs in fp32.
+Tolerances on the bf16 [T, H] output (fp32 accumulation order and sigmoid implementation differ,
+which can flip a rare fp8 rounding of the intermediate):
+- GPU: ||y - ref|| / ||ref|| <= 5e-3 and max |y - ref| <= 2e-2 max|ref|;
+- CPU interpreter (two truncating bf16 stores): ||y - ref|| / ||ref|| <= 1.2e-2, max <= 3e-2 max|ref|.
+"""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.moe import (
+    fused_moe,
+    fused_moe_reference,
+    moe_align,
+    moe_align_reference,
+    moe_experts,
+    moe_experts_reference,
+    route,
+)
+from gptoss_fp8.quant.fp8 import quantize_weight_blocks
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+REL_NORM, REL_MAX = (5e-3, 2e-2) if HAS_CUDA else (1.2e-2, 3e-2)
+
+
+def _model(t, h, i, e, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=DEV) * scale
+
+    w13, s13 = quantize_weight_blocks(randn(e, 2 * i, h, scale=h**-0.5))
+    w2, s2 = quantize_weight_blocks(randn(e, h, i, scale=i**-0.5))
+    return dict(
+        x=randn(t, h, scale=1.5).to(torch.bfloat16),
+        wr=randn(e, h, scale=h**-0.5).to(torch.bfloat16),
+        br=randn(e, scale=0.1).to(torch.bfloat16),
+        experts=(w13, s13, randn(e, 2 * i, scale=0.3).to(torch.bfloat16), w2, s2, randn(e, h, scale=0.1).to(torch.bfloat16)),
+    )
+
+
+def _shard(experts, e0, n):
+    return tuple(t[e0:e0 + n].contiguous() for t in experts)
+
+
+def _check(y, ref):
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    assert not torch.isnan(y).any()
+    y, ref = y.float(), ref.float()
+    rel = ((y - ref).norm() / ref.norm()).item()
+    mx = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= REL_NORM and mx <= REL_MAX, f"relative error {rel:.2e} (<= {REL_NORM}), max {mx:.2e} (<= {REL_MAX})"
+
+
+def test_route_matches_gpt_oss():
+    m = _model(16, 160, 64, 8, seed=1)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    logits = torch.nn.functional.linear(m["x"], m["wr"], m["br"])
+    top = torch.topk(logits, 4, dim=-1, sorted=True)
+    assert torch.equal(ids.long(), top.indices)
+    assert torch.equal(w, torch.softmax(top.values, dim=-1)) and w.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("e0,n_local,block_m", [(0, 8, 16), (2, 3, 16), (5, 3, 64), (0, 128, 64)])
+def test_moe_align_matches_reference(e0, n_local, block_m):
+    g = torch.Generator().manual_seed(e0 + n_local)
+    ids = torch.randint(0, max(8, n_local), (50, 4), generator=g, dtype=torch.int32).to(DEV)
+    slots, block_expert = moe_align(ids, e0, n_local, block_m)
+    ref_slots, ref_block_expert = moe_align_reference(ids, e0, n_local, block_m)
+    assert torch.equal(block_expert.cpu(), ref_block_expert.cpu())
+    # Same slots in the same padded segments; the order inside a segment may differ (atomics).
+    n = ids.numel()
+    for tile in range(block_expert.numel()):
+        got = slots[tile * block_m:(tile + 1) * block_m].cpu()
+        want = ref_slots[tile * block_m:(tile + 1) * block_m].cpu()
+        assert int((got < n).sum()) == int((want < n).sum())
+    seg = lambda s: sorted(s[s < n].tolist())  # noqa: E731
+    assert seg(slots.cpu()) == seg(ref_slots.cpu())
+    flat = ids.reshape(-1).cpu() - e0
+    for row, s in enumerate(slots.cpu().tolist()):
+        if s < n:
+            assert block_expert[row // block_m].item() == flat[s].item()
+
+
+@pytest.mark.parametrize(
+    "t,h,i,e,k,e0,n_local",
+    [(24, 160, 192, 8, 4, 0, 8), (24, 160, 192, 8, 4, 2, 4), (5, 128, 64, 4, 2, 0, 4), (40, 160, 160, 16, 4, 12, 4)],
+)
+def test_fused_moe_small(t, h, i, e, k, e0, n_local):
+    m = _model(t, h, i, e, seed=t + e0)
+    ex = _shard(m["experts"], e0, n_local)
+    y = fused_moe(m["x"], m["wr"], m["br"], *ex, top_k=k, expert_start=e0)
+    _check(y, fused_moe_reference(m["x"], m["wr"], m["br"], *ex, top_k=k, expert_start=e0))
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_fused_moe_tiles_and_loads(tma):
+    # Padding to 32 rows with 16-row gate_up tiles and 32-row down tiles; TMA or pointer loads.
+    cfg = dict(
+        ALIGN_M=32, TMA=tma,
+        gate_up=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2),
+        down=dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
+    )
+    m = _model(30, 160, 192, 8, seed=21)
+    ex = _shard(m["experts"], 2, 5)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    _check(moe_experts(m["x"], w, ids, *ex, expert_start=2, config=cfg), moe_experts_reference(m["x"], w, ids, *ex, expert_start=2))
+
+
+def test_expert_parallel_ranks_sum_to_full():
+    m = _model(20, 160, 128, 8, seed=9)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    full = moe_experts(m["x"], w, ids, *m["experts"]).float()
+    parts = [moe_experts(m["x"], w, ids, *_shard(m["experts"], e0, 4), expert_start=e0).float() for e0 in (0, 4)]
+    # One all-reduce of the ranks' partial sums: equal up to the bf16 rounding of each part.
+    assert ((parts[0] + parts[1] - full).norm() / full.norm()).item() < 1e-2
+
+
+def test_rank_with_no_routed_tokens_returns_zeros():
+    m = _model(6, 128, 64, 8, seed=4)
+    w = torch.full((6, 2), 0.5, dtype=torch.bfloat16, device=DEV)
+    ids = torch.zeros((6, 2), dtype=torch.int32, device=DEV)  # everything goes to expert 0
+    y = moe_experts(m["x"], w, ids, *_shard(m["experts"], 4, 4), expert_start=4)
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+# gpt-oss shapes: H = I = 2880, top-4, 32 and 128 experts, expert-parallel shards, 1 to 131072 tokens.
+GPU_CASES = [
+    (1, 32, 0, 32), (7, 32, 0, 32), (1000, 32, 0, 32), (8192, 32, 0, 32), (8192, 32, 8, 8),
+    (4096, 128, 0, 128), (2048, 128, 96, 32), (131072, 32, 0, 32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,e0,n_local", GPU_CASES)
+def test_fused_moe_gpu(t, e, e0, n_local):
+    m = _model(t, 2880, 2880, e, seed=t + e)
+    ex = _shard(m["experts"], e0, n_local)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    y = moe_experts(m["x"], w, ids, *ex, expert_start=e0)
+    _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
+
+
+GPU_MOE_VARIANTS = [
+    dict(ALIGN_M=128, TMA=True,
+         gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4),
+         down=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)),
+    dict(ALIGN_M=64, TMA=False,
+         gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+         down=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_MOE_VARIANTS, ids=["tma-128", "ptr-64"])
+def test_fused_moe_variants_gpu(config):
+    m = _model(3000, 2880, 2880, 32, seed=77)
+    ex = _shard(m["experts"], 4, 16)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    y = moe_experts(m["x"], w, ids, *ex, expert_start=4, config=config)
+    _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=4))
