@@ -98,9 +98,11 @@ def _weight_files(root: Path) -> list[Path]:
             raise GptOssFp8Error(f"{index}: invalid index (no weight_map object); re-download it") from None
         files = []
         for fname in dict.fromkeys(wm.values()):
-            p = (root / str(fname)).resolve()
-            if p.parent != root.resolve():
+            name = str(fname)
+            # A plain file name in SRC; not resolved, since HF cache snapshots hold symlinks to ../../blobs/.
+            if Path(name).name != name or name in ("", ".", ".."):
                 raise GptOssFp8Error(f"{index}: weight_map points at {fname!r}, outside {root}; refusing to read it")
+            p = root / name
             if p.suffix in PICKLE_SUFFIXES:
                 raise GptOssFp8Error(f"{index}: weight_map points at pickle file {fname!r}; pickle weights are never loaded (unsafe), use safetensors")
             if not p.is_file():

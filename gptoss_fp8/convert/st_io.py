@@ -93,13 +93,12 @@ def read_tensor(info: TensorInfo, start: int | None = None, stop: int | None = N
     if start is None:
         start, stop = 0, shape[0] if shape else 1
     assert stop is not None and 0 <= start <= stop <= (shape[0] if shape else 1), (info.name, start, stop, shape)
-    buf = bytearray((stop - start) * row)
-    with open(info.file, "rb") as f:
+    t = torch.empty((stop - start) * row, dtype=torch.uint8)  # no zero fill: readinto overwrites it
+    with open(info.file, "rb", buffering=0) as f:
         f.seek(info.begin + start * row)
-        got = f.readinto(buf)
-    if got != len(buf):
+        got = f.readinto(memoryview(t.numpy())) if t.numel() else 0
+    if got != t.numel():
         raise GptOssFp8Error(f"{info.file}: truncated while reading tensor {info.name}; re-download the file")
-    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
     if shape:
         shape[0] = stop - start
     return t.view(info.dtype).reshape(shape)
