@@ -1,0 +1,335 @@
+"""Decode-shaped attention with sinks: a few new queries against a long KV cache, split-KV (Triton).
+
+KV cache layout (contiguous per sequence, token-major, the layout prefill's k/v rows already have):
+    k_cache, v_cache [B, L_max, Hkv, D] bf16; row t of sequence b at [b, t]; the last dim contiguous,
+        the other strides free (a slice of a bigger cache works);
+    kv_lens [B] int32: valid tokens of sequence b, the NQ new ones included. The caller writes the
+        new (already rotated) k/v rows at kv_lens[b]-NQ .. kv_lens[b]-1 before the call, so
+        kv_lens[b] >= NQ is required;
+    q [B, NQ, Hq, D] bf16: new query t of sequence b sits at position kv_lens[b] - NQ + t;
+    out [B, NQ, Hq, D] bf16.
+Visibility as in prefill: key j is visible to a query at position i iff j <= i and i - window < j.
+
+The kernel packs the GROUP = Hq / Hkv query heads that share a KV head, for all NQ new tokens, into
+the rows of one tile (row r = t * GROUP + g), so each KV tile is read once per KV head, not once per
+query head. The tile's key range is split into num_splits chunks of whole BLOCK_N blocks, one program
+each. Every split starts its online softmax at m = sink (per row); split 0 alone starts with l = 1,
+the others with l = 0, so the sink is counted once. Splits write (acc, m, l) in fp32 and are merged:
+M = max m_s, o = sum acc_s 2^(m_s-M) / sum l_s 2^(m_s-M). A split with no visible key leaves
+(0, sink, 0) and contributes nothing. By default the last split of each tile to finish does the
+merge (an arrival counter per tile, the split-K semaphore pattern: no second launch); with
+fused_merge=False a second small kernel does it. With one split the kernel writes the output
+directly. The splits' partials are fp32 [num_splits, B, NQ, Hq, D] (+ m, l): at batch 1 and 32768
+cached tokens, 17 splits x 64 heads x 64 x 4 B = 0.3 MB beside 67 MB of KV.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gptoss_fp8.kernels.attention import LOG2E, attention_ref
+
+
+@triton.jit
+def _merge_rows(
+    Part, PartM, PartL,
+    srow, row_ok,  # [ROWS] partial row of split 0, validity
+    stride_s, num_splits,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,  # splits loaded per step, as one [MERGE_CHUNK, ROWS, HEAD_DIM] tile
+):
+    """o = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s, in one online pass over
+    chunks of splits (a chunk's loads are independent: one memory round trip per chunk, not per split).
+    Partials are read through L2 (.cg): other programs of this launch wrote them."""
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_run = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([ROWS], dtype=tl.float32)
+    o_run = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, num_splits, MERGE_CHUNK):
+        s_ok = (s0 + offs_c) < num_splits
+        prow = (s0 + offs_c)[:, None] * stride_s + srow[None, :]  # [MERGE_CHUNK, ROWS]
+        ok = s_ok[:, None] & row_ok[None, :]
+        m_c = tl.load(PartM + prow, mask=ok, other=0.0, cache_modifier=".cg")
+        m_c = tl.where(s_ok[:, None], m_c, float("-inf"))  # absent splits weigh 0
+        l_c = tl.load(PartL + prow, mask=ok, other=0.0, cache_modifier=".cg")
+        a_c = tl.load(Part + prow[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        # split 0 is in the first chunk and has m >= sink > -inf, so m_new is finite from then on
+        m_new = tl.maximum(m_run, tl.max(m_c, 0))
+        scale = tl.math.exp2(m_run - m_new)
+        w = tl.math.exp2(m_c - m_new[None, :])  # [MERGE_CHUNK, ROWS]
+        l_run = l_run * scale + tl.sum(w * l_c, 0)
+        o_run = o_run * scale[:, None] + tl.sum(a_c * w[:, :, None], 0)
+        m_run = m_new
+    # split 0 carries l >= 2^(sink - M) > 0 for every valid row
+    return o_run / tl.where(row_ok, l_run, 1.0)[:, None]
+
+
+@triton.jit
+def _attn_decode_kernel(
+    Q, Kc, Vc, Sinks, KvLens, Out, Part, PartM, PartL, Counter,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    qk_scale, window, chunk,
+    NQ, HQ, B,
+    NUM_M: tl.constexpr,  # row tiles per KV head: cdiv(NQ * GROUP, BLOCK_M)
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,  # True: write fp32 partials for a merge
+    FUSED_MERGE: tl.constexpr,  # True: the last split of each tile merges; False: _attn_merge_kernel
+    MERGE_CHUNK: tl.constexpr,  # 2 splits x 16 rows: larger merge tiles cost the main loop registers
+    UPCAST: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_hm = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    b64 = pid_b.to(tl.int64)  # B * L_max * Hkv * D can pass 2^31
+    kv_h = pid_hm // NUM_M
+    pid_m = pid_hm % NUM_M
+    kv_len = tl.load(KvLens + pid_b)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < NQ * GROUP
+    t = rows // GROUP
+    h = kv_h * GROUP + rows % GROUP
+    qpos = kv_len - NQ + t  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_ptrs = Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys any row of this tile may see: [lo, hi), lo aligned down to BLOCK_N; this split's share.
+    t_min = (pid_m * BLOCK_M) // GROUP
+    t_max = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, NQ - 1)
+    hi = kv_len - NQ + t_max + 1
+    lo = tl.maximum(kv_len - NQ + t_min - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    s_lo = lo + pid_s * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
+
+    sink = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_i = sink
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + (pid_s == 0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    k_base = Kc + b64 * stride_kb + kv_h * stride_kh
+    v_base = Vc + b64 * stride_vb + kv_h * stride_vh
+    for start_n in range(s_lo, s_hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < s_hi
+        kt = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        qk = tl.dot(q, kt) * qk_scale  # [BLOCK_M, BLOCK_N]
+        rel = qpos[:, None] - cols[None, :]
+        qk = tl.where((rel >= 0) & (rel < window), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            acc = tl.dot(p, v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    if SPLIT:
+        # partials [S, B, NQ, HQ, (D)], contiguous
+        prow = ((pid_s * B + pid_b) * NQ + t) * HQ + h  # [BLOCK_M]
+        tl.store(Part + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(PartM + prow, m_i, mask=row_ok)
+        tl.store(PartL + prow, l_i, mask=row_ok)
+        if FUSED_MERGE:
+            # The last split of this tile to finish merges all of them (no second launch). The
+            # barrier + one acq_rel atomic is the split-K semaphore pattern: every thread's partial
+            # stores happen before the count, and the last program's .cg loads (L2) see them all.
+            tile = pid_b * tl.num_programs(1) + pid_hm
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Counter + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(0) - 1:
+                tl.store(Counter + tile, 0)  # ready for the next call
+                srow = (pid_b * NQ + t) * HQ + h  # row of split 0; split s adds s * B * NQ * HQ
+                out = _merge_rows(Part, PartM, PartL, srow, row_ok, B * NQ * HQ, tl.num_programs(0),
+                                  HEAD_DIM, BLOCK_M, MERGE_CHUNK)
+                o_ptrs = Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attn_merge_kernel(
+    Part, PartM, PartL, Out,
+    R,  # rows = B * NQ * HQ; Out is [R, HEAD_DIM] contiguous
+    NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    out = _merge_rows(Part, PartM, PartL, rows, row_ok, R, NUM_SPLITS, HEAD_DIM, BLOCK_R, MERGE_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(Out + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+# (BLOCK_N, num_warps, num_stages) per device kind; BLOCK_M follows the rows (NQ * GROUP).
+# H200, 32768 cached tokens: BLOCK_N 128 with ~4 splits per tile was best at batch 8 and 64
+# (benchmarks/notes/kernels_attention.md).
+DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {
+    "cuda": (128, 4, 3),
+    "cpu": (16, 4, 1),
+}
+_NO_WINDOW = 1 << 30
+_SM_COUNT: dict[int, int] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_chunk(rows: int, head_dim: int, values: int) -> int:
+    """Splits per merge step: a [chunk, rows, head_dim] fp32 tile of about `values` values."""
+    return max(1, values // (rows * head_dim))
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per row tile; the kernel resets each to 0 after use."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    sliding_window: int = 0,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
+    block_m: int | None = None,
+    fused_merge: bool = True,
+) -> torch.Tensor:
+    """Attention with sinks of NQ new queries per sequence against a KV cache (layout: module doc).
+
+    q [B, NQ, Hq, D] bf16, k_cache/v_cache [B, L_max, Hkv, D] bf16 (last dim contiguous),
+    kv_lens int32 [B] (>= NQ, new tokens included), sinks [Hq]. sliding_window 0 = full causal.
+    num_splits: KV splits per (sequence, KV head, row tile); None picks enough to fill the GPU.
+    fused_merge: the last split of each tile merges them (one launch; uses a per-device counter
+    buffer that the kernel leaves zeroed, so calls on one device must not run concurrently on
+    different streams); False: a second small merge kernel.
+    Returns out [B, NQ, Hq, D] bf16.
+    """
+    assert q.dim() == 4, f"q {q.shape}: want [B, NQ, Hq, D]"
+    B, NQ, Hq, D = q.shape
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, f"k_cache {k_cache.shape} v_cache {v_cache.shape}"
+    assert k_cache.shape[0] == B and k_cache.shape[3] == D, f"q {q.shape} k_cache {k_cache.shape}"
+    L_max, Hkv = k_cache.shape[1], k_cache.shape[2]
+    assert Hq % Hkv == 0, f"{Hq} query heads not a multiple of {Hkv} kv heads"
+    assert D in (16, 32, 64, 128, 256), f"head_dim {D} must be a power of two in 16..256"
+    assert 1 <= NQ <= L_max, f"{NQ} new queries against a cache of {L_max} rows"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.dtype == torch.bfloat16, f"{name} dtype {t.dtype}, want bfloat16"
+        assert t.stride(-1) == 1, f"{name} last dim not contiguous (strides {t.stride()})"
+        assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
+    assert kv_lens.shape == (B,) and kv_lens.dtype == torch.int32 and kv_lens.device == q.device, (
+        f"kv_lens {kv_lens.dtype} {kv_lens.shape} on {kv_lens.device}: want int32 [{B}] on {q.device}"
+    )
+    assert sinks.shape == (Hq,) and sinks.is_floating_point() and sinks.device == q.device, f"sinks {sinks.shape}"
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    G = Hq // Hkv
+    rows = NQ * G
+    on_gpu = q.device.type == "cuda"
+    BLOCK_N, num_warps, num_stages = config or DECODE_CONFIGS["cuda" if on_gpu else "cpu"]
+    BLOCK_M = block_m or min(64 if on_gpu else 32, max(16, triton.next_power_of_2(rows)))
+    num_m = triton.cdiv(rows, BLOCK_M)
+    window = sliding_window if 0 < sliding_window < L_max else _NO_WINDOW
+    # Widest key range one row tile can need (lo is aligned down, hence the extra block).
+    span = L_max if window == _NO_WINDOW else min(L_max, window + NQ - 1 + BLOCK_N)
+    blocks = triton.cdiv(span, BLOCK_N)
+    if num_splits is None:
+        # At least one program per SM, and at least 4 splits (long KV loops per program lose to
+        # shorter ones with more loads in flight; measured); every split keeps >= 4 blocks.
+        want = max(triton.cdiv(_sm_count(q.device), B * Hkv * num_m), 4)
+        num_splits = max(1, min(want, triton.cdiv(blocks, 4)))
+    num_splits = max(1, min(num_splits, blocks))
+    chunk = triton.cdiv(blocks, num_splits) * BLOCK_N
+    num_splits = triton.cdiv(span, chunk)  # no empty trailing splits
+
+    out = torch.empty((B, NQ, Hq, D), dtype=q.dtype, device=q.device)
+    split = num_splits > 1
+    if split:
+        part = torch.empty((num_splits, B, NQ, Hq, D), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_splits, B, NQ, Hq), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part = part_m = part_l = out  # unused
+    fused = split and fused_merge
+    counter = _counters(q.device, B * Hkv * num_m) if fused else kv_lens  # unused unless fused
+    grid = (num_splits, Hkv * num_m, B)
+    _attn_decode_kernel[grid](
+        q, k_cache, v_cache, sinks, kv_lens, out, part, part_m, part_l, counter,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        sm_scale * LOG2E, window, chunk,
+        NQ, Hq, B,
+        NUM_M=num_m, GROUP=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
+        FUSED_MERGE=fused, MERGE_CHUNK=_merge_chunk(BLOCK_M, D, 2048), UPCAST=not on_gpu,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split and not fused:
+        R = B * NQ * Hq
+        BLOCK_R = 16
+        _attn_merge_kernel[(triton.cdiv(R, BLOCK_R),)](
+            part, part_m, part_l, out, R, num_splits,
+            HEAD_DIM=D, BLOCK_R=BLOCK_R, MERGE_CHUNK=_merge_chunk(BLOCK_R, D, 8192), num_warps=4,
+        )
+    return out
+
+
+def attention_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    sliding_window: int = 0,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """``attention_decode``'s contract, sequence by sequence with ``attention_ref`` (fp32 inside)."""
+    B, NQ = q.shape[:2]
+    out = torch.empty_like(q)
+    for b, n in enumerate(kv_lens.tolist()):
+        out[b] = attention_ref(q[b], k_cache[b, :n], v_cache[b, :n], sinks, sliding_window, sm_scale, q_offset=n - NQ)
+    return out

@@ -1,0 +1,163 @@
+"""YaRN rotary embedding for q and k in one small Triton kernel (gpt-oss's ``RotaryEmbedding``).
+
+gpt-oss rotates the two HALVES of each head (x1 = x[..., :D/2], x2 = x[..., D/2:]):
+    o1 = x1 cos - x2 sin,   o2 = x2 cos + x1 sin,
+with angle(pos, j) = pos * inv_freq[j] and cos/sin multiplied by the YaRN concentration
+0.1 ln(factor) + 1; inv_freq blends interpolation (1 / (factor * base^(2j/D))) and extrapolation
+(1 / base^(2j/D)) with the NTK-by-parts ramp. ``rope_cos_sin`` builds the cos/sin table exactly as
+the reference does (fp32, torch), once per model; the kernel gathers its rows by position, so any
+positions work (ragged batches, decode at the end of a cache). Arithmetic is fp32, rounded once
+to bf16 at the store (the reference rounds cos/sin to bf16 and computes in bf16: they differ by
+bf16 noise).
+
+Layout: q [T, Hq, D], k [T, Hkv, D], any row/head strides with a contiguous last dim (views into a
+fused qkv projection output work), positions int32/int64 [T], cos/sin fp32 [max_pos, D/2].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, QOut, KOut, Pos, Cos, Sin,
+    T, HQ, HKV,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Heads are numbered 0 .. HQ+HKV-1 across q then k, so one launch rotates both: each element
+    # picks its tensor's pointer (q for h < HQ, else k).
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, HALF)
+    t_ok = offs_t < T
+    pos = tl.load(Pos + offs_t, mask=t_ok, other=0)
+    cs_off = pos[:, None].to(tl.int64) * HALF + offs_j[None, :]  # [BLOCK_T, HALF]
+    c = tl.load(Cos + cs_off, mask=t_ok[:, None], other=0.0)[:, None, :]
+    s = tl.load(Sin + cs_off, mask=t_ok[:, None], other=0.0)[:, None, :]
+
+    t3 = offs_t.to(tl.int64)[:, None, None]  # T * H * D can pass 2^31
+    h3 = offs_h[None, :, None]
+    j3 = offs_j[None, None, :]
+    is_q = h3 < HQ
+    ok = t_ok[:, None, None] & (offs_h < HQ + HKV)[None, :, None]
+    hk = h3 - HQ
+    x_ptr = tl.where(is_q, Q + t3 * stride_qt + h3 * stride_qh, K + t3 * stride_kt + hk * stride_kh) + j3
+    y_ptr = tl.where(is_q, QOut + t3 * stride_qot + h3 * stride_qoh, KOut + t3 * stride_kot + hk * stride_koh) + j3
+    x1 = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    tl.store(y_ptr, o1.to(QOut.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + HALF, o2.to(QOut.dtype.element_ty), mask=ok)
+
+
+def yarn_concentration_inv_freq(
+    head_dim: int = 64,
+    base: float = 150000.0,
+    scaling_factor: float = 32.0,
+    initial_context_length: int = 4096,
+    ntk_alpha: float = 1.0,
+    ntk_beta: float = 32.0,
+    device: torch.device | str | None = None,
+) -> tuple[float, torch.Tensor]:
+    """(concentration, inv_freq fp32 [head_dim/2]) of YaRN with NTK-by-parts, as gpt-oss computes them."""
+    freq = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaling_factor <= 1.0:
+        return 1.0, 1.0 / freq
+    concentration = 0.1 * math.log(scaling_factor) + 1.0
+    d_half = head_dim / 2
+    # Dimensions rotating more than ntk_beta times over the original context keep their frequency
+    # (extrapolate); fewer than ntk_alpha times get divided by the factor (interpolate); a ramp between.
+    low = d_half * math.log(initial_context_length / (ntk_beta * 2 * math.pi)) / math.log(base)
+    high = d_half * math.log(initial_context_length / (ntk_alpha * 2 * math.pi)) / math.log(base)
+    assert 0 < low < high < d_half - 1, f"YaRN ramp [{low}, {high}] outside (0, {d_half - 1})"
+    interpolation = 1.0 / (scaling_factor * freq)
+    extrapolation = 1.0 / freq
+    ramp = (torch.arange(d_half, dtype=torch.float32, device=device) - low) / (high - low)
+    keep = 1 - ramp.clamp(0, 1)
+    return concentration, interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_cos_sin(
+    max_positions: int, head_dim: int = 64, device: torch.device | str | None = None, **yarn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [max_positions, head_dim/2], concentration folded in (gpt-oss ``_compute_cos_sin``).
+
+    ``yarn``: base, scaling_factor, initial_context_length, ntk_alpha, ntk_beta (gpt-oss defaults).
+    """
+    concentration, inv_freq = yarn_concentration_inv_freq(head_dim, device=device, **yarn)
+    t = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = torch.einsum("i,j->ij", t, inv_freq)
+    return (freqs.cos() * concentration).contiguous(), (freqs.sin() * concentration).contiguous()
+
+
+def _check(name: str, x: torch.Tensor, T: int, D: int) -> None:
+    assert x.dim() == 3 and x.shape[0] == T and x.shape[2] == D, f"{name} {tuple(x.shape)}: want [{T}, H, {D}]"
+    assert x.stride(-1) == 1, f"{name} last dim not contiguous (strides {x.stride()})"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{name} dtype {x.dtype}"
+
+
+def rope_qk(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token positions [T] (one launch).
+
+    cos/sin fp32 [max_pos, D/2] from ``rope_cos_sin``; every position must be < max_pos.
+    inplace=True writes into q and k (strided views allowed) and returns them.
+    q None: k alone (when the attention kernel rotates q itself); returns (None, k_out).
+    """
+    k_only = q is None
+    if k_only:
+        q = k[:, :0]  # no heads: every program of the launch works on k
+    T, _, D = q.shape
+    _check("q", q, T, D)
+    _check("k", k, T, D)
+    assert D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2, f"head_dim {D}: D/2 must be a power of two"
+    assert positions.shape == (T,) and positions.dtype in (torch.int32, torch.int64), (
+        f"positions {positions.dtype} {positions.shape}: want int32/int64 [{T}]"
+    )
+    assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == D // 2, f"cos {cos.shape} sin {sin.shape}"
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    assert q.dtype == k.dtype, f"q {q.dtype} and k {k.dtype} must share a dtype"
+    for name, t in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
+        assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if T == 0:
+        return (None if k_only else q_out), k_out
+    Hq, Hkv = q.shape[1], k.shape[1]
+    BLOCK_H = min(8, triton.next_power_of_2(Hq + Hkv))
+    BLOCK_T = 4
+    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(Hq + Hkv, BLOCK_H))
+    _rope_kernel[grid](
+        q, k, q_out, k_out, positions, cos, sin,
+        T, Hq, Hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        HALF=D // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
+    )
+    return (None if k_only else q_out), k_out
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Plain-torch rotation of x [T, H, D] in fp32, rounded once to x's dtype."""
+    c = cos[positions.long()][:, None, :]
+    s = sin[positions.long()][:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -1,0 +1,302 @@
+"""Attention with sinks (prefill + decode split-KV) against plain-torch references.
+
+CPU: the same launchers through the Triton interpreter on small shapes; the kernels compute in fp32
+there (bf16 arithmetic is wrong in the interpreter) and bf16 stores truncate, so the kernel output
+must match the fp32 reference to within one bf16 ulp (rtol 1e-2 elementwise, 6e-3 on the norm).
+GPU: gpt-oss shapes; P is rounded to bf16 before the PV product, so 1e-2 on the norm and 3e-2
+elementwise (outputs are O(1) at most).
+"""
+
+import math
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.attention import PrefillConfig, attention_prefill, attention_prefill_ref, attention_ref
+from gptoss_fp8.kernels.attention_decode import attention_decode, attention_decode_ref
+from gptoss_fp8.kernels.rope import rope_cos_sin, rope_qk
+
+# the interpreter's own numpy deprecation noise
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+D = 64
+
+
+def _rand(*shape, device=DEV, gen=None):
+    return torch.randn(*shape, generator=gen, device="cpu").to(device=device, dtype=torch.bfloat16)
+
+
+def _qkv(T, hq, hkv, gen, device=DEV):
+    """Fresh random q [T, hq, D], k and v [T, hkv, D], bf16."""
+    q = _rand(T, hq, D, device=device, gen=gen)
+    return q, _rand(T, hkv, D, device=device, gen=gen), _rand(T, hkv, D, device=device, gen=gen)
+
+
+def _sinks(h, gen, device=DEV):
+    # uniform in [-10, 10], both ends included so extreme sinks are always exercised
+    s = torch.rand(h, generator=gen) * 20 - 10
+    s[0], s[-1] = -10.0, 10.0
+    return s.to(device=device, dtype=torch.bfloat16)
+
+
+def _cu(lens, device=DEV):
+    return torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32, device=device)
+
+
+def _check(out, ref, gpu: bool):
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    o, r = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(o).all(), "non-finite output (unwritten rows?)"
+    rel = ((o - r).norm() / r.norm()).item()
+    if gpu:
+        assert rel < 1e-2, f"relative error {rel:.2e}"
+        torch.testing.assert_close(o, r, atol=3e-2, rtol=3e-2)
+    else:
+        assert rel < 6e-3, f"relative error {rel:.2e}"
+        torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-2)
+
+
+def _fp32(*ts):
+    return [t.float() for t in ts]
+
+
+def _poison(*shape):
+    """Fill and free a NaN block of the output's size, so the launcher's torch.empty output likely
+    reuses it (the caching allocator): any element the kernel leaves unwritten then fails _check."""
+    x = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+    del x
+
+
+# ----------------------------------------------------------------------------- prefill, CPU
+PREFILL_CASES = [
+    # (sequence lengths, Hq, Hkv, window)
+    ([97], 4, 2, 0),  # one sequence, causal, GQA 2
+    ([37, 64, 5, 90], 4, 1, 16),  # ragged, window far smaller than the sequences, GQA 4
+    ([70, 33], 8, 8, 200),  # window larger than every sequence (= causal), MHA
+    ([130, 1], 2, 1, 40),  # a one-token sequence, window edge blocks
+    ([50, 80], 8, 1, 64),  # GQA 8 (gpt-oss ratio), window = two key blocks
+]
+
+
+@pytest.mark.parametrize("lens,hq,hkv,window", PREFILL_CASES)
+def test_prefill_cpu(lens, hq, hkv, window):
+    gen = torch.Generator().manual_seed(sum(lens) * 31 + hq + window)
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    cu = _cu(lens, device="cpu")
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window)
+    ref = attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window)
+    _check(out, ref, gpu=False)
+
+
+def test_prefill_tma_path_cpu():
+    """The tensor-descriptor K/V path (rows past a sequence come from the next one and are masked)."""
+    gen = torch.Generator().manual_seed(9)
+    lens, hq, hkv = [37, 64, 5, 90], 4, 2
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    cu = _cu(lens, device="cpu")
+    for window in (0, 16):
+        cfg = PrefillConfig(32, 16, 4, 1, use_tma=True)
+        out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=cfg)
+        _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
+
+
+def _fused_rope_case(device, gen, lens, hq, hkv, window, config=None):
+    """Fused q-rope (+ separate k rope) against rotating q and k first, on a ragged batch."""
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen, device=device)
+    sinks = _sinks(hq, gen, device=device)
+    cu = _cu(lens, device=device)
+    cos, sin = rope_cos_sin(max(lens), D, device=device)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+    q_r, k_r = rope_qk(q, k, pos, cos, sin)
+    none, k_r2 = rope_qk(None, k, pos, cos, sin)
+    assert none is None and torch.equal(k_r2, k_r)
+    fused = attention_prefill(q, k_r, v, sinks, cu, max(lens), sliding_window=window, config=config, rope=(cos, sin))
+    ref = attention_prefill_ref(*_fp32(q_r, k_r, v), sinks, cu, sliding_window=window)
+    return fused, ref
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_prefill_fused_q_rope_cpu(window):
+    fused, ref = _fused_rope_case("cpu", torch.Generator().manual_seed(4 + window), [33, 70, 1], 4, 2, window)
+    # the unfused path rounds rotated q to bf16 (1 ulp, truncating here) and the fused one does not
+    _check(fused, ref, gpu=True)
+
+
+def test_prefill_matches_openai_sdpa_cpu():
+    """Same function as gpt_oss.torch.model.sdpa (the reference model's attention)."""
+    sdpa = pytest.importorskip("gpt_oss.torch.model").sdpa
+    gen = torch.Generator().manual_seed(7)
+    T, hq, hkv = 75, 8, 2
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    for window in (0, 32):
+        out = attention_prefill(q, k, v, sinks, sliding_window=window)
+        ref = sdpa(*_fp32(q.view(T, hkv, hq // hkv, D), k, v), sinks.float(), 1 / math.sqrt(D), window).view(T, hq, D)
+        _check(out, ref, gpu=False)
+
+
+def test_prefill_single_sequence_path_cpu():
+    """cu_seqlens=None takes the non-ragged kernel path; it equals the one-sequence ragged call."""
+    gen = torch.Generator().manual_seed(12)
+    T, hq, hkv = 45, 4, 2
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    for window in (0, 16):
+        single = attention_prefill(q, k, v, sinks, sliding_window=window)
+        ragged = attention_prefill(q, k, v, sinks, _cu([T], device="cpu"), T, sliding_window=window)
+        assert torch.equal(single, ragged)
+
+
+def test_sink_extremes_cpu():
+    """Sinks at -10 (no effect) and +10 (dominates: output shrinks towards 0) per head."""
+    gen = torch.Generator().manual_seed(3)
+    T, hq, hkv = 40, 4, 1
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = torch.tensor([-10.0, -1.0, 1.0, 10.0])
+    out = attention_prefill(q, k, v, sinks).float()
+    ref = attention_ref(*_fp32(q, k, v), sinks)
+    _check(out.bfloat16(), ref, gpu=False)
+    no_sink = attention_ref(*_fp32(q, k, v), torch.full((hq,), -1e4))
+    assert out[:, 3].norm() < 0.5 * no_sink[:, 3].norm()  # the +10 sink takes most of the mass
+    torch.testing.assert_close(out[:, 0], no_sink[:, 0], atol=1e-3, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- decode, CPU
+DECODE_CASES = [
+    # (kv_lens, L_max, NQ, Hq, Hkv, window, num_splits)
+    ([200, 77], 200, 1, 8, 2, 0, None),  # one new token, auto splits (> 1 here)
+    ([150, 3], 160, 3, 8, 2, 0, 5),  # a sequence shorter than a split: empty splits merge to nothing
+    ([300, 40, 129], 300, 5, 4, 4, 32, None),  # window smaller than the cache, MHA
+    ([150], 150, 4, 8, 1, 16, 3),  # window: most splits see nothing
+    ([90], 100, 2, 4, 2, 200, 1),  # window larger than the cache, one split (direct output)
+    ([64, 100], 128, 16, 8, 1, 0, 2),  # 16 new tokens x 8 heads = 128 rows: several row tiles
+]
+
+
+@pytest.mark.parametrize("kv_lens,L,nq,hq,hkv,window,splits", DECODE_CASES)
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_cpu(kv_lens, L, nq, hq, hkv, window, splits, fused):
+    gen = torch.Generator().manual_seed(L * 7 + nq + window)
+    B = len(kv_lens)
+    q = _rand(B, nq, hq, D, device="cpu", gen=gen)
+    kc, vc = _rand(B, L, hkv, D, device="cpu", gen=gen), _rand(B, L, hkv, D, device="cpu", gen=gen)
+    sinks = _sinks(hq, gen, device="cpu")
+    kl = torch.tensor(kv_lens, dtype=torch.int32)
+    out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, num_splits=splits, fused_merge=fused)
+    ref = attention_decode_ref(*_fp32(q, kc, vc), kl, sinks, sliding_window=window)
+    _check(out, ref, gpu=False)
+
+
+def test_decode_split_count_invariant_cpu():
+    """1, 2, 7 splits give the same result: the sink is counted once whatever the split."""
+    gen = torch.Generator().manual_seed(11)
+    q = _rand(1, 2, 8, D, device="cpu", gen=gen)
+    kc, vc = _rand(1, 224, 1, D, device="cpu", gen=gen), _rand(1, 224, 1, D, device="cpu", gen=gen)
+    sinks = _sinks(8, gen, device="cpu")
+    kl = torch.tensor([224], dtype=torch.int32)
+    outs = [
+        attention_decode(q, kc, vc, kl, sinks, num_splits=s, fused_merge=f).float() for s in (1, 2, 7) for f in (True, False)
+    ]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-4, rtol=1e-2)
+    from gptoss_fp8.kernels import attention_decode as mod
+
+    assert not mod._COUNTERS[q.device].any(), "fused merge left its arrival counters non-zero"
+
+
+def test_decode_agrees_with_prefill_cpu():
+    """The last NQ rows of a prefill equal a decode of those NQ tokens against the cache."""
+    gen = torch.Generator().manual_seed(5)
+    T, nq, hq, hkv = 120, 4, 8, 2
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    for window in (0, 24):
+        pre = attention_prefill(q, k, v, sinks, sliding_window=window)[-nq:]
+        kl = torch.tensor([T], dtype=torch.int32)
+        dec = attention_decode(q[-nq:][None], k[None], v[None], kl, sinks, window, num_splits=3)[0]
+        torch.testing.assert_close(dec.float(), pre.float(), atol=1e-3, rtol=2e-2)
+
+
+def test_launcher_rejects_bad_inputs():
+    q = torch.zeros(8, 4, D, dtype=torch.bfloat16)
+    k = torch.zeros(8, 3, D, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="not a multiple"):
+        attention_prefill(q, k, k, torch.zeros(4))
+    with pytest.raises(AssertionError, match="bfloat16"):
+        attention_prefill(q.float(), k[:, :2].float(), k[:, :2].float(), torch.zeros(4))
+    with pytest.raises(AssertionError, match="contiguous"):
+        attention_prefill(q.transpose(0, 2).contiguous().transpose(0, 2), k[:, :2], k[:, :2], torch.zeros(4))
+
+
+# ----------------------------------------------------------------------------- GPU
+GPU_PREFILL_CASES = [
+    ([2048], 0),
+    ([2048], 128),
+    ([1, 127, 128, 129, 1000, 3001], 0),
+    ([1, 127, 128, 129, 1000, 3001], 128),
+    ([300, 700], 4096),  # window larger than the sequences
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,window", GPU_PREFILL_CASES)
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 2)])
+@pytest.mark.parametrize("config", [None, PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 3, use_tma=True)])
+def test_prefill_gpu(lens, window, hq, hkv, config):
+    gen = torch.Generator().manual_seed(sum(lens) + window + hq)
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    cu = _cu(lens)
+    _poison(T, hq, D)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=config)
+    ref = attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window)
+    _check(out, ref, gpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 128])
+def test_prefill_single_sequence_gpu(window):
+    """cu_seqlens=None (one sequence, no cu_seqlens tensor) with the default tiles, as the bench calls it."""
+    gen = torch.Generator().manual_seed(77 + window)
+    T, hq, hkv = 3001, 64, 8
+    q, k, v = _qkv(T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    _poison(T, hq, D)
+    out = attention_prefill(q, k, v, sinks, sliding_window=window)
+    _check(out, attention_ref(*_fp32(q, k, v), sinks, window), gpu=True)
+    ragged = attention_prefill(q, k, v, sinks, _cu([T]), T, sliding_window=window)
+    torch.testing.assert_close(out, ragged, atol=0, rtol=0)  # same arithmetic either way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 128])
+def test_prefill_fused_q_rope_gpu(window):
+    fused, ref = _fused_rope_case(DEV, torch.Generator().manual_seed(40 + window), [1000, 1, 3001, 64], 64, 8, window)
+    _check(fused, ref, gpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq", [1, 16, 64])
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize("splits,fused", [(None, True), (None, False), (1, True), (7, True), (33, True)])
+def test_decode_gpu(nq, window, splits, fused):
+    gen = torch.Generator().manual_seed(nq * 13 + window + (splits or 0))
+    kv_lens, L, hq, hkv = [5000, 64, 777], 5000, 64, 8
+    B = len(kv_lens)
+    q = _rand(B, nq, hq, D, gen=gen)
+    kc, vc = _rand(B, L, hkv, D, gen=gen), _rand(B, L, hkv, D, gen=gen)
+    sinks = _sinks(hq, gen)
+    kl = torch.tensor(kv_lens, dtype=torch.int32, device=DEV)
+    ref = attention_decode_ref(*_fp32(q, kc, vc), kl, sinks, sliding_window=window)
+    for _ in range(3):  # repeated calls: the merge counters must be left at zero, results stable
+        _poison(B, nq, hq, D)
+        out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, num_splits=splits, fused_merge=fused)
+        _check(out, ref, gpu=True)

@@ -1,0 +1,69 @@
+"""YaRN rope kernel against gpt-oss's RotaryEmbedding and a plain fp32 torch reference.
+
+The kernel computes in fp32 and rounds once; the interpreter truncates bf16 stores, so the bound
+against the fp32 reference is one bf16 ulp (rtol 1e-2). gpt-oss itself computes in bf16 with bf16
+cos/sin: against it, a few bf16 ulps (rtol 3e-2, atol 3e-2).
+"""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.rope import rope_cos_sin, rope_qk, rope_ref, yarn_concentration_inv_freq
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+YARN = dict(initial_context_length=4096, scaling_factor=32.0, ntk_alpha=1.0, ntk_beta=32.0)  # gpt-oss
+
+
+def _rand(*shape, gen):
+    return torch.randn(*shape, generator=gen).to(DEV, torch.bfloat16)
+
+
+def test_cos_sin_table_matches_openai():
+    model = pytest.importorskip("gpt_oss.torch.model")
+    re = model.RotaryEmbedding(64, 150000, torch.float32, **YARN)
+    conc, inv = re._compute_concentration_and_inv_freq()
+    conc2, inv2 = yarn_concentration_inv_freq()
+    assert conc == conc2 and torch.equal(inv, inv2)
+    cos, sin = re._compute_cos_sin(4096)
+    cos2, sin2 = rope_cos_sin(4096)
+    assert torch.equal(cos, cos2) and torch.equal(sin, sin2)
+
+
+def test_rope_matches_openai():
+    model = pytest.importorskip("gpt_oss.torch.model")
+    gen = torch.Generator().manual_seed(0)
+    T = 61
+    re = model.RotaryEmbedding(64, 150000, torch.float32, **YARN)
+    q, k = _rand(T, 8, 64, gen=gen), _rand(T, 2, 64, gen=gen)
+    cos, sin = rope_cos_sin(T, device=DEV)
+    qo, ko = rope_qk(q, k, torch.arange(T, device=DEV), cos, sin)
+    qr, kr = re(q.cpu().view(T, 2, 4, 64), k.cpu())
+    torch.testing.assert_close(qo.float().cpu(), qr.float().view(T, 8, 64), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(ko.float().cpu(), kr.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_rope_positions_strided_inplace():
+    """Arbitrary positions (ragged / decode) on views into a fused qkv buffer, in place; v untouched."""
+    gen = torch.Generator().manual_seed(1)
+    T, hq, hkv = 37, 8, 2
+    cos, sin = rope_cos_sin(131072, device=DEV)
+    pos = torch.randint(0, 131072, (T,), generator=gen).to(DEV)
+    qkv = _rand(T, hq + 2 * hkv, 64, gen=gen)
+    qv, kv, vv = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    want_q, want_k, v0 = rope_ref(qv.float(), pos, cos, sin), rope_ref(kv.float(), pos, cos, sin), vv.clone()
+    rope_qk(qv, kv, pos, cos, sin, inplace=True)
+    torch.testing.assert_close(qv.float(), want_q, atol=1e-4, rtol=1e-2)
+    torch.testing.assert_close(kv.float(), want_k, atol=1e-4, rtol=1e-2)
+    assert torch.equal(vv, v0)
+
+
+@pytest.mark.gpu
+def test_rope_gpu_long():
+    gen = torch.Generator().manual_seed(2)
+    T = 8192
+    cos, sin = rope_cos_sin(T, device=DEV)
+    q, k = _rand(T, 64, 64, gen=gen), _rand(T, 8, 64, gen=gen)
+    pos = torch.arange(T, device=DEV)
+    qo, ko = rope_qk(q, k, pos, cos, sin)
+    torch.testing.assert_close(qo.float(), rope_ref(q.float(), pos, cos, sin), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ko.float(), rope_ref(k.float(), pos, cos, sin), atol=1e-2, rtol=1e-2)
