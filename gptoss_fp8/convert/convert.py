@@ -399,6 +399,7 @@ def convert_checkpoint(
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GptOssFp8Error(f"--device {device}: no CUDA GPU is visible; use --device cpu")
     opts = ConvertOptions(ScaleMode(scale_mode), keep_attention_bf16, device, shard_bytes, chunk_bytes)
+    dev_is_cpu = torch.device(device).type == "cpu"
     src = SourceCheckpoint.open(src_path)
     validate_layout(src.config, tp, ep)
     if dst.resolve() == src.root.resolve():
@@ -479,6 +480,11 @@ def convert_checkpoint(
                 w = writers[f.rel] = StreamingWriter(dst / f.rel, [(t.name, t.dtype, t.shape) for t in f.tensors], meta)
             w.write(name, t)
 
+        threads = torch.get_num_threads()
+        if dev_is_cpu:
+            # The parallelism is ours (expert bands on a pool, a writer thread); intra-op threads
+            # on top only spin-wait against them on a small machine.
+            torch.set_num_threads(1)
         try:
             for cur in todo:
                 job = jobs[cur]
@@ -499,6 +505,8 @@ def convert_checkpoint(
             for w in writers.values():
                 w.abort()
             raise
+        finally:
+            torch.set_num_threads(threads)
 
         report = _merge_stats([finished[f.rel]["stats"] for f in all_files])
         _write_metadata_files(dst, src, opts, jobs, files, plans, finished, report, tp, ep, source)
