@@ -26,7 +26,6 @@ An all-zero block gets scale 1.0 in both modes. Finite input never yields NaN or
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 
@@ -80,14 +79,24 @@ def amax_scale_for_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
-def block_amax(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Max |w| over each 128x128 block: [..., N, K] -> [..., ceil(N/128), ceil(K/128)] float32."""
+def _blocked(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """[..., N, K] -> zero-padded view [..., nb, 128, kb, 128] (a copy only when padding is needed)."""
     *lead, n, k = w.shape
     nb, kb = scale_grid(n, k, block)
-    a = w.float().abs()
-    a = torch.nn.functional.pad(a, (0, kb * block - k, 0, nb * block - n))
-    a = a.reshape(*lead, nb, block, kb, block)
-    return a.amax(dim=(-3, -1))
+    if nb * block != n or kb * block != k:
+        w = torch.nn.functional.pad(w, (0, kb * block - k, 0, nb * block - n))
+    return w.reshape(*lead, nb, block, kb, block)
+
+
+def _unblocked(wb: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of _blocked: [..., nb, 128, kb, 128] -> [..., N, K]."""
+    *lead, nb, b1, kb, b2 = wb.shape
+    return wb.reshape(*lead, nb * b1, kb * b2)[..., :n, :k]
+
+
+def block_amax(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Max |w| over each 128x128 block: [..., N, K] -> [..., ceil(N/128), ceil(K/128)] float32."""
+    return _blocked(w, block).abs().amax(dim=(-3, -1)).float()
 
 
 def expand_blocks(s: torch.Tensor, n: int, k: int, block: int = BLOCK) -> torch.Tensor:
@@ -106,10 +115,11 @@ def quantize_weight_blocks(
     assert w.dim() >= 2, f"weight must be at least 2-D, got {tuple(w.shape)}"
     mode = ScaleMode(mode)
     n, k = w.shape[-2:]
-    amax = block_amax(w, block)
+    wb = _blocked(w.float(), block)  # [..., nb, 128, kb, 128]
+    amax = wb.abs().amax(dim=(-3, -1))
     scale = pow2_scale_for_amax(amax) if mode is ScaleMode.pow2 else amax_scale_for_amax(amax)
-    q = to_fp8_saturating(w.float() / expand_blocks(scale, n, k, block))
-    return q, scale
+    q = to_fp8_saturating(wb / scale[..., :, None, :, None])
+    return _unblocked(q, n, k).contiguous(), scale
 
 
 def dequantize_weight_blocks(
@@ -120,7 +130,8 @@ def dequantize_weight_blocks(
     assert scale_inv.shape[-2:] == scale_grid(n, k, block), (
         f"scale grid {tuple(scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
     )
-    return (w_fp8.float() * expand_blocks(scale_inv.float(), n, k, block)).to(dtype)
+    wb = _blocked(w_fp8.float(), block) * scale_inv.float()[..., :, None, :, None]
+    return _unblocked(wb, n, k).to(dtype)
 
 
 def quantize_act(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +179,15 @@ def block_gemm_reference(
 
 
 def fp8_exact_fraction(reconstructed: torch.Tensor, original: torch.Tensor) -> tuple[int, float]:
-    """(count of elements reconstructed bit-exactly, max relative error) of a round trip."""
-    r, o = reconstructed.double(), original.double()
-    exact = int((r == o).sum())
+    """(count of elements reconstructed bit-exactly, max relative error) of a round trip.
+
+    float32 is enough: both sides are exact in it (fp8 x power of two, bf16, MXFP4 values).
+    """
+    r, o = reconstructed.float(), original.float()
+    err = (r - o).abs_()
+    exact = int((err == 0).sum())
+    if exact == err.numel():
+        return exact, 0.0
     denom = o.abs()
-    err = (r - o).abs()
-    rel = torch.where(denom > 0, err / denom.clamp(min=math.ldexp(1.0, -1074)), err)
-    return exact, float(rel.max()) if rel.numel() else 0.0
+    rel = torch.where(denom > 0, err / denom.clamp(min=torch.finfo(torch.float32).tiny), err)
+    return exact, float(rel.max())
