@@ -1,8 +1,118 @@
-"""``gptoss-fp8 verify-logits``."""
+"""``gptoss-fp8 verify-logits``: the FP8 forward pass against OpenAI's reference logits."""
 
 from __future__ import annotations
 
+import enum
+import json
+from pathlib import Path
+from typing import Annotated
 
-def verify_logits() -> None:
-    """(being written)"""
-    raise NotImplementedError
+import typer
+
+from gptoss_fp8.cli.common import user_errors
+from gptoss_fp8.errors import GptOssFp8Error
+
+
+class Mode(str, enum.Enum):
+    weights = "weights"
+    w8a8 = "w8a8"
+    both = "both"
+
+
+class Device(str, enum.Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+def read_tokens(path: Path):
+    """A JSON list of token ids -> int64 tensor [T]."""
+    import torch
+
+    try:
+        ids = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GptOssFp8Error(f"{path}: no such tokens file; pass a JSON list of token ids") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GptOssFp8Error(f"{path}: invalid JSON ({e}); pass a JSON list of token ids") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise GptOssFp8Error(f"{path}: expected a non-empty JSON list of non-negative integer token ids")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@user_errors
+def verify_logits(
+    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
+    reference: Annotated[Path, typer.Option(help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
+    tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run.")] = None,
+    prompt: Annotated[str | None, typer.Option(help="Text, rendered as a Harmony chat (openai-harmony, offline).")] = None,
+    mode: Annotated[Mode, typer.Option(help="weights: FP8 weights dequantized, bf16 activations; w8a8: FP8 activations too.")] = Mode.both,
+    tp: Annotated[int | None, typer.Option(min=1, help="Tensor-parallel processes (default: the checkpoint's layout.json; must match it).")] = None,
+    ep: Annotated[int | None, typer.Option(min=1, help="Expert-parallel groups, dividing tp (default: the checkpoint's layout).")] = None,
+    device: Annotated[Device, typer.Option(help="Where the forward passes run.")] = Device.cpu,
+    json_report: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
+    dump_logits: Annotated[Path | None, typer.Option(help="Write our logits (safetensors, key 'logits', float32 [T, V]); FILE.<mode>.safetensors per mode with --mode both.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of per-layer errors and per-position KL (needs matplotlib).")] = None,
+    save_reference: Annotated[Path | None, typer.Option(help="Also save the reference logits and hidden states here, to reuse with --reference FILE.")] = None,
+    max_kl_mean: Annotated[float | None, typer.Option(help="Override: largest mean KL(ref||ours), nats.")] = None,
+    max_kl: Annotated[float | None, typer.Option(help="Override: largest KL at any position, nats.")] = None,
+    min_top1: Annotated[float | None, typer.Option(help="Override: smallest top-1 agreement (0..1).")] = None,
+    layer_rel_err: Annotated[float | None, typer.Option(help="Override: hidden-state relative error that marks a layer as diverging.")] = None,
+) -> None:
+    """Compare the FP8 checkpoint's logits with OpenAI's reference on the source; exit 1 on failure."""
+    from gptoss_fp8.model.config import GptOssConfig
+    from gptoss_fp8.verify import run
+    from gptoss_fp8.verify.reference import reference_for, save_reference as save_ref
+
+    if tokens is not None and prompt is not None:
+        raise GptOssFp8Error("pass --tokens or --prompt, not both")
+    if not (Path(ckpt) / "config.json").is_file():
+        raise GptOssFp8Error(f"{ckpt}: no config.json; point at a converted checkpoint directory")
+    cfg = GptOssConfig.from_file(Path(ckpt) / "config.json")
+    from gptoss_fp8.model.gptoss import resolve_layout
+
+    tp, ep = resolve_layout(Path(ckpt), tp, ep)
+    ids, tokens_from = None, "reference file"
+    if tokens is not None:
+        ids, tokens_from = read_tokens(tokens), f"--tokens {tokens}"
+    elif prompt is not None:
+        import torch
+
+        from gptoss_fp8.verify.prompt import render_prompt
+
+        ids, tokens_from = torch.tensor(render_prompt(prompt), dtype=torch.long), "--prompt (Harmony)"
+    if ids is not None and int(ids.max()) >= cfg.vocab_size:
+        raise GptOssFp8Error(f"token id {int(ids.max())} >= vocab_size {cfg.vocab_size} of {ckpt}; "
+                             "use token ids the model has (--prompt needs the real 201088-token vocabulary)")
+    modes = ["weights", "w8a8"] if mode is Mode.both else [mode.value]
+    overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err}
+
+    if run.under_torchrun():
+        report, outputs, ref = run.verify_under_torchrun(ckpt, reference, ids, modes=modes, ep=ep, device=device.value,
+                                                         overrides=overrides, tokens_from=tokens_from,
+                                                         save_reference=save_reference)
+        if outputs is None:  # ranks > 0: same exit status as rank 0, no output
+            raise typer.Exit(0 if report["passed"] else 1)
+    else:
+        rounding, exact = run.rounding_for(Path(ckpt))
+        ref = reference_for(reference, ids, device.value, None if exact else rounding)
+        if save_reference is not None:
+            save_ref(ref, save_reference)
+            typer.echo(f"reference saved to {save_reference}")
+        report, outputs = run.verify_checkpoint(ckpt, ref, modes=modes, tp=tp, ep=ep, device=device.value,
+                                                overrides=overrides, tokens_from=tokens_from)
+    for line in run.summary_lines(report):
+        typer.echo(line)
+    if json_report is not None:
+        json_report.parent.mkdir(parents=True, exist_ok=True)
+        json_report.write_text(json.dumps(report, indent=1) + "\n")
+        typer.echo(f"report: {json_report}")
+    if dump_logits is not None:
+        for p in run.dump_logits(outputs, dump_logits, ref.tokens):
+            typer.echo(f"logits: {p}")
+    if plot is not None:
+        from gptoss_fp8.verify.plot import plot_report
+
+        plot_report(report, plot)
+        typer.echo(f"plot: {plot}")
+    if not report["passed"]:
+        raise typer.Exit(1)

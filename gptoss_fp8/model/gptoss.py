@@ -1,0 +1,353 @@
+"""The gpt-oss forward pass over FP8 (or bf16) checkpoints, unsharded or tensor/expert parallel.
+
+Buffer names are the checkpoint's tensor names (``model.layers.3.self_attn.q_proj.weight``...), so
+loading is one loop over ``named_buffers()`` with a shape and dtype check per tensor. Numerics
+follow OpenAI's ``gpt_oss/torch/model.py`` op for op (see model/ops.py for the backends):
+RMSNorm in fp32, YaRN RoPE with concentration, sinks as an extra softmax column, sliding window
+on ``sliding_attention`` layers, router top-k (sorted) + softmax over the selected logits in bf16,
+clamped SwiGLU with +1 on the interleaved linear half, expert biases, bf16 residual stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.config import GptOssConfig, read_config_json
+from gptoss_fp8.model.ops import ReferenceOps
+from gptoss_fp8.model.parallel import SINGLE, Parallel
+from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
+
+from gptoss_fp8.convert.convert import LAYOUT_NAME  # noqa: E402  (the converter owns the file names)
+from gptoss_fp8.convert.layout import ATTENTION_MODULES  # noqa: E402
+from gptoss_fp8.convert.source import INDEX_NAME  # noqa: E402
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def _spec(module: nn.Module, name: str, shape: tuple[int, ...] | None, dtype: torch.dtype) -> None:
+    """Declare a tensor the checkpoint must provide (shape None: absent on this rank)."""
+    module.register_buffer(name, None if shape is None else torch.empty(shape, dtype=dtype, device="meta"))
+
+
+class Linear(nn.Module):
+    def __init__(self, n: int, k: int, *, fp8: bool, bias: bool = True):
+        super().__init__()
+        _spec(self, "weight", (n, k), FP8_DTYPE if fp8 else BF16)
+        _spec(self, "weight_scale_inv", scale_grid(n, k) if fp8 else None, F32)
+        _spec(self, "bias", (n,) if bias else None, BF16)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        _spec(self, "weight", (h,), F32)  # the reference holds norm scales in fp32
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GptOssConfig, par: Parallel, fp8: bool):
+        super().__init__()
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.n_heads, self.n_kv = local_heads(cfg, par)
+        self.q_proj = Linear(self.n_heads * d, h, fp8=fp8)
+        self.k_proj = Linear(self.n_kv * d, h, fp8=fp8)
+        self.v_proj = Linear(self.n_kv * d, h, fp8=fp8)
+        self.o_proj = Linear(h, self.n_heads * d, fp8=fp8, bias=par.owns_row_bias)  # bias once: rank 0
+        _spec(self, "sinks", (self.n_heads,), BF16)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: GptOssConfig, par: Parallel):
+        super().__init__()
+        e, i, h = local_experts(cfg, par)
+        _spec(self, "gate_up_proj", (e, 2 * i, h), FP8_DTYPE)
+        _spec(self, "gate_up_proj_scale_inv", (e, *scale_grid(2 * i, h)), F32)
+        _spec(self, "gate_up_proj_bias", (e, 2 * i), BF16)
+        _spec(self, "down_proj", (e, h, i), FP8_DTYPE)
+        _spec(self, "down_proj_scale_inv", (e, *scale_grid(h, i)), F32)
+        _spec(self, "down_proj_bias", (e, h) if par.owns_expert_bias else None, BF16)
+        self.first_expert = par.expert_group * e
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GptOssConfig, par: Parallel):
+        super().__init__()
+        self.router = Linear(cfg.num_local_experts, cfg.hidden_size, fp8=False)
+        self.experts = Experts(cfg, par)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: GptOssConfig, par: Parallel, idx: int, attn_fp8: bool):
+        super().__init__()
+        self.idx = idx
+        self.window = cfg.sliding_window if cfg.layer_types[idx] == "sliding_attention" else 0
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.self_attn = Attention(cfg, par, attn_fp8)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+        self.mlp = MLP(cfg, par)
+
+
+class Embedding(nn.Module):
+    def __init__(self, v: int, h: int):
+        super().__init__()
+        _spec(self, "weight", (v, h), BF16)
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: GptOssConfig, par: Parallel, attn_fp8: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Layer(cfg, par, i, attn_fp8) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size)
+
+
+def local_heads(cfg: GptOssConfig, par: Parallel) -> tuple[int, int]:
+    """(q heads, kv heads) held by one rank; kv heads are replicated when tp > kv heads."""
+    return cfg.num_attention_heads // par.tp, max(1, cfg.num_key_value_heads // par.tp)
+
+
+def local_experts(cfg: GptOssConfig, par: Parallel) -> tuple[int, int, int]:
+    """(experts, intermediate size, hidden) held by one rank."""
+    return cfg.num_local_experts // par.ep, cfg.intermediate_size // par.parts, cfg.hidden_size
+
+
+def check_parallel(cfg: GptOssConfig, par: Parallel, where: str = "") -> None:
+    """One-line errors for tp / ep values this model cannot be split into."""
+    h, kv, e, i = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts, cfg.intermediate_size
+    bad = []
+    if h % par.tp:
+        bad.append(f"{h} attention heads are not divisible by tp {par.tp}")
+    if kv % par.tp and par.tp % kv:
+        bad.append(f"{kv} kv heads and tp {par.tp} do not divide one another")
+    if e % par.ep:
+        bad.append(f"{e} experts are not divisible by ep {par.ep}")
+    if i % par.parts:
+        bad.append(f"intermediate size {i} is not divisible by tp/ep = {par.parts}")
+    if bad:
+        raise GptOssFp8Error(f"{where}{'; '.join(bad)}; choose another --tp/--ep")
+
+
+class GptOss(nn.Module):
+    """gpt-oss causal LM for one rank. ``forward(tokens) -> logits`` (bf16 [T, V], replicated)."""
+
+    def __init__(self, cfg: GptOssConfig, par: Parallel = SINGLE, *, attn_fp8: bool = True):
+        super().__init__()
+        check_parallel(cfg, par)
+        self.cfg, self.par, self.attn_fp8 = cfg, par, attn_fp8
+        self.model = Body(cfg, par, attn_fp8)
+        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, fp8=False, bias=False)
+
+    # ------------------------------------------------------------------------------------------
+    def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor this rank needs: name -> (shape, dtype)."""
+        return {n: (tuple(b.shape), b.dtype) for n, b in self.named_buffers()}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], where: str, device: str | torch.device = "cpu") -> None:
+        """Fill the buffers from ``tensors`` (checkpoint names), checking shapes and dtypes."""
+        for name, (shape, dtype) in self.expected().items():
+            t = tensors.get(name)
+            if t is None:
+                raise GptOssFp8Error(f"{where}: tensor {name} is missing{_layer_of(name)}; re-run the conversion")
+            if tuple(t.shape) != shape:
+                raise GptOssFp8Error(
+                    f"{where}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} for this config"
+                    f"{'' if self.par.world == 1 else f' (rank {self.par.rank} of tp {self.par.tp}, ep {self.par.ep})'}"
+                    "; is config.json the one the weights were converted with?"
+                )
+            if (dtype == FP8_DTYPE) != (t.dtype == FP8_DTYPE) or (dtype == F32 and name.endswith("scale_inv") and t.dtype != F32):
+                raise GptOssFp8Error(f"{where}: tensor {name} is {t.dtype}, expected {dtype}; re-run the conversion")
+            mod_name, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(mod_name), attr, t.to(device=device, dtype=dtype))
+
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, ops: ReferenceOps | None = None,
+                capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens int [T] -> logits bf16 [T, V]. ``capture`` (if given) receives the residual stream
+        after each layer's attention (``"{i}.attn"``) and MLP (``"{i}.mlp"``), bf16 [T, H], and the
+        router logits (``"{i}.router"``, bf16 [T, E])."""
+        ops = ops or ReferenceOps()
+        cfg = self.cfg
+        x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
+        cos, sin = rope_cos_sin(cfg, tokens.shape[0], x.device)
+        for layer in self.model.layers:
+            x = self._attention(layer, x, cos, sin, ops)
+            if capture is not None:
+                capture[f"{layer.idx}.attn"] = x
+            x = self._moe(layer, x, ops, capture)
+            if capture is not None:
+                capture[f"{layer.idx}.mlp"] = x
+        x = ops.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
+        return ops.linear(x, self.lm_head.weight, None, None)
+
+    def _attention(self, layer: Layer, x: torch.Tensor, cos, sin, ops: ReferenceOps) -> torch.Tensor:
+        a, d = layer.self_attn, self.cfg.head_dim
+        t = ops.rms_norm(x, layer.input_layernorm.weight, self.cfg.rms_norm_eps)
+        q = ops.linear(t, a.q_proj.weight, a.q_proj.weight_scale_inv, a.q_proj.bias)  # [T, Hl * D]
+        k = ops.linear(t, a.k_proj.weight, a.k_proj.weight_scale_inv, a.k_proj.bias)  # [T, KVl * D]
+        v = ops.linear(t, a.v_proj.weight, a.v_proj.weight_scale_inv, a.v_proj.bias)
+        n = x.shape[0]
+        q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
+        k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
+        o = ops.attention(q, k, v.view(n, a.n_kv, d), a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+        # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
+        o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
+        return x + ops.all_reduce(o, self.par).to(x.dtype)
+
+    def _partial_dtype(self) -> torch.dtype:
+        return F32 if self.par.world > 1 else BF16
+
+    def _moe(self, layer: Layer, x: torch.Tensor, ops: ReferenceOps, capture: dict | None = None) -> torch.Tensor:
+        m = layer.mlp
+        t = ops.rms_norm(x, layer.post_attention_layernorm.weight, self.cfg.rms_norm_eps)
+        g = ops.linear(t, m.router.weight, None, m.router.bias)  # [T, E] bf16, replicated
+        if capture is not None:
+            capture[f"{layer.idx}.router"] = g
+        top = torch.topk(g, k=self.cfg.num_experts_per_tok, dim=-1, sorted=True)
+        weights = torch.softmax(top.values, dim=1)  # [T, k] bf16
+        ex = dict(m.experts.named_buffers(recurse=False))
+        ex.setdefault("down_proj_bias", None)
+        y, yb = ops.expert_ffn(t, top.indices, ex, m.experts.first_expert, self.cfg.swiglu_limit,
+                               partial=self.par.parts > 1)  # [T, k, H] f32 each
+        if yb is None:  # whole experts per rank: each (token, slot) is computed by exactly one rank
+            y = ops.all_reduce(y, self.par).to(x.dtype)
+        else:  # intermediate dim split: sum the partial products, round, then add the bias once
+            both = ops.all_reduce(torch.stack([y, yb]), self.par)
+            y = ops.add_bias_after_sum(both[0], both[1])
+        return x + torch.einsum("bec,be->bc", y, weights)
+
+
+def _layer_of(name: str) -> str:
+    parts = name.split(".")
+    return f" (layer {parts[2]})" if len(parts) > 2 and parts[1] == "layers" else ""
+
+
+def rope_cos_sin(cfg: GptOssConfig, n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """YaRN cos / sin, float32 [n, head_dim / 2], concentration folded in (as the reference)."""
+    rs = cfg.rope_scaling or {}
+    base, d = cfg.rope_theta, cfg.head_dim
+    factor = float(rs.get("factor", 1.0))
+    ctx = int(rs.get("original_max_position_embeddings", cfg.initial_context_length))
+    alpha, beta = float(rs.get("beta_slow", 1.0)), float(rs.get("beta_fast", 32.0))
+    freq = base ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d)
+    if factor > 1.0:
+        concentration = 0.1 * math.log(factor) + 1.0
+        d_half = d / 2
+        low = d_half * math.log(ctx / (beta * 2 * math.pi)) / math.log(base)
+        high = d_half * math.log(ctx / (alpha * 2 * math.pi)) / math.log(base)
+        if not 0 < low < high < d_half - 1:
+            raise GptOssFp8Error(
+                f"rope: YaRN ramp bounds {low:.3f}..{high:.3f} do not fit head_dim {d} "
+                "(needs 0 < low < high < head_dim/2 - 1); check head_dim and rope_scaling in config.json"
+            )
+        interpolation = 1.0 / (factor * freq)
+        extrapolation = 1.0 / freq
+        ramp = (torch.arange(d_half, dtype=torch.float32, device=device) - low) / (high - low)
+        mask = 1 - ramp.clamp(0, 1)
+        inv_freq = interpolation * (1 - mask) + extrapolation * mask
+    else:
+        concentration, inv_freq = 1.0, 1.0 / freq
+    t = torch.arange(n, dtype=torch.float32, device=device)
+    freqs = torch.einsum("i,j->ij", t, inv_freq)
+    return freqs.cos() * concentration, freqs.sin() * concentration
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def attention_is_fp8(raw_config: dict) -> bool:
+    """Whether the checkpoint's attention projections are FP8 (recorded in quantization_config)."""
+    q = raw_config.get("quantization_config") or {}
+    if q.get("quant_method") != "fp8":
+        return False
+    return ATTENTION_MODULES not in q.get("modules_to_not_convert", [])
+
+
+def read_tensors(ckpt: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of an unsharded checkpoint directory (index json, or one model.safetensors)."""
+    from safetensors import safe_open
+
+    index = ckpt / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise GptOssFp8Error(f"{index}: not a valid safetensors index (no weight_map); re-run the conversion") from None
+    elif (ckpt / "model.safetensors").is_file():
+        with safe_open(ckpt / "model.safetensors", framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise GptOssFp8Error(f"{ckpt}: no {INDEX_NAME} or model.safetensors; point at a converted checkpoint directory")
+    wanted = list(weight_map) if names is None else [n for n in names if n in weight_map]
+    by_file: dict[str, list[str]] = {}
+    for n in wanted:
+        by_file.setdefault(weight_map[n], []).append(n)
+    out = {}
+    for fname, keys in by_file.items():
+        path = ckpt / fname
+        if not path.is_file():
+            raise GptOssFp8Error(f"{index}: points at missing file {fname}; re-run the conversion")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for k in keys:
+                    out[k] = f.get_tensor(k)
+        except Exception as e:  # safetensors raises its own types for truncated/corrupt files
+            raise GptOssFp8Error(f"{path}: cannot read ({e}); the file is truncated or corrupt, re-run the conversion") from None
+    return out
+
+
+def load_model(ckpt: Path, par: Parallel = SINGLE, device: str | torch.device = "cpu") -> GptOss:
+    """Build this rank's model from a converted checkpoint directory (sharded loads via the shard plan)."""
+    ckpt = Path(ckpt)
+    raw = read_config_json(ckpt / "config.json")
+    cfg = GptOssConfig.from_dict(raw, str(ckpt / "config.json"))
+    model = GptOss(cfg, par, attn_fp8=attention_is_fp8(raw))
+    where = str(ckpt)
+    if par.world == 1 and not (ckpt / LAYOUT_NAME).is_file():
+        tensors = read_tensors(ckpt, list(model.expected()))  # an FP8 checkpoint not written by us
+    else:
+        tensors = load_rank_tensors(ckpt, par)
+        where = f"{ckpt} (rank {par.rank})"
+    model.load_tensors(tensors, where, device)
+    return model
+
+
+def checkpoint_layout(ckpt: Path) -> tuple[int, int]:
+    """(tp, ep) a checkpoint was converted for, from its layout.json ((1, 1) without one)."""
+    p = Path(ckpt) / LAYOUT_NAME
+    if not p.is_file():
+        return 1, 1
+    try:
+        d = json.loads(p.read_text())
+        return int(d["tp"]), int(d["ep"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise GptOssFp8Error(f"{p}: not a valid layout manifest (no tp/ep); re-run the conversion") from None
+
+
+def resolve_layout(ckpt: Path, tp: int | None, ep: int | None) -> tuple[int, int]:
+    """The (tp, ep) to run: the checkpoint's, which explicit --tp/--ep must match."""
+    ctp, cep = checkpoint_layout(ckpt)
+    if (tp is not None and tp != ctp) or (ep is not None and ep != cep):
+        raise GptOssFp8Error(
+            f"{ckpt}: converted for --tp {ctp} --ep {cep}, asked to run --tp {tp or ctp} --ep {ep or cep}; "
+            f"pass --tp {ctp} --ep {cep}, or convert again with the layout you want"
+        )
+    return ctp, cep
+
+
+def load_rank_tensors(ckpt: Path, par: Parallel) -> dict[str, torch.Tensor]:
+    """This rank's tensors, through the shard plan's manifest (convert/shard.py)."""
+    ctp, cep = checkpoint_layout(ckpt)
+    if (ctp, cep) != (par.tp, par.ep):
+        raise GptOssFp8Error(f"{ckpt}: converted for tp {ctp} / ep {cep}, not tp {par.tp} / ep {par.ep}; "
+                             "convert again with that --tp/--ep")
+    from gptoss_fp8.convert.sharded import load_rank
+
+    # Checks sizes, sha256 and every header against layout.json before anything is used.
+    return load_rank(ckpt, par.rank)
