@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,9 +203,9 @@ def _run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], 
             rows = info.shape[0] if info.shape else 1
             row_bytes = max(1, info.nbytes // max(rows, 1))
             step = max(1, opts.chunk_bytes // row_bytes)
-            for a in range(0, rows, step):
-                b = min(rows, a + step)
-                t = src.read(job.source, a, b) if info.shape else src.read(job.source)
+            ranges = [(a, min(rows, a + step)) for a in range(0, rows, step)]
+            reads = (lambda a=a, b=b: src.read(job.source, a, b) if info.shape else src.read(job.source) for a, b in ranges)
+            for (a, b), t in zip(ranges, _read_ahead(reads)):
                 for r, _ in holders:
                     write(r, wname, t)
                 progress(row_bytes * (b - a))
@@ -233,13 +234,15 @@ def _run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], 
     step = max(1, opts.chunk_bytes // per_expert)
     acc = {r: ExactStats() for r, _ in holders}
     scale_chunks: dict[int, list[torch.Tensor]] = {r: [] for r, _ in holders}
+    chunks = []
     for a in range(0, e, step):
         b = min(e, a + step)
         need = [(r, sl) for r, sl in holders if _dim_range(sl, 0, e)[0] < b and _dim_range(sl, 0, e)[1] > a]
-        if not need:
-            continue
-        blocks = src.read(job.source, a, b).to(dev)
-        scales = src.read(sinfo.name, a, b).to(dev)
+        if need:
+            chunks.append((a, b, need))
+    reads = (lambda a=a, b=b: (src.read(job.source, a, b), src.read(sinfo.name, a, b)) for a, b, _ in chunks)
+    for (a, b, need), (blocks, scales) in zip(chunks, _read_ahead(reads)):
+        blocks, scales = blocks.to(dev), scales.to(dev)
         bad = nan_scale_count(scales)
         if bad:
             raise GptOssFp8Error(
@@ -260,6 +263,22 @@ def _run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], 
     for r, _ in holders:
         stats[r].add(wname, acc[r])
         write(r, sname, torch.cat(scale_chunks[r]))
+
+
+def _read_ahead(reads: Iterator[Callable[[], object]]) -> Iterator[object]:
+    """Results of the read callables in order, the next one running on a thread meanwhile.
+
+    Disk reads then overlap the conversion and the writer thread; at most two chunks are held.
+    """
+    with ThreadPoolExecutor(1) as ex:
+        pending = None
+        for fn in reads:
+            nxt = ex.submit(fn)
+            if pending is not None:
+                yield pending.result()
+            pending = nxt
+        if pending is not None:
+            yield pending.result()
 
 
 def _dim_range(sl: Slice, dim: int, full: int | None) -> tuple[int, int] | None:
