@@ -55,3 +55,32 @@ def kernels(
         rows += suite_rows
     if json_out is not None:
         json_out.write_text(json.dumps(rows, indent=1))
+
+
+@app.command("prefill")
+@user_errors
+def prefill(
+    model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
+    tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "8192,32768",
+    layers: Annotated[int | None, typer.Option(help="Build only the first N layers (latency also scaled to the full depth).")] = None,
+    runs: Annotated[int, typer.Option(help="Timed runs per length (median reported).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed runs first (kernel compilation).")] = 2,
+    moe_chunk: Annotated[int, typer.Option(help="Tokens per MoE call (bounds activation memory).")] = 32768,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+) -> None:
+    """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
+    at real shapes built on the GPU; beside the seed's figures, with a per-part breakdown."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GptOssFp8Error("bench prefill needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    if model not in ("20b", "120b"):
+        raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
+    token_list = [int(t) for t in tokens.split(",") if t.strip()]
+    if not token_list or min(token_list) < 1:
+        raise GptOssFp8Error(f"--tokens {tokens!r}: give positive comma-separated lengths")
+    from gptoss_fp8.bench.prefill import bench as run_prefill
+
+    rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, echo=typer.echo)
+    if json_out is not None:
+        json_out.write_text(json.dumps(rows, indent=1))

@@ -178,4 +178,5 @@ def get_ops(name: str) -> ReferenceOps:
         return ReferenceOps()
     if name == "w8a8-cpu":
         return W8A8CpuOps()
+    if name == "triton": from gptoss_fp8.model.triton_ops import TritonOps; return TritonOps()  # GPU kernels
     raise ValueError(f"unknown ops backend {name!r}")

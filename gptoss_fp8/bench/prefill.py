@@ -1,0 +1,232 @@
+"""``gptoss-fp8 bench prefill``: batch-1 prefill latency of the whole model on our kernels (issue 8).
+
+Latency = prompt in, first-token logits out: the model's own layer code (``GptOss._attention`` /
+``GptOss._moe``) with the ``triton`` ops backend, then the final norm and lm_head on the LAST
+position only; weights already resident on the GPU; median of several runs after warm-up.
+
+The model is built directly on the GPU at real shapes from a synthetic preset's config (20b / 120b)
+with random FP8 weights (no disk): FP8 values ~ N(0, 32^2) clipped by the e4m3 range, block scales
+1 / (32 sqrt(K)), so dequantized weights have std ~ 1/sqrt(K), and a random router spreads tokens
+about evenly over the experts (as a trained one roughly does; routing skew is not modelled).
+
+Activation memory: the MoE (the largest activations: T * top_k rows of H and of I) runs in token
+chunks of ``moe_chunk``; chunking is exact (the MoE is per token).
+
+Breakdown: one extra run with CUDA events around every ops call (attention; MoE = router GEMM +
+expert FFN; dense = q/k/v/o projections + lm_head; other = the rest of the wall time: embedding,
+norms, rope, top-k/softmax, the model's weighted combine of expert outputs, residual adds), with
+each part's FLOPs and achieved TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.model.gptoss import GptOss, rope_cos_sin
+from gptoss_fp8.model.parallel import SINGLE
+from gptoss_fp8.quant.fp8 import FP8_DTYPE
+
+GPU_HOUR_USD = 3.0
+# The seed's batch-1 prefill latency on one H200 (issue 8), seconds.
+SEED_S = {
+    "20b": {8192: 0.239, 32768: 1.610, 65536: 4.895, 128000: 16.04},
+    "120b": {8192: 0.364, 32768: 2.421, 65536: 7.375, 128000: 23.90},
+}
+# transformers GptOss bf16 (flex_attention, grouped_mm) on an H200, from issue 8 (not this run).
+TRANSFORMERS_S = {"20b": {8192: 0.228, 32768: 1.121, 65536: 2.601, 128000: 8.128}}
+# Issue 8's targets, seconds.
+TARGET_S = {"20b": {8192: 0.10, 32768: 0.60, 128000: 5.0}, "120b": {8192: 0.15, 128000: 7.5}}
+
+FP8_SPREAD = 32.0
+
+
+def usd_per_million_tokens(latency_s: float, tokens: int, usd_per_hour: float = GPU_HOUR_USD) -> float:
+    return latency_s / 3600.0 * usd_per_hour * 1e6 / tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Random model on the GPU
+
+
+@torch.no_grad()
+def _fill_fp8(t: torch.Tensor, gen: torch.Generator, chunk: int = 1 << 27) -> None:
+    flat = t.view(-1)
+    for s in range(0, flat.numel(), chunk):
+        e = min(s + chunk, flat.numel())
+        r = torch.randn(e - s, generator=gen, device=t.device, dtype=torch.float32).mul_(FP8_SPREAD)
+        flat[s:e] = r.clamp_(-448, 448).to(FP8_DTYPE)
+
+
+@torch.no_grad()
+def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: int = 0) -> GptOss:
+    """A GptOss (tp=1) with random weights at cfg's shapes, built on ``device`` (FP8 attention)."""
+    model = GptOss(cfg, SINGLE, attn_fp8=True)
+    expected = model.expected()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, (shape, dtype) in expected.items():
+        if dtype == FP8_DTYPE:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            _fill_fp8(t, gen)
+        elif name.endswith("scale_inv"):
+            k = expected[name[: -len("_scale_inv")]][0][-1]
+            t = torch.full(shape, 1.0 / (FP8_SPREAD * math.sqrt(k)), dtype=dtype, device=device)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            t = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith("embed_tokens.weight"):
+            t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        elif name.endswith(("bias", "sinks")):
+            t = (0.02 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32)).to(dtype)
+        else:  # bf16 matrices: router, lm_head
+            t = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) / math.sqrt(shape[-1])).to(dtype)
+        mod_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(mod_name), attr, t)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill
+
+
+@torch.inference_mode()
+def prefill_logits(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int = 32768) -> torch.Tensor:
+    """tokens int [T] -> logits bf16 [1, V] of the last position (the model's layer code, chunked MoE)."""
+    cfg = model.cfg
+    n = tokens.shape[0]
+    x = model.model.embed_tokens.weight[tokens]
+    cos, sin = rope_cos_sin(cfg, n, x.device)
+    for layer in model.model.layers:
+        x = model._attention(layer, x, cos, sin, ops)
+        if n <= moe_chunk:
+            x = model._moe(layer, x, ops)
+        else:
+            for s in range(0, n, moe_chunk):
+                x[s:s + moe_chunk] = model._moe(layer, x[s:s + moe_chunk], ops)
+    h = ops.rms_norm(x[-1:], model.model.norm.weight, cfg.rms_norm_eps)
+    return ops.linear(h, model.lm_head.weight, None, None)
+
+
+class TimedOps:
+    """Delegates to ``ops``, recording CUDA events around each call by part."""
+
+    def __init__(self, ops, num_experts: int):
+        self.ops, self.num_experts = ops, num_experts
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def _timed(self, part, fn, *a, **kw):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = fn(*a, **kw)
+        e.record()
+        self.events.append((part, s, e))
+        return out
+
+    def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
+        part = "moe" if (w.dtype != FP8_DTYPE and w.shape[0] == self.num_experts) else "dense"
+        return self._timed(part, self.ops.linear, x, w, scale_inv, bias, out_dtype)
+
+    def expert_ffn(self, *a, **kw):
+        return self._timed("moe", self.ops.expert_ffn, *a, **kw)
+
+    def attention(self, *a, **kw):
+        return self._timed("attention", self.ops.attention, *a, **kw)
+
+    def seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for part, s, e in self.events:
+            out[part] = out.get(part, 0.0) + s.elapsed_time(e) / 1e3
+        return out
+
+
+def part_flops(cfg: GptOssConfig, n: int) -> dict[str, float]:
+    """FLOPs per part for an n-token prefill (2 per multiply-add; causal attention counts the
+    visible half, windowed layers the window)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dense = cfg.num_hidden_layers * 2 * n * h * (hq * d + 2 * hkv * d + hq * d) + 2 * h * cfg.vocab_size
+    moe = cfg.num_hidden_layers * 2 * n * (h * cfg.num_local_experts + cfg.num_experts_per_tok * 3 * h * cfg.intermediate_size)
+    attn = 0.0
+    for lt in cfg.layer_types:
+        w = cfg.sliding_window if lt == "sliding_attention" and cfg.sliding_window > 0 else n
+        w = min(w, n)
+        pairs = w * (w + 1) / 2 + (n - w) * w  # query i sees min(i + 1, w) keys
+        attn += 4 * pairs * hq * d
+    return {"attention": attn, "moe": moe, "dense": dense}
+
+
+def _sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
+          moe_chunk: int = 32768, seed: int = 0, echo=print) -> list[dict]:
+    """One row per token count: median latency, $/1M tokens, seed figures, breakdown."""
+    from gptoss_fp8.convert.synth import preset_config
+    from gptoss_fp8.model.triton_ops import TritonOps
+
+    cfg = preset_config(preset, layers)
+    full_layers = preset_config(preset).num_hidden_layers
+    t0 = time.perf_counter()
+    model = random_model(cfg, "cuda", seed)
+    torch.cuda.synchronize()
+    echo(f"# {preset}: {cfg.num_hidden_layers} of {full_layers} layers built on {torch.cuda.get_device_name()} in "
+         f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
+    ops = TritonOps()
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    for n in token_list:
+        tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(warmup):
+            prefill_logits(model, tokens, ops, moe_chunk)
+        times = [_sync_time(lambda tokens=tokens: prefill_logits(model, tokens, ops, moe_chunk)) for _ in range(runs)]
+        lat = statistics.median(times)
+        timed = TimedOps(ops, cfg.num_local_experts)
+        total = _sync_time(lambda tokens=tokens, timed=timed: prefill_logits(model, tokens, timed, moe_chunk))
+        parts = timed.seconds()
+        parts["other"] = max(total - sum(parts.values()), 0.0)
+        flops = part_flops(cfg, n)
+        scale = full_layers / cfg.num_hidden_layers
+        est = lat * scale
+        row = {
+            "model": preset, "tokens": n, "layers": cfg.num_hidden_layers, "full_layers": full_layers,
+            "latency_s": lat, "runs_s": times, "est_full_s": est,
+            "usd_per_1m_tokens": usd_per_million_tokens(est, n),
+            "seed_s": SEED_S.get(preset, {}).get(n), "transformers_issue_s": TRANSFORMERS_S.get(preset, {}).get(n),
+            "target_s": TARGET_S.get(preset, {}).get(n),
+            "parts_s": parts, "parts_total_s": total,
+            "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        rows.append(row)
+        echo(format_row(row))
+    return rows
+
+
+def format_row(r: dict) -> str:
+    def f(v, fmt="{:.3f}"):
+        return "-" if v is None else fmt.format(v)
+
+    est = r["est_full_s"]
+    head = (f"{r['model']} | {r['tokens']} tok | layers {r['layers']}/{r['full_layers']} | "
+            f"latency {r['latency_s']:.4f} s | full-model est {est:.4f} s | ${r['usd_per_1m_tokens']:.4f}/1M tok | "
+            f"seed {f(r['seed_s'])} s (x{f(r['seed_s'] / est if r['seed_s'] else None, '{:.2f}')}) | "
+            f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "
+            f"peak mem {r['peak_mem_gib']:.1f} GiB")
+    tot = r["parts_total_s"]
+    parts = " | ".join(
+        f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%"
+        + (f", {r['parts_tflops'][p]:.0f} TFLOP/s" if p in r["parts_tflops"] else "") + ")"
+        for p in ("attention", "moe", "dense", "other"))
+    return head + "\n  breakdown (one run with events, " + f"{tot * 1e3:.2f} ms): " + parts

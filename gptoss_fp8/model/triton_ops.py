@@ -1,0 +1,229 @@
+"""The ``triton`` ops backend: the gpt-oss forward pass on our GPU kernels (design.md section 4).
+
+``TritonOps`` subclasses the executable specification ``W8A8CpuOps`` and overrides what the
+kernels accelerate; everything else (RMSNorm, bf16 GEMMs of the router and lm_head, the residual
+stream, routing top-k/softmax in the model) stays the parent's torch code, on the GPU.
+
+* ``linear``: FP8 weights -> ``act_quant`` (1x128 per-token groups) + ``fp8_gemm`` with the bias
+  fused in fp32 and one rounding (bf16, or float32 partial sums of a sharded o_proj). bf16
+  weights: the parent (torch).
+* ``expert_ffn``: the grouped FP8 expert GEMMs of kernels/moe.py (gate_up + bias + clamped SwiGLU
+  + FP8 quantization fused, then down + bias), stopped before ``moe.py``'s weighted combine because
+  the model combines [T, k, H] per-slot outputs itself. Whole experts: each routed (token, slot)
+  row is the bf16 expert output, bias included (returned as bf16: the contract's float32 values are
+  bf16-rounded by definition, so the model's ``.to(bf16)`` is exact either way and we skip a
+  4-byte copy of T*k*H). Intermediate split over ranks (``partial``): the fp32 down-projection
+  products without bias (the kernel's bias is a zero tensor, so acc + 0 is stored exactly), and
+  the owner rank's down bias per routed slot, as the parent.
+* ``attention``: ``attention_prefill`` (sinks as an extra softmax column, causal or sliding
+  window, GQA); fp32 online softmax, where the reference computes in bf16.
+* ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
+  computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
+
+Known differences from ``W8A8CpuOps`` (what the tolerances in tests/test_triton_ops.py cover):
+fp32 summation order; GPU division (kernels/act_quant.py: ~6e-5 of FP8 activation values one e4m3
+step off); the MoE gate_up output is kept in fp32 through the SwiGLU before its FP8 quantization,
+where ``W8A8CpuOps.expert_ffn`` rounds it to bf16 and computes the SwiGLU in bf16 (so a few
+percent of the intermediate's FP8 values differ by one e4m3 step); attention and rope in fp32
+instead of bf16.
+
+Anything the kernels do not support (CPU tensors without the Triton interpreter, dtypes other
+than bf16 activations, K not a multiple of 16, head_dim not a power of two in 16..256, missing
+scales) falls back to the parent, op by op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.ops import W8A8CpuOps
+from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def interpreter_on() -> bool:
+    """Whether Triton kernels run in the interpreter (CPU tensors), TRITON_INTERPRET=1."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernel_device(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take tensors on t's device: CUDA, or CPU under the interpreter."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreter_on())
+
+
+class TritonOps(W8A8CpuOps):
+    """GPU kernels for FP8 linears, the expert FFN, attention and rope; the rest as ``W8A8CpuOps``."""
+
+    name = "triton"
+
+    def __init__(self, rope_kernel: bool = True, moe_config: dict | None = None):
+        if not torch.cuda.is_available() and not interpreter_on():
+            raise GptOssFp8Error(
+                "the triton ops backend needs a CUDA GPU (none is visible), or TRITON_INTERPRET=1 set before "
+                "gptoss_fp8's kernels are imported (Triton interpreter on CPU, slow); use --ops w8a8-cpu on CPU"
+            )
+        self.rope_kernel = rope_kernel
+        self.moe_config = moe_config
+        self._positions: dict[tuple, torch.Tensor] = {}
+
+    # --- dense ---------------------------------------------------------------------------------
+    def linear(self, x, w, scale_inv, bias, out_dtype=BF16):
+        if (w.dtype != FP8_DTYPE or scale_inv is None or not _kernel_device(x) or x.dtype != BF16
+                or w.dim() != 2 or w.shape[1] % 16 or out_dtype not in (BF16, F32)):
+            # bf16 weights (router, lm_head, bf16 attention) and shapes fp8_gemm rejects: torch.
+            return super().linear(x, w, scale_inv, bias, out_dtype)
+        from gptoss_fp8.kernels.act_quant import act_quant
+        from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
+
+        xq, xs = act_quant(x)
+        return fp8_gemm(xq, xs, w.contiguous(), scale_inv.contiguous(),
+                        None if bias is None else bias.contiguous(), out_dtype=out_dtype)
+
+    # --- experts -------------------------------------------------------------------------------
+    def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False):
+        w13, w2 = experts["gate_up_proj"], experts["down_proj"]
+        s13, s2 = experts.get("gate_up_proj_scale_inv"), experts.get("down_proj_scale_inv")
+        b13, b2 = experts.get("gate_up_proj_bias"), experts.get("down_proj_bias")
+        h = x.shape[-1]
+        if (not _kernel_device(x) or x.dtype != BF16 or x.dim() != 2 or w13.dtype != FP8_DTYPE
+                or w2.dtype != FP8_DTYPE or s13 is None or s2 is None or b13 is None
+                or h % 16 or w2.shape[-1] % 16 or w13.shape[1] != 2 * w2.shape[-1]):
+            # The kernels need FP8 experts with scales, a gate_up bias, H and I multiples of 16.
+            return super().expert_ffn(x, idx, experts, first_expert, limit, partial)
+        t, k = idx.shape
+        n_local = w13.shape[0]
+        # The kernel always adds a bias; a zero bias leaves the fp32 partial products exact.
+        b2_kernel = b2 if (b2 is not None and not partial) else torch.zeros(n_local, h, dtype=F32, device=x.device)
+        y = moe_slot_outputs(x, idx.to(torch.int32), w13, s13, b13, w2, s2, b2_kernel,
+                             first_expert, limit, F32 if partial else BF16, self.moe_config)
+        y = y.view(t, k, h)
+        if not partial:
+            return y, None  # bf16 (see the module docstring): values identical to the float32 contract
+        bias_out = torch.zeros(t, k, h, dtype=F32, device=x.device)
+        if b2 is not None:
+            local = idx.long() - first_expert
+            here = (local >= 0) & (local < n_local)
+            bias_out = torch.where(here[..., None], b2[local.clamp(0, n_local - 1)].float(), bias_out)
+        return y, bias_out
+
+    # --- attention -----------------------------------------------------------------------------
+    def attention(self, q, k, v, sinks, sm_scale, window):
+        n, kvh, m, d = q.shape
+        if (not _kernel_device(q) or q.dtype != BF16 or k.dtype != BF16 or v.dtype != BF16
+                or d not in (16, 32, 64, 128, 256) or not sinks.is_floating_point()):
+            # attention_prefill takes bf16 q/k/v with a power-of-two head_dim in 16..256.
+            return super().attention(q, k, v, sinks, sm_scale, window)
+        from gptoss_fp8.kernels.attention import attention_prefill
+
+        o = attention_prefill(q.reshape(n, kvh * m, d), k.contiguous(), v.contiguous(), sinks.reshape(-1).contiguous(),
+                              sliding_window=window, sm_scale=sm_scale)
+        return o.reshape(n, -1)
+
+    # --- rope ----------------------------------------------------------------------------------
+    def rope(self, x, cos, sin):
+        d = x.shape[-1]
+        if (not self.rope_kernel or not _kernel_device(x) or x.dim() != 3 or x.dtype not in (BF16, torch.float16, F32)
+                or triton.next_power_of_2(d // 2) != d // 2 or cos.shape != (x.shape[0], d // 2)):
+            # rope_qk needs D/2 a power of two and one cos/sin row per token (positions 0..T-1).
+            return super().rope(x, cos, sin)
+        from gptoss_fp8.kernels.rope import rope_qk
+
+        key = (x.shape[0], x.device)
+        pos = self._positions.get(key)
+        if pos is None:
+            pos = self._positions[key] = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+        _, out = rope_qk(None, x if x.stride(-1) == 1 else x.contiguous(), pos,
+                         cos.float().contiguous(), sin.float().contiguous())
+        return out
+
+
+def moe_slot_outputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    b2: torch.Tensor,
+    expert_start: int = 0,
+    swiglu_limit: float = 7.0,
+    out_dtype: torch.dtype = BF16,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Per-(token, slot) expert outputs [T*k, H] in out_dtype: ``moe.moe_experts`` without the
+    weighted combine. Slots routed to experts outside [expert_start, expert_start + E) are zero.
+
+    Same argument layout as ``moe_experts`` (topk_ids int32 [T, k] global ids; w13 fp8 [E, 2I, H]
+    interleaved gate/up; w2 fp8 [E, H, I]; biases [E, 2I] / [E, H]). Row t*k + j is
+    expert(x[t]) + bias for slot j of token t, the fp32 accumulator rounded once to out_dtype.
+    """
+    from gptoss_fp8.kernels import moe as M
+    from gptoss_fp8.kernels.act_quant import act_quant
+
+    t, h = x.shape
+    e, two_i = w13.shape[0], w13.shape[1]
+    i = two_i // 2
+    k = topk_ids.shape[1]
+    w13, w13_scale_inv, b13 = w13.contiguous(), w13_scale_inv.contiguous(), b13.contiguous()
+    w2, w2_scale_inv, b2 = w2.contiguous(), w2_scale_inv.contiguous(), b2.contiguous()
+    M._check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
+    M._check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
+    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
+    assert topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.shape[0] == t, f"topk_ids {topk_ids.shape}"
+    n_slots = t * k
+    y = torch.zeros((n_slots, h), dtype=out_dtype, device=x.device)
+    if t == 0:
+        return y
+    topk_ids = topk_ids.contiguous()
+    cfg = config or M.moe_config(t, k, e)
+    align = cfg["ALIGN_M"]
+    gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
+    assert gu.pop("BLOCK_N") == 2 * BLOCK, "the SwiGLU-quant epilogue needs 256 gate/up columns per tile"
+    bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
+    assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
+
+    sorted_slots, block_expert = M.moe_align(topk_ids, expert_start, e, align)
+    max_rows = sorted_slots.shape[0]
+    tma = bool(cfg.get("TMA", False))
+    x_fp8, x_scale = act_quant(x.contiguous())
+    act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
+    act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=F32, device=x.device)
+    w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK, BLOCK]) if tma else w13
+    grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
+    M._moe_gemm_kernel[grid](
+        x_fp8, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
+        sorted_slots, block_expert,
+        two_i, h, n_slots, e, max_rows // bm_gu,
+        x_fp8.stride(0), x_scale.stride(0),
+        w13.stride(0), w13.stride(1), w13_scale_inv.stride(0), w13_scale_inv.stride(1), b13.stride(0),
+        act.stride(0), act_scale.stride(0),
+        float(swiglu_limit),
+        FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=M.SWIGLU_ALPHA, **gu,
+    )
+    bn = dn.pop("BLOCK_N")
+    if tma:
+        act_src = TensorDescriptor.from_tensor(act, [bm_dn, BLOCK])
+        w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK), BLOCK])
+    else:
+        act_src, w2_src = act, w2
+    grid = (max_rows // bm_dn * triton.cdiv(h, bn),)
+    M._moe_gemm_kernel[grid](
+        act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
+        sorted_slots, block_expert,
+        h, i, n_slots, e, max_rows // bm_dn,
+        act.stride(0), act_scale.stride(0),
+        w2.stride(0), w2.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1), b2.stride(0),
+        y.stride(0), 0,
+        float(swiglu_limit),
+        FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=M.SWIGLU_ALPHA, **dn,
+    )
+    return y
