@@ -33,11 +33,11 @@ def synth(
     overwrite: Annotated[bool, typer.Option(help="Write into a non-empty DST.")] = False,
 ) -> None:
     """Write a synthetic gpt-oss MXFP4 checkpoint with realistic statistics (no network needed)."""
-    from gptoss_fp8.convert.synth import _spec_bytes, preset_config, write_synthetic
+    from gptoss_fp8.convert.synth import spec_bytes, preset_config, write_synthetic
     from gptoss_fp8.convert.layout import hf_source_tensors
 
     cfg = preset_config(preset.value, layers)
-    total = sum(map(_spec_bytes, hf_source_tensors(cfg))) * (2 if layout is Layout.both else 1)
+    total = sum(map(spec_bytes, hf_source_tensors(cfg))) * (2 if layout is Layout.both else 1)
     with progress_bar(total, "synth") as bar:
         write_synthetic(dst, preset.value, layers=layers, seed=seed, layout=layout.value, overwrite=overwrite,
                         progress=bar.update)

@@ -30,10 +30,11 @@ from typing import Callable, Iterator
 import torch
 
 from gptoss_fp8 import __version__
-from gptoss_fp8.convert.layout import ATTENTION_MODULES, NOT_CONVERTED, Kind, fp8_names, rule_for, scales_name
+from gptoss_fp8.convert.layout import (
+    ATTENTION_MODULES, NOT_CONVERTED, Kind, assign_shards, fp8_names, rule_for, scales_name, shard_file_names,
+)
 from gptoss_fp8.convert.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckpoint
 from gptoss_fp8.convert.st_io import DTYPE_NAMES, StreamingWriter
-from gptoss_fp8.convert.synth import assign_shards, shard_file_names
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.convert.shard import Parallel, Slice, plan_rank, validate_layout
 from gptoss_fp8.quant.fp8 import (

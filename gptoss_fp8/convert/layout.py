@@ -94,3 +94,18 @@ def fp8_names(source_name: str, kind: Kind) -> tuple[str, str]:
         return base, base + "_scale_inv"
     assert kind is Kind.linear_fp8, kind
     return source_name, source_name + "_scale_inv"
+
+
+def assign_shards(sizes: list[int], max_bytes: int) -> list[int]:
+    """Greedy assignment of consecutive tensors to shard files of at most max_bytes (>= 1 tensor each)."""
+    out, cur, acc = [], 0, 0
+    for s in sizes:
+        if acc and acc + s > max_bytes:
+            cur, acc = cur + 1, 0
+        out.append(cur)
+        acc += s
+    return out
+
+
+def shard_file_names(n: int) -> list[str]:
+    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from gptoss_fp8.convert.layout import TensorSpec, hf_source_tensors
+from gptoss_fp8.convert.layout import TensorSpec, assign_shards, hf_source_tensors, shard_file_names
 from gptoss_fp8.convert.st_io import StreamingWriter
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.config import GptOssConfig
@@ -221,23 +221,8 @@ def _row_chunks(spec: TensorSpec, chunk_bytes: int, align: int = 1) -> Iterator[
         yield a, min(rows, a + step)
 
 
-def _spec_bytes(spec: TensorSpec) -> int:
+def spec_bytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * (1 if spec.dtype == "uint8" else 2)
-
-
-def assign_shards(sizes: list[int], max_bytes: int) -> list[int]:
-    """Greedy assignment of consecutive tensors to shard files of at most max_bytes (>= 1 tensor each)."""
-    out, cur, acc = [], 0, 0
-    for s in sizes:
-        if acc and acc + s > max_bytes:
-            cur, acc = cur + 1, 0
-        out.append(cur)
-        acc += s
-    return out
-
-
-def shard_file_names(n: int) -> list[str]:
-    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
 def _write_files(root: Path, names: list[str], specs_per_file: list[list[TensorSpec]],
@@ -254,7 +239,7 @@ def _write_files(root: Path, names: list[str], specs_per_file: list[list[TensorS
                 out_name, produce, align = make(s)
                 for a, b in _row_chunks(s, CHUNK_BYTES, align):
                     w.write(out_name, produce(a, b))
-                    progress(_spec_bytes(s) * (b - a) // max(s.shape[0], 1))
+                    progress(spec_bytes(s) * (b - a) // max(s.shape[0], 1))
             w.commit()
         except BaseException:
             w.abort()
@@ -280,15 +265,15 @@ def write_synthetic(dst: Path, preset: str = "tiny", *, layers: int | None = Non
     specs = hf_source_tensors(cfg)
     meta = {"format": "pt", "producer": "gptoss-fp8 synth", "preset": preset, "seed": str(seed)}
     if shard_bytes is None:
-        shard_bytes = SHARD_BYTES if preset != "tiny" else max(1, sum(map(_spec_bytes, specs)) // 3)
+        shard_bytes = SHARD_BYTES if preset != "tiny" else max(1, sum(map(spec_bytes, specs)) // 3)
 
     if layout in ("hf", "both"):
-        shard_of = assign_shards([_spec_bytes(s) for s in specs], shard_bytes)
+        shard_of = assign_shards([spec_bytes(s) for s in specs], shard_bytes)
         n = shard_of[-1] + 1
         names = shard_file_names(n)
         per_file = [[s for s, k in zip(specs, shard_of) if k == f] for f in range(n)]
         _write_files(dst, names, per_file, lambda s: (s.name, _producer(s, cfg, seed), 1), meta, progress)
-        index = {"metadata": {"total_size": sum(map(_spec_bytes, specs))},
+        index = {"metadata": {"total_size": sum(map(spec_bytes, specs))},
                  "weight_map": {s.name: names[k] for s, k in zip(specs, shard_of)}}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         for fname, content in _EXTRA_FILES.items():
