@@ -38,6 +38,8 @@ class ReferenceOps:
     """bf16 activations, FP8 weights dequantized (the ``weights`` mode)."""
 
     name = "reference"
+    # dtype of the expert gate_up output and the SwiGLU: bf16 as in OpenAI's reference.
+    intermediate_dtype = torch.bfloat16
 
     # --- GEMMs -------------------------------------------------------------------------------
     def weight(self, w: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
@@ -87,7 +89,7 @@ class ReferenceOps:
         for e in torch.unique(local[(local >= 0) & (local < n_local)]).tolist():
             tok, slot = torch.nonzero(local == e, as_tuple=True)
             h = self.expert_linear(x[tok], experts["gate_up_proj"][e], _at(experts["gate_up_proj_scale_inv"], e),
-                                   _at(experts["gate_up_proj_bias"], e))
+                                   _at(experts["gate_up_proj_bias"], e), self.intermediate_dtype)
             h = swiglu(h, limit)
             b = _at(experts["down_proj_bias"], e)
             if partial:
@@ -149,6 +151,10 @@ class W8A8CpuOps(ReferenceOps):
     """FP8 weights x FP8 activations (per-token 1x128 groups), fp32 accumulation: the ``w8a8`` mode."""
 
     name = "w8a8-cpu"
+    # The fused MoE keeps the gate_up accumulator (+ bias) and the SwiGLU in fp32 and quantizes the
+    # intermediate straight to FP8; rounding it to bf16 first would only add error, so the spec
+    # does the same.
+    intermediate_dtype = torch.float32
 
     def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
         if w.dtype != FP8_DTYPE:
@@ -172,11 +178,14 @@ def _at(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
 
 
 def get_ops(name: str) -> ReferenceOps:
-    """Backend by name: ``reference`` / ``weights`` or ``w8a8-cpu`` / ``w8a8``."""
+    """Backend by name: ``reference`` / ``weights``, ``w8a8-cpu`` / ``w8a8``, or ``triton``."""
     name = MODES.get(name, name)
     if name == "reference":
         return ReferenceOps()
     if name == "w8a8-cpu":
         return W8A8CpuOps()
-    if name == "triton": from gptoss_fp8.model.triton_ops import TritonOps; return TritonOps()  # GPU kernels
+    if name == "triton":  # the GPU kernels
+        from gptoss_fp8.model.triton_ops import TritonOps
+
+        return TritonOps()
     raise ValueError(f"unknown ops backend {name!r}")
