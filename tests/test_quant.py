@@ -141,3 +141,17 @@ def test_activation_quantization(k):
     back = dequantize_act(q, s)
     step = s.repeat_interleave(128, -1)[:, :k]
     assert ((back - xb).abs() <= torch.maximum(xb.abs() * 2.0**-4, step * 2.0**-10) * 1.0001).all()
+
+
+@pytest.mark.parametrize("mode", ["pow2", "amax"])
+@pytest.mark.parametrize("shape", [(1100, 300), (64, 2880), (513, 129)])
+def test_banded_quantization_equals_one_shot(mode, shape):
+    from gptoss_fp8.quant.fp8 import fp8_exact_fraction, quantize_weight_blocks_banded
+
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[1])).to(torch.bfloat16)
+    q, s, exact, max_rel = quantize_weight_blocks_banded(w, mode, rows=256, workers=2)
+    q1, s1 = quantize_weight_blocks(w, mode)
+    assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
+    assert (exact, max_rel) == fp8_exact_fraction(dequantize_weight_blocks(q1, s1), w)
+    assert 0 < exact < w.numel()

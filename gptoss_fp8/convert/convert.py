@@ -39,7 +39,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.convert.shard import Parallel, Slice, plan_rank, validate_layout
 from gptoss_fp8.quant.fp8 import (
     BLOCK, FP8_DTYPE, ScaleMode, block_amax, dequantize_weight_blocks, expand_blocks, fp8_exact_fraction,
-    quantize_weight_blocks, scale_grid, to_fp8_saturating,
+    quantize_weight_blocks, quantize_weight_blocks_banded, scale_grid, to_fp8_saturating,
 )
 from gptoss_fp8.quant.mxfp4 import ExactStats, decode_mxfp4, mxfp4_to_fp8, nan_scale_count
 
@@ -220,10 +220,14 @@ def _run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], 
     mode = ScaleMode(opts.scale_mode)
     if job.kind is Kind.linear_fp8:
         w = src.read(job.source).to(dev)
-        q, s = quantize_weight_blocks(w, mode)
+        q, s, exact, max_rel = quantize_weight_blocks_banded(w, mode)
         for r, sl in holders:
-            qs, ss = (q, s) if not sl.ranges else reslice_blocks(q, s, sl.index())
-            stats[r].add(wname, _exactness(qs, ss, w[sl.index()]))
+            if sl.ranges:
+                qs, ss = reslice_blocks(q, s, sl.index())
+                stats[r].add(wname, _exactness(qs, ss, w[sl.index()]))
+            else:
+                qs, ss = q, s
+                stats[r].add(wname, ExactStats(total=w.numel(), exact=exact, max_rel_err=max_rel))
             write(r, wname, qs)
             write(r, sname, ss)
         progress(job.in_bytes)
