@@ -226,3 +226,23 @@ def test_sharded_resume_is_byte_identical(sources, tmp_path):
         if f.is_file():
             assert f.read_bytes() == (out / f.relative_to(ref)).read_bytes(), f
     shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (4, 2)])
+def test_plan_matches_what_convert_writes(sources, tmp_path, tp, ep):
+    """`plan` reads only config.json; its per-rank tensors and bytes are what convert writes."""
+    from gptoss_fp8.model.config import GptOssConfig
+
+    src, _ = sources["odd"]
+    planned = plan(GptOssConfig.from_file(src / "config.json"), tp, ep)
+    dst = tmp_path / "o"
+    convert_checkpoint(src, dst, tp=tp, ep=ep)
+    manifest = json.loads((dst / "layout.json").read_text())
+    for r, tensors in enumerate(planned):
+        listed = manifest["ranks"][r]["tensors"]
+        assert [t.name for t in tensors] == list(listed)
+        for t in tensors:
+            assert list(t.shape) == listed[t.name]["shape"], t.name
+        data = sum(t.nbytes for t in tensors)
+        on_disk = sum(m["bytes"] for m in manifest["ranks"][r]["files"].values())
+        assert data < on_disk < data + 64 * 1024  # the files add only their headers
