@@ -308,6 +308,92 @@ def _check_expert_weights(name, w, s, b, n, k, e):
     assert w.is_contiguous() and s.is_contiguous() and b.is_contiguous(), f"{name} tensors must be contiguous"
 
 
+def moe_expert_slots(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    b2: torch.Tensor,
+    expert_start: int = 0,
+    swiglu_limit: float = 7.0,
+    config: dict | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    zero_foreign: bool = True,
+) -> torch.Tensor:
+    """Per-(token, slot) expert outputs [T*k, H] in ``out_dtype``, before the weighted combine.
+
+    Same argument layout as ``moe_experts``. Row t*k + j is expert(x[t]) + bias for slot j of token
+    t, the fp32 accumulator rounded once to out_dtype. Slots routed to experts outside
+    [expert_start, expert_start + E) are zero (``zero_foreign``) or left unwritten.
+    """
+    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x {tuple(x.shape)} {x.dtype}"
+    t, h = x.shape
+    e, two_i = w13.shape[0], w13.shape[1]
+    assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
+    i = two_i // 2
+    _check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
+    _check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
+    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == t, f"topk ids {tuple(topk_ids.shape)} do not fit x {tuple(x.shape)}"
+    assert topk_ids.dtype == torch.int32, f"topk_ids must be int32, got {topk_ids.dtype}"
+    k = topk_ids.shape[1]
+    n_slots = t * k
+    y = (torch.zeros if zero_foreign else torch.empty)((n_slots, h), dtype=out_dtype, device=x.device)
+    if t == 0:
+        return y
+    topk_ids = topk_ids.contiguous()
+    cfg = config or moe_config(t, k, e)
+    align = cfg["ALIGN_M"]
+    gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
+    assert gu.pop("BLOCK_N") == 2 * BLOCK, "the SwiGLU-quant epilogue needs 256 gate/up columns per tile"
+    bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
+    assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
+
+    sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
+    max_rows = sorted_slots.shape[0]
+
+    tma = bool(cfg.get("TMA", False))
+    x_fp8, x_scale = act_quant(x.contiguous())
+    act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
+    act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
+    w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK, BLOCK]) if tma else w13
+    grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
+    _moe_gemm_kernel[grid](
+        x_fp8, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
+        sorted_slots, block_expert,
+        two_i, h, n_slots, e, max_rows // bm_gu,
+        x_fp8.stride(0), x_scale.stride(0),
+        w13.stride(0), w13.stride(1), w13_scale_inv.stride(0), w13_scale_inv.stride(1), b13.stride(0),
+        act.stride(0), act_scale.stride(0),
+        float(swiglu_limit),
+        FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, **gu,
+    )
+
+    bn = dn.pop("BLOCK_N")
+    if tma:
+        act_src = TensorDescriptor.from_tensor(act, [bm_dn, BLOCK])
+        w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK), BLOCK])
+    else:
+        act_src, w2_src = act, w2
+    grid = (max_rows // bm_dn * triton.cdiv(h, bn),)
+    _moe_gemm_kernel[grid](
+        act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
+        sorted_slots, block_expert,
+        h, i, n_slots, e, max_rows // bm_dn,
+        act.stride(0), act_scale.stride(0),
+        w2.stride(0), w2.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1), b2.stride(0),
+        y.stride(0), 0,
+        float(swiglu_limit),
+        FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, **dn,
+    )
+    return y
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -330,76 +416,20 @@ def moe_experts(
     b2 [E, H]. Returns bf16 [T, H]: sum over each token's slots routed here of weight * expert(x);
     slots routed to other ranks contribute nothing.
     """
-    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x {tuple(x.shape)} {x.dtype}"
-    t, h = x.shape
-    e, two_i = w13.shape[0], w13.shape[1]
-    assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
-    i = two_i // 2
-    _check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
-    _check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
-    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
-    assert topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == t, (
+    assert topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], (
         f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} do not fit x {tuple(x.shape)}"
     )
-    assert topk_ids.dtype == torch.int32, f"topk_ids must be int32, got {topk_ids.dtype}"
-    k = topk_ids.shape[1]
+    # The combine skips slots routed elsewhere, so they need not be zeroed.
+    y = moe_expert_slots(x, topk_ids, w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, expert_start,
+                         swiglu_limit, config, torch.bfloat16, zero_foreign=False)
+    t, h = x.shape
+    k, e = topk_ids.shape[1], w13.shape[0]
     out = torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
     if t == 0:
         return out
-    topk_ids = topk_ids.contiguous()
-    topk_weights = topk_weights.contiguous()
-    cfg = config or moe_config(t, k, e)
-    align = cfg["ALIGN_M"]
-    gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
-    assert gu.pop("BLOCK_N") == 2 * BLOCK, "the SwiGLU-quant epilogue needs 256 gate/up columns per tile"
-    bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
-    assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
-
-    sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
-    max_rows = sorted_slots.shape[0]
-    n_slots = t * k
-
-    tma = bool(cfg.get("TMA", False))
-    x_fp8, x_scale = act_quant(x.contiguous())
-    act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
-    act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
-    w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK, BLOCK]) if tma else w13
-    grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
-    _moe_gemm_kernel[grid](
-        x_fp8, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
-        sorted_slots, block_expert,
-        two_i, h, n_slots, e, max_rows // bm_gu,
-        x_fp8.stride(0), x_scale.stride(0),
-        w13.stride(0), w13.stride(1), w13_scale_inv.stride(0), w13_scale_inv.stride(1), b13.stride(0),
-        act.stride(0), act_scale.stride(0),
-        float(swiglu_limit),
-        FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, **gu,
-    )
-
-    y = torch.empty((n_slots, h), dtype=torch.bfloat16, device=x.device)
-    bn = dn.pop("BLOCK_N")
-    if tma:
-        act_src = TensorDescriptor.from_tensor(act, [bm_dn, BLOCK])
-        w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK), BLOCK])
-    else:
-        act_src, w2_src = act, w2
-    grid = (max_rows // bm_dn * triton.cdiv(h, bn),)
-    _moe_gemm_kernel[grid](
-        act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
-        sorted_slots, block_expert,
-        h, i, n_slots, e, max_rows // bm_dn,
-        act.stride(0), act_scale.stride(0),
-        w2.stride(0), w2.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1), b2.stride(0),
-        y.stride(0), 0,
-        float(swiglu_limit),
-        FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, **dn,
-    )
-
     block_h = 1024
     _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
-        y, topk_weights, topk_ids, out, h, expert_start, e, y.stride(0), out.stride(0),
+        y, topk_weights.contiguous(), topk_ids.contiguous(), out, h, expert_start, e, y.stride(0), out.stride(0),
         TOP_K=k, BLOCK_H=block_h, num_warps=4,
     )
     return out

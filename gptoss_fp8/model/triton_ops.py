@@ -38,11 +38,10 @@ import os
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.ops import W8A8CpuOps
-from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -157,73 +156,13 @@ def moe_slot_outputs(
     out_dtype: torch.dtype = BF16,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Per-(token, slot) expert outputs [T*k, H] in out_dtype: ``moe.moe_experts`` without the
-    weighted combine. Slots routed to experts outside [expert_start, expert_start + E) are zero.
+    """Per-(token, slot) expert outputs [T*k, H] in out_dtype (``moe.moe_expert_slots``), for the
+    model's per-slot contract; slots routed outside [expert_start, expert_start + E) are zero.
+    Expert slices of a rank may be views: they are made contiguous here."""
+    from gptoss_fp8.kernels.moe import moe_expert_slots
 
-    Same argument layout as ``moe_experts`` (topk_ids int32 [T, k] global ids; w13 fp8 [E, 2I, H]
-    interleaved gate/up; w2 fp8 [E, H, I]; biases [E, 2I] / [E, H]). Row t*k + j is
-    expert(x[t]) + bias for slot j of token t, the fp32 accumulator rounded once to out_dtype.
-    """
-    from gptoss_fp8.kernels import moe as M
-    from gptoss_fp8.kernels.act_quant import act_quant
-
-    t, h = x.shape
-    e, two_i = w13.shape[0], w13.shape[1]
-    i = two_i // 2
-    k = topk_ids.shape[1]
-    w13, w13_scale_inv, b13 = w13.contiguous(), w13_scale_inv.contiguous(), b13.contiguous()
-    w2, w2_scale_inv, b2 = w2.contiguous(), w2_scale_inv.contiguous(), b2.contiguous()
-    M._check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
-    M._check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
-    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
-    assert topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.shape[0] == t, f"topk_ids {topk_ids.shape}"
-    n_slots = t * k
-    y = torch.zeros((n_slots, h), dtype=out_dtype, device=x.device)
-    if t == 0:
-        return y
-    topk_ids = topk_ids.contiguous()
-    cfg = config or M.moe_config(t, k, e)
-    align = cfg["ALIGN_M"]
-    gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
-    assert gu.pop("BLOCK_N") == 2 * BLOCK, "the SwiGLU-quant epilogue needs 256 gate/up columns per tile"
-    bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
-    assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
-
-    sorted_slots, block_expert = M.moe_align(topk_ids, expert_start, e, align)
-    max_rows = sorted_slots.shape[0]
-    tma = bool(cfg.get("TMA", False))
-    x_fp8, x_scale = act_quant(x.contiguous())
-    act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
-    act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=F32, device=x.device)
-    w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK, BLOCK]) if tma else w13
-    grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
-    M._moe_gemm_kernel[grid](
-        x_fp8, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
-        sorted_slots, block_expert,
-        two_i, h, n_slots, e, max_rows // bm_gu,
-        x_fp8.stride(0), x_scale.stride(0),
-        w13.stride(0), w13.stride(1), w13_scale_inv.stride(0), w13_scale_inv.stride(1), b13.stride(0),
-        act.stride(0), act_scale.stride(0),
-        float(swiglu_limit),
-        FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=M.SWIGLU_ALPHA, **gu,
+    return moe_expert_slots(
+        x, topk_ids, w13.contiguous(), w13_scale_inv.contiguous(), b13.contiguous(),
+        w2.contiguous(), w2_scale_inv.contiguous(), b2.contiguous(), expert_start, swiglu_limit, config,
+        out_dtype, zero_foreign=True,
     )
-    bn = dn.pop("BLOCK_N")
-    if tma:
-        act_src = TensorDescriptor.from_tensor(act, [bm_dn, BLOCK])
-        w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK), BLOCK])
-    else:
-        act_src, w2_src = act, w2
-    grid = (max_rows // bm_dn * triton.cdiv(h, bn),)
-    M._moe_gemm_kernel[grid](
-        act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
-        sorted_slots, block_expert,
-        h, i, n_slots, e, max_rows // bm_dn,
-        act.stride(0), act_scale.stride(0),
-        w2.stride(0), w2.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1), b2.stride(0),
-        y.stride(0), 0,
-        float(swiglu_limit),
-        FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=M.SWIGLU_ALPHA, **dn,
-    )
-    return y
