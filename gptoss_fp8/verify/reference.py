@@ -92,26 +92,26 @@ def _hf_to_reference_names(n_layers: int) -> dict[str, tuple[str, ...]]:
     return m
 
 
-def is_hf_mxfp4(path: Path) -> bool:
+def _config_or_none(path: Path) -> dict | None:
+    """A directory's config.json as a dict, or None when absent or not JSON (probing only)."""
     cfg = path / "config.json"
     if not cfg.is_file():
-        return False
+        return None
     try:
         d = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return d.get("model_type") == "gpt_oss" and (d.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def is_hf_mxfp4(path: Path) -> bool:
+    d = _config_or_none(path)
+    return d is not None and d.get("model_type") == "gpt_oss" and (d.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def is_original(path: Path) -> bool:
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        d = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return "num_experts" in d and "model_type" not in d
+    d = _config_or_none(path)
+    return d is not None and "num_experts" in d and "model_type" not in d
 
 
 def load_reference_model(src: Path, device: str = "cpu"):
