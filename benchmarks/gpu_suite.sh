@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|kernels|convert|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|kernels|convert|prefill|all]...
 set -uo pipefail
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -17,4 +17,11 @@ if has kernels; then
 fi
 if has convert; then
   python3 -m gptoss_fp8.cli.main synth /tmp/src20b --preset 20b --layers 8 >/dev/null && python3 benchmarks/convert_bench.py /tmp/src20b --device cuda 2>&1 | tee "$OUT/bench_convert_cuda.log"
+fi
+if has prefill; then
+  # Whole-model prefill on our kernels at full depth; transformers bf16 beside it where it fits (20b).
+  b() { python3 -m gptoss_fp8.cli.main bench prefill "$@"; }
+  b --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 --json "$OUT/prefill_20b.json" 2>&1 | tee "$OUT/prefill_20b.log"
+  b --model 20b --tokens 65536,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_20b_long.json" 2>&1 | tee "$OUT/prefill_20b_long.log"
+  b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
 fi

@@ -312,3 +312,23 @@ def test_bench_prefill_forward_is_the_models_last_row():
     last = prefill_logits(model, tokens, W8A8CpuOps(), moe_chunk=7)  # chunked MoE: exact
     assert torch.equal(last[0], full[-1])
     assert usd_per_million_tokens(0.239, 8192) == pytest.approx(0.239 / 3600 * 3 * 1e6 / 8192)
+
+
+@pytest.mark.parametrize("ns", [(256, 128, 128), (128, 32, 32)], ids=["fused", "unaligned"])
+def test_linears_equal_separate_linears(ns):
+    """q/k/v through ``linears`` (one quantization; one GEMM when every N is a multiple of 128) give
+    exactly the three separate linears; the fused weights follow in-place weight changes."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 192, generator=g).bfloat16().to(dev)
+    projs = []
+    for n in ns:
+        w, s = quantize_weight_blocks(torch.randn(n, 192, generator=g) / 14)
+        projs.append((w.to(dev), s.to(dev), (0.1 * torch.randn(n, generator=g)).bfloat16().to(dev)))
+    ops = get_ops("triton")
+    got = ops.linears(x, projs)
+    want = [ops.linear(x, *p) for p in projs]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    projs[1][2].mul_(2)  # a bias changed in place: the cached concatenation must not be reused
+    got = ops.linears(x, projs)
+    assert torch.equal(got[1], ops.linear(x, *projs[1]))

@@ -208,7 +208,7 @@ def _moe_sweep_configs() -> list[dict]:
     dn64w = dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4)
     dn128 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
     dn128w = dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)
-    return [
+    base = [
         dict(ALIGN_M=64, TMA=True, gate_up=gu64, down=dn64),
         dict(ALIGN_M=64, TMA=True, gate_up=gu64s3, down=dn64),
         dict(ALIGN_M=64, TMA=True, gate_up=gu64, down=dn64w),
@@ -218,6 +218,13 @@ def _moe_sweep_configs() -> list[dict]:
         dict(ALIGN_M=128, TMA=True, gate_up=gu128, down=dn128),
         dict(ALIGN_M=128, TMA=True, gate_up=gu64, down=dn64w),
     ]
+    # The same with gate_up's A pre-gathered in sorted order (TMA loads), and wider gate_up tiles
+    # that only fit without the pointer gather.
+    gu128w = dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4)
+    pre = [dict(c, PREGATHER=True) for c in base if c["TMA"]]
+    pre += [dict(ALIGN_M=128, TMA=True, PREGATHER=True, gate_up=gu128w, down=dn128),
+            dict(ALIGN_M=128, TMA=True, PREGATHER=True, gate_up=gu128w, down=dn64)]
+    return base + pre
 
 
 def _ms_quick(fn) -> float:

@@ -1,8 +1,8 @@
 """``gptoss-fp8 bench prefill``: batch-1 prefill latency of the whole model on our kernels (issue 8).
 
-Latency = prompt in, first-token logits out: the model's own layer code (``GptOss._attention`` /
-``GptOss._moe``) with the ``triton`` ops backend, then the final norm and lm_head on the LAST
-position only; weights already resident on the GPU; median of several runs after warm-up.
+Latency = prompt in, first-token logits out: ``GptOss.forward(..., last_only=True)`` (the model's
+own code) with the ``triton`` ops backend, the lm_head on the LAST position only; weights already
+resident on the GPU; median of several runs after warm-up.
 
 The model is built directly on the GPU at real shapes from a synthetic preset's config (20b / 120b)
 with random FP8 weights (no disk): FP8 values ~ N(0, 32^2) clipped by the e4m3 range, block scales
@@ -12,10 +12,14 @@ about evenly over the experts (as a trained one roughly does; routing skew is no
 Activation memory: the MoE (the largest activations: T * top_k rows of H and of I) runs in token
 chunks of ``moe_chunk``; chunking is exact (the MoE is per token).
 
-Breakdown: one extra run with CUDA events around every ops call (attention; MoE = router GEMM +
-expert FFN; dense = q/k/v/o projections + lm_head; other = the rest of the wall time: embedding,
-norms, rope, top-k/softmax, the model's weighted combine of expert outputs, residual adds), with
-each part's FLOPs and achieved TFLOP/s.
+Breakdown: one extra run with CUDA events around every ops call: attention; MoE = router GEMM +
+expert FFN + weighted combine; dense = q/k/v/o projections (activation quantization included) +
+lm_head; norm = the RMSNorms with their residual adds; other = the rest of the wall time
+(embedding, rope, top-k/softmax, launch gaps). Each GEMM part shows its FLOPs, achieved TFLOP/s
+and floor (FLOPs at the measured peak, ``PEAK_TFLOPS``).
+
+The transformers peer (``prefill_peer.py``) runs after our model is freed, on the same shapes and
+token ids, when transformers is importable (it is on the GPU machine; not a dependency).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 import torch
 
 from gptoss_fp8.model.config import GptOssConfig
-from gptoss_fp8.model.gptoss import GptOss, rope_cos_sin
+from gptoss_fp8.model.gptoss import GptOss
 from gptoss_fp8.model.parallel import SINGLE
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
@@ -43,6 +47,9 @@ TRANSFORMERS_S = {"20b": {8192: 0.228, 32768: 1.121, 65536: 2.601, 128000: 8.128
 TARGET_S = {"20b": {8192: 0.10, 32768: 0.60, 128000: 5.0}, "120b": {8192: 0.15, 128000: 7.5}}
 
 FP8_SPREAD = 32.0
+# Peaks each part's floor is computed against (platform-notes.md, measured on the H200): FP8
+# tensorwise ``_scaled_mm`` 8192x5760x2880 for the FP8 GEMMs, the bf16 GEMM 8192^3 for attention.
+PEAK_TFLOPS = {"dense": 1137.0, "moe": 1137.0, "attention": 692.0}
 
 
 def usd_per_million_tokens(latency_s: float, tokens: int, usd_per_hour: float = GPU_HOUR_USD) -> float:
@@ -92,22 +99,9 @@ def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: i
 # Prefill
 
 
-@torch.inference_mode()
 def prefill_logits(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int = 32768) -> torch.Tensor:
-    """tokens int [T] -> logits bf16 [1, V] of the last position (the model's layer code, chunked MoE)."""
-    cfg = model.cfg
-    n = tokens.shape[0]
-    x = model.model.embed_tokens.weight[tokens]
-    cos, sin = rope_cos_sin(cfg, n, x.device)
-    for layer in model.model.layers:
-        x = model._attention(layer, x, cos, sin, ops)
-        if n <= moe_chunk:
-            x = model._moe(layer, x, ops)
-        else:
-            for s in range(0, n, moe_chunk):
-                x[s:s + moe_chunk] = model._moe(layer, x[s:s + moe_chunk], ops)
-    h = ops.rms_norm(x[-1:], model.model.norm.weight, cfg.rms_norm_eps)
-    return ops.linear(h, model.lm_head.weight, None, None)
+    """tokens int [T] -> logits bf16 [1, V] of the last position (the model's forward, chunked MoE)."""
+    return model(tokens, ops, last_only=True, moe_chunk=moe_chunk)
 
 
 class TimedOps:
@@ -132,8 +126,20 @@ class TimedOps:
         part = "moe" if (w.dtype != FP8_DTYPE and w.shape[0] == self.num_experts) else "dense"
         return self._timed(part, self.ops.linear, x, w, scale_inv, bias, out_dtype)
 
+    def linears(self, *a, **kw):  # q / k / v
+        return self._timed("dense", self.ops.linears, *a, **kw)
+
     def expert_ffn(self, *a, **kw):
         return self._timed("moe", self.ops.expert_ffn, *a, **kw)
+
+    def moe_combine(self, *a, **kw):
+        return self._timed("moe", self.ops.moe_combine, *a, **kw)
+
+    def rms_norm(self, *a, **kw):
+        return self._timed("norm", self.ops.rms_norm, *a, **kw)
+
+    def add_rms_norm(self, *a, **kw):
+        return self._timed("norm", self.ops.add_rms_norm, *a, **kw)
 
     def attention(self, *a, **kw):
         return self._timed("attention", self.ops.attention, *a, **kw)
@@ -170,8 +176,10 @@ def _sync_time(fn) -> float:
 
 
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
-          moe_chunk: int = 32768, seed: int = 0, echo=print) -> list[dict]:
-    """One row per token count: median latency, $/1M tokens, seed figures, breakdown."""
+          moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print) -> list[dict]:
+    """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
+    (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
+    tokens in the same run, after our model is freed."""
     from gptoss_fp8.convert.synth import preset_config
     from gptoss_fp8.model.triton_ops import TritonOps
 
@@ -197,6 +205,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         parts = timed.seconds()
         parts["other"] = max(total - sum(parts.values()), 0.0)
         flops = part_flops(cfg, n)
+        floor = {p: flops[p] / (PEAK_TFLOPS[p] * 1e12) for p in flops}
         scale = full_layers / cfg.num_hidden_layers
         est = lat * scale
         row = {
@@ -205,13 +214,48 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "usd_per_1m_tokens": usd_per_million_tokens(est, n),
             "seed_s": SEED_S.get(preset, {}).get(n), "transformers_issue_s": TRANSFORMERS_S.get(preset, {}).get(n),
             "target_s": TARGET_S.get(preset, {}).get(n),
+            "floor_s": sum(floor.values()), "parts_floor_s": floor,
             "parts_s": parts, "parts_total_s": total,
             "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "transformers_s": None, "transformers_note": None,
         }
         rows.append(row)
         echo(format_row(row))
+        del tokens
+    model = ops = None  # free the weights before the peer builds its own
+    torch.cuda.empty_cache()
+    if peer:
+        _add_peer(rows, preset, layers, token_list, peer_runs, seed, echo)
     return rows
+
+
+def _add_peer(rows: list[dict], preset: str, layers: int | None, token_list: list[int], runs: int, seed: int, echo) -> None:
+    """transformers' bf16 GptOss on the same shapes (same token ids), its median beside ours."""
+    from gptoss_fp8.bench import prefill_peer
+
+    why = prefill_peer.transformers_available()
+    if why is not None:
+        echo(f"# transformers peer not run: {why}")
+        for r in rows:
+            r["transformers_note"] = why
+        return
+    res = prefill_peer.bench_peer(preset, token_list, layers=layers, runs=runs, warmup=1, seed=seed, echo=echo)
+    for r in rows:
+        got = res.get(r["tokens"]) or {}
+        r["transformers_note"] = got.get("error")
+        if got.get("median_s") is not None:
+            r["transformers_s"] = got["median_s"]
+            r["transformers_runs_s"] = got.get("runs_s")
+            r["vs_transformers"] = got["median_s"] / r["latency_s"]  # same layers on both sides
+        echo(format_peer(r))
+
+
+def format_peer(r: dict) -> str:
+    if r.get("transformers_s") is None:
+        return f"{r['model']} | {r['tokens']} tok | transformers bf16: {r.get('transformers_note') or 'not measured'}"
+    return (f"{r['model']} | {r['tokens']} tok | layers {r['layers']}/{r['full_layers']} | transformers bf16 (this run) "
+            f"{r['transformers_s']:.4f} s vs ours {r['latency_s']:.4f} s: x{r['vs_transformers']:.2f}")
 
 
 def format_row(r: dict) -> str:
@@ -219,14 +263,18 @@ def format_row(r: dict) -> str:
         return "-" if v is None else fmt.format(v)
 
     est = r["est_full_s"]
+    full = r["layers"] == r["full_layers"]
     head = (f"{r['model']} | {r['tokens']} tok | layers {r['layers']}/{r['full_layers']} | "
-            f"latency {r['latency_s']:.4f} s | full-model est {est:.4f} s | ${r['usd_per_1m_tokens']:.4f}/1M tok | "
+            f"latency {r['latency_s']:.4f} s" + ("" if full else f" | full-model est {est:.4f} s")
+            + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok | "
             f"seed {f(r['seed_s'])} s (x{f(r['seed_s'] / est if r['seed_s'] else None, '{:.2f}')}) | "
             f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "
+            f"floor {r['floor_s']:.4f} s (latency / floor x{r['latency_s'] / r['floor_s']:.2f}) | "
             f"peak mem {r['peak_mem_gib']:.1f} GiB")
     tot = r["parts_total_s"]
     parts = " | ".join(
         f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%"
-        + (f", {r['parts_tflops'][p]:.0f} TFLOP/s" if p in r["parts_tflops"] else "") + ")"
-        for p in ("attention", "moe", "dense", "other"))
+        + (f", {r['parts_tflops'][p]:.0f} TFLOP/s, floor {r['parts_floor_s'][p] * 1e3:.2f} ms" if p in r["parts_tflops"] else "")
+        + ")"
+        for p in ("attention", "moe", "dense", "norm", "other"))
     return head + "\n  breakdown (one run with events, " + f"{tot * 1e3:.2f} ms): " + parts

@@ -66,6 +66,8 @@ def prefill(
     runs: Annotated[int, typer.Option(help="Timed runs per length (median reported).")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed runs first (kernel compilation).")] = 2,
     moe_chunk: Annotated[int, typer.Option(help="Tokens per MoE call (bounds activation memory).")] = 32768,
+    peer: Annotated[bool, typer.Option(help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
+    peer_runs: Annotated[int, typer.Option(help="Timed runs of the transformers peer per length (median reported).")] = 3,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
@@ -81,6 +83,7 @@ def prefill(
         raise GptOssFp8Error(f"--tokens {tokens!r}: give positive comma-separated lengths")
     from gptoss_fp8.bench.prefill import bench as run_prefill
 
-    rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, echo=typer.echo)
+    rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
+                       peer_runs=peer_runs, echo=typer.echo)
     if json_out is not None:
         json_out.write_text(json.dumps(rows, indent=1))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_with_scale
+from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_group_rows, quantize_with_scale
 from gptoss_fp8.kernels.fp8_gemm import fp8_block_mainloop, store_rows
 from gptoss_fp8.quant.fp8 import (
     ACT_EPS,
@@ -178,11 +178,14 @@ def _moe_gemm_kernel(
     limit,
     FUSE_SWIGLU: tl.constexpr, TOP_K: tl.constexpr, TMA: tl.constexpr, ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr = True,
 ):
     """One row tile (one expert) x one column tile of a grouped FP8 block GEMM.
 
-    FUSE_SWIGLU: A rows are gathered from x by token (slot // TOP_K); the epilogue adds the bias,
+    A_SORTED: A rows are already in padded sorted row order (the down GEMM, or gate_up on
+    ``gather_act_quant``'s output), read through TMA when TMA is set; otherwise (gate_up only) they
+    are gathered from x by token (slot // TOP_K) with pointer loads.
+    FUSE_SWIGLU: the epilogue adds the bias,
     applies the clamped SwiGLU to interleaved gate/up columns and writes FP8 + 1x128 scales in
     padded sorted row order. Otherwise A rows are the padded sorted rows and the epilogue adds the
     bias and scatters bf16 rows to their (token, slot) index.
@@ -207,10 +210,10 @@ def _moe_gemm_kernel(
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + offs_r)
     valid = slots < num_slots
-    if FUSE_SWIGLU:
-        a_rows = (tl.where(valid, slots, 0) // TOP_K).to(tl.int64)
-    else:
+    if A_SORTED:
         a_rows = offs_r.to(tl.int64)
+    else:
+        a_rows = (tl.where(valid, slots, 0) // TOP_K).to(tl.int64)
     if TMA:
         b_src = b_ptr
     else:
@@ -218,7 +221,7 @@ def _moe_gemm_kernel(
     acc_lo, acc_hi = fp8_block_mainloop(
         a_ptr, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
         b_src, expert32 * N + pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr + expert * stride_bse, stride_bsn,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, TMA and not FUSE_SWIGLU, TMA,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, TMA and A_SORTED, TMA,
     )
     bias_e = bias_ptr + expert * stride_biase
     if FUSE_SWIGLU:
@@ -262,20 +265,99 @@ def _bias_swiglu(acc, bias_ptr, col0, N, limit, ALPHA: tl.constexpr, WIDTH: tl.c
 def _moe_combine_kernel(
     y_ptr, w_ptr, ids_ptr, out_ptr,
     H, expert_start, num_experts, stride_ym, stride_om,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_IDS: tl.constexpr,
 ):
-    """out[t] = sum over slots j routed to this rank of w[t, j] * y[t*TOP_K + j] (fp32 sum)."""
+    """out[t] = sum over slots j (routed to this rank, with HAS_IDS) of w[t, j] * y[t*TOP_K + j]
+    (fp32 products and sum, one rounding)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
-        here = (e >= 0) & (e < num_experts)
+        here = h_mask
+        if HAS_IDS:
+            e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
+            here = here & (e >= 0) & (e < num_experts)
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        y = tl.load(y_ptr + (t * TOP_K + j) * stride_ym + offs_h, mask=h_mask & here, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + (t * TOP_K + j) * stride_ym + offs_h, mask=here, other=0.0).to(tl.float32)
         acc += wj * y
     tl.store(out_ptr + t * stride_om + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+def moe_combine(
+    y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor | None = None, expert_start: int = 0,
+    num_experts: int = 0,
+) -> torch.Tensor:
+    """Weighted sum of per-slot expert outputs: y [T*k, H] or [T, k, H] (bf16/fp32, last dim
+    contiguous), weights [T, k] -> bf16 [T, H]. With ``ids`` (int32 [T, k] global expert ids), only
+    slots routed to experts [expert_start, expert_start + num_experts) count (the others' rows of y
+    are never read)."""
+    t, k = weights.shape
+    h = y.shape[-1]
+    y2 = y.reshape(t * k, h)
+    assert y2.stride(-1) == 1, "y needs a contiguous last dimension"
+    out = torch.empty((t, h), dtype=torch.bfloat16, device=y.device)
+    if t == 0:
+        return out
+    block_h = min(1024, triton.next_power_of_2(h))
+    ids_arg = ids.contiguous() if ids is not None else weights
+    _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
+        y2, weights.contiguous(), ids_arg, out, h, expert_start, num_experts, y2.stride(0), out.stride(0),
+        TOP_K=k, BLOCK_H=block_h, HAS_IDS=ids is not None, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _zero_foreign_kernel(ids_ptr, y_ptr, n_slots, H, expert_start, num_experts, stride_ym,
+                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y[slot] = 0 for every slot routed outside [expert_start, expert_start + num_experts)."""
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    e = tl.load(ids_ptr + offs_s, mask=offs_s < n_slots, other=expert_start) - expert_start
+    foreign = (offs_s < n_slots) & ((e < 0) | (e >= num_experts))
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ptrs = y_ptr + offs_s.to(tl.int64)[:, None] * stride_ym + offs_h[None, :]
+    tl.store(ptrs, tl.zeros((BLOCK_S, BLOCK_H), dtype=y_ptr.dtype.element_ty), mask=foreign[:, None] & (offs_h < H)[None, :])
+
+
+@triton.jit
+def _gather_act_quant_kernel(
+    x_ptr, slots_ptr, q_ptr, s_ptr,
+    M, K, num_slots, stride_xm, stride_qm, stride_sm,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+):
+    """Row r of the output = act_quant(x[slots[r] // TOP_K]) (zeros for padding rows)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    slots = tl.load(slots_ptr + offs_m, mask=m_ok, other=num_slots)
+    valid = slots < num_slots
+    src = (tl.where(valid, slots, 0) // TOP_K).to(tl.int64)
+    offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    k_ok = offs_k < K
+    x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
+    rows = offs_m.to(tl.int64)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
+    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=m_ok)
+
+
+def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate_up GEMM's A operand in padded sorted row order: row r is the 1x128 FP8 quantization
+    of x[sorted_slots[r] // top_k] (``act_quant``'s numerics; a token routed to k experts is
+    quantized k times, identically); padding rows (slot >= T*k) are zeros. Lets gate_up read A
+    through TMA like the down GEMM, instead of gathering rows with pointer loads."""
+    t, h = x.shape
+    m = sorted_slots.shape[0]
+    g = triton.cdiv(h, BLOCK)
+    q = torch.empty((m, h), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if m:
+        block_m = 16
+        _gather_act_quant_kernel[(triton.cdiv(m, block_m), g)](
+            x, sorted_slots, q, s, m, h, t * top_k, x.stride(0), q.stride(0), s.stride(0),
+            TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
+        )
+    return q, s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,12 +366,23 @@ def _moe_combine_kernel(
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Tile shapes by load (picked from the H200 sweep in benchmarks/notes/kernels_gemm.md).
+    """Tile shapes by load (picked from the H200 sweeps in benchmarks/notes/kernels_gemm.md).
 
     ALIGN_M pads each expert's rows (padding waste vs tile efficiency); each GEMM's BLOCK_M
     divides it. gate_up's BLOCK_N is fixed at 256: one 128-wide SwiGLU output group per tile.
+    Many experts with a few hundred rows each (the 120b's 128 experts at 4-8k tokens): gate_up's A
+    pre-gathered in sorted order (TMA loads) with 128x256 tiles was the best of the 2026-11-29
+    sweep at 8192 tokens / 128 experts (3.16 ms; the 64-row tiles 3.35-3.67 ms in earlier calls);
+    at 1024+ rows per expert and for 32 experts the two were within noise of each other, so the
+    64-row tiles stay there.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if num_experts >= 64 and 192 <= rows_per_expert <= 512:
+        return dict(
+            ALIGN_M=128, TMA=True, PREGATHER=True,
+            gate_up=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+            down=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+        )
     align = 64 if rows_per_expert >= 48 else 16
     return dict(
         ALIGN_M=align,
@@ -341,10 +434,15 @@ def moe_expert_slots(
     assert topk_ids.dtype == torch.int32, f"topk_ids must be int32, got {topk_ids.dtype}"
     k = topk_ids.shape[1]
     n_slots = t * k
-    y = (torch.zeros if zero_foreign else torch.empty)((n_slots, h), dtype=out_dtype, device=x.device)
+    y = torch.empty((n_slots, h), dtype=out_dtype, device=x.device)
     if t == 0:
         return y
     topk_ids = topk_ids.contiguous()
+    if zero_foreign:  # only rows of slots routed to other ranks' experts are written (none with one rank)
+        block_h = min(1024, triton.next_power_of_2(h))
+        _zero_foreign_kernel[(triton.cdiv(n_slots, 16), triton.cdiv(h, block_h))](
+            topk_ids, y, n_slots, h, expert_start, e, y.stride(0), BLOCK_S=16, BLOCK_H=block_h, num_warps=4,
+        )
     cfg = config or moe_config(t, k, e)
     align = cfg["ALIGN_M"]
     gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
@@ -356,13 +454,20 @@ def moe_expert_slots(
     max_rows = sorted_slots.shape[0]
 
     tma = bool(cfg.get("TMA", False))
-    x_fp8, x_scale = act_quant(x.contiguous())
+    # PREGATHER: quantize x straight into sorted row order so gate_up reads A through TMA.
+    pregather = tma and bool(cfg.get("PREGATHER", False))
+    if pregather:
+        x_fp8, x_scale = gather_act_quant(x.contiguous(), sorted_slots, k)
+        x_src = TensorDescriptor.from_tensor(x_fp8, [bm_gu, BLOCK])
+    else:
+        x_fp8, x_scale = act_quant(x.contiguous())
+        x_src = x_fp8
     act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
     act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
     w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK, BLOCK]) if tma else w13
     grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
     _moe_gemm_kernel[grid](
-        x_fp8, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
+        x_src, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
         sorted_slots, block_expert,
         two_i, h, n_slots, e, max_rows // bm_gu,
         x_fp8.stride(0), x_scale.stride(0),
@@ -370,7 +475,7 @@ def moe_expert_slots(
         act.stride(0), act_scale.stride(0),
         float(swiglu_limit),
         FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, **gu,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, A_SORTED=pregather, **gu,
     )
 
     bn = dn.pop("BLOCK_N")
@@ -422,17 +527,7 @@ def moe_experts(
     # The combine skips slots routed elsewhere, so they need not be zeroed.
     y = moe_expert_slots(x, topk_ids, w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, expert_start,
                          swiglu_limit, config, torch.bfloat16, zero_foreign=False)
-    t, h = x.shape
-    k, e = topk_ids.shape[1], w13.shape[0]
-    out = torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
-    if t == 0:
-        return out
-    block_h = 1024
-    _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
-        y, topk_weights.contiguous(), topk_ids.contiguous(), out, h, expert_start, e, y.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_H=block_h, num_warps=4,
-    )
-    return out
+    return moe_combine(y, topk_weights, topk_ids, expert_start, w13.shape[0])
 
 
 def fused_moe(

@@ -17,15 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gptoss_fp8.convert.convert import LAYOUT_NAME  # the converter owns the file names
+from gptoss_fp8.convert.layout import ATTENTION_MODULES
+from gptoss_fp8.convert.source import INDEX_NAME
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.config import GptOssConfig, read_config_json
 from gptoss_fp8.model.ops import ReferenceOps
 from gptoss_fp8.model.parallel import SINGLE, Parallel
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
-
-from gptoss_fp8.convert.convert import LAYOUT_NAME  # noqa: E402  (the converter owns the file names)
-from gptoss_fp8.convert.layout import ATTENTION_MODULES  # noqa: E402
-from gptoss_fp8.convert.source import INDEX_NAME  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -167,44 +166,72 @@ class GptOss(nn.Module):
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ops: ReferenceOps | None = None,
-                capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """tokens int [T] -> logits bf16 [T, V]. ``capture`` (if given) receives the residual stream
-        after each layer's attention (``"{i}.attn"``) and MLP (``"{i}.mlp"``), bf16 [T, H], and the
-        router logits (``"{i}.router"``, bf16 [T, E])."""
+                capture: dict[str, torch.Tensor] | None = None, *, last_only: bool = False,
+                moe_chunk: int | None = None) -> torch.Tensor:
+        """tokens int [T] -> logits bf16 [T, V] ([1, V] of the last position with ``last_only``: a
+        prefill's first-token logits). ``capture`` (if given) receives the residual stream after each
+        layer's attention (``"{i}.attn"``) and MLP (``"{i}.mlp"``), bf16 [T, H], and the router
+        logits (``"{i}.router"``, bf16 [T, E]). ``moe_chunk`` runs the MoE blocks over at most that
+        many tokens at a time (bounds the [T * top_k, ...] expert activations; exact, the MoE is
+        per token)."""
         ops = ops or ReferenceOps()
-        cfg = self.cfg
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
         cos, sin = rope_cos_sin(cfg, tokens.shape[0], x.device)
-        for layer in self.model.layers:
-            x = self._attention(layer, x, cos, sin, ops)
+        layers = self.model.layers
+        h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops), layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
-            x = self._moe(layer, x, ops, capture)
+            x, h = ops.add_rms_norm(x, self._moe_chunked(layer, h, ops, capture, moe_chunk), self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
-        x = ops.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
-        return ops.linear(x, self.lm_head.weight, None, None)
+        return ops.linear(h[-1:] if last_only else h, self.lm_head.weight, None, None)
 
-    def _attention(self, layer: Layer, x: torch.Tensor, cos, sin, ops: ReferenceOps) -> torch.Tensor:
+    def _moe_chunked(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps, capture: dict | None,
+                     chunk: int | None) -> torch.Tensor:
+        n = t.shape[0]
+        if not chunk or n <= chunk:
+            return self._moe(layer, t, ops, capture)
+        if chunk < 1:
+            raise GptOssFp8Error(f"moe_chunk must be a positive number of tokens, got {chunk}")
+        out = torch.empty_like(t)
+        router = []
+        for s in range(0, n, chunk):
+            part: dict | None = {} if capture is not None else None
+            out[s:s + chunk] = self._moe(layer, t[s:s + chunk], ops, part)
+            if part is not None:
+                router.append(part[f"{layer.idx}.router"])
+        if capture is not None:
+            capture[f"{layer.idx}.router"] = torch.cat(router)
+        return out
+
+    def _next_norm(self, i: int) -> torch.Tensor:
+        """The norm scale applied after layer i's MLP residual: layer i + 1's input norm, or the final norm."""
+        layers = self.model.layers
+        return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
+
+    def _attention(self, layer: Layer, t: torch.Tensor, cos, sin, ops: ReferenceOps) -> torch.Tensor:
+        """Attention block on the normed stream t [T, H] -> its residual delta (bf16, or float32
+        partial sums over ranks reduced here: the caller rounds once)."""
         a, d = layer.self_attn, self.cfg.head_dim
-        t = ops.rms_norm(x, layer.input_layernorm.weight, self.cfg.rms_norm_eps)
-        q = ops.linear(t, a.q_proj.weight, a.q_proj.weight_scale_inv, a.q_proj.bias)  # [T, Hl * D]
-        k = ops.linear(t, a.k_proj.weight, a.k_proj.weight_scale_inv, a.k_proj.bias)  # [T, KVl * D]
-        v = ops.linear(t, a.v_proj.weight, a.v_proj.weight_scale_inv, a.v_proj.bias)
-        n = x.shape[0]
+        q, k, v = ops.linears(t, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)])
+        # q [T, Hl * D], k / v [T, KVl * D]
+        n = t.shape[0]
         q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
         k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
         o = ops.attention(q, k, v.view(n, a.n_kv, d), a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
-        return x + ops.all_reduce(o, self.par).to(x.dtype)
+        return ops.all_reduce(o, self.par)
 
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16
 
-    def _moe(self, layer: Layer, x: torch.Tensor, ops: ReferenceOps, capture: dict | None = None) -> torch.Tensor:
+    def _moe(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps, capture: dict | None = None) -> torch.Tensor:
+        """MoE block on the normed stream t [T, H] -> its residual delta, bf16 [T, H]."""
         m = layer.mlp
-        t = ops.rms_norm(x, layer.post_attention_layernorm.weight, self.cfg.rms_norm_eps)
         g = ops.linear(t, m.router.weight, None, m.router.bias)  # [T, E] bf16, replicated
         if capture is not None:
             capture[f"{layer.idx}.router"] = g
@@ -215,11 +242,11 @@ class GptOss(nn.Module):
         y, yb = ops.expert_ffn(t, top.indices, ex, m.experts.first_expert, self.cfg.swiglu_limit,
                                partial=self.par.parts > 1)  # [T, k, H] f32 each
         if yb is None:  # whole experts per rank: each (token, slot) is computed by exactly one rank
-            y = ops.all_reduce(y, self.par).to(x.dtype)
+            y = ops.all_reduce(y, self.par).to(t.dtype)
         else:  # intermediate dim split: sum the partial products, round, then add the bias once
             both = ops.all_reduce(torch.stack([y, yb]), self.par)
             y = ops.add_bias_after_sum(both[0], both[1])
-        return x + torch.einsum("bec,be->bc", y, weights)
+        return ops.moe_combine(y, weights)
 
 
 def _layer_of(name: str) -> str:

@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from gptoss_fp8.model.parallel import Parallel
-from gptoss_fp8.quant.fp8 import FP8_DTYPE, block_gemm_reference, dequantize_weight_blocks, quantize_act
+from gptoss_fp8.quant.fp8 import (
+    FP8_DTYPE,
+    block_gemm_reference,
+    dequantize_weight_blocks,
+    quantize_act,
+)
 
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
 
@@ -58,6 +63,11 @@ class ReferenceOps:
         if out_dtype == torch.bfloat16:
             return F.linear(x, wd, bias)
         return F.linear(x.float(), wd.float(), None if bias is None else bias.float()).to(out_dtype)
+
+    def linears(self, x: torch.Tensor, projs: list[tuple]) -> list[torch.Tensor]:
+        """Several projections of the same input (q, k, v): ``[linear(x, w, s, b) for (w, s, b) in
+        projs]``. A backend may quantize x once and run them as one GEMM; the results are the same."""
+        return [self.linear(x, w, s, b) for w, s, b in projs]
 
     def expert_linear(self, x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
                       bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -114,9 +124,21 @@ class ReferenceOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """fp32 RMSNorm, cast back to x's dtype; weight float32 [H]."""
-        t = x.float()
-        t = t * torch.rsqrt(torch.mean(t**2, dim=-1, keepdim=True) + eps)
-        return (t * weight).to(x.dtype)
+        from gptoss_fp8.kernels.norm import rms_norm_reference
+
+        return rms_norm_reference(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add of the bf16 stream (x + delta.to(x.dtype)), then ``rms_norm`` of the sum:
+        (new x, normed)."""
+        x = x + delta.to(x.dtype)
+        return x, self.rms_norm(x, weight, eps)
+
+    def moe_combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16
+        [T, H] (the reference's einsum: fp32 accumulation, one rounding)."""
+        return torch.einsum("bec,be->bc", y, weights)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate halves of each head: x [T, heads, D]; cos/sin float32 [T, D/2], cast to x's dtype."""

@@ -6,7 +6,9 @@ stream, routing top-k/softmax in the model) stays the parent's torch code, on th
 
 * ``linear``: FP8 weights -> ``act_quant`` (1x128 per-token groups) + ``fp8_gemm`` with the bias
   fused in fp32 and one rounding (bf16, or float32 partial sums of a sharded o_proj). bf16
-  weights: the parent (torch).
+  weights: the parent (torch). ``linears`` (q, k, v of one input): one ``act_quant``, and one GEMM
+  over the concatenated weights (cached, ~N*K bytes per layer) when each N is a multiple of 128:
+  per output element the same products, scales and bias as three GEMMs.
 * ``expert_ffn``: the grouped FP8 expert GEMMs of kernels/moe.py (gate_up + bias + clamped SwiGLU
   + FP8 quantization fused, then down + bias), stopped before ``moe.py``'s weighted combine because
   the model combines [T, k, H] per-slot outputs itself. Whole experts: each routed (token, slot)
@@ -19,6 +21,9 @@ stream, routing top-k/softmax in the model) stays the parent's torch code, on th
   window, GQA); fp32 online softmax, where the reference computes in bf16.
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
+* ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
+  (within one bf16 ulp of the torch code: reduction order, approximate rsqrt).
+* ``moe_combine``: kernels/moe.py's weighted combine of per-slot outputs (fp32 sum, one rounding).
 
 Known differences from ``W8A8CpuOps`` (what the tolerances in tests/test_triton_ops.py cover):
 fp32 summation order; GPU division (kernels/act_quant.py: ~6e-5 of FP8 activation values one e4m3
@@ -38,6 +43,7 @@ import os
 
 import torch
 import triton
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.ops import W8A8CpuOps
@@ -70,6 +76,7 @@ class TritonOps(W8A8CpuOps):
         self.rope_kernel = rope_kernel
         self.moe_config = moe_config
         self._positions: dict[tuple, torch.Tensor] = {}
+        self._fused = WeakIdKeyDictionary()  # fused q/k/v weights, keyed by the q weight tensor
 
     # --- dense ---------------------------------------------------------------------------------
     def linear(self, x, w, scale_inv, bias, out_dtype=BF16):
@@ -83,6 +90,41 @@ class TritonOps(W8A8CpuOps):
         xq, xs = act_quant(x)
         return fp8_gemm(xq, xs, w.contiguous(), scale_inv.contiguous(),
                         None if bias is None else bias.contiguous(), out_dtype=out_dtype)
+
+    def linears(self, x, projs):
+        """One activation quantization for all; one GEMM over the weights concatenated along N
+        when every one is FP8 with N a multiple of 128 (block scales then stack), else one GEMM each."""
+        if len(projs) < 2 or not all(w.dtype == FP8_DTYPE and s is not None and w.dim() == 2 for w, s, _ in projs) \
+                or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1 \
+                or projs[0][0].shape[1] % 16:
+            return super().linears(x, projs)
+        from gptoss_fp8.kernels.act_quant import act_quant
+        from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
+
+        xq, xs = act_quant(x)
+        fused = self._fused_weights(projs)
+        if fused is None:
+            return [fp8_gemm(xq, xs, w.contiguous(), s.contiguous(), None if b is None else b.contiguous())
+                    for w, s, b in projs]
+        y = fp8_gemm(xq, xs, *fused)
+        return list(y.split([w.shape[0] for w, _, _ in projs], dim=-1))
+
+    def _fused_weights(self, projs):
+        """(weight, scale_inv, bias) concatenated along N, cached per first weight tensor (dropped
+        with it; rebuilt if any weight is replaced or modified in place); None when N % 128 != 0
+        somewhere or biases are mixed."""
+        if any(w.shape[0] % 128 for w, _, _ in projs) or len({b is None for _, _, b in projs}) != 1:
+            return None
+        key = projs[0][0]
+        stamp = tuple((id(t), _version(t)) for p in projs for t in p if t is not None)
+        hit = self._fused.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        w = torch.cat([w for w, _, _ in projs]).contiguous()
+        s = torch.cat([s for _, s, _ in projs]).contiguous()
+        b = None if projs[0][2] is None else torch.cat([b for _, _, b in projs]).contiguous()
+        self._fused[key] = (stamp, (w, s, b))
+        return w, s, b
 
     # --- experts -------------------------------------------------------------------------------
     def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False):
@@ -110,6 +152,32 @@ class TritonOps(W8A8CpuOps):
             here = (local >= 0) & (local < n_local)
             bias_out = torch.where(here[..., None], b2[local.clamp(0, n_local - 1)].float(), bias_out)
         return y, bias_out
+
+    def moe_combine(self, y, weights):
+        if not _kernel_device(y) or y.dtype not in (BF16, F32) or y.stride(-1) != 1:
+            return super().moe_combine(y, weights)
+        from gptoss_fp8.kernels.moe import moe_combine
+
+        return moe_combine(y, weights)
+
+    # --- norms ---------------------------------------------------------------------------------
+    def _norm_ok(self, x, weight) -> bool:
+        return (_kernel_device(x) and x.dim() == 2 and x.dtype in (BF16, torch.float16) and x.stride(-1) == 1
+                and weight.dtype == F32 and weight.is_contiguous())
+
+    def rms_norm(self, x, weight, eps):
+        if not self._norm_ok(x, weight):
+            return super().rms_norm(x, weight, eps)
+        from gptoss_fp8.kernels.norm import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        if not self._norm_ok(x, weight) or delta.shape != x.shape or delta.stride(-1) != 1:
+            return super().add_rms_norm(x, delta, weight, eps)
+        from gptoss_fp8.kernels.norm import add_rms_norm
+
+        return add_rms_norm(x, delta, weight, eps)
 
     # --- attention -----------------------------------------------------------------------------
     def attention(self, q, k, v, sinks, sm_scale, window):
@@ -140,6 +208,14 @@ class TritonOps(W8A8CpuOps):
         _, out = rope_qk(None, x if x.stride(-1) == 1 else x.contiguous(), pos,
                          cos.float().contiguous(), sin.float().contiguous())
         return out
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place modification counter (inference-mode tensors have none: -1)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def moe_slot_outputs(

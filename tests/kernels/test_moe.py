@@ -13,11 +13,14 @@ which can flip a rare fp8 rounding of the intermediate):
 import pytest
 import torch
 
+from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.moe import (
     fused_moe,
     fused_moe_reference,
+    gather_act_quant,
     moe_align,
     moe_align_reference,
+    moe_combine,
     moe_experts,
     moe_experts_reference,
     route,
@@ -99,11 +102,12 @@ def test_fused_moe_small(t, h, i, e, k, e0, n_local):
     _check(y, fused_moe_reference(m["x"], m["wr"], m["br"], *ex, top_k=k, expert_start=e0))
 
 
-@pytest.mark.parametrize("tma", [True, False])
-def test_fused_moe_tiles_and_loads(tma):
-    # Padding to 32 rows with 16-row gate_up tiles and 32-row down tiles; TMA or pointer loads.
+@pytest.mark.parametrize("tma,pregather", [(True, False), (False, False), (True, True)])
+def test_fused_moe_tiles_and_loads(tma, pregather):
+    # Padding to 32 rows with 16-row gate_up tiles and 32-row down tiles; TMA or pointer loads;
+    # gate_up's A gathered by the GEMM or pre-gathered in sorted order (gather_act_quant).
     cfg = dict(
-        ALIGN_M=32, TMA=tma,
+        ALIGN_M=32, TMA=tma, PREGATHER=pregather,
         gate_up=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2),
         down=dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
     )
@@ -154,14 +158,46 @@ GPU_MOE_VARIANTS = [
     dict(ALIGN_M=64, TMA=False,
          gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
          down=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)),
+    dict(ALIGN_M=64, TMA=True, PREGATHER=True,
+         gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4),
+         down=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_MOE_VARIANTS, ids=["tma-128", "ptr-64"])
+@pytest.mark.parametrize("config", GPU_MOE_VARIANTS, ids=["tma-128", "ptr-64", "pregather-64"])
 def test_fused_moe_variants_gpu(config):
     m = _model(3000, 2880, 2880, 32, seed=77)
     ex = _shard(m["experts"], 4, 16)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
     y = moe_experts(m["x"], w, ids, *ex, expert_start=4, config=config)
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=4))
+
+
+def test_gather_act_quant_rows_are_act_quant_of_their_tokens():
+    gen = torch.Generator().manual_seed(12)
+    t, k, h = 9, 3, 200
+    x = (torch.randn(t, h, generator=gen) * 4).to(DEV, torch.bfloat16)
+    slots = torch.tensor([4, 0, 26, t * k, 13, t * k, 7, 1], dtype=torch.int32, device=DEV)  # t*k: padding
+    q, s = gather_act_quant(x, slots, k)
+    qr, sr = act_quant(x)
+    for r, slot in enumerate(slots.tolist()):
+        if slot < t * k:
+            assert torch.equal(q[r].float(), qr[slot // k].float()) and torch.equal(s[r], sr[slot // k])
+        else:
+            assert not q[r].float().any()
+
+
+def test_moe_combine_matches_einsum():
+    gen = torch.Generator().manual_seed(13)
+    t, k, h = 33, 4, 300
+    y = torch.randn(t, k, h, generator=gen).to(DEV, torch.bfloat16)
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1).to(DEV, torch.bfloat16)
+    got = moe_combine(y, w).float()
+    want = torch.einsum("bec,be->bc", y.float(), w.float())  # fp32 sum; both round once to bf16
+    assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-5)
+    ids = torch.randint(0, 8, (t, k), generator=gen, dtype=torch.int32).to(DEV)
+    here = ((ids >= 2) & (ids < 6)).float()
+    got = moe_combine(y, w, ids, 2, 4).float()
+    want = torch.einsum("bec,be->bc", y.float(), w.float() * here)
+    assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-5)

@@ -1,0 +1,60 @@
+"""RMSNorm / residual-add + RMSNorm kernel (kernels/norm.py) against the plain-torch reference.
+
+Tolerance: one bf16 ulp (relative 2^-7 of each value, plus 1e-6 absolute for values near zero):
+the kernel's sum of squares runs in another order and its rsqrt is approximate. In the interpreter
+(CPU) every fp32 -> bf16 cast truncates instead of rounding; where two casts meet (an fp32 delta
+cast to bf16, then the sum) that is two ulps, so the CPU bound is 2^-6. Bit-identical outputs: at least 90% on the GPU; in the interpreter, whose
+stores truncate, about half (measured 55%), so at least 40% there.
+"""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """|got - want| within one bf16 ulp (two on CPU) of max(|want|, |scale|)."""
+    g, w = got.float().cpu(), want.float().cpu()
+    mag = w.abs() if scale is None else torch.maximum(w.abs(), scale.float().abs().cpu())
+    ulps = 1 if DEV == "cuda" else 2
+    assert torch.all((g - w).abs() <= mag * ulps * 2**-7 + 1e-6), f"max diff {(g - w).abs().max()}"
+    assert (g == w).float().mean() >= (0.9 if DEV == "cuda" else 0.4)
+
+
+@pytest.mark.parametrize("t,h", [(1, 192), (37, 96), (64, 2880), (5, 4096)])
+def test_rms_norm_matches_reference(t, h):
+    gen = torch.Generator().manual_seed(t * 1000 + h)
+    x = (torch.randn(t, h, generator=gen) * 3 + 0.5).to(DEV, torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(h, generator=gen)).to(DEV)
+    _check(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("delta_dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_matches_reference(delta_dtype):
+    gen = torch.Generator().manual_seed(7)
+    t, h = 29, 2880
+    x = torch.randn(t, h, generator=gen).to(DEV, torch.bfloat16)
+    d = (2 * torch.randn(t, h, generator=gen)).to(DEV, delta_dtype)
+    w = torch.rand(h, generator=gen).to(DEV) + 0.5
+    xo, y = add_rms_norm(x, d, w, 1e-5)
+    xr, _ = add_rms_norm_reference(x, d, w, 1e-5)
+    _check(xo, xr, scale=d)  # a rounding of delta counts at delta's magnitude (cancellation)
+    _check(y, rms_norm_reference(xo, w, 1e-5))  # the norm of the sum the kernel stored
+    assert xo.dtype == y.dtype == torch.bfloat16 and xo.data_ptr() != x.data_ptr()
+
+
+def test_norm_of_a_strided_view_and_empty():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(16, 2 * 192, generator=gen).to(DEV, torch.bfloat16)
+    x = base[:, :192]  # row stride 384
+    w = torch.rand(192, generator=gen).to(DEV)
+    _check(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+    assert rms_norm(x[:0], w, 1e-6).shape == (0, 192)
