@@ -14,9 +14,12 @@ from gptoss_fp8.errors import GptOssFp8Error
 
 
 class Mode(str, enum.Enum):
+    auto = "auto"
     weights = "weights"
     w8a8 = "w8a8"
+    kernels = "kernels"
     both = "both"
+    all = "all"
 
 
 class Device(str, enum.Enum):
@@ -45,12 +48,18 @@ def verify_logits(
     reference: Annotated[Path, typer.Option(help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
     tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run.")] = None,
     prompt: Annotated[str | None, typer.Option(help="Text, rendered as a Harmony chat (openai-harmony, offline).")] = None,
-    mode: Annotated[Mode, typer.Option(help="weights: FP8 weights dequantized, bf16 activations; w8a8: FP8 activations too.")] = Mode.both,
+    mode: Annotated[list[Mode] | None, typer.Option(
+        metavar="auto|weights|w8a8|kernels|both|all",
+        help="What computes our logits; repeat to combine. weights: FP8 weights dequantized, bf16 activations "
+             "(torch); w8a8: FP8 activations too, the torch spec of what serving computes; kernels: the same w8a8 "
+             "numerics on our Triton kernels (needs --device cuda); both = weights + w8a8; all = the three. "
+             "Default auto: weights + w8a8, plus kernels on --device cuda (then also checked against w8a8).",
+        show_default=False)] = None,
     tp: Annotated[int | None, typer.Option(min=1, help="Tensor-parallel processes (default: the checkpoint's layout.json; must match it).")] = None,
     ep: Annotated[int | None, typer.Option(min=1, help="Expert-parallel groups, dividing tp (default: the checkpoint's layout).")] = None,
     device: Annotated[Device, typer.Option(help="Where the forward passes run.")] = Device.cpu,
     json_report: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
-    dump_logits: Annotated[Path | None, typer.Option(help="Write our logits (safetensors, key 'logits', float32 [T, V]); FILE.<mode>.safetensors per mode with --mode both.")] = None,
+    dump_logits: Annotated[Path | None, typer.Option(help="Write our logits (safetensors, key 'logits', float32 [T, V]); FILE.<mode>.safetensors per mode when several run.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of per-layer errors and per-position KL (needs matplotlib).")] = None,
     save_reference: Annotated[Path | None, typer.Option(help="Also save the reference logits and hidden states here, to reuse with --reference FILE.")] = None,
     max_kl_mean: Annotated[float | None, typer.Option(help="Override: largest mean KL(ref||ours), nats.")] = None,
@@ -58,13 +67,19 @@ def verify_logits(
     min_top1: Annotated[float | None, typer.Option(help="Override: smallest top-1 agreement (0..1).")] = None,
     layer_rel_err: Annotated[float | None, typer.Option(help="Override: hidden-state relative error that marks a layer as diverging.")] = None,
 ) -> None:
-    """Compare the FP8 checkpoint's logits with OpenAI's reference on the source; exit 1 on failure."""
+    """Compare the FP8 checkpoint's logits with OpenAI's reference on the source; exit 1 on failure.
+
+    On --device cuda the default runs our GPU kernels too (mode kernels) and checks them against the
+    reference and against the torch w8a8 spec; the report names the ops backend of every mode."""
     from gptoss_fp8.model.config import GptOssConfig
     from gptoss_fp8.verify import run
-    from gptoss_fp8.verify.reference import reference_for, save_reference as save_ref
+    from gptoss_fp8.verify.reference import reference_for
+    from gptoss_fp8.verify.reference import save_reference as save_ref
 
     if tokens is not None and prompt is not None:
         raise GptOssFp8Error("pass --tokens or --prompt, not both")
+    # before any model runs: a mode this device cannot run is one line now, not after the reference
+    modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
     if not (Path(ckpt) / "config.json").is_file():
         raise GptOssFp8Error(f"{ckpt}: no config.json; point at a converted checkpoint directory")
     cfg = GptOssConfig.from_file(Path(ckpt) / "config.json")
@@ -83,7 +98,6 @@ def verify_logits(
     if ids is not None and int(ids.max()) >= cfg.vocab_size:
         raise GptOssFp8Error(f"token id {int(ids.max())} >= vocab_size {cfg.vocab_size} of {ckpt}; "
                              "use token ids the model has (--prompt needs the real 201088-token vocabulary)")
-    modes = ["weights", "w8a8"] if mode is Mode.both else [mode.value]
     overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err}
 
     if run.under_torchrun():

@@ -61,6 +61,11 @@ class Parallel:
         if self.world == 1:
             return t
         buf = t.float().contiguous()
+        if buf.is_cuda and dist.get_backend(self.group) == "gloo":
+            # Several ranks sharing one GPU (NCCL refuses that): reduce through host memory.
+            host = buf.cpu()
+            dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.group)
+            return host.to(device=t.device, dtype=t.dtype)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         return buf.to(t.dtype)
 

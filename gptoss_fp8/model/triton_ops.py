@@ -71,7 +71,8 @@ class TritonOps(W8A8CpuOps):
         if not torch.cuda.is_available() and not interpreter_on():
             raise GptOssFp8Error(
                 "the triton ops backend needs a CUDA GPU (none is visible), or TRITON_INTERPRET=1 set before "
-                "gptoss_fp8's kernels are imported (Triton interpreter on CPU, slow); use --ops w8a8-cpu on CPU"
+                "gptoss_fp8's kernels are imported (Triton interpreter on CPU, slow); on CPU use the w8a8-cpu spec "
+                "(verify-logits --mode w8a8)"
             )
         self.rope_kernel = rope_kernel
         self.moe_config = moe_config

@@ -43,9 +43,9 @@ class Case:
 CASES = (
     Case("tiny", seed=1234, n_tokens=64, token_seed=7),  # 2 layers, 8 experts top-2, hidden 192, window 8
     Case("odd", seed=99, n_tokens=48, token_seed=8, layers=1,  # 1 layer, 3 experts top-1, hidden 96
-         overrides=dict(hidden_size=96, intermediate_size=288, num_local_experts=3, num_experts_per_tok=1)),
+         overrides={"hidden_size": 96, "intermediate_size": 288, "num_local_experts": 3, "num_experts_per_tok": 1}),
 )
-CONVERSIONS = {"exact": dict(keep_attention_bf16=True), "default": dict(keep_attention_bf16=False)}
+CONVERSIONS = {"exact": {"keep_attention_bf16": True}, "default": {"keep_attention_bf16": False}}
 LAYOUTS = ((1, 1), (2, 1), (2, 2))
 # Sharded layouts run on the exact conversion (where sharded must equal unsharded); the default
 # (FP8 attention) conversion at tp 1. tests/test_model_sharded.py covers FP8 attention sharded.
@@ -67,7 +67,7 @@ def checkpoint_digest(root: Path) -> str:
     entries = {}
     for f in sorted(Path(root).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
+            for k in sf.keys():  # noqa: SIM118  (a safe_open handle is not iterable)
                 entries[k] = f
     for k in sorted(entries):
         with safe_open(str(entries[k]), framework="pt") as sf:
@@ -85,6 +85,32 @@ def _make_source(case: Case, dst: Path):
     from gptoss_fp8.convert.synth import write_synthetic
 
     return write_synthetic(dst, case.preset, seed=case.seed, layers=case.layers, layout="hf", **case.overrides)
+
+
+def materialize(name: str, work: Path, conversion: str = "exact", tp: int = 1, ep: int = 1,
+                golden_dir: Path | None = None) -> tuple[Path, Path]:
+    """Golden case ``name`` on disk, for running verify-logits on it elsewhere (the GPU tests):
+    regenerate its source under ``work/src`` once (the sha256 must match golden.json), convert it
+    with ``conversion`` (a CONVERSIONS key) for tp/ep, and return (checkpoint dir, the stored
+    OpenAI-reference file, whose tokens are the case's)."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+
+    golden_dir = Path(golden_dir or default_dir())
+    entry = json.loads((golden_dir / GOLDEN_FILE).read_text())["cases"].get(name)
+    if entry is None:
+        raise GptOssFp8Error(f"no golden case {name!r}; cases: {', '.join(c.name for c in CASES)}")
+    work = Path(work)
+    src = work / "src"
+    if not (src / "config.json").is_file():
+        _make_source(Case(**entry["case"]), src)
+        digest = checkpoint_digest(src)
+        if digest != entry["source_sha256"]:
+            raise GptOssFp8Error(f"golden {name}: regenerated source differs (sha256 {digest[:12]} != "
+                                 f"{entry['source_sha256'][:12]}): synth drifted; run `gptoss-fp8 golden check`")
+    dst = work / f"{conversion}-tp{tp}-ep{ep}"
+    if not (dst / "config.json").is_file():
+        convert_checkpoint(src, dst, **CONVERSIONS[conversion], **({"tp": tp, "ep": ep} if tp > 1 else {}))
+    return dst, golden_dir / entry["reference"]
 
 
 def _valid_layouts(cfg) -> list[tuple[int, int]]:

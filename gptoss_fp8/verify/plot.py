@@ -31,7 +31,7 @@ def plot_report(report: dict, path: Path) -> None:
             x = [p["layer"] + (0.0 if p["part"] == "attn" else 0.5) for p in pts]
             y = [max(p["rel_err"], e_floor) for p in pts]
             zero = " - 0 drawn at floor" if any(p["rel_err"] == 0 for p in pts) else ""
-            line, = ax1.plot(x, y, marker="o", label=f"{mode} ({sec['profile']}){zero}")
+            line, = ax1.plot(x, y, marker="o", label=f"{mode} [{sec['backend']}] ({sec['profile']}){zero}")
             ax1.axhline(sec["thresholds"]["layer_rel_err"], color=line.get_color(), ls="--", lw=0.8)
             d = sec.get("divergence")
             if d:

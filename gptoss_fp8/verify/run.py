@@ -9,19 +9,31 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from gptoss_fp8 import __version__
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.gptoss import load_model
-from gptoss_fp8.model.ops import MODES, get_ops
 from gptoss_fp8.model.parallel import Parallel
+from gptoss_fp8.verify.backends import MODES, backend_device, ops_for, resolve_modes
 from gptoss_fp8.verify.metrics import layer_errors, logit_metrics
 from gptoss_fp8.verify.reference import Reference, Rounding
 from gptoss_fp8.verify.thresholds import DEFAULTS, Thresholds, with_overrides
 
-Outputs = dict[str, tuple[torch.Tensor, dict[str, torch.Tensor], float]]  # mode -> (logits f32 [T, V], captures, seconds)
+
+class ModeOutput(NamedTuple):
+    """One mode's forward pass: logits float32 [T, V] on CPU, captures (model.gptoss.GptOss.forward),
+    seconds, and for the kernels mode the calls each kernel op handed to the torch spec."""
+
+    logits: torch.Tensor
+    hidden: dict[str, torch.Tensor]
+    seconds: float
+    spec_fallbacks: dict[str, int] | None = None
+
+
+Outputs = dict[str, ModeOutput]  # mode -> its output
 
 
 # ----------------------------------------------------------------------------------------------
@@ -29,16 +41,18 @@ Outputs = dict[str, tuple[torch.Tensor, dict[str, torch.Tensor], float]]  # mode
 
 
 def run_modes(model, tokens: torch.Tensor, modes: list[str]) -> Outputs:
-    """Run one loaded model (any rank) once per mode: logits float32 [T, V] on CPU, captures, seconds."""
+    """Run one loaded model (any rank) once per mode (``backends.MODES``)."""
     out: Outputs = {}
     dev = next(iter(model.buffers())).device
     for mode in modes:
         cap: dict[str, torch.Tensor] = {}
+        ops = ops_for(mode)
         t0 = time.perf_counter()
-        logits = model(tokens.to(dev), get_ops(mode), cap)
+        logits = model(tokens.to(dev), ops, cap)
         if logits.is_cuda:
             torch.cuda.synchronize()
-        out[mode] = (logits.float().cpu(), {k: v.cpu() for k, v in cap.items()}, time.perf_counter() - t0)
+        out[mode] = ModeOutput(logits.float().cpu(), {k: v.cpu() for k, v in cap.items()}, time.perf_counter() - t0,
+                               getattr(ops, "spec_fallbacks", None))
     return out
 
 
@@ -46,10 +60,11 @@ def _save_outputs(out: Outputs, path: Path) -> None:
     from safetensors.torch import save_file
 
     t = {}
-    for mode, (logits, cap, secs) in out.items():
-        t[f"{mode}/logits"] = logits.contiguous()
-        t[f"{mode}/seconds"] = torch.tensor([secs], dtype=torch.float64)
-        t |= {f"{mode}/hidden.{k}": v.contiguous() for k, v in cap.items()}
+    for mode, o in out.items():
+        t[f"{mode}/logits"] = o.logits.contiguous()
+        t[f"{mode}/seconds"] = torch.tensor([o.seconds], dtype=torch.float64)
+        t |= {f"{mode}/hidden.{k}": v.contiguous() for k, v in o.hidden.items()}
+        t |= {f"{mode}/spec_fallbacks.{k}": torch.tensor([n]) for k, n in (o.spec_fallbacks or {}).items()}
     save_file(t, str(path))
 
 
@@ -59,9 +74,10 @@ def _load_outputs(path: Path, modes: list[str]) -> Outputs:
     t = load_file(str(path))
     out: Outputs = {}
     for mode in modes:
-        pre = f"{mode}/hidden."
-        out[mode] = (t[f"{mode}/logits"], {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)},
-                     float(t[f"{mode}/seconds"][0]))
+        pre, fb = f"{mode}/hidden.", f"{mode}/spec_fallbacks."
+        fallbacks = {k[len(fb):]: int(v) for k, v in t.items() if k.startswith(fb)}
+        out[mode] = ModeOutput(t[f"{mode}/logits"], {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)},
+                               float(t[f"{mode}/seconds"][0]), fallbacks if MODES[mode] == "triton" else None)
     return out
 
 
@@ -71,6 +87,12 @@ def _device_for(device: str, rank: int) -> str:
             raise GptOssFp8Error(f"--device {device}: no CUDA GPU is visible; use --device cpu")
         return f"cuda:{rank % torch.cuda.device_count()}"
     return device
+
+
+def _backend(dev: str, world: int) -> str:
+    """NCCL with one GPU per rank; gloo on CPU, and when ranks share a GPU (NCCL refuses two ranks on
+    one device; ``Parallel.all_reduce`` then stages the sums through host memory)."""
+    return "nccl" if dev.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
 
 
 def run_rank(job: dict) -> None:
@@ -84,7 +106,7 @@ def run_rank(job: dict) -> None:
     dev = _device_for(job["device"], rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", init_method="env://", rank=rank, world_size=tp)
+    dist.init_process_group(_backend(dev, tp), init_method="env://", rank=rank, world_size=tp)
     try:
         model = load_model(Path(job["ckpt"]), Parallel(rank=rank, world=tp, tp=tp, ep=ep), dev)
         out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"])
@@ -108,6 +130,7 @@ def compute_outputs(ckpt: Path, tokens: torch.Tensor, modes: list[str], tp: int 
     from gptoss_fp8.model.gptoss import resolve_layout
 
     resolve_layout(Path(ckpt), tp, ep)  # the checkpoint must have been converted for this layout
+    modes = resolve_modes(modes, device)  # and every mode must be able to run on this device
     if tp == 1:
         return run_modes(load_model(ckpt, Parallel(), _device_for(device, 0)), tokens, modes)
     import subprocess
@@ -124,7 +147,7 @@ def compute_outputs(ckpt: Path, tokens: torch.Tensor, modes: list[str], tp: int 
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gptoss_fp8.verify.run", str(Path(tmp) / "job.json")],
                 env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
-                stderr=open(Path(tmp) / f"rank{r}.err", "w")))
+                stderr=open(Path(tmp) / f"rank{r}.err", "w")))  # noqa: SIM115  (open while the worker runs)
         deadline = time.monotonic() + timeout_s
         failed = None
         while any(p.poll() is None for p in procs):
@@ -182,11 +205,13 @@ def rounding_for(ckpt: Path) -> tuple[Rounding, bool]:
 
 def profile_for(mode: str, ref: Reference, exact_conversion: bool) -> tuple[str, str]:
     """Which threshold profile applies to ``mode``, against which reference, and why."""
-    if mode == "w8a8":
+    if mode in ("w8a8", "kernels"):
+        by = " computed by our Triton kernels (the triton ops backend)," if mode == "kernels" else ""
         if ref.expected is not None:
-            return "w8a8", ("FP8 activations, compared with OpenAI's model holding the same FP8-rounded weights: "
-                            "the cost of quantizing activations, against generous measured bounds")
-        return "w8a8", "FP8 weights and activations compared with the source: the whole FP8 cost, against generous measured bounds"
+            return mode, (f"FP8 activations,{by} compared with OpenAI's model holding the same FP8-rounded weights: "
+                          "the cost of quantizing activations, against generous measured bounds")
+        return mode, (f"FP8 weights and activations,{by} compared with the source: the whole FP8 cost, "
+                      "against generous measured bounds")
     if ref.expected is not None:
         return "exact", (f"compared with OpenAI's model holding the weights this conversion should produce "
                          f"({ref.rounding.key()}): must match to bf16 noise")
@@ -254,35 +279,61 @@ def compare_mode(ref: Reference, logits: torch.Tensor, hidden: dict[str, torch.T
 def build_report(ckpt: Path, ref: Reference, outputs: Outputs, n_layers: int, *, tp: int, ep: int, device: str,
                  overrides: dict | None = None, seconds: float | None = None, tokens_from: str = "",
                  experts_per_token: int | None = None) -> dict:
-    """The verify-logits JSON report: top-level ``passed`` and one section per mode."""
+    """The verify-logits JSON report: top-level ``passed``, one section per mode, and the kernels'
+    agreement with their spec (``kernels_vs_w8a8``) when both ran."""
     report: dict = {
         "tool": "gptoss-fp8", "version": __version__, "passed": True,
         "checkpoint": str(Path(ckpt).resolve()), "reference": ref.source,
         "expected_rounding": ref.rounding.key() if ref.expected is not None else None,
         "tokens": {"count": int(ref.logits.shape[0]), "from": tokens_from},
         "vocab": int(ref.logits.shape[1]), "parallel": {"tp": tp, "ep": ep}, "device": device,
-        "modes": list(outputs),
+        "modes": list(outputs), "backends": {mode: MODES[mode] for mode in outputs},
     }
     if seconds is not None:
         report["model_seconds"] = seconds  # load + all modes' forward passes (+ process start when sharded)
     _, exact_conversion = rounding_for(ckpt)
-    for mode, (logits, hidden, secs) in outputs.items():
+    for mode, out in outputs.items():
         profile, why = profile_for(mode, ref, exact_conversion)
         th = with_overrides(DEFAULTS[profile], **(overrides or {}))
         target = ref.expected if ref.expected is not None else ref
-        sec = compare_mode(target, logits, hidden, n_layers, th, exact=profile == "exact", experts_per_token=experts_per_token)
-        sec = {"backend": MODES[mode], "profile": profile, "profile_reason": why,
-               "compared_with": "expected" if ref.expected is not None else "source", **sec}
+        sec = compare_mode(target, out.logits, out.hidden, n_layers, th, exact=profile == "exact",
+                           experts_per_token=experts_per_token)
+        sec = {"backend": MODES[mode], "backend_device": backend_device(mode, device), "profile": profile,
+               "profile_reason": why, "compared_with": "expected" if ref.expected is not None else "source", **sec}
+        if out.spec_fallbacks is not None:
+            sec["spec_fallbacks"] = out.spec_fallbacks
         if ref.expected is not None:  # the FP8 cost against the original model, for information
-            vs = compare_mode(ref, logits, hidden, n_layers, DEFAULTS["lossy" if mode == "weights" else "w8a8"],
+            vs = compare_mode(ref, out.logits, out.hidden, n_layers, DEFAULTS["lossy" if mode == "weights" else profile],
                               experts_per_token=experts_per_token)
             sec["vs_source"] = {"summary": vs["summary"], "per_position_kl": vs["per_position"]["kl"], "layers": vs["layers"]}
         if not target.hidden:
             sec["layers_note"] = "the reference file holds no hidden states: no per-layer errors"
-        sec["forward_seconds"] = secs
+        sec["forward_seconds"] = out.seconds
         report[mode] = sec
         report["passed"] = report["passed"] and sec["passed"]
+    report["kernels_vs_w8a8"] = None
+    if "kernels" in outputs and "w8a8" in outputs:
+        agree = kernels_vs_spec(outputs["w8a8"], outputs["kernels"], n_layers, experts_per_token)
+        report["kernels_vs_w8a8"] = agree
+        report["passed"] = report["passed"] and agree["passed"]
     return report
+
+
+def kernels_vs_spec(spec: ModeOutput, kernels: ModeOutput, n_layers: int, experts_per_token: int | None = None) -> dict:
+    """The kernels' agreement with the torch w8a8 spec on the same weights and tokens: the metrics of a
+    mode section with the spec's logits and captures in the reference's place, the relative
+    Frobenius error of the logits (``logits_rel_err``), and pass/fail against
+    ``thresholds.DEFAULTS["kernels_vs_w8a8"]`` (not changed by the threshold overrides, which are
+    about the checkpoint)."""
+    base = Reference(tokens=torch.empty(0, dtype=torch.long), logits=spec.logits, hidden=spec.hidden, source="w8a8 mode")
+    sec = compare_mode(base, kernels.logits, kernels.hidden, n_layers, DEFAULTS["kernels_vs_w8a8"],
+                       experts_per_token=experts_per_token)
+    a, b = spec.logits.double(), kernels.logits.double()
+    return {"compared": "kernels (ours) against w8a8 (as the reference): KL(w8a8 || kernels)",
+            "passed": sec["passed"], "failures": sec["failures"], "thresholds": sec["thresholds"],
+            "summary": sec["summary"], "logits_rel_err": float((b - a).norm() / a.norm().clamp(min=1e-30)),
+            "per_position_kl": sec["per_position"]["kl"], "layers": sec["layers"], "divergence": sec["divergence"],
+            "largest_error_source": sec["largest_error_source"]}
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -292,30 +343,46 @@ def summary_lines(report: dict) -> list[str]:
         sec = report[mode]
         s = sec["summary"]
         lines.append(
-            f"{mode:7s} {'PASS' if sec['passed'] else 'FAIL'} ({sec['profile']}, vs {sec['compared_with']}): KL mean {s['kl_mean']:.3g} "
+            f"{mode:7s} {'PASS' if sec['passed'] else 'FAIL'} [{sec['backend']} ops on {sec.get('backend_device', report['device'])}] "
+            f"({sec['profile']}, vs {sec['compared_with']}): KL mean {s['kl_mean']:.3g} "
             f"p95 {s['kl_p95']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
             f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | "
             f"top-5 overlap {s['top5_overlap']:.4f} | max |dlogit| {s['max_abs_delta']:.3g} | cosine min {s['cosine_min']:.6f}"
         )
+        fb = {op: n for op, n in (sec.get("spec_fallbacks") or {}).items() if n}
+        if fb:
+            lines.append("        warning: these kernel ops ran the torch spec instead (shapes or device outside the kernels' "
+                         "limits): " + ", ".join(f"{op} {n} call(s)" for op, n in fb.items()))
         vs = sec.get("vs_source")
         if vs:
             v = vs["summary"]
             lines.append(f"        (vs the source: KL mean {v['kl_mean']:.3g} max {v['kl_max']:.3g} | top-1 {v['top1_agreement']:.4f} "
                          f"| max |dlogit| {v['max_abs_delta']:.3g}: the FP8 cost, for information)")
-        for f in sec["failures"]:
-            lines.append(f"        fail: {f}")
-        d = sec.get("divergence")
-        if d:
-            lines.append(f"        diverges at layer {d['layer']} ({d['part']}): relative error {d['rel_err']:.3g} ({d['reason']})")
-        src = sec.get("largest_error_source")
-        if src and sec["layers"] and src["added"] > 0:
-            worst = ", ".join(f"L{p['layer']}.{p['part']} {p['rel_err']:.2g}" for p in sec["layers"][-2:])
-            lines.append(f"        hidden rel. error at the last layer: {worst}; largest step: layer {src['layer']} ({src['part']})")
-        flips = [(p["layer"], p["routing_changed"]) for p in sec["layers"] if p.get("routing_changed")]
-        if flips:
-            lines.append("        tokens routed to other experts than the reference: "
-                         + ", ".join(f"L{n} {100 * f:.1f}%" for n, f in flips))
+        lines += _detail_lines(sec)
+    agree = report.get("kernels_vs_w8a8")
+    if agree:
+        s = agree["summary"]
+        lines.append(f"kernels vs w8a8 {'PASS' if agree['passed'] else 'FAIL'} (triton against the torch spec): "
+                     f"KL mean {s['kl_mean']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
+                     f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | logits rel. err {agree['logits_rel_err']:.3g}")
+        lines += _detail_lines(agree, "the w8a8 spec")
     lines.append("PASSED" if report["passed"] else "FAILED")
+    return lines
+
+
+def _detail_lines(sec: dict, against: str = "the reference") -> list[str]:
+    """Failures, divergence, per-layer error and routing lines of one section."""
+    lines = [f"        fail: {f}" for f in sec["failures"]]
+    d = sec.get("divergence")
+    if d:
+        lines.append(f"        diverges at layer {d['layer']} ({d['part']}): relative error {d['rel_err']:.3g} ({d['reason']})")
+    src = sec.get("largest_error_source")
+    if src and sec["layers"] and src["added"] > 0:
+        worst = ", ".join(f"L{p['layer']}.{p['part']} {p['rel_err']:.2g}" for p in sec["layers"][-2:])
+        lines.append(f"        hidden rel. error at the last layer: {worst}; largest step: layer {src['layer']} ({src['part']})")
+    flips = [(p["layer"], p["routing_changed"]) for p in sec["layers"] if p.get("routing_changed")]
+    if flips:
+        lines.append(f"        tokens routed to other experts than {against}: " + ", ".join(f"L{n} {100 * f:.1f}%" for n, f in flips))
     return lines
 
 
@@ -324,7 +391,7 @@ def dump_paths(path: Path, modes: list[str]) -> dict[str, Path]:
     path = Path(path)
     if len(modes) == 1:
         return {modes[0]: path}
-    stem = path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.name
+    stem = path.name.removesuffix(".safetensors")
     return {m: path.with_name(f"{stem}.{m}.safetensors") for m in modes}
 
 
@@ -334,8 +401,8 @@ def dump_logits(outputs: Outputs, path: Path, tokens: torch.Tensor) -> list[Path
     written = []
     for mode, p in dump_paths(path, list(outputs)).items():
         p.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"logits": outputs[mode][0].float().contiguous(), "tokens": tokens.long().contiguous()}, str(p),
-                  metadata={"producer": f"gptoss-fp8 {__version__} verify-logits", "mode": mode})
+        save_file({"logits": outputs[mode].logits.float().contiguous(), "tokens": tokens.long().contiguous()}, str(p),
+                  metadata={"producer": f"gptoss-fp8 {__version__} verify-logits", "mode": mode, "backend": MODES[mode]})
         written.append(p)
     return written
 
@@ -374,9 +441,9 @@ def verify_under_torchrun(ckpt: Path, reference: Path, tokens: torch.Tensor | No
     import torch.distributed as dist
 
     from gptoss_fp8.model.config import GptOssConfig
-    from gptoss_fp8.verify.reference import reference_for, save_reference as save_ref
-
     from gptoss_fp8.model.gptoss import resolve_layout
+    from gptoss_fp8.verify.reference import reference_for
+    from gptoss_fp8.verify.reference import save_reference as save_ref
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     resolve_layout(Path(ckpt), world, ep)  # every rank fails alike, before any collective
@@ -389,7 +456,7 @@ def verify_under_torchrun(ckpt: Path, reference: Path, tokens: torch.Tensor | No
     dev = _device_for(device, int(os.environ.get("LOCAL_RANK", rank)))
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", init_method="env://")
+    dist.init_process_group(_backend(dev, world), init_method="env://")
     try:
         n = torch.tensor([ref.tokens.numel() if ref is not None else 0])
         dist.broadcast(n, 0)

@@ -1,0 +1,134 @@
+"""verify-logits modes: which ops backend computes each, where it can run, and what it really ran.
+
+==========  ===========  =========================================================================
+mode        ops backend  what it computes
+==========  ===========  =========================================================================
+weights     reference    FP8 weights dequantized, bf16 activations, OpenAI's op order (torch)
+w8a8        w8a8-cpu     the w8a8 executable specification in torch (FP8 activations in 1x128
+                         groups, fp32 accumulation), on --device (the name says it is the spec,
+                         not that it runs on the CPU)
+kernels     triton       the same w8a8 numerics computed by our Triton kernels (model/triton_ops.py):
+                         what serving runs; needs CUDA, or Triton's interpreter on CPU (slow, tests)
+==========  ===========  =========================================================================
+
+``--mode auto`` (the default) runs ``weights`` and ``w8a8``, plus ``kernels`` when the device is
+CUDA: on a GPU the kernels are checked against OpenAI's reference and against their own spec.
+
+``TritonOps`` hands an op to the spec (its parent class) when the kernels cannot take it (a shape
+or dtype outside their limits, tensors on a device no kernel runs on); gpt-oss's own shapes need
+none of that. So that a report never claims kernels that did not run, the ``kernels`` mode uses
+``TritonOps`` with a counter placed between it and the spec in the class order: every op TritonOps
+passes on through ``super()`` is counted there (``spec_fallbacks`` in the report). bf16 GEMMs
+(router, lm_head, attention kept bf16) are torch by design in every backend and are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps, get_ops
+from gptoss_fp8.quant.fp8 import FP8_DTYPE
+
+MODES: dict[str, str] = {"weights": "reference", "w8a8": "w8a8-cpu", "kernels": "triton"}  # mode -> ops backend
+ORDER = tuple(MODES)
+SHORTHANDS: dict[str, tuple[str, ...]] = {"both": ("weights", "w8a8"), "all": ORDER}
+# Ops of the triton backend that only dispatch to another op (``linears``: one ``linear`` per
+# projection), whose hand-overs are counted where they land.
+DISPATCHERS = frozenset({"linears"})
+
+
+def kernels_unavailable(device: str) -> str | None:
+    """Why the ``kernels`` mode cannot run on ``device`` (None when it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "--mode kernels needs Triton: pip install triton==3.6.0 (the version the kernels are tested with)"
+    if device.startswith("cuda"):
+        return None if torch.cuda.is_available() else f"--device {device}: no CUDA GPU is visible; use --device cpu"
+    # model/triton_ops.interpreter_on, without importing triton: Triton decides interpreter or not
+    # for its own library functions when first imported, so a check must not be that import.
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    return (f"--mode kernels runs our Triton kernels, which need --device cuda (on {device} they run only in "
+            "Triton's interpreter: TRITON_INTERPRET=1 in the environment, slow, meant for tests); "
+            "on CPU use --mode w8a8, the same numerics in torch")
+
+
+def resolve_modes(requested: list[str] | None, device: str) -> list[str]:
+    """Modes to run, in report order, from ``--mode`` values (repeatable; ``auto``, ``both`` and ``all``
+    expand). Raises GptOssFp8Error for an unknown mode, or one that cannot run on ``device``."""
+    want: set[str] = set()
+    for m in requested or ["auto"]:
+        if m == "auto":
+            want |= {"weights", "w8a8"} | ({"kernels"} if device.startswith("cuda") else set())
+        elif m in SHORTHANDS:
+            want |= set(SHORTHANDS[m])
+        elif m in MODES:
+            want.add(m)
+        else:
+            raise GptOssFp8Error(f"unknown mode {m!r}; choose from auto, {', '.join(ORDER)}, {', '.join(SHORTHANDS)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GptOssFp8Error(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+    if "kernels" in want and (why := kernels_unavailable(device)):
+        raise GptOssFp8Error(why)
+    return [m for m in ORDER if m in want]
+
+
+def backend_device(mode: str, device: str) -> str:
+    """Where a mode's ops ran, in words for the report: ``cuda``, ``cpu``, ``cpu, Triton interpreter``."""
+    if MODES[mode] == "triton":
+        from gptoss_fp8.model.triton_ops import interpreter_on
+
+        if interpreter_on():
+            return f"{device}, Triton interpreter"
+    return device
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops objects
+
+
+def _count_then_spec(op: str):
+    """A method that counts one hand-over of ``op`` and runs the spec's ``op``."""
+    spec = getattr(W8A8CpuOps, op)
+
+    def method(self, *args, **kwargs):
+        self.spec_fallbacks[op] += 1
+        return spec(self, *args, **kwargs)
+
+    method.__name__ = op
+    return method
+
+
+def _count_fp8_linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
+    if w.dtype == FP8_DTYPE:  # bf16 weights are torch GEMMs in every backend: not a hand-over
+        self.spec_fallbacks["linear"] += 1
+    return W8A8CpuOps.linear(self, x, w, scale_inv, bias, out_dtype)
+
+
+@functools.cache
+def _counted_triton_ops() -> type:
+    """TritonOps with a counter class between it and the spec (see the module docstring). The ops
+    counted are those TritonOps itself defines over the spec, whatever they are at the time."""
+    from gptoss_fp8.model.triton_ops import TritonOps
+
+    ops = sorted(n for n, v in vars(TritonOps).items()
+                 if callable(v) and not n.startswith("_") and hasattr(W8A8CpuOps, n) and n not in DISPATCHERS)
+    counter = type("SpecFallbackCounter", (W8A8CpuOps,),
+                   {op: _count_fp8_linear if op == "linear" else _count_then_spec(op) for op in ops})
+
+    def __init__(self):
+        TritonOps.__init__(self)
+        self.spec_fallbacks = dict.fromkeys(ops, 0)
+
+    return type("CountedTritonOps", (TritonOps, counter), {"__init__": __init__})
+
+
+def ops_for(mode: str) -> ReferenceOps:
+    """A fresh ops object for ``mode``. The ``kernels`` one is TritonOps counting, in
+    ``spec_fallbacks`` (op -> calls), the calls it handed to the spec instead of a kernel."""
+    backend = MODES[mode]
+    return _counted_triton_ops()() if backend == "triton" else get_ops(backend)
