@@ -341,3 +341,27 @@ def test_cli_prompt_end_to_end(tmp_path):
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["tokens"]["from"] == "--prompt (Harmony)" and rep["tokens"]["count"] >= 8
     assert rep["weights"]["profile"] == "exact" and rep["passed"] is True
+
+
+def test_exact_profile_relaxes_only_across_device_types():
+    """A CPU-made reference with our weights mode on a GPU gets the cross-device profile; the same
+    device keeps ``exact``; the reference file records the device it was made on."""
+    from gptoss_fp8.verify.reference import Reference, load_reference_file, save_reference
+    from gptoss_fp8.verify.run import profile_for
+
+    ref = Reference(torch.arange(3), torch.randn(3, 7))
+    assert profile_for("weights", ref, True, "cpu")[0] == "exact"
+    assert profile_for("weights", ref, True, "cuda")[0] == "exact-cross-device"
+    assert profile_for("w8a8", ref, True, "cuda")[0] == "w8a8"
+    assert profile_for("weights", ref, False, "cuda")[0] == "lossy"
+    ref.device = "cuda"
+    assert profile_for("weights", ref, True, "cuda:0")[0] == "exact"
+    assert profile_for("weights", ref, True, "cpu")[0] == "exact-cross-device"
+
+
+def test_reference_file_records_its_device(tmp_path):
+    from gptoss_fp8.verify.reference import Reference, load_reference_file, save_reference
+
+    ref = Reference(torch.arange(3), torch.randn(3, 7), device="cuda")
+    save_reference(ref, tmp_path / "r.safetensors")
+    assert load_reference_file(tmp_path / "r.safetensors").device == "cuda"

@@ -370,19 +370,12 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
 
     ALIGN_M pads each expert's rows (padding waste vs tile efficiency); each GEMM's BLOCK_M
     divides it. gate_up's BLOCK_N is fixed at 256: one 128-wide SwiGLU output group per tile.
-    Many experts with a few hundred rows each (the 120b's 128 experts at 4-8k tokens): gate_up's A
-    pre-gathered in sorted order (TMA loads) with 128x256 tiles was the best of the 2026-11-29
-    sweep at 8192 tokens / 128 experts (3.16 ms; the 64-row tiles 3.35-3.67 ms in earlier calls);
-    at 1024+ rows per expert and for 32 experts the two were within noise of each other, so the
-    64-row tiles stay there.
+    ``PREGATHER`` (gate_up's A quantized straight into sorted row order and read through TMA) is
+    an option, not the default: whole-model prefill of the 120b at 8192 tokens (128 experts, 256
+    rows each) took 0.1826 s with it (128x256 gate_up tiles, ALIGN 128) against 0.1737 s without,
+    although the isolated sweep had ranked that configuration first.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-    if num_experts >= 64 and 192 <= rows_per_expert <= 512:
-        return dict(
-            ALIGN_M=128, TMA=True, PREGATHER=True,
-            gate_up=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-            down=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-        )
     align = 64 if rows_per_expert >= 48 else 16
     return dict(
         ALIGN_M=align,

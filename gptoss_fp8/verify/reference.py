@@ -8,7 +8,8 @@ stream after each attention and each MLP, so a divergence can be located to a la
 
 Saved reference file (safetensors): ``logits`` float32 [T, V], ``tokens`` int64 [T], and
 ``hidden.{layer}.{attn|mlp}`` bf16 [T, H], ``hidden.{layer}.router`` bf16 [T, E] (router logits);
-metadata ``producer``, ``source``.
+metadata ``producer``, ``source``, ``device`` (the device type OpenAI's model ran on; files without
+it were made on CPU, as every golden file is).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Reference:
     source: str = ""
     expected: "Reference | None" = None
     rounding: Rounding | None = None
+    device: str = "cpu"  # device type OpenAI's model ran on ("cpu" / "cuda")
 
 
 def _gpt_oss():
@@ -232,7 +234,7 @@ def run_reference_model(model, tokens: torch.Tensor, source: str = "") -> Refere
             h.remove()
         for block in model.block:  # drop the chunking wrappers (they would keep the model in a cycle)
             block.mlp.__dict__.pop("forward", None)
-    return Reference(tokens.cpu().long(), logits, {k: v.cpu() for k, v in hidden.items()}, source)
+    return Reference(tokens.cpu().long(), logits, {k: v.cpu() for k, v in hidden.items()}, source, device=dev.type)
 
 
 def save_reference(ref: Reference, path: Path) -> None:
@@ -240,7 +242,7 @@ def save_reference(ref: Reference, path: Path) -> None:
 
     tensors = {"logits": ref.logits.float().contiguous(), "tokens": ref.tokens.long().contiguous()}
     tensors |= {f"hidden.{k}": v.contiguous() for k, v in ref.hidden.items()}
-    meta = {"producer": "gptoss-fp8 reference (gpt_oss.torch 0.0.9)", "source": ref.source}
+    meta = {"producer": "gptoss-fp8 reference (gpt_oss.torch 0.0.9)", "source": ref.source, "device": ref.device}
     if ref.expected is not None and ref.rounding is not None:
         tensors["expected.logits"] = ref.expected.logits.float().contiguous()
         tensors |= {f"expected.hidden.{k}": v.contiguous() for k, v in ref.expected.hidden.items()}
@@ -278,7 +280,7 @@ def load_reference_file(path: Path) -> Reference:
         tokens = torch.empty(0, dtype=torch.long)
     if expected is not None:
         expected.tokens = tokens
-    return Reference(tokens, logits, hidden, source, expected, rounding)
+    return Reference(tokens, logits, hidden, source, expected, rounding, device=meta.get("device", "cpu"))
 
 
 def reference_for(reference: Path, tokens: torch.Tensor | None, device: str = "cpu",

@@ -46,6 +46,12 @@ Profiles:
   0.024 with FP8, 0.021 on the 20b preset). So the default is the same smoke check as
   ``kernels`` (the --max-kl-mean etc. overrides do not apply to it); trained routers have
   decisive margins: tighten it once real checkpoints have been measured.
+* ``exact-cross-device``: what ``exact`` becomes when OpenAI's model ran on another device type
+  than ours (a reference file made on CPU, as the golden ones are, with ``--device cuda``): the
+  two sides' bf16 GEMMs round differently, and a router near-tie moves a token to another
+  expert. Measured on the H200 (2026-11-29) against the stored CPU golden reference, tiny, exact
+  conversion: KL mean 0.0045, KL max 0.264, top-1 1.0, layer rel. err 0.027 (it failed ``exact``);
+  bounds about 4x those. OpenAI's model run on the same GPU passes ``exact``.
 * ``lossy``: ``weights`` mode against the source when no expected reference exists (a reference
   file saved without one, for a conversion that rounded weights): the whole FP8 weight cost.
   Measured: 20b x 2 layers with FP8 attention KL mean 1.05, KL max 19, top-1 0.759; the same
@@ -70,6 +76,12 @@ class Thresholds:
 
 DEFAULTS: dict[str, Thresholds] = {
     "exact": Thresholds(kl_mean=2e-3, kl_max=5e-2, top1_min=1.0, layer_rel_err=2e-2),
+    # An exact conversion whose reference ran on another device type (a CPU-made reference file,
+    # our weights mode on a GPU): bf16 GEMMs of cuBLAS and of the CPU round differently, and a
+    # router near-tie then sends a token to another expert. Measured on the H200 against the
+    # stored CPU golden reference (tiny, exact conversion): KL mean 0.0045, KL max 0.264, top-1
+    # 1.0, layer rel. err 0.027; bounds about 4x those.
+    "exact-cross-device": Thresholds(kl_mean=2e-2, kl_max=1.0, top1_min=0.97, layer_rel_err=0.1),
     "lossy": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.6, layer_rel_err=0.4),
     "w8a8": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.6, layer_rel_err=0.4),
     "kernels": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.5, layer_rel_err=0.4),
