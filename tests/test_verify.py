@@ -346,7 +346,9 @@ def test_cli_prompt_end_to_end(tmp_path):
 def test_exact_profile_relaxes_only_across_device_types():
     """A CPU-made reference with our weights mode on a GPU gets the cross-device profile; the same
     device keeps ``exact``; the reference file records the device it was made on."""
-    from gptoss_fp8.verify.reference import Reference, load_reference_file, save_reference
+    from gptoss_fp8.verify.reference import (
+        Reference,
+    )
     from gptoss_fp8.verify.run import profile_for
 
     ref = Reference(torch.arange(3), torch.randn(3, 7))
@@ -360,7 +362,11 @@ def test_exact_profile_relaxes_only_across_device_types():
 
 
 def test_reference_file_records_its_device(tmp_path):
-    from gptoss_fp8.verify.reference import Reference, load_reference_file, save_reference
+    from gptoss_fp8.verify.reference import (
+        Reference,
+        load_reference_file,
+        save_reference,
+    )
 
     ref = Reference(torch.arange(3), torch.randn(3, 7), device="cuda")
     save_reference(ref, tmp_path / "r.safetensors")

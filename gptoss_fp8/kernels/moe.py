@@ -31,7 +31,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_group_rows, quantize_with_scale
+from gptoss_fp8.kernels.act_quant import (
+    act_quant,
+    group_scale,
+    quantize_group_rows,
+    quantize_with_scale,
+)
 from gptoss_fp8.kernels.fp8_gemm import fp8_block_mainloop, store_rows
 from gptoss_fp8.quant.fp8 import (
     ACT_EPS,
