@@ -10,7 +10,7 @@ with random FP8 weights (no disk): FP8 values ~ N(0, 32^2) clipped by the e4m3 r
 about evenly over the experts (as a trained one roughly does; routing skew is not modelled).
 
 Activation memory: the MoE (the largest activations: T * top_k rows of H and of I) runs in token
-chunks of ``moe_chunk``; chunking is exact (the MoE is per token).
+chunks of ``moe_chunk`` (the MoE is per token: chunking changes at most GEMM summation order).
 
 Breakdown: one extra run with CUDA events around every ops call: attention; MoE = router GEMM +
 expert FFN + weighted combine; dense = q/k/v/o projections (activation quantization included) +

@@ -172,8 +172,8 @@ class GptOss(nn.Module):
         prefill's first-token logits). ``capture`` (if given) receives the residual stream after each
         layer's attention (``"{i}.attn"``) and MLP (``"{i}.mlp"``), bf16 [T, H], and the router
         logits (``"{i}.router"``, bf16 [T, E]). ``moe_chunk`` runs the MoE blocks over at most that
-        many tokens at a time (bounds the [T * top_k, ...] expert activations; exact, the MoE is
-        per token)."""
+        many tokens at a time (bounds the [T * top_k, ...] expert activations; the MoE is per
+        token, so only the summation order of GEMMs given fewer rows may change)."""
         ops = ops or ReferenceOps()
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
