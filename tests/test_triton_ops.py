@@ -343,3 +343,22 @@ def test_linears_equal_separate_linears(ns):
     projs[1][2].mul_(2)  # a bias changed in place: the cached concatenation must not be reused
     got = ops.linears(x, projs)
     assert torch.equal(got[1], ops.linear(x, *projs[1]))
+
+
+def test_bench_prefill_knows_presets_and_sizes():
+    """What ``bench prefill`` decides before it touches a GPU: a converted checkpoint's config is
+    matched to its preset (for the seed's figures and the peer), the weight size it checks against
+    free memory, and --layers refused with --checkpoint."""
+    from gptoss_fp8.bench.prefill import load_checkpoint, matching_preset, weight_bytes
+    from gptoss_fp8.convert.synth import hf_config_dict, preset_config
+    from gptoss_fp8.model.config import GptOssConfig
+
+    for name in ("20b", "120b"):
+        cfg = GptOssConfig.from_dict(hf_config_dict(preset_config(name, 3)))
+        assert matching_preset(cfg) == name
+    assert matching_preset(preset_config("tiny")) is None
+    assert matching_preset(preset_config("20b", 2, hidden_size=2944)) is None
+    # 20b: 24 x 32 experts x (5760 + 2880) x 2880 FP8 bytes of experts dominate, ~20.6 GiB in all
+    assert 20.4 < weight_bytes(preset_config("20b")) / 2**30 < 20.7
+    with pytest.raises(GptOssFp8Error, match="--layers"):
+        load_checkpoint("anywhere", 2)

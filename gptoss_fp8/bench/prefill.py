@@ -27,9 +27,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from gptoss_fp8.convert.synth import preset_config
+from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.config import GptOssConfig
 from gptoss_fp8.model.gptoss import GptOss
 from gptoss_fp8.model.parallel import SINGLE
@@ -176,19 +179,30 @@ def _sync_time(fn) -> float:
 
 
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
-          moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print) -> list[dict]:
+          moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
+          checkpoint: Path | None = None) -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
     (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
-    tokens in the same run, after our model is freed."""
-    from gptoss_fp8.convert.synth import preset_config
+    tokens in the same run, after our model is freed. ``checkpoint``: time a converted (tp=1)
+    checkpoint's own weights instead of random ones at the preset's shapes."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
-    cfg = preset_config(preset, layers)
-    full_layers = preset_config(preset).num_hidden_layers
     t0 = time.perf_counter()
-    model = random_model(cfg, "cuda", seed)
+    if checkpoint is not None:
+        model = load_checkpoint(checkpoint, layers)
+        cfg = model.cfg
+        preset = matching_preset(cfg) or Path(checkpoint).name
+        # a preset cut to fewer layers is scaled to the preset's depth, as --layers is
+        full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
+        what = f"{checkpoint} (converted checkpoint; shapes of the {preset} preset)" if preset in SEED_S else str(checkpoint)
+    else:
+        cfg = preset_config(preset, layers)
+        full_layers = preset_config(preset).num_hidden_layers
+        check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers")
+        model = random_model(cfg, "cuda", seed)
+        what = preset
     torch.cuda.synchronize()
-    echo(f"# {preset}: {cfg.num_hidden_layers} of {full_layers} layers built on {torch.cuda.get_device_name()} in "
+    echo(f"# {what}: {cfg.num_hidden_layers} of {full_layers} layers on {torch.cuda.get_device_name()} in "
          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
     ops = TritonOps()
     rows = []
@@ -225,12 +239,49 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         del tokens
     model = ops = None  # free the weights before the peer builds its own
     torch.cuda.empty_cache()
-    if peer:
-        _add_peer(rows, preset, layers, token_list, peer_runs, seed, echo)
+    if peer and preset in SEED_S:
+        _add_peer(rows, preset, cfg.num_hidden_layers, token_list, peer_runs, seed, echo)
+    elif peer:
+        echo(f"# transformers peer not run: {checkpoint} has no preset's shapes")
     return rows
 
 
-def _add_peer(rows: list[dict], preset: str, layers: int | None, token_list: list[int], runs: int, seed: int, echo) -> None:
+def matching_preset(cfg: GptOssConfig) -> str | None:
+    """The synthetic preset (20b / 120b) with cfg's shapes (any depth), or None."""
+    from dataclasses import replace
+
+    for name in SEED_S:
+        p = preset_config(name, cfg.num_hidden_layers)
+        if replace(p, layer_types=cfg.layer_types) == cfg:
+            return name
+    return None
+
+
+def weight_bytes(cfg: GptOssConfig) -> int:
+    """Bytes of a tp=1 model's tensors (FP8 experts and attention, bf16 embeddings and lm_head)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in GptOss(cfg, SINGLE, attn_fp8=True).expected().values())
+
+
+def check_fits(cfg: GptOssConfig, what: str, device: str = "cuda") -> None:
+    """One-line error when the weights alone cannot fit the GPU's free memory."""
+    need = weight_bytes(cfg)
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    if need > free:
+        raise GptOssFp8Error(f"{what} needs {need / 2**30:.1f} GiB of weights, {free / 2**30:.1f} GiB are free on the GPU; "
+                             "pass --layers N to build fewer layers")
+
+
+def load_checkpoint(checkpoint: Path, layers: int | None) -> GptOss:
+    """A converted checkpoint's tp=1 layout on the GPU (all layers: --layers does not apply)."""
+    from gptoss_fp8.model.gptoss import load_model, resolve_layout
+
+    if layers is not None:
+        raise GptOssFp8Error("--layers builds random weights at a preset's shapes; with --checkpoint the whole model runs")
+    resolve_layout(Path(checkpoint), 1, 1)  # one GPU: the tp=1 layout
+    return load_model(Path(checkpoint), SINGLE, "cuda")
+
+
+def _add_peer(rows: list[dict], preset: str, layers: int, token_list: list[int], runs: int, seed: int, echo) -> None:
     """transformers' bf16 GptOss on the same shapes (same token ids), its median beside ours."""
     from gptoss_fp8.bench import prefill_peer
 

@@ -68,10 +68,12 @@ def prefill(
     moe_chunk: Annotated[int, typer.Option(help="Tokens per MoE call (bounds activation memory).")] = 32768,
     peer: Annotated[bool, typer.Option(help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
     peer_runs: Annotated[int, typer.Option(help="Timed runs of the transformers peer per length (median reported).")] = 3,
+    checkpoint: Annotated[Path | None, typer.Option(help="Time this converted checkpoint (tp=1 layout) instead of random weights at --model's shapes.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
-    at real shapes built on the GPU; beside the seed's figures, with a per-part breakdown."""
+    at real shapes built on the GPU (or a converted checkpoint's); beside the seed's figures and
+    the floor, with a per-part breakdown and transformers' bf16 GptOss in the same run."""
     import torch
 
     if not torch.cuda.is_available():
@@ -83,7 +85,9 @@ def prefill(
         raise GptOssFp8Error(f"--tokens {tokens!r}: give positive comma-separated lengths")
     from gptoss_fp8.bench.prefill import bench as run_prefill
 
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise GptOssFp8Error(f"--checkpoint {checkpoint}: no config.json; point at a converted checkpoint directory")
     rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
-                       peer_runs=peer_runs, echo=typer.echo)
+                       peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint)
     if json_out is not None:
         json_out.write_text(json.dumps(rows, indent=1))
