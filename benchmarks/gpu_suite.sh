@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|kernels|convert|prefill|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|all]...
+#   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
 set -uo pipefail
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -11,6 +12,9 @@ has() { [[ " $what " == *" all "* || " $what " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 if has tests; then
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log"
+fi
+if has verify && ! has tests; then
+  python3 -m pytest -q -m gpu tests/test_verify_kernels.py 2>&1 | tee "$OUT/gpu_verify.log"
 fi
 if has kernels; then
   python3 -m gptoss_fp8.cli.main bench kernels --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
