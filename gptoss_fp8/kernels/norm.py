@@ -80,7 +80,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (t * weight).to(x.dtype)
 
 
-def add_rms_norm_reference(x, delta, weight, eps):
-    """The residual add of the bf16 stream, then ``rms_norm_reference``."""
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add of the bf16 stream, then ``rms_norm_reference`` (the ops spec uses both)."""
     xo = x + delta.to(x.dtype)
     return xo, rms_norm_reference(xo, weight, eps)

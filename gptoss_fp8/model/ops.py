@@ -132,8 +132,9 @@ class ReferenceOps:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add of the bf16 stream (x + delta.to(x.dtype)), then ``rms_norm`` of the sum:
         (new x, normed)."""
-        x = x + delta.to(x.dtype)
-        return x, self.rms_norm(x, weight, eps)
+        from gptoss_fp8.kernels.norm import add_rms_norm_reference
+
+        return add_rms_norm_reference(x, delta, weight, eps)
 
     def moe_combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16

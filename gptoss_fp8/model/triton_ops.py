@@ -11,7 +11,7 @@ stream, routing top-k/softmax in the model) stays the parent's torch code, on th
   per output element the same products, scales and bias as three GEMMs.
 * ``expert_ffn``: the grouped FP8 expert GEMMs of kernels/moe.py (gate_up + bias + clamped SwiGLU
   + FP8 quantization fused, then down + bias), stopped before ``moe.py``'s weighted combine because
-  the model combines [T, k, H] per-slot outputs itself. Whole experts: each routed (token, slot)
+  the model combines [T, k, H] per-slot outputs (``moe_combine``). Whole experts: each routed (token, slot)
   row is the bf16 expert output, bias included (returned as bf16: the contract's float32 values are
   bf16-rounded by definition, so the model's ``.to(bf16)`` is exact either way and we skip a
   4-byte copy of T*k*H). Intermediate split over ranks (``partial``): the fp32 down-projection
@@ -142,8 +142,13 @@ class TritonOps(W8A8CpuOps):
         n_local = w13.shape[0]
         # The kernel always adds a bias; a zero bias leaves the fp32 partial products exact.
         b2_kernel = b2 if (b2 is not None and not partial) else torch.zeros(n_local, h, dtype=F32, device=x.device)
-        y = moe_slot_outputs(x, idx.to(torch.int32), w13, s13, b13, w2, s2, b2_kernel,
-                             first_expert, limit, F32 if partial else BF16, self.moe_config)
+        from gptoss_fp8.kernels.moe import moe_expert_slots
+
+        # per-(token, slot) rows [T*k, H]; slots routed to other ranks are zero. A rank's expert
+        # slices may be views: the kernels want them contiguous.
+        c = [a.contiguous() for a in (w13, s13, b13, w2, s2, b2_kernel)]
+        y = moe_expert_slots(x, idx.to(torch.int32), *c, first_expert, limit, self.moe_config,
+                             F32 if partial else BF16, zero_foreign=True)
         y = y.view(t, k, h)
         if not partial:
             return y, None  # bf16 (see the module docstring): values identical to the float32 contract
@@ -217,29 +222,3 @@ def _version(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
-
-
-def moe_slot_outputs(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale_inv: torch.Tensor,
-    b13: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale_inv: torch.Tensor,
-    b2: torch.Tensor,
-    expert_start: int = 0,
-    swiglu_limit: float = 7.0,
-    out_dtype: torch.dtype = BF16,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """Per-(token, slot) expert outputs [T*k, H] in out_dtype (``moe.moe_expert_slots``), for the
-    model's per-slot contract; slots routed outside [expert_start, expert_start + E) are zero.
-    Expert slices of a rank may be views: they are made contiguous here."""
-    from gptoss_fp8.kernels.moe import moe_expert_slots
-
-    return moe_expert_slots(
-        x, topk_ids, w13.contiguous(), w13_scale_inv.contiguous(), b13.contiguous(),
-        w2.contiguous(), w2_scale_inv.contiguous(), b2.contiguous(), expert_start, swiglu_limit, config,
-        out_dtype, zero_foreign=True,
-    )
