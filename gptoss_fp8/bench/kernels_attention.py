@@ -347,6 +347,44 @@ def sweep_quick() -> list[dict]:
     return out
 
 
+SOFTMAX_VARIANTS = {  # name -> (causal config, window config): the softmax options against the defaults
+    "default": (None, None),
+    "lazy8": ((128, 64, 8, 3, False, 128, 8.0), (64, 64, 4, 2, False, 128, 8.0)),
+    "sum_mma": ((128, 64, 8, 3, False, 128, 0.0, True), (64, 64, 4, 2, False, 128, 0.0, True)),
+    "lazy8+sum_mma": ((128, 64, 8, 3, False, 128, 8.0, True), (64, 64, 4, 2, False, 128, 8.0, True)),
+    "sum_mma 2 stages": ((128, 64, 8, 2, False, 128, 0.0, True), None),
+    "lazy8+sum_mma 2 stages": ((128, 64, 8, 2, False, 128, 8.0, True), None),
+}
+
+
+def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
+    """The softmax variants of PrefillConfig (lazy rescale, row sums by MMA) side by side with the
+    defaults, interleaved per length so clock drift hits all alike; also checks each against default."""
+    from gptoss_fp8.kernels.attention import attention_prefill
+
+    out = []
+    for T in tokens:
+        gen = torch.Generator(device=DEV).manual_seed(T + 5)
+        q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+        for wi, window in enumerate((0, WINDOW)):
+            base = attention_prefill(q, k, v, sinks, sliding_window=window)
+            for rep in range(2):  # two passes: a variant that wins both is not clock noise
+                for name, cfgs in SOFTMAX_VARIANTS.items():
+                    if name != "default" and cfgs[wi] is None:
+                        continue
+                    fn = lambda cfg=cfgs[wi]: attention_prefill(q, k, v, sinks, sliding_window=window, config=cfg)  # noqa: E731
+                    ms = _ms(fn)
+                    r = {"T": T, "window": window, "variant": name, "pass": rep, "ms": ms,
+                         "tflops": _tflops(_visible_pairs(T, 0, window), ms), "rel_vs_default": _rel(fn(), base)}
+                    print(r, flush=True)
+                    out.append(r)
+        del q, k, v
+    return out
+
+
 def quick(T: int = 8192) -> list[dict]:
     """Default-tile prefill timings at T (causal, window 128), no peers: a cheap re-check."""
     from gptoss_fp8.kernels.attention import attention_prefill
@@ -370,6 +408,8 @@ def quick(T: int = 8192) -> list[dict]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["quick"]:
         quick()
+    elif sys.argv[1:2] == ["variants"]:
+        variants()
     elif sys.argv[1:2] == ["sweep_quick"]:
         sweep_quick()
     elif sys.argv[1:2] == ["sweep"]:

@@ -297,6 +297,47 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
     return rows
 
 
+def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
+    """The default MoE configuration and single changes to it (gate_up as one 256-wide product)."""
+    base = moe_config(t, TOP_K, e)
+    gu = base["gate_up"]
+    return {
+        "default": base,
+        "gate_up unsplit": dict(base, gate_up=dict(gu, SPLIT_N=False)),
+        "gate_up unsplit, 3 stages": dict(base, gate_up=dict(gu, SPLIT_N=False, num_stages=3)),
+        "gate_up unsplit, GROUP_M 16": dict(base, gate_up=dict(gu, SPLIT_N=False, GROUP_M=16)),
+    }
+
+
+def moe_variants(moe_tokens: list[int]) -> list[dict]:
+    """The whole fused MoE FFN with each variant of ``_moe_variant_configs``, two interleaved passes
+    (a change that wins both is not clock drift), and the largest difference from the default output."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for e in MOE_EXPERTS:
+        w13, b13, w2, b2, wr, br = _moe_weights(e, g)
+        w13_fp8, s13 = quantize_weight_blocks(w13)
+        w2_fp8, s2 = quantize_weight_blocks(w2)
+        del w13, w2
+        for t in moe_tokens:
+            x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+            flops = 2.0 * t * TOP_K * 3 * HIDDEN * INTER
+            variants = _moe_variant_configs(t, e)
+            run = {n: (lambda c=c: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K, config=c))
+                   for n, c in variants.items()}
+            ref = run["default"]().float()
+            for rep in range(2):
+                for name, fn in run.items():
+                    ms = _ms_quick(fn)
+                    diff = ((fn().float() - ref).norm() / ref.norm()).item()
+                    rows.append(dict(case=f"moe E={e} T={t}", config=name, rep=rep, ms=ms, tflops=_tflops(flops, ms),
+                                     rel_vs_default=diff))
+                    print(rows[-1], flush=True)
+        del w13_fp8, w2_fp8
+        torch.cuda.empty_cache()
+    return rows
+
+
 PROBE_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
@@ -333,10 +374,13 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="8192", help="token counts of the MoE sweep")
     p.add_argument("--sweep", action="store_true", help="time tile configurations instead of the peer comparison")
     p.add_argument("--probe", action="store_true", help="small-M timing check: plain launches vs CUDA graphs")
+    p.add_argument("--moe-variants", action="store_true", help="the default MoE config against single changes")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     tokens = [int(t) for t in a.tokens.split(",") if t]
-    if a.probe:
+    if a.moe_variants:
+        rows = moe_variants([int(t) for t in a.moe_tokens.split(",") if t])
+    elif a.probe:
         rows = probe(tokens)
     elif a.sweep:
         rows = sweep(tokens, [int(t) for t in a.moe_tokens.split(",") if t])

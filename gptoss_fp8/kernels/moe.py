@@ -184,6 +184,7 @@ def _moe_gemm_kernel(
     FUSE_SWIGLU: tl.constexpr, TOP_K: tl.constexpr, TMA: tl.constexpr, ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr = True,
+    SPLIT_N: tl.constexpr = True,
 ):
     """One row tile (one expert) x one column tile of a grouped FP8 block GEMM.
 
@@ -226,20 +227,25 @@ def _moe_gemm_kernel(
     acc_lo, acc_hi = fp8_block_mainloop(
         a_ptr, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
         b_src, expert32 * N + pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr + expert * stride_bse, stride_bsn,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, TMA and A_SORTED, TMA,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, TMA and A_SORTED, TMA, SPLIT_N,
     )
     bias_e = bias_ptr + expert * stride_biase
     if FUSE_SWIGLU:
         # BLOCK_N = 256 interleaved gate/up columns = two halves of 64 (gate, up) pairs: one
         # 128-wide group of the SwiGLU output, quantized with one scale per row.
-        h_lo = _bias_swiglu(acc_lo, bias_e, pid_n * BLOCK_N, N, limit, ALPHA, BLOCK_K)
-        h_hi = _bias_swiglu(acc_hi, bias_e, pid_n * BLOCK_N + BLOCK_K, N, limit, ALPHA, BLOCK_K)
-        amax = tl.maximum(tl.max(tl.abs(h_lo), axis=1), tl.max(tl.abs(h_hi), axis=1))
-        scale = group_scale(amax, FP8_MAX_C, EPS)
         rows = offs_r.to(tl.int64)
         c0 = pid_n * BLOCK_K
-        store_rows(out_ptr, rows, valid, quantize_with_scale(h_lo, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr, False, BLOCK_K // 2)
-        store_rows(out_ptr, rows, valid, quantize_with_scale(h_hi, scale, FP8_MAX_C), c0 + BLOCK_K // 2, N // 2, stride_om, out_ptr, False, BLOCK_K // 2)
+        if SPLIT_N:
+            h_lo = _bias_swiglu(acc_lo, bias_e, pid_n * BLOCK_N, N, limit, ALPHA, BLOCK_K)
+            h_hi = _bias_swiglu(acc_hi, bias_e, pid_n * BLOCK_N + BLOCK_K, N, limit, ALPHA, BLOCK_K)
+            amax = tl.maximum(tl.max(tl.abs(h_lo), axis=1), tl.max(tl.abs(h_hi), axis=1))
+            scale = group_scale(amax, FP8_MAX_C, EPS)
+            store_rows(out_ptr, rows, valid, quantize_with_scale(h_lo, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr, False, BLOCK_K // 2)
+            store_rows(out_ptr, rows, valid, quantize_with_scale(h_hi, scale, FP8_MAX_C), c0 + BLOCK_K // 2, N // 2, stride_om, out_ptr, False, BLOCK_K // 2)
+        else:  # one 256-wide accumulator: its SwiGLU is the whole 128-wide group
+            h = _bias_swiglu(acc_lo, bias_e, pid_n * BLOCK_N, N, limit, ALPHA, BLOCK_N)
+            scale = group_scale(tl.max(tl.abs(h), axis=1), FP8_MAX_C, EPS)
+            store_rows(out_ptr, rows, valid, quantize_with_scale(h, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr, False, BLOCK_K)
         tl.store(out_s_ptr + rows * stride_osm + pid_n, scale, mask=valid)
     else:
         rows = tl.where(valid, slots, 0).to(tl.int64)
@@ -462,7 +468,9 @@ def moe_expert_slots(
         x_src = x_fp8
     act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
     act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
-    w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK, BLOCK]) if tma else w13
+    split_gu = bool(gu.pop("SPLIT_N", True))  # False: one 256-wide product per K step (per-column scales)
+    w13_box = [BLOCK if split_gu else 2 * BLOCK, BLOCK]
+    w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), w13_box) if tma else w13
     grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
     _moe_gemm_kernel[grid](
         x_src, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
@@ -473,7 +481,7 @@ def moe_expert_slots(
         act.stride(0), act_scale.stride(0),
         float(swiglu_limit),
         FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, A_SORTED=pregather, **gu,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, A_SORTED=pregather, SPLIT_N=split_gu, **gu,
     )
 
     bn = dn.pop("BLOCK_N")

@@ -102,13 +102,15 @@ def test_fused_moe_small(t, h, i, e, k, e0, n_local):
     _check(y, fused_moe_reference(m["x"], m["wr"], m["br"], *ex, top_k=k, expert_start=e0))
 
 
-@pytest.mark.parametrize("tma,pregather", [(True, False), (False, False), (True, True)])
-def test_fused_moe_tiles_and_loads(tma, pregather):
+@pytest.mark.parametrize("tma,pregather,split", [(True, False, True), (False, False, True), (True, True, True),
+                                                 (True, False, False), (False, False, False)])
+def test_fused_moe_tiles_and_loads(tma, pregather, split):
     # Padding to 32 rows with 16-row gate_up tiles and 32-row down tiles; TMA or pointer loads;
-    # gate_up's A gathered by the GEMM or pre-gathered in sorted order (gather_act_quant).
+    # gate_up's A gathered by the GEMM or pre-gathered in sorted order (gather_act_quant); gate_up
+    # as two 128-column products (split) or one 256-column product with per-column weight scales.
     cfg = dict(
         ALIGN_M=32, TMA=tma, PREGATHER=pregather,
-        gate_up=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2),
+        gate_up=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2, SPLIT_N=split),
         down=dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
     )
     m = _model(30, 160, 192, 8, seed=21)
@@ -161,11 +163,14 @@ GPU_MOE_VARIANTS = [
     dict(ALIGN_M=64, TMA=True, PREGATHER=True,
          gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4),
          down=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    dict(ALIGN_M=64, TMA=True,
+         gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_N=False),
+         down=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_MOE_VARIANTS, ids=["tma-128", "ptr-64", "pregather-64"])
+@pytest.mark.parametrize("config", GPU_MOE_VARIANTS, ids=["tma-128", "ptr-64", "pregather-64", "unsplit-64"])
 def test_fused_moe_variants_gpu(config):
     m = _model(3000, 2880, 2880, 32, seed=77)
     ex = _shard(m["experts"], 4, 16)
