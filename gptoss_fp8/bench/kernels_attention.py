@@ -347,19 +347,18 @@ def sweep_quick() -> list[dict]:
     return out
 
 
-SOFTMAX_VARIANTS = {  # name -> (causal config, window config): the softmax options against the defaults
+TILE_VARIANTS = {  # name -> (causal config, window config); None: that case is not timed
     "default": (None, None),
-    "lazy8": ((128, 64, 8, 3, False, 128, 8.0), (64, 64, 4, 2, False, 128, 8.0)),
-    "sum_mma": ((128, 64, 8, 3, False, 128, 0.0, True), (64, 64, 4, 2, False, 128, 0.0, True)),
-    "lazy8+sum_mma": ((128, 64, 8, 3, False, 128, 8.0, True), (64, 64, 4, 2, False, 128, 8.0, True)),
-    "sum_mma 2 stages": ((128, 64, 8, 2, False, 128, 0.0, True), None),
-    "lazy8+sum_mma 2 stages": ((128, 64, 8, 2, False, 128, 8.0, True), None),
+    "256x64 16 warps 3 stages": ((256, 64, 16, 3, False, 128), None),
+    "256x64 16 warps 2 stages": ((256, 64, 16, 2, False, 128), None),
+    "256x32 16 warps 3 stages": ((256, 32, 16, 3, False, 128), None),
+    "128x64 8 warps 4 stages": ((128, 64, 8, 4, False, 128), (64, 64, 4, 3, False, 128)),
 }
 
 
 def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
-    """The softmax variants of PrefillConfig (lazy rescale, row sums by MMA) side by side with the
-    defaults, interleaved per length so clock drift hits all alike; also checks each against default."""
+    """TILE_VARIANTS side by side with the default tiles, interleaved per length so clock drift hits
+    all alike; each output is also compared with the default's."""
     from gptoss_fp8.kernels.attention import attention_prefill
 
     out = []
@@ -372,7 +371,7 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
         for wi, window in enumerate((0, WINDOW)):
             base = attention_prefill(q, k, v, sinks, sliding_window=window)
             for rep in range(2):  # two passes: a variant that wins both is not clock noise
-                for name, cfgs in SOFTMAX_VARIANTS.items():
+                for name, cfgs in TILE_VARIANTS.items():
                     if name != "default" and cfgs[wi] is None:
                         continue
                     fn = lambda cfg=cfgs[wi]: attention_prefill(q, k, v, sinks, sliding_window=window, config=cfg)  # noqa: E731

@@ -298,14 +298,17 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
 
 
 def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
-    """The default MoE configuration and single changes to it (gate_up as one 256-wide product)."""
+    """The default MoE configuration and single changes to it (split products, wider down tiles)."""
     base = moe_config(t, TOP_K, e)
-    gu = base["gate_up"]
+    gu, dn = base["gate_up"], base["down"]
+    dn_wide = dict(dn, BLOCK_N=256, num_warps=8)
     return {
         "default": base,
-        "gate_up unsplit": dict(base, gate_up=dict(gu, SPLIT_N=False)),
-        "gate_up unsplit, 3 stages": dict(base, gate_up=dict(gu, SPLIT_N=False, num_stages=3)),
-        "gate_up unsplit, GROUP_M 16": dict(base, gate_up=dict(gu, SPLIT_N=False, GROUP_M=16)),
+        "gate_up split": dict(base, gate_up=dict(gu, SPLIT_N=True)),
+        "down 64x256 w8 split": dict(base, down=dn_wide),
+        "down 64x256 w8 unsplit": dict(base, down=dict(dn_wide, SPLIT_N=False)),
+        "down 64x256 w8 unsplit, 3 stages": dict(base, down=dict(dn_wide, SPLIT_N=False, num_stages=3)),
+        "down 64x128 w4 5 stages": dict(base, down=dict(dn, num_stages=5)),
     }
 
 

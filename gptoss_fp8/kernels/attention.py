@@ -40,7 +40,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attn_inner(
-    acc, l_i, m_i, q, ones,
+    acc, l_i, m_i, q,
     K, V,  # USE_TMA: descriptors over [T, Hkv * D]; else pointers at (sequence start, kv head)
     k_row0, kv_col,  # USE_TMA: the sequence's first row and the kv head's first column
     stride_kt, stride_vt,
@@ -51,9 +51,6 @@ def _attn_inner(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
-    LAZY: tl.constexpr,  # 0: rescale every block; > 0: only when a row's max grew by more (log2 units)
-    SUM_MMA: tl.constexpr,  # l_i is [BLOCK_M, 16], row sums by an MMA with ones; False: [BLOCK_M]
-    Q_DTYPE: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -76,41 +73,14 @@ def _attn_inner(
             visible = (rel >= 0) & (rel < window)
             qk = qk * qk_scale + tl.where(visible, 0.0, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if LAZY > 0:
-            # Lazy rescale: keep the stale max (p <= 2^LAZY) unless some row of the tile grew by
-            # more than LAZY log2 units; acc and l_i stay relative to the same m_i, so the final
-            # acc / l_i is unchanged, and the rescale (BLOCK_M x D multiplies) is mostly skipped.
-            if tl.max(m_new - m_i, 0) > LAZY:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                if SUM_MMA:
-                    l_i = l_i * alpha[:, None]
-                else:
-                    l_i = l_i * alpha
-                m_i = m_new
-            m_new = m_i
-        if MASK:
             qk = qk - m_new[:, None]
         else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             qk = qk * qk_scale - m_new[:, None]  # one FMA per score
+        alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk)
-        if LAZY == 0:
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            if SUM_MMA:
-                l_i = l_i * alpha[:, None]
-            else:
-                l_i = l_i * alpha
-        if not SUM_MMA:
-            l_i = l_i + tl.sum(p, 1)
-        if not UPCAST:
-            p = p.to(Q_DTYPE)
-        if SUM_MMA:
-            # Row sums on the tensor cores: p @ ones [BLOCK_N, 16] (every column the same sum, of
-            # the same rounded p the P V product uses) instead of BLOCK_N adds + shuffles per row.
-            l_i = tl.dot(p, ones, l_i)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if USE_TMA:
             v = V.load([k_row0 + start_n, kv_col])
         elif MASK:
@@ -120,7 +90,7 @@ def _attn_inner(
         if UPCAST:
             acc = tl.dot(p, v.to(tl.float32), acc)
         else:
-            acc = tl.dot(p, v, acc)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -141,8 +111,6 @@ def _attn_prefill_kernel(
     USE_TMA: tl.constexpr,  # K, V are tensor descriptors (Hopper bulk copies) instead of pointers
     ROPE_Q: tl.constexpr,  # rotate q in-kernel with the Cos/Sin tables [max_pos, HEAD_DIM/2]
     RAGGED: tl.constexpr,  # sequences from CuSeqlens; False: one sequence of total_tokens rows
-    LAZY: tl.constexpr,  # lazy-rescale threshold in log2 units (0: rescale every KV block)
-    SUM_MMA: tl.constexpr,  # softmax row sums by a tensor-core product with ones
 ):
     pid_h = tl.program_id(0)
     pid_m = num_pid_m - 1 - tl.program_id(1)  # longest query blocks first
@@ -193,11 +161,7 @@ def _attn_prefill_kernel(
 
     sink = tl.load(Sinks + pid_h).to(tl.float32) * 1.4426950408889634
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
-    if SUM_MMA:  # the sink's term exp2(sink - m) = 1 in every column
-        l_i = tl.full([BLOCK_M, 16], 1.0, dtype=tl.float32)
-    else:
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    ones = tl.full([BLOCK_N, 16], 1.0, dtype=tl.float32 if UPCAST else Q.dtype.element_ty)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # Key ranges (BLOCK_M is a multiple of BLOCK_N, so m0 is block-aligned):
@@ -210,20 +174,18 @@ def _attn_prefill_kernel(
     full_first = tl.maximum(m0 + BLOCK_M - window, 0)  # oldest key the tile's last query sees
     full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, m0)
     acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, ones, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, USE_TMA, LAZY, SUM_MMA, Q.dtype.element_ty,
+        acc, l_i, m_i, q, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+        seqlen, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, USE_TMA,
     )
     acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, ones, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, full_lo, m0, False, BLOCK_N, UPCAST, USE_TMA, LAZY, SUM_MMA, Q.dtype.element_ty,
+        acc, l_i, m_i, q, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+        seqlen, window, qk_scale, full_lo, m0, False, BLOCK_N, UPCAST, USE_TMA,
     )
     acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, ones, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, m0, hi, True, BLOCK_N, UPCAST, USE_TMA, LAZY, SUM_MMA, Q.dtype.element_ty,
+        acc, l_i, m_i, q, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+        seqlen, window, qk_scale, m0, hi, True, BLOCK_N, UPCAST, USE_TMA,
     )
 
-    if SUM_MMA:
-        l_i = tl.max(l_i, 1)
     out = acc / l_i[:, None]
     o_ptrs = Out + row0 * stride_ot + offs_m[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -236,8 +198,6 @@ class PrefillConfig(NamedTuple):
     num_stages: int
     use_tma: bool = False  # K/V through host tensor descriptors (needs k/v contiguous)
     maxnreg: int | None = None  # register cap per thread (more programs per SM), None: compiler's choice
-    lazy: float = 0.0  # rescale the accumulator only when a row max grows by more than this (log2); 0: always
-    sum_mma: bool = False  # softmax row sums as p @ ones on the tensor cores instead of adds
 
 
 # Per (device kind, sliding?). Swept on the H200, 8192 tokens (benchmarks/notes/kernels_attention.md):
@@ -331,7 +291,7 @@ def attention_prefill(
         out.stride(0), out.stride(1),
         sm_scale * LOG2E, window, num_pid_m, T,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
-        USE_TMA=use_tma, ROPE_Q=rope is not None, RAGGED=ragged, LAZY=float(cfg.lazy), SUM_MMA=cfg.sum_mma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, ROPE_Q=rope is not None, RAGGED=ragged, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}),
     )
     return out

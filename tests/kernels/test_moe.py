@@ -107,11 +107,12 @@ def test_fused_moe_small(t, h, i, e, k, e0, n_local):
 def test_fused_moe_tiles_and_loads(tma, pregather, split):
     # Padding to 32 rows with 16-row gate_up tiles and 32-row down tiles; TMA or pointer loads;
     # gate_up's A gathered by the GEMM or pre-gathered in sorted order (gather_act_quant); gate_up
-    # as two 128-column products (split) or one 256-column product with per-column weight scales.
+    # as two 128-column products (split) or one 256-column product with per-column weight scales
+    # (and down likewise, 256 columns wide, past H=160).
     cfg = dict(
         ALIGN_M=32, TMA=tma, PREGATHER=pregather,
         gate_up=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2, SPLIT_N=split),
-        down=dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
+        down=dict(BLOCK_M=32, BLOCK_N=64 if split else 256, GROUP_M=2, num_warps=4, num_stages=2, SPLIT_N=split),
     )
     m = _model(30, 160, 192, 8, seed=21)
     ex = _shard(m["experts"], 2, 5)
@@ -165,7 +166,7 @@ GPU_MOE_VARIANTS = [
          down=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)),
     dict(ALIGN_M=64, TMA=True,
          gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_N=False),
-         down=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)),
+         down=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_N=False)),
 ]
 
 
