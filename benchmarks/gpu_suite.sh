@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|checkpoint|all]...
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
+#   checkpoint: bench prefill on a converted checkpoint (synthetic 20b shapes, 2 layers) beside the
+#   same shapes with random weights built on the GPU
 set -uo pipefail
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -28,4 +30,11 @@ if has prefill; then
   b --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 --json "$OUT/prefill_20b.json" 2>&1 | tee "$OUT/prefill_20b.log"
   b --model 20b --tokens 65536,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_20b_long.json" 2>&1 | tee "$OUT/prefill_20b_long.log"
   b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
+fi
+if has checkpoint; then
+  m() { python3 -m gptoss_fp8.cli.main "$@"; }
+  m synth /tmp/ck_src --preset 20b --layers 2 --overwrite >/dev/null \
+    && m convert /tmp/ck_src /tmp/ck_fp8 --device cuda --overwrite 2>&1 | tail -3 | tee "$OUT/checkpoint_convert.log" \
+    && m bench prefill --checkpoint /tmp/ck_fp8 --tokens 8192,32768 --runs 3 --no-peer --json "$OUT/prefill_checkpoint.json" 2>&1 | tee "$OUT/prefill_checkpoint.log" \
+    && m bench prefill --model 20b --layers 2 --tokens 8192,32768 --runs 3 --no-peer 2>&1 | tee -a "$OUT/prefill_checkpoint.log"
 fi
