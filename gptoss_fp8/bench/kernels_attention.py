@@ -110,6 +110,9 @@ def _flex_with_sinks(T: int, window: int):
         def mask_mod(b, h, qi, ki):
             return qi >= ki
     block_mask = create_block_mask(mask_mod, None, None, T, T, device=DEV)
+    # A fresh compile per (length, mask): past dynamo's recompile limit (8) flex_attention silently
+    # falls back to eager, which materializes the T x T scores (out of memory from 16384 tokens).
+    torch.compiler.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     import torch.nn.attention.flex_attention as fa
 
