@@ -9,6 +9,9 @@ set -uo pipefail
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
+# OpenAI's reference (gpt-oss 0.0.9) for the test that runs it on the GPU: the device machine has no
+# network, so copy the installed package to .whl/gpt_oss (git-ignored) and carry .whl with the call.
+if [[ -d .whl/gpt_oss ]]; then export PYTHONPATH=$PYTHONPATH:$(pwd)/.whl; fi
 what=${*:-all}
 has() { [[ " $what " == *" all "* || " $what " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
