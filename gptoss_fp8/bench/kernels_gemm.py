@@ -131,6 +131,16 @@ def _moe_weights(e: int, g: torch.Generator):
     return w13, b13, w2, b2, wr, br
 
 
+def _moe_fp8_weights(e: int, g: torch.Generator):
+    """``_moe_weights`` with the expert matrices block-quantized (the bf16 ones freed):
+    (w13_fp8, s13, b13, w2_fp8, s2, b2, wr, br)."""
+    w13, b13, w2, b2, wr, br = _moe_weights(e, g)
+    w13_fp8, s13 = quantize_weight_blocks(w13)
+    del w13
+    w2_fp8, s2 = quantize_weight_blocks(w2)
+    return w13_fp8, s13, b13, w2_fp8, s2, b2, wr, br
+
+
 def moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, top_k: int) -> torch.Tensor:
     """The peer: the gpt-oss expert FFN in bf16 with torch._grouped_mm (same routing)."""
     t, h = x.shape
@@ -264,10 +274,7 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
                 rows.append(dict(case=f"dense {name} M={m}", config=json.dumps(cfg), ms=ms, tflops=_tflops(2.0 * m * n * k, ms)))
                 print(rows[-1], flush=True)
     for e in MOE_EXPERTS:
-        w13, b13, w2, b2, wr, br = _moe_weights(e, g)
-        w13_fp8, s13 = quantize_weight_blocks(w13)
-        w2_fp8, s2 = quantize_weight_blocks(w2)
-        del w13, w2
+        w13_fp8, s13, b13, w2_fp8, s2, b2, wr, br = _moe_fp8_weights(e, g)
         for t in moe_tokens:
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             # Where the time goes with the default configuration (the GEMMs are the remainder).
@@ -318,10 +325,7 @@ def moe_variants(moe_tokens: list[int]) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(4)
     for e in MOE_EXPERTS:
-        w13, b13, w2, b2, wr, br = _moe_weights(e, g)
-        w13_fp8, s13 = quantize_weight_blocks(w13)
-        w2_fp8, s2 = quantize_weight_blocks(w2)
-        del w13, w2
+        w13_fp8, s13, b13, w2_fp8, s2, b2, wr, br = _moe_fp8_weights(e, g)
         for t in moe_tokens:
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             flops = 2.0 * t * TOP_K * 3 * HIDDEN * INTER
