@@ -99,6 +99,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _prefill_inputs(T: int, seed: int):
+    """Fresh random q [T, HQ, D], k, v [T, HKV, D] (bf16) and sinks in [-10, 10] from a generator
+    seeded with ``seed``; the generator is returned for further inputs."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    return q, k, v, sinks, gen
+
+
 def _flex_with_sinks(T: int, window: int):
     """FlexAttention (compiled) with sinks folded in through its LSE; [1, H, T, D] layout."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -135,11 +146,7 @@ def _prefill_rows(T: int) -> list[dict]:
 
     from gptoss_fp8.kernels.attention import attention_prefill
 
-    gen = torch.Generator(device=DEV).manual_seed(T)
-    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    q, k, v, sinks, gen = _prefill_inputs(T, T)
     # peers' preferred layout [1, H, T, D], contiguous (the transposes are not timed)
     q4, k4, v4 = (t.transpose(0, 1).contiguous()[None] for t in (q, k, v))
     rows = []
@@ -196,11 +203,7 @@ def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
     from gptoss_fp8.kernels.attention import attention_prefill
     from gptoss_fp8.kernels.rope import rope_cos_sin, rope_qk
 
-    gen = torch.Generator(device=DEV).manual_seed(T + 1)
-    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    q, k, v, sinks, gen = _prefill_inputs(T, T + 1)
     cos, sin = rope_cos_sin(T, D, device=DEV)
     pos = torch.arange(T, device=DEV, dtype=torch.int32)
 
@@ -269,11 +272,7 @@ def sweep(T: int = 8192) -> list[dict]:
     from gptoss_fp8.kernels.attention_decode import attention_decode
 
     out = []
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    q, k, v, sinks, gen = _prefill_inputs(T, 0)
     for cfg in PREFILL_SWEEP:
         for window in (0, WINDOW):
             try:
@@ -316,11 +315,7 @@ def sweep_quick() -> list[dict]:
 
     out = []
     T = 32768
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    q, k, v, sinks, gen = _prefill_inputs(T, 1)
     for window, cfgs in ((0, [(128, 64, 8, 3, False, 128), (64, 64, 4, 3, False, None), (128, 64, 4, 3, False, None),
                               (64, 64, 4, 3, False, 128)]),
                          (WINDOW, [(64, 64, 4, 2, False, None), (64, 64, 4, 3, False, None)])):
@@ -366,11 +361,7 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
 
     out = []
     for T in tokens:
-        gen = torch.Generator(device=DEV).manual_seed(T + 5)
-        q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+        q, k, v, sinks, gen = _prefill_inputs(T, T + 5)
         for wi, window in enumerate((0, WINDOW)):
             base = attention_prefill(q, k, v, sinks, sliding_window=window)
             for rep in range(2):  # two passes: a variant that wins both is not clock noise
@@ -391,11 +382,7 @@ def quick(T: int = 8192) -> list[dict]:
     """Default-tile prefill timings at T (causal, window 128), no peers: a cheap re-check."""
     from gptoss_fp8.kernels.attention import attention_prefill
 
-    gen = torch.Generator(device=DEV).manual_seed(T)
-    q = torch.randn(T, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(T, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    q, k, v, sinks, gen = _prefill_inputs(T, T)
     out = []
     for window in (0, WINDOW):
         fn = lambda: attention_prefill(q, k, v, sinks, sliding_window=window)  # noqa: E731

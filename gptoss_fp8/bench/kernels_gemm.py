@@ -95,12 +95,18 @@ def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias):
     return peer, note
 
 
+def _dense_weights(n: int, k: int, g: torch.Generator, bias_std: float = 1.0):
+    """Random block-quantized weight [n, k] (fp8 + scale_inv) and a bf16 bias [n]."""
+    w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    bias = (torch.randn(n, device="cuda", generator=g) * bias_std).to(torch.bfloat16)
+    return w_fp8, w_scale, bias
+
+
 def bench_dense(tokens: list[int]) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in DENSE_SHAPES:
-        w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
-        bias = (torch.randn(n, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+        w_fp8, w_scale, bias = _dense_weights(n, k, g, bias_std=0.5)
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
             flops = 2.0 * m * n * k
@@ -261,8 +267,7 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(2)
     for name, n, k in DENSE_SHAPES[:2]:
-        w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
-        bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        w_fp8, w_scale, bias = _dense_weights(n, k, g)
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
             for cfg in DENSE_SWEEP + [dense_config(m, n, k)]:
@@ -358,8 +363,7 @@ def probe(tokens: list[int]) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(3)
     for name, n, k in DENSE_SHAPES[:2]:
-        w_fp8, w_scale = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
-        bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        w_fp8, w_scale, bias = _dense_weights(n, k, g)
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
             fns = {json.dumps(c): (lambda c=c: fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, config=c)) for c in PROBE_CONFIGS}
