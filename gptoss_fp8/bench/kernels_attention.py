@@ -347,10 +347,10 @@ def sweep_quick() -> list[dict]:
 
 TILE_VARIANTS = {  # name -> (causal config, window config); None: that case is not timed
     "default": (None, None),
-    "256x64 16 warps 3 stages": ((256, 64, 16, 3, False, 128), None),
-    "256x64 16 warps 2 stages": ((256, 64, 16, 2, False, 128), None),
-    "256x32 16 warps 3 stages": ((256, 32, 16, 3, False, 128), None),
-    "128x64 8 warps 4 stages": ((128, 64, 8, 4, False, 128), (64, 64, 4, 3, False, 128)),
+    "pack 2, 128x64 8 warps 3 stages": ((128, 64, 8, 3, False, 128, 2), (128, 64, 8, 2, False, 128, 2)),
+    "pack 2, 128x64 8 warps 4 stages": ((128, 64, 8, 4, False, 128, 2), (128, 64, 8, 3, False, 128, 2)),
+    "pack 2, 128x64 4 warps 3 stages": ((128, 64, 4, 3, False, None, 2), (64, 32, 4, 2, False, 128, 2)),
+    "pack 4, 128x32 8 warps 3 stages": ((128, 32, 8, 3, False, 128, 4), None),
 }
 
 
@@ -398,7 +398,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["quick"]:
         quick()
     elif sys.argv[1:2] == ["variants"]:
-        variants()
+        variants(tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (8192, 32768))
     elif sys.argv[1:2] == ["sweep_quick"]:
         sweep_quick()
     elif sys.argv[1:2] == ["sweep"]:

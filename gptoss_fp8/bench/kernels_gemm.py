@@ -266,7 +266,7 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
     """Time each dense and MoE tile configuration; rows {case, config, ms, tflops}."""
     rows = []
     g = torch.Generator(device="cuda").manual_seed(2)
-    for name, n, k in DENSE_SHAPES[:2]:
+    for name, n, k in DENSE_SHAPES:
         w_fp8, w_scale, bias = _dense_weights(n, k, g)
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
@@ -310,17 +310,17 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
 
 
 def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
-    """The default MoE configuration and single changes to it (split products, wider down tiles)."""
+    """The default MoE configuration and single changes to it (persistent programs, flattened loops)."""
     base = moe_config(t, TOP_K, e)
     gu, dn = base["gate_up"], base["down"]
-    dn_wide = dict(dn, BLOCK_N=256, num_warps=8)
     return {
         "default": base,
-        "gate_up split": dict(base, gate_up=dict(gu, SPLIT_N=True)),
-        "down 64x256 w8 split": dict(base, down=dn_wide),
-        "down 64x256 w8 unsplit": dict(base, down=dict(dn_wide, SPLIT_N=False)),
-        "down 64x256 w8 unsplit, 3 stages": dict(base, down=dict(dn_wide, SPLIT_N=False, num_stages=3)),
-        "down 64x128 w4 5 stages": dict(base, down=dict(dn, num_stages=5)),
+        "down persistent 2/SM": dict(base, down=dict(dn, PERSISTENT=2)),
+        "down persistent 2/SM flattened": dict(base, down=dict(dn, PERSISTENT=2, FLATTEN=True)),
+        "gate_up persistent 1/SM": dict(base, gate_up=dict(gu, PERSISTENT=1)),
+        "gate_up persistent 1/SM flattened": dict(base, gate_up=dict(gu, PERSISTENT=1, FLATTEN=True)),
+        "both persistent, down flattened": dict(base, gate_up=dict(gu, PERSISTENT=1),
+                                                down=dict(dn, PERSISTENT=2, FLATTEN=True)),
     }
 
 
@@ -351,9 +351,12 @@ def moe_variants(moe_tokens: list[int]) -> list[dict]:
 
 
 PROBE_CONFIGS = [
-    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
-    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True, FLATTEN=True),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSISTENT=2, FLATTEN=True),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True, PERSISTENT=2, FLATTEN=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True, FLATTEN=True,
+         SPLIT_N=False),
 ]
 
 
@@ -362,7 +365,7 @@ def probe(tokens: list[int]) -> list[dict]:
     included, as ``bench``) and with CUDA-graph replay (device time only); the peer likewise."""
     rows = []
     g = torch.Generator(device="cuda").manual_seed(3)
-    for name, n, k in DENSE_SHAPES[:2]:
+    for name, n, k in DENSE_SHAPES:
         w_fp8, w_scale, bias = _dense_weights(n, k, g)
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))

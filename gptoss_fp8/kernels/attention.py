@@ -111,8 +111,10 @@ def _attn_prefill_kernel(
     USE_TMA: tl.constexpr,  # K, V are tensor descriptors (Hopper bulk copies) instead of pointers
     ROPE_Q: tl.constexpr,  # rotate q in-kernel with the Cos/Sin tables [max_pos, HEAD_DIM/2]
     RAGGED: tl.constexpr,  # sequences from CuSeqlens; False: one sequence of total_tokens rows
+    PACK: tl.constexpr = 1,  # query heads per program (same KV head): BLOCK_M // PACK positions each
 ):
-    pid_h = tl.program_id(0)
+    QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
+    pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
     pid_m = num_pid_m - 1 - tl.program_id(1)  # longest query blocks first
     pid_b = tl.program_id(2)
     if RAGGED:
@@ -123,12 +125,22 @@ def _attn_prefill_kernel(
         seqlen = total_tokens
     # Row offsets of the sequence in int64 (T * H * D can pass 2^31); offsets inside it stay int32.
     row0 = tl.full([], seq_start, tl.int64)
-    m0 = pid_m * BLOCK_M
+    m0 = pid_m * QB
     if m0 >= seqlen:
         return
-    kv_h = pid_h // GROUP
+    kv_h = (pid_h * PACK) // GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    # Tile row r: query position m0 + r % QB of head pid_h * PACK + r // QB (heads stacked).
+    rows = tl.arange(0, BLOCK_M)
+    if PACK == 1:
+        offs_m = m0 + rows
+        head = pid_h
+    else:
+        offs_m = m0 + rows % QB
+        head = pid_h * PACK + rows // QB
+    head_off = head * stride_qh
+    if PACK > 1:
+        head_off = head_off[:, None]
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seqlen
@@ -138,7 +150,7 @@ def _attn_prefill_kernel(
         # as the separate kernel's store would: saves that kernel's pass over q (8x k's bytes).
         HALF: tl.constexpr = HEAD_DIM // 2
         offs_j = tl.arange(0, HALF)
-        q_row = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + pid_h * stride_qh + offs_j[None, :]
+        q_row = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + head_off + offs_j[None, :]
         x1 = tl.load(q_row, mask=row_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(q_row + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
         cs = offs_m[:, None] * HALF + offs_j[None, :]
@@ -148,7 +160,7 @@ def _attn_prefill_kernel(
         if not UPCAST:
             q = q.to(Q.dtype.element_ty)
     else:
-        q_ptrs = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :]
+        q_ptrs = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + head_off + offs_d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
@@ -159,19 +171,19 @@ def _attn_prefill_kernel(
         k_src = K + row0 * stride_kt + kv_h * stride_kh
         v_src = V + row0 * stride_vt + kv_h * stride_vh
 
-    sink = tl.load(Sinks + pid_h).to(tl.float32) * 1.4426950408889634
+    sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # scalar, or [BLOCK_M] when packed
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Key ranges (BLOCK_M is a multiple of BLOCK_N, so m0 is block-aligned):
+    # Key ranges (QB is a multiple of BLOCK_N, so m0 is block-aligned):
     #   [lo, full_lo): seen by some queries of the tile only (window edge)   -> masked
     #   [full_lo, m0): seen by every query of the tile                       -> unmasked
     #   [m0, hi):      the diagonal                                          -> masked
-    hi = tl.minimum(m0 + BLOCK_M, seqlen)
+    hi = tl.minimum(m0 + QB, seqlen)
     first_key = tl.maximum(m0 - window + 1, 0)  # oldest key the tile's first query sees
     lo = (first_key // BLOCK_N) * BLOCK_N
-    full_first = tl.maximum(m0 + BLOCK_M - window, 0)  # oldest key the tile's last query sees
+    full_first = tl.maximum(m0 + QB - window, 0)  # oldest key the tile's last query sees
     full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, m0)
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, seq_start, kv_h * HEAD_DIM, stride_kt, stride_vt, offs_m, offs_n, offs_d,
@@ -187,7 +199,10 @@ def _attn_prefill_kernel(
     )
 
     out = acc / l_i[:, None]
-    o_ptrs = Out + row0 * stride_ot + offs_m[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :]
+    o_head = head * stride_oh
+    if PACK > 1:
+        o_head = o_head[:, None]
+    o_ptrs = Out + row0 * stride_ot + offs_m[:, None] * stride_ot + o_head + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -198,6 +213,7 @@ class PrefillConfig(NamedTuple):
     num_stages: int
     use_tma: bool = False  # K/V through host tensor descriptors (needs k/v contiguous)
     maxnreg: int | None = None  # register cap per thread (more programs per SM), None: compiler's choice
+    pack: int = 1  # query heads of one KV head per program, stacked in the tile's rows (GQA packing)
 
 
 # Per (device kind, sliding?). Swept on the H200, 8192 tokens (benchmarks/notes/kernels_attention.md):
@@ -205,10 +221,13 @@ class PrefillConfig(NamedTuple):
 # registers: one program per SM), (128, 64, 4, 3) 1.39 ms. Window 128: (64, 64, 4, 2) 0.164 ms;
 # BLOCK_M 128 0.235 ms (a 64-query tile loads fewer keys that the window hides). The 128-register
 # cap on the window tile keeps the 127 registers (4 programs per SM) it was measured with.
+# Window with two heads per program (pack 2: 32 positions x 2 heads, 32-key blocks): 0.115 vs
+# 0.119 ms at 8192 and 0.416 vs 0.456-0.478 ms at 32768 (fourth session, ``variants``); causal
+# with pack 2 (64 positions x 2 heads) was no faster than the default.
 # The interpreter gets small tiles (its cost grows with them).
 PREFILL_CONFIGS: dict[tuple[str, bool], PrefillConfig] = {
     ("cuda", False): PrefillConfig(128, 64, 8, 3, maxnreg=128),
-    ("cuda", True): PrefillConfig(64, 64, 4, 2, maxnreg=128),
+    ("cuda", True): PrefillConfig(64, 32, 4, 2, maxnreg=128, pack=2),
     ("cpu", False): PrefillConfig(32, 16, 4, 1),
     ("cpu", True): PrefillConfig(32, 16, 4, 1),
 }
@@ -266,8 +285,9 @@ def attention_prefill(
     window = sliding_window if 0 < sliding_window < max_seqlen else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = PrefillConfig(*config) if config is not None else PREFILL_CONFIGS[("cuda" if on_gpu else "cpu", window != _NO_WINDOW)]
-    BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
-    assert BLOCK_M % BLOCK_N == 0, f"BLOCK_M {BLOCK_M} must be a multiple of BLOCK_N {BLOCK_N}"
+    BLOCK_M, BLOCK_N, pack = cfg.block_m, cfg.block_n, cfg.pack
+    assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"
+    assert BLOCK_M % (pack * BLOCK_N) == 0, f"BLOCK_M {BLOCK_M} must be a multiple of pack {pack} x BLOCK_N {BLOCK_N}"
     if rope is not None:
         cos, sin = rope
         assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == D // 2, f"rope cos {cos.shape} sin {sin.shape}"
@@ -283,15 +303,15 @@ def attention_prefill(
 
         k_arg = TensorDescriptor.from_tensor(k.view(T, Hkv * D), [BLOCK_N, D])
         v_arg = TensorDescriptor.from_tensor(v.view(T, Hkv * D), [BLOCK_N, D])
-    num_pid_m = triton.cdiv(max_seqlen, BLOCK_M)
-    grid = (Hq, num_pid_m, B)
+    num_pid_m = triton.cdiv(max_seqlen, BLOCK_M // pack)
+    grid = (Hq // pack, num_pid_m, B)
     _attn_prefill_kernel[grid](
         q, k_arg, v_arg, sinks, out, cu_seqlens if ragged else sinks, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         sm_scale * LOG2E, window, num_pid_m, T,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
-        USE_TMA=use_tma, ROPE_Q=rope is not None, RAGGED=ragged, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}),
     )
     return out

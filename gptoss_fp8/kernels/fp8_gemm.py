@@ -122,14 +122,17 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
 ):
-    # num_progs programs walk the tiles (persistent when it is the SM count). Grouped order:
+    # num_progs programs walk the tiles (persistent when it is the SM count); FLATTEN fuses the
+    # tile and K loops into one software-pipelined loop (the next tile's loads overlap this
+    # tile's epilogue). Grouped order:
     # GROUP_M row tiles sweep the N tiles together, so their A rows and the weight tiles they share
     # stay in L2.
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
-    for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs, flatten=FLATTEN):
         group = tile // per_group
         first_m = group * GROUP_M
         group_rows = tl.minimum(num_m - first_m, GROUP_M)
@@ -224,7 +227,8 @@ def fp8_gemm(
     split = cfg.pop("SPLIT_N", True)
     persistent = cfg.pop("PERSISTENT", False)
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    num_progs = min(num_tiles, _num_sms(x_fp8.device)) if persistent else num_tiles
+    # PERSISTENT: True or n programs per SM, each walking tiles
+    num_progs = min(num_tiles, int(persistent) * _num_sms(x_fp8.device)) if persistent else num_tiles
     tma = tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
     if tma:
         a_src = TensorDescriptor.from_tensor(a, [bm, BLOCK])

@@ -194,7 +194,9 @@ class TritonOps(W8A8CpuOps):
             return super().attention(q, k, v, sinks, sm_scale, window)
         from gptoss_fp8.kernels.attention import attention_prefill
 
-        o = attention_prefill(q.reshape(n, kvh * m, d), k.contiguous(), v.contiguous(), sinks.reshape(-1).contiguous(),
+        # k, v may be strided views (v is a column slice of the fused q/k/v GEMM's output): the
+        # kernel reads rows by stride, so no copy
+        o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
                               sliding_window=window, sm_scale=sm_scale)
         return o.reshape(n, -1)
 
@@ -214,6 +216,11 @@ class TritonOps(W8A8CpuOps):
         _, out = rope_qk(None, x if x.stride(-1) == 1 else x.contiguous(), pos,
                          cos.float().contiguous(), sin.float().contiguous())
         return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is contiguous (strided rows and heads are fine), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _version(t: torch.Tensor) -> int:

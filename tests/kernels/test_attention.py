@@ -106,6 +106,23 @@ def test_prefill_tma_path_cpu():
         _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
 
 
+@pytest.mark.parametrize("pack,window", [(2, 0), (2, 16), (4, 0), (4, 40)])
+def test_prefill_packed_heads_cpu(pack, window):
+    """Several query heads of one KV head per program (rows stacked by head): same results, ragged
+    batch with a one-token sequence, GQA 4; the fused q-rope path packed as well."""
+    gen = torch.Generator().manual_seed(50 + 7 * pack + window)
+    lens, hq, hkv = [37, 64, 1, 90], 8, 2
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    cu = _cu(lens, device="cpu")
+    cfg = PrefillConfig(16 * pack, 16, 4, 1, pack=pack)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=cfg)
+    _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
+    fused, ref = _fused_rope_case("cpu", gen, [33, 70, 1], 8, 2, window, config=cfg)
+    _check(fused, ref, gpu=True)
+
+
 def _fused_rope_case(device, gen, lens, hq, hkv, window, config=None):
     """Fused q-rope (+ separate k rope) against rotating q and k first, on a ragged batch."""
     T = sum(lens)
@@ -233,6 +250,10 @@ def test_launcher_rejects_bad_inputs():
         attention_prefill(q.float(), k[:, :2].float(), k[:, :2].float(), torch.zeros(4))
     with pytest.raises(AssertionError, match="contiguous"):
         attention_prefill(q.transpose(0, 2).contiguous().transpose(0, 2), k[:, :2], k[:, :2], torch.zeros(4))
+    with pytest.raises(AssertionError, match="pack 4 must divide"):
+        attention_prefill(q, k[:, :2], k[:, :2], torch.zeros(4), config=PrefillConfig(64, 16, 4, 1, pack=4))
+    with pytest.raises(AssertionError, match="multiple of pack"):
+        attention_prefill(q, k[:, :2], k[:, :2], torch.zeros(4), config=PrefillConfig(32, 32, 4, 1, pack=2))
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -250,7 +271,7 @@ GPU_PREFILL_CASES = [
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 2)])
 @pytest.mark.parametrize("config", [
     None, PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 3, use_tma=True),
-    PrefillConfig(256, 64, 16, 3, maxnreg=128),
+    PrefillConfig(256, 64, 16, 3, maxnreg=128), PrefillConfig(128, 64, 8, 3, maxnreg=128, pack=2),
 ])
 def test_prefill_gpu(lens, window, hq, hkv, config):
     gen = torch.Generator().manual_seed(sum(lens) + window + hq)
