@@ -362,3 +362,40 @@ def test_bench_prefill_knows_presets_and_sizes():
     assert 20.4 < weight_bytes(preset_config("20b")) / 2**30 < 20.7
     with pytest.raises(GptOssFp8Error, match="--layers"):
         load_checkpoint("anywhere", 2)
+
+
+def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch):
+    """The norm's fused FP8 quantization is what the following linear / linears / MoE consume
+    (act_quant is not called again, also for a block of rows), and it gives the same outputs as
+    quantizing the normed rows afresh; an in-place change of those rows drops it."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(8)
+    h = 192
+    x = torch.randn(24, h, generator=g).bfloat16().to(dev)
+    d = torch.randn(24, h, generator=g).bfloat16().to(dev)
+    nw = (torch.rand(h, generator=g) + 0.5).to(dev)
+    w, s = quantize_weight_blocks(torch.randn(256, h, generator=g) / 14)
+    w, s, b = w.to(dev), s.to(dev), (0.1 * torch.randn(256, generator=g)).bfloat16().to(dev)
+    ops = get_ops("triton")
+    _, y = ops.add_rms_norm(x, d, nw, 1e-5)
+    fresh = y.clone()  # not from a norm: quantized by act_quant
+    want = ops.linear(fresh, w, s, b)
+    want_rows = ops.linear(fresh[5:17].clone(), w, s, b)
+    _, idx, ex = _expert_ffn_case(dev, t=24, h=h)
+    want_moe = ops.expert_ffn(fresh, idx, ex, 0, 7.0)[0]
+
+    import gptoss_fp8.kernels.act_quant as aq
+    import gptoss_fp8.kernels.moe as moe
+
+    def no_requantization(*a, **k):
+        raise AssertionError("act_quant called on a normed tensor")
+
+    monkeypatch.setattr(aq, "act_quant", no_requantization)
+    monkeypatch.setattr(moe, "act_quant", no_requantization)
+    assert torch.equal(ops.linear(y, w, s, b), want)
+    assert torch.equal(ops.linears(y, [(w, s, b), (w, s, b)])[1], want)
+    assert torch.equal(ops.linear(y[5:17], w, s, b), want_rows)
+    assert torch.equal(ops.expert_ffn(y, idx, ex, 0, 7.0)[0], want_moe)
+    y.mul_(2)  # changed in place: the stored quantization no longer describes y
+    with pytest.raises(AssertionError, match="act_quant called"):
+        ops.linear(y, w, s, b)

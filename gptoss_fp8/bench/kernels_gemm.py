@@ -310,17 +310,14 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
 
 
 def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
-    """The default MoE configuration and single changes to it (persistent programs, flattened loops)."""
+    """The default MoE configuration and single changes to it (split products, pipeline depth)."""
     base = moe_config(t, TOP_K, e)
     gu, dn = base["gate_up"], base["down"]
     return {
         "default": base,
-        "down persistent 2/SM": dict(base, down=dict(dn, PERSISTENT=2)),
-        "down persistent 2/SM flattened": dict(base, down=dict(dn, PERSISTENT=2, FLATTEN=True)),
-        "gate_up persistent 1/SM": dict(base, gate_up=dict(gu, PERSISTENT=1)),
-        "gate_up persistent 1/SM flattened": dict(base, gate_up=dict(gu, PERSISTENT=1, FLATTEN=True)),
-        "both persistent, down flattened": dict(base, gate_up=dict(gu, PERSISTENT=1),
-                                                down=dict(dn, PERSISTENT=2, FLATTEN=True)),
+        "gate_up split": dict(base, gate_up=dict(gu, SPLIT_N=True)),
+        "gate_up 3 stages": dict(base, gate_up=dict(gu, num_stages=3)),
+        "down 5 stages": dict(base, down=dict(dn, num_stages=5)),
     }
 
 

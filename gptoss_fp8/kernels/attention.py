@@ -232,6 +232,11 @@ PREFILL_CONFIGS: dict[tuple[str, bool], PrefillConfig] = {
     ("cpu", True): PrefillConfig(32, 16, 4, 1),
 }
 
+# Defaults for query heads that the default pack does not divide.
+UNPACKED_CONFIGS: dict[tuple[str, bool], PrefillConfig] = {
+    key: cfg if cfg.pack == 1 else PrefillConfig(64, 64, 4, 2, maxnreg=128) for key, cfg in PREFILL_CONFIGS.items()
+}
+
 _NO_WINDOW = 1 << 30
 
 
@@ -284,7 +289,13 @@ def attention_prefill(
         sm_scale = 1.0 / math.sqrt(D)
     window = sliding_window if 0 < sliding_window < max_seqlen else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
-    cfg = PrefillConfig(*config) if config is not None else PREFILL_CONFIGS[("cuda" if on_gpu else "cpu", window != _NO_WINDOW)]
+    if config is not None:
+        cfg = PrefillConfig(*config)
+    else:
+        key = ("cuda" if on_gpu else "cpu", window != _NO_WINDOW)
+        cfg = PREFILL_CONFIGS[key]
+        if (Hq // Hkv) % cfg.pack:  # e.g. multi-head attention (one query head per kv head)
+            cfg = UNPACKED_CONFIGS[key]
     BLOCK_M, BLOCK_N, pack = cfg.block_m, cfg.block_n, cfg.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"
     assert BLOCK_M % (pack * BLOCK_N) == 0, f"BLOCK_M {BLOCK_M} must be a multiple of pack {pack} x BLOCK_N {BLOCK_N}"

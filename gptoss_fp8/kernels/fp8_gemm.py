@@ -164,8 +164,12 @@ def _num_sms(device: torch.device) -> int:
 def dense_config(m: int, n: int, k: int) -> dict:
     """Launch configuration by problem size (block shapes, warps, pipeline depth).
 
-    Picked from the H200 sweep recorded in benchmarks/notes/kernels_gemm.md: 128x128 tiles, 8
-    warps (two warpgroups of 64 rows), 4 stages of TMA loads lead from ~1024 rows on.
+    Picked from H200 measurements (benchmarks/notes/kernels_gemm.md, fourth session's probe: CUDA-
+    graph device time beside torch's blockwise ``_scaled_mm``): persistent programs whose tile and K
+    loops are flattened into one pipelined loop (the next tile's loads overlap this tile's epilogue)
+    lead from 1024 rows on: 64x128 tiles, 4 warps, 2 programs per SM up to 2048 rows and for narrow
+    outputs (o_proj's N = 2880) up to 8192 rows; 128x128 tiles, 8 warps, 3 stages, one program per
+    SM beyond. Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays.
     """
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
@@ -173,7 +177,9 @@ def dense_config(m: int, n: int, k: int) -> dict:
         return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
     if m <= 512:
         return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True)
+    if m <= 2048 or (n <= 3072 and m <= 8192):
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSISTENT=2, FLATTEN=True)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True, FLATTEN=True)
 
 
 def fp8_gemm(

@@ -81,17 +81,16 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, nu
 
 
 @triton.jit
-def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, used_ptr, num_experts, num_tiles,
+def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_experts, num_tiles,
                           ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M), the
-    expert of every ALIGN_M-row tile (num_experts past the last segment), the number of tiles used."""
+    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M) and
+    the expert of every ALIGN_M-row tile (num_experts past the last segment)."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
     padded = (counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M
     pad_end = tl.cumsum(padded, axis=0)
     tl.store(pad_start_ptr + offs_e, pad_end - padded, mask=e_mask)
-    tl.store(used_ptr, tl.sum(padded, axis=0) // ALIGN_M)
     tile_end = tl.where(e_mask, pad_end // ALIGN_M, 2147483647)  # [BLOCK_E] tile index ends
     for t0 in range(0, num_tiles, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -115,14 +114,13 @@ def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots,
 
 def moe_align(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by local expert, padding each expert's segment to block_m rows.
 
     topk_ids [T, k] int32 global expert ids. Returns
     - ``sorted_slots`` int32 [max_rows]: flat slot index t*k + j per padded row, T*k for padding;
     - ``block_expert`` int32 [max_rows / block_m]: the local expert of each row tile, num_local for
-      tiles past the last expert's segment (the kernels skip those);
-    - ``used_tiles`` int32 [1]: the number of tiles that hold rows (the others follow them).
+      tiles past the last expert's segment (the kernels skip those).
     max_rows = round_up(T*k + num_local*(block_m - 1), block_m) is an upper bound, so no host sync.
     Three small Triton kernels (count with atomics, offsets, scatter); the order of the slots
     inside one expert's segment follows the atomics and may change between runs, which changes
@@ -137,22 +135,21 @@ def moe_align(
     rank = torch.empty(n_slots, dtype=torch.int32, device=dev)
     pad_start = torch.empty(num_local, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
     sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
     block = 1024
     grid = (triton.cdiv(n_slots, block),)
     _align_count_kernel[grid](topk_ids, counts, rank, n_slots, expert_start, num_local, BLOCK=block)
     _align_offsets_kernel[(1,)](
-        counts, pad_start, block_expert, used, num_local, num_tiles,
+        counts, pad_start, block_expert, num_local, num_tiles,
         ALIGN_M=block_m, BLOCK_E=max(16, triton.next_power_of_2(num_local)), BLOCK_T=64,
     )
     _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
-    return sorted_slots, block_expert, used
+    return sorted_slots, block_expert
 
 
 def moe_align_reference(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch ``moe_align`` (stable order inside each expert's segment)."""
     n_slots = topk_ids.numel()
     max_rows = triton.cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
@@ -167,8 +164,7 @@ def moe_align_reference(
         start = int(pad_end[e] - padded[e])
         sorted_slots[start:start + slots.numel()] = slots.int()
     tiles = torch.arange(0, max_rows, block_m, device=topk_ids.device)
-    used = (pad_end[-1:] // block_m).int() if num_local else torch.zeros(1, dtype=torch.int32, device=topk_ids.device)
-    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int(), used
+    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,8 +175,8 @@ def moe_align_reference(
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, out_s_ptr,
-    slots_ptr, block_expert_ptr, used_tiles_ptr,
-    N, K, num_slots, num_progs,
+    slots_ptr, block_expert_ptr,
+    N, K, num_slots, num_experts, num_m_blocks,
     stride_am, stride_asm,
     stride_be, stride_bn, stride_bse, stride_bsn, stride_biase,
     stride_om, stride_osm,
@@ -188,13 +184,10 @@ def _moe_gemm_kernel(
     FUSE_SWIGLU: tl.constexpr, TOP_K: tl.constexpr, TMA: tl.constexpr, ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr = True,
-    SPLIT_N: tl.constexpr = True, PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    SPLIT_N: tl.constexpr = True,
 ):
-    """Row tiles (one expert each) x column tiles of a grouped FP8 block GEMM.
+    """One row tile (one expert) x one column tile of a grouped FP8 block GEMM.
 
-    The grid covers an upper bound of the tiles; programs past the ``used_tiles`` ALIGN_M-row
-    tiles (read on the device) return at once. PERSISTENT: num_progs programs walk the used tiles
-    instead; FLATTEN fuses their tile and K loops into one software-pipelined loop.
     A_SORTED: A rows are already in padded sorted row order (the down GEMM, or gate_up on
     ``gather_act_quant``'s output), read through TMA when TMA is set; otherwise (gate_up only) they
     are gathered from x by token (slot // TOP_K) with pointer loads.
@@ -206,45 +199,19 @@ def _moe_gemm_kernel(
     FUSE_SWIGLU, A through one over [rows, K]); a tile past an expert's N rows reads the next
     expert's rows, which only feed masked columns.
     """
+    pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    num_m_blocks = tl.load(used_tiles_ptr) * (ALIGN_M // BLOCK_M)
     per_group = GROUP_M * num_n
-    args = (a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, out_s_ptr, slots_ptr, block_expert_ptr)
-    strides = (stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm)
-    if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), num_m_blocks * num_n, num_progs, flatten=FLATTEN):
-            _moe_tile(
-                *args, tile, per_group, num_m_blocks, N, K, num_slots, *strides, limit, FUSE_SWIGLU, TOP_K, TMA,
-                ALIGN_M, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FP8_MAX_C, EPS, ALPHA, A_SORTED, SPLIT_N,
-            )
-    else:
-        tile = tl.program_id(0)
-        if tile >= num_m_blocks * num_n:
-            return
-        _moe_tile(
-            *args, tile, per_group, num_m_blocks, N, K, num_slots, *strides, limit, FUSE_SWIGLU, TOP_K, TMA,
-            ALIGN_M, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FP8_MAX_C, EPS, ALPHA, A_SORTED, SPLIT_N,
-        )
-
-
-@triton.jit
-def _moe_tile(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, out_s_ptr, slots_ptr, block_expert_ptr,
-    tile, per_group, num_m_blocks, N, K, num_slots,
-    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm,
-    limit, FUSE_SWIGLU: tl.constexpr, TOP_K: tl.constexpr, TMA: tl.constexpr, ALIGN_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr, SPLIT_N: tl.constexpr,
-):
-    """One row tile x one column tile of ``_moe_gemm_kernel`` (grouped order, GROUP_M row tiles)."""
-    group = tile // per_group
+    group = pid // per_group
     first_m = group * GROUP_M
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_rows
-    pid_n = (tile % per_group) // group_rows
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
 
     # Experts' segments are padded to ALIGN_M rows, a multiple of BLOCK_M: one expert per tile.
     expert32 = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN_M)
+    if expert32 >= num_experts:
+        return
     expert = expert32.to(tl.int64)
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + offs_r)
@@ -433,18 +400,6 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     )
 
 
-def _moe_grid(max_tiles: int, cfg: dict, device: torch.device) -> tuple[int]:
-    """Programs for a grouped GEMM of at most max_tiles tiles: one per tile, or with ``PERSISTENT``
-    = n (popped from cfg) n per SM, each walking several tiles."""
-    per_sm = int(cfg.pop("PERSISTENT", 0) or 0)
-    cfg["PERSISTENT"] = per_sm > 0
-    if per_sm and device.type == "cuda":
-        return (max(1, min(max_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)),)
-    if per_sm:  # interpreter: a few programs exercise the tile loop
-        return (max(1, min(max_tiles, per_sm * 2)),)
-    return (max(1, max_tiles),)
-
-
 def _check_expert_weights(name, w, s, b, n, k, e):
     assert w.dtype == FP8_DTYPE and w.shape == (e, n, k), f"{name} {tuple(w.shape)} {w.dtype}, expected fp8 [{e}, {n}, {k}]"
     assert s.dtype == torch.float32 and s.shape == (e, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)), (
@@ -468,12 +423,14 @@ def moe_expert_slots(
     config: dict | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     zero_foreign: bool = True,
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per-(token, slot) expert outputs [T*k, H] in ``out_dtype``, before the weighted combine.
 
     Same argument layout as ``moe_experts``. Row t*k + j is expert(x[t]) + bias for slot j of token
     t, the fp32 accumulator rounded once to out_dtype. Slots routed to experts outside
-    [expert_start, expert_start + E) are zero (``zero_foreign``) or left unwritten.
+    [expert_start, expert_start + E) are zero (``zero_foreign``) or left unwritten. ``x_quant``:
+    x's ``act_quant`` (x_fp8 [T, H], scale [T, ceil(H/128)]) when the caller already has it.
     """
     assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x {tuple(x.shape)} {x.dtype}"
     t, h = x.shape
@@ -503,7 +460,7 @@ def moe_expert_slots(
     bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
     assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
 
-    sorted_slots, block_expert, used_tiles = moe_align(topk_ids, expert_start, e, align)
+    sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
     max_rows = sorted_slots.shape[0]
 
     tma = bool(cfg.get("TMA", False))
@@ -512,6 +469,13 @@ def moe_expert_slots(
     if pregather:
         x_fp8, x_scale = gather_act_quant(x.contiguous(), sorted_slots, k)
         x_src = TensorDescriptor.from_tensor(x_fp8, [bm_gu, BLOCK])
+    elif x_quant is not None:
+        x_fp8, x_scale = x_quant
+        assert x_fp8.shape == x.shape and x_fp8.dtype == FP8_DTYPE and x_fp8.stride(-1) == 1, (
+            f"x_quant {tuple(x_fp8.shape)} {x_fp8.dtype} does not fit x {tuple(x.shape)}"
+        )
+        assert x_scale.shape == (t, triton.cdiv(h, BLOCK)) and x_scale.stride(-1) == 1, f"x_quant scale {tuple(x_scale.shape)}"
+        x_src = x_fp8
     else:
         x_fp8, x_scale = act_quant(x.contiguous())
         x_src = x_fp8
@@ -520,11 +484,11 @@ def moe_expert_slots(
     split_gu = bool(gu.pop("SPLIT_N", True))  # False: one 256-wide product per K step (per-column scales)
     w13_box = [BLOCK if split_gu else 2 * BLOCK, BLOCK]
     w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), w13_box) if tma else w13
-    grid = _moe_grid(max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK), gu, x.device)
+    grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
     _moe_gemm_kernel[grid](
         x_src, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
-        sorted_slots, block_expert, used_tiles,
-        two_i, h, n_slots, grid[0],
+        sorted_slots, block_expert,
+        two_i, h, n_slots, e, max_rows // bm_gu,
         x_fp8.stride(0), x_scale.stride(0),
         w13.stride(0), w13.stride(1), w13_scale_inv.stride(0), w13_scale_inv.stride(1), b13.stride(0),
         act.stride(0), act_scale.stride(0),
@@ -540,11 +504,11 @@ def moe_expert_slots(
         w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK) if split_dn else bn, BLOCK])
     else:
         act_src, w2_src = act, w2
-    grid = _moe_grid(max_rows // bm_dn * triton.cdiv(h, bn), dn, x.device)
+    grid = (max_rows // bm_dn * triton.cdiv(h, bn),)
     _moe_gemm_kernel[grid](
         act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
-        sorted_slots, block_expert, used_tiles,
-        h, i, n_slots, grid[0],
+        sorted_slots, block_expert,
+        h, i, n_slots, e, max_rows // bm_dn,
         act.stride(0), act_scale.stride(0),
         w2.stride(0), w2.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1), b2.stride(0),
         y.stride(0), 0,

@@ -11,6 +11,10 @@ rounding); the sum of squares is an fp32 tree reduction (torch's mean: another o
 ``rsqrt`` is the GPU's approximate one: the normed output is within one bf16 ulp of
 ``rms_norm_reference``. In Triton's interpreter (CPU), fp32 -> bf16 stores truncate instead of
 rounding, which is also within one bf16 ulp.
+
+``quant=True`` also returns the normed rows' FP8 quantization (1x128 groups, kernels/act_quant.py's
+contract and arithmetic, on the bf16-rounded output): the same bits as ``act_quant`` of the normed
+tensor, without reading it back. The linears and the MoE that follow a norm take it from there.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
+
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr,
-    M, H, stride_x, stride_d, stride_xo, stride_y, eps,
+    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr,
+    M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
     HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -38,11 +46,22 @@ def _rms_norm_kernel(
     t = x.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(t * t, axis=1) / H + eps)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = (t * r[:, None]) * w[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = ((t * r[:, None]) * w[None, :]).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if QUANT:
+        # act_quant of the rounded output, group by group (masked columns are 0: no effect on amax)
+        NG: tl.constexpr = BLOCK_H // GROUP
+        yg = tl.reshape(y.to(tl.float32), (BLOCK_M, NG, GROUP))
+        scale = group_scale(tl.max(tl.abs(yg), axis=2), FP8_MAX_C, EPS)  # [BLOCK_M, NG]
+        qg = tl.minimum(tl.maximum(yg / scale[:, :, None], -FP8_MAX_C), FP8_MAX_C)
+        q = tl.reshape(round_to_e4m3(qg), (BLOCK_M, BLOCK_H))
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        g = tl.arange(0, NG)
+        tl.store(s_ptr + rows[:, None] * stride_s + g[None, :], scale,
+                 mask=(rows[:, None] < M) & (g[None, :] < tl.cdiv(H, GROUP)))
 
 
-def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
@@ -50,16 +69,19 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     xo = torch.empty_like(x) if delta is not None else x
     if delta is not None:
         assert delta.shape == x.shape and delta.stride(-1) == 1, f"delta {tuple(delta.shape)} does not fit x {tuple(x.shape)}"
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if quant else y
+    s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
-        return xo, y
-    block_h = triton.next_power_of_2(h)
+        return xo, y, (q, s) if quant else None
+    block_h = max(triton.next_power_of_2(h), ACT_GROUP if quant else 1)
     block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
     d = delta if delta is not None else x
     _rms_norm_kernel[(triton.cdiv(m, block_m),)](
-        x, d, weight, xo, y, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), float(eps),
-        HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=8 if block_h >= 4096 else 4,
+        x, d, weight, xo, y, q, s, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
+        float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
+        QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=8 if block_h >= 4096 else 4,
     )
-    return xo, y
+    return xo, y, (q, s) if quant else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,7 +92,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm: (x + delta.to(x.dtype), rms_norm of that), both [T, H] in x's dtype.
     delta may be bf16 or float32 (an all-reduced partial sum, rounded here once)."""
-    return _launch(x, delta, weight, eps)
+    return _launch(x, delta, weight, eps)[:2]
+
+
+def rms_norm_quant(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
+    returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass."""
+    return _launch(x, delta, weight, eps, quant=True)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,7 +22,10 @@ stream, routing top-k/softmax in the model) stays the parent's torch code, on th
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
 * ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
-  (within one bf16 ulp of the torch code: reduction order, approximate rsqrt).
+  (within one bf16 ulp of the torch code: reduction order, approximate rsqrt). The same pass
+  writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), which the
+  ``linear(s)`` and ``expert_ffn`` that read those rows (or a block of them) take instead of
+  quantizing again.
 * ``moe_combine``: kernels/moe.py's weighted combine of per-slot outputs (fp32 sum, one rounding).
 
 Known differences from ``W8A8CpuOps`` (what the tolerances in tests/test_triton_ops.py cover):
@@ -78,6 +81,34 @@ class TritonOps(W8A8CpuOps):
         self.moe_config = moe_config
         self._positions: dict[tuple, torch.Tensor] = {}
         self._fused = WeakIdKeyDictionary()  # fused q/k/v weights, keyed by the q weight tensor
+        # normed activations -> (version, their act_quant), written by the norm kernels in the same
+        # pass; the linears and the MoE after a norm use it instead of quantizing again
+        self._quantized = WeakIdKeyDictionary()
+
+    def _act_quant(self, x):
+        """act_quant(x), taken from the norm that produced x (or a block of its rows) when it can."""
+        hit = self._cached_quant(x)
+        if hit is not None:
+            return hit
+        from gptoss_fp8.kernels.act_quant import act_quant
+
+        return act_quant(x)
+
+    def _cached_quant(self, x):
+        base = x if x._base is None else x._base
+        hit = self._quantized.get(base)
+        if hit is None or hit[0] != _version(base):
+            return None
+        q, s = hit[1]
+        if base is x:
+            return q, s
+        # rows r0 .. r0 + n of base (the chunked MoE's slices)
+        if x.dim() == base.dim() == 2 and x.shape[1] == base.shape[1] and x.stride() == base.stride():
+            off, row = x.data_ptr() - base.data_ptr(), base.stride(0) * base.element_size()
+            if off >= 0 and off % row == 0:
+                r0 = off // row
+                return q[r0:r0 + x.shape[0]], s[r0:r0 + x.shape[0]]
+        return None
 
     # --- dense ---------------------------------------------------------------------------------
     def linear(self, x, w, scale_inv, bias, out_dtype=BF16):
@@ -85,10 +116,9 @@ class TritonOps(W8A8CpuOps):
                 or w.dim() != 2 or w.shape[1] % 16 or out_dtype not in (BF16, F32)):
             # bf16 weights (router, lm_head, bf16 attention) and shapes fp8_gemm rejects: torch.
             return super().linear(x, w, scale_inv, bias, out_dtype)
-        from gptoss_fp8.kernels.act_quant import act_quant
         from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 
-        xq, xs = act_quant(x)
+        xq, xs = self._act_quant(x)
         return fp8_gemm(xq, xs, w.contiguous(), scale_inv.contiguous(),
                         None if bias is None else bias.contiguous(), out_dtype=out_dtype)
 
@@ -99,10 +129,9 @@ class TritonOps(W8A8CpuOps):
                 or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1 \
                 or projs[0][0].shape[1] % 16:
             return super().linears(x, projs)
-        from gptoss_fp8.kernels.act_quant import act_quant
         from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 
-        xq, xs = act_quant(x)
+        xq, xs = self._act_quant(x)
         fused = self._fused_weights(projs)
         if fused is None:
             return [fp8_gemm(xq, xs, w.contiguous(), s.contiguous(), None if b is None else b.contiguous())
@@ -148,7 +177,7 @@ class TritonOps(W8A8CpuOps):
         # slices may be views: the kernels want them contiguous.
         c = [a.contiguous() for a in (w13, s13, b13, w2, s2, b2_kernel)]
         y = moe_expert_slots(x, idx.to(torch.int32), *c, first_expert, limit, self.moe_config,
-                             F32 if partial else BF16, zero_foreign=True)
+                             F32 if partial else BF16, zero_foreign=True, x_quant=self._cached_quant(x))
         y = y.view(t, k, h)
         if not partial:
             return y, None  # bf16 (see the module docstring): values identical to the float32 contract
@@ -174,16 +203,20 @@ class TritonOps(W8A8CpuOps):
     def rms_norm(self, x, weight, eps):
         if not self._norm_ok(x, weight):
             return super().rms_norm(x, weight, eps)
-        from gptoss_fp8.kernels.norm import rms_norm
-
-        return rms_norm(x, weight, eps)
+        return self._norm(x, None, weight, eps)[1]
 
     def add_rms_norm(self, x, delta, weight, eps):
         if not self._norm_ok(x, weight) or delta.shape != x.shape or delta.stride(-1) != 1:
             return super().add_rms_norm(x, delta, weight, eps)
-        from gptoss_fp8.kernels.norm import add_rms_norm
+        return self._norm(x, delta, weight, eps)
 
-        return add_rms_norm(x, delta, weight, eps)
+    def _norm(self, x, delta, weight, eps):
+        """The norm kernel with the output's FP8 quantization in the same pass (kept for the next op)."""
+        from gptoss_fp8.kernels.norm import rms_norm_quant
+
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps)
+        self._quantized[y] = (_version(y), quant)
+        return xo, y
 
     # --- attention -----------------------------------------------------------------------------
     def attention(self, q, k, v, sinks, sm_scale, window):

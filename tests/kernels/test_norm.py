@@ -5,15 +5,19 @@ the kernel's sum of squares runs in another order and its rsqrt is approximate. 
 (CPU) every fp32 -> bf16 cast truncates instead of rounding; where two casts meet (an fp32 delta
 cast to bf16, then the sum) that is two ulps, so the CPU bound is 2^-6. Bit-identical outputs: at least 90% on the GPU; in the interpreter, whose
 stores truncate, about half (measured 55%), so at least 40% there.
+The fused quantization (``rms_norm_quant``) is checked bit for bit against ``act_quant`` of the
+kernel's own normed output (same arithmetic on the same bf16 values), on CPU and GPU alike.
 """
 
 import pytest
 import torch
 
+from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.norm import (
     add_rms_norm,
     add_rms_norm_reference,
     rms_norm,
+    rms_norm_quant,
     rms_norm_reference,
 )
 
@@ -58,3 +62,24 @@ def test_norm_of_a_strided_view_and_empty():
     w = torch.rand(192, generator=gen).to(DEV)
     _check(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
     assert rms_norm(x[:0], w, 1e-6).shape == (0, 192)
+
+
+@pytest.mark.parametrize("t,h,with_delta", [(33, 2880, True), (5, 2880, False), (17, 96, True), (3, 4096, True)])
+def test_rms_norm_quant_equals_act_quant_of_the_norm(t, h, with_delta):
+    """H = 2880 ends in a half group; H = 96 is one partial group; the norm part equals add_rms_norm."""
+    gen = torch.Generator().manual_seed(t + h)
+    x = (torch.randn(t, h, generator=gen) * 2).to(DEV, torch.bfloat16)
+    d = torch.randn(t, h, generator=gen).to(DEV, torch.bfloat16) if with_delta else None
+    w = (torch.rand(h, generator=gen) + 0.5).to(DEV)
+    xo, y, (q, s) = rms_norm_quant(x, d, w, 1e-5)
+    if with_delta:
+        xr, yr = add_rms_norm(x, d, w, 1e-5)
+        assert torch.equal(xo, xr)
+    else:
+        xr, yr = x, rms_norm(x, w, 1e-5)
+        assert xo is x
+    assert torch.equal(y, yr)
+    qr, sr = act_quant(y)
+    assert q.shape == qr.shape and s.shape == sr.shape == (t, (h + 127) // 128)
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert q.float().abs().max() > 100  # the largest value of a group lands near 448
