@@ -170,6 +170,9 @@ def part_flops(cfg: GptOssConfig, n: int) -> dict[str, float]:
     return {"attention": attn, "moe": moe, "dense": dense}
 
 
+WARMUP_S = 2.0
+
+
 def _sync_time(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -210,8 +213,13 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     for n in token_list:
         tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen, device="cuda")
         torch.cuda.reset_peak_memory_stats()
-        for _ in range(warmup):
+        # warm-up: at least ``warmup`` forwards and WARMUP_S seconds of them (GPU clocks settle; a
+        # short prompt's two forwards are ~0.2 s)
+        w0, done = time.perf_counter(), 0
+        while done < warmup or (time.perf_counter() - w0 < WARMUP_S and done < 50):
             prefill_logits(model, tokens, ops, moe_chunk)
+            torch.cuda.synchronize()
+            done += 1
         times = [_sync_time(lambda tokens=tokens: prefill_logits(model, tokens, ops, moe_chunk)) for _ in range(runs)]
         lat = statistics.median(times)
         timed = TimedOps(ops, cfg.num_local_experts)

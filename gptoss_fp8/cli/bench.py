@@ -64,7 +64,7 @@ def prefill(
     tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "8192,32768",
     layers: Annotated[int | None, typer.Option(help="Build only the first N layers (latency also scaled to the full depth).")] = None,
     runs: Annotated[int, typer.Option(help="Timed runs per length (median reported).")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed runs first (kernel compilation).")] = 2,
+    warmup: Annotated[int, typer.Option(help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
     moe_chunk: Annotated[int, typer.Option(help="Tokens per MoE call (bounds activation memory).")] = 32768,
     peer: Annotated[bool, typer.Option(help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
     peer_runs: Annotated[int, typer.Option(help="Timed runs of the transformers peer per length (median reported).")] = 3,
