@@ -20,6 +20,10 @@ and the diagonal blocks (causal mask); blocks that no query of the tile can see 
 Query blocks are issued longest-first (causal load balance) and heads vary fastest in the grid, so
 the Hq / Hkv programs that share a KV head run side by side and share its tiles through L2.
 
+With ``PrefillConfig.pack = p`` a program takes p query heads of one KV head for BLOCK_M / p
+positions, stacked in the tile's rows (tile row r: position m0 + r % (BLOCK_M / p), head
+p * pid + r // (BLOCK_M / p)); the K/V tiles it loads then serve p heads. The window default packs 2.
+
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated);
 ``PrefillConfig.use_tma`` loads K/V through Hopper tensor descriptors (slower than cp.async pointer
 loads here, kept for comparison). In the Triton interpreter (CPU) bf16 arithmetic is wrong, so the
