@@ -49,6 +49,11 @@ def _ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def _ms_graph(fn) -> float:
+    _warm(fn)
+    return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+
+
 def _tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms > 0 and math.isfinite(ms) else float("nan")
 
@@ -117,7 +122,12 @@ def bench_dense(tokens: list[int]) -> list[dict]:
                 peer_ms = _ms(peer)
             except RuntimeError as err:  # the peer's failure is a result to print, not a crash
                 note, peer_ms = f" (failed: {str(err).splitlines()[0][:80]})", float("nan")
-            rows.append(_row(f"dense+bias {name} M={m}", flops, ms, "_scaled_mm blockwise + bias" + note, peer_ms))
+            row = _row(f"dense+bias {name} M={m}", flops, ms, "_scaled_mm blockwise + bias" + note, peer_ms)
+            # device time alone (CUDA-graph replay): below ~4096 rows a plain call is host-bound
+            row["graph_ms"] = _ms_graph(ours)
+            row["peer_graph_ms"] = _ms_graph(peer) if math.isfinite(peer_ms) else float("nan")
+            row["graph_ratio"] = row["peer_graph_ms"] / row["graph_ms"]
+            rows.append(row)
             del x_fp8, x_scale
     return rows
 
@@ -192,7 +202,8 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]
 
 
 def bench(tokens: list[int]) -> list[dict]:
-    """Rows {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (peer_ms / ms; > 1: ours faster)}."""
+    """Rows {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (peer_ms / ms; > 1: ours faster)};
+    dense rows also graph_ms, peer_graph_ms and graph_ratio (CUDA-graph replay: device time only)."""
     return bench_dense(tokens) + bench_moe(tokens)
 
 
@@ -317,6 +328,7 @@ def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
         "default": base,
         "gate_up split": dict(base, gate_up=dict(gu, SPLIT_N=True)),
         "gate_up 3 stages": dict(base, gate_up=dict(gu, num_stages=3)),
+        "gate_up A pregathered (TMA)": dict(base, PREGATHER=True),
         "down 5 stages": dict(base, down=dict(dn, num_stages=5)),
     }
 

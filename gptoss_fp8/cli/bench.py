@@ -18,6 +18,8 @@ KERNEL_SUITES = ("gemm", "attention")
 
 def _print_rows(rows: list[dict]) -> None:
     cols = ["suite", "case", "ms", "tflops", "peer", "peer_ms", "peer_tflops", "ratio"]
+    if any("graph_ratio" in r for r in rows):  # device-time columns (CUDA-graph replay) where measured
+        cols += ["graph_ms", "peer_graph_ms", "graph_ratio"]
     typer.echo(" | ".join(cols))
     for r in rows:
         cells = []
