@@ -244,6 +244,13 @@ UNPACKED_CONFIGS: dict[tuple[str, bool], PrefillConfig] = {
 _NO_WINDOW = 1 << 30
 
 
+def default_config(on_gpu: bool, windowed: bool, group: int) -> PrefillConfig:
+    """The tile for a causal / sliding-window call with ``group`` query heads per KV head."""
+    key = ("cuda" if on_gpu else "cpu", windowed)
+    cfg = PREFILL_CONFIGS[key]
+    return cfg if group % cfg.pack == 0 else UNPACKED_CONFIGS[key]  # e.g. one query head per KV head
+
+
 def attention_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,13 +300,7 @@ def attention_prefill(
         sm_scale = 1.0 / math.sqrt(D)
     window = sliding_window if 0 < sliding_window < max_seqlen else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
-    if config is not None:
-        cfg = PrefillConfig(*config)
-    else:
-        key = ("cuda" if on_gpu else "cpu", window != _NO_WINDOW)
-        cfg = PREFILL_CONFIGS[key]
-        if (Hq // Hkv) % cfg.pack:  # e.g. multi-head attention (one query head per kv head)
-            cfg = UNPACKED_CONFIGS[key]
+    cfg = PrefillConfig(*config) if config is not None else default_config(on_gpu, window != _NO_WINDOW, Hq // Hkv)
     BLOCK_M, BLOCK_N, pack = cfg.block_m, cfg.block_n, cfg.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"
     assert BLOCK_M % (pack * BLOCK_N) == 0, f"BLOCK_M {BLOCK_M} must be a multiple of pack {pack} x BLOCK_N {BLOCK_N}"

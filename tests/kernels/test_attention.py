@@ -123,6 +123,25 @@ def test_prefill_packed_heads_cpu(pack, window):
     _check(fused, ref, gpu=True)
 
 
+def test_gpu_default_tiles_through_the_interpreter():
+    """The GPU's default tiles (window: two heads per program) on CPU, and their fallback for query
+    heads that the pack does not divide (one query head per KV head)."""
+    from gptoss_fp8.kernels.attention import UNPACKED_CONFIGS, default_config
+
+    assert default_config(True, True, 8).pack == 2 and default_config(True, True, 1) == UNPACKED_CONFIGS[("cuda", True)]
+    assert default_config(True, True, 1).pack == 1 and default_config(False, True, 1).pack == 1
+    gen = torch.Generator().manual_seed(61)
+    lens = [70, 1, 45]
+    T = sum(lens)
+    cu = _cu(lens, device="cpu")
+    for hq, hkv, window in ((4, 2, 40), (2, 2, 40), (4, 2, 0)):
+        q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+        sinks = _sinks(hq, gen, device="cpu")
+        cfg = default_config(True, window > 0, hq // hkv)
+        out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=cfg)
+        _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
+
+
 def _fused_rope_case(device, gen, lens, hq, hkv, window, config=None):
     """Fused q-rope (+ separate k rope) against rotating q and k first, on a ragged batch."""
     T = sum(lens)
