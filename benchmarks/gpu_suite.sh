@@ -17,6 +17,9 @@ has() { [[ " $what " == *" all "* || " $what " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 if has tests; then
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log"
+  # The kernels' CPU tests pick CUDA when it is there (DEV): run them on the GPU too (compiled
+  # kernels instead of the interpreter; first added 2026-11-29, not yet run there)
+  python3 -m pytest -q -m "not gpu" tests/kernels tests/test_triton_ops.py 2>&1 | tee "$OUT/gpu_cpu_tests.log"
 fi
 if has verify && ! has tests; then
   python3 -m pytest -q -m gpu tests/test_verify_kernels.py 2>&1 | tee "$OUT/gpu_verify.log"
