@@ -9,9 +9,8 @@ from __future__ import annotations
 import time
 
 import torch
-import triton
 
-from gptoss_fp8.bench.kernels_gemm import TOP_K, _dense_weights, _moe_fp8_weights
+from gptoss_fp8.bench.kernels_gemm import TOP_K, _dense_weights, _moe_fp8_weights, _ms, _ms_graph
 from gptoss_fp8.kernels.fp8_gemm import dense_config, fp8_gemm
 from gptoss_fp8.kernels.moe import fused_moe
 from gptoss_fp8.quant.fp8 import quantize_act
@@ -41,15 +40,13 @@ def main() -> None:
         cfg = dense_config(m, 5120, 2880)
         for label, fn in (("default", lambda: fp8_gemm(xq, xs, w, s, b)),
                           ("explicit", lambda c=cfg: fp8_gemm(xq, xs, w, s, b, config=c))):
-            dev = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
-            plain = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            dev, plain = _ms_graph(fn) * 1e3, _ms(fn) * 1e3
             print(f"dense qkv M={m} {label}: host {host_us(fn):.1f} us/call, graph {dev:.1f} us, plain do_bench {plain:.1f} us")
     w13, s13, b13, w2, s2, b2, wr, br = _moe_fp8_weights(32, g)
     for t in (1024, 8192):
         x = torch.randn(t, 2880, device="cuda", generator=g).to(torch.bfloat16)
         fn = lambda x=x: fused_moe(x, wr, br, w13, s13, b13, w2, s2, b2, top_k=TOP_K)  # noqa: E731
-        dev = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
-        plain = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        dev, plain = _ms_graph(fn) * 1e3, _ms(fn) * 1e3
         print(f"moe E=32 T={t}: host {host_us(fn, 50):.1f} us/call, graph {dev:.1f} us, plain do_bench {plain:.1f} us")
     # where the host time of a dense call goes (Python side; the driver calls show as builtins)
     import cProfile

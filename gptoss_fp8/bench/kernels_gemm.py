@@ -382,9 +382,8 @@ def probe(tokens: list[int]) -> list[dict]:
             fns["peer"] = _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias)[0]
             for rep in range(2):
                 for label, fn in fns.items():
-                    fn()
                     plain = _ms(fn)
-                    graph = float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+                    graph = _ms_graph(fn)
                     rows.append(dict(case=f"probe {name} M={m} rep{rep}", config=label, ms=plain, graph_ms=graph,
                                      tflops=_tflops(2.0 * m * n * k, plain), graph_tflops=_tflops(2.0 * m * n * k, graph)))
                     print(rows[-1], flush=True)

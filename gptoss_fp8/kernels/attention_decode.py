@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels.attention import LOG2E, attention_ref
 
 
@@ -198,7 +199,6 @@ DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {
     "cpu": (16, 4, 1),
 }
 _NO_WINDOW = 1 << 30
-_SM_COUNT: dict[int, int] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -214,15 +214,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def attention_decode(
@@ -279,7 +270,7 @@ def attention_decode(
     if num_splits is None:
         # At least one program per SM, and at least 4 splits (long KV loops per program lose to
         # shorter ones with more loads in flight; measured); every split keeps >= 4 blocks.
-        want = max(triton.cdiv(_sm_count(q.device), B * Hkv * num_m), 4)
+        want = max(triton.cdiv(sm_count(q.device), B * Hkv * num_m), 4)
         num_splits = max(1, min(want, triton.cdiv(blocks, 4)))
     num_splits = max(1, min(num_splits, blocks))
     chunk = triton.cdiv(blocks, num_splits) * BLOCK_N

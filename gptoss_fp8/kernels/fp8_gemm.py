@@ -22,13 +22,12 @@ loads go through tensor descriptors (TMA).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
 from gptoss_fp8.kernels.act_quant import act_quant
 
@@ -157,18 +156,6 @@ def _fp8_gemm_kernel(
             store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: a few programs exercise the persistent loop
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    # get_device_properties costs ~20 us per call on the H200 machine (measured): once per device
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def dense_config(m: int, n: int, k: int) -> dict:
     """Launch configuration by problem size (block shapes, warps, pipeline depth).
 
@@ -242,7 +229,7 @@ def fp8_gemm(
     persistent = cfg.pop("PERSISTENT", False)
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     # PERSISTENT: True or n programs per SM, each walking tiles
-    num_progs = min(num_tiles, int(persistent) * _num_sms(x_fp8.device)) if persistent else num_tiles
+    num_progs = min(num_tiles, int(persistent) * sm_count(x_fp8.device)) if persistent else num_tiles
     tma = tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
     if tma:
         a_src = TensorDescriptor.from_tensor(a, [bm, BLOCK])
