@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|checkpoint|launch|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|checkpoint|launch|ab|all]...
+#   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
 #   checkpoint: bench prefill on a converted checkpoint (synthetic 20b shapes, 2 layers) beside the
 #   same shapes with random weights built on the GPU
@@ -36,6 +37,9 @@ if has prefill; then
   b --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 --json "$OUT/prefill_20b.json" 2>&1 | tee "$OUT/prefill_20b.log"
   b --model 20b --tokens 65536,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_20b_long.json" 2>&1 | tee "$OUT/prefill_20b_long.log"
   b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
+fi
+if has ab; then
+  python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 2>&1 | tee "$OUT/ab_prefill.log"
 fi
 if has launch; then
   # host time per call (launch path) against GPU time, dense GEMM and fused MoE at small sizes

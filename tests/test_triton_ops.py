@@ -325,6 +325,28 @@ def test_bench_prefill_forward_is_the_models_last_row():
     assert usd_per_million_tokens(0.239, 8192) == pytest.approx(0.239 / 3600 * 3 * 1e6 / 8192)
 
 
+@pytest.mark.gpu
+def test_graphed_prefill_replays_the_eager_forward_gpu():
+    """``bench prefill --cuda-graph``: the captured forward, replayed with other token ids, gives
+    those tokens' eager logits (routing is decided on the GPU; nothing of the capture's tokens is
+    baked in). The forward is also chunked (moe_chunk 48 of 100 tokens)."""
+    from gptoss_fp8.bench.prefill import GraphedPrefill, prefill_logits, random_model
+    from gptoss_fp8.convert.synth import preset_config
+
+    model = random_model(preset_config("tiny"), "cuda", seed=4)
+    ops = get_ops("triton")
+    graphed = GraphedPrefill(model, 100, ops, moe_chunk=48)
+    for seed in (1, 2):
+        tokens = _tokens(model.cfg, 100, seed).cuda()
+        want = prefill_logits(model, tokens, ops, moe_chunk=48)
+        got = graphed(tokens).clone()
+        # same kernels on the same inputs; only the order of slots inside an expert's segment
+        # (atomics) may differ, which the per-row GEMMs do not see
+        assert rel(want.float(), got.float()) <= 1e-6, seed
+    with pytest.raises(GptOssFp8Error, match="captured for 100 tokens"):
+        graphed(tokens[:50])
+
+
 @pytest.mark.parametrize("ns", [(256, 128, 128), (128, 32, 32)], ids=["fused", "unaligned"])
 def test_linears_equal_separate_linears(ns):
     """q/k/v through ``linears`` (one quantization; one GEMM when every N is a multiple of 128) give

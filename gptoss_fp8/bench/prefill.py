@@ -14,7 +14,8 @@ chunks of ``moe_chunk`` (the MoE is per token: chunking changes at most GEMM sum
 
 Breakdown: one extra run with CUDA events around every ops call: attention; MoE = router GEMM +
 expert FFN + weighted combine; dense = q/k/v/o projections (activation quantization included) +
-lm_head; norm = the RMSNorms with their residual adds; other = the rest of the wall time
+lm_head; norm = the RMSNorms with their residual adds (after the MoE also its weighted combine,
+fused into that pass); other = the rest of the wall time
 (embedding, rope, top-k/softmax, launch gaps). Each GEMM part shows its FLOPs, achieved TFLOP/s
 and floor (FLOPs at the measured peak, ``PEAK_TFLOPS``).
 
@@ -107,6 +108,38 @@ def prefill_logits(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int = 32
     return model(tokens, ops, last_only=True, moe_chunk=moe_chunk)
 
 
+class GraphedPrefill:
+    """One prefill of a fixed prompt length captured as a CUDA graph, replayed with new token ids.
+
+    The replay skips the host: no Python, no kernel launch path (~0.1-0.7 ms of host time per
+    kernel call on the H200 machine, notes/kernels_gemm.md) and none of the gaps between the ~20
+    kernels of a layer. The forward has no host synchronisation and no data-dependent shapes on
+    the ``triton`` backend (the MoE sizes its buffers by upper bounds), so the routing of the
+    replayed tokens is computed on the GPU as in an eager call. Capture on a warm ``ops`` (kernels
+    compiled); the graph keeps its own activation memory (one forward's) until it is dropped.
+    """
+
+    def __init__(self, model: GptOss, n: int, ops, moe_chunk: int = 32768):
+        self.tokens = torch.zeros(n, dtype=torch.long, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # torch's recipe: one forward on a side stream before capture
+            prefill_logits(model, self.tokens, ops, moe_chunk)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = prefill_logits(model, self.tokens, ops, moe_chunk)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int [n] (on the GPU) -> logits [1, V] (the graph's output buffer: clone to keep)."""
+        if tokens.shape != self.tokens.shape:
+            raise GptOssFp8Error(f"this graph was captured for {self.tokens.shape[0]} tokens, got {tokens.shape[0]}; "
+                                 "capture one per prompt length")
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
 class TimedOps:
     """Delegates to ``ops``, recording CUDA events around each call by part."""
 
@@ -137,6 +170,9 @@ class TimedOps:
 
     def moe_combine(self, *a, **kw):
         return self._timed("moe", self.ops.moe_combine, *a, **kw)
+
+    def moe_combine_add_rms_norm(self, *a, **kw):  # the combine runs inside the norm pass
+        return self._timed("norm", self.ops.moe_combine_add_rms_norm, *a, **kw)
 
     def rms_norm(self, *a, **kw):
         return self._timed("norm", self.ops.rms_norm, *a, **kw)
@@ -183,11 +219,13 @@ def _sync_time(fn) -> float:
 
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
           moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
-          checkpoint: Path | None = None) -> list[dict]:
+          checkpoint: Path | None = None, cuda_graph: bool = False) -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
     (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
     tokens in the same run, after our model is freed. ``checkpoint``: time a converted (tp=1)
-    checkpoint's own weights instead of random ones at the preset's shapes."""
+    checkpoint's own weights instead of random ones at the preset's shapes. ``cuda_graph``: also
+    the same forward captured as a CUDA graph per length (``GraphedPrefill``), timed after the
+    eager runs (the row's ``latency_s`` stays the eager figure)."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
     t0 = time.perf_counter()
@@ -242,6 +280,8 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "transformers_s": None, "transformers_note": None,
         }
+        if cuda_graph:
+            row.update(_graph_timing(model, tokens, ops, moe_chunk, runs))
         rows.append(row)
         echo(format_row(row))
         del tokens
@@ -252,6 +292,27 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     elif peer:
         echo(f"# transformers peer not run: {checkpoint} has no preset's shapes")
     return rows
+
+
+def _graph_timing(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int, runs: int) -> dict:
+    """Capture the prefill as a CUDA graph and time its replays (tokens copied in included)."""
+    eager = prefill_logits(model, tokens, ops, moe_chunk)
+    torch.cuda.empty_cache()  # the graph allocates its own pool
+    t0 = time.perf_counter()
+    graphed = GraphedPrefill(model, tokens.shape[0], ops, moe_chunk)
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - t0
+    got = graphed(tokens).clone()
+    w0 = time.perf_counter()
+    while time.perf_counter() - w0 < WARMUP_S / 2:
+        graphed(tokens)
+        torch.cuda.synchronize()
+    times = [_sync_time(lambda g=graphed: g(tokens)) for _ in range(runs)]
+    diff = ((got.float() - eager.float()).norm() / eager.float().norm()).item()
+    del graphed
+    torch.cuda.empty_cache()
+    return {"graph_latency_s": statistics.median(times), "graph_runs_s": times, "graph_capture_s": capture_s,
+            "graph_vs_eager_rel": diff}
 
 
 def matching_preset(cfg: GptOssConfig) -> str | None:
@@ -330,6 +391,9 @@ def format_row(r: dict) -> str:
             f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "
             f"floor {r['floor_s']:.4f} s (latency / floor x{r['latency_s'] / r['floor_s']:.2f}) | "
             f"peak mem {r['peak_mem_gib']:.1f} GiB")
+    if r.get("graph_latency_s") is not None:
+        head += (f"\n  CUDA graph: latency {r['graph_latency_s']:.4f} s (eager / graph x{r['latency_s'] / r['graph_latency_s']:.3f}; "
+                 f"capture {r['graph_capture_s']:.2f} s; logits vs eager rel {r['graph_vs_eager_rel']:.1e})")
     tot = r["parts_total_s"]
     parts = " | ".join(
         f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%"

@@ -71,6 +71,7 @@ def prefill(
     peer: Annotated[bool, typer.Option(help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
     peer_runs: Annotated[int, typer.Option(help="Timed runs of the transformers peer per length (median reported).")] = 3,
     checkpoint: Annotated[Path | None, typer.Option(help="Time this converted checkpoint (tp=1 layout) instead of random weights at --model's shapes.")] = None,
+    cuda_graph: Annotated[bool, typer.Option(help="Also time the same forward captured as a CUDA graph per length (no host launches; eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
@@ -90,6 +91,6 @@ def prefill(
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise GptOssFp8Error(f"--checkpoint {checkpoint}: no config.json; point at a converted checkpoint directory")
     rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
-                       peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint)
+                       peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph)
     if json_out is not None:
         json_out.write_text(json.dumps(rows, indent=1))

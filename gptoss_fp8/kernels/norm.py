@@ -15,6 +15,10 @@ rounding, which is also within one bf16 ulp.
 ``quant=True`` also returns the normed rows' FP8 quantization (1x128 groups, kernels/act_quant.py's
 contract and arithmetic, on the bf16-rounded output): the same bits as ``act_quant`` of the normed
 tensor, without reading it back. The linears and the MoE that follow a norm take it from there.
+
+``rms_norm_quant(..., combine=weights)`` takes the MoE's per-slot outputs [T, k, H] as the delta and
+combines them in the same pass (``moe.moe_combine``'s arithmetic, bit for bit): the combined
+[T, H] delta is never written and read back, and one launch per layer is saved.
 """
 
 from __future__ import annotations
@@ -29,17 +33,28 @@ from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr,
+    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, cw_ptr,
     M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
     HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
+    TOP_K: tl.constexpr = 0,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < M) & (cols[None, :] < H)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
+        if TOP_K > 0:
+            # delta = the MoE's weighted combine of TOP_K per-slot rows (kernels/moe.py's
+            # _moe_combine_kernel: fp32 products and sum in slot order, one rounding to bf16)
+            acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                wj = tl.load(cw_ptr + rows * TOP_K + j, mask=rows < M, other=0.0).to(tl.float32)
+                yj = tl.load(d_ptr + (rows[:, None] * TOP_K + j) * stride_d + cols[None, :], mask=mask, other=0.0)
+                acc += wj[:, None] * yj.to(tl.float32)
+            d = acc.to(tl.bfloat16)
+        else:
+            d = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
         # torch: x + delta.to(x.dtype), an fp32 sum rounded once to x's dtype
         x = (x.to(tl.float32) + d.to(x.dtype).to(tl.float32)).to(x.dtype)
         tl.store(xo_ptr + rows[:, None] * stride_xo + cols[None, :], x, mask=mask)
@@ -61,14 +76,24 @@ def _rms_norm_kernel(
                  mask=(rows[:, None] < M) & (g[None, :] < tl.cdiv(H, GROUP)))
 
 
-def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False):
+def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
+            combine: torch.Tensor | None = None):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
     y = torch.empty_like(x)
     xo = torch.empty_like(x) if delta is not None else x
+    top_k = 0
+    if combine is not None:  # delta: per-slot rows [T, k, H] / [T * k, H], combined with these weights
+        assert delta is not None and combine.dim() == 2 and combine.shape[0] == m, f"combine weights {tuple(combine.shape)} for {m} rows"
+        top_k = combine.shape[1]
+        assert delta.shape[-1] == h and delta.numel() == m * top_k * h, f"per-slot rows {tuple(delta.shape)} do not fit [{m}, {top_k}, {h}]"
+        delta = delta.reshape(m * top_k, h)
+        combine = combine.contiguous()
+    elif delta is not None:
+        assert delta.shape == x.shape, f"delta {tuple(delta.shape)} does not fit x {tuple(x.shape)}"
     if delta is not None:
-        assert delta.shape == x.shape and delta.stride(-1) == 1, f"delta {tuple(delta.shape)} does not fit x {tuple(x.shape)}"
+        assert delta.stride(-1) == 1, f"delta {tuple(delta.shape)} needs a contiguous last dim"
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if quant else y
     s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
@@ -77,9 +102,10 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
     d = delta if delta is not None else x
     _rms_norm_kernel[(triton.cdiv(m, block_m),)](
-        x, d, weight, xo, y, q, s, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
+        x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
-        QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=8 if block_h >= 4096 else 4,
+        QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
+        num_warps=8 if block_h >= 4096 else 4,
     )
     return xo, y, (q, s) if quant else None
 
@@ -96,11 +122,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def rms_norm_quant(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    combine: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
-    returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass."""
-    return _launch(x, delta, weight, eps, quant=True)
+    returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass.
+    ``combine`` (weights [T, k]): delta is the MoE's per-slot rows [T, k, H] (or [T * k, H]) and the
+    residual delta is their weighted combine, ``moe.moe_combine(delta, combine)`` bit for bit,
+    computed in the same pass (the [T, H] combine is never written)."""
+    return _launch(x, delta, weight, eps, quant=True, combine=combine)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -184,13 +184,19 @@ class GptOss(nn.Module):
             x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops), layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
-            x, h = ops.add_rms_norm(x, self._moe_chunked(layer, h, ops, capture, moe_chunk), self._next_norm(i), eps)
+            y, weights = self._moe_chunked(layer, h, ops, capture, moe_chunk)
+            if weights is None:  # already combined (chunked)
+                x, h = ops.add_rms_norm(x, y, self._next_norm(i), eps)
+            else:
+                x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
         return ops.linear(h[-1:] if last_only else h, self.lm_head.weight, None, None)
 
     def _moe_chunked(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps, capture: dict | None,
-                     chunk: int | None) -> torch.Tensor:
+                     chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MoE block on t [T, H]: (per-slot outputs [T, k, H], their weights [T, k]) for the
+        caller to combine with the residual add, or (combined delta [T, H], None) when run in chunks."""
         n = t.shape[0]
         if not chunk or n <= chunk:
             return self._moe(layer, t, ops, capture)
@@ -200,12 +206,12 @@ class GptOss(nn.Module):
         router = []
         for s in range(0, n, chunk):
             part: dict | None = {} if capture is not None else None
-            out[s:s + chunk] = self._moe(layer, t[s:s + chunk], ops, part)
+            out[s:s + chunk] = ops.moe_combine(*self._moe(layer, t[s:s + chunk], ops, part))
             if part is not None:
                 router.append(part[f"{layer.idx}.router"])
         if capture is not None:
             capture[f"{layer.idx}.router"] = torch.cat(router)
-        return out
+        return out, None
 
     def _next_norm(self, i: int) -> torch.Tensor:
         """The norm scale applied after layer i's MLP residual: layer i + 1's input norm, or the final norm."""
@@ -229,8 +235,10 @@ class GptOss(nn.Module):
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16
 
-    def _moe(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps, capture: dict | None = None) -> torch.Tensor:
-        """MoE block on the normed stream t [T, H] -> its residual delta, bf16 [T, H]."""
+    def _moe(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps,
+             capture: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE block on the normed stream t [T, H] -> (per-slot expert outputs [T, k, H], routing
+        weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual delta."""
         m = layer.mlp
         g = ops.linear(t, m.router.weight, None, m.router.bias)  # [T, E] bf16, replicated
         if capture is not None:
@@ -246,7 +254,7 @@ class GptOss(nn.Module):
         else:  # intermediate dim split: sum the partial products, round, then add the bias once
             both = ops.all_reduce(torch.stack([y, yb]), self.par)
             y = ops.add_bias_after_sum(both[0], both[1])
-        return ops.moe_combine(y, weights)
+        return y, weights
 
 
 def _layer_of(name: str) -> str:

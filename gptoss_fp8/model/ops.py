@@ -141,6 +141,12 @@ class ReferenceOps:
         [T, H] (the reference's einsum: fp32 accumulation, one rounding)."""
         return torch.einsum("bec,be->bc", y, weights)
 
+    def moe_combine_add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
+                                 norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(x, moe_combine(y, weights), ...)``: the MoE's residual add and the next
+        norm. A backend may fuse the three; the values are the same."""
+        return self.add_rms_norm(x, self.moe_combine(y, weights), norm_weight, eps)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate halves of each head: x [T, heads, D]; cos/sin float32 [T, D/2], cast to x's dtype."""
         cos = cos.unsqueeze(-2).to(x.dtype)

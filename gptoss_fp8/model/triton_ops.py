@@ -26,7 +26,8 @@ stream, routing top-k/softmax in the model) stays the parent's torch code, on th
   writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), which the
   ``linear(s)`` and ``expert_ffn`` that read those rows (or a block of them) take instead of
   quantizing again.
-* ``moe_combine``: kernels/moe.py's weighted combine of per-slot outputs (fp32 sum, one rounding).
+* ``moe_combine``: kernels/moe.py's weighted combine of per-slot outputs (fp32 sum, one rounding);
+  ``moe_combine_add_rms_norm``: the same combine inside the next residual-add + norm pass (same bits).
 
 Known differences from ``W8A8CpuOps`` (what the tolerances in tests/test_triton_ops.py cover):
 fp32 summation order; GPU division (kernels/act_quant.py: ~6e-5 of FP8 activation values one e4m3
@@ -195,6 +196,13 @@ class TritonOps(W8A8CpuOps):
 
         return moe_combine(y, weights)
 
+    def moe_combine_add_rms_norm(self, x, y, weights, norm_weight, eps):
+        """The MoE's weighted combine, the residual add and the next norm in one pass (norm.py)."""
+        if (not self._norm_ok(x, norm_weight) or y.dtype not in (BF16, F32) or y.stride(-1) != 1
+                or y.shape[-1] != x.shape[-1] or y.numel() != weights.numel() * x.shape[-1]):
+            return super().moe_combine_add_rms_norm(x, y, weights, norm_weight, eps)
+        return self._norm(x, y, norm_weight, eps, combine=weights)
+
     # --- norms ---------------------------------------------------------------------------------
     def _norm_ok(self, x, weight) -> bool:
         return (_kernel_device(x) and x.dim() == 2 and x.dtype in (BF16, torch.float16) and x.stride(-1) == 1
@@ -210,11 +218,11 @@ class TritonOps(W8A8CpuOps):
             return super().add_rms_norm(x, delta, weight, eps)
         return self._norm(x, delta, weight, eps)
 
-    def _norm(self, x, delta, weight, eps):
+    def _norm(self, x, delta, weight, eps, combine=None):
         """The norm kernel with the output's FP8 quantization in the same pass (kept for the next op)."""
         from gptoss_fp8.kernels.norm import rms_norm_quant
 
-        xo, y, quant = rms_norm_quant(x, delta, weight, eps)
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine)
         self._quantized[y] = (_version(y), quant)
         return xo, y
 

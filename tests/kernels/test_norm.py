@@ -83,3 +83,24 @@ def test_rms_norm_quant_equals_act_quant_of_the_norm(t, h, with_delta):
     assert q.shape == qr.shape and s.shape == sr.shape == (t, (h + 127) // 128)
     assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert q.float().abs().max() > 100  # the largest value of a group lands near 448
+
+
+@pytest.mark.parametrize("t,k,h,dtype", [(23, 4, 2880, torch.bfloat16), (9, 3, 96, torch.float32), (2, 4, 4096, torch.bfloat16)])
+def test_norm_with_the_moe_combine_fused_equals_combine_then_norm(t, k, h, dtype):
+    """``combine=weights``: the delta is the weighted combine of per-slot rows [T, k, H], the same bits
+    as moe.moe_combine followed by the norm (bf16 slots as the model's, fp32 as a split expert's)."""
+    from gptoss_fp8.kernels.moe import moe_combine
+
+    gen = torch.Generator().manual_seed(t * k + h)
+    x = (torch.randn(t, h, generator=gen) * 2).to(DEV, torch.bfloat16)
+    y = torch.randn(t, k, h, generator=gen).to(DEV, dtype)
+    wts = torch.softmax(torch.randn(t, k, generator=gen), -1).to(DEV, torch.bfloat16)
+    nw = (torch.rand(h, generator=gen) + 0.5).to(DEV)
+    xo, yn, (q, s) = rms_norm_quant(x, y, nw, 1e-5, combine=wts)
+    delta = moe_combine(y, wts)
+    xr, yr, (qr, sr) = rms_norm_quant(x, delta, nw, 1e-5)
+    assert torch.equal(xo, xr) and torch.equal(yn, yr) and torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert not torch.equal(xo, x)  # the delta was added
+    xo2, _, _ = rms_norm_quant(x, y.reshape(t * k, h), nw, 1e-5, combine=wts)  # flat slot rows
+    assert torch.equal(xo2, xr)
