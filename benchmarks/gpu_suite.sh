@@ -39,7 +39,7 @@ if has prefill; then
   b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
 fi
 if has ab; then
-  python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 2>&1 | tee "$OUT/ab_prefill.log"
+  python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,no-pdl,graph,graph-no-pdl 2>&1 | tee "$OUT/ab_prefill.log"
 fi
 if has launch; then
   # host time per call (launch path) against GPU time, dense GEMM and fused MoE at small sizes

@@ -4,7 +4,7 @@ Tolerances: through the interpreter (CPU), exact: identical scales and FP8 bytes
 rounds to e4m3 with integer arithmetic before the cast, so the interpreter's own faulty fp32 -> fp8
 cast never rounds). On the GPU, Triton's fp32 division is not IEEE-rounded (and torch's CUDA
 division by a scalar is a multiplication by its reciprocal), so: scales within 1 fp32 ulp, and at
-most 1e-4 of the FP8 values one e4m3 step away from torch's, none further.
+most 1e-4 of the FP8 values (two on small tensors) one e4m3 step away from torch's, none further.
 """
 
 import pytest
@@ -42,8 +42,10 @@ def _check(x):
         return torch.where(b >= 128, -(b - 128), b)
     step = (ordinal(q) - ordinal(q_ref)).abs()
     assert int(step.max()) <= 1, f"fp8 values differ by {int(step.max())} steps"
-    frac = float((step > 0).float().mean())
-    assert frac <= 1e-4, f"{frac:.2e} of the fp8 values differ by one step"
+    flips = int((step > 0).sum())
+    # a rate bound (1e-4 of the values; measured ~6e-5 at 8192 x 2880), which on a tensor of a few
+    # thousand values still allows one or two flips (measured: 1 of 1024, 1 of 1728)
+    assert flips <= max(1e-4 * q.numel(), 2), f"{flips} of {q.numel()} fp8 values differ by one step"
 
 
 @pytest.mark.parametrize("shape", [(37, 2880), (5, 160), (3, 64), (2, 3, 288)])
