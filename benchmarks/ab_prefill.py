@@ -3,11 +3,12 @@ forward, runs interleaved (A, B, A, B, ...) so clock drift and machine-to-machin
 alike.
 
 Usage (GPU machine): python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 --runs 10 \\
-    [--variants default,no-pdl,graph,graph-no-pdl,unfused-combine]
+    [--variants default,graph,unfused-combine]
 Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (the MoE's weighted
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
-"no-pdl" (our kernels launched without programmatic dependent launch, kernels/__init__.py),
-"graph" / "graph-no-pdl" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill).
+"graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill).
+(Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
+0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import time
 
 import torch
 
-import gptoss_fp8.kernels as kernels
 from gptoss_fp8.bench.prefill import GraphedPrefill, prefill_logits, random_model
 from gptoss_fp8.convert.synth import preset_config
 from gptoss_fp8.model.ops import ReferenceOps
@@ -31,31 +31,12 @@ class UnfusedCombine(TritonOps):
     moe_combine_add_rms_norm = ReferenceOps.moe_combine_add_rms_norm
 
 
-def without_pdl(fn, *args):
-    """fn(*args) with PDL off (for a constructor: the capture); the result, when callable, also
-    runs with PDL off."""
-    kernels.PDL_ENABLED = False
-    try:
-        out = fn(*args) if args else fn
-    finally:
-        kernels.PDL_ENABLED = True
-
-    def call(t):
-        kernels.PDL_ENABLED = False
-        try:
-            return out(t)
-        finally:
-            kernels.PDL_ENABLED = True
-
-    return call
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="20b")
     p.add_argument("--tokens", default="8192")
     p.add_argument("--runs", type=int, default=10)
-    p.add_argument("--variants", default="default,no-pdl,graph,graph-no-pdl")
+    p.add_argument("--variants", default="default,graph")
     a = p.parse_args()
     cfg = preset_config(a.model)
     model = random_model(cfg, "cuda")
@@ -64,9 +45,7 @@ def main() -> None:
         make = {
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: (lambda t, o=UnfusedCombine(): prefill_logits(model, t, o)),
-            "no-pdl": lambda: without_pdl(lambda t: prefill_logits(model, t, ops)),
             "graph": lambda: GraphedPrefill(model, n, ops),
-            "graph-no-pdl": lambda: without_pdl(GraphedPrefill, model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
         prefill_logits(model, tokens, ops)  # compile before any capture

@@ -34,12 +34,13 @@ fi
 if has prefill; then
   # Whole-model prefill on our kernels at full depth; transformers bf16 beside it where it fits (20b).
   b() { python3 -m gptoss_fp8.cli.main bench prefill "$@"; }
-  b --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 --json "$OUT/prefill_20b.json" 2>&1 | tee "$OUT/prefill_20b.log"
-  b --model 20b --tokens 65536,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_20b_long.json" 2>&1 | tee "$OUT/prefill_20b_long.log"
-  b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
+  # (--cuda-graph: the same forward also captured as a CUDA graph and timed; eager stays the headline)
+  b --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 --cuda-graph --json "$OUT/prefill_20b.json" 2>&1 | tee "$OUT/prefill_20b.log"
+  b --model 20b --tokens 65536,128000 --runs 2 --warmup 1 --no-peer --cuda-graph --json "$OUT/prefill_20b_long.json" 2>&1 | tee "$OUT/prefill_20b_long.log"
+  b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --cuda-graph --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
 fi
 if has ab; then
-  python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,no-pdl,graph,graph-no-pdl 2>&1 | tee "$OUT/ab_prefill.log"
+  python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,graph,unfused-combine 2>&1 | tee "$OUT/ab_prefill.log"
 fi
 if has launch; then
   # host time per call (launch path) against GPU time, dense GEMM and fused MoE at small sizes

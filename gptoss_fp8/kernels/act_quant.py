@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_fp8.kernels import pdl_args, pdl_prologue
-
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, quantize_act
 
 
@@ -75,9 +73,7 @@ def _act_quant_kernel(
     M, K, stride_xm, stride_qm, stride_sm,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,7 +110,7 @@ def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, to
         grid = (triton.cdiv(m, block_m), g)
         _act_quant_kernel[grid](
             x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0),
-            BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4, **pdl_args(x.device),
+            BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
         )
     return q.reshape(*lead, k), s.reshape(*lead, g)
 

@@ -39,8 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_fp8.kernels import pdl_args, pdl_prologue
-
 LOG2E = 1.4426950408889634
 
 
@@ -118,9 +116,7 @@ def _attn_prefill_kernel(
     ROPE_Q: tl.constexpr,  # rotate q in-kernel with the Cos/Sin tables [max_pos, HEAD_DIM/2]
     RAGGED: tl.constexpr,  # sequences from CuSeqlens; False: one sequence of total_tokens rows
     PACK: tl.constexpr = 1,  # query heads per program (same KV head): BLOCK_M // PACK positions each
-    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/__init__.py)
 ):
-    pdl_prologue(PDL)
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
     pid_m = num_pid_m - 1 - tl.program_id(1)  # longest query blocks first
@@ -332,7 +328,7 @@ def attention_prefill(
         sm_scale * LOG2E, window, num_pid_m, T,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
         USE_TMA=use_tma, ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **pdl_args(q.device),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}),
     )
     return out
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gptoss_fp8.kernels import pdl_args, pdl_prologue, sm_count
+from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
 from gptoss_fp8.kernels.act_quant import act_quant
 
@@ -124,9 +124,7 @@ def _fp8_gemm_kernel(
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
-    pdl_prologue(PDL)
     # num_progs programs walk the tiles (persistent when it is the SM count); FLATTEN fuses the
     # tile and K loops into one software-pipelined loop (the next tile's loads overlap this
     # tile's epilogue). Grouped order:
@@ -243,7 +241,7 @@ def fp8_gemm(
         m, n, k, num_progs,
         a.stride(0), a_s.stride(0), w_fp8.stride(0), w_scale_inv.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TMA=tma, SPLIT_N=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, **cfg, **pdl_args(out.device),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, **cfg,
     )
     return out.reshape(*lead, n)
 

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gptoss_fp8.kernels import pdl_args, pdl_prologue
 from gptoss_fp8.kernels.act_quant import (
     act_quant,
     group_scale,
@@ -71,9 +70,8 @@ def route(
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, num_experts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, num_experts, BLOCK: tl.constexpr):
     """Count the slots of each local expert; each slot's rank within its expert (atomic order)."""
-    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_slots
     e = tl.load(ids_ptr + offs, mask=m, other=0) - expert_start
@@ -84,10 +82,9 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, nu
 
 @triton.jit
 def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_experts, num_tiles,
-                          ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+                          ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M) and
     the expert of every ALIGN_M-row tile (num_experts past the last segment)."""
-    pdl_prologue(PDL)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
@@ -104,9 +101,8 @@ def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_exper
 
 @triton.jit
 def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots, expert_start, num_experts,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK: tl.constexpr):
     """sorted_slots[pad_start[e] + rank] = slot for every slot routed to a local expert."""
-    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_slots
     e = tl.load(ids_ptr + offs, mask=m, other=0) - expert_start
@@ -142,12 +138,12 @@ def moe_align(
     sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
     block = 1024
     grid = (triton.cdiv(n_slots, block),)
-    _align_count_kernel[grid](topk_ids, counts, rank, n_slots, expert_start, num_local, BLOCK=block, **pdl_args(topk_ids.device))
+    _align_count_kernel[grid](topk_ids, counts, rank, n_slots, expert_start, num_local, BLOCK=block)
     _align_offsets_kernel[(1,)](
         counts, pad_start, block_expert, num_local, num_tiles,
-        ALIGN_M=block_m, BLOCK_E=max(16, triton.next_power_of_2(num_local)), BLOCK_T=64, **pdl_args(topk_ids.device),
+        ALIGN_M=block_m, BLOCK_E=max(16, triton.next_power_of_2(num_local)), BLOCK_T=64,
     )
-    _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block, **pdl_args(topk_ids.device))
+    _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
     return sorted_slots, block_expert
 
 
@@ -189,7 +185,6 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr = True,
     SPLIT_N: tl.constexpr = True,
-    PDL: tl.constexpr = False,
 ):
     """One row tile (one expert) x one column tile of a grouped FP8 block GEMM.
 
@@ -204,7 +199,6 @@ def _moe_gemm_kernel(
     FUSE_SWIGLU, A through one over [rows, K]); a tile past an expert's N rows reads the next
     expert's rows, which only feed masked columns.
     """
-    pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -283,11 +277,9 @@ def _moe_combine_kernel(
     y_ptr, w_ptr, ids_ptr, out_ptr,
     H, expert_start, num_experts, stride_ym, stride_om,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_IDS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """out[t] = sum over slots j (routed to this rank, with HAS_IDS) of w[t, j] * y[t*TOP_K + j]
     (fp32 products and sum, one rounding)."""
-    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -322,16 +314,15 @@ def moe_combine(
     ids_arg = ids.contiguous() if ids is not None else weights
     _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
         y2, weights.contiguous(), ids_arg, out, h, expert_start, num_experts, y2.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_H=block_h, HAS_IDS=ids is not None, num_warps=4, **pdl_args(out.device),
+        TOP_K=k, BLOCK_H=block_h, HAS_IDS=ids is not None, num_warps=4,
     )
     return out
 
 
 @triton.jit
 def _zero_foreign_kernel(ids_ptr, y_ptr, n_slots, H, expert_start, num_experts, stride_ym,
-                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
     """y[slot] = 0 for every slot routed outside [expert_start, expert_start + num_experts)."""
-    pdl_prologue(PDL)
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     e = tl.load(ids_ptr + offs_s, mask=offs_s < n_slots, other=expert_start) - expert_start
     foreign = (offs_s < n_slots) & ((e < 0) | (e >= num_experts))
@@ -345,10 +336,8 @@ def _gather_act_quant_kernel(
     x_ptr, slots_ptr, q_ptr, s_ptr,
     M, K, num_slots, stride_xm, stride_qm, stride_sm,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Row r of the output = act_quant(x[slots[r] // TOP_K]) (zeros for padding rows)."""
-    pdl_prologue(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     slots = tl.load(slots_ptr + offs_m, mask=m_ok, other=num_slots)
@@ -377,7 +366,7 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) ->
         block_m = 16
         _gather_act_quant_kernel[(triton.cdiv(m, block_m), g)](
             x, sorted_slots, q, s, m, h, t * top_k, x.stride(0), q.stride(0), s.stride(0),
-            TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4, **pdl_args(q.device),
+            TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
         )
     return q, s
 
@@ -462,7 +451,7 @@ def moe_expert_slots(
     if zero_foreign:  # only rows of slots routed to other ranks' experts are written (none with one rank)
         block_h = min(1024, triton.next_power_of_2(h))
         _zero_foreign_kernel[(triton.cdiv(n_slots, 16), triton.cdiv(h, block_h))](
-            topk_ids, y, n_slots, h, expert_start, e, y.stride(0), BLOCK_S=16, BLOCK_H=block_h, num_warps=4, **pdl_args(y.device),
+            topk_ids, y, n_slots, h, expert_start, e, y.stride(0), BLOCK_S=16, BLOCK_H=block_h, num_warps=4,
         )
     cfg = config or moe_config(t, k, e)
     align = cfg["ALIGN_M"]
@@ -505,7 +494,7 @@ def moe_expert_slots(
         act.stride(0), act_scale.stride(0),
         float(swiglu_limit),
         FUSE_SWIGLU=True, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_gu, BLOCK_N=2 * BLOCK, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, A_SORTED=pregather, SPLIT_N=split_gu, **gu, **pdl_args(x.device),
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, A_SORTED=pregather, SPLIT_N=split_gu, **gu,
     )
 
     bn = dn.pop("BLOCK_N")
@@ -525,7 +514,7 @@ def moe_expert_slots(
         y.stride(0), 0,
         float(swiglu_limit),
         FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, SPLIT_N=split_dn, **dn, **pdl_args(x.device),
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, SPLIT_N=split_dn, **dn,
     )
     return y
 

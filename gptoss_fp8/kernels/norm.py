@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_fp8.kernels import pdl_args, pdl_prologue
-
 from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
@@ -40,9 +38,7 @@ def _rms_norm_kernel(
     HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
     TOP_K: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
 ):
-    pdl_prologue(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < M) & (cols[None, :] < H)
@@ -109,7 +105,7 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
-        num_warps=8 if block_h >= 4096 else 4, **pdl_args(x.device),
+        num_warps=8 if block_h >= 4096 else 4,
     )
     return xo, y, (q, s) if quant else None
 

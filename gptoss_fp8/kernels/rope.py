@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_fp8.kernels import pdl_args, pdl_prologue
-
 
 @triton.jit
 def _rope_kernel(
@@ -34,9 +32,7 @@ def _rope_kernel(
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_prologue(PDL)
     # Heads are numbered 0 .. HQ+HKV-1 across q then k, so one launch rotates both: each element
     # picks its tensor's pointer (q for h < HQ, else k).
     pid_t = tl.program_id(0)
@@ -154,7 +150,7 @@ def rope_qk(
         T, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        HALF=D // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4, **pdl_args(k.device),
+        HALF=D // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return (None if k_only else q_out), k_out
 
