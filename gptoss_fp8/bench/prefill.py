@@ -165,6 +165,9 @@ class TimedOps:
     def linears(self, *a, **kw):  # q / k / v
         return self._timed("dense", self.ops.linears, *a, **kw)
 
+    def route(self, *a, **kw):
+        return self._timed("moe", self.ops.route, *a, **kw)
+
     def expert_ffn(self, *a, **kw):
         return self._timed("moe", self.ops.expert_ffn, *a, **kw)
 

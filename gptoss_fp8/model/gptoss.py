@@ -240,14 +240,13 @@ class GptOss(nn.Module):
         """MoE block on the normed stream t [T, H] -> (per-slot expert outputs [T, k, H], routing
         weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual delta."""
         m = layer.mlp
-        g = ops.linear(t, m.router.weight, None, m.router.bias)  # [T, E] bf16, replicated
+        # logits [T, E] bf16 (replicated), top-k expert ids [T, k], their softmax weights [T, k] bf16
+        g, ids, weights = ops.route(t, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
         if capture is not None:
             capture[f"{layer.idx}.router"] = g
-        top = torch.topk(g, k=self.cfg.num_experts_per_tok, dim=-1, sorted=True)
-        weights = torch.softmax(top.values, dim=1)  # [T, k] bf16
         ex = dict(m.experts.named_buffers(recurse=False))
         ex.setdefault("down_proj_bias", None)
-        y, yb = ops.expert_ffn(t, top.indices, ex, m.experts.first_expert, self.cfg.swiglu_limit,
+        y, yb = ops.expert_ffn(t, ids, ex, m.experts.first_expert, self.cfg.swiglu_limit,
                                partial=self.par.parts > 1)  # [T, k, H] f32 each
         if yb is None:  # whole experts per rank: each (token, slot) is computed by exactly one rank
             y = ops.all_reduce(y, self.par).to(t.dtype)

@@ -1,8 +1,8 @@
 """The ``triton`` ops backend: the gpt-oss forward pass on our GPU kernels (design.md section 4).
 
 ``TritonOps`` subclasses the executable specification ``W8A8CpuOps`` and overrides what the
-kernels accelerate; everything else (RMSNorm, bf16 GEMMs of the router and lm_head, the residual
-stream, routing top-k/softmax in the model) stays the parent's torch code, on the GPU.
+kernels accelerate; everything else (the embedding, bf16 GEMMs of the lm_head and of attention
+kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
 
 * ``linear``: FP8 weights -> ``act_quant`` (1x128 per-token groups) + ``fp8_gemm`` with the bias
   fused in fp32 and one rounding (bf16, or float32 partial sums of a sharded o_proj). bf16
@@ -26,6 +26,9 @@ stream, routing top-k/softmax in the model) stays the parent's torch code, on th
   writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), which the
   ``linear(s)`` and ``expert_ffn`` that read those rows (or a block of them) take instead of
   quantizing again.
+* ``route``: kernels/router.py, the router's bf16 GEMM + bias, top-k and softmax in one kernel
+  (fp32 sums in another order than torch's bf16 linear: logits within one bf16 ulp; equal logits
+  go to the lowest expert id).
 * ``moe_combine``: kernels/moe.py's weighted combine of per-slot outputs (fp32 sum, one rounding);
   ``moe_combine_add_rms_norm``: the same combine inside the next residual-add + norm pass (same bits).
 
@@ -157,7 +160,17 @@ class TritonOps(W8A8CpuOps):
         self._fused[key] = (stamp, (w, s, b))
         return w, s, b
 
-    # --- experts -------------------------------------------------------------------------------
+    # --- experts ---------------------------------------------------------------------------------
+    def route(self, x, weight, bias, top_k):
+        """kernels/router.py: the bf16 router GEMM + bias, top-k and softmax in one kernel (int32 ids)."""
+        if (not _kernel_device(x) or x.dtype != BF16 or weight.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1
+                or weight.dim() != 2 or not weight.is_contiguous() or (bias is not None and bias.dtype != BF16)):
+            return super().route(x, weight, bias, top_k)
+        from gptoss_fp8.kernels.router import router
+
+        return router(x, weight, None if bias is None else bias.contiguous(), top_k)
+
+    # --- expert FFN ----------------------------------------------------------------------------
     def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False):
         w13, w2 = experts["gate_up_proj"], experts["down_proj"]
         s13, s2 = experts.get("gate_up_proj_scale_inv"), experts.get("down_proj_scale_inv")

@@ -19,7 +19,8 @@ or dtype outside their limits, tensors on a device no kernel runs on); gpt-oss's
 none of that. So that a report never claims kernels that did not run, the ``kernels`` mode uses
 ``TritonOps`` with a counter placed between it and the spec in the class order: every op TritonOps
 passes on through ``super()`` is counted there (``spec_fallbacks`` in the report). bf16 GEMMs
-(router, lm_head, attention kept bf16) are torch by design in every backend and are not counted.
+(lm_head, attention kept bf16) are torch by design in every backend and are not counted; the
+router's bf16 GEMM is part of ``route`` (a kernel in the triton backend, counted when handed over).
 """
 
 from __future__ import annotations

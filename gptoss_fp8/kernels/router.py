@@ -1,0 +1,110 @@
+"""MoE router in one kernel: logits = x @ Wr^T + br (bf16), top-k, softmax over the k selected (Triton).
+
+gpt-oss's router (``gpt_oss/torch/model.py`` MLPBlock): ``g = gate(x)`` (a bf16 ``nn.Linear`` with
+bias), ``topk(g, k, sorted=True)``, ``softmax(values)`` in bf16. Torch runs that as four kernels
+(GEMM, top-k, softmax, an int64 -> int32 cast for the MoE); here one program takes BLOCK_T tokens
+and all E experts: the fp32 product over H, the bias in fp32, one rounding to bf16 (the logits,
+written for captures), then k rounds of (row max, lowest column holding it, mask it out) and the
+softmax of the k values in fp32 with one rounding to bf16.
+
+Numerics against ``router_reference`` (torch on the same device):
+* logits: fp32 sums in another order than cuBLAS / the CPU GEMM: within one bf16 ulp;
+* ids: ties (equal bf16 logits) go to the lowest expert id; torch's top-k order among equal values
+  is unspecified. Where two logits differ by one bf16 ulp, a one-ulp difference above can swap
+  them; otherwise the same experts in the same order;
+* weights: ``exp`` on the GPU is approximate: within one bf16 ulp of torch's softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wts_ptr,
+    T, H, E, stride_x, stride_w, stride_l,
+    HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    col_ok = cols < E
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(x_ptr + rows64[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:  # the interpreter's bf16 arithmetic is not the GPU's: products in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    logits = acc.to(logits_ptr.dtype.element_ty)  # one rounding, as a bf16 linear with bias
+    tl.store(logits_ptr + rows64[:, None] * stride_l + cols[None, :], logits, mask=row_ok[:, None] & col_ok[None, :])
+
+    v = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+    slot = tl.arange(0, KP)
+    vals = tl.full([BLOCK_T, KP], float("-inf"), dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(v, 1)
+        pick = tl.min(tl.where(v == m[:, None], cols[None, :], BLOCK_E), 1)  # lowest id among ties
+        pick = tl.minimum(pick, E - 1)  # NaN logits match nothing: keep the id in range (memory-safe)
+        vals = tl.where(slot[None, :] == j, m[:, None], vals)
+        ids = tl.where(slot[None, :] == j, pick[:, None], ids)
+        v = tl.where(cols[None, :] == pick[:, None], float("-inf"), v)
+    # softmax over the k selected values (sorted: the first is the max); padded slots weigh 0
+    p = tl.exp(vals - tl.max(vals, 1)[:, None])
+    w = p / tl.sum(p, 1)[:, None]
+    out = rows64[:, None] * TOP_K + slot[None, :]
+    ok = row_ok[:, None] & (slot[None, :] < TOP_K)
+    tl.store(ids_ptr + out, ids, mask=ok)
+    tl.store(wts_ptr + out, w.to(wts_ptr.dtype.element_ty), mask=ok)
+
+
+def router(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x bf16 [T, H], weight bf16 [E, H], bias bf16 [E] (or None), top_k <= E ->
+    (logits bf16 [T, E], ids int32 [T, k] sorted by logit, weights bf16 [T, k] = softmax over them)."""
+    assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
+    t, h = x.shape
+    assert weight.dim() == 2 and weight.shape[1] == h and weight.is_contiguous(), f"router weight {tuple(weight.shape)} for H={h}"
+    e = weight.shape[0]
+    assert 1 <= top_k <= e, f"top_k {top_k} must be in 1..{e} experts"
+    assert x.dtype == weight.dtype == torch.bfloat16, f"x {x.dtype}, weight {weight.dtype}: want bfloat16"
+    if bias is not None:
+        assert bias.shape == (e,) and bias.is_contiguous(), f"router bias {tuple(bias.shape)} for {e} experts"
+    logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    wts = torch.empty((t, top_k), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return logits, ids, wts
+    on_gpu = x.device.type == "cuda"
+    block_e = max(16, triton.next_power_of_2(e))
+    block_t = 64 if (on_gpu and e > 64) else (32 if on_gpu else 16)
+    _router_kernel[(triton.cdiv(t, block_t),)](
+        x, weight, bias if bias is not None else weight, logits, ids, wts,
+        t, h, e, x.stride(0), weight.stride(0), logits.stride(0),
+        HAS_BIAS=bias is not None, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=64, UPCAST=not on_gpu,
+        num_warps=4, num_stages=3,
+    )
+    return logits, ids, wts
+
+
+def router_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's router in plain torch: (logits, ids int64, weights), as ``router``."""
+    logits = F.linear(x, weight, bias)
+    top = torch.topk(logits, top_k, dim=-1, sorted=True)
+    return logits, top.indices, torch.softmax(top.values, dim=-1)

@@ -1,0 +1,76 @@
+"""The router kernel (kernels/router.py) against plain torch.
+
+Tolerances: logits within one bf16 ulp of the fp32-exact product + bias rounded once (summation
+order); ids exactly the top-k of the kernel's own logits with ties to the lowest id, and the same
+experts as ``router_reference`` for every token whose k-th and (k+1)-th logits are more than two
+ulps apart; weights within one bf16 ulp of the softmax of the selected logits.
+"""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.router import router, router_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ULP = 2.0**-7  # bf16 relative spacing (8 significant bits)
+
+
+def _case(t, h, e, seed, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w = (torch.randn(e, h, generator=g) / h**0.5).bfloat16()
+    b = (0.1 * torch.randn(e, generator=g)).bfloat16() if bias else None
+    return x.to(DEV), w.to(DEV), None if b is None else b.to(DEV)
+
+
+def _within_ulp(got, want, ulps=1):
+    g, w = got.float().cpu(), want.float().cpu()
+    assert torch.all((g - w).abs() <= w.abs() * ulps * ULP + 1e-6), f"max diff {(g - w).abs().max()}"
+
+
+@pytest.mark.parametrize("t,h,e,k,bias", [(37, 192, 8, 2, True), (70, 2880, 32, 4, True), (33, 2880, 128, 4, True),
+                                         (20, 96, 5, 3, False)])
+def test_router_matches_torch(t, h, e, k, bias):
+    _check_router(t, h, e, k, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e", [(8192, 32), (4099, 128), (1, 32)])
+def test_router_gpt_oss_shapes_gpu(t, e):
+    _check_router(t, 2880, e, 4, True)
+
+
+def _check_router(t, h, e, k, bias):
+    x, w, b = _case(t, h, e, seed=t * e + k, bias=bias)
+    logits, ids, wts = router(x, w, b, k)
+    assert logits.dtype == wts.dtype == torch.bfloat16 and ids.dtype == torch.int32 and ids.shape == (t, k)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    _within_ulp(logits, exact.to(torch.bfloat16))
+    # ids: the kernel's own logits sorted descending, ties to the lowest id (a stable sort)
+    own = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(ids.long().cpu(), own.cpu())
+    sel = torch.gather(logits.float(), 1, ids.long())
+    _within_ulp(wts, torch.softmax(sel, dim=-1).to(torch.bfloat16))
+    # the same experts as torch's router wherever the k-th choice is not a near-tie
+    ref_logits, ref_ids, ref_w = router_reference(x, w, b, k)
+    srt = torch.sort(ref_logits.float(), dim=-1, descending=True).values
+    clear = (srt[:, k - 1] - srt[:, k]) > 2 * ULP * srt[:, k - 1].abs() if k < e else torch.ones(t, dtype=torch.bool, device=x.device)
+    assert t < 16 or clear.float().mean() > 0.5  # most tokens are clear cases
+    same = (ids.long().sort(-1).values == ref_ids.sort(-1).values).all(-1)
+    assert bool(same[clear].all()), f"{int((~same[clear]).sum())} clear tokens route differently"
+
+
+def test_router_ties_go_to_the_lowest_id_and_empty_input():
+    x, w, b = _case(9, 64, 8, seed=3)
+    w[5] = w[2]  # experts 2 and 5 tie on every token
+    w[6] = w[1]  # and 1 and 6
+    b = torch.zeros_like(b)
+    logits, ids, _ = router(x, w, b, 8)
+    pos = {int(e): i for i, e in enumerate(ids[0].tolist())}
+    assert pos[2] < pos[5] and pos[1] < pos[6]
+    for r in range(9):
+        assert sorted(ids[r].tolist()) == list(range(8))
+    lg, ids0, w0 = router(x[:0], w, b, 4)
+    assert lg.shape == (0, 8) and ids0.shape == w0.shape == (0, 4)
+    with pytest.raises(AssertionError, match="top_k"):
+        router(x, w, b, 9)
