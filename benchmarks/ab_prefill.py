@@ -3,10 +3,11 @@ forward, runs interleaved (A, B, A, B, ...) so clock drift and machine-to-machin
 alike.
 
 Usage (GPU machine): python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 --runs 10 \\
-    [--variants default,graph,unfused-combine]
+    [--variants default,graph,unfused-combine,torch-router]
 Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (the MoE's weighted
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
-"graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill).
+"graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "torch-router" (the
+router as torch's bf16 linear + topk + softmax instead of kernels/router.py).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -21,7 +22,7 @@ import torch
 
 from gptoss_fp8.bench.prefill import GraphedPrefill, prefill_logits, random_model
 from gptoss_fp8.convert.synth import preset_config
-from gptoss_fp8.model.ops import ReferenceOps
+from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps
 from gptoss_fp8.model.triton_ops import TritonOps
 
 
@@ -29,6 +30,12 @@ class UnfusedCombine(TritonOps):
     """The combine kernel, then the add + norm kernel (the spec's composition on our kernels)."""
 
     moe_combine_add_rms_norm = ReferenceOps.moe_combine_add_rms_norm
+
+
+class TorchRouter(TritonOps):
+    """The router in torch (the spec's ``route`` on the GPU), everything else as shipped."""
+
+    route = W8A8CpuOps.route
 
 
 def main() -> None:
@@ -45,6 +52,7 @@ def main() -> None:
         make = {
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: (lambda t, o=UnfusedCombine(): prefill_logits(model, t, o)),
+            "torch-router": lambda: (lambda t, o=TorchRouter(): prefill_logits(model, t, o)),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

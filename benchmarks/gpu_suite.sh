@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|checkpoint|launch|ab|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|all]...
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
 #   checkpoint: bench prefill on a converted checkpoint (synthetic 20b shapes, 2 layers) beside the
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/
 if has tests; then
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log"
   # The kernels' CPU tests pick CUDA when it is there (DEV): run them on the GPU too (compiled
-  # kernels instead of the interpreter; first added 2026-11-29, not yet run there)
+  # kernels instead of the interpreter; CPU-tensor interpreter tests skip themselves there)
   python3 -m pytest -q -m "not gpu" tests/kernels tests/test_triton_ops.py 2>&1 | tee "$OUT/gpu_cpu_tests.log"
 fi
 if has verify && ! has tests; then
@@ -31,16 +31,23 @@ fi
 if has convert; then
   python3 -m gptoss_fp8.cli.main synth /tmp/src20b --preset 20b --layers 8 >/dev/null && python3 benchmarks/convert_bench.py /tmp/src20b --device cuda 2>&1 | tee "$OUT/bench_convert_cuda.log"
 fi
-if has prefill; then
-  # Whole-model prefill on our kernels at full depth; transformers bf16 beside it where it fits (20b).
-  b() { python3 -m gptoss_fp8.cli.main bench prefill "$@"; }
-  # (--cuda-graph: the same forward also captured as a CUDA graph and timed; eager stays the headline)
+# Whole-model prefill on our kernels at full depth; transformers bf16 beside it where it fits (20b).
+# (--cuda-graph: the same forward also captured as a CUDA graph and timed; eager stays the headline)
+# prefill = prefill-20b + prefill-long (20b 65536 / 128000, 120b 8192 / 128000), each ~3-4 min.
+b() { python3 -m gptoss_fp8.cli.main bench prefill "$@"; }
+if has prefill || has prefill-20b; then
   b --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 --cuda-graph --json "$OUT/prefill_20b.json" 2>&1 | tee "$OUT/prefill_20b.log"
+fi
+if has prefill || has prefill-long; then
   b --model 20b --tokens 65536,128000 --runs 2 --warmup 1 --no-peer --cuda-graph --json "$OUT/prefill_20b_long.json" 2>&1 | tee "$OUT/prefill_20b_long.log"
   b --model 120b --tokens 8192,128000 --runs 2 --warmup 1 --no-peer --cuda-graph --json "$OUT/prefill_120b.json" 2>&1 | tee "$OUT/prefill_120b.log"
 fi
+if has router; then  # the router kernel against torch's route, plain and graph-timed
+  python3 -c "from gptoss_fp8.bench.kernels_gemm import bench_router
+for r in bench_router([1024, 8192, 32768]): print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})" 2>&1 | tee "$OUT/bench_router.log"
+fi
 if has ab; then
-  python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,graph,unfused-combine 2>&1 | tee "$OUT/ab_prefill.log"
+  python3 benchmarks/ab_prefill.py --model 20b --tokens ${AB_TOKENS:-8192,32768} --runs 8 --variants ${AB_VARIANTS:-default,graph,torch-router} 2>&1 | tee "$OUT/ab_prefill.log"
 fi
 if has launch; then
   # host time per call (launch path) against GPU time, dense GEMM and fused MoE at small sizes

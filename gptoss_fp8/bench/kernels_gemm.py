@@ -201,10 +201,35 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]
     return rows
 
 
+def bench_router(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]:
+    """The router kernel (GEMM + bias + top-k + softmax, int32 ids) against torch's ``route`` (bf16
+    linear, topk, softmax, int32 cast: what the model ran before), plain and CUDA-graph timed."""
+    from gptoss_fp8.kernels.router import router
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for e in experts:
+        wr = (torch.randn(e, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5).to(torch.bfloat16)
+        br = (0.1 * torch.randn(e, device="cuda", generator=g)).to(torch.bfloat16)
+        for t in tokens:
+            x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+            ours = lambda: router(x, wr, br, TOP_K)  # noqa: E731
+            peer = lambda: route(x, wr, br, TOP_K)  # noqa: E731
+            row = _row(f"router E={e} top{TOP_K} T={t}", 2.0 * t * HIDDEN * e, _ms(ours), "torch route (linear+topk+softmax)", _ms(peer))
+            row.update(graph_ms=_ms_graph(ours), peer_graph_ms=_ms_graph(peer))
+            row["graph_ratio"] = row["peer_graph_ms"] / row["graph_ms"]
+            # device time of other tiles (BLOCK_T, warps, stages), for the next choice of router_config
+            row["configs_graph_ms"] = {str(c): _ms_graph(lambda c=c: router(x, wr, br, TOP_K, config=c))
+                                       for c in ((32, 4, 4), (64, 4, 3), (64, 4, 5), (16, 4, 4), (128, 8, 3))}
+            rows.append(row)
+    return rows
+
+
 def bench(tokens: list[int]) -> list[dict]:
     """Rows {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (peer_ms / ms; > 1: ours faster)};
-    dense rows also graph_ms, peer_graph_ms and graph_ratio (CUDA-graph replay: device time only)."""
-    return bench_dense(tokens) + bench_moe(tokens)
+    dense and router rows also graph_ms, peer_graph_ms and graph_ratio (CUDA-graph replay: device
+    time only)."""
+    return bench_dense(tokens) + bench_moe(tokens) + bench_router(tokens)
 
 
 # ------------------------------------------------------------------------------------------------

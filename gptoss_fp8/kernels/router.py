@@ -29,6 +29,7 @@ def _router_kernel(
     T, H, E, stride_x, stride_w, stride_l,
     HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -38,7 +39,7 @@ def _router_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
+        k_ok = (offs_k < H) | EVEN_K  # no K mask when BLOCK_K divides H: Triton then pipelines the loads
         a = tl.load(x_ptr + rows64[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:  # the interpreter's bf16 arithmetic is not the GPU's: products in fp32
@@ -70,11 +71,20 @@ def _router_kernel(
     tl.store(wts_ptr + out, w.to(wts_ptr.dtype.element_ty), mask=ok)
 
 
+def router_config(num_experts: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, num_stages): tokens per program (all experts in one tile)."""
+    if not on_gpu:
+        return 16, 4, 1
+    return (32, 4, 4) if num_experts <= 64 else (64, 4, 3)
+
+
 def router(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+    config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x bf16 [T, H], weight bf16 [E, H], bias bf16 [E] (or None), top_k <= E ->
-    (logits bf16 [T, E], ids int32 [T, k] sorted by logit, weights bf16 [T, k] = softmax over them)."""
+    (logits bf16 [T, E], ids int32 [T, k] sorted by logit, weights bf16 [T, k] = softmax over them).
+    ``config``: (BLOCK_T, num_warps, num_stages) instead of ``router_config``'s."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     t, h = x.shape
     assert weight.dim() == 2 and weight.shape[1] == h and weight.is_contiguous(), f"router weight {tuple(weight.shape)} for H={h}"
@@ -89,14 +99,14 @@ def router(
     if t == 0:
         return logits, ids, wts
     on_gpu = x.device.type == "cuda"
-    block_e = max(16, triton.next_power_of_2(e))
-    block_t = 64 if (on_gpu and e > 64) else (32 if on_gpu else 16)
+    block_t, warps, stages = config or router_config(e, on_gpu)
+    block_k = 64
     _router_kernel[(triton.cdiv(t, block_t),)](
         x, weight, bias if bias is not None else weight, logits, ids, wts,
         t, h, e, x.stride(0), weight.stride(0), logits.stride(0),
         HAS_BIAS=bias is not None, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=64, UPCAST=not on_gpu,
-        num_warps=4, num_stages=3,
+        BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(e)), BLOCK_K=block_k, UPCAST=not on_gpu,
+        EVEN_K=h % block_k == 0, num_warps=warps, num_stages=stages,
     )
     return logits, ids, wts
 
