@@ -36,7 +36,7 @@ def main() -> None:
             same_set = (ids.long().sort(-1).values == ref_ids.sort(-1).values).all(-1)
             sel = torch.gather(logits.float(), 1, ids.long())
             wu = ulps(wts, torch.softmax(sel, -1).to(torch.bfloat16))
-            print(f"T={t} E={e} cfg={cfg or router_config(e, True)}: logits ulps max {u.max().item():.1f}, "
+            print(f"T={t} E={e} cfg={cfg or router_config(t, e, True)}: logits ulps max {u.max().item():.1f}, "
                   f"> 1 ulp {int((u > 1).sum())} of {u.numel()}, max rel err vs fp64 {fp32_err.max().item():.2e}; "
                   f"ids == own top-k {bool(torch.equal(ids.long(), own))}; same expert set as torch "
                   f"{same_set.float().mean().item():.4f}; weights ulps max {wu.max().item():.1f}", flush=True)

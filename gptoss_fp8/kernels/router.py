@@ -71,11 +71,16 @@ def _router_kernel(
     tl.store(wts_ptr + out, w.to(wts_ptr.dtype.element_ty), mask=ok)
 
 
-def router_config(num_experts: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_T, num_warps, num_stages): tokens per program (all experts in one tile)."""
+def router_config(num_tokens: int, num_experts: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, num_stages): tokens per program (all experts in one tile). From the
+    H200 (CUDA-graph device time, 2880 hidden, top-4): 32 experts (64, 4, 5) 12.8 us at 8192 tokens
+    against 16.4 for (32, 4, 4) and 20.1 for (64, 4, 3); 128 experts (64, 4, 5) 20.1 us at 8192,
+    (128, 8, 3) 62 us at 32768 against 77-80 for the 64-token tiles."""
     if not on_gpu:
         return 16, 4, 1
-    return (32, 4, 4) if num_experts <= 64 else (64, 4, 3)
+    if num_experts > 64 and num_tokens > 16384:
+        return 128, 8, 3
+    return 64, 4, 5
 
 
 def router(
@@ -99,7 +104,7 @@ def router(
     if t == 0:
         return logits, ids, wts
     on_gpu = x.device.type == "cuda"
-    block_t, warps, stages = config or router_config(e, on_gpu)
+    block_t, warps, stages = config or router_config(t, e, on_gpu)
     block_k = 64
     _router_kernel[(triton.cdiv(t, block_t),)](
         x, weight, bias if bias is not None else weight, logits, ids, wts,
