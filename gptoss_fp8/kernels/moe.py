@@ -26,7 +26,6 @@ W13 scale_inv [E, ceil(2I/128), ceil(H/128)], W2 scale_inv [E, ceil(H/128), ceil
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -38,6 +37,7 @@ from gptoss_fp8.kernels.act_quant import (
     quantize_with_scale,
 )
 from gptoss_fp8.kernels.fp8_gemm import fp8_block_mainloop, store_rows
+from gptoss_fp8.kernels.router import router_reference
 from gptoss_fp8.quant.fp8 import (
     ACT_EPS,
     BLOCK,
@@ -51,7 +51,7 @@ SWIGLU_ALPHA = 1.702
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing and alignment (torch)
+# Routing (torch: kernels/router.py's reference) and alignment
 # ---------------------------------------------------------------------------------------------
 
 
@@ -63,9 +63,7 @@ def route(
     logits = x @ Wr^T + br in x's dtype, ``topk(sorted=True)``, softmax over the k selected logits
     in that dtype (gpt-oss reference numerics).
     """
-    logits = F.linear(x, router_weight, router_bias)
-    vals, ids = torch.topk(logits, top_k, dim=-1, sorted=True)
-    weights = torch.softmax(vals, dim=-1)
+    _, ids, weights = router_reference(x, router_weight, router_bias, top_k)
     return weights, ids.to(torch.int32)
 
 

@@ -116,10 +116,16 @@ def router(
     return logits, ids, wts
 
 
+def select_experts(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's selection from router logits [T, E]: (ids int64 [T, k] of ``topk(sorted=True)``,
+    weights = softmax over those k logits, in the logits' dtype)."""
+    top = torch.topk(logits, top_k, dim=-1, sorted=True)
+    return top.indices, torch.softmax(top.values, dim=-1)
+
+
 def router_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference's router in plain torch: (logits, ids int64, weights), as ``router``."""
     logits = F.linear(x, weight, bias)
-    top = torch.topk(logits, top_k, dim=-1, sorted=True)
-    return logits, top.indices, torch.softmax(top.values, dim=-1)
+    return logits, *select_experts(logits, top_k)

@@ -83,9 +83,10 @@ class ReferenceOps:
               top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The MoE router: (logits bf16 [T, E] = the bf16 linear with bias, expert ids [T, k] of the
         top-k logits sorted descending, weights bf16 [T, k] = softmax over those k logits in bf16)."""
+        from gptoss_fp8.kernels.router import select_experts
+
         g = self.linear(x, weight, None, bias)
-        top = torch.topk(g, k=top_k, dim=-1, sorted=True)
-        return g, top.indices, torch.softmax(top.values, dim=1)
+        return g, *select_experts(g, top_k)
 
     def expert_ffn(self, x: torch.Tensor, idx: torch.Tensor, experts: dict[str, torch.Tensor | None],
                    first_expert: int, limit: float, partial: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
