@@ -369,10 +369,11 @@ def test_linears_equal_separate_linears(ns):
 
 @pytest.mark.parametrize("ns,d", [((256, 128, 128), 64), ((128, 32, 32), 16)], ids=["fused", "unaligned"])
 def test_qkv_rope_equals_linears_then_rope(ns, d):
-    """``qkv_rope``: q and k are the rotated ``linears`` outputs (through the GEMM epilogue when
-    every N is a multiple of 128, else linears + rope), v unchanged, and the attention on them the
-    same. Bit for bit in the interpreter; on the GPU within one bf16 ulp of the rotation's parts
-    (tests/kernels/test_fp8_gemm.py says why)."""
+    """``qkv_rope``: q and k are the rotated ``linears`` outputs, bit for bit, with each head's
+    features in rotary pair order when the GEMM epilogue rotated them (N multiples of 128), as they
+    are otherwise; v unchanged; the attention over either order agrees."""
+    from gptoss_fp8.kernels.fp8_gemm import rope_pair_rows
+
     dev = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(6)
     t = 21
@@ -388,19 +389,18 @@ def test_qkv_rope_equals_linears_then_rope(ns, d):
     want_q = ops.rope(lq.view(t, -1, d), cos, sin).reshape(t, -1)
     want_k = ops.rope(lk.view(t, -1, d), cos, sin).reshape(t, -1)
     fused = all(n % 128 == 0 for n in ns)
-    assert len(ops._fused_rope) == int(fused), "the fused rope GEMM was (not) taken"
-    assert torch.equal(v, lv)
-    for got, want in ((q, want_q), (k, want_k)):
-        if HAS_CUDA and fused:
-            assert (got.float() - want.float()).abs().max().item() <= 2.0**-7 * want.float().abs().max().item()
-            assert (got == want).float().mean().item() >= 0.99
-        else:
-            assert torch.equal(got, want)
+    if fused:
+        want_q = want_q[:, rope_pair_rows(ns[0] // d, d, dev)]
+        want_k = want_k[:, rope_pair_rows(ns[1] // d, d, dev)]
+        assert len(ops._fused_rope) == 1, "the fused rope GEMM was not taken"
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, lv)
     kv = ns[1] // d
     sinks = torch.randn(ns[0] // d, generator=g).bfloat16().to(dev)
     got = ops.attention(q.reshape(t, kv, -1, d), k.reshape(t, kv, d), v.reshape(t, kv, d), sinks, d ** -0.5, 0)
-    want = ops.attention(want_q.reshape(t, kv, -1, d), want_k.reshape(t, kv, d), lv.view(t, kv, d), sinks, d ** -0.5, 0)
-    assert rel(want.float(), got.float()) <= (1e-3 if HAS_CUDA and fused else 0.0)
+    lq_r = ops.rope(lq.view(t, -1, d), cos, sin)
+    natural = ops.attention(lq_r.reshape(t, kv, -1, d), ops.rope(lk.view(t, -1, d), cos, sin), lv.view(t, kv, d),
+                            sinks, d ** -0.5, 0)
+    assert rel(natural.float(), got.float()) <= (1e-3 if fused else 0.0)
 
 
 def _cfg_head_dim(d: int):

@@ -50,7 +50,7 @@ def fp8_block_mainloop(
     b_src, b_row0, b_col0, N_B, stride_bn, bs_ptr, stride_bsn,
     K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, SPLIT_N: tl.constexpr = True, HALVES: tl.constexpr = False,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, SPLIT_N: tl.constexpr = True,
 ):
     """sum over K of (A[rows] * s_a) @ (B[b_col0 : b_col0 + BLOCK_N] * s_b)^T in fp32.
 
@@ -67,9 +67,6 @@ def fp8_block_mainloop(
     B operand [N_B, K]: with B_TMA a descriptor (block [min(BLOCK_N, 128), BLOCK_K]) read from row
     ``b_row0``, else a pointer (rows clamped to N_B - 1). Weight scales at bs_ptr + (col // 128) *
     stride_bsn + k block. BLOCK_K must equal the group (128).
-    HALVES (BLOCK_N <= 128): the tile as two BLOCK_N / 2 halves (acc_lo, acc_hi), both inside one
-    weight scale block (one scale), the B descriptor's block [BLOCK_N / 2, BLOCK_K]: the rope
-    epilogue pairs column j of one half with column j of the other without moving data.
     """
     offs_k = tl.arange(0, BLOCK_K)
     if not A_TMA:
@@ -78,10 +75,7 @@ def fp8_block_mainloop(
     bs_lo = bs_ptr + (b_col0 // BLOCK_K) * stride_bsn
     if BLOCK_N > BLOCK_K:
         bs_hi = bs_ptr + (tl.minimum(b_col0 + BLOCK_K, N_B - 1) // BLOCK_K) * stride_bsn
-    if HALVES:
-        acc_lo = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-        acc_hi = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-    elif BLOCK_N > BLOCK_K and SPLIT_N:
+    if BLOCK_N > BLOCK_K and SPLIT_N:
         acc_lo = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         acc_hi = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     else:
@@ -93,14 +87,7 @@ def fp8_block_mainloop(
         else:
             a = tl.load(a_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0)
         s_a = tl.load(as_ptrs + kb)
-        if HALVES:
-            HN: tl.constexpr = BLOCK_N // 2
-            b_lo = _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, HN, BLOCK_K, B_TMA)
-            b_hi = _load_b_tile(b_src, b_row0 + HN, b_col0 + HN, N_B, k0, K, stride_bn, HN, BLOCK_K, B_TMA)
-            sc = (s_a * tl.load(bs_lo + kb))[:, None]
-            acc_lo += tl.dot(a, b_lo) * sc
-            acc_hi += tl.dot(a, b_hi) * sc
-        elif BLOCK_N > BLOCK_K and SPLIT_N:
+        if BLOCK_N > BLOCK_K and SPLIT_N:
             b_lo = _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, BLOCK_K, BLOCK_K, B_TMA)
             b_hi = _load_b_tile(b_src, b_row0 + BLOCK_K, b_col0 + BLOCK_K, N_B, k0, K, stride_bn, BLOCK_K, BLOCK_K, B_TMA)
             acc_lo += tl.dot(a, b_lo) * (s_a * tl.load(bs_lo + kb))[:, None]
@@ -112,7 +99,7 @@ def fp8_block_mainloop(
         else:
             b = _load_b_tile(b_src, b_row0, b_col0, N_B, k0, K, stride_bn, BLOCK_N, BLOCK_K, B_TMA)
             acc_lo += tl.dot(a, b) * (s_a * tl.load(bs_lo + kb))[:, None]
-    if HALVES or (BLOCK_N > BLOCK_K and SPLIT_N):
+    if BLOCK_N > BLOCK_K and SPLIT_N:
         return acc_lo, acc_hi
     else:
         return acc_lo, acc_lo
@@ -130,36 +117,32 @@ def store_rows(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIA
 
 
 @triton.jit
-def store_rows_rope(c_ptr, rows, row_mask, acc_lo, acc_hi, col0, N, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr,
+def store_rows_rope(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr,
                     WIDTH: tl.constexpr, cos_ptr, sin_ptr, rot_cols, HALF: tl.constexpr):
-    """``store_rows`` of a tile computed as two halves (``HALVES``) whose weight rows were put in
-    ``rope_tile_rows`` order: in a tile below ``rot_cols`` the low half holds the first halves (x1)
-    of the tile's heads and the high half their second halves (x2), so x1[j] and x2[j] sit at the
-    same place of acc_lo and acc_hi. They are rotated by row r's angle (cos/sin fp32 [rows, HALF]
-    at [r, j]) and stored at the heads' natural columns. The value rotated is the bf16-rounded acc
-    (+ bias), as ``rope_qk`` reads it from memory, with the same fp32 arithmetic and one more
-    rounding. Tiles from rot_cols on (v) are stored as computed (their rows are not permuted).
+    """``store_rows`` of a bf16 output whose columns below ``rot_cols`` are rotary pairs.
+
+    Columns come in (x1, x2) pairs (2j, 2j + 1) of one head (the weight rows permuted by
+    ``rope_pair_rows``); pair j of a head is rotated by row r's angle: cos/sin fp32 [rows, HALF] at
+    [r, j]. The value rotated is the bf16-rounded acc (+ bias), as ``rope_qk`` reads it from memory,
+    with the same fp32 arithmetic and one more rounding: the bits of fp8_gemm then rope_qk.
     """
-    HW: tl.constexpr = WIDTH // 2
-    j = tl.arange(0, HW)
-    rot = col0 < rot_cols  # whole tiles: rot_cols is a multiple of WIDTH
-    if HAS_BIAS:  # the bias in the weights' (permuted) row order
-        acc_lo += tl.load(bias_ptr + col0 + j, mask=col0 + j < N, other=0.0).to(tl.float32)[None, :]
-        acc_hi += tl.load(bias_ptr + col0 + HW + j, mask=col0 + HW + j < N, other=0.0).to(tl.float32)[None, :]
-    x1 = acc_lo.to(c_ptr.dtype.element_ty).to(tl.float32)
-    x2 = acc_hi.to(c_ptr.dtype.element_ty).to(tl.float32)
-    feat = j % HALF
-    cs = rows[:, None] * HALF + feat[None, :]
-    cs_mask = row_mask[:, None] & rot
+    offs_n = col0 + tl.arange(0, WIDTH)
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    h = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(h, (acc.shape[0], WIDTH // 2, 2)))
+    pair_col = col0 + 2 * tl.arange(0, WIDTH // 2)  # column of each pair's x1
+    rot = pair_col < rot_cols
+    cs = rows[:, None] * HALF + ((pair_col // 2) % HALF)[None, :]
+    cs_mask = row_mask[:, None] & rot[None, :]
     c = tl.load(cos_ptr + cs, mask=cs_mask, other=1.0)
     s = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0)
-    o1 = tl.where(rot, x1 * c - x2 * s, x1)
-    o2 = tl.where(rot, x2 * c + x1 * s, x2)
-    col_lo = tl.where(rot, col0 + (j // HALF) * (2 * HALF) + feat, col0 + j)  # natural head order
-    col_hi = tl.where(rot, col_lo + HALF, col0 + HW + j)
-    row_ptr = c_ptr + rows[:, None] * stride_cm
-    tl.store(row_ptr + col_lo[None, :], o1.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (col_lo < N)[None, :])
-    tl.store(row_ptr + col_hi[None, :], o2.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (col_hi < N)[None, :])
+    o1 = tl.where(rot[None, :], x1 * c - x2 * s, x1)
+    o2 = tl.where(rot[None, :], x2 * c + x1 * s, x2)
+    out = tl.reshape(tl.join(o1, o2), (acc.shape[0], WIDTH))
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -170,7 +153,7 @@ def _fp8_gemm_kernel(
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr = False,
-    ROPE_HALF: tl.constexpr = 0,  # > 0: the tile as two halves, rotated below rot_cols (store_rows_rope)
+    ROPE_HALF: tl.constexpr = 0,  # > 0: rotary pairs in columns < rot_cols (store_rows_rope)
 ):
     # num_progs programs walk the tiles (persistent when it is the SM count); FLATTEN fuses the
     # tile and K loops into one software-pipelined loop (the next tile's loads overlap this
@@ -192,13 +175,19 @@ def _fp8_gemm_kernel(
         acc_lo, acc_hi = fp8_block_mainloop(
             a_src, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
             b_src, pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr, stride_bsn,
-            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA, SPLIT_N, ROPE_HALF > 0,
+            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA, SPLIT_N,
         )
         rows = offs_m.to(tl.int64)
         row_mask = offs_m < M
         if ROPE_HALF > 0:
-            store_rows_rope(c_ptr, rows, row_mask, acc_lo, acc_hi, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS,
-                            BLOCK_N, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
+            if BLOCK_N > BLOCK_K and SPLIT_N:
+                store_rows_rope(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS,
+                                BLOCK_K, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
+                store_rows_rope(c_ptr, rows, row_mask, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_cm, bias_ptr,
+                                HAS_BIAS, BLOCK_K, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
+            else:
+                store_rows_rope(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS,
+                                BLOCK_N, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
         elif BLOCK_N > BLOCK_K and SPLIT_N:
             store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
             store_rows(c_ptr, rows, row_mask, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
@@ -247,10 +236,10 @@ def fp8_gemm(
     ``gptoss_fp8.quant.fp8.block_gemm_reference`` up to fp32 summation order.
 
     ``rope=(cos, sin, rot_cols)``: the epilogue also applies the rotary embedding to output
-    columns < rot_cols (the q and k heads of a fused q/k/v projection; a multiple of 128) for token
-    positions 0..M-1: cos/sin fp32 [>= M, D/2], D dividing 128. The weight rows (and bias) below
-    rot_cols must be in ``rope_tile_rows`` order; the output is in the natural order, the plain
-    GEMM's output rotated as ``rope_qk`` does it (fp32, one more rounding). bf16 out only.
+    columns < rot_cols (q and k heads of a fused q/k/v projection), for token positions 0..M-1:
+    cos/sin fp32 [>= M, D/2]; the weight's rows of each rotated head must be in the pair order of
+    ``rope_pair_rows`` (x1[j], x2[j] adjacent), so the output holds the rotated head in that order
+    too. bf16 out only; the result is bit for bit ``rope_qk`` (same permutation) of the plain GEMM.
     """
     assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
@@ -287,11 +276,8 @@ def fp8_gemm(
             f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want [>= {m} positions, D/2]"
         )
         assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous(), "cos/sin fp32 contiguous"
-        assert BLOCK % (2 * half) == 0, f"rope head_dim {2 * half} must divide {BLOCK}"
-        assert 0 <= rot_cols <= n and rot_cols % BLOCK == 0, f"rotated columns {rot_cols}: whole {BLOCK}-row weight blocks within N={n}"
+        assert 0 <= rot_cols <= n and rot_cols % (2 * half) == 0, f"rotated columns {rot_cols}: whole heads of {2 * half} within N={n}"
     cfg = dict(config or dense_config(m, n, k))
-    if rope is not None:  # the rotation pairs the two halves of a 128-column tile (rope_tile_rows)
-        cfg.update(BLOCK_N=BLOCK, SPLIT_N=True)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     assert bn in (16, 32, 64, 128, 256), f"BLOCK_N={bn}: tiles must not straddle a 128-column weight block"
     tma = cfg.pop("TMA", False)
@@ -303,7 +289,7 @@ def fp8_gemm(
     tma = tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
     if tma:
         a_src = TensorDescriptor.from_tensor(a, [bm, BLOCK])
-        b_src = TensorDescriptor.from_tensor(w_fp8, [bn // 2 if rope is not None else min(bn, BLOCK) if split else bn, BLOCK])
+        b_src = TensorDescriptor.from_tensor(w_fp8, [min(bn, BLOCK) if split else bn, BLOCK])
     else:
         a_src, b_src = a, w_fp8
     _fp8_gemm_kernel[(num_progs,)](
@@ -316,21 +302,18 @@ def fp8_gemm(
     return out.reshape(*lead, n)
 
 
-def rope_tile_rows(n_rows: int, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Weight row order for ``fp8_gemm(..., rope=...)``: in each 128-row block (one weight scale
-    block, one output tile), the first halves of its heads' rows, then their second halves.
+def rope_pair_rows(n_heads: int, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Row order for ``fp8_gemm(..., rope=...)``: within each head, rows (j, j + D/2) made adjacent.
 
-    ``w[rope_tile_rows(n, d)]`` and ``bias[rope_tile_rows(n, d)]`` (n a multiple of 128, d dividing
-    128): rows stay in their scale block, so the block scales are unchanged. For d = 128 it is the
-    identity. ``argsort()`` undoes it.
+    ``w[rope_pair_rows(h, d)]`` (and the bias likewise) puts head h's output feature j at column
+    2j and feature j + D/2 at 2j + 1. Applied to both q and k, it leaves every q.k product (so the
+    attention) unchanged; ``rope_pair_rows(...).argsort()`` undoes it. The 128-row weight scale
+    blocks keep their rows when D divides 128 (the permutation stays in a head, a head in a block).
     """
-    assert n_rows % BLOCK == 0 and BLOCK % head_dim == 0 and head_dim % 2 == 0, (
-        f"{n_rows} rows / head_dim {head_dim}: want rows a multiple of {BLOCK}, head_dim an even divisor of it"
-    )
     half = head_dim // 2
-    r = torch.arange(BLOCK, device=device).view(BLOCK // head_dim, 2, half)  # [head, half, feature]
-    within = r.transpose(0, 1).reshape(-1)  # x1 of every head of the block, then every x2
-    return (torch.arange(n_rows // BLOCK, device=device)[:, None] * BLOCK + within[None, :]).reshape(-1)
+    j = torch.arange(half, device=device)
+    within = torch.stack((j, j + half), dim=1).reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
+    return (torch.arange(n_heads, device=device)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 def fp8_linear(

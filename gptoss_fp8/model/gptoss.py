@@ -222,7 +222,8 @@ class GptOss(nn.Module):
         """Attention block on the normed stream t [T, H] -> its residual delta (bf16, or float32
         partial sums over ranks reduced here: the caller rounds once)."""
         a, d = layer.self_attn, self.cfg.head_dim
-        # q [T, Hl * D], k / v [T, KVl * D]; q and k rotated
+        # q [T, Hl * D], k / v [T, KVl * D]; q and k rotated (their head features possibly permuted
+        # alike by the backend: the attention's q.k products are the same)
         q, k, v = ops.qkv_rope(t, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
                                cos, sin, d)
         n = t.shape[0]

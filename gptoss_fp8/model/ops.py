@@ -72,7 +72,9 @@ class ReferenceOps:
     def qkv_rope(self, x: torch.Tensor, projs: list[tuple], cos: torch.Tensor, sin: torch.Tensor,
                  head_dim: int) -> list[torch.Tensor]:
         """The attention inputs: q, k, v = ``linears(x, projs)`` ([T, heads * D] each), with q and k
-        rotated (``rope`` per head, positions 0..T-1). A backend may fuse the three."""
+        rotated (``rope`` per head, positions 0..T-1). A backend may return q and k with the same
+        permutation of each head's D features (rotary pairs side by side): every q.k product, and so
+        the attention, is unchanged by it; v keeps its order."""
         q, k, v = self.linears(x, projs)
         n = x.shape[0]
         q = self.rope(q.view(n, -1, head_dim), cos, sin).view(n, -1)

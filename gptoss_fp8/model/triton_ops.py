@@ -21,8 +21,9 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
   window, GQA); fp32 online softmax, where the reference computes in bf16.
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``. ``qkv_rope``: the q/k/v GEMM with
-  the same rotation in its epilogue (the tile computed as two halves that hold the two halves of
-  its heads: q/k weight rows reordered once, cached), instead of the rope kernel after it.
+  the same rotation in its epilogue (q/k weight rows in rotary pair order, so q and k come out with
+  each head's features permuted alike; the attention is unchanged by that); bit for bit the
+  ``linears`` + ``rope`` pair, permuted.
 * ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
   (within one bf16 ulp of the torch code: reduction order, approximate rsqrt). The same pass
   writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), which the
@@ -150,7 +151,7 @@ class TritonOps(W8A8CpuOps):
         """(weight, scale_inv, bias) concatenated along N, cached per first weight tensor (dropped
         with it; rebuilt if any weight is replaced or modified in place); None when N % 128 != 0
         somewhere or biases are mixed. ``rope_dim`` = D: the rows of all but the last projection
-        (q, k) in ``rope_tile_rows`` order for heads of D (D divides 128: scale blocks unchanged)."""
+        (q, k) in ``rope_pair_rows`` order for heads of D (D divides 128: scale blocks unchanged)."""
         if any(w.shape[0] % 128 for w, _, _ in projs) or len({b is None for _, _, b in projs}) != 1:
             return None
         cache = self._fused_rope if rope_dim else self._fused
@@ -161,9 +162,9 @@ class TritonOps(W8A8CpuOps):
             return hit[1]
         rows = [slice(None)] * len(projs)
         if rope_dim:
-            from gptoss_fp8.kernels.fp8_gemm import rope_tile_rows
+            from gptoss_fp8.kernels.fp8_gemm import rope_pair_rows
 
-            rows[:-1] = [rope_tile_rows(w.shape[0], rope_dim, w.device) for w, _, _ in projs[:-1]]
+            rows[:-1] = [rope_pair_rows(w.shape[0] // rope_dim, rope_dim, w.device) for w, _, _ in projs[:-1]]
         w = torch.cat([w[r] for (w, _, _), r in zip(projs, rows)]).contiguous()
         s = torch.cat([s for _, s, _ in projs]).contiguous()
         b = None if projs[0][2] is None else torch.cat([b[r] for (_, _, b), r in zip(projs, rows)]).contiguous()
@@ -171,9 +172,10 @@ class TritonOps(W8A8CpuOps):
         return w, s, b
 
     def qkv_rope(self, x, projs, cos, sin, head_dim):
-        """q, k, v in one FP8 GEMM whose epilogue rotates q and k (``fp8_gemm(..., rope=...)``, the
-        q/k weight rows in ``rope_tile_rows`` order, cached): the rope kernel's numerics (fp32, one
-        rounding after the GEMM's), so the values of ``linears`` + ``rope``."""
+        """q, k, v in one FP8 GEMM whose epilogue rotates q and k (``fp8_gemm(..., rope=...)``): q
+        and k come back with each head's features in rotary pair order (x1[j], x2[j] side by side),
+        the permutation the op's contract allows (attention is unchanged by it). The rope kernel's
+        numerics (fp32, one rounding after the GEMM's): the bits of linears + rope, permuted."""
         n = x.shape[0]
         if (not self.rope_kernel or len(projs) != 3 or head_dim % 2 or 128 % head_dim
                 or any(w.shape[0] % head_dim for w, _, _ in projs) or cos.shape != (n, head_dim // 2)
