@@ -3,12 +3,11 @@ forward, runs interleaved (A, B, A, B, ...) so clock drift and machine-to-machin
 alike.
 
 Usage (GPU machine): python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 --runs 10 \\
-    [--variants default,graph,unfused-combine,torch-router,separate-rope]
+    [--variants default,graph,unfused-combine,torch-router]
 Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (the MoE's weighted
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "torch-router" (the
-router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "separate-rope" (the
-q/k rope as its own kernel after the q/k/v GEMM instead of in the GEMM's epilogue).
+router as torch's bf16 linear + topk + softmax instead of kernels/router.py).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -33,13 +32,6 @@ class UnfusedCombine(TritonOps):
     moe_combine_add_rms_norm = ReferenceOps.moe_combine_add_rms_norm
 
 
-class SeparateRope(TritonOps):
-    """q/k/v GEMM, then the rope kernel on q and on k (as before 2026-11-29 sixth session), instead of
-    the rotation in the GEMM's epilogue."""
-
-    qkv_rope = ReferenceOps.qkv_rope
-
-
 class TorchRouter(TritonOps):
     """The router in torch (the spec's ``route`` on the GPU), everything else as shipped."""
 
@@ -61,7 +53,6 @@ def main() -> None:
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: (lambda t, o=UnfusedCombine(): prefill_logits(model, t, o)),
             "torch-router": lambda: (lambda t, o=TorchRouter(): prefill_logits(model, t, o)),
-            "separate-rope": lambda: (lambda t, o=SeparateRope(): prefill_logits(model, t, o)),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

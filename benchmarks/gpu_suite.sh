@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|rope|checkpoint|launch|ab|all]...
-#   rope: the q/k rope in the q/k/v GEMM epilogue against the GEMM + rope kernel (device time)
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|all]...
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
 #   checkpoint: bench prefill on a converted checkpoint (synthetic 20b shapes, 2 layers) beside the
@@ -50,10 +49,7 @@ if has router; then  # the router kernel against torch's route, plain and graph-
 for r in bench_router([1024, 8192, 32768]): print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})" 2>&1 | tee "$OUT/bench_router.log"
 fi
 if has ab; then
-  python3 benchmarks/ab_prefill.py --model 20b --tokens ${AB_TOKENS:-8192,32768} --runs 8 --variants ${AB_VARIANTS:-default,separate-rope,graph} 2>&1 | tee "$OUT/ab_prefill.log"
-fi
-if has rope; then  # q/k rope in the q/k/v GEMM epilogue vs the rope kernel after it
-  python3 benchmarks/rope_epilogue.py 2>&1 | tee "$OUT/rope_epilogue.log"
+  python3 benchmarks/ab_prefill.py --model 20b --tokens ${AB_TOKENS:-8192,32768} --runs 8 --variants ${AB_VARIANTS:-default,graph,torch-router} 2>&1 | tee "$OUT/ab_prefill.log"
 fi
 if has launch; then
   # host time per call (launch path) against GPU time, dense GEMM and fused MoE at small sizes

@@ -367,48 +367,6 @@ def test_linears_equal_separate_linears(ns):
     assert torch.equal(got[1], ops.linear(x, *projs[1]))
 
 
-@pytest.mark.parametrize("ns,d", [((256, 128, 128), 64), ((128, 32, 32), 16)], ids=["fused", "unaligned"])
-def test_qkv_rope_equals_linears_then_rope(ns, d):
-    """``qkv_rope``: q and k are the rotated ``linears`` outputs, bit for bit, with each head's
-    features in rotary pair order when the GEMM epilogue rotated them (N multiples of 128), as they
-    are otherwise; v unchanged; the attention over either order agrees."""
-    from gptoss_fp8.kernels.fp8_gemm import rope_pair_rows
-
-    dev = "cuda" if HAS_CUDA else "cpu"
-    g = torch.Generator().manual_seed(6)
-    t = 21
-    x = torch.randn(t, 192, generator=g).bfloat16().to(dev)
-    projs = []
-    for n in ns:
-        w, s = quantize_weight_blocks(torch.randn(n, 192, generator=g) / 14)
-        projs.append((w.to(dev), s.to(dev), (0.1 * torch.randn(n, generator=g)).bfloat16().to(dev)))
-    cos, sin = (c.to(dev) for c in rope_cos_sin(_cfg_head_dim(d), t))
-    ops = get_ops("triton")
-    q, k, v = ops.qkv_rope(x, projs, cos, sin, d)
-    lq, lk, lv = ops.linears(x, projs)
-    want_q = ops.rope(lq.view(t, -1, d), cos, sin).reshape(t, -1)
-    want_k = ops.rope(lk.view(t, -1, d), cos, sin).reshape(t, -1)
-    fused = all(n % 128 == 0 for n in ns)
-    if fused:
-        want_q = want_q[:, rope_pair_rows(ns[0] // d, d, dev)]
-        want_k = want_k[:, rope_pair_rows(ns[1] // d, d, dev)]
-        assert len(ops._fused_rope) == 1, "the fused rope GEMM was not taken"
-    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, lv)
-    kv = ns[1] // d
-    sinks = torch.randn(ns[0] // d, generator=g).bfloat16().to(dev)
-    got = ops.attention(q.reshape(t, kv, -1, d), k.reshape(t, kv, d), v.reshape(t, kv, d), sinks, d ** -0.5, 0)
-    lq_r = ops.rope(lq.view(t, -1, d), cos, sin)
-    natural = ops.attention(lq_r.reshape(t, kv, -1, d), ops.rope(lk.view(t, -1, d), cos, sin), lv.view(t, kv, d),
-                            sinks, d ** -0.5, 0)
-    assert rel(natural.float(), got.float()) <= (1e-3 if fused else 0.0)
-
-
-def _cfg_head_dim(d: int):
-    from gptoss_fp8.convert.synth import preset_config
-
-    return preset_config("tiny", 1, head_dim=d)
-
-
 def test_bench_prefill_knows_presets_and_sizes():
     """What ``bench prefill`` decides before it touches a GPU: a converted checkpoint's config is
     matched to its preset (for the seed's figures and the peer), the weight size it checks against

@@ -13,10 +13,10 @@ Activation memory: the MoE (the largest activations: T * top_k rows of H and of 
 chunks of ``moe_chunk`` (the MoE is per token: chunking changes at most GEMM summation order).
 
 Breakdown: one extra run with CUDA events around every ops call: attention; MoE = router GEMM +
-expert FFN + weighted combine; dense = q/k/v/o projections (activation quantization included;
-the q/k rope runs in the q/k/v GEMM's epilogue on the triton backend) + lm_head; norm = the
-RMSNorms with their residual adds (after the MoE also its weighted combine, fused into that pass);
-other = the rest of the wall time (embedding, a separate rope, launch gaps). Each GEMM part shows its FLOPs, achieved TFLOP/s
+expert FFN + weighted combine; dense = q/k/v/o projections (activation quantization included) +
+lm_head; norm = the RMSNorms with their residual adds (after the MoE also its weighted combine,
+fused into that pass); other = the rest of the wall time
+(embedding, rope, top-k/softmax, launch gaps). Each GEMM part shows its FLOPs, achieved TFLOP/s
 and floor (FLOPs at the measured peak, ``PEAK_TFLOPS``).
 
 The transformers peer (``prefill_peer.py``) runs after our model is freed, on the same shapes and
@@ -158,7 +158,7 @@ class TimedOps:
 
     # ops method -> breakdown part (``linear`` is split by its weight below); anything else the
     # model calls runs untimed and lands in "other"
-    PARTS = {"linears": "dense", "qkv_rope": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
+    PARTS = {"linears": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
              "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
              "attention": "attention"}
 

@@ -117,43 +117,13 @@ def store_rows(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIA
 
 
 @triton.jit
-def store_rows_rope(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr,
-                    WIDTH: tl.constexpr, cos_ptr, sin_ptr, rot_cols, HALF: tl.constexpr):
-    """``store_rows`` of a bf16 output whose columns below ``rot_cols`` are rotary pairs.
-
-    Columns come in (x1, x2) pairs (2j, 2j + 1) of one head (the weight rows permuted by
-    ``rope_pair_rows``); pair j of a head is rotated by row r's angle: cos/sin fp32 [rows, HALF] at
-    [r, j]. The value rotated is the bf16-rounded acc (+ bias), as ``rope_qk`` reads it from memory,
-    with the same fp32 arithmetic and one more rounding: the bits of fp8_gemm then rope_qk.
-    """
-    offs_n = col0 + tl.arange(0, WIDTH)
-    n_mask = offs_n < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    h = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-    x1, x2 = tl.split(tl.reshape(h, (acc.shape[0], WIDTH // 2, 2)))
-    pair_col = col0 + 2 * tl.arange(0, WIDTH // 2)  # column of each pair's x1
-    rot = pair_col < rot_cols
-    cs = rows[:, None] * HALF + ((pair_col // 2) % HALF)[None, :]
-    cs_mask = row_mask[:, None] & rot[None, :]
-    c = tl.load(cos_ptr + cs, mask=cs_mask, other=1.0)
-    s = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0)
-    o1 = tl.where(rot[None, :], x1 * c - x2 * s, x1)
-    o2 = tl.where(rot[None, :], x2 * c + x1 * s, x2)
-    out = tl.reshape(tl.join(o1, o2), (acc.shape[0], WIDTH))
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
 def _fp8_gemm_kernel(
-    a_src, as_ptr, b_src, bs_ptr, bias_ptr, c_ptr, cos_ptr, sin_ptr,
-    M, N, K, num_progs, rot_cols,
+    a_src, as_ptr, b_src, bs_ptr, bias_ptr, c_ptr,
+    M, N, K, num_progs,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr = False,
-    ROPE_HALF: tl.constexpr = 0,  # > 0: rotary pairs in columns < rot_cols (store_rows_rope)
 ):
     # num_progs programs walk the tiles (persistent when it is the SM count); FLATTEN fuses the
     # tile and K loops into one software-pipelined loop (the next tile's loads overlap this
@@ -179,16 +149,7 @@ def _fp8_gemm_kernel(
         )
         rows = offs_m.to(tl.int64)
         row_mask = offs_m < M
-        if ROPE_HALF > 0:
-            if BLOCK_N > BLOCK_K and SPLIT_N:
-                store_rows_rope(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS,
-                                BLOCK_K, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
-                store_rows_rope(c_ptr, rows, row_mask, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_cm, bias_ptr,
-                                HAS_BIAS, BLOCK_K, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
-            else:
-                store_rows_rope(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS,
-                                BLOCK_N, cos_ptr, sin_ptr, rot_cols, ROPE_HALF)
-        elif BLOCK_N > BLOCK_K and SPLIT_N:
+        if BLOCK_N > BLOCK_K and SPLIT_N:
             store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
             store_rows(c_ptr, rows, row_mask, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
         else:
@@ -225,7 +186,6 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     config: dict | None = None,
     out: torch.Tensor | None = None,
-    rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """FP8 block GEMM with fused bias.
 
@@ -234,12 +194,6 @@ def fp8_gemm(
     bias [N] bf16/fp32 or None; ``out`` an optional contiguous [..., N] tensor to write into.
     Returns ``out_dtype`` [..., N]. Agrees with
     ``gptoss_fp8.quant.fp8.block_gemm_reference`` up to fp32 summation order.
-
-    ``rope=(cos, sin, rot_cols)``: the epilogue also applies the rotary embedding to output
-    columns < rot_cols (q and k heads of a fused q/k/v projection), for token positions 0..M-1:
-    cos/sin fp32 [>= M, D/2]; the weight's rows of each rotated head must be in the pair order of
-    ``rope_pair_rows`` (x1[j], x2[j] adjacent), so the output holds the rotated head in that order
-    too. bf16 out only; the result is bit for bit ``rope_qk`` (same permutation) of the plain GEMM.
     """
     assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
@@ -267,16 +221,6 @@ def fp8_gemm(
         out = out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
-    rot_cols, half, cos, sin = 0, 0, out, out
-    if rope is not None:
-        cos, sin, rot_cols = rope
-        half = cos.shape[-1]
-        assert out_dtype == torch.bfloat16, f"rope epilogue writes bf16, not {out_dtype}"
-        assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[0] >= m, (
-            f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want [>= {m} positions, D/2]"
-        )
-        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous(), "cos/sin fp32 contiguous"
-        assert 0 <= rot_cols <= n and rot_cols % (2 * half) == 0, f"rotated columns {rot_cols}: whole heads of {2 * half} within N={n}"
     cfg = dict(config or dense_config(m, n, k))
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     assert bn in (16, 32, 64, 128, 256), f"BLOCK_N={bn}: tiles must not straddle a 128-column weight block"
@@ -293,27 +237,13 @@ def fp8_gemm(
     else:
         a_src, b_src = a, w_fp8
     _fp8_gemm_kernel[(num_progs,)](
-        a_src, a_s, b_src, w_scale_inv, bias if bias is not None else out, out, cos, sin,
-        m, n, k, num_progs, rot_cols,
+        a_src, a_s, b_src, w_scale_inv, bias if bias is not None else out, out,
+        m, n, k, num_progs,
         a.stride(0), a_s.stride(0), w_fp8.stride(0), w_scale_inv.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TMA=tma, SPLIT_N=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, ROPE_HALF=half, **cfg,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, **cfg,
     )
     return out.reshape(*lead, n)
-
-
-def rope_pair_rows(n_heads: int, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Row order for ``fp8_gemm(..., rope=...)``: within each head, rows (j, j + D/2) made adjacent.
-
-    ``w[rope_pair_rows(h, d)]`` (and the bias likewise) puts head h's output feature j at column
-    2j and feature j + D/2 at 2j + 1. Applied to both q and k, it leaves every q.k product (so the
-    attention) unchanged; ``rope_pair_rows(...).argsort()`` undoes it. The 128-row weight scale
-    blocks keep their rows when D divides 128 (the permutation stays in a head, a head in a block).
-    """
-    half = head_dim // 2
-    j = torch.arange(half, device=device)
-    within = torch.stack((j, j + half), dim=1).reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
-    return (torch.arange(n_heads, device=device)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 def fp8_linear(

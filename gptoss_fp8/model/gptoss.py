@@ -222,13 +222,12 @@ class GptOss(nn.Module):
         """Attention block on the normed stream t [T, H] -> its residual delta (bf16, or float32
         partial sums over ranks reduced here: the caller rounds once)."""
         a, d = layer.self_attn, self.cfg.head_dim
-        # q [T, Hl * D], k / v [T, KVl * D]; q and k rotated (their head features possibly permuted
-        # alike by the backend: the attention's q.k products are the same)
-        q, k, v = ops.qkv_rope(t, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
-                               cos, sin, d)
+        q, k, v = ops.linears(t, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)])
+        # q [T, Hl * D], k / v [T, KVl * D]
         n = t.shape[0]
-        q = q.view(n, a.n_kv, a.n_heads // a.n_kv, d)
-        o = ops.attention(q, k.view(n, a.n_kv, d), v.view(n, a.n_kv, d), a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+        q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
+        k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
+        o = ops.attention(q, k, v.view(n, a.n_kv, d), a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
         return ops.all_reduce(o, self.par)

@@ -69,18 +69,6 @@ class ReferenceOps:
         projs]``. A backend may quantize x once and run them as one GEMM; the results are the same."""
         return [self.linear(x, w, s, b) for w, s, b in projs]
 
-    def qkv_rope(self, x: torch.Tensor, projs: list[tuple], cos: torch.Tensor, sin: torch.Tensor,
-                 head_dim: int) -> list[torch.Tensor]:
-        """The attention inputs: q, k, v = ``linears(x, projs)`` ([T, heads * D] each), with q and k
-        rotated (``rope`` per head, positions 0..T-1). A backend may return q and k with the same
-        permutation of each head's D features (rotary pairs side by side): every q.k product, and so
-        the attention, is unchanged by it; v keeps its order."""
-        q, k, v = self.linears(x, projs)
-        n = x.shape[0]
-        q = self.rope(q.view(n, -1, head_dim), cos, sin).view(n, -1)
-        k = self.rope(k.view(n, -1, head_dim), cos, sin).view(n, -1)
-        return [q, k, v]
-
     def expert_linear(self, x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
                       bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """One expert's projection. The reference rounds the product to bf16, then adds the bias

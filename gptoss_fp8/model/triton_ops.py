@@ -20,10 +20,7 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
 * ``attention``: ``attention_prefill`` (sinks as an extra softmax column, causal or sliding
   window, GQA); fp32 online softmax, where the reference computes in bf16.
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
-  computes in bf16). Off with ``TritonOps(rope_kernel=False)``. ``qkv_rope``: the q/k/v GEMM with
-  the same rotation in its epilogue (q/k weight rows in rotary pair order, so q and k come out with
-  each head's features permuted alike; the attention is unchanged by that); bit for bit the
-  ``linears`` + ``rope`` pair, permuted.
+  computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
 * ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
   (within one bf16 ulp of the torch code: reduction order, approximate rsqrt). The same pass
   writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), which the
@@ -88,7 +85,6 @@ class TritonOps(W8A8CpuOps):
         self.moe_config = moe_config
         self._positions: dict[tuple, torch.Tensor] = {}
         self._fused = WeakIdKeyDictionary()  # fused q/k/v weights, keyed by the q weight tensor
-        self._fused_rope = WeakIdKeyDictionary()  # the same with q/k rows in rotary pair order
         # normed activations -> (version, their act_quant), written by the norm kernels in the same
         # pass; the linears and the MoE after a norm use it instead of quantizing again
         self._quantized = WeakIdKeyDictionary()
@@ -147,52 +143,22 @@ class TritonOps(W8A8CpuOps):
         y = fp8_gemm(xq, xs, *fused)
         return list(y.split([w.shape[0] for w, _, _ in projs], dim=-1))
 
-    def _fused_weights(self, projs, rope_dim: int = 0):
+    def _fused_weights(self, projs):
         """(weight, scale_inv, bias) concatenated along N, cached per first weight tensor (dropped
         with it; rebuilt if any weight is replaced or modified in place); None when N % 128 != 0
-        somewhere or biases are mixed. ``rope_dim`` = D: the rows of all but the last projection
-        (q, k) in ``rope_pair_rows`` order for heads of D (D divides 128: scale blocks unchanged)."""
+        somewhere or biases are mixed."""
         if any(w.shape[0] % 128 for w, _, _ in projs) or len({b is None for _, _, b in projs}) != 1:
             return None
-        cache = self._fused_rope if rope_dim else self._fused
         key = projs[0][0]
         stamp = tuple((id(t), _version(t)) for p in projs for t in p if t is not None)
-        hit = cache.get(key)
+        hit = self._fused.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        rows = [slice(None)] * len(projs)
-        if rope_dim:
-            from gptoss_fp8.kernels.fp8_gemm import rope_pair_rows
-
-            rows[:-1] = [rope_pair_rows(w.shape[0] // rope_dim, rope_dim, w.device) for w, _, _ in projs[:-1]]
-        w = torch.cat([w[r] for (w, _, _), r in zip(projs, rows)]).contiguous()
+        w = torch.cat([w for w, _, _ in projs]).contiguous()
         s = torch.cat([s for _, s, _ in projs]).contiguous()
-        b = None if projs[0][2] is None else torch.cat([b[r] for (_, _, b), r in zip(projs, rows)]).contiguous()
-        cache[key] = (stamp, (w, s, b))
+        b = None if projs[0][2] is None else torch.cat([b for _, _, b in projs]).contiguous()
+        self._fused[key] = (stamp, (w, s, b))
         return w, s, b
-
-    def qkv_rope(self, x, projs, cos, sin, head_dim):
-        """q, k, v in one FP8 GEMM whose epilogue rotates q and k (``fp8_gemm(..., rope=...)``): q
-        and k come back with each head's features in rotary pair order (x1[j], x2[j] side by side),
-        the permutation the op's contract allows (attention is unchanged by it). The rope kernel's
-        numerics (fp32, one rounding after the GEMM's): the bits of linears + rope, permuted."""
-        n = x.shape[0]
-        if (not self.rope_kernel or len(projs) != 3 or head_dim % 2 or 128 % head_dim
-                or any(w.shape[0] % head_dim for w, _, _ in projs) or cos.shape != (n, head_dim // 2)
-                or sin.shape != cos.shape or not cos.is_floating_point()
-                or not all(w.dtype == FP8_DTYPE and s is not None and w.dim() == 2 for w, s, _ in projs)
-                or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1
-                or projs[0][0].shape[1] % 16):
-            return super().qkv_rope(x, projs, cos, sin, head_dim)
-        fused = self._fused_weights(projs, rope_dim=head_dim)
-        if fused is None:
-            return super().qkv_rope(x, projs, cos, sin, head_dim)
-        from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
-
-        xq, xs = self._act_quant(x)
-        rot = projs[0][0].shape[0] + projs[1][0].shape[0]
-        y = fp8_gemm(xq, xs, *fused, rope=(cos.float().contiguous(), sin.float().contiguous(), rot))
-        return list(y.split([w.shape[0] for w, _, _ in projs], dim=-1))
 
     # --- experts ---------------------------------------------------------------------------------
     def route(self, x, weight, bias, top_k):

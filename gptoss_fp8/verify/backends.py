@@ -38,9 +38,9 @@ from gptoss_fp8.quant.fp8 import FP8_DTYPE
 MODES: dict[str, str] = {"weights": "reference", "w8a8": "w8a8-cpu", "kernels": "triton"}  # mode -> ops backend
 ORDER = tuple(MODES)
 SHORTHANDS: dict[str, tuple[str, ...]] = {"both": ("weights", "w8a8"), "all": ORDER}
-# Ops of the triton backend that only dispatch to other ops when they hand over (``linears``: one
-# ``linear`` per projection; ``qkv_rope``: ``linears`` + ``rope``), counted where they land.
-DISPATCHERS = frozenset({"linears", "qkv_rope"})
+# Ops of the triton backend that only dispatch to another op (``linears``: one ``linear`` per
+# projection), whose hand-overs are counted where they land.
+DISPATCHERS = frozenset({"linears"})
 
 
 def kernels_unavailable(device: str) -> str | None:
