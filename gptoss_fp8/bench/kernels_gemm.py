@@ -384,12 +384,13 @@ def moe_variants(moe_tokens: list[int]) -> list[dict]:
     return rows
 
 
-PROBE_CONFIGS = [  # the dense_config defaults, then Triton's Hopper warp specialization (WS)
+PROBE_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True, FLATTEN=True),
     dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSISTENT=2, FLATTEN=True),
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, TMA=True, WS=True),
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, WS=True),
-    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, WS=True),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True, PERSISTENT=2, FLATTEN=True),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True, FLATTEN=True,
+         SPLIT_N=False),
 ]
 
 
@@ -411,15 +412,6 @@ def probe(tokens: list[int]) -> list[dict]:
                     rows.append(dict(case=f"probe {name} M={m} rep{rep}", config=label, ms=plain, graph_ms=graph,
                                      tflops=_tflops(2.0 * m * n * k, plain), graph_tflops=_tflops(2.0 * m * n * k, graph)))
                     print(rows[-1], flush=True)
-    best: dict[tuple[str, str], float] = {}
-    for r in rows:
-        key = (r["case"].rsplit(" rep", 1)[0], r["config"])
-        best[key] = min(best.get(key, float("inf")), r["graph_ms"])
-    print("graph ms, best of 2 (ratio = peer / ours):")
-    for case in dict.fromkeys(c for c, _ in best):
-        peer = best[(case, "peer")]
-        cells = [f"{best[(case, json.dumps(c))]:.4f} ({peer / best[(case, json.dumps(c))]:.3f})" for c in PROBE_CONFIGS]
-        print(f"  {case}: peer {peer:.4f} | " + " | ".join(cells), flush=True)
     return rows
 
 

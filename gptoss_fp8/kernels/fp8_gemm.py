@@ -50,7 +50,7 @@ def fp8_block_mainloop(
     b_src, b_row0, b_col0, N_B, stride_bn, bs_ptr, stride_bsn,
     K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, SPLIT_N: tl.constexpr = True, WS: tl.constexpr = False,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, SPLIT_N: tl.constexpr = True,
 ):
     """sum over K of (A[rows] * s_a) @ (B[b_col0 : b_col0 + BLOCK_N] * s_b)^T in fp32.
 
@@ -80,7 +80,7 @@ def fp8_block_mainloop(
         acc_hi = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     else:
         acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WS):
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kb * BLOCK_K
         if A_TMA:
             a = a_src.load([a_row0, k0])
@@ -124,7 +124,6 @@ def _fp8_gemm_kernel(
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr = False,
-    WS: tl.constexpr = False,
 ):
     # num_progs programs walk the tiles (persistent when it is the SM count); FLATTEN fuses the
     # tile and K loops into one software-pipelined loop (the next tile's loads overlap this
@@ -146,7 +145,7 @@ def _fp8_gemm_kernel(
         acc_lo, acc_hi = fp8_block_mainloop(
             a_src, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
             b_src, pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr, stride_bsn,
-            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA, SPLIT_N, WS,
+            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA, SPLIT_N,
         )
         rows = offs_m.to(tl.int64)
         row_mask = offs_m < M

@@ -182,7 +182,7 @@ def _moe_gemm_kernel(
     FUSE_SWIGLU: tl.constexpr, TOP_K: tl.constexpr, TMA: tl.constexpr, ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr = True,
-    SPLIT_N: tl.constexpr = True, WS: tl.constexpr = False,
+    SPLIT_N: tl.constexpr = True,
 ):
     """One row tile (one expert) x one column tile of a grouped FP8 block GEMM.
 
@@ -225,7 +225,7 @@ def _moe_gemm_kernel(
     acc_lo, acc_hi = fp8_block_mainloop(
         a_ptr, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
         b_src, expert32 * N + pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr + expert * stride_bse, stride_bsn,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, TMA and A_SORTED, TMA, SPLIT_N, WS,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, TMA and A_SORTED, TMA, SPLIT_N,
     )
     bias_e = bias_ptr + expert * stride_biase
     if FUSE_SWIGLU:

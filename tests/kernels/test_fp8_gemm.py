@@ -71,13 +71,11 @@ VARIANTS = [
     dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=3, TMA=True),
     dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=3),
     dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=3, TMA=True, SPLIT_N=False),
-    dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3, TMA=True, WS=True),
 ]
 
 
 @pytest.mark.parametrize(
-    "config", VARIANTS,
-    ids=["tma", "persistent", "tma-persistent", "tma-persistent-flat", "tma-n256", "ptr-n256", "tma-n256-unsplit", "tma-ws"],
+    "config", VARIANTS, ids=["tma", "persistent", "tma-persistent", "tma-persistent-flat", "tma-n256", "ptr-n256", "tma-n256-unsplit"]
 )
 @pytest.mark.parametrize("n", [200, 100])
 def test_fp8_gemm_variants_small(config, n):
@@ -126,14 +124,11 @@ GPU_VARIANTS = [
     dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True),
     dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, SPLIT_N=False),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True, FLATTEN=True),
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, TMA=True, WS=True),
-    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, WS=True),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_VARIANTS, ids=["ptr", "ptr-n256", "tma-persistent", "tma-n256-unsplit", "tma-persistent-flat",
-                                                  "tma-ws", "tma-ws-64"])
+@pytest.mark.parametrize("config", GPU_VARIANTS, ids=["ptr", "ptr-n256", "tma-persistent", "tma-n256-unsplit", "tma-persistent-flat"])
 @pytest.mark.parametrize("m,n,k", [(3001, 2880, 2880), (200, 64, 160)])
 def test_fp8_gemm_variants_gpu(m, n, k, config):
     _run(m, n, k, seed=m + n, config=config)
