@@ -1,0 +1,244 @@
+"""EXPERIMENT, not used by the package: warp-specialized block-scaled FP8 GEMMs (+ bias) in Gluon
+(triton 3.6's explicit layout / barrier / partition dialect) for sm_90.
+
+Why: Triton's tile language on Hopper cannot warp-specialize our kernels (``tl.range(...,
+warp_specialize=True)`` compiles but hangs at the first launch on the H200, even for a plain FP8
+GEMM: benchmarks/repro_triton_autows_hang.py), and without it the block-scaled main loops and the
+attention cannot overlap their non-MMA work with the tensor cores (benchmarks/notes). Gluon gives
+explicit warp specialization, mbarriers, TMA and wgmma.
+
+Kernels: one TMA producer warp (40 registers); the default partition = two consumer warpgroups
+(64 rows each of a 128 x 128 tile, 232-240 registers) that issue the wgmma of K block i + 1 before
+waiting for block i, then promote block i's fresh product with its 1x128 activation scales and the
+128x128 weight scale (the numerics of kernels/fp8_gemm.py); bias in the epilogue, bf16 out.
+``ws_fp8_gemm_kernel``: one tile per program. ``ws_fp8_gemm_persistent_kernel``: one program per SM
+walking tiles in grouped order; the producer runs ahead into the next tile during the epilogue.
+
+Measured (H200, 2026-11-29 sixth session, ``python3 benchmarks/gluon_ws_gemm.py``, CUDA-graph
+device time): the tile-per-program kernel, correct (relative error 1.67e-3 against the fp32
+reference, the bf16 output rounding) on its first run, 8192x5120x2880: 343 us (704 TFLOP/s) vs
+ours 310-325 us (743-780); 8192x2880x4096: 277-294 us (657-697) vs ours 237-239 us (808-814).
+See benchmarks/notes/kernels_gemm.md for the persistent variant's figures and what to try next.
+Run on the GPU machine: PYTHONPATH=. python3 benchmarks/gluon_ws_gemm.py [M N K]
+"""
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _load_part(a_desc, b_desc, empty, ready, a_bufs, b_bufs, off_m, off_n, n_k, BK: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0]
+    for i in range(n_k):
+        s = i % S
+        ph = (i // S) & 1
+        mbarrier.wait(empty.index(s), ph ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, [off_n, i * BK], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _mma_part(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, stride_asm, stride_bsn, stride_cm,
+              off_m, off_n, n_k, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0]
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    rmask = rows < M
+    acc = gl.zeros((BM, BN), gl.float32, layout)
+    zero = gl.zeros((BM, BN), gl.float32, layout)
+    s_b_ptr = bs_ptr + (off_n // 128) * stride_bsn
+    # MMA i + 1 is issued before MMA i is waited for and promoted: the tensor cores stay busy
+    # while the fresh product of step i is scaled into acc.
+    mbarrier.wait(ready.index(0), 0)
+    cur = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    for i in range(n_k - 1):
+        j = i + 1
+        sj = j % S
+        mbarrier.wait(ready.index(sj), (j // S) & 1)
+        nxt = warpgroup_mma(a_bufs.index(sj), b_bufs.index(sj).permute((1, 0)), zero, use_acc=False, is_async=True)
+        scale = gl.load(as_ptr + rows * stride_asm + i, mask=rmask, other=0.0) * gl.load(s_b_ptr + i)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
+        mbarrier.arrive(empty.index(i % S), count=1)
+        acc = acc + done * gl.expand_dims(scale, 1)
+        cur = nxt
+    last = n_k - 1
+    scale = gl.load(as_ptr + rows * stride_asm + last, mask=rmask, other=0.0) * gl.load(s_b_ptr + last)
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
+    mbarrier.arrive(empty.index(last % S), count=1)
+    acc = acc + done * gl.expand_dims(scale, 1)
+    acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
+    gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+
+
+@gluon.jit
+def ws_fp8_gemm_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn, stride_cm,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+    n_k = gl.cdiv(K, BK)
+    gl.warp_specialize([
+        (_mma_part, (empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, stride_asm, stride_bsn,
+                     stride_cm, off_m, off_n, n_k, BM, BN, layout)),
+        (_load_part, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, off_m, off_n, n_k, BK)),
+    ], [1], [40])
+
+
+@gluon.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    """Grouped tile order: GROUP_M row tiles sweep the column tiles together (L2 reuse)."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
+
+
+@gluon.jit
+def _load_part_p(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs,
+                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0]
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    n_k = gl.cdiv(K, BK)
+    c = 0  # k steps issued by this program over all its tiles: stage c % S, phase (c // S) & 1
+    for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        for kk in range(n_k):
+            s = c % S
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kk * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _mma_part_p(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
+                stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                layout: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0]
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    n_k = gl.cdiv(K, BK)
+    zero = gl.zeros((BM, BN), gl.float32, layout)
+    c = 0
+    for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        rmask = rows < M
+        s_b_ptr = bs_ptr + (pid_n * BN // 128) * stride_bsn
+        acc = gl.zeros((BM, BN), gl.float32, layout)
+        s = c % S
+        mbarrier.wait(ready.index(s), (c // S) & 1)
+        cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        for kk in range(n_k - 1):
+            c1 = c + 1
+            s1 = c1 % S
+            mbarrier.wait(ready.index(s1), (c1 // S) & 1)
+            nxt = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            scale = gl.load(as_ptr + rows * stride_asm + kk, mask=rmask, other=0.0) * gl.load(s_b_ptr + kk)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
+            mbarrier.arrive(empty.index(c % S), count=1)
+            acc = acc + done * gl.expand_dims(scale, 1)
+            cur = nxt
+            c = c1
+        scale = gl.load(as_ptr + rows * stride_asm + (n_k - 1), mask=rmask, other=0.0) * gl.load(s_b_ptr + (n_k - 1))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
+        mbarrier.arrive(empty.index(c % S), count=1)
+        acc = acc + done * gl.expand_dims(scale, 1)
+        c += 1
+        # epilogue: the producer is already loading this program's next tile
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+
+
+@gluon.jit
+def ws_fp8_gemm_persistent_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
+                                  stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
+    gl.warp_specialize([
+        (_mma_part_p, (empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
+                       stride_cm, num_progs, BM, BN, BK, GROUP_M, layout)),
+        (_load_part_p, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, BM, BN, BK, GROUP_M)),
+    ], [1], [40])
+
+
+def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persistent=False, GROUP_M=8):
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    a_l = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.float8e4nv)
+    b_l = gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv)
+    a_d = TensorDescriptor.from_tensor(x, [BM, 128], a_l)
+    b_d = TensorDescriptor.from_tensor(w, [BN, 128], b_l)
+    if persistent:
+        num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), torch.cuda.get_device_properties(x.device).multi_processor_count)
+        ws_fp8_gemm_persistent_kernel[(num_progs,)](
+            a_d, b_d, xs, ws, bias, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0), num_progs,
+            BM=BM, BN=BN, BK=128, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=num_warps)
+        return out
+    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
+    ws_fp8_gemm_kernel[grid](a_d, b_d, xs, ws, bias, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0),
+                             BM=BM, BN=BN, BK=128, STAGES=STAGES, num_warps=num_warps)
+    return out
+
+
+if __name__ == "__main__":
+    from triton.testing import do_bench_cudagraph
+
+    from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+    from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks
+
+    shapes = [tuple(int(v) for v in sys.argv[1:4])] if len(sys.argv) > 3 else [(8192, 5120, 2880), (8192, 2880, 4096)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    variants = {
+        "gluon ws, tile per program, 4 stages": dict(STAGES=4),
+        "gluon ws persistent, 3 stages": dict(STAGES=3, persistent=True),
+        "gluon ws persistent, 4 stages": dict(STAGES=4, persistent=True),
+    }
+    for m, n, k in shapes:
+        x, xs = quantize_act(torch.randn(m, k, device="cuda", generator=g))
+        w, wsc = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) / 30)
+        b = torch.randn(n, device="cuda", generator=g).bfloat16()
+        ref = fp8_gemm_reference(x, xs, w, wsc, b, torch.float32)
+        f = 2 * m * n * k
+        t_ours = do_bench_cudagraph(lambda: fp8_gemm(x, xs, w, wsc, b), rep=25)
+        print(f"{m}x{n}x{k}: ours (Triton, dense_config) {t_ours*1e3:.1f} us ({f/t_ours/1e9:.0f} TFLOP/s)", flush=True)
+        for name, kw in variants.items():
+            y = ws_fp8_gemm(x, xs, w, wsc, b, **kw)
+            torch.cuda.synchronize()
+            rel = ((y.float() - ref).norm() / ref.norm()).item()
+            t = do_bench_cudagraph(lambda kw=kw: ws_fp8_gemm(x, xs, w, wsc, b, **kw), rep=25)
+            print(f"  {name}: rel err {rel:.2e}, {t*1e3:.1f} us ({f/t/1e9:.0f} TFLOP/s), ours/this {t_ours/t:.3f}", flush=True)
