@@ -152,6 +152,7 @@ def _mma_part_p(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M
         s_b_ptr = bs_ptr + (pid_n * BN // 128) * stride_bsn
         acc = gl.zeros((BM, BN), gl.float32, layout)
         s = c % S
+        scale = gl.load(as_ptr + rows * stride_asm, mask=rmask, other=0.0) * gl.load(s_b_ptr)
         mbarrier.wait(ready.index(s), (c // S) & 1)
         cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         for kk in range(n_k - 1):
@@ -159,13 +160,14 @@ def _mma_part_p(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M
             s1 = c1 % S
             mbarrier.wait(ready.index(s1), (c1 // S) & 1)
             nxt = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            scale = gl.load(as_ptr + rows * stride_asm + kk, mask=rmask, other=0.0) * gl.load(s_b_ptr + kk)
+            # the next block's scales, loaded one step ahead (their latency hides behind this step)
+            scale_next = gl.load(as_ptr + rows * stride_asm + kk + 1, mask=rmask, other=0.0) * gl.load(s_b_ptr + kk + 1)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
             mbarrier.arrive(empty.index(c % S), count=1)
             acc = acc + done * gl.expand_dims(scale, 1)
+            scale = scale_next
             cur = nxt
             c = c1
-        scale = gl.load(as_ptr + rows * stride_asm + (n_k - 1), mask=rmask, other=0.0) * gl.load(s_b_ptr + (n_k - 1))
         done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
         mbarrier.arrive(empty.index(c % S), count=1)
         acc = acc + done * gl.expand_dims(scale, 1)
