@@ -18,7 +18,11 @@ Measured (H200, 2026-11-29 sixth session, ``python3 benchmarks/gluon_ws_gemm.py`
 device time): the tile-per-program kernel, correct (relative error 1.67e-3 against the fp32
 reference, the bf16 output rounding) on its first run, 8192x5120x2880: 343 us (704 TFLOP/s) vs
 ours 310-325 us (743-780); 8192x2880x4096: 277-294 us (657-697) vs ours 237-239 us (808-814).
-See benchmarks/notes/kernels_gemm.md for the persistent variant's figures and what to try next.
+Second run (scales loaded one K step ahead in the persistent kernel): 8192x5120x2880 ours 309 us
+(783 TFLOP/s); tile per program 340 us (711), persistent 3 stages 346 us (699), 4 stages 335 us
+(722); 8192x2880x4096 ours 237 us (817); 274 us (705), 262 us (737), 258 us (750). All with the
+same 1.67e-3 error. So 0.86-0.92x of our Triton kernel so far: benchmarks/notes/kernels_gemm.md
+(sixth session) says what to try next.
 Run on the GPU machine: PYTHONPATH=. python3 benchmarks/gluon_ws_gemm.py [M N K]
 """
 import sys
