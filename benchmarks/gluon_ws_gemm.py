@@ -23,7 +23,9 @@ Second run (scales loaded one K step ahead in the persistent kernel): 8192x5120x
 (722); 8192x2880x4096 ours 237 us (817); 274 us (705), 262 us (737), 258 us (750). All with the
 same 1.67e-3 error. So 0.86-0.92x of our Triton kernel so far: benchmarks/notes/kernels_gemm.md
 (sixth session) says what to try next.
-Run on the GPU machine: PYTHONPATH=. python3 benchmarks/gluon_ws_gemm.py [M N K]
+Run on the GPU machine: PYTHONPATH=. python3 benchmarks/gluon_ws_gemm.py [M N K] (each variant in its
+own process with a 90 s timeout). The two-partition variant (``ws_fp8_gemm_split_kernel``) was
+compiled for sm_90 here (each consumer warpgroup syncs only its own 128 threads) but NOT yet run.
 """
 import sys
 
@@ -201,7 +203,93 @@ def ws_fp8_gemm_persistent_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_pt
     ], [1], [40])
 
 
-def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persistent=False, GROUP_M=8):
+@gluon.jit
+def _half_consumer(half: gl.constexpr, a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr,
+                   M, N, K, stride_asm, stride_bsn, stride_cm, num_progs,
+                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+    """Rows half * BM/2 .. of every tile, in a 4-warp partition of its own: the two halves only
+    meet at the stage barriers (each arrives on ``empty``), so they drift apart freely."""
+    HM: gl.constexpr = BM // 2
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    S: gl.constexpr = a_bufs.type.shape[0]
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    n_k = gl.cdiv(K, BK)
+    zero = gl.zeros((HM, BN), gl.float32, layout)
+    c = 0
+    for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        rows = pid_m * BM + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, layout))
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        rmask = rows < M
+        s_b_ptr = bs_ptr + (pid_n * BN // 128) * stride_bsn
+        acc = gl.zeros((HM, BN), gl.float32, layout)
+        s = c % S
+        scale = gl.load(as_ptr + rows * stride_asm, mask=rmask, other=0.0) * gl.load(s_b_ptr)
+        mbarrier.wait(ready.index(s), (c // S) & 1)
+        cur = warpgroup_mma(a_bufs.index(s).slice(half * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        for kk in range(n_k - 1):
+            c1 = c + 1
+            s1 = c1 % S
+            mbarrier.wait(ready.index(s1), (c1 // S) & 1)
+            nxt = warpgroup_mma(a_bufs.index(s1).slice(half * HM, HM), b_bufs.index(s1).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
+            scale_next = gl.load(as_ptr + rows * stride_asm + kk + 1, mask=rmask, other=0.0) * gl.load(s_b_ptr + kk + 1)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
+            mbarrier.arrive(empty.index(c % S), count=1)
+            acc = acc + done * gl.expand_dims(scale, 1)
+            scale = scale_next
+            cur = nxt
+            c = c1
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
+        mbarrier.arrive(empty.index(c % S), count=1)
+        acc = acc + done * gl.expand_dims(scale, 1)
+        c += 1
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+
+
+@gluon.jit
+def _split_worker_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                           stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
+                           BK: gl.constexpr, GROUP_M: gl.constexpr):
+    _half_consumer(1, a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                   stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)
+
+
+@gluon.jit
+def _split_worker_loader(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
+                         BK: gl.constexpr, GROUP_M: gl.constexpr):
+    _load_part_p(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, BM, BN, BK, GROUP_M)
+
+
+@gluon.jit
+def ws_fp8_gemm_split_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
+                             stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent, with the two consumer warpgroups as separate partitions (default = rows 0..63,
+    a 4-warp worker = rows 64..127) and a 1-warp TMA worker; a stage is free when both arrived."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(ready.index(i), count=1)
+    gl.warp_specialize([
+        (_half_consumer, (0, a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                          stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
+        (_split_worker_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N,
+                                  K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
+        (_split_worker_loader, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                                stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
+    ], [4, 1], [232, 40])
+
+
+def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persistent=False, GROUP_M=8, split=False):
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
@@ -209,11 +297,12 @@ def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persi
     b_l = gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv)
     a_d = TensorDescriptor.from_tensor(x, [BM, 128], a_l)
     b_d = TensorDescriptor.from_tensor(w, [BN, 128], b_l)
-    if persistent:
+    if persistent or split:
         num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), torch.cuda.get_device_properties(x.device).multi_processor_count)
-        ws_fp8_gemm_persistent_kernel[(num_progs,)](
+        kernel = ws_fp8_gemm_split_kernel if split else ws_fp8_gemm_persistent_kernel
+        kernel[(num_progs,)](
             a_d, b_d, xs, ws, bias, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0), num_progs,
-            BM=BM, BN=BN, BK=128, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=num_warps)
+            BM=BM, BN=BN, BK=128, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=4 if split else num_warps)
         return out
     grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
     ws_fp8_gemm_kernel[grid](a_d, b_d, xs, ws, bias, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0),
@@ -221,30 +310,53 @@ def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persi
     return out
 
 
-if __name__ == "__main__":
+VARIANTS = {  # name -> ws_fp8_gemm keywords
+    "tile per program, 4 stages": dict(STAGES=4),
+    "persistent, 4 stages": dict(STAGES=4, persistent=True),
+    "persistent, consumers as two partitions, 4 stages": dict(STAGES=4, split=True),
+    "persistent, consumers as two partitions, 3 stages": dict(STAGES=3, split=True),
+}
+SHAPES = [(8192, 5120, 2880), (8192, 2880, 4096)]
+
+
+def _run_one(name: str, m: int, n: int, k: int) -> None:
+    """One variant on one shape (its own process: a hang cannot stop the others)."""
     from triton.testing import do_bench_cudagraph
 
     from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
     from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks
 
-    shapes = [tuple(int(v) for v in sys.argv[1:4])] if len(sys.argv) > 3 else [(8192, 5120, 2880), (8192, 2880, 4096)]
     g = torch.Generator(device="cuda").manual_seed(0)
-    variants = {
-        "gluon ws, tile per program, 4 stages": dict(STAGES=4),
-        "gluon ws persistent, 3 stages": dict(STAGES=3, persistent=True),
-        "gluon ws persistent, 4 stages": dict(STAGES=4, persistent=True),
-    }
+    x, xs = quantize_act(torch.randn(m, k, device="cuda", generator=g))
+    w, wsc = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) / 30)
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    f = 2 * m * n * k
+    if name == "ours":
+        t = do_bench_cudagraph(lambda: fp8_gemm(x, xs, w, wsc, b), rep=25)
+        print(f"{m}x{n}x{k} ours (Triton, dense_config): {t*1e3:.1f} us ({f/t/1e9:.0f} TFLOP/s)", flush=True)
+        return
+    kw = VARIANTS[name]
+    y = ws_fp8_gemm(x, xs, w, wsc, b, **kw)
+    torch.cuda.synchronize()
+    ref = fp8_gemm_reference(x, xs, w, wsc, b, torch.float32)
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    t = do_bench_cudagraph(lambda: ws_fp8_gemm(x, xs, w, wsc, b, **kw), rep=25)
+    print(f"{m}x{n}x{k} gluon {name}: rel err {rel:.2e}, {t*1e3:.1f} us ({f/t/1e9:.0f} TFLOP/s)", flush=True)
+
+
+if __name__ == "__main__":
+    import subprocess
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        _run_one(sys.argv[2], *(int(v) for v in sys.argv[3:6]))
+        sys.exit(0)
+    shapes = [tuple(int(v) for v in sys.argv[1:4])] if len(sys.argv) > 3 else SHAPES
     for m, n, k in shapes:
-        x, xs = quantize_act(torch.randn(m, k, device="cuda", generator=g))
-        w, wsc = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) / 30)
-        b = torch.randn(n, device="cuda", generator=g).bfloat16()
-        ref = fp8_gemm_reference(x, xs, w, wsc, b, torch.float32)
-        f = 2 * m * n * k
-        t_ours = do_bench_cudagraph(lambda: fp8_gemm(x, xs, w, wsc, b), rep=25)
-        print(f"{m}x{n}x{k}: ours (Triton, dense_config) {t_ours*1e3:.1f} us ({f/t_ours/1e9:.0f} TFLOP/s)", flush=True)
-        for name, kw in variants.items():
-            y = ws_fp8_gemm(x, xs, w, wsc, b, **kw)
-            torch.cuda.synchronize()
-            rel = ((y.float() - ref).norm() / ref.norm()).item()
-            t = do_bench_cudagraph(lambda kw=kw: ws_fp8_gemm(x, xs, w, wsc, b, **kw), rep=25)
-            print(f"  {name}: rel err {rel:.2e}, {t*1e3:.1f} us ({f/t/1e9:.0f} TFLOP/s), ours/this {t_ours/t:.3f}", flush=True)
+        for name in ["ours", *VARIANTS]:
+            try:
+                r = subprocess.run([sys.executable, __file__, "--one", name, str(m), str(n), str(k)], timeout=90,
+                                   capture_output=True, text=True)
+                lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip() and "Warning" not in ln]
+                print(lines[-1] if lines else f"{name}: no output (exit {r.returncode})", flush=True)
+            except subprocess.TimeoutExpired:
+                print(f"{m}x{n}x{k} gluon {name}: TIMED OUT after 90 s (hang?)", flush=True)
