@@ -25,7 +25,9 @@ same 1.67e-3 error. So 0.86-0.92x of our Triton kernel so far: benchmarks/notes/
 (sixth session) says what to try next.
 Run on the GPU machine: PYTHONPATH=. python3 benchmarks/gluon_ws_gemm.py [M N K] (each variant in its
 own process with a 90 s timeout). The two-partition variant (``ws_fp8_gemm_split_kernel``) was
-compiled for sm_90 here (each consumer warpgroup syncs only its own 128 threads) but NOT yet run.
+compiled for sm_90 here (each consumer warpgroup syncs only its own 128 threads) but NOT yet run;
+after the two measured runs the persistent consumer and the two-partition one were merged into one
+function (``_consume``, A rows as a slice of the stage buffer) and recompiled, not re-run.
 """
 import sys
 
@@ -40,6 +42,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _stage_ring(a_desc, b_desc, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                CONSUMERS: gl.constexpr):
+    """STAGES A / B tile buffers with their barriers: ``ready`` (TMA bytes landed), ``empty`` (each
+    of the CONSUMERS partitions has released the stage)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+        mbarrier.init(ready.index(i), count=1)
+    return a_bufs, b_bufs, empty, ready
 
 
 @gluon.jit
@@ -92,13 +109,7 @@ def _mma_part(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, 
 def ws_fp8_gemm_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn, stride_cm,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        num_warps: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(ready.index(i), count=1)
+    a_bufs, b_bufs, empty, ready = _stage_ring(a_desc, b_desc, STAGES, BM, BN, BK, 1)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -141,31 +152,35 @@ def _load_part_p(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_prog
 
 
 @gluon.jit
-def _mma_part_p(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
-                stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                layout: gl.constexpr):
+def _consume(ROW0: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr,
+             bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn, stride_cm, num_progs,
+             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+    """Persistent consumer of rows ROW0 .. ROW0 + ROWS of every BM x BN tile (the whole tile with
+    both warpgroups in one partition, or one warpgroup's half in a partition of its own)."""
     S: gl.constexpr = a_bufs.type.shape[0]
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
     n_k = gl.cdiv(K, BK)
-    zero = gl.zeros((BM, BN), gl.float32, layout)
+    zero = gl.zeros((ROWS, BN), gl.float32, layout)
     c = 0
     for tile in range(gl.program_id(0), num_m * num_n, num_progs):
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        rows = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
         rmask = rows < M
         s_b_ptr = bs_ptr + (pid_n * BN // 128) * stride_bsn
-        acc = gl.zeros((BM, BN), gl.float32, layout)
+        acc = gl.zeros((ROWS, BN), gl.float32, layout)
         s = c % S
         scale = gl.load(as_ptr + rows * stride_asm, mask=rmask, other=0.0) * gl.load(s_b_ptr)
         mbarrier.wait(ready.index(s), (c // S) & 1)
-        cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        cur = warpgroup_mma(a_bufs.index(s).slice(ROW0, ROWS), b_bufs.index(s).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
         for kk in range(n_k - 1):
             c1 = c + 1
             s1 = c1 % S
             mbarrier.wait(ready.index(s1), (c1 // S) & 1)
-            nxt = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            nxt = warpgroup_mma(a_bufs.index(s1).slice(ROW0, ROWS), b_bufs.index(s1).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
             # the next block's scales, loaded one step ahead (their latency hides behind this step)
             scale_next = gl.load(as_ptr + rows * stride_asm + kk + 1, mask=rmask, other=0.0) * gl.load(s_b_ptr + kk + 1)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
@@ -188,75 +203,27 @@ def _mma_part_p(empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M
 def ws_fp8_gemm_persistent_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
                                   stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(ready.index(i), count=1)
+    a_bufs, b_bufs, empty, ready = _stage_ring(a_desc, b_desc, STAGES, BM, BN, BK, 1)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
     gl.warp_specialize([
-        (_mma_part_p, (empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
-                       stride_cm, num_progs, BM, BN, BK, GROUP_M, layout)),
+        (_consume, (0, BM, layout, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm,
+                    stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
         (_load_part_p, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, BM, BN, BK, GROUP_M)),
     ], [1], [40])
 
 
-@gluon.jit
-def _half_consumer(half: gl.constexpr, a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr,
-                   M, N, K, stride_asm, stride_bsn, stride_cm, num_progs,
-                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
-    """Rows half * BM/2 .. of every tile, in a 4-warp partition of its own: the two halves only
-    meet at the stage barriers (each arrives on ``empty``), so they drift apart freely."""
-    HM: gl.constexpr = BM // 2
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-    S: gl.constexpr = a_bufs.type.shape[0]
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    n_k = gl.cdiv(K, BK)
-    zero = gl.zeros((HM, BN), gl.float32, layout)
-    c = 0
-    for tile in range(gl.program_id(0), num_m * num_n, num_progs):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        rows = pid_m * BM + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, layout))
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        rmask = rows < M
-        s_b_ptr = bs_ptr + (pid_n * BN // 128) * stride_bsn
-        acc = gl.zeros((HM, BN), gl.float32, layout)
-        s = c % S
-        scale = gl.load(as_ptr + rows * stride_asm, mask=rmask, other=0.0) * gl.load(s_b_ptr)
-        mbarrier.wait(ready.index(s), (c // S) & 1)
-        cur = warpgroup_mma(a_bufs.index(s).slice(half * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
-                            use_acc=False, is_async=True)
-        for kk in range(n_k - 1):
-            c1 = c + 1
-            s1 = c1 % S
-            mbarrier.wait(ready.index(s1), (c1 // S) & 1)
-            nxt = warpgroup_mma(a_bufs.index(s1).slice(half * HM, HM), b_bufs.index(s1).permute((1, 0)), zero,
-                                use_acc=False, is_async=True)
-            scale_next = gl.load(as_ptr + rows * stride_asm + kk + 1, mask=rmask, other=0.0) * gl.load(s_b_ptr + kk + 1)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
-            mbarrier.arrive(empty.index(c % S), count=1)
-            acc = acc + done * gl.expand_dims(scale, 1)
-            scale = scale_next
-            cur = nxt
-            c = c1
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-        mbarrier.arrive(empty.index(c % S), count=1)
-        acc = acc + done * gl.expand_dims(scale, 1)
-        c += 1
-        acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
-        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+@gluon.constexpr_function
+def _warpgroup_layout(BN):
+    """wgmma accumulator layout of one warpgroup (4 warps, 64 rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
 
 
 @gluon.jit
 def _split_worker_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                            stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
                            BK: gl.constexpr, GROUP_M: gl.constexpr):
-    _half_consumer(1, a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
-                   stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)
+    _consume(BM // 2, BM // 2, _warpgroup_layout(BN), empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr,
+             M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)
 
 
 @gluon.jit
@@ -272,16 +239,10 @@ def ws_fp8_gemm_split_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M,
                              STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """Persistent, with the two consumer warpgroups as separate partitions (default = rows 0..63,
     a 4-warp worker = rows 64..127) and a 1-warp TMA worker; a stage is free when both arrived."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(ready.index(i), count=1)
+    a_bufs, b_bufs, empty, ready = _stage_ring(a_desc, b_desc, STAGES, BM, BN, BK, 2)
     gl.warp_specialize([
-        (_half_consumer, (0, a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
-                          stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
+        (_consume, (0, BM // 2, _warpgroup_layout(BN), empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr,
+                    M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
         (_split_worker_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N,
                                   K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
         (_split_worker_loader, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
