@@ -27,7 +27,9 @@ Run on the GPU machine: PYTHONPATH=. python3 benchmarks/gluon_ws_gemm.py [M N K]
 own process with a 90 s timeout). The two-partition variant (``ws_fp8_gemm_split_kernel``) was
 compiled for sm_90 here (each consumer warpgroup syncs only its own 128 threads) but NOT yet run;
 after the two measured runs the persistent consumer and the two-partition one were merged into one
-function (``_consume``, A rows as a slice of the stage buffer) and recompiled, not re-run.
+function (``_consume``, A rows as a slice of the stage buffer) and recompiled, not re-run; the
+TMA-store epilogue (``tma_store=True``: bias-added bf16 tile to shared memory, asynchronous TMA
+store, waited for before the next tile's) was likewise only compiled (164 KB of shared memory).
 """
 import sys
 
@@ -36,6 +38,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -153,10 +156,12 @@ def _load_part_p(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_prog
 
 @gluon.jit
 def _consume(ROW0: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr,
-             bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn, stride_cm, num_progs,
-             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+             bs_ptr, bias_ptr, c_ptr, c_smem, M, N, K, stride_asm, stride_bsn, stride_cm, num_progs,
+             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
     """Persistent consumer of rows ROW0 .. ROW0 + ROWS of every BM x BN tile (the whole tile with
-    both warpgroups in one partition, or one warpgroup's half in a partition of its own)."""
+    both warpgroups in one partition, or one warpgroup's half in a partition of its own).
+    TMA_STORE: c_ptr is a descriptor (block [ROWS, BN]); the tile goes out through c_smem [ROWS, BN]
+    with an asynchronous TMA store, waited for only before c_smem is written again."""
     S: gl.constexpr = a_bufs.type.shape[0]
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
@@ -195,19 +200,32 @@ def _consume(ROW0: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr, empty
         c += 1
         # epilogue: the producer is already loading this program's next tile
         acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
-        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+        if TMA_STORE:
+            tma.store_wait(0)
+            c_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_ptr, [pid_m * BM + ROW0, pid_n * BN], c_smem)
+        else:
+            ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
+            gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def ws_fp8_gemm_persistent_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
                                   stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr,
+                                  num_warps: gl.constexpr):
     a_bufs, b_bufs, empty, ready = _stage_ring(a_desc, b_desc, STAGES, BM, BN, BK, 1)
+    if TMA_STORE:
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_ptr.layout)
+    else:
+        c_smem = a_bufs  # unused
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
     gl.warp_specialize([
-        (_consume, (0, BM, layout, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm,
-                    stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
+        (_consume, (0, BM, layout, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, c_smem, M, N, K,
+                    stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M, TMA_STORE)),
         (_load_part_p, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, BM, BN, BK, GROUP_M)),
     ], [1], [40])
 
@@ -219,38 +237,46 @@ def _warpgroup_layout(BN):
 
 
 @gluon.jit
-def _split_worker_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
-                           stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
-                           BK: gl.constexpr, GROUP_M: gl.constexpr):
+def _split_worker_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, c_bufs, M, N,
+                           K, stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
+                           BK: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
     _consume(BM // 2, BM // 2, _warpgroup_layout(BN), empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr,
-             M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)
+             c_bufs.index(1) if TMA_STORE else c_bufs, M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK,
+             GROUP_M, TMA_STORE)
 
 
 @gluon.jit
-def _split_worker_loader(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
-                         BK: gl.constexpr, GROUP_M: gl.constexpr):
+def _split_worker_loader(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, c_bufs, M, N,
+                         K, stride_asm, stride_bsn, stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr,
+                         BK: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
     _load_part_p(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, BM, BN, BK, GROUP_M)
 
 
 @gluon.jit
 def ws_fp8_gemm_split_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_bsn,
                              stride_cm, num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr,
+                             num_warps: gl.constexpr):
     """Persistent, with the two consumer warpgroups as separate partitions (default = rows 0..63,
     a 4-warp worker = rows 64..127) and a 1-warp TMA worker; a stage is free when both arrived."""
     a_bufs, b_bufs, empty, ready = _stage_ring(a_desc, b_desc, STAGES, BM, BN, BK, 2)
+    if TMA_STORE:
+        c_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BM // 2, BN], c_ptr.layout)
+    else:
+        c_bufs = a_bufs  # unused
     gl.warp_specialize([
         (_consume, (0, BM // 2, _warpgroup_layout(BN), empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr,
-                    M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
-        (_split_worker_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N,
-                                  K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
-        (_split_worker_loader, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
-                                stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M)),
+                    c_bufs.index(0) if TMA_STORE else c_bufs, M, N, K, stride_asm, stride_bsn, stride_cm, num_progs,
+                    BM, BN, BK, GROUP_M, TMA_STORE)),
+        (_split_worker_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, c_bufs,
+                                  M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M, TMA_STORE)),
+        (_split_worker_loader, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_ptr, c_bufs,
+                                M, N, K, stride_asm, stride_bsn, stride_cm, num_progs, BM, BN, BK, GROUP_M, TMA_STORE)),
     ], [4, 1], [232, 40])
 
 
-def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persistent=False, GROUP_M=8, split=False):
+def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persistent=False, GROUP_M=8, split=False,
+                tma_store=False):
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
@@ -261,9 +287,13 @@ def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persi
     if persistent or split:
         num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), torch.cuda.get_device_properties(x.device).multi_processor_count)
         kernel = ws_fp8_gemm_split_kernel if split else ws_fp8_gemm_persistent_kernel
+        c = out
+        if tma_store:  # one store box per consumer partition
+            rows = BM // 2 if split else BM
+            c = TensorDescriptor.from_tensor(out, [rows, BN], gl.NVMMASharedLayout.get_default_for([rows, BN], gl.bfloat16))
         kernel[(num_progs,)](
-            a_d, b_d, xs, ws, bias, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0), num_progs,
-            BM=BM, BN=BN, BK=128, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=4 if split else num_warps)
+            a_d, b_d, xs, ws, bias, c, m, n, k, xs.stride(0), ws.stride(0), out.stride(0), num_progs,
+            BM=BM, BN=BN, BK=128, STAGES=STAGES, GROUP_M=GROUP_M, TMA_STORE=tma_store, num_warps=4 if split else num_warps)
         return out
     grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
     ws_fp8_gemm_kernel[grid](a_d, b_d, xs, ws, bias, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0),
@@ -276,6 +306,8 @@ VARIANTS = {  # name -> ws_fp8_gemm keywords
     "persistent, 4 stages": dict(STAGES=4, persistent=True),
     "persistent, consumers as two partitions, 4 stages": dict(STAGES=4, split=True),
     "persistent, consumers as two partitions, 3 stages": dict(STAGES=3, split=True),
+    "persistent, TMA-store epilogue, 4 stages": dict(STAGES=4, persistent=True, tma_store=True),
+    "persistent, two partitions, TMA-store epilogue, 4 stages": dict(STAGES=4, split=True, tma_store=True),
 }
 SHAPES = [(8192, 5120, 2880), (8192, 2880, 4096)]
 
