@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from gptoss_fp8.kernels import sm_count
+
 
 @gluon.jit
 def _stage_ring(a_desc, b_desc, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
@@ -285,7 +287,7 @@ def ws_fp8_gemm(x, xs, w, ws, bias, BM=128, BN=128, STAGES=4, num_warps=8, persi
     a_d = TensorDescriptor.from_tensor(x, [BM, 128], a_l)
     b_d = TensorDescriptor.from_tensor(w, [BN, 128], b_l)
     if persistent or split:
-        num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), torch.cuda.get_device_properties(x.device).multi_processor_count)
+        num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), sm_count(x.device))
         kernel = ws_fp8_gemm_split_kernel if split else ws_fp8_gemm_persistent_kernel
         c = out
         if tma_store:  # one store box per consumer partition
