@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|all]...
 #   gluon: the Gluon warp-specialized FP8 GEMM experiment against our kernel (each variant with a timeout)
+#   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
 #   checkpoint: bench prefill on a converted checkpoint (synthetic 20b shapes, 2 layers) beside the
@@ -53,7 +54,10 @@ if has ab; then
   python3 benchmarks/ab_prefill.py --model 20b --tokens ${AB_TOKENS:-8192,32768} --runs 8 --variants ${AB_VARIANTS:-default,graph,torch-router} 2>&1 | tee "$OUT/ab_prefill.log"
 fi
 if has gluon; then
-  python3 benchmarks/gluon_ws_gemm.py 2>&1 | tee "$OUT/gluon_ws_gemm.log"
+  timeout 420 python3 benchmarks/gluon_ws_gemm.py 2>&1 | tee "$OUT/gluon_ws_gemm.log"
+fi
+if has tiles; then
+  timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"
 fi
 if has launch; then
   # host time per call (launch path) against GPU time, dense GEMM and fused MoE at small sizes
