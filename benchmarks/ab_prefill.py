@@ -7,7 +7,9 @@ Usage (GPU machine): python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 
 Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (the MoE's weighted
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "torch-router" (the
-router as torch's bf16 linear + topk + softmax instead of kernels/router.py).
+router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "triton-gemm" (the
+dense GEMMs on the Triton kernel at every size, i.e. without the Gluon warp-specialized kernel that
+fp8_gemm picks from WS_MIN_ROWS rows on, seventh session).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -38,6 +40,20 @@ class TorchRouter(TritonOps):
     route = W8A8CpuOps.route
 
 
+def _triton_gemm(fn):
+    """fn with fp8_gemm's Gluon kernel switched off for the call."""
+    from gptoss_fp8.kernels import fp8_gemm as mod
+
+    def run(t):
+        old, mod.WS_MIN_ROWS = mod.WS_MIN_ROWS, 1 << 62
+        try:
+            return fn(t)
+        finally:
+            mod.WS_MIN_ROWS = old
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="20b")
@@ -53,6 +69,7 @@ def main() -> None:
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: (lambda t, o=UnfusedCombine(): prefill_logits(model, t, o)),
             "torch-router": lambda: (lambda t, o=TorchRouter(): prefill_logits(model, t, o)),
+            "triton-gemm": lambda: _triton_gemm(lambda t: prefill_logits(model, t, ops)),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

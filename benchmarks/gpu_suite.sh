@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|ws|all]...
 #   gluon: the Gluon warp-specialized FP8 GEMM experiment against our kernel (each variant with a timeout)
+#   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
+#   and torch, whole-model A/B with and without it
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
@@ -55,6 +57,14 @@ if has ab; then
 fi
 if has gluon; then
   timeout 420 python3 benchmarks/gluon_ws_gemm.py 2>&1 | tee "$OUT/gluon_ws_gemm.log"
+fi
+if has ws; then
+  python3 -m pytest -q -m gpu tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py 2>&1 | tail -15 | tee "$OUT/ws_tests.log"
+  timeout 300 python3 -m gptoss_fp8.bench.kernels_gemm --probe --tokens ${WS_TOKENS:-1024,2048,4096,8192,32768} --json "$OUT/ws_probe.json" > "$OUT/ws_probe.log" 2>&1
+  tail -3 "$OUT/ws_probe.log"
+  if ! has ab; then
+    timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,triton-gemm 2>&1 | tee "$OUT/ws_ab_prefill.log"
+  fi
 fi
 if has tiles; then
   timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"

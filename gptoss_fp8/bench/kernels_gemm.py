@@ -391,6 +391,9 @@ PROBE_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True, PERSISTENT=2, FLATTEN=True),
     dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True, FLATTEN=True,
          SPLIT_N=False),
+    dict(WS=True, GROUP_M=8, num_stages=4),  # the Gluon warp-specialized kernel (kernels/fp8_gemm_ws.py)
+    dict(WS=True, GROUP_M=8, num_stages=5),
+    dict(WS=True, GROUP_M=16, num_stages=4),
 ]
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gptoss_fp8.kernels import sm_count
+from gptoss_fp8.kernels import fp8_gemm_ws, sm_count
 from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
 from gptoss_fp8.kernels.act_quant import act_quant
 
@@ -156,8 +156,17 @@ def _fp8_gemm_kernel(
             store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
 
 
-def dense_config(m: int, n: int, k: int) -> dict:
+# From this many rows on, where it runs (sm_90, bf16 out, N % 8 == 0), the Gluon warp-specialized
+# kernel (kernels/fp8_gemm_ws.py) replaces the Triton one: benchmarks/notes/kernels_gemm.md (seventh
+# session) has the crossover measurements.
+WS_MIN_ROWS = 4096
+
+
+def dense_config(m: int, n: int, k: int, ws: bool = False) -> dict:
     """Launch configuration by problem size (block shapes, warps, pipeline depth).
+
+    ``ws``: the warp-specialized Gluon kernel can run this call (``fp8_gemm`` decides); it is picked
+    from ``WS_MIN_ROWS`` rows on (``WS=True``; its own 128x128 tiles, ``num_stages`` and ``GROUP_M``).
 
     Picked from H200 measurements (benchmarks/notes/kernels_gemm.md, fourth session's probe: CUDA-
     graph device time beside torch's blockwise ``_scaled_mm``): persistent programs whose tile and K
@@ -166,6 +175,8 @@ def dense_config(m: int, n: int, k: int) -> dict:
     outputs (o_proj's N = 2880) up to 8192 rows; 128x128 tiles, 8 warps, 3 stages, one program per
     SM beyond. Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays.
     """
+    if ws and m >= WS_MIN_ROWS:
+        return dict(WS=True, GROUP_M=8, num_stages=4)
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
     if m <= 64:
@@ -221,7 +232,15 @@ def fp8_gemm(
         out = out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
-    cfg = dict(config or dense_config(m, n, k))
+    ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
+          and fp8_gemm_ws.supported(x_fp8.device))
+    cfg = dict(config or dense_config(m, n, k, ws))
+    if cfg.pop("WS", False):
+        assert ws, ("config WS=True needs the Gluon kernel's conditions: an sm_90 GPU, triton with Gluon, "
+                    "bf16 out, N % 8 == 0, 16-byte aligned x rows")
+        fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=cfg.pop("num_stages", 4),
+                                group_m=cfg.pop("GROUP_M", 8))
+        return out.reshape(*lead, n)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     assert bn in (16, 32, 64, 128, 256), f"BLOCK_N={bn}: tiles must not straddle a 128-column weight block"
     tma = cfg.pop("TMA", False)

@@ -11,6 +11,7 @@ The output is poisoned with NaN first, so every element must be written.
 
 import pytest
 import torch
+import triton
 
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference, fp8_linear
 from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks
@@ -132,3 +133,72 @@ GPU_VARIANTS = [
 @pytest.mark.parametrize("m,n,k", [(3001, 2880, 2880), (200, 64, 160)])
 def test_fp8_gemm_variants_gpu(m, n, k, config):
     _run(m, n, k, seed=m + n, config=config)
+
+
+# The warp-specialized Gluon kernel (kernels/fp8_gemm_ws.py, sm_90 only; fp8_gemm picks it from
+# WS_MIN_ROWS rows on). Forced here at odd shapes: M below and across tiles, N not a multiple of 128
+# (2880, 136, and 64 < one tile), K with half groups (2880, 160), 3-D input, no bias, fp32 bias.
+WS_CASES = [(4097, 2880, 2880, "bf16"), (200, 64, 160, "bf16"), (1, 136, 2880, None), (999, 5120, 4096, "fp32"),
+            (8192, 5760, 2880, "bf16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,bias", WS_CASES)
+def test_fp8_gemm_ws_gpu(m, n, k, bias):
+    from gptoss_fp8.kernels import fp8_gemm_ws
+
+    assert fp8_gemm_ws.supported(torch.device("cuda")), "the H200 (sm_90) must run the Gluon kernel"
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=m + 3 * n + k, bias=bias is not None)
+    if bias == "fp32":
+        b = b.float()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, config=dict(WS=True))
+    assert y.data_ptr() == out.data_ptr()
+    _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_ws_3d_and_stages():
+    for stages in (3, 5):
+        x_fp8, x_scale, w_fp8, w_scale, b = _problem(6000, 512, 2880, seed=stages, lead=(2, 3000))
+        y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=dict(WS=True, num_stages=stages, GROUP_M=4))
+        _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
+
+
+def test_fp8_gemm_ws_refused_where_it_cannot_run():
+    # fp32 output (or, off the GPU, any call): a forced WS config is refused with a clear message
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(8, 64, 160, seed=2)
+    with pytest.raises(AssertionError, match="WS=True needs"):
+        fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32, config=dict(WS=True))
+
+
+def test_fp8_gemm_ws_compiles_for_sm90():
+    """Without a GPU: the Gluon kernel compiles for sm_90 into warp-specialized code (register
+    reallocation between partitions, wgmma on fp8, TMA loads and stores, no local memory), within
+    the shared memory of one SM."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+
+    from gptoss_fp8.kernels import fp8_gemm_ws
+
+    if not fp8_gemm_ws.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = fp8_gemm_ws._ws_fp8_gemm_kernel
+    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>", "b_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
+             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
+    consts = dict(STAGES=4, GROUP_M=8, HAS_BIAS=True)
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
+    k = triton.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 128),
+                       options=dict(num_warps=4, num_stages=1, maxnreg=None))
+    ptx = k.asm["ptx"]
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx), "consumers get 232 registers"
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", ptx), "the producer warp gives registers back"
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx and "cp.async.bulk.tensor.2d.global.shared" in ptx
+    assert ".local" not in ptx, "register spills to local memory"
+    assert k.metadata.num_warps == 4 + 4 + 4 and k.metadata.shared <= 227 * 1024
