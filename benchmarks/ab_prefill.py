@@ -9,7 +9,8 @@ combine as its own kernel before the residual-add + norm, as before 2026-11-29 f
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "torch-router" (the
 router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "triton-gemm" (the
 dense GEMMs on the Triton kernel at every size, i.e. without the Gluon warp-specialized kernel that
-fp8_gemm picks from WS_MIN_ROWS rows on, seventh session).
+fp8_gemm picks from WS_MIN_ROWS rows on, seventh session), "triton-moe" (the expert GEMMs on the
+Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -40,16 +41,18 @@ class TorchRouter(TritonOps):
     route = W8A8CpuOps.route
 
 
-def _triton_gemm(fn):
-    """fn with fp8_gemm's Gluon kernel switched off for the call."""
-    from gptoss_fp8.kernels import fp8_gemm as mod
+def _switched(fn, dense_ws: bool = True, moe_ws: bool = True):
+    """fn with the Gluon warp-specialized dense GEMM and / or expert GEMMs switched off for the call."""
+    from gptoss_fp8.kernels import fp8_gemm, moe
 
     def run(t):
-        old, mod.WS_MIN_ROWS = mod.WS_MIN_ROWS, 1 << 62
+        old = fp8_gemm.WS_MIN_ROWS, moe.WS_MOE
+        fp8_gemm.WS_MIN_ROWS = old[0] if dense_ws else 1 << 62
+        moe.WS_MOE = old[1] and moe_ws
         try:
             return fn(t)
         finally:
-            mod.WS_MIN_ROWS = old
+            fp8_gemm.WS_MIN_ROWS, moe.WS_MOE = old
 
     return run
 
@@ -69,7 +72,9 @@ def main() -> None:
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: (lambda t, o=UnfusedCombine(): prefill_logits(model, t, o)),
             "torch-router": lambda: (lambda t, o=TorchRouter(): prefill_logits(model, t, o)),
-            "triton-gemm": lambda: _triton_gemm(lambda t: prefill_logits(model, t, ops)),
+            "triton-gemm": lambda: _switched(lambda t: prefill_logits(model, t, ops), dense_ws=False),
+            "triton-moe": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws=False),
+            "triton-all": lambda: _switched(lambda t: prefill_logits(model, t, ops), dense_ws=False, moe_ws=False),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|ws|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|ws|moews|all]...
 #   gluon: the Gluon warp-specialized FP8 GEMM experiment against our kernel (each variant with a timeout)
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
+#   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
+#   variants bench, whole-model A/B (20b; 120b at 8192) against the Triton kernels
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
@@ -65,6 +67,14 @@ if has ws; then
   if ! has ab; then
     timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,triton-gemm 2>&1 | tee "$OUT/ws_ab_prefill.log"
   fi
+fi
+if has moews; then
+  timeout 180 python3 -m pytest -x -q -m gpu tests/kernels/test_moe.py -k ws 2>&1 | tail -8 | tee "$OUT/moews_tests.log"
+  timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py 2>&1 | tail -8 | tee -a "$OUT/moews_tests.log"
+  timeout 200 python3 -m gptoss_fp8.bench.kernels_gemm --moe-variants --moe-tokens 8192,32768 --json "$OUT/moews_variants.json" > "$OUT/moews_variants.log" 2>&1
+  tail -2 "$OUT/moews_variants.log"
+  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 6 --variants default,triton-moe,triton-all 2>&1 | tee "$OUT/moews_ab_20b.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 5 --variants default,triton-all 2>&1 | tee "$OUT/moews_ab_120b.log"
 fi
 if has tiles; then
   timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"

@@ -346,16 +346,18 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
 
 
 def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
-    """The default MoE configuration and single changes to it (split products, pipeline depth)."""
+    """The Triton kernels' configuration ("triton", the reference of the comparison) and the Gluon
+    warp-specialized GEMMs (kernels/moe_ws.py) for one or both GEMMs, where they apply."""
     base = moe_config(t, TOP_K, e)
-    gu, dn = base["gate_up"], base["down"]
-    return {
-        "default": base,
-        "gate_up split": dict(base, gate_up=dict(gu, SPLIT_N=True)),
-        "gate_up 3 stages": dict(base, gate_up=dict(gu, num_stages=3)),
-        "gate_up A pregathered (TMA)": dict(base, PREGATHER=True),
-        "down 5 stages": dict(base, down=dict(dn, num_stages=5)),
-    }
+    out = {"triton": base, "triton, gate_up A pregathered (TMA)": dict(base, PREGATHER=True)}
+    ws = moe_config(t, TOP_K, e, ws=True)
+    if ws["gate_up"].get("WS"):
+        out["WS both (default)"] = ws
+        out["WS gate_up, triton down"] = dict(ws, down=base["down"])
+        out["triton gate_up (pregathered), WS down"] = dict(ws, gate_up=base["gate_up"])
+        out["WS both, 5 stages"] = dict(ws, gate_up=dict(ws["gate_up"], num_stages=5),
+                                        down=dict(ws["down"], num_stages=5))
+    return out
 
 
 def moe_variants(moe_tokens: list[int]) -> list[dict]:
@@ -371,13 +373,13 @@ def moe_variants(moe_tokens: list[int]) -> list[dict]:
             variants = _moe_variant_configs(t, e)
             run = {n: (lambda c=c: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K, config=c))
                    for n, c in variants.items()}
-            ref = run["default"]().float()
+            ref = run["triton"]().float()
             for rep in range(2):
                 for name, fn in run.items():
                     ms = _ms_quick(fn)
                     diff = ((fn().float() - ref).norm() / ref.norm()).item()
                     rows.append(dict(case=f"moe E={e} T={t}", config=name, rep=rep, ms=ms, tflops=_tflops(flops, ms),
-                                     rel_vs_default=diff))
+                                     rel_vs_triton=diff))
                     print(rows[-1], flush=True)
         del w13_fp8, w2_fp8
         torch.cuda.empty_cache()

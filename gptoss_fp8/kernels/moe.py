@@ -36,6 +36,7 @@ from gptoss_fp8.kernels.act_quant import (
     quantize_group_rows,
     quantize_with_scale,
 )
+from gptoss_fp8.kernels import moe_ws
 from gptoss_fp8.kernels.fp8_gemm import fp8_block_mainloop, store_rows
 from gptoss_fp8.kernels.router import router_reference
 from gptoss_fp8.quant.fp8 import (
@@ -48,6 +49,9 @@ from gptoss_fp8.quant.fp8 import (
 )
 
 SWIGLU_ALPHA = 1.702
+# The Gluon warp-specialized expert GEMMs (kernels/moe_ws.py) where they can run (moe_config);
+# False keeps the Triton kernels everywhere (benchmarks/ab_prefill.py's "triton-moe" variant).
+WS_MOE = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +378,7 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+def moe_config(num_tokens: int, top_k: int, num_experts: int, ws: bool = False) -> dict:
     """Tile shapes by load (picked from the H200 sweeps in benchmarks/notes/kernels_gemm.md).
 
     ALIGN_M pads each expert's rows (padding waste vs tile efficiency); each GEMM's BLOCK_M
@@ -386,9 +390,15 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     ``SPLIT_N=False`` (gate_up as one 64x256 product per K step, per-column weight scales): each
     warpgroup's wgmma is 64x128 instead of 64x64; the whole FFN 2-5% faster at 8192 and 32768
     tokens, 32 and 128 experts (H200, ``python -m gptoss_fp8.bench.kernels_gemm --moe-variants``).
+    ``ws``: the warp-specialized Gluon GEMMs (kernels/moe_ws.py) can run here (an sm_90 GPU);
+    ``WS=True`` in a GEMM's dict picks them (64-row segments only; gate_up then reads A pre-gathered).
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     align = 64 if rows_per_expert >= 48 else 16
+    if ws and align == 64 and WS_MOE:
+        return dict(ALIGN_M=64, TMA=True, PREGATHER=True,
+                    gate_up=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4),
+                    down=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4))
     return dict(
         ALIGN_M=align,
         TMA=True,
@@ -451,9 +461,14 @@ def moe_expert_slots(
         _zero_foreign_kernel[(triton.cdiv(n_slots, 16), triton.cdiv(h, block_h))](
             topk_ids, y, n_slots, h, expert_start, e, y.stride(0), BLOCK_S=16, BLOCK_H=block_h, num_warps=4,
         )
-    cfg = config or moe_config(t, k, e)
+    cfg = config or moe_config(t, k, e, moe_ws.supported(x.device))
     align = cfg["ALIGN_M"]
     gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
+    ws_gu, ws_dn = bool(gu.pop("WS", False)), bool(dn.pop("WS", False))
+    if ws_gu or ws_dn:
+        assert moe_ws.supported(x.device) and align == moe_ws.TILE_M and cfg.get("TMA"), (
+            f"config WS=True needs an sm_90 GPU, triton with Gluon, TMA and ALIGN_M={moe_ws.TILE_M} (got {align})")
+        assert not ws_gu or cfg.get("PREGATHER"), "WS gate_up reads A pre-gathered: set PREGATHER=True"
     assert gu.pop("BLOCK_N") == 2 * BLOCK, "the SwiGLU-quant epilogue needs 256 gate/up columns per tile"
     bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
     assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
@@ -479,6 +494,27 @@ def moe_expert_slots(
         x_src = x_fp8
     act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
     act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
+    if ws_gu:
+        moe_ws.ws_moe_gemm(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
+                           n_slots, swiglu_limit, True, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
+                           stages=gu.get("num_stages", 4), group_m=gu.get("GROUP_M", 8))
+    else:
+        _gate_up_triton(x_src, x_scale, x_fp8, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
+                        n_slots, swiglu_limit, k, tma, align, bm_gu, pregather, gu)
+    if ws_dn:
+        moe_ws.ws_moe_gemm(act, act_scale, w2, w2_scale_inv, b2, y, None, sorted_slots, block_expert, n_slots,
+                           swiglu_limit, False, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
+                           stages=dn.get("num_stages", 4), group_m=dn.get("GROUP_M", 8))
+        return y
+    _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots, swiglu_limit, k, tma,
+                 align, bm_dn, dn)
+    return y
+
+
+def _gate_up_triton(x_src, x_scale, x_fp8, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
+                    n_slots, swiglu_limit, k, tma, align, bm_gu, pregather, gu):
+    e, two_i, h = w13.shape
+    max_rows = sorted_slots.shape[0]
     split_gu = bool(gu.pop("SPLIT_N", True))  # False: one 256-wide product per K step (per-column scales)
     w13_box = [BLOCK if split_gu else 2 * BLOCK, BLOCK]
     w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), w13_box) if tma else w13
@@ -495,6 +531,11 @@ def moe_expert_slots(
         FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, A_SORTED=pregather, SPLIT_N=split_gu, **gu,
     )
 
+
+def _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots, swiglu_limit, k, tma,
+                 align, bm_dn, dn):
+    e, h, i = w2.shape
+    max_rows = sorted_slots.shape[0]
     bn = dn.pop("BLOCK_N")
     split_dn = bool(dn.pop("SPLIT_N", True))
     if tma:
@@ -514,7 +555,6 @@ def moe_expert_slots(
         FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
         FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, SPLIT_N=split_dn, **dn,
     )
-    return y
 
 
 def moe_experts(

@@ -207,3 +207,79 @@ def test_moe_combine_matches_einsum():
     got = moe_combine(y, w, ids, 2, 4).float()
     want = torch.einsum("bec,be->bc", y.float(), w.float() * here)
     assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-5)
+
+
+# The warp-specialized Gluon expert GEMMs (kernels/moe_ws.py, sm_90 only; the default where the
+# experts' segments are 64-row aligned), forced here: each GEMM alone and both, 5 stages, a
+# tensor-parallel-like shard (I = 720: the last gate_up tile's second warpgroup holds 32 of its 128
+# columns; down's K has a half group) and H = 640 (down's last tile: one warpgroup idle).
+def _ws_config(gate_up=True, down=True, stages=4):
+    from gptoss_fp8.kernels.moe import moe_config
+
+    ws, base = moe_config(8192, 4, 32, ws=True), moe_config(8192, 4, 32)
+    cfg = dict(ws, gate_up=dict(ws["gate_up"], num_stages=stages) if gate_up else base["gate_up"],
+               down=dict(ws["down"], num_stages=stages) if down else base["down"])
+    assert cfg["ALIGN_M"] == 64 and cfg["PREGATHER"], cfg
+    return cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,i,e,e0,n_local,cfg", [
+    (3000, 2880, 2880, 32, 4, 16, _ws_config()),
+    (3000, 2880, 2880, 32, 4, 16, _ws_config(down=False)),
+    (3000, 2880, 2880, 32, 4, 16, _ws_config(gate_up=False)),
+    (2000, 2880, 2880, 128, 0, 128, _ws_config(stages=5)),
+    (1500, 2880, 720, 16, 0, 16, _ws_config()),
+    (700, 640, 1440, 8, 2, 4, _ws_config()),
+], ids=["both", "gate_up", "down", "e128-5stages", "i720", "h640"])
+def test_fused_moe_ws_gpu(t, h, i, e, e0, n_local, cfg):
+    m = _model(t, h, i, e, seed=t + h + i)
+    ex = _shard(m["experts"], e0, n_local)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    y = moe_experts(m["x"], w, ids, *ex, expert_start=e0, config=cfg)
+    _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
+
+
+def test_fused_moe_ws_refused_off_sm90():
+    if HAS_CUDA:
+        pytest.skip("CPU-only check of the refusal message")
+    m = _model(64, 256, 256, 4, seed=3)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    with pytest.raises(AssertionError, match="WS=True needs an sm_90 GPU"):
+        moe_experts(m["x"], w, ids, *m["experts"], config=_ws_config())
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["gate_up", "down"])
+def test_moe_ws_compiles_for_sm90(fuse):
+    """Without a GPU: both Gluon expert GEMMs compile for sm_90 into warp-specialized code
+    (registers moved between partitions, fp8 wgmma, TMA loads, no local memory in the PTX)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from gptoss_fp8.kernels import moe_ws
+
+    if not moe_ws.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = moe_ws._ws_moe_gemm_kernel
+    lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    types = {"a_desc": f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>",
+             "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
+             "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>" if fuse else f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>",
+             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp8e4nv" if fuse else "*bf16",
+             "out_s_ptr": "*fp32" if fuse else "*bf16", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
+    consts = dict(STAGES=4, GROUP_M=8, FUSE_SWIGLU=fuse, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
+    k = triton.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 128),
+                       options=dict(num_warps=4, num_stages=1, maxnreg=None))
+    ptx = k.asm["ptx"]
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == fuse, "TMA store only for gate_up's FP8 output"
+    assert ".local" not in ptx
+    assert k.metadata.num_warps == 12 and k.metadata.shared <= 227 * 1024
