@@ -10,7 +10,8 @@ combine as its own kernel before the residual-add + norm, as before 2026-11-29 f
 router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "triton-gemm" (the
 dense GEMMs on the Triton kernel at every size, i.e. without the Gluon warp-specialized kernel that
 fp8_gemm picks from WS_MIN_ROWS rows on, seventh session), "triton-moe" (the expert GEMMs on the
-Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both).
+Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both), "ws-down" (the Gluon down
+GEMM too, moe.WS_MOE_DOWN).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -41,18 +42,20 @@ class TorchRouter(TritonOps):
     route = W8A8CpuOps.route
 
 
-def _switched(fn, dense_ws: bool = True, moe_ws: bool = True):
-    """fn with the Gluon warp-specialized dense GEMM and / or expert GEMMs switched off for the call."""
+def _switched(fn, dense_ws: bool = True, moe_ws: bool = True, moe_ws_down: bool = False):
+    """fn with the Gluon warp-specialized dense GEMM and / or expert GEMMs switched off (or the down
+    one on) for the call."""
     from gptoss_fp8.kernels import fp8_gemm, moe
 
     def run(t):
-        old = fp8_gemm.WS_MIN_ROWS, moe.WS_MOE
+        old = fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN
         fp8_gemm.WS_MIN_ROWS = old[0] if dense_ws else 1 << 62
         moe.WS_MOE = old[1] and moe_ws
+        moe.WS_MOE_DOWN = moe_ws_down
         try:
             return fn(t)
         finally:
-            fp8_gemm.WS_MIN_ROWS, moe.WS_MOE = old
+            fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN = old
 
     return run
 
@@ -75,6 +78,7 @@ def main() -> None:
             "triton-gemm": lambda: _switched(lambda t: prefill_logits(model, t, ops), dense_ws=False),
             "triton-moe": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws=False),
             "triton-all": lambda: _switched(lambda t: prefill_logits(model, t, ops), dense_ws=False, moe_ws=False),
+            "ws-down": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws_down=True),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

@@ -352,11 +352,13 @@ def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
     out = {"triton": base, "triton, gate_up A pregathered (TMA)": dict(base, PREGATHER=True)}
     ws = moe_config(t, TOP_K, e, ws=True)
     if ws["gate_up"].get("WS"):
-        out["WS both (default)"] = ws
-        out["WS gate_up, triton down"] = dict(ws, down=base["down"])
-        out["triton gate_up (pregathered), WS down"] = dict(ws, gate_up=base["gate_up"])
-        out["WS both, 5 stages"] = dict(ws, gate_up=dict(ws["gate_up"], num_stages=5),
-                                        down=dict(ws["down"], num_stages=5))
+        gu = ws["gate_up"]
+        ws_down = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4)
+        out["WS gate_up (default)"] = ws
+        out["WS both"] = dict(ws, down=ws_down)
+        for stages, group in [(3, 8), (5, 8), (4, 4), (4, 16)]:
+            out[f"WS gate_up {stages} stages, GROUP_M {group}"] = dict(
+                ws, gate_up=dict(gu, num_stages=stages, GROUP_M=group))
     return out
 
 

@@ -49,9 +49,13 @@ from gptoss_fp8.quant.fp8 import (
 )
 
 SWIGLU_ALPHA = 1.702
-# The Gluon warp-specialized expert GEMMs (kernels/moe_ws.py) where they can run (moe_config);
-# False keeps the Triton kernels everywhere (benchmarks/ab_prefill.py's "triton-moe" variant).
+# The Gluon warp-specialized expert GEMMs (kernels/moe_ws.py) where they can run (moe_config):
+# WS_MOE for gate_up (False keeps the Triton kernels everywhere: benchmarks/ab_prefill.py's
+# "triton-moe" variant); WS_MOE_DOWN also for down, off by default: on the H200 the Gluon down GEMM
+# (bf16 rows scattered by pointer stores) ran 5-10% slower than the Triton one, while the Gluon
+# gate_up ran 3-11% faster (benchmarks/notes/kernels_gemm.md, seventh session).
 WS_MOE = True
+WS_MOE_DOWN = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,16 +399,18 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, ws: bool = False) 
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     align = 64 if rows_per_expert >= 48 else 16
+    down_triton = dict(BLOCK_M=align, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
     if ws and align == 64 and WS_MOE:
+        down_ws = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4)
         return dict(ALIGN_M=64, TMA=True, PREGATHER=True,
                     gate_up=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4),
-                    down=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4))
+                    down=down_ws if WS_MOE_DOWN else down_triton)
     return dict(
         ALIGN_M=align,
         TMA=True,
         gate_up=dict(BLOCK_M=align, BLOCK_N=256, GROUP_M=8, num_warps=8 if align == 64 else 4, num_stages=4,
                      SPLIT_N=align != 64),
-        down=dict(BLOCK_M=align, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+        down=down_triton,
     )
 
 

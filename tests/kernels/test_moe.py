@@ -217,8 +217,9 @@ def _ws_config(gate_up=True, down=True, stages=4):
     from gptoss_fp8.kernels.moe import moe_config
 
     ws, base = moe_config(8192, 4, 32, ws=True), moe_config(8192, 4, 32)
+    ws_down = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=stages)  # not the default
     cfg = dict(ws, gate_up=dict(ws["gate_up"], num_stages=stages) if gate_up else base["gate_up"],
-               down=dict(ws["down"], num_stages=stages) if down else base["down"])
+               down=ws_down if down else base["down"])
     assert cfg["ALIGN_M"] == 64 and cfg["PREGATHER"], cfg
     return cfg
 
