@@ -156,10 +156,11 @@ def _fp8_gemm_kernel(
             store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
 
 
-# From this many rows on, where it runs (sm_90, bf16 out, N % 8 == 0), the Gluon warp-specialized
-# kernel (kernels/fp8_gemm_ws.py) replaces the Triton one: benchmarks/notes/kernels_gemm.md (seventh
-# session) has the crossover measurements.
-WS_MIN_ROWS = 4096
+# From this many rows on (twice as many for N <= 3072), where it runs (sm_90, bf16 out, N % 8 == 0),
+# the Gluon warp-specialized kernel (kernels/fp8_gemm_ws.py) replaces the Triton one: H200 probe,
+# benchmarks/notes/kernels_gemm.md (seventh session): 3-6% faster from 2048 rows, as fast at 1024
+# except o_proj's N = 2880 (0.93x there).
+WS_MIN_ROWS = 1024
 
 
 def dense_config(m: int, n: int, k: int, ws: bool = False) -> dict:
@@ -175,8 +176,8 @@ def dense_config(m: int, n: int, k: int, ws: bool = False) -> dict:
     outputs (o_proj's N = 2880) up to 8192 rows; 128x128 tiles, 8 warps, 3 stages, one program per
     SM beyond. Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays.
     """
-    if ws and m >= WS_MIN_ROWS:
-        return dict(WS=True, GROUP_M=8, num_stages=4)
+    if ws and m >= WS_MIN_ROWS * (2 if n <= 3072 else 1):
+        return dict(WS=True, GROUP_M=8, num_stages=5)
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
     if m <= 64:
