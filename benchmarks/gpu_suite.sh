@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|ws|moews|wscheck|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|ws|moews|wscheck|attnws|all]...
 #   gluon: the Gluon warp-specialized FP8 GEMM experiment against our kernel (each variant with a timeout)
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
@@ -9,6 +9,8 @@
 #   variants bench, whole-model A/B (20b; 120b at 8192) against the Triton kernels
 #   wscheck: GPU tests of the kernels and the model (OpenAI's reference included), the MoE variant
 #   sweep and a 20b A/B at 8192 tokens (Gluon defaults vs Triton everywhere vs Gluon down too)
+#   attnws: the Gluon warp-specialized attention: its GPU tests (with a timeout), A/B against the
+#   Triton kernel at 8192 / 32768 / 131072 tokens, the attention GPU tests
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
@@ -82,6 +84,11 @@ if has wscheck; then
   timeout 240 python3 -m pytest -q -m gpu tests/kernels tests/test_triton_ops.py tests/test_verify_kernels.py 2>&1 | tail -8 | tee "$OUT/wscheck_tests.log"
   timeout 170 python3 -m gptoss_fp8.bench.kernels_gemm --moe-variants --moe-tokens 8192,32768 --json "$OUT/wscheck_variants.json" > "$OUT/wscheck_variants.log" 2>&1
   timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 --runs 6 --variants default,triton-all,ws-down 2>&1 | tee "$OUT/wscheck_ab.log"
+fi
+if has attnws; then
+  timeout 120 python3 -m pytest -x -q -m gpu tests/kernels/test_attention.py -k ws 2>&1 | tail -6 | tee "$OUT/attnws_tests.log"
+  timeout 150 python3 benchmarks/attn_ws_ab.py 8192 32768 131072 2>&1 | tee "$OUT/attnws_ab.log"
+  timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/test_verify_kernels.py 2>&1 | tail -4 | tee -a "$OUT/attnws_tests.log"
 fi
 if has tiles; then
   timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"

@@ -40,6 +40,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# The Gluon warp-specialized kernel (kernels/attention_ws.py) for one-sequence causal calls with
+# head_dim 64 on sm_90 (``attention_prefill`` checks the rest); False keeps this kernel everywhere.
+WS_ATTENTION = True
 
 
 @triton.jit
@@ -300,6 +303,10 @@ def attention_prefill(
         sm_scale = 1.0 / math.sqrt(D)
     window = sliding_window if 0 < sliding_window < max_seqlen else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
+    if config is None and _ws_ok(q, k, v, ragged, window, rope):
+        from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
+
+        return ws_attention_prefill(q, k, v, sinks, out, sm_scale)
     cfg = PrefillConfig(*config) if config is not None else default_config(on_gpu, window != _NO_WINDOW, Hq // Hkv)
     BLOCK_M, BLOCK_N, pack = cfg.block_m, cfg.block_n, cfg.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"
@@ -331,6 +338,18 @@ def attention_prefill(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}),
     )
     return out
+
+
+def _ws_ok(q, k, v, ragged, window, rope) -> bool:
+    """Whether the Gluon warp-specialized kernel takes this call: one causal sequence, head_dim 64,
+    no fused rope, [H, D] contiguous per row with 16-byte aligned rows, an sm_90 GPU."""
+    if not WS_ATTENTION or ragged or window != _NO_WINDOW or rope is not None or q.shape[-1] != 64:
+        return False
+    from gptoss_fp8.kernels import attention_ws
+
+    if not attention_ws.supported(q.device):
+        return False
+    return all(t.stride(1) == t.shape[2] and (t.stride(0) * 2) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
 def attention_ref(

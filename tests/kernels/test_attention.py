@@ -358,3 +358,55 @@ def test_decode_gpu(nq, window, splits, fused):
         _poison(B, nq, hq, D)
         out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, num_splits=splits, fused_merge=fused)
         _check(out, ref, gpu=True)
+
+
+# The warp-specialized Gluon kernel (kernels/attention_ws.py): attention_prefill picks it on sm_90
+# for one causal sequence with head_dim 64. Lengths around its 64-query warpgroup tiles and
+# 128-query programs, GQA 8:1 and 1:1, sinks from -10 to +10, q/k/v as views of one fused
+# projection output (the model's layout), against the fp32 reference.
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,hq,hkv", [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1),
+                                      (4099, 64, 8)])
+def test_prefill_ws_gpu(T, hq, hkv):
+    from gptoss_fp8.kernels import attention as attn_mod
+    from gptoss_fp8.kernels.attention_ws import supported
+
+    assert supported(torch.device("cuda")) and attn_mod.WS_ATTENTION, "the H200 must run the Gluon kernel"
+    gen = torch.Generator().manual_seed(T + hq)
+    fused = _rand(T, (hq + 2 * hkv) * D, gen=gen)
+    q, k, v = (t.view(T, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
+    sinks = torch.linspace(-10, 10, hq, device=DEV)
+    assert attn_mod._ws_ok(q, k, v, False, attn_mod._NO_WINDOW, None)
+    out = attention_prefill(q, k, v, sinks)
+    _check(out, attention_ref(q, k, v, sinks), gpu=True)
+
+
+def test_prefill_ws_compiles_for_sm90():
+    """Without a GPU: the Gluon attention compiles for sm_90 into warp-specialized code (registers
+    moved between partitions, bf16 wgmma with P from registers, TMA, no local memory)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from gptoss_fp8.kernels import attention_ws
+
+    if not attention_ws.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API; attention uses its Triton kernel")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = attention_ws._ws_attention_kernel
+    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    types = {n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
+    types.update(sinks_ptr="*bf16", qk_scale="fp32")
+    consts = dict(GROUP=8, STAGES=3)
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
+    k = triton.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 128),
+                       options=dict(num_warps=4, num_stages=1, maxnreg=None))
+    ptx = k.asm["ptx"]
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx and "cp.async.bulk.tensor.2d.global.shared" in ptx
+    assert ".local" not in ptx
+    assert k.metadata.num_warps == 12

@@ -1,0 +1,212 @@
+"""Warp-specialized causal prefill attention with sinks for Hopper (sm_90), in Gluon.
+
+Same contract and numerics as kernels/attention.py's ``attention_prefill`` (whose plain-torch
+reference, ``attention_prefill_ref``, is this kernel's too) for the case the prefill spends most of
+its time in: one sequence, full causal (no window), head_dim 64, bf16, any GQA ratio, q/k/v rows of
+any 16-byte-aligned stride (views of the fused q/k/v projection). ``attention_prefill`` calls it
+there on sm_90; call it through there.
+
+Structure (FlashAttention-3's, on 128 queries x one head per program):
+- a 1-warp producer loads the program's two 64-row Q tiles once, then streams K and V blocks of
+  BLOCK_N keys through a ring of shared-memory stages with TMA (the GQA heads that share a KV head
+  run side by side, so their K/V tiles come from L2);
+- two consumer warpgroups, each a partition of its own with 64 of the queries, run the online
+  softmax in base 2 with the running max starting at the sink (as attention.py). Inside a
+  warpgroup the work is software-pipelined: the QK^T product of block j + 1 and the PV product of
+  block j - 1 are in flight on the tensor cores while block j's softmax runs, and the two
+  warpgroups overlap each other besides. Blocks past a warpgroup's diagonal are skipped (only
+  released); the diagonal blocks get the causal mask.
+- epilogue: O / l in bf16 through shared memory (the Q tile's buffer) and a TMA store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from gptoss_fp8.kernels.fp8_gemm_ws import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+WG_ROWS = 64  # queries per consumer warpgroup
+HEAD_DIM = 64
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
+                      GROUP: gl.constexpr):
+        S: gl.constexpr = k_bufs.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        R: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        head = gl.program_id(0)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (2 * R)
+        kv_col = (head // GROUP) * D
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0, head * D], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [m0 + R, head * D], q_bar, q_smem.index(1))
+        n_blocks = gl.cdiv(gl.minimum(m0 + 2 * R, T), BN)
+        for j in range(n_blocks):
+            s = j % S
+            mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [j * BN, kv_col], ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [j * BN, kv_col], ready.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr):
+        """Block j's scores -> (p, alpha, m_new, l_new) in base 2 (attention.py's arithmetic)."""
+        BN: gl.constexpr = sc.type.shape[1]
+        if MASKED:
+            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
+            visible = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
+            sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            sc = sc - gl.expand_dims(m_new, 1)
+        else:
+            m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+            sc = sc * qk_scale - gl.expand_dims(m_new, 1)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(sc)
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
+                      num_pid_m, qk_scale, GROUP: gl.constexpr):
+        """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head."""
+        S: gl.constexpr = k_bufs.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        R: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        head = gl.program_id(0)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (2 * R)
+        r0 = m0 + W * R
+        rows = r0 + gl.arange(0, R, layout=row_layout)
+        n_blocks = gl.cdiv(gl.minimum(m0 + 2 * R, T), BN)
+        n_full = (r0 + 1) // BN  # blocks every query of this warpgroup sees in full
+        my_blocks = gl.minimum(r0 // BN + 1, n_blocks)  # the rest lie wholly in its future
+        sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
+        m_i = gl.full([R], 0.0, gl.float32, row_layout) + sink
+        l_i = gl.full([R], 1.0, gl.float32, row_layout)
+        acc = gl.zeros([R, D], gl.float32, o_layout)
+        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
+        q = q_smem.index(W)
+        mbarrier.wait(q_bar, 0)
+
+        # block 0
+        mbarrier.wait(ready.index(0), 0)
+        sc = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
+        if n_full > 0:
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, False)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, True)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        for j in range(1, my_blocks):
+            s = j % S
+            sp = (j - 1) % S
+            mbarrier.wait(ready.index(s), (j // S) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            # block j's softmax runs while PV(j - 1) is on the tensor cores
+            if j < n_full:
+                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False)
+            else:
+                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        last = my_blocks - 1
+        acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
+        mbarrier.arrive(empty.index(last % S), count=1)
+        for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
+            mbarrier.wait(ready.index(j % S), (j // S) & 1)
+            mbarrier.arrive(empty.index(j % S), count=1)
+
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
+        q.store(out.to(gl.bfloat16))  # the Q tile's buffer is free now
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [r0, head * D], q)
+        tma.store_wait(0)
+
+    # The two worker partitions take the same arguments (a warp_specialize requirement).
+    @gluon.jit
+    def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
+                              T, num_pid_m, qk_scale, GROUP: gl.constexpr):
+        _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
+                      qk_scale, GROUP)
+
+    @gluon.jit
+    def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
+                       T, num_pid_m, qk_scale, GROUP: gl.constexpr):
+        _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
+
+    @gluon.jit
+    def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
+                             GROUP: gl.constexpr, STAGES: gl.constexpr):
+        R: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, R, D], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+        gl.warp_specialize([
+            (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
+                             qk_scale, GROUP)),
+            (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                                     sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+            (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                              sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+        ], [4, 1], [232, 40])
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with a contiguous [H, D] per row -> the [T, H * D] view (any row stride)."""
+    n, h, d = t.shape
+    return t.as_strided((n, h * d), (t.stride(0), 1))
+
+
+def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
+                         sm_scale: float, block_n: int = 64, stages: int = 3) -> torch.Tensor:
+    """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
+    part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments)."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    bf16 = gl.bfloat16
+
+    def desc(t, rows):
+        return TensorDescriptor.from_tensor(_rows2d(t), [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], bf16))
+
+    num_pid_m = triton.cdiv(T, 2 * WG_ROWS)
+    _ws_attention_kernel[(hq, num_pid_m)](
+        desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
+        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, num_warps=4,
+    )
+    return out
