@@ -13,6 +13,10 @@ from triton.testing import do_bench
 from gptoss_fp8.kernels import attention as attn
 
 
+VARIANTS = [dict(block_n=64, stages=3, warpgroups=2), dict(block_n=128, stages=3, warpgroups=2),
+            dict(block_n=64, stages=3, warpgroups=3), dict(block_n=64, stages=4, warpgroups=3)]
+
+
 def main(lengths):
     g = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, d = 64, 8, 64
@@ -22,20 +26,22 @@ def main(lengths):
         sinks = torch.randn(hq, device="cuda", generator=g)
         flops = 4 * (T * (T + 1) // 2) * d * hq
 
-        def run(ws):
-            attn.WS_ATTENTION = ws
+        def run(variant):
+            old = attn.WS_ATTENTION, attn.WS_CONFIG
+            attn.WS_ATTENTION, attn.WS_CONFIG = variant is not None, variant or old[1]
             try:
                 return attn.attention_prefill(q, k, v, sinks)
             finally:
-                attn.WS_ATTENTION = True
+                attn.WS_ATTENTION, attn.WS_CONFIG = old
 
-        a, b = run(True), run(False)
-        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        base = run(None)
         for rep in range(2):
-            for ws in (True, False):
-                ms = do_bench(lambda: run(ws), warmup=50, rep=300 if T <= 32768 else 2000)
-                print(f"T={T} pass {rep} {'gluon ws' if ws else 'triton  '}: {ms:.3f} ms "
-                      f"({flops / ms / 1e9:.0f} TFLOP/s) | outputs rel diff {rel:.2e}", flush=True)
+            for variant in [None, *VARIANTS]:
+                rel = ((run(variant).float() - base.float()).norm() / base.float().norm()).item()
+                ms = do_bench(lambda: run(variant), warmup=50, rep=300 if T <= 32768 else 2000)
+                name = "triton" if variant is None else "gluon " + " ".join(f"{k}={v}" for k, v in variant.items())
+                print(f"T={T} pass {rep} {name}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) | "
+                      f"vs triton rel {rel:.2e}", flush=True)
 
 
 if __name__ == "__main__":

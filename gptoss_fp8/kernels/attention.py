@@ -41,8 +41,11 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 # The Gluon warp-specialized kernel (kernels/attention_ws.py) for one-sequence causal calls with
-# head_dim 64 on sm_90 (``attention_prefill`` checks the rest); False keeps this kernel everywhere.
-WS_ATTENTION = True
+# head_dim 64 on sm_90 (``attention_prefill`` checks the rest), with WS_CONFIG's tiles. Off by
+# default: on the H200 it ran at 393-395 TFLOP/s against this kernel's 405-432 (8192..131072
+# tokens, benchmarks/notes/kernels_attention.md, seventh session).
+WS_ATTENTION = False
+WS_CONFIG = dict(block_n=64, stages=3, warpgroups=2)
 
 
 @triton.jit
@@ -306,7 +309,7 @@ def attention_prefill(
     if config is None and _ws_ok(q, k, v, ragged, window, rope):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
-        return ws_attention_prefill(q, k, v, sinks, out, sm_scale)
+        return ws_attention_prefill(q, k, v, sinks, out, sm_scale, **WS_CONFIG)
     cfg = PrefillConfig(*config) if config is not None else default_config(on_gpu, window != _NO_WINDOW, Hq // Hkv)
     BLOCK_M, BLOCK_N, pack = cfg.block_m, cfg.block_n, cfg.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"

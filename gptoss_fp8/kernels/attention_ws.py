@@ -50,15 +50,16 @@ if HAS_GLUON:
                       GROUP: gl.constexpr):
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
+        NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         head = gl.program_id(0)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (2 * R)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
         kv_col = (head // GROUP) * D
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0, head * D], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [m0 + R, head * D], q_bar, q_smem.index(1))
-        n_blocks = gl.cdiv(gl.minimum(m0 + 2 * R, T), BN)
+        mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
+        for w in gl.static_range(NWG):
+            tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
+        n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         for j in range(n_blocks):
             s = j % S
             mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)
@@ -90,6 +91,7 @@ if HAS_GLUON:
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
+        NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
@@ -98,10 +100,10 @@ if HAS_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         head = gl.program_id(0)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (2 * R)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
         r0 = m0 + W * R
         rows = r0 + gl.arange(0, R, layout=row_layout)
-        n_blocks = gl.cdiv(gl.minimum(m0 + 2 * R, T), BN)
+        n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         n_full = (r0 + 1) // BN  # blocks every query of this warpgroup sees in full
         my_blocks = gl.minimum(r0 // BN + 1, n_blocks)  # the rest lie wholly in its future
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
@@ -149,11 +151,17 @@ if HAS_GLUON:
         tma.async_copy_shared_to_global(o_desc, [r0, head * D], q)
         tma.store_wait(0)
 
-    # The two worker partitions take the same arguments (a warp_specialize requirement).
+    # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
                               T, num_pid_m, qk_scale, GROUP: gl.constexpr):
         _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
+                      qk_scale, GROUP)
+
+    @gluon.jit
+    def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
+                             T, num_pid_m, qk_scale, GROUP: gl.constexpr):
+        _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
                       qk_scale, GROUP)
 
     @gluon.jit
@@ -163,11 +171,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
-                             GROUP: gl.constexpr, STAGES: gl.constexpr):
+                             GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, R, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NWG, R, D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -176,15 +184,28 @@ if HAS_GLUON:
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-        gl.warp_specialize([
-            (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                             qk_scale, GROUP)),
-            (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                     sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
-            (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                              sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
-        ], [4, 1], [232, 40])
+            mbarrier.init(empty.index(i), count=NWG)  # released by every consumer warpgroup
+        # (argument tuples written out in place: a tuple holding a function cannot be a variable here)
+        if NWG == 3:
+            gl.warp_specialize([
+                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
+                                 num_pid_m, qk_scale, GROUP)),
+                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+            ], [4, 4, 1], [REGS, REGS, 40])
+        else:
+            gl.warp_specialize([
+                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
+                                 num_pid_m, qk_scale, GROUP)),
+                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+            ], [4, 1], [REGS, 40])
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -194,7 +215,7 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
-                         sm_scale: float, block_n: int = 64, stages: int = 3) -> torch.Tensor:
+                         sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments)."""
     T, hq, d = q.shape
@@ -204,9 +225,11 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     def desc(t, rows):
         return TensorDescriptor.from_tensor(_rows2d(t), [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], bf16))
 
-    num_pid_m = triton.cdiv(T, 2 * WG_ROWS)
+    assert warpgroups in (2, 3) and block_n in (64, 128), f"warpgroups {warpgroups}, block_n {block_n}"
+    num_pid_m = triton.cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
-        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, num_warps=4,
+        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=232 if warpgroups == 2 else 160,
+        num_warps=4,
     )
     return out

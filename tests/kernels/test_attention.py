@@ -361,17 +361,25 @@ def test_decode_gpu(nq, window, splits, fused):
 
 
 # The warp-specialized Gluon kernel (kernels/attention_ws.py): attention_prefill picks it on sm_90
-# for one causal sequence with head_dim 64. Lengths around its 64-query warpgroup tiles and
-# 128-query programs, GQA 8:1 and 1:1, sinks from -10 to +10, q/k/v as views of one fused
-# projection output (the model's layout), against the fp32 reference.
+# for one causal sequence with head_dim 64 when WS_ATTENTION is set (off by default, slower so far).
+# Lengths around its 64-query warpgroup tiles and 128/192-query programs, GQA 8:1 and 1:1, sinks
+# from -10 to +10, q/k/v as views of one fused projection output (the model's layout), each tile
+# variant, against the fp32 reference.
+WS_VARIANTS = [dict(block_n=64, stages=3, warpgroups=2), dict(block_n=128, stages=3, warpgroups=2),
+               dict(block_n=64, stages=3, warpgroups=3), dict(block_n=64, stages=4, warpgroups=3)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", WS_VARIANTS, ids=["n64-2wg", "n128-2wg", "n64-3wg", "n64-3wg-4st"])
 @pytest.mark.parametrize("T,hq,hkv", [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1),
                                       (4099, 64, 8)])
-def test_prefill_ws_gpu(T, hq, hkv):
+def test_prefill_ws_gpu(T, hq, hkv, variant, monkeypatch):
     from gptoss_fp8.kernels import attention as attn_mod
     from gptoss_fp8.kernels.attention_ws import supported
 
-    assert supported(torch.device("cuda")) and attn_mod.WS_ATTENTION, "the H200 must run the Gluon kernel"
+    assert supported(torch.device("cuda")), "the H200 must run the Gluon kernel"
+    monkeypatch.setattr(attn_mod, "WS_ATTENTION", True)
+    monkeypatch.setattr(attn_mod, "WS_CONFIG", variant)
     gen = torch.Generator().manual_seed(T + hq)
     fused = _rand(T, (hq + 2 * hkv) * D, gen=gen)
     q, k, v = (t.view(T, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
@@ -400,7 +408,7 @@ def test_prefill_ws_compiles_for_sm90():
            "fp4_padded=False, cga_layout=[])")
     types = {n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
     types.update(sinks_ptr="*bf16", qk_scale="fp32")
-    consts = dict(GROUP=8, STAGES=3)
+    consts = dict(GROUP=8, STAGES=3, NWG=2, REGS=232)
     sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
     k = triton.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 128),
                        options=dict(num_warps=4, num_stages=1, maxnreg=None))
