@@ -41,11 +41,12 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 # The Gluon warp-specialized kernel (kernels/attention_ws.py) for one-sequence causal calls with
-# head_dim 64 on sm_90 (``attention_prefill`` checks the rest), with WS_CONFIG's tiles. Off by
-# default: on the H200 it ran at 393-395 TFLOP/s against this kernel's 405-432 (8192..131072
-# tokens, benchmarks/notes/kernels_attention.md, seventh session).
-WS_ATTENTION = False
-WS_CONFIG = dict(block_n=64, stages=3, warpgroups=2)
+# head_dim 64 on sm_90 (``attention_prefill`` checks the rest), with WS_CONFIG's tiles: three
+# consumer warpgroups (192 queries per program), 64-key blocks, 4 stages ran at 460-463 TFLOP/s
+# against this kernel's 431-439 at 32768 and 131072 tokens on the H200, 1-2% faster at 8192
+# (benchmarks/attn_ws_ab.py, notes/kernels_attention.md, seventh session). False: this kernel.
+WS_ATTENTION = True
+WS_CONFIG = dict(block_n=64, stages=4, warpgroups=3)
 
 
 @triton.jit
