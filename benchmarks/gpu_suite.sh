@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|gluon|tiles|ws|moews|wscheck|attnws|all]...
-#   gluon: the Gluon warp-specialized FP8 GEMM experiment against our kernel (each variant with a timeout)
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -60,9 +59,6 @@ for r in bench_router([1024, 8192, 32768]): print({k: (round(v, 4) if isinstance
 fi
 if has ab; then
   python3 benchmarks/ab_prefill.py --model 20b --tokens ${AB_TOKENS:-8192,32768} --runs 8 --variants ${AB_VARIANTS:-default,graph,torch-router} 2>&1 | tee "$OUT/ab_prefill.log"
-fi
-if has gluon; then
-  timeout 420 python3 benchmarks/gluon_ws_gemm.py 2>&1 | tee "$OUT/gluon_ws_gemm.log"
 fi
 if has ws; then
   python3 -m pytest -q -m gpu tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py 2>&1 | tail -15 | tee "$OUT/ws_tests.log"

@@ -24,19 +24,19 @@ from __future__ import annotations
 import torch
 import triton
 
-from gptoss_fp8.kernels.fp8_gemm_ws import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
 
 if HAS_GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+    from gptoss_fp8.kernels._gluon import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 WG_ROWS = 64  # queries per consumer warpgroup

@@ -32,54 +32,31 @@ TMA's zero fill on load and its clipping on store.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
 from gptoss_fp8.kernels import sm_count
+from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - re-exported
 
-try:  # Gluon's Hopper API as of triton 3.6; absent or renamed elsewhere -> the Triton kernel is used
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if HAS_GLUON:
+    from gptoss_fp8.kernels._gluon import (
+        TensorDescriptor,
+        block_scaled_mainloop,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
+        tile_coords,
         tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAS_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed triton
-    HAS_GLUON = False
 
 BM, BN, BK = 128, 128, 128  # output tile and K block (= the scale group)
 WARPGROUP_ROWS = BM // 2  # rows of a tile per consumer warpgroup
 
 
-@functools.lru_cache(maxsize=None)
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def supported(device: torch.device) -> bool:
-    """True where this kernel can run: a CUDA sm_90 device and Gluon's Hopper API importable."""
-    if not HAS_GLUON or device.type != "cuda":
-        return False
-    return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-        """Grouped tile order: GROUP_M row tiles sweep the column tiles together (L2 reuse)."""
-        per_group = GROUP_M * num_n
-        first_m = (tile // per_group) * GROUP_M
-        rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
 
     @gluon.jit
     def _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr):
@@ -93,7 +70,7 @@ if HAS_GLUON:
         n_k = gl.cdiv(K, TK)
         c = 0  # K blocks issued over all tiles: stage c % S, its use number c // S
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             for kk in range(n_k):
                 s = c % S
                 mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # both consumers released it
@@ -106,7 +83,6 @@ if HAS_GLUON:
     def _consume(ROW0: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_smem,
                  M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
         """One consumer warpgroup: rows ROW0 .. ROW0 + 64 of every tile of this program."""
-        S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -115,38 +91,15 @@ if HAS_GLUON:
         num_m = gl.cdiv(M, TM)
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
-        zero = gl.zeros((ROWS, TN), gl.float32, layout)
         c = 0
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             rows = pid_m * TM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
             rmask = rows < M
             a_s_ptr = as_ptr + rows * stride_asm
             b_s_ptr = bs_ptr + pid_n * stride_bsn  # TN = 128: one weight-scale block row per tile
-            acc = gl.zeros((ROWS, TN), gl.float32, layout)
-            scale = gl.load(a_s_ptr, mask=rmask, other=0.0) * gl.load(b_s_ptr)
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            cur = warpgroup_mma(a_bufs.index(s).slice(ROW0, ROWS), b_bufs.index(s).permute((1, 0)), zero,
-                                use_acc=False, is_async=True)
-            for kk in range(n_k - 1):
-                c1 = c + 1
-                s1 = c1 % S
-                mbarrier.wait(ready.index(s1), (c1 // S) & 1)
-                nxt = warpgroup_mma(a_bufs.index(s1).slice(ROW0, ROWS), b_bufs.index(s1).permute((1, 0)), zero,
-                                    use_acc=False, is_async=True)
-                # the next block's scales, loaded one step ahead (their latency hides behind this step)
-                scale_next = gl.load(a_s_ptr + kk + 1, mask=rmask, other=0.0) * gl.load(b_s_ptr + kk + 1)
-                done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
-                mbarrier.arrive(empty.index(c % S), count=1)
-                acc = acc + done * gl.expand_dims(scale, 1)
-                scale = scale_next
-                cur = nxt
-                c = c1
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-            mbarrier.arrive(empty.index(c % S), count=1)
-            acc = acc + done * gl.expand_dims(scale, 1)
-            c += 1
+            acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, ROW0, ROWS, 0, TN, a_s_ptr, rmask, b_s_ptr, c,
+                                           n_k, layout, True)
             # epilogue (the producer is already loading this program's next tile)
             if HAS_BIAS:
                 cols = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(0, layout))

@@ -30,21 +30,19 @@ import torch
 import triton
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels.fp8_gemm_ws import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
 
 if HAS_GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+    from gptoss_fp8.kernels._gluon import (
+        TensorDescriptor,
+        block_scaled_mainloop,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
+        tile_coords,
         tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from gptoss_fp8.kernels.fp8_gemm_ws import _tile_coords
 
 TILE_M, TILE_N, BK = 64, 256, 128  # rows (= the experts' segment alignment), columns, K block
 HALF_N = TILE_N // 2  # columns per consumer warpgroup
@@ -63,7 +61,7 @@ if HAS_GLUON:
         n_k = gl.cdiv(K, TK)
         c = 0
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             expert = gl.load(block_expert_ptr + pid_m)
             if expert < num_experts:
                 for kk in range(n_k):
@@ -90,11 +88,10 @@ if HAS_GLUON:
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
-        zero = gl.zeros((TM, HN), gl.float32, layout)
         c = 0
         t_local = 0
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             expert32 = gl.load(block_expert_ptr + pid_m)
             if expert32 < num_experts:
                 expert = expert32.to(gl.int64)
@@ -103,31 +100,11 @@ if HAS_GLUON:
                 cols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
                 a_s_ptr = as_ptr + rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
-                acc = gl.zeros((TM, HN), gl.float32, layout)
                 if col0 < N:
-                    scale = gl.load(a_s_ptr) * gl.load(b_s_ptr)
-                    s = c % S
-                    mbarrier.wait(ready.index(s), (c // S) & 1)
-                    cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).slice(W * HN, HN).permute((1, 0)), zero,
-                                        use_acc=False, is_async=True)
-                    for kk in range(n_k - 1):
-                        c1 = c + 1
-                        s1 = c1 % S
-                        mbarrier.wait(ready.index(s1), (c1 // S) & 1)
-                        nxt = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).slice(W * HN, HN).permute((1, 0)), zero,
-                                            use_acc=False, is_async=True)
-                        scale_next = gl.load(a_s_ptr + kk + 1) * gl.load(b_s_ptr + kk + 1)
-                        done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
-                        mbarrier.arrive(empty.index(c % S), count=1)
-                        acc = acc + done * gl.expand_dims(scale, 1)
-                        scale = scale_next
-                        cur = nxt
-                        c = c1
-                    done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-                    mbarrier.arrive(empty.index(c % S), count=1)
-                    acc = acc + done * gl.expand_dims(scale, 1)
-                    c += 1
+                    acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN, a_s_ptr, rows,
+                                                   b_s_ptr, c, n_k, layout, False)
                 else:  # all columns past N: only keep the stage ring in step
+                    acc = gl.zeros((TM, HN), gl.float32, layout)
                     for kk in range(n_k):
                         mbarrier.wait(ready.index(c % S), (c // S) & 1)
                         mbarrier.arrive(empty.index(c % S), count=1)

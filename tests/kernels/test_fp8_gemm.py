@@ -11,7 +11,6 @@ The output is poisoned with NaN first, so every element must be written.
 
 import pytest
 import torch
-import triton
 
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference, fp8_linear
 from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks
@@ -178,27 +177,19 @@ def test_fp8_gemm_ws_compiles_for_sm90():
     the shared memory of one SM."""
     import re
 
-    from triton.backends.compiler import GPUTarget
+    from gptoss_fp8.kernels import _gluon, fp8_gemm_ws
 
-    from gptoss_fp8.kernels import fp8_gemm_ws
-
-    if not fp8_gemm_ws.HAS_GLUON:
+    if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = fp8_gemm_ws._ws_fp8_gemm_kernel
     lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
     types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>", "b_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
-    consts = dict(STAGES=4, GROUP_M=8, HAS_BIAS=True)
-    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
-    k = triton.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 128),
-                       options=dict(num_warps=4, num_stages=1, maxnreg=None))
-    ptx = k.asm["ptx"]
+    k = _gluon.compile_for_sm90(fp8_gemm_ws._ws_fp8_gemm_kernel, types, dict(STAGES=5, GROUP_M=8, HAS_BIAS=True))
+    ptx = k["ptx"]
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx), "consumers get 232 registers"
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", ptx), "the producer warp gives registers back"
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx and "cp.async.bulk.tensor.2d.global.shared" in ptx
     assert ".local" not in ptx, "register spills to local memory"
-    assert k.metadata.num_warps == 4 + 4 + 4 and k.metadata.shared <= 227 * 1024
+    assert k["num_warps"] == 4 + 4 + 4 and k["shared"] <= 227 * 1024

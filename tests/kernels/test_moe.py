@@ -256,16 +256,10 @@ def test_moe_ws_compiles_for_sm90(fuse):
     (registers moved between partitions, fp8 wgmma, TMA loads, no local memory in the PTX)."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
+    from gptoss_fp8.kernels import _gluon, moe_ws
 
-    from gptoss_fp8.kernels import moe_ws
-
-    if not moe_ws.HAS_GLUON:
+    if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = moe_ws._ws_moe_gemm_kernel
     lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
     types = {"a_desc": f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>",
@@ -274,13 +268,11 @@ def test_moe_ws_compiles_for_sm90(fuse):
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp8e4nv" if fuse else "*bf16",
              "out_s_ptr": "*fp32" if fuse else "*bf16", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
     consts = dict(STAGES=4, GROUP_M=8, FUSE_SWIGLU=fuse, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)
-    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
-    k = triton.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 128),
-                       options=dict(num_warps=4, num_stages=1, maxnreg=None))
-    ptx = k.asm["ptx"]
+    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_kernel, types, consts)
+    ptx = k["ptx"]
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == fuse, "TMA store only for gate_up's FP8 output"
     assert ".local" not in ptx
-    assert k.metadata.num_warps == 12 and k.metadata.shared <= 227 * 1024
+    assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
