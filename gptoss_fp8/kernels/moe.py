@@ -487,7 +487,7 @@ def moe_expert_slots(
     pregather = tma and bool(cfg.get("PREGATHER", False))
     if pregather:
         x_fp8, x_scale = gather_act_quant(x.contiguous(), sorted_slots, k)
-        x_src = TensorDescriptor.from_tensor(x_fp8, [bm_gu, BLOCK])
+        x_src = None if ws_gu else TensorDescriptor.from_tensor(x_fp8, [bm_gu, BLOCK])
     elif x_quant is not None:
         x_fp8, x_scale = x_quant
         assert x_fp8.shape == x.shape and x_fp8.dtype == FP8_DTYPE and x_fp8.stride(-1) == 1, (

@@ -141,7 +141,7 @@ if HAS_GLUON:
                     valid = slots < num_slots
                     ptrs = out_ptr + gl.expand_dims(gl.where(valid, slots, 0).to(gl.int64) * stride_om, 1) \
                         + gl.expand_dims(cols, 0)
-                    gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(valid, 1) & gl.expand_dims(nmask, 0))
+                    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(valid, 1) & gl.expand_dims(nmask, 0))
         if FUSE_SWIGLU:
             tma.store_wait(0)
 
@@ -216,7 +216,8 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     a [max_rows, K] fp8 in padded sorted row order (segments of 64 rows), a_scale [max_rows,
     ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128), ceil(K/128)], bias [E, N].
     fuse_swiglu: out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)] (sorted rows);
-    otherwise out = y [num_slots, N] bf16, row sorted_slots[r] = row r's result."""
+    otherwise out = y [num_slots, N] (bf16 or fp32: the fp32 accumulator rounded once to its dtype),
+    row sorted_slots[r] = row r's result."""
     max_rows, k = a.shape
     e, n, _ = w.shape
     fp8 = gl.float8e4nv
