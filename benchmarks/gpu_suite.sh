@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|pingpong|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -10,6 +10,8 @@
 #   sweep and a 20b A/B at 8192 tokens (Gluon defaults vs Triton everywhere vs Gluon down too)
 #   attnws: the Gluon warp-specialized attention: its GPU tests (with a timeout), A/B against the
 #   Triton kernel at 8192 / 32768 / 131072 tokens, the attention GPU tests
+#   pingpong: the ping-pong MoE gate_up experiment (benchmarks/moe_pingpong.py, not yet run) against
+#   the package's Gluon gate_up
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
@@ -85,6 +87,9 @@ if has attnws; then
   timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k ws 2>&1 | tail -6 | tee "$OUT/attnws_tests.log"
   timeout 120 python3 benchmarks/attn_ws_ab.py 8192 32768 131072 2>&1 | tee "$OUT/attnws_ab.log"
   timeout 90 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "not ws" 2>&1 | tail -4 | tee -a "$OUT/attnws_tests.log"
+fi
+if has pingpong; then
+  timeout 240 python3 benchmarks/moe_pingpong.py 2>&1 | tee "$OUT/pingpong.log"
 fi
 if has tiles; then
   timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"

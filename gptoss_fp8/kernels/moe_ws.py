@@ -51,6 +51,16 @@ HALF_N = TILE_N // 2  # columns per consumer warpgroup
 if HAS_GLUON:
 
     @gluon.jit
+    def swiglu_columns(acc, nmask, limit, ALPHA: gl.constexpr):
+        """acc [rows, 2w] interleaved gate/up columns (bias added) -> the clamped SwiGLU [rows, w] in
+        kernels/moe.py's arithmetic; columns past N (nmask False) give exactly 0."""
+        acc = gl.where(gl.expand_dims(nmask, 0), acc, 0.0)
+        gate, up = gl.split(gl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+        gate = gl.minimum(gate, limit)
+        up = gl.minimum(gl.maximum(up, -limit), limit)
+        return gate * (1 / (1 + gl.exp(-(ALPHA * gate)))) * (up + 1.0)
+
+    @gluon.jit
     def _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M: gl.constexpr):
         S: gl.constexpr = a_bufs.type.shape[0]
@@ -113,11 +123,7 @@ if HAS_GLUON:
                 acc = acc + gl.expand_dims(
                     gl.load(bias_ptr + expert * stride_biase + cols, mask=nmask, other=0.0).to(gl.float32), 0)
                 if FUSE_SWIGLU:
-                    acc = gl.where(gl.expand_dims(nmask, 0), acc, 0.0)  # columns past N: SwiGLU output 0
-                    gate, up = gl.split(gl.reshape(acc, (TM, HN // 2, 2)))
-                    gate = gl.minimum(gate, limit)
-                    up = gl.minimum(gl.maximum(up, -limit), limit)
-                    h = gate * (1 / (1 + gl.exp(-(ALPHA * gate)))) * (up + 1.0)
+                    h = swiglu_columns(acc, nmask, limit, ALPHA)
                     amax = gl.max(gl.abs(h), axis=1)
                     # the other warpgroup's half of the 128-wide group: exchange row maxima
                     p = t_local % 2
