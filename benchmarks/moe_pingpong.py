@@ -63,7 +63,6 @@ def _pair(first, num_progs, total, num_m, num_n, block_expert_ptr, num_experts, 
 @gluon.jit
 def _pp_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts, num_progs,
                 GROUP_M: gl.constexpr):
-    S: gl.constexpr = a_bufs.type.shape[0]
     TM: gl.constexpr = a_desc.block_type.shape[0]
     TN: gl.constexpr = b_desc.block_type.shape[0]
     TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -76,19 +75,21 @@ def _pp_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, 
                                                        num_experts, GROUP_M)
         for kk in range(n_k):
             if use0:
-                s = c % S
-                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pm0 * TM, kk * TK], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [e0 * N + pn0 * TN, kk * TK], ready.index(s), b_bufs.index(s))
-                c += 1
+                c = _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, pm0 * TM, e0 * N + pn0 * TN, kk * TK)
             if use1:
-                s = c % S
-                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pm1 * TM, kk * TK], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [e1 * N + pn1 * TN, kk * TK], ready.index(s), b_bufs.index(s))
-                c += 1
+                c = _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, pm1 * TM, e1 * N + pn1 * TN, kk * TK)
+
+
+@gluon.jit
+def _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, a_row, b_row, k0):
+    """Ring position c <- A rows a_row.. and W rows b_row.. at K offset k0; returns c + 1."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    s = c % S
+    mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [a_row, k0], ready.index(s), a_bufs.index(s))
+    tma.async_copy_global_to_shared(b_desc, [b_row, k0], ready.index(s), b_bufs.index(s))
+    return c + 1
 
 
 @gluon.jit
