@@ -24,6 +24,9 @@ With ``PrefillConfig.pack = p`` a program takes p query heads of one KV head for
 positions, stacked in the tile's rows (tile row r: position m0 + r % (BLOCK_M / p), head
 p * pid + r // (BLOCK_M / p)); the K/V tiles it loads then serve p heads. The window default packs 2.
 
+On sm_90, one-sequence causal calls with head_dim 64 go to the warp-specialized Gluon kernel of
+attention_ws.py (same semantics and arithmetic; ``WS_ATTENTION``, ``WS_CONFIG``).
+
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated);
 ``PrefillConfig.use_tma`` loads K/V through Hopper tensor descriptors (slower than cp.async pointer
 loads here, kept for comparison). In the Triton interpreter (CPU) bf16 arithmetic is wrong, so the

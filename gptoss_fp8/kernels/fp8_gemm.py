@@ -17,7 +17,9 @@ Performance notes (H200, benchmarks/notes/kernels_gemm.md): the weight scale is 
 per-column scale vector, 128x128 tiles spilled registers and ran at 417 instead of 732 TFLOP/s);
 loads go through tensor descriptors (TMA).
 
-``fp8_block_mainloop`` is shared with the grouped expert GEMMs in moe.py.
+``fp8_block_mainloop`` is shared with the grouped expert GEMMs in moe.py. On sm_90, from
+``WS_MIN_ROWS`` rows, ``fp8_gemm`` runs the warp-specialized Gluon kernel of fp8_gemm_ws.py instead
+(same contract and numerics; ``dense_config``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ Pipeline for x [T, H] bf16, top-k routing, a rank holding experts [e0, e0 + E_lo
    On an expert-parallel rank the result is that rank's partial sum; one all-reduce across ranks
    gives the full FFN (each expert's bias is counted once, on the rank that holds it).
 
-The grouped GEMMs share ``fp8_block_mainloop`` with the dense GEMM (fp8_gemm.py). Scales:
+The grouped GEMMs share ``fp8_block_mainloop`` with the dense GEMM (fp8_gemm.py). On sm_90 the
+gate_up GEMM runs as the warp-specialized Gluon kernel of moe_ws.py (same contract; A is then
+quantized straight into sorted row order, ``gather_act_quant``), see ``moe_config``. Scales:
 W13 scale_inv [E, ceil(2I/128), ceil(H/128)], W2 scale_inv [E, ceil(H/128), ceil(I/128)].
 ``moe_reference`` is the plain-torch specification built from quant/fp8.py's references.
 """
