@@ -19,7 +19,11 @@ Compiled for sm_90 here (``PYTHONPATH=. python3 benchmarks/moe_pingpong.py --com
 register budgets as the package's kernels (setmaxnreg 232 for the consumers, 40 for the producer,
 read in the PTX) and the live tiles should take 64 + 64 accumulator + 64 product registers. Not
 the separate zero tile (the product now reuses its own registers as the ignored accumulator input:
-no change). The cause was not found; fix it (or use 64 x 192 tiles) before measuring.
+no change; nor an explicit fma for the promotion, nor synchronous wgmma). Bisected on CPU: the main
+loop alone spills (epilogue removed: 248 bytes), in the default partition (the second consumer
+emptied: still 248); with only one half, or with the first half accumulated by the wgmma itself
+(use_acc=True, which breaks the promotion numerics), no spill. The cause was not found; fix it (or
+use 64 x 192 tiles) before measuring.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/moe_pingpong.py`` (target ``pingpong`` of
 gpu_suite.sh): checks its act / act_scale against the package's Gluon gate_up on the same sorted
