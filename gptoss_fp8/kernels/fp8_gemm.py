@@ -236,11 +236,12 @@ def fp8_gemm(
     if m == 0:
         return out.reshape(*lead, n)
     ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
+          and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases
           and fp8_gemm_ws.supported(x_fp8.device))
     cfg = dict(config or dense_config(m, n, k, ws))
     if cfg.pop("WS", False):
         assert ws, ("config WS=True needs the Gluon kernel's conditions: an sm_90 GPU, triton with Gluon, "
-                    "bf16 out, N % 8 == 0, 16-byte aligned x rows")
+                    "bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
         fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=cfg.pop("num_stages", 4),
                                 group_m=cfg.pop("GROUP_M", 8))
         return out.reshape(*lead, n)
