@@ -36,14 +36,13 @@ from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import (
     HAS_GLUON,
     TensorDescriptor,
+    block_scaled_mainloop,
     fence_async_shared,
     gl,
     gluon,
     mbarrier,
     tile_coords,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from gptoss_fp8.kernels.moe_ws import swiglu_columns
 
@@ -97,37 +96,6 @@ def _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, a_row, b_row, k
 
 
 @gluon.jit
-def _strided_mainloop(ready, empty, a_bufs, b_bufs, a_s_ptr, b_s_ptr, c0, step, n_k, layout: gl.constexpr):
-    """The dense kernel's block-scaled main loop (kernels/_gluon.py) over ring positions
-    c0, c0 + step, ..., the other warpgroup's blocks lying in between."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    TM: gl.constexpr = a_bufs.type.shape[1]
-    BR: gl.constexpr = b_bufs.type.shape[1]
-    zero = gl.zeros((TM, BR), gl.float32, layout)
-    acc = gl.zeros((TM, BR), gl.float32, layout)
-    scale = gl.load(a_s_ptr) * gl.load(b_s_ptr)
-    ci = c0
-    mbarrier.wait(ready.index(ci % S), (ci // S) & 1)
-    cur = warpgroup_mma(a_bufs.index(ci % S), b_bufs.index(ci % S).permute((1, 0)), zero, use_acc=False,
-                        is_async=True)
-    for kk in range(n_k - 1):
-        ci1 = ci + step
-        mbarrier.wait(ready.index(ci1 % S), (ci1 // S) & 1)
-        nxt = warpgroup_mma(a_bufs.index(ci1 % S), b_bufs.index(ci1 % S).permute((1, 0)), zero, use_acc=False,
-                            is_async=True)
-        scale_next = gl.load(a_s_ptr + kk + 1) * gl.load(b_s_ptr + kk + 1)
-        done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
-        mbarrier.arrive(empty.index(ci % S), count=1)
-        acc = acc + done * gl.expand_dims(scale, 1)
-        scale = scale_next
-        cur = nxt
-        ci = ci1
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-    mbarrier.arrive(empty.index(ci % S), count=1)
-    return acc + done * gl.expand_dims(scale, 1)
-
-
-@gluon.jit
 def _pp_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, o_bufs, h_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                 out_s_ptr, block_expert_ptr, num_m, N, K, num_experts, stride_asm, stride_bse, stride_bsn,
                 stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
@@ -167,7 +135,8 @@ def _pp_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, o_bufs, h_bufs, a
                 c0 = c + p * n_k * size + offset
                 if col0 < N:
                     b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
-                    acc = _strided_mainloop(ready, empty, a_bufs, b_bufs, a_s_ptr, b_s_ptr, c0, size, n_k, layout)
+                    acc, _ = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, 0, HN, a_s_ptr, rows, b_s_ptr,
+                                                   c0, n_k, layout, False, size)
                 else:  # all columns past N: only keep the stage ring in step
                     acc = gl.zeros((TM, HN), gl.float32, layout)
                     for kk in range(n_k):
