@@ -235,6 +235,9 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     torch.cuda.synchronize()
     echo(f"# {what}: {cfg.num_hidden_layers} of {full_layers} layers on {torch.cuda.get_device_name()} in "
          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
+    from gptoss_fp8.kernels._gluon import kernel_paths
+
+    echo(f"# {kernel_paths(torch.device('cuda'))}")
     ops = TritonOps()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)

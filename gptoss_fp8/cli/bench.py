@@ -42,6 +42,9 @@ def kernels(
     if not torch.cuda.is_available():
         raise GptOssFp8Error("bench kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     token_list = [int(t) for t in tokens.split(",") if t.strip()]
+    from gptoss_fp8.kernels._gluon import kernel_paths
+
+    typer.echo(f"# {kernel_paths(torch.device('cuda'))}")
     rows: list[dict] = []
     for suite in [s.strip() for s in only.split(",") if s.strip()]:
         if suite not in KERNEL_SUITES:

@@ -193,3 +193,17 @@ def test_fp8_gemm_ws_compiles_for_sm90():
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx and "cp.async.bulk.tensor.2d.global.shared" in ptx
     assert ".local" not in ptx, "register spills to local memory"
     assert k["num_warps"] == 4 + 4 + 4 and k["shared"] <= 227 * 1024
+
+
+def test_gluon_switch_and_report(monkeypatch):
+    """GPTOSS_FP8_GLUON=0 keeps every call on the Triton kernels, decided before any CUDA query
+    (so it also holds where torch cannot see a GPU), and the report line says why."""
+    from gptoss_fp8.kernels import _gluon
+
+    monkeypatch.setenv(_gluon.ENV_SWITCH, "0")
+    assert _gluon.supported(torch.device("cuda")) is False
+    assert _gluon.kernel_paths(torch.device("cuda")) == "kernels: Triton (switched off by GPTOSS_FP8_GLUON=0)"
+    assert _gluon.kernel_paths(torch.device("cpu")) == "kernels: Triton (interpreter on CPU)"
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(8, 64, 160, seed=4)
+    with pytest.raises(AssertionError, match="WS=True needs"):  # a forced Gluon config is refused too
+        fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=dict(WS=True))
