@@ -40,6 +40,7 @@ from gptoss_fp8.kernels._gluon import (
     fence_async_shared,
     gl,
     gluon,
+    load_stage,
     mbarrier,
     tile_coords,
     tma,
@@ -76,23 +77,11 @@ def _pp_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, 
         for p in gl.static_range(2):
             for kk in range(n_k):
                 if use0:
-                    c = _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, pm0 * TM,
-                                    e0 * N + (2 * pn0 + p) * HN, kk * TK)
+                    c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pm0 * TM, kk * TK],
+                                   [e0 * N + (2 * pn0 + p) * HN, kk * TK])
                 if use1:
-                    c = _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, pm1 * TM,
-                                    e1 * N + (2 * pn1 + p) * HN, kk * TK)
-
-
-@gluon.jit
-def _load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, a_row, b_row, k0):
-    """Ring position c <- A rows a_row.. and W rows b_row.. at K offset k0; returns c + 1."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    s = c % S
-    mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [a_row, k0], ready.index(s), a_bufs.index(s))
-    tma.async_copy_global_to_shared(b_desc, [b_row, k0], ready.index(s), b_bufs.index(s))
-    return c + 1
+                    c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pm1 * TM, kk * TK],
+                                   [e1 * N + (2 * pn1 + p) * HN, kk * TK])
 
 
 @gluon.jit

@@ -105,6 +105,18 @@ if HAS_GLUON:
         return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
 
     @gluon.jit
+    def load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, a_coord, b_coord):
+        """Producer: ring position c (stage c % S, its use c // S) <- the A tile at a_coord and the B
+        tile at b_coord, once the stage's readers have released its previous use; returns c + 1."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        s = c % S
+        mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, a_coord, ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(s), b_bufs.index(s))
+        return c + 1
+
+    @gluon.jit
     def _a_scale(a_s_ptr, rmask, MASK_A: gl.constexpr):
         if MASK_A:
             return gl.load(a_s_ptr, mask=rmask, other=0.0)

@@ -32,6 +32,7 @@ if HAS_GLUON:
         fence_async_shared,
         gl,
         gluon,
+        load_stage,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -48,7 +49,6 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr):
-        S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -61,11 +61,7 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
         n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         for j in range(n_blocks):
-            s = j % S
-            mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [j * BN, kv_col], ready.index(s), k_bufs.index(s))
-            tma.async_copy_global_to_shared(v_desc, [j * BN, kv_col], ready.index(s), v_bufs.index(s))
+            load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
 
     @gluon.jit
     def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr):

@@ -42,6 +42,7 @@ if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         TensorDescriptor,
         block_scaled_mainloop,
+        load_stage,
         fence_async_shared,
         gl,
         gluon,
@@ -61,7 +62,6 @@ if HAS_GLUON:
     @gluon.jit
     def _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr):
         """TMA producer: every K block of every tile of this program, in the consumers' order."""
-        S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -72,12 +72,8 @@ if HAS_GLUON:
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             for kk in range(n_k):
-                s = c % S
-                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # both consumers released it
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pid_m * TM, kk * TK], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [pid_n * TN, kk * TK], ready.index(s), b_bufs.index(s))
-                c += 1
+                c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
+                               [pid_n * TN, kk * TK])
 
     @gluon.jit
     def _consume(ROW0: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_smem,

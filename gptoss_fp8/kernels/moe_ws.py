@@ -36,6 +36,7 @@ if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         TensorDescriptor,
         block_scaled_mainloop,
+        load_stage,
         fence_async_shared,
         gl,
         gluon,
@@ -63,7 +64,6 @@ if HAS_GLUON:
     @gluon.jit
     def _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M: gl.constexpr):
-        S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -75,13 +75,8 @@ if HAS_GLUON:
             expert = gl.load(block_expert_ptr + pid_m)
             if expert < num_experts:
                 for kk in range(n_k):
-                    s = c % S
-                    mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(a_desc, [pid_m * TM, kk * TK], ready.index(s), a_bufs.index(s))
-                    tma.async_copy_global_to_shared(b_desc, [expert * N + pid_n * TN, kk * TK], ready.index(s),
-                                                    b_bufs.index(s))
-                    c += 1
+                    c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
+                                   [expert * N + pid_n * TN, kk * TK])
 
     @gluon.jit
     def _moe_consume(W: gl.constexpr, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, bs_ptr, bias_ptr,
