@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|pingpong|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|pingpong|decode1|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -12,6 +12,7 @@
 #   Triton kernel at 8192 / 32768 / 131072 tokens, the attention GPU tests
 #   pingpong: the ping-pong MoE gate_up experiment (benchmarks/moe_pingpong.py, not yet run) against
 #   the package's Gluon gate_up
+#   decode1: decode GPU tests, then decode at batch 1 by tile, split count and merge chunk
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
 #   verify: only the verify-logits --device cuda tests (golden checkpoints, tp 2 on one GPU)
@@ -90,6 +91,10 @@ if has attnws; then
 fi
 if has pingpong; then
   timeout 240 python3 benchmarks/moe_pingpong.py 2>&1 | tee "$OUT/pingpong.log"
+fi
+if has decode1; then
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k decode 2>&1 | tail -4 | tee "$OUT/decode1_tests.log"
+  timeout 200 python3 -m gptoss_fp8.bench.kernels_attention decode_b1 2>&1 | tee "$OUT/decode1.log"
 fi
 if has tiles; then
   timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"

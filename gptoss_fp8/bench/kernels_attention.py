@@ -16,7 +16,8 @@ Rows (``bench(tokens)``; ``gptoss-fp8 bench kernels --only attention`` prints th
 Shapes: 64 q / 8 kv heads, head_dim 64, bf16. FLOPs = 4 * visible query-key pairs * 64 * 64 heads.
 Times: triton.testing.do_bench, median (it flushes L2 between repetitions).
 ``python -m gptoss_fp8.bench.kernels_attention sweep`` times the tile configurations instead
-(``sweep_quick``: a few at 32768 tokens and decode at batch 1; ``quick``: default tiles only).
+(``sweep_quick``: a few at 32768 tokens and decode at batch 1; ``quick``: default tiles only;
+``decode_b1``: decode tiles, splits and merge chunks at batch 1).
 """
 
 from __future__ import annotations
@@ -378,6 +379,41 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
     return out
 
 
+DECODE1_CONFIGS = [(128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3), (128, 8, 4), (64, 4, 4)]
+
+
+def decode_b1(L: int = DECODE_KV) -> list[dict]:
+    """Decode at batch 1 (one new token, L cached): DECODE1_CONFIGS x split counts x fused-merge
+    chunk (2 splits per step, the old default, against all splits in one step), graph-timed, beside
+    a plain read of the same KV bytes by torch (sum of K and V) in the same graphs' conditions."""
+    from gptoss_fp8.kernels.attention_decode import attention_decode
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    sets = _decode_inputs(1, 1, L, gen)
+    sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
+    kl = torch.full((1,), L, dtype=torch.int32, device=DEV)
+    floor = 2 * L * HKV * D * 2 / COPY_BW * 1e3
+    ref = attention_decode(*sets[0], kl, sinks, merge_chunk=2)
+    out = []
+    read_ms = _ms_graph([lambda kc=kc, vc=vc: (kc.sum(), vc.sum()) for _, kc, vc in sets])
+    print({"case": "torch sum of K and V", "ms": read_ms, "floor_ratio": floor / read_ms}, flush=True)
+    for cfg in DECODE1_CONFIGS:
+        for splits in (None, 8, 32):
+            for chunk in (2, None):
+                fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
+                    qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, merge_chunk=chunk) for qd, kc, vc in sets]
+                try:
+                    ms = _ms_graph(fns)
+                    err = _rel(fns[0](), ref)
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"decode {cfg} splits={splits} chunk={chunk}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                r = {"cfg": cfg, "splits": splits, "chunk": chunk, "ms": ms, "floor_ratio": floor / ms, "rel_vs_default": err}
+                print(r, flush=True)
+                out.append(r)
+    return out
+
+
 def quick(T: int = 8192) -> list[dict]:
     """Default-tile prefill timings at T (causal, window 128), no peers: a cheap re-check."""
     from gptoss_fp8.kernels.attention import attention_prefill
@@ -397,6 +433,8 @@ def quick(T: int = 8192) -> list[dict]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["quick"]:
         quick()
+    elif sys.argv[1:2] == ["decode_b1"]:
+        decode_b1()
     elif sys.argv[1:2] == ["variants"]:
         variants(tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (8192, 32768))
     elif sys.argv[1:2] == ["sweep_quick"]:

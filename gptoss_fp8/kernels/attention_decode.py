@@ -228,6 +228,7 @@ def attention_decode(
     config: tuple[int, int, int] | None = None,
     block_m: int | None = None,
     fused_merge: bool = True,
+    merge_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention with sinks of NQ new queries per sequence against a KV cache (layout: module doc).
 
@@ -237,6 +238,9 @@ def attention_decode(
     fused_merge: the last split of each tile merges them (one launch; uses a per-device counter
     buffer that the kernel leaves zeroed, so calls on one device must not run concurrently on
     different streams); False: a second small merge kernel.
+    merge_chunk: splits the fused merge loads per step (a power of two); None: all of them at once
+    when the launch is one wave of programs (registers are then free: one program per SM, and the
+    merge is the launch's serial tail), else 2048 values per step.
     Returns out [B, NQ, Hq, D] bf16.
     """
     assert q.dim() == 4, f"q {q.shape}: want [B, NQ, Hq, D]"
@@ -285,6 +289,11 @@ def attention_decode(
     else:
         part = part_m = part_l = out  # unused
     fused = split and fused_merge
+    if merge_chunk is None:
+        one_wave = num_splits * Hkv * num_m * B <= sm_count(q.device) if on_gpu else False
+        merge_chunk = (min(triton.next_power_of_2(num_splits), max(2, 16384 // (BLOCK_M * D))) if one_wave
+                       else _merge_chunk(BLOCK_M, D, 2048))
+    assert merge_chunk >= 1 and merge_chunk & (merge_chunk - 1) == 0, f"merge_chunk {merge_chunk}: want a power of two"
     counter = _counters(q.device, B * Hkv * num_m) if fused else kv_lens  # unused unless fused
     grid = (num_splits, Hkv * num_m, B)
     _attn_decode_kernel[grid](
@@ -296,7 +305,7 @@ def attention_decode(
         sm_scale * LOG2E, window, chunk,
         NQ, Hq, B,
         NUM_M=num_m, GROUP=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
-        FUSED_MERGE=fused, MERGE_CHUNK=_merge_chunk(BLOCK_M, D, 2048), UPCAST=not on_gpu,
+        FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, UPCAST=not on_gpu,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and not fused:

@@ -254,6 +254,8 @@ def test_decode_split_count_invariant_cpu():
     outs = [
         attention_decode(q, kc, vc, kl, sinks, num_splits=s, fused_merge=f).float() for s in (1, 2, 7) for f in (True, False)
     ]
+    # the fused merge's splits per step: one, two, all seven in one (masked) step of eight
+    outs += [attention_decode(q, kc, vc, kl, sinks, num_splits=7, merge_chunk=c).float() for c in (1, 8)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-4, rtol=1e-2)
     from gptoss_fp8.kernels import attention_decode as mod
@@ -351,8 +353,9 @@ def test_prefill_fused_q_rope_gpu(window):
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq", [1, 16, 64])
 @pytest.mark.parametrize("window", [0, 128])
-@pytest.mark.parametrize("splits,fused", [(None, True), (None, False), (1, True), (7, True), (33, True)])
-def test_decode_gpu(nq, window, splits, fused):
+@pytest.mark.parametrize("splits,fused,chunk", [(None, True, None), (None, False, None), (1, True, None), (7, True, None),
+                                                (33, True, None), (7, True, 8), (33, True, 4)])
+def test_decode_gpu(nq, window, splits, fused, chunk):
     gen = torch.Generator().manual_seed(nq * 13 + window + (splits or 0))
     kv_lens, L, hq, hkv = [5000, 64, 777], 5000, 64, 8
     B = len(kv_lens)
@@ -363,8 +366,29 @@ def test_decode_gpu(nq, window, splits, fused):
     ref = attention_decode_ref(*_fp32(q, kc, vc), kl, sinks, sliding_window=window)
     for _ in range(3):  # repeated calls: the merge counters must be left at zero, results stable
         _poison(B, nq, hq, D)
-        out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, num_splits=splits, fused_merge=fused)
+        out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, num_splits=splits, fused_merge=fused,
+                               merge_chunk=chunk)
         _check(out, ref, gpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("window", [0, 128])
+def test_decode_one_wave_gpu(nq, window):
+    """Batch 1 against a long cache: one wave of programs, so the fused merge loads all splits in
+    one step (the default there); same values as two splits per step, and as the reference."""
+    gen = torch.Generator().manual_seed(nq * 31 + window)
+    L, hq, hkv = 20011, 64, 8
+    q = _rand(1, nq, hq, D, gen=gen)
+    kc, vc = _rand(1, L, hkv, D, gen=gen), _rand(1, L, hkv, D, gen=gen)
+    sinks = _sinks(hq, gen)
+    kl = torch.tensor([L], dtype=torch.int32, device=DEV)
+    ref = attention_decode_ref(*_fp32(q, kc, vc), kl, sinks, sliding_window=window)
+    _poison(1, nq, hq, D)
+    out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window)
+    _check(out, ref, gpu=True)
+    torch.testing.assert_close(out.float(), attention_decode(q, kc, vc, kl, sinks, sliding_window=window,
+                                                             merge_chunk=2).float(), atol=2e-3, rtol=2e-2)
 
 
 # The warp-specialized Gluon kernel (kernels/attention_ws.py): attention_prefill picks it on sm_90
