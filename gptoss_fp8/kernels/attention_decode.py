@@ -238,9 +238,8 @@ def attention_decode(
     fused_merge: the last split of each tile merges them (one launch; uses a per-device counter
     buffer that the kernel leaves zeroed, so calls on one device must not run concurrently on
     different streams); False: a second small merge kernel.
-    merge_chunk: splits the fused merge loads per step (a power of two); None: all of them at once
-    when the launch is one wave of programs (registers are then free: one program per SM, and the
-    merge is the launch's serial tail), else 2048 values per step.
+    merge_chunk: splits the fused merge loads per step (a power of two); None: 2048 values per step.
+    (All splits in one step, tried at batch 1 where the launch is one wave: no faster; notes.)
     Returns out [B, NQ, Hq, D] bf16.
     """
     assert q.dim() == 4, f"q {q.shape}: want [B, NQ, Hq, D]"
@@ -290,9 +289,7 @@ def attention_decode(
         part = part_m = part_l = out  # unused
     fused = split and fused_merge
     if merge_chunk is None:
-        one_wave = num_splits * Hkv * num_m * B <= sm_count(q.device) if on_gpu else False
-        merge_chunk = (min(triton.next_power_of_2(num_splits), max(2, 16384 // (BLOCK_M * D))) if one_wave
-                       else _merge_chunk(BLOCK_M, D, 2048))
+        merge_chunk = _merge_chunk(BLOCK_M, D, 2048)
     assert merge_chunk >= 1 and merge_chunk & (merge_chunk - 1) == 0, f"merge_chunk {merge_chunk}: want a power of two"
     counter = _counters(q.device, B * Hkv * num_m) if fused else kv_lens  # unused unless fused
     grid = (num_splits, Hkv * num_m, B)

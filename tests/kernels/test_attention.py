@@ -375,8 +375,8 @@ def test_decode_gpu(nq, window, splits, fused, chunk):
 @pytest.mark.parametrize("nq", [1, 3])
 @pytest.mark.parametrize("window", [0, 128])
 def test_decode_one_wave_gpu(nq, window):
-    """Batch 1 against a long cache: one wave of programs, so the fused merge loads all splits in
-    one step (the default there); same values as two splits per step, and as the reference."""
+    """Batch 1 against a long cache (one wave of programs): the fused merge loading all splits in
+    one step gives the values of two splits per step, and of the reference."""
     gen = torch.Generator().manual_seed(nq * 31 + window)
     L, hq, hkv = 20011, 64, 8
     q = _rand(1, nq, hq, D, gen=gen)
@@ -385,7 +385,7 @@ def test_decode_one_wave_gpu(nq, window):
     kl = torch.tensor([L], dtype=torch.int32, device=DEV)
     ref = attention_decode_ref(*_fp32(q, kc, vc), kl, sinks, sliding_window=window)
     _poison(1, nq, hq, D)
-    out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window)
+    out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, merge_chunk=16)
     _check(out, ref, gpu=True)
     torch.testing.assert_close(out.float(), attention_decode(q, kc, vc, kl, sinks, sliding_window=window,
                                                              merge_chunk=2).float(), atol=2e-3, rtol=2e-2)
