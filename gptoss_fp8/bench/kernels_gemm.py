@@ -397,8 +397,6 @@ PROBE_CONFIGS = [
          SPLIT_N=False),
     dict(WS=True, GROUP_M=8, num_stages=4),  # the Gluon warp-specialized kernel (kernels/fp8_gemm_ws.py)
     dict(WS=True, GROUP_M=8, num_stages=5),
-    dict(WS=True, BLOCK_N=64, GROUP_M=8, num_stages=5),  # 128 x 64 tiles: more of them at small M
-    dict(WS=True, BLOCK_N=64, GROUP_M=8, num_stages=7),
     dict(WS=True, GROUP_M=16, num_stages=4),
 ]
 

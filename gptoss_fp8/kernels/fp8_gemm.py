@@ -243,7 +243,7 @@ def fp8_gemm(
         assert ws, ("config WS=True needs the Gluon kernel's conditions: an sm_90 GPU, triton with Gluon, "
                     "bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
         fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=cfg.pop("num_stages", 4),
-                                group_m=cfg.pop("GROUP_M", 8), block_n=cfg.pop("BLOCK_N", fp8_gemm_ws.BN))
+                                group_m=cfg.pop("GROUP_M", 8))
         return out.reshape(*lead, n)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     assert bn in (16, 32, 64, 128, 256), f"BLOCK_N={bn}: tiles must not straddle a 128-column weight block"

@@ -93,10 +93,7 @@ if HAS_GLUON:
             rows = pid_m * TM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
             rmask = rows < M
             a_s_ptr = as_ptr + rows * stride_asm
-            if TN == TK:  # one weight-scale block row per tile
-                b_s_ptr = bs_ptr + pid_n * stride_bsn
-            else:  # TN = 64: two column tiles per weight-scale block row
-                b_s_ptr = bs_ptr + (pid_n // (TK // TN)) * stride_bsn
+            b_s_ptr = bs_ptr + pid_n * stride_bsn  # TN = 128: one weight-scale block row per tile
             acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, ROW0, ROWS, 0, TN, a_s_ptr, rmask, b_s_ptr, c,
                                            n_k, layout, True)
             # epilogue (the producer is already loading this program's next tile)
@@ -146,23 +143,19 @@ if HAS_GLUON:
 
 
 def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
-                block_n: int = BN) -> torch.Tensor:
+                bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8) -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
-    [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
-    block_n: output tile width, 128 or 64 (128 x 64 tiles: more, smaller tiles for small M)."""
+    [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point."""
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
-    assert block_n in (64, BN), f"block_n {block_n}: the Gluon GEMM tiles are 128 x 128 or 128 x 64"
-    BN_ = block_n
     fp8 = gl.float8e4nv
     a_desc = TensorDescriptor.from_tensor(a, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], fp8))
-    b_desc = TensorDescriptor.from_tensor(w, [BN_, BK], gl.NVMMASharedLayout.get_default_for([BN_, BK], fp8))
-    c_layout = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BN_], gl.bfloat16)
-    c_desc = TensorDescriptor.from_tensor(out, [WARPGROUP_ROWS, BN_], c_layout)
-    num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN_), sm_count(a.device))
+    b_desc = TensorDescriptor.from_tensor(w, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], fp8))
+    c_layout = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BN], gl.bfloat16)
+    c_desc = TensorDescriptor.from_tensor(out, [WARPGROUP_ROWS, BN], c_layout)
+    num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), sm_count(a.device))
     _ws_fp8_gemm_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
         a_scale.stride(0), w_scale_inv.stride(0), num_progs,
