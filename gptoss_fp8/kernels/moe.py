@@ -330,13 +330,29 @@ def moe_combine(
 @triton.jit
 def _zero_foreign_kernel(ids_ptr, y_ptr, n_slots, H, expert_start, num_experts, stride_ym,
                          BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    """y[slot] = 0 for every slot routed outside [expert_start, expert_start + num_experts)."""
+    """y[slot] = 0 for every slot routed outside [expert_start, expert_start + num_experts).
+    A block of slots with none routed elsewhere (every block, on a single rank) only reads its ids."""
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     e = tl.load(ids_ptr + offs_s, mask=offs_s < n_slots, other=expert_start) - expert_start
     foreign = (offs_s < n_slots) & ((e < 0) | (e >= num_experts))
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ptrs = y_ptr + offs_s.to(tl.int64)[:, None] * stride_ym + offs_h[None, :]
-    tl.store(ptrs, tl.zeros((BLOCK_S, BLOCK_H), dtype=y_ptr.dtype.element_ty), mask=foreign[:, None] & (offs_h < H)[None, :])
+    if tl.max(foreign.to(tl.int32), 0) > 0:
+        rows = y_ptr + offs_s.to(tl.int64)[:, None] * stride_ym
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(rows + offs_h[None, :], tl.zeros((BLOCK_S, BLOCK_H), dtype=y_ptr.dtype.element_ty),
+                     mask=foreign[:, None] & (offs_h < H)[None, :])
+
+
+def zero_foreign_rows(topk_ids: torch.Tensor, y: torch.Tensor, expert_start: int, num_experts: int) -> None:
+    """y[slot] = 0 (in place) for the slots of topk_ids [T, k] (int32, contiguous) routed outside
+    [expert_start, expert_start + num_experts); y [T*k, H] with a contiguous last dim."""
+    n_slots, h = y.shape
+    assert topk_ids.numel() == n_slots and topk_ids.is_contiguous() and y.stride(-1) == 1
+    if n_slots:
+        _zero_foreign_kernel[(triton.cdiv(n_slots, 16),)](
+            topk_ids, y, n_slots, h, expert_start, num_experts, y.stride(0), BLOCK_S=16,
+            BLOCK_H=min(512, triton.next_power_of_2(h)), num_warps=4,
+        )
 
 
 @triton.jit
@@ -465,10 +481,7 @@ def moe_expert_slots(
         return y
     topk_ids = topk_ids.contiguous()
     if zero_foreign:  # only rows of slots routed to other ranks' experts are written (none with one rank)
-        block_h = min(1024, triton.next_power_of_2(h))
-        _zero_foreign_kernel[(triton.cdiv(n_slots, 16), triton.cdiv(h, block_h))](
-            topk_ids, y, n_slots, h, expert_start, e, y.stride(0), BLOCK_S=16, BLOCK_H=block_h, num_warps=4,
-        )
+        zero_foreign_rows(topk_ids, y, expert_start, e)
     cfg = config or moe_config(t, k, e, moe_ws.supported(x.device))
     align = cfg["ALIGN_M"]
     gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])

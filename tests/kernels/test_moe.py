@@ -24,6 +24,7 @@ from gptoss_fp8.kernels.moe import (
     moe_experts,
     moe_experts_reference,
     route,
+    zero_foreign_rows,
 )
 from gptoss_fp8.quant.fp8 import quantize_weight_blocks
 
@@ -276,3 +277,18 @@ def test_moe_ws_compiles_for_sm90(fuse):
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == fuse, "TMA store only for gate_up's FP8 output"
     assert ".local" not in ptx
     assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("h", [1152, 200])
+def test_zero_foreign_rows(h):
+    """Slots routed outside the rank's experts are zeroed, every other row is left as it was
+    (rows of NaN: nothing else written); 1152 = two 512-column chunks and a tail."""
+    gen = torch.Generator().manual_seed(h)
+    ids = torch.randint(0, 16, (37, 4), generator=gen, dtype=torch.int32)
+    ids[:8] = 5  # whole 16-slot blocks with nothing foreign
+    y = torch.full((37 * 4, h), float("nan"), dtype=torch.bfloat16)
+    ids, y = ids.to(DEV), y.to(DEV)
+    zero_foreign_rows(ids, y, 4, 4)
+    foreign = ((ids < 4) | (ids >= 8)).reshape(-1)
+    assert foreign.any() and (~foreign).any()
+    assert (y[foreign] == 0).all() and y[~foreign].isnan().all()
