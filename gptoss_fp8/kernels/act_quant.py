@@ -107,7 +107,7 @@ def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, to
     s = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m > 0:
         block_m = 16
-        grid = (triton.cdiv(m, block_m), g)
+        grid = (cdiv(m, block_m), g)
         _act_quant_kernel[grid](
             x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0),
             BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,

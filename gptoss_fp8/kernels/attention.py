@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.quant.fp8 import cdiv
+
 LOG2E = 1.4426950408889634
 # The Gluon warp-specialized kernel (kernels/attention_ws.py) for one-sequence causal calls with
 # head_dim 64 on sm_90 (``attention_prefill`` checks the rest), with WS_CONFIG's tiles: three
@@ -333,7 +335,7 @@ def attention_prefill(
 
         k_arg = TensorDescriptor.from_tensor(k.view(T, Hkv * D), [BLOCK_N, D])
         v_arg = TensorDescriptor.from_tensor(v.view(T, Hkv * D), [BLOCK_N, D])
-    num_pid_m = triton.cdiv(max_seqlen, BLOCK_M // pack)
+    num_pid_m = cdiv(max_seqlen, BLOCK_M // pack)
     grid = (Hq // pack, num_pid_m, B)
     _attn_prefill_kernel[grid](
         q, k_arg, v_arg, sinks, out, cu_seqlens if ragged else sinks, cos, sin,

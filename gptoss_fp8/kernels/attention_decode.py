@@ -33,6 +33,7 @@ import triton.language as tl
 
 from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels.attention import LOG2E, attention_ref
+from gptoss_fp8.quant.fp8 import cdiv, next_pow2
 
 
 @triton.jit
@@ -264,20 +265,20 @@ def attention_decode(
     rows = NQ * G
     on_gpu = q.device.type == "cuda"
     BLOCK_N, num_warps, num_stages = config or DECODE_CONFIGS["cuda" if on_gpu else "cpu"]
-    BLOCK_M = block_m or min(64 if on_gpu else 32, max(16, triton.next_power_of_2(rows)))
-    num_m = triton.cdiv(rows, BLOCK_M)
+    BLOCK_M = block_m or min(64 if on_gpu else 32, max(16, next_pow2(rows)))
+    num_m = cdiv(rows, BLOCK_M)
     window = sliding_window if 0 < sliding_window < L_max else _NO_WINDOW
     # Widest key range one row tile can need (lo is aligned down, hence the extra block).
     span = L_max if window == _NO_WINDOW else min(L_max, window + NQ - 1 + BLOCK_N)
-    blocks = triton.cdiv(span, BLOCK_N)
+    blocks = cdiv(span, BLOCK_N)
     if num_splits is None:
         # At least one program per SM, and at least 4 splits (long KV loops per program lose to
         # shorter ones with more loads in flight; measured); every split keeps >= 4 blocks.
-        want = max(triton.cdiv(sm_count(q.device), B * Hkv * num_m), 4)
-        num_splits = max(1, min(want, triton.cdiv(blocks, 4)))
+        want = max(cdiv(sm_count(q.device), B * Hkv * num_m), 4)
+        num_splits = max(1, min(want, cdiv(blocks, 4)))
     num_splits = max(1, min(num_splits, blocks))
-    chunk = triton.cdiv(blocks, num_splits) * BLOCK_N
-    num_splits = triton.cdiv(span, chunk)  # no empty trailing splits
+    chunk = cdiv(blocks, num_splits) * BLOCK_N
+    num_splits = cdiv(span, chunk)  # no empty trailing splits
 
     out = torch.empty((B, NQ, Hq, D), dtype=q.dtype, device=q.device)
     split = num_splits > 1
@@ -308,7 +309,7 @@ def attention_decode(
     if split and not fused:
         R = B * NQ * Hq
         BLOCK_R = 16
-        _attn_merge_kernel[(triton.cdiv(R, BLOCK_R),)](
+        _attn_merge_kernel[(cdiv(R, BLOCK_R),)](
             part, part_m, part_l, out, R, num_splits,
             HEAD_DIM=D, BLOCK_R=BLOCK_R, MERGE_CHUNK=_merge_chunk(BLOCK_R, D, 8192), num_warps=4,
         )

@@ -22,13 +22,13 @@ Structure (FlashAttention-3's, on 128 queries x one head per program):
 from __future__ import annotations
 
 import torch
-import triton
 
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
-        TensorDescriptor,
+        descriptor,
         fence_async_shared,
         gl,
         gluon,
@@ -216,13 +216,12 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
-    bf16 = gl.bfloat16
 
     def desc(t, rows):
-        return TensorDescriptor.from_tensor(_rows2d(t), [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], bf16))
+        return descriptor(_rows2d(t), [rows, d])
 
     assert warpgroups in (2, 3) and block_n in (64, 128), f"warpgroups {warpgroups}, block_n {block_n}"
-    num_pid_m = triton.cdiv(T, warpgroups * WG_ROWS)
+    num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
         sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=232 if warpgroups == 2 else 160,

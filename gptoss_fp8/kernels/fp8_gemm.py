@@ -255,7 +255,7 @@ def fp8_gemm(
     tma = cfg.pop("TMA", False)
     split = cfg.pop("SPLIT_N", True)
     persistent = cfg.pop("PERSISTENT", False)
-    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    num_tiles = cdiv(m, bm) * cdiv(n, bn)
     # PERSISTENT: True or n programs per SM, each walking tiles
     num_progs = min(num_tiles, int(persistent) * sm_count(x_fp8.device)) if persistent else num_tiles
     tma = tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0

@@ -33,15 +33,15 @@ TMA's zero fill on load and its clipping on store.
 from __future__ import annotations
 
 import torch
-import triton
 
 from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - re-exported
+from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
-        TensorDescriptor,
         block_scaled_mainloop,
+        descriptor,
         load_stage,
         fence_async_shared,
         gl,
@@ -150,12 +150,8 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
-    fp8 = gl.float8e4nv
-    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], fp8))
-    b_desc = TensorDescriptor.from_tensor(w, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], fp8))
-    c_layout = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BN], gl.bfloat16)
-    c_desc = TensorDescriptor.from_tensor(out, [WARPGROUP_ROWS, BN], c_layout)
-    num_progs = min(triton.cdiv(m, BM) * triton.cdiv(n, BN), sm_count(a.device))
+    a_desc, b_desc, c_desc = descriptor(a, [BM, BK]), descriptor(w, [BN, BK]), descriptor(out, [WARPGROUP_ROWS, BN])
+    num_progs = min(cdiv(m, BM) * cdiv(n, BN), sm_count(a.device))
     _ws_fp8_gemm_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
         a_scale.stride(0), w_scale_inv.stride(0), num_progs,

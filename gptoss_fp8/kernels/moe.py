@@ -47,6 +47,8 @@ from gptoss_fp8.quant.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     block_gemm_reference,
+    cdiv,
+    next_pow2,
     quantize_act,
 )
 
@@ -137,7 +139,7 @@ def moe_align(
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous(), f"topk_ids {topk_ids.dtype}"
     dev = topk_ids.device
     n_slots = topk_ids.numel()
-    max_rows = triton.cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
+    max_rows = cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
     num_tiles = max_rows // block_m
     counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
     rank = torch.empty(n_slots, dtype=torch.int32, device=dev)
@@ -145,11 +147,11 @@ def moe_align(
     block_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
     block = 1024
-    grid = (triton.cdiv(n_slots, block),)
+    grid = (cdiv(n_slots, block),)
     _align_count_kernel[grid](topk_ids, counts, rank, n_slots, expert_start, num_local, BLOCK=block)
     _align_offsets_kernel[(1,)](
         counts, pad_start, block_expert, num_local, num_tiles,
-        ALIGN_M=block_m, BLOCK_E=max(16, triton.next_power_of_2(num_local)), BLOCK_T=64,
+        ALIGN_M=block_m, BLOCK_E=max(16, next_pow2(num_local)), BLOCK_T=64,
     )
     _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
     return sorted_slots, block_expert
@@ -160,7 +162,7 @@ def moe_align_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch ``moe_align`` (stable order inside each expert's segment)."""
     n_slots = topk_ids.numel()
-    max_rows = triton.cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
+    max_rows = cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
     key = topk_ids.reshape(-1).long() - expert_start
     key = torch.where((key >= 0) & (key < num_local), key, num_local)
     counts = torch.bincount(key, minlength=num_local + 1)[:num_local]
@@ -318,9 +320,9 @@ def moe_combine(
     out = torch.empty((t, h), dtype=torch.bfloat16, device=y.device)
     if t == 0:
         return out
-    block_h = min(1024, triton.next_power_of_2(h))
+    block_h = min(1024, next_pow2(h))
     ids_arg = ids.contiguous() if ids is not None else weights
-    _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
+    _moe_combine_kernel[(t, cdiv(h, block_h))](
         y2, weights.contiguous(), ids_arg, out, h, expert_start, num_experts, y2.stride(0), out.stride(0),
         TOP_K=k, BLOCK_H=block_h, HAS_IDS=ids is not None, num_warps=4,
     )
@@ -349,9 +351,9 @@ def zero_foreign_rows(topk_ids: torch.Tensor, y: torch.Tensor, expert_start: int
     n_slots, h = y.shape
     assert topk_ids.numel() == n_slots and topk_ids.is_contiguous() and y.stride(-1) == 1
     if n_slots:
-        _zero_foreign_kernel[(triton.cdiv(n_slots, 16),)](
+        _zero_foreign_kernel[(cdiv(n_slots, 16),)](
             topk_ids, y, n_slots, h, expert_start, num_experts, y.stride(0), BLOCK_S=16,
-            BLOCK_H=min(512, triton.next_power_of_2(h)), num_warps=4,
+            BLOCK_H=min(512, next_pow2(h)), num_warps=4,
         )
 
 
@@ -383,12 +385,12 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) ->
     through TMA like the down GEMM, instead of gathering rows with pointer loads."""
     t, h = x.shape
     m = sorted_slots.shape[0]
-    g = triton.cdiv(h, BLOCK)
+    g = cdiv(h, BLOCK)
     q = torch.empty((m, h), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m:
         block_m = 16
-        _gather_act_quant_kernel[(triton.cdiv(m, block_m), g)](
+        _gather_act_quant_kernel[(cdiv(m, block_m), g)](
             x, sorted_slots, q, s, m, h, t * top_k, x.stride(0), q.stride(0), s.stride(0),
             TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
         )
@@ -434,7 +436,7 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, ws: bool = False) 
 
 def _check_expert_weights(name, w, s, b, n, k, e):
     assert w.dtype == FP8_DTYPE and w.shape == (e, n, k), f"{name} {tuple(w.shape)} {w.dtype}, expected fp8 [{e}, {n}, {k}]"
-    assert s.dtype == torch.float32 and s.shape == (e, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)), (
+    assert s.dtype == torch.float32 and s.shape == (e, cdiv(n, BLOCK), cdiv(k, BLOCK)), (
         f"{name} scale_inv {tuple(s.shape)} {s.dtype} does not fit {tuple(w.shape)}"
     )
     assert b.shape == (e, n) and b.dtype in (torch.bfloat16, torch.float32), f"{name} bias {tuple(b.shape)} {b.dtype}"
@@ -508,13 +510,13 @@ def moe_expert_slots(
         assert x_fp8.shape == x.shape and x_fp8.dtype == FP8_DTYPE and x_fp8.stride(-1) == 1, (
             f"x_quant {tuple(x_fp8.shape)} {x_fp8.dtype} does not fit x {tuple(x.shape)}"
         )
-        assert x_scale.shape == (t, triton.cdiv(h, BLOCK)) and x_scale.stride(-1) == 1, f"x_quant scale {tuple(x_scale.shape)}"
+        assert x_scale.shape == (t, cdiv(h, BLOCK)) and x_scale.stride(-1) == 1, f"x_quant scale {tuple(x_scale.shape)}"
         x_src = x_fp8
     else:
         x_fp8, x_scale = act_quant(x.contiguous())
         x_src = x_fp8
     act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
-    act_scale = torch.empty((max_rows, triton.cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
+    act_scale = torch.empty((max_rows, cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
     if ws_gu:
         moe_ws.ws_moe_gemm(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, True, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
@@ -539,7 +541,7 @@ def _gate_up_triton(x_src, x_scale, x_fp8, w13, w13_scale_inv, b13, act, act_sca
     split_gu = bool(gu.pop("SPLIT_N", True))  # False: one 256-wide product per K step (per-column scales)
     w13_box = [BLOCK if split_gu else 2 * BLOCK, BLOCK]
     w13_src = TensorDescriptor.from_tensor(w13.view(e * two_i, h), w13_box) if tma else w13
-    grid = (max_rows // bm_gu * triton.cdiv(two_i, 2 * BLOCK),)
+    grid = (max_rows // bm_gu * cdiv(two_i, 2 * BLOCK),)
     _moe_gemm_kernel[grid](
         x_src, x_scale, w13_src, w13_scale_inv, b13, act, act_scale,
         sorted_slots, block_expert,
@@ -564,7 +566,7 @@ def _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_ex
         w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK) if split_dn else bn, BLOCK])
     else:
         act_src, w2_src = act, w2
-    grid = (max_rows // bm_dn * triton.cdiv(h, bn),)
+    grid = (max_rows // bm_dn * cdiv(h, bn),)
     _moe_gemm_kernel[grid](
         act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
         sorted_slots, block_expert,

@@ -27,14 +27,14 @@ wholly past N (the last column tile of H = 2880 or 2I = 5760) skips its MMAs.
 from __future__ import annotations
 
 import torch
-import triton
 
 from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
-        TensorDescriptor,
+        descriptor,
         block_scaled_mainloop,
         load_stage,
         fence_async_shared,
@@ -221,18 +221,14 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     row sorted_slots[r] = row r's result."""
     max_rows, k = a.shape
     e, n, _ = w.shape
-    fp8 = gl.float8e4nv
-    a_desc = TensorDescriptor.from_tensor(a, [TILE_M, BK], gl.NVMMASharedLayout.get_default_for([TILE_M, BK], fp8))
-    b_desc = TensorDescriptor.from_tensor(w.view(e * n, k), [TILE_N, BK],
-                                          gl.NVMMASharedLayout.get_default_for([TILE_N, BK], fp8))
+    a_desc, b_desc = descriptor(a, [TILE_M, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     if fuse_swiglu:
-        o_layout = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_N // 4], fp8)
-        out_desc = TensorDescriptor.from_tensor(out, [TILE_M, TILE_N // 4], o_layout)
+        out_desc = descriptor(out, [TILE_M, TILE_N // 4])
         stride_om, out_s, stride_osm = out.stride(0), out_scale, out_scale.stride(0)
     else:
         out_desc, stride_om, out_s, stride_osm = a_desc, out.stride(0), out, 0  # out_desc unused
     num_m = max_rows // TILE_M
-    num_progs = min(num_m * triton.cdiv(n, TILE_N), sm_count(a.device))
+    num_progs = min(num_m * cdiv(n, TILE_N), sm_count(a.device))
     _ws_moe_gemm_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_s, sorted_slots, block_expert,
         num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0),

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
-from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
 
 @triton.jit
@@ -98,10 +98,10 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
         return xo, y, (q, s) if quant else None
-    block_h = max(triton.next_power_of_2(h), ACT_GROUP if quant else 1)
+    block_h = max(next_pow2(h), ACT_GROUP if quant else 1)
     block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
     d = delta if delta is not None else x
-    _rms_norm_kernel[(triton.cdiv(m, block_m),)](
+    _rms_norm_kernel[(cdiv(m, block_m),)](
         x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.quant.fp8 import cdiv, next_pow2
+
 
 @triton.jit
 def _rope_kernel(
@@ -128,7 +130,7 @@ def rope_qk(
     T, _, D = q.shape
     _check("q", q, T, D)
     _check("k", k, T, D)
-    assert D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2, f"head_dim {D}: D/2 must be a power of two"
+    assert D % 2 == 0 and next_pow2(D // 2) == D // 2, f"head_dim {D}: D/2 must be a power of two"
     assert positions.shape == (T,) and positions.dtype in (torch.int32, torch.int64), (
         f"positions {positions.dtype} {positions.shape}: want int32/int64 [{T}]"
     )
@@ -142,9 +144,9 @@ def rope_qk(
     if T == 0:
         return (None if k_only else q_out), k_out
     Hq, Hkv = q.shape[1], k.shape[1]
-    BLOCK_H = min(8, triton.next_power_of_2(Hq + Hkv))
+    BLOCK_H = min(8, next_pow2(Hq + Hkv))
     BLOCK_T = 4
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(Hq + Hkv, BLOCK_H))
+    grid = (cdiv(T, BLOCK_T), cdiv(Hq + Hkv, BLOCK_H))
     _rope_kernel[grid](
         q, k, q_out, k_out, positions, cos, sin,
         T, Hq, Hkv,

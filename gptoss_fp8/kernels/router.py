@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gptoss_fp8.quant.fp8 import cdiv, next_pow2
+
 
 @triton.jit
 def _router_kernel(
@@ -106,11 +108,11 @@ def router(
     on_gpu = x.device.type == "cuda"
     block_t, warps, stages = config or router_config(t, e, on_gpu)
     block_k = 64
-    _router_kernel[(triton.cdiv(t, block_t),)](
+    _router_kernel[(cdiv(t, block_t),)](
         x, weight, bias if bias is not None else weight, logits, ids, wts,
         t, h, e, x.stride(0), weight.stride(0), logits.stride(0),
-        HAS_BIAS=bias is not None, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(e)), BLOCK_K=block_k, UPCAST=not on_gpu,
+        HAS_BIAS=bias is not None, TOP_K=top_k, KP=max(2, next_pow2(top_k)),
+        BLOCK_T=block_t, BLOCK_E=max(16, next_pow2(e)), BLOCK_K=block_k, UPCAST=not on_gpu,
         EVEN_K=h % block_k == 0, num_warps=warps, num_stages=stages,
     )
     return logits, ids, wts

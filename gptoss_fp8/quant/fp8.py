@@ -47,6 +47,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1); ``triton.next_power_of_2`` without its ~2 us of
+    host time per call (the kernel launchers call these on every launch)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def scale_grid(n: int, k: int, block: int = BLOCK) -> tuple[int, int]:
     """Shape of the block-scale grid of an [n, k] weight."""
     return cdiv(n, block), cdiv(k, block)

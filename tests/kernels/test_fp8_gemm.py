@@ -207,3 +207,26 @@ def test_gluon_switch_and_report(monkeypatch):
     x_fp8, x_scale, w_fp8, w_scale, b = _problem(8, 64, 160, seed=4)
     with pytest.raises(AssertionError, match="WS=True needs"):  # a forced Gluon config is refused too
         fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=dict(WS=True))
+
+
+def test_host_helpers_match_triton():
+    """The launchers' host-side helpers: next_pow2 / cdiv give triton's values, and the cached-layout
+    TMA descriptor is the one triton builds from scratch (same base, shape, strides, block, layout)."""
+    import triton
+
+    from gptoss_fp8.kernels import _gluon
+    from gptoss_fp8.quant.fp8 import cdiv, next_pow2
+
+    for n in range(1, 5000):
+        assert next_pow2(n) == triton.next_power_of_2(n) and cdiv(n, 128) == triton.cdiv(n, 128), n
+    if not _gluon.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API")
+    gl = _gluon.gl
+    for dtype, gdt, block in ((torch.float8_e4m3fn, gl.float8e4nv, [128, 128]), (torch.float8_e4m3fn, gl.float8e4nv, [64, 64]),
+                              (torch.bfloat16, gl.bfloat16, [64, 128]), (torch.bfloat16, gl.bfloat16, [64, 64])):
+        t = torch.empty(300, 256, dtype=dtype)
+        want = _gluon.TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+        for _ in range(2):  # built, then from the cache
+            got = _gluon.descriptor(t, block)
+            assert (got.base is want.base and list(got.shape) == list(want.shape) and list(got.strides) == list(want.strides)
+                    and list(got.block_shape) == list(want.block_shape) and got.layout == want.layout), (got, want)
