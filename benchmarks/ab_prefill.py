@@ -11,7 +11,8 @@ router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "t
 dense GEMMs on the Triton kernel at every size, i.e. without the Gluon warp-specialized kernel that
 fp8_gemm picks from WS_MIN_ROWS rows on, seventh session), "triton-moe" (the expert GEMMs on the
 Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both), "ws-down" (the Gluon down
-GEMM too, moe.WS_MOE_DOWN).
+GEMM too, moe.WS_MOE_DOWN), "gather-quant" (gate_up's sorted A copied from the norm's FP8 rows,
+moe.GATHER_FROM_QUANT; eighth session, not yet measured).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -42,20 +43,22 @@ class TorchRouter(TritonOps):
     route = W8A8CpuOps.route
 
 
-def _switched(fn, dense_ws: bool = True, moe_ws: bool = True, moe_ws_down: bool = False):
+def _switched(fn, dense_ws: bool = True, moe_ws: bool = True, moe_ws_down: bool = False,
+              gather_from_quant: bool | None = None):
     """fn with the Gluon warp-specialized dense GEMM and / or expert GEMMs switched off (or the down
-    one on) for the call."""
+    one on), or moe.GATHER_FROM_QUANT set, for the call."""
     from gptoss_fp8.kernels import fp8_gemm, moe
 
     def run(t):
-        old = fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN
+        old = fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN, moe.GATHER_FROM_QUANT
         fp8_gemm.WS_MIN_ROWS = old[0] if dense_ws else 1 << 62
         moe.WS_MOE = old[1] and moe_ws
         moe.WS_MOE_DOWN = moe_ws_down
+        moe.GATHER_FROM_QUANT = old[3] if gather_from_quant is None else gather_from_quant
         try:
             return fn(t)
         finally:
-            fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN = old
+            fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN, moe.GATHER_FROM_QUANT = old
 
     return run
 
@@ -79,6 +82,7 @@ def main() -> None:
             "triton-moe": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws=False),
             "triton-all": lambda: _switched(lambda t: prefill_logits(model, t, ops), dense_ws=False, moe_ws=False),
             "ws-down": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws_down=True),
+            "gather-quant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=True),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

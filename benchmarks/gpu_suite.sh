@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|pingpong|decode1|clocks|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|pingpong|decode1|clocks|gatherq|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -12,6 +12,8 @@
 #   Triton kernel at 8192 / 32768 / 131072 tokens, the attention GPU tests
 #   pingpong: the ping-pong MoE gate_up experiment (benchmarks/moe_pingpong.py, not yet run) against
 #   the package's Gluon gate_up
+#   gatherq: MoE GATHER_FROM_QUANT (written in the eighth session, not yet run): its tests, then a
+#   whole-model A/B (20b 8192 / 32768, 120b 8192) against the default
 #   clocks: SM clock / power / throttle reasons sampled during a full-depth 20b prefill at 32768
 #   tokens and during the short profiled run it is compared with (benchmarks/clock_watch.py)
 #   decode1: decode GPU tests, then decode at batch 1 by tile, split count and merge chunk
@@ -97,6 +99,11 @@ fi
 if has decode1; then
   timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k decode 2>&1 | tail -4 | tee "$OUT/decode1_tests.log"
   timeout 200 python3 -m gptoss_fp8.bench.kernels_attention decode_b1 2>&1 | tee "$OUT/decode1.log"
+fi
+if has gatherq; then
+  timeout 150 python3 -m pytest -q tests/kernels/test_moe.py -k "gather" 2>&1 | tail -3 | tee "$OUT/gatherq_tests.log"
+  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,gather-quant 2>&1 | tee "$OUT/gatherq_ab_20b.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 6 --variants default,gather-quant 2>&1 | tee "$OUT/gatherq_ab_120b.log"
 fi
 if has clocks; then
   timeout 200 python3 benchmarks/clock_watch.py "$OUT/clocks_prefill.csv" -- python3 -m gptoss_fp8.cli.main bench prefill \

@@ -60,6 +60,11 @@ SWIGLU_ALPHA = 1.702
 # gate_up ran 3-11% faster (benchmarks/notes/kernels_gemm.md, seventh session).
 WS_MOE = True
 WS_MOE_DOWN = False
+# With PREGATHER, build gate_up's sorted A by copying the rows of the caller's x_quant (the
+# norm's FP8 output) instead of quantizing x again: the same bits, half the bytes read and no
+# quantization math. Off by default until measured on the GPU (written after the eighth session's
+# last device call; its GPU test forces it on: test_moe.py, benchmarks/ab_prefill.py "gather-quant").
+GATHER_FROM_QUANT = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,11 +364,14 @@ def zero_foreign_rows(topk_ids: torch.Tensor, y: torch.Tensor, expert_start: int
 
 @triton.jit
 def _gather_act_quant_kernel(
-    x_ptr, slots_ptr, q_ptr, s_ptr,
-    M, K, num_slots, stride_xm, stride_qm, stride_sm,
+    x_ptr, xs_ptr, slots_ptr, q_ptr, s_ptr,
+    M, K, num_slots, stride_xm, stride_xsm, stride_qm, stride_sm,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    FROM_QUANT: tl.constexpr = False,
 ):
-    """Row r of the output = act_quant(x[slots[r] // TOP_K]) (zeros for padding rows)."""
+    """Row r of the output = act_quant(x[slots[r] // TOP_K]) (zeros for padding rows, with the
+    scale act_quant gives a zero row). FROM_QUANT: x is that quantization already (x_ptr its FP8
+    bytes as uint8, xs_ptr its scales): the row's bytes and scale are copied, not recomputed."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     slots = tl.load(slots_ptr + offs_m, mask=m_ok, other=num_slots)
@@ -371,28 +379,45 @@ def _gather_act_quant_kernel(
     src = (tl.where(valid, slots, 0) // TOP_K).to(tl.int64)
     offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     k_ok = offs_k < K
-    x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-    q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
+    x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0)
+    if FROM_QUANT:
+        q = x  # e4m3 bytes; 0 = +0.0 for padding rows
+        scale = tl.load(xs_ptr + src * stride_xsm + tl.program_id(1), mask=valid, other=0.0)
+        scale = tl.where(valid, scale, group_scale(tl.zeros([BLOCK_M], dtype=tl.float32), FP8_MAX_C, EPS))
+    else:
+        q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
     rows = offs_m.to(tl.int64)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
     tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=m_ok)
 
 
-def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
+                     x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate_up GEMM's A operand in padded sorted row order: row r is the 1x128 FP8 quantization
     of x[sorted_slots[r] // top_k] (``act_quant``'s numerics; a token routed to k experts is
     quantized k times, identically); padding rows (slot >= T*k) are zeros. Lets gate_up read A
-    through TMA like the down GEMM, instead of gathering rows with pointer loads."""
+    through TMA like the down GEMM, instead of gathering rows with pointer loads.
+    x_quant: ``act_quant(x)`` (x_fp8 [T, H], scale [T, ceil(H/128)], last dims contiguous) when the
+    caller has it; its rows are then copied (half the bytes of x read, no quantization), same bits."""
     t, h = x.shape
     m = sorted_slots.shape[0]
     g = cdiv(h, BLOCK)
     q = torch.empty((m, h), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if x_quant is not None:
+        xq, xs = x_quant
+        assert xq.shape == x.shape and xq.dtype == FP8_DTYPE and xq.stride(-1) == 1, (
+            f"x_quant {tuple(xq.shape)} {xq.dtype} does not fit x {tuple(x.shape)}")
+        assert xs.shape == (t, g) and xs.dtype == torch.float32 and xs.stride(-1) == 1, f"x_quant scale {tuple(xs.shape)}"
+        src, src_s, out = xq.view(torch.uint8), xs, q.view(torch.uint8)
+    else:
+        src, src_s, out = x, x, q  # src_s unused
     if m:
         block_m = 16
         _gather_act_quant_kernel[(cdiv(m, block_m), g)](
-            x, sorted_slots, q, s, m, h, t * top_k, x.stride(0), q.stride(0), s.stride(0),
-            TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
+            src, src_s, sorted_slots, out, s, m, h, t * top_k, src.stride(0), src_s.stride(0), q.stride(0), s.stride(0),
+            TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, FROM_QUANT=x_quant is not None,
+            num_warps=4,
         )
     return q, s
 
@@ -503,7 +528,8 @@ def moe_expert_slots(
     # PREGATHER: quantize x straight into sorted row order so gate_up reads A through TMA.
     pregather = tma and bool(cfg.get("PREGATHER", False))
     if pregather:
-        x_fp8, x_scale = gather_act_quant(x.contiguous(), sorted_slots, k)
+        # GATHER_FROM_QUANT: copy the rows of the caller's act_quant(x) (same bits, fewer bytes)
+        x_fp8, x_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant if GATHER_FROM_QUANT else None)
         x_src = None if ws_gu else TensorDescriptor.from_tensor(x_fp8, [bm_gu, BLOCK])
     elif x_quant is not None:
         x_fp8, x_scale = x_quant

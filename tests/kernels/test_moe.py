@@ -193,6 +193,33 @@ def test_gather_act_quant_rows_are_act_quant_of_their_tokens():
             assert torch.equal(q[r].float(), qr[slot // k].float()) and torch.equal(s[r], sr[slot // k])
         else:
             assert not q[r].float().any()
+    # from the caller's act_quant(x): its rows copied, the same bits, padding rows included
+    q2, s2 = gather_act_quant(x, slots, k, x_quant=(qr, sr))
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    with pytest.raises(AssertionError, match="x_quant scale"):
+        gather_act_quant(x, slots, k, x_quant=(qr, sr[:, :1]))
+
+
+@pytest.mark.parametrize("t,e", [(30, 8)] + ([(1000, 32), (4096, 128)] if HAS_CUDA else []))
+def test_moe_gather_from_quant_same_bits(t, e, monkeypatch):
+    """GATHER_FROM_QUANT (gate_up's sorted A copied from the caller's x_quant) leaves the expert
+    outputs bit for bit as they are when x is quantized again (PREGATHER configs; on the GPU the
+    default one, with the Gluon gate_up)."""
+    from gptoss_fp8.kernels import moe as moe_mod
+
+    h, i = (160, 192) if t == 30 else (2880, 2880)
+    m = _model(t, h, i, e, seed=t + e)
+    _, ids = route(m["x"], m["wr"], m["br"], 4)
+    cfg = None if HAS_CUDA else dict(
+        ALIGN_M=32, TMA=True, PREGATHER=True,
+        gate_up=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2),
+        down=dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2))
+    xq = act_quant(m["x"])
+    outs = []
+    for flag in (False, True):
+        monkeypatch.setattr(moe_mod, "GATHER_FROM_QUANT", flag)
+        outs.append(moe_mod.moe_expert_slots(m["x"], ids, *m["experts"], config=cfg, x_quant=xq))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_moe_combine_matches_einsum():
