@@ -379,12 +379,13 @@ def _gather_act_quant_kernel(
     src = (tl.where(valid, slots, 0) // TOP_K).to(tl.int64)
     offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     k_ok = offs_k < K
-    x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0)
+    x_ptrs = x_ptr + src[:, None] * stride_xm + offs_k[None, :]
     if FROM_QUANT:
-        q = x  # e4m3 bytes; 0 = +0.0 for padding rows
+        q = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0)  # e4m3 bytes; 0 = +0.0 (padding)
         scale = tl.load(xs_ptr + src * stride_xsm + tl.program_id(1), mask=valid, other=0.0)
         scale = tl.where(valid, scale, group_scale(tl.zeros([BLOCK_M], dtype=tl.float32), FP8_MAX_C, EPS))
     else:
+        x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
     rows = offs_m.to(tl.int64)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
