@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|pingpong|decode1|clocks|gatherq|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|gatherq|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -10,8 +10,6 @@
 #   sweep and a 20b A/B at 8192 tokens (Gluon defaults vs Triton everywhere vs Gluon down too)
 #   attnws: the Gluon warp-specialized attention: its GPU tests (with a timeout), A/B against the
 #   Triton kernel at 8192 / 32768 / 131072 tokens, the attention GPU tests
-#   pingpong: the ping-pong MoE gate_up experiment (benchmarks/moe_pingpong.py, not yet run) against
-#   the package's Gluon gate_up
 #   gatherq: MoE GATHER_FROM_QUANT (written in the eighth session, not yet run): its tests, then a
 #   whole-model A/B (20b 8192 / 32768, 120b 8192) against the default
 #   clocks: SM clock / power / throttle reasons sampled during a full-depth 20b prefill at 32768
@@ -92,9 +90,6 @@ if has attnws; then
   timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k ws 2>&1 | tail -6 | tee "$OUT/attnws_tests.log"
   timeout 120 python3 benchmarks/attn_ws_ab.py 8192 32768 131072 2>&1 | tee "$OUT/attnws_ab.log"
   timeout 90 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "not ws" 2>&1 | tail -4 | tee -a "$OUT/attnws_tests.log"
-fi
-if has pingpong; then
-  timeout 240 python3 benchmarks/moe_pingpong.py 2>&1 | tee "$OUT/pingpong.log"
 fi
 if has decode1; then
   timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k decode 2>&1 | tail -4 | tee "$OUT/decode1_tests.log"

@@ -139,10 +139,9 @@ if HAS_GLUON:
     @gluon.jit
     def block_scaled_mainloop(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, AR: gl.constexpr, B0: gl.constexpr,
                               BR: gl.constexpr, a_s_ptr, rmask, b_s_ptr, c, n_k, layout: gl.constexpr,
-                              MASK_A: gl.constexpr, step=1):
+                              MASK_A: gl.constexpr):
         """One consumer warpgroup's block-scaled FP8 product over n_k K blocks of the stage ring:
-        A rows A0 .. A0 + AR and B rows B0 .. B0 + BR of each stage, at ring positions c, c + step,
-        ... (step > 1: other warpgroups' blocks lie in between).
+        A rows A0 .. A0 + AR and B rows B0 .. B0 + BR of each stage, at ring positions c, c + 1, ...
         The wgmma of K block i + 1 is issued before block i's is waited for and scaled into the
         fp32 accumulator by a_s[row, i] * b_s[i] (promotion every 128, the package's numerics);
         each stage is released on ``empty`` once read. a_s_ptr: [AR] row-scale pointers (masked by
@@ -156,7 +155,7 @@ if HAS_GLUON:
         cur = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), zero,
                             use_acc=False, is_async=True)
         for kk in range(n_k - 1):
-            c1 = c + step
+            c1 = c + 1
             s1 = c1 % S
             mbarrier.wait(ready.index(s1), (c1 // S) & 1)
             nxt = warpgroup_mma(a_bufs.index(s1).slice(A0, AR), b_bufs.index(s1).slice(B0, BR).permute((1, 0)), zero,
@@ -172,4 +171,4 @@ if HAS_GLUON:
         done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
         mbarrier.arrive(empty.index(c % S), count=1)
         acc = acc + done * gl.expand_dims(scale, 1)
-        return acc, c + step
+        return acc, c + 1
