@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|gatherq|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|depth|attnexp|readprobe|gatherq|oproj|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -14,6 +14,11 @@
 #   whole-model A/B (20b 8192 / 32768, 120b 8192) against the default
 #   clocks: SM clock / power / throttle reasons sampled during a full-depth 20b prefill at 32768
 #   tokens and during the short profiled run it is compared with (benchmarks/clock_watch.py)
+#   oproj: o_proj at 4096 rows, the default beside the peer and 11 other tiles (benchmarks/oproj_small.py)
+#   depth: kernel profiles at a few layers and at full depth (20b 32768, 120b 8192): do the same
+#   kernels run slower per layer in the deep model (the ~9% gap of the eighth session)?
+#   attnexp: the attention's 2^x by MUFU / FMA-pipe polynomial / both / none (a bound), its GPU tests
+#   readprobe: plain streaming reads of a batch-1 decode's KV bytes against attention_decode
 #   decode1: decode GPU tests, then decode at batch 1 by tile, split count and merge chunk
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
@@ -100,11 +105,27 @@ if has gatherq; then
   timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,gather-quant 2>&1 | tee "$OUT/gatherq_ab_20b.log"
   timeout 150 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 6 --variants default,gather-quant 2>&1 | tee "$OUT/gatherq_ab_120b.log"
 fi
+if has oproj; then
+  timeout 150 python3 benchmarks/oproj_small.py ${OPROJ_ROWS:-4096} 2>&1 | tee "$OUT/oproj_small.log"
+fi
 if has clocks; then
   timeout 200 python3 benchmarks/clock_watch.py "$OUT/clocks_prefill.csv" -- python3 -m gptoss_fp8.cli.main bench prefill \
     --model 20b --tokens 32768 --runs 5 --no-peer 2>&1 | grep -v Warn | tee "$OUT/clocks_prefill.log"
   timeout 120 python3 benchmarks/clock_watch.py "$OUT/clocks_profile.csv" -- python3 benchmarks/profile_prefill.py \
     --model 20b --layers 4 --tokens 32768 --rows 8 2>&1 | grep -v Warn | tee "$OUT/clocks_profile.log"
+fi
+if has depth; then
+  for spec in "20b 4 32768" "20b 24 32768" "120b 6 8192" "120b 36 8192"; do
+    set -- $spec
+    timeout 150 python3 benchmarks/profile_prefill.py --model $1 --layers $2 --tokens $3 --rows 16 2>&1 | grep -v Warn | tee "$OUT/depth_$1_$2.log"
+  done
+fi
+if has attnexp; then
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "ws" 2>&1 | tail -4 | tee "$OUT/attnexp_tests.log"
+  timeout 200 python3 benchmarks/attn_exp_probe.py 8192 32768 2>&1 | tee "$OUT/attnexp.log"
+fi
+if has readprobe; then
+  timeout 120 python3 benchmarks/decode_read_probe.py 2>&1 | tee "$OUT/readprobe.log"
 fi
 if has tiles; then
   timeout 300 python3 benchmarks/tile_intensity.py 2>&1 | tee "$OUT/tile_intensity.log"

@@ -195,7 +195,14 @@ def test_gather_act_quant_rows_are_act_quant_of_their_tokens():
             assert not q[r].float().any()
     # from the caller's act_quant(x): its rows copied, the same bits, padding rows included
     q2, s2 = gather_act_quant(x, slots, k, x_quant=(qr, sr))
-    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    valid = slots < t * k
+    assert torch.equal(s2[valid], s[valid])
+    # padding rows (all-zero A, so the scale multiplies zeros): eps / 448 in both forms, to one ulp,
+    # since on the GPU one form folds the constant division at compile time and the other divides
+    # with the approximate fp32 division at run time (measured on the H200: they differ there)
+    torch.testing.assert_close(s2[~valid], s[~valid], rtol=2.4e-7, atol=0)
+    assert (s2[~valid] > 0).all()
     with pytest.raises(AssertionError, match="x_quant scale"):
         gather_act_quant(x, slots, k, x_quant=(qr, sr[:, :1]))
 
