@@ -11,8 +11,9 @@ router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "t
 dense GEMMs on the Triton kernel at every size, i.e. without the Gluon warp-specialized kernel that
 fp8_gemm picks from WS_MIN_ROWS rows on, seventh session), "triton-moe" (the expert GEMMs on the
 Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both), "ws-down" (the Gluon down
-GEMM too, moe.WS_MOE_DOWN), "gather-quant" (gate_up's sorted A copied from the norm's FP8 rows,
-moe.GATHER_FROM_QUANT; eighth session, not yet measured).
+GEMM too, moe.WS_MOE_DOWN), "gather-quant" / "gather-requant" (gate_up's sorted A copied from the norm's FP8 rows, or
+quantized again from its bf16 rows: moe.GATHER_FROM_QUANT on / off; on by default since the ninth
+session).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -83,6 +84,7 @@ def main() -> None:
             "triton-all": lambda: _switched(lambda t: prefill_logits(model, t, ops), dense_ws=False, moe_ws=False),
             "ws-down": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws_down=True),
             "gather-quant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=True),
+            "gather-requant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=False),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

@@ -15,13 +15,14 @@ from gptoss_fp8.kernels.attention_decode import attention_decode
 
 
 @triton.jit
-def _read_kernel(K, V, Out, per_prog, BLOCK: tl.constexpr):
-    """Program p sums K and V elements [p * per_prog, (p + 1) * per_prog) (per_prog % BLOCK == 0)."""
+def _read_kernel(K, V, Out, n, per_prog, BLOCK: tl.constexpr):
+    """Program p sums K and V elements [p * per_prog, (p + 1) * per_prog) below n (per_prog % BLOCK == 0)."""
     base = tl.program_id(0).to(tl.int64) * per_prog
     acc = tl.zeros([BLOCK], tl.float32)
     for off in range(0, per_prog, BLOCK):
         idx = base + off + tl.arange(0, BLOCK)
-        acc += tl.load(K + idx).to(tl.float32) + tl.load(V + idx).to(tl.float32)
+        ok = idx < n
+        acc += tl.load(K + idx, mask=ok, other=0.0).to(tl.float32) + tl.load(V + idx, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + tl.program_id(0), tl.sum(acc))
 
 
@@ -40,11 +41,9 @@ def main() -> None:
               f"({floor_us / us:.2f} of floor)", flush=True)
         for progs in (132, 264, 528, 1056, 2112):
             for block, warps in ((2048, 4), (4096, 8), (8192, 8)):
-                if n % (progs * block):
-                    continue
-                per = n // progs
+                per = -(-n // (progs * block)) * block
                 grid, kw = (progs,), {"BLOCK": block, "num_warps": warps}
-                fns = [lambda kc=kc, vc=vc, a=(out, per), g=grid, kw=kw: _read_kernel[g](kc, vc, *a, **kw)
+                fns = [lambda kc=kc, vc=vc, a=(out, n, per), g=grid, kw=kw: _read_kernel[g](kc, vc, *a, **kw)
                        for _, kc, vc in sets]
                 us = _ms_graph(fns) * 1e3
                 print(f"B={B} read: {progs} programs, block {block}, {warps} warps: {us:.1f} us "

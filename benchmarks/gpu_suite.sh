@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|depth|attnexp|readprobe|gatherq|oproj|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|depth|readprobe|final9|gatherq|oproj|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -10,14 +10,13 @@
 #   sweep and a 20b A/B at 8192 tokens (Gluon defaults vs Triton everywhere vs Gluon down too)
 #   attnws: the Gluon warp-specialized attention: its GPU tests (with a timeout), A/B against the
 #   Triton kernel at 8192 / 32768 / 131072 tokens, the attention GPU tests
-#   gatherq: MoE GATHER_FROM_QUANT (written in the eighth session, not yet run): its tests, then a
-#   whole-model A/B (20b 8192 / 32768, 120b 8192) against the default
+#   gatherq: MoE GATHER_FROM_QUANT (on by default since the ninth session): its tests, then a
+#   whole-model A/B (20b 8192 / 32768, 120b 8192) against it off
 #   clocks: SM clock / power / throttle reasons sampled during a full-depth 20b prefill at 32768
 #   tokens and during the short profiled run it is compared with (benchmarks/clock_watch.py)
 #   oproj: o_proj at 4096 rows, the default beside the peer and 11 other tiles (benchmarks/oproj_small.py)
 #   depth: kernel profiles at a few layers and at full depth (20b 32768, 120b 8192): do the same
 #   kernels run slower per layer in the deep model (the ~9% gap of the eighth session)?
-#   attnexp: the attention's 2^x by MUFU / FMA-pipe polynomial / both / none (a bound), its GPU tests
 #   readprobe: plain streaming reads of a batch-1 decode's KV bytes against attention_decode
 #   decode1: decode GPU tests, then decode at batch 1 by tile, split count and merge chunk
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
@@ -102,11 +101,19 @@ if has decode1; then
 fi
 if has gatherq; then
   timeout 150 python3 -m pytest -q tests/kernels/test_moe.py -k "gather" 2>&1 | tail -3 | tee "$OUT/gatherq_tests.log"
-  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,gather-quant 2>&1 | tee "$OUT/gatherq_ab_20b.log"
-  timeout 150 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 6 --variants default,gather-quant 2>&1 | tee "$OUT/gatherq_ab_120b.log"
+  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 8 --variants default,gather-requant 2>&1 | tee "$OUT/gatherq_ab_20b.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 6 --variants default,gather-requant 2>&1 | tee "$OUT/gatherq_ab_120b.log"
 fi
 if has oproj; then
   timeout 150 python3 benchmarks/oproj_small.py ${OPROJ_ROWS:-4096} 2>&1 | tee "$OUT/oproj_small.log"
+fi
+if has final9; then  # the ninth session's closing run: defaults' GPU tests (MoE, model) and figures
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_moe.py tests/test_verify_kernels.py 2>&1 | tail -3 | tee "$OUT/final9_tests.log"
+  timeout 60 python3 benchmarks/decode_read_probe.py 2>&1 | tee "$OUT/readprobe.log"
+  timeout 230 python3 -m gptoss_fp8.cli.main bench prefill --model 20b --tokens 8192,32768 --runs 5 --peer-runs 3 \
+    --json "$OUT/prefill_20b.json" 2>&1 | grep -v Warn | tee "$OUT/prefill_20b.log"
+  timeout 110 python3 -m gptoss_fp8.cli.main bench prefill --model 120b --tokens 8192 --runs 5 --no-peer \
+    --json "$OUT/prefill_120b.json" 2>&1 | grep -v Warn | tee "$OUT/prefill_120b.log"
 fi
 if has clocks; then
   timeout 200 python3 benchmarks/clock_watch.py "$OUT/clocks_prefill.csv" -- python3 -m gptoss_fp8.cli.main bench prefill \
@@ -119,10 +126,6 @@ if has depth; then
     set -- $spec
     timeout 150 python3 benchmarks/profile_prefill.py --model $1 --layers $2 --tokens $3 --rows 16 2>&1 | grep -v Warn | tee "$OUT/depth_$1_$2.log"
   done
-fi
-if has attnexp; then
-  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "ws" 2>&1 | tail -4 | tee "$OUT/attnexp_tests.log"
-  timeout 200 python3 benchmarks/attn_exp_probe.py 8192 32768 2>&1 | tee "$OUT/attnexp.log"
 fi
 if has readprobe; then
   timeout 120 python3 benchmarks/decode_read_probe.py 2>&1 | tee "$OUT/readprobe.log"

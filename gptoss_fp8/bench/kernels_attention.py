@@ -382,24 +382,24 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
 DECODE1_CONFIGS = [(128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3), (128, 8, 4), (64, 4, 4)]
 
 
-def decode_b1(L: int = DECODE_KV) -> list[dict]:
-    """Decode at batch 1 (one new token, L cached): DECODE1_CONFIGS x split counts x fused-merge
-    chunk (2 splits per step, the old default, against all splits in one step), graph-timed, beside
+def decode_b1(L: int = DECODE_KV, B: int = 1, splits_list=(None, 8, 32), configs=None, chunks=(2, None)) -> list[dict]:
+    """Decode at batch B (default 1; one new token, L cached): configs (DECODE1_CONFIGS) x split counts x
+    fused-merge chunk (2 splits per step, the old default, against the default), graph-timed, beside
     a plain read of the same KV bytes by torch (sum of K and V) in the same graphs' conditions."""
     from gptoss_fp8.kernels.attention_decode import attention_decode
 
     gen = torch.Generator(device=DEV).manual_seed(11)
-    sets = _decode_inputs(1, 1, L, gen)
+    sets = _decode_inputs(B, 1, L, gen)
     sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
-    kl = torch.full((1,), L, dtype=torch.int32, device=DEV)
-    floor = 2 * L * HKV * D * 2 / COPY_BW * 1e3
+    kl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    floor = 2 * B * L * HKV * D * 2 / COPY_BW * 1e3
     ref = attention_decode(*sets[0], kl, sinks, merge_chunk=2)
     out = []
     read_ms = _ms_graph([lambda kc=kc, vc=vc: (kc.sum(), vc.sum()) for _, kc, vc in sets])
-    print({"case": "torch sum of K and V", "ms": read_ms, "floor_ratio": floor / read_ms}, flush=True)
-    for cfg in DECODE1_CONFIGS:
-        for splits in (None, 8, 32):
-            for chunk in (2, None):
+    print({"case": f"torch sum of K and V, B={B}", "ms": read_ms, "floor_ratio": floor / read_ms}, flush=True)
+    for cfg in configs or DECODE1_CONFIGS:
+        for splits in splits_list:
+            for chunk in chunks:
                 fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
                     qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, merge_chunk=chunk) for qd, kc, vc in sets]
                 try:
@@ -408,7 +408,8 @@ def decode_b1(L: int = DECODE_KV) -> list[dict]:
                 except Exception as e:  # e.g. out of shared memory
                     print(f"decode {cfg} splits={splits} chunk={chunk}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
-                r = {"cfg": cfg, "splits": splits, "chunk": chunk, "ms": ms, "floor_ratio": floor / ms, "rel_vs_default": err}
+                r = {"B": B, "cfg": cfg, "splits": splits, "chunk": chunk, "ms": ms, "floor_ratio": floor / ms,
+                     "rel_vs_default": err}
                 print(r, flush=True)
                 out.append(r)
     return out
@@ -435,6 +436,10 @@ if __name__ == "__main__":
         quick()
     elif sys.argv[1:2] == ["decode_b1"]:
         decode_b1()
+    elif sys.argv[1:2] == ["decode_splits"]:  # many programs per SM (the read probe's best, ninth session)
+        for b in (1, 8):
+            decode_b1(B=b, splits_list=(None, 32, 64, 128) if b == 1 else (None, 8, 16, 32),
+                      configs=[(128, 4, 3), (64, 4, 3), (64, 4, 4), (128, 8, 3), (64, 8, 2)], chunks=(None, 8))
     elif sys.argv[1:2] == ["variants"]:
         variants(tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (8192, 32768))
     elif sys.argv[1:2] == ["sweep_quick"]:

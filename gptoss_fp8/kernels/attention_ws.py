@@ -64,36 +64,7 @@ if HAS_GLUON:
             load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
 
     @gluon.jit
-    def _exp2_poly(x):
-        """2^x on the FMA and integer pipes instead of the MUFU unit, for x <= 0: x = j + f with j
-        the nearest integer (rounded by adding 1.5 * 2^23, which leaves j in the low mantissa bits:
-        no conversion instruction), 2^f on [-0.5, 0.5] by a degree-3 fit (relative error <= 1.1e-4,
-        below bf16's 3.9e-3), then j added to the exponent field. x <= -127 (also -inf) gives 0."""
-        x = gl.maximum(x, -127.0)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        p = gl.fma(gl.fma(gl.fma(f, 0.05500859, 0.24221038), f, 0.6932829), f, 1.0)
-        return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _exp2_mixed(x, EXP: gl.constexpr):
-        """2^x of an [R, BN] score tile by EXP: 0 all on MUFU (the default), 1 all by _exp2_poly,
-        2 none (p = x: a timing probe, wrong values), 3 even columns on MUFU, odd ones by the poly."""
-        if EXP == 0:
-            return gl.exp2(x)
-        elif EXP == 1:
-            return _exp2_poly(x)
-        elif EXP == 2:
-            return x
-        else:
-            R: gl.constexpr = x.type.shape[0]
-            BN: gl.constexpr = x.type.shape[1]
-            a, b = gl.split(gl.reshape(x, [R, BN // 2, 2]))
-            y = gl.reshape(gl.join(gl.exp2(a), _exp2_poly(b)), [R, BN])
-            return gl.convert_layout(y, x.type.layout)
-
-    @gluon.jit
-    def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr, EXP: gl.constexpr = 0):
+    def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr):
         """Block j's scores -> (p, alpha, m_new, l_new) in base 2 (attention.py's arithmetic)."""
         BN: gl.constexpr = sc.type.shape[1]
         if MASKED:
@@ -106,16 +77,13 @@ if HAS_GLUON:
             m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
             sc = sc * qk_scale - gl.expand_dims(m_new, 1)
         alpha = gl.exp2(m_i - m_new)
-        if MASKED:
-            p = gl.exp2(sc)
-        else:
-            p = _exp2_mixed(sc, EXP)
+        p = gl.exp2(sc)
         l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
 
     @gluon.jit
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                      num_pid_m, qk_scale, GROUP: gl.constexpr, EXP: gl.constexpr):
+                      num_pid_m, qk_scale, GROUP: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -146,7 +114,7 @@ if HAS_GLUON:
         mbarrier.wait(ready.index(0), 0)
         sc = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
         if n_full > 0:
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, False, EXP)
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, False)
         else:
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, True)
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
@@ -159,7 +127,7 @@ if HAS_GLUON:
             sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             # block j's softmax runs while PV(j - 1) is on the tensor cores
             if j < n_full:
-                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False, EXP)
+                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False)
             else:
                 p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -182,25 +150,24 @@ if HAS_GLUON:
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                              T, num_pid_m, qk_scale, GROUP: gl.constexpr, EXP: gl.constexpr):
+                              T, num_pid_m, qk_scale, GROUP: gl.constexpr):
         _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, EXP)
+                      qk_scale, GROUP)
 
     @gluon.jit
     def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                             T, num_pid_m, qk_scale, GROUP: gl.constexpr, EXP: gl.constexpr):
+                             T, num_pid_m, qk_scale, GROUP: gl.constexpr):
         _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, EXP)
+                      qk_scale, GROUP)
 
     @gluon.jit
     def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                       T, num_pid_m, qk_scale, GROUP: gl.constexpr, EXP: gl.constexpr):
+                       T, num_pid_m, qk_scale, GROUP: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
 
     @gluon.jit
     def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
-                             GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
-                             EXP: gl.constexpr = 0):
+                             GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -218,22 +185,22 @@ if HAS_GLUON:
         if NWG == 3:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, EXP)),
+                                 num_pid_m, qk_scale, GROUP)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, EXP)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, EXP)),
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, EXP)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, EXP)),
+                                 num_pid_m, qk_scale, GROUP)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, EXP)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, EXP)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
             ], [4, 1], [REGS, 40])
 
 
@@ -244,7 +211,7 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
-                         sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2, exp: int = 0) -> torch.Tensor:
+                         sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments)."""
     T, hq, d = q.shape
@@ -257,7 +224,7 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
-        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=232 if warpgroups == 2 else 160, EXP=exp,
+        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=232 if warpgroups == 2 else 160,
         num_warps=4,
     )
     return out
