@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|depth|readprobe|final9|gatherq|oproj|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|depth|readprobe|final9|multigpu|gatherq|oproj|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
@@ -18,6 +18,8 @@
 #   depth: kernel profiles at a few layers and at full depth (20b 32768, 120b 8192): do the same
 #   kernels run slower per layer in the deep model (the ~9% gap of the eighth session)?
 #   readprobe: plain streaming reads of a batch-1 decode's KV bytes against attention_decode
+#   multigpu (on a 2-GPU machine): the sharded verify-logits GPU tests (tp 2, ep 1 / 2) over NCCL, one
+#   GPU per rank, then decode's GPU tests and the fused / separate merge sweep (decode_merge)
 #   decode1: decode GPU tests, then decode at batch 1 by tile, split count and merge chunk
 #   tiles: plain FP8 GEMM by tile size vs ours and torch (is the tile's L2 traffic the limit?)
 #   ab: same-process whole-model A/B (benchmarks/ab_prefill.py: fused combine, CUDA graph)
@@ -114,6 +116,12 @@ if has final9; then  # the ninth session's closing run: defaults' GPU tests (MoE
     --json "$OUT/prefill_20b.json" 2>&1 | grep -v Warn | tee "$OUT/prefill_20b.log"
   timeout 110 python3 -m gptoss_fp8.cli.main bench prefill --model 120b --tokens 8192 --runs 5 --no-peer \
     --json "$OUT/prefill_120b.json" 2>&1 | grep -v Warn | tee "$OUT/prefill_120b.log"
+fi
+if has multigpu; then
+  nvidia-smi topo -m 2>&1 | head -6 | tee "$OUT/multigpu_topo.txt"
+  timeout 200 python3 -m pytest -q -m gpu tests/test_verify_kernels.py -k sharded -rA 2>&1 | grep -E "passed|failed|PASSED|FAILED|Error" | tail -8 | tee "$OUT/multigpu_tests.log"
+  timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k decode 2>&1 | tail -3 | tee "$OUT/multigpu_decode_tests.log"
+  timeout 150 python3 -m gptoss_fp8.bench.kernels_attention decode_merge 2>&1 | grep -v Warn | tee "$OUT/decode_merge.log"
 fi
 if has clocks; then
   timeout 200 python3 benchmarks/clock_watch.py "$OUT/clocks_prefill.csv" -- python3 -m gptoss_fp8.cli.main bench prefill \

@@ -235,6 +235,7 @@ def test_cli_report_dump_and_plot(tiny, tmp_path):
     assert "PASSED" in r.output
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["passed"] is True and rep["modes"] == ["weights", "w8a8"]  # the default on CPU
+    assert rep["parallel"] == {"tp": 1, "ep": 1, "collective": None}  # one process, no collective
     # which ops backend computed each mode, in the report and on the console; no kernels ran
     assert rep["backends"] == {"weights": "reference", "w8a8": "w8a8-cpu"} and rep["kernels_vs_w8a8"] is None
     assert "weights PASS [reference ops on cpu]" in r.output and "w8a8    PASS [w8a8-cpu ops on cpu]" in r.output
@@ -324,7 +325,7 @@ def test_cli_under_torchrun_tp2(tiny, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert rep["passed"] is True and rep["parallel"] == {"tp": 2, "ep": 1}
+    assert rep["passed"] is True and rep["parallel"] == {"tp": 2, "ep": 1, "collective": "gloo"}
     assert rep["weights"]["summary"]["top1_agreement"] == 1.0
 
 

@@ -191,6 +191,7 @@ def test_kernels_mode_sharded_through_the_interpreter(golden_ckpts):
     tokens = load_reference_file(ref_file).tokens
     out = compute_outputs(ckpt, tokens, ["kernels", "w8a8"], tp=2, ep=1)
     assert list(out) == ["w8a8", "kernels"]
+    assert {o.collective for o in out.values()} == {"gloo"}
     assert out["w8a8"].spec_fallbacks is None and set(out["kernels"].spec_fallbacks.values()) == {0}
     agree = kernels_vs_spec(out["w8a8"], out["kernels"], n_layers=1, experts_per_token=1)
     assert agree["passed"] and agree["logits_rel_err"] <= GOLDEN_AGREEMENT["logits_rel_err"], agree["summary"]
@@ -249,4 +250,6 @@ def test_verify_logits_cuda_sharded_on_golden(golden_ckpts, tmp_path, tp, ep):
     ckpt, ref_file = golden_ckpts("tiny", "exact", tp=tp, ep=ep)
     r, rep = _verify(ckpt, ref_file, tmp_path, "--device", "cuda")
     _check_kernels_report(r, rep, "cuda")
-    assert rep["parallel"] == {"tp": tp, "ep": ep}
+    # NCCL when every rank has a GPU of its own (a 2-GPU machine), else gloo through host memory
+    collective = "nccl" if torch.cuda.device_count() >= tp else "gloo"
+    assert rep["parallel"] == {"tp": tp, "ep": ep, "collective": collective}

@@ -382,10 +382,12 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
 DECODE1_CONFIGS = [(128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3), (128, 8, 4), (64, 4, 4)]
 
 
-def decode_b1(L: int = DECODE_KV, B: int = 1, splits_list=(None, 8, 32), configs=None, chunks=(2, None)) -> list[dict]:
+def decode_b1(L: int = DECODE_KV, B: int = 1, splits_list=(None, 8, 32), configs=None, chunks=(2, None),
+              fused_list=(True,)) -> list[dict]:
     """Decode at batch B (default 1; one new token, L cached): configs (DECODE1_CONFIGS) x split counts x
-    fused-merge chunk (2 splits per step, the old default, against the default), graph-timed, beside
-    a plain read of the same KV bytes by torch (sum of K and V) in the same graphs' conditions."""
+    fused-merge chunk (2 splits per step, the old default, against the default) x fused / separate
+    merge, graph-timed, beside a plain read of the same KV bytes by torch (sum of K and V) in the same
+    graphs' conditions."""
     from gptoss_fp8.kernels.attention_decode import attention_decode
 
     gen = torch.Generator(device=DEV).manual_seed(11)
@@ -397,21 +399,22 @@ def decode_b1(L: int = DECODE_KV, B: int = 1, splits_list=(None, 8, 32), configs
     out = []
     read_ms = _ms_graph([lambda kc=kc, vc=vc: (kc.sum(), vc.sum()) for _, kc, vc in sets])
     print({"case": f"torch sum of K and V, B={B}", "ms": read_ms, "floor_ratio": floor / read_ms}, flush=True)
-    for cfg in configs or DECODE1_CONFIGS:
-        for splits in splits_list:
-            for chunk in chunks:
-                fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
-                    qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, merge_chunk=chunk) for qd, kc, vc in sets]
-                try:
-                    ms = _ms_graph(fns)
-                    err = _rel(fns[0](), ref)
-                except Exception as e:  # e.g. out of shared memory
-                    print(f"decode {cfg} splits={splits} chunk={chunk}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
-                    continue
-                r = {"B": B, "cfg": cfg, "splits": splits, "chunk": chunk, "ms": ms, "floor_ratio": floor / ms,
-                     "rel_vs_default": err}
-                print(r, flush=True)
-                out.append(r)
+    runs = [(cfg, splits, chunk, fused) for cfg in configs or DECODE1_CONFIGS for splits in splits_list
+            for chunk in chunks for fused in fused_list]
+    for cfg, splits, chunk, fused in runs:
+        fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
+            qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, merge_chunk=chunk, fused_merge=fused)
+            for qd, kc, vc in sets]
+        try:
+            ms = _ms_graph(fns)
+            err = _rel(fns[0](), ref)
+        except Exception as e:  # e.g. out of shared memory
+            print(f"decode {cfg} splits={splits} chunk={chunk}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        r = {"B": B, "cfg": cfg, "splits": splits, "chunk": chunk, "fused": fused, "ms": ms,
+             "floor_ratio": floor / ms, "rel_vs_default": err}
+        print(r, flush=True)
+        out.append(r)
     return out
 
 
@@ -436,6 +439,10 @@ if __name__ == "__main__":
         quick()
     elif sys.argv[1:2] == ["decode_b1"]:
         decode_b1()
+    elif sys.argv[1:2] == ["decode_merge"]:  # the unfused merge spread over the SMs, by split count
+        for b in (1, 8):
+            decode_b1(B=b, splits_list=(None, 16, 32, 64, 128), configs=[(128, 4, 3), (64, 4, 4)], chunks=(None,),
+                      fused_list=(True, False))
     elif sys.argv[1:2] == ["decode_splits"]:  # many programs per SM (the read probe's best, ninth session)
         for b in (1, 8):
             decode_b1(B=b, splits_list=(None, 32, 64, 128) if b == 1 else (None, 8, 16, 32),

@@ -199,8 +199,25 @@ DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {
     "cuda": (128, 4, 3),
     "cpu": (16, 4, 1),
 }
+# One wave (batch 1 on the H200: 8 row tiles against 132 SMs) with a long full-causal cache: more,
+# shorter splits keep more reads in flight, and the separate merge kernel spreads the merge over the
+# SMs (the fused one serializes it in the last split of each tile, which grows with the split
+# count). H200, 32768 cached tokens, batch 1: 23.5 us against 26.2 for the default above (ninth
+# session, BENCHMARKS.md; `python3 -m gptoss_fp8.bench.kernels_attention decode_merge`).
+ONE_WAVE_CONFIG = (64, 4, 4)
+ONE_WAVE_PROGRAMS_PER_SM = 2
 _NO_WINDOW = 1 << 30
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int) -> int | None:
+    """Splits per row tile for a one-wave call (16+ SMs per row tile) against a long full-causal
+    cache, ~ONE_WAVE_PROGRAMS_PER_SM programs per SM with at least 4 key blocks each; None when the
+    call is not one (then the DECODE_CONFIGS path runs)."""
+    want = cdiv(ONE_WAVE_PROGRAMS_PER_SM * sms, tiles)
+    if windowed or tiles * 16 > sms or cdiv(l_max, ONE_WAVE_CONFIG[0]) < 4 * want:
+        return None
+    return want
 
 
 def _merge_chunk(rows: int, head_dim: int, values: int) -> int:
@@ -228,7 +245,7 @@ def attention_decode(
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
     block_m: int | None = None,
-    fused_merge: bool = True,
+    fused_merge: bool | None = None,
     merge_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention with sinks of NQ new queries per sequence against a KV cache (layout: module doc).
@@ -236,9 +253,11 @@ def attention_decode(
     q [B, NQ, Hq, D] bf16, k_cache/v_cache [B, L_max, Hkv, D] bf16 (last dim contiguous),
     kv_lens int32 [B] (>= NQ, new tokens included), sinks [Hq]. sliding_window 0 = full causal.
     num_splits: KV splits per (sequence, KV head, row tile); None picks enough to fill the GPU.
-    fused_merge: the last split of each tile merges them (one launch; uses a per-device counter
-    buffer that the kernel leaves zeroed, so calls on one device must not run concurrently on
-    different streams); False: a second small merge kernel.
+    fused_merge: True: the last split of each tile merges them (one launch; uses a per-device
+    counter buffer that the kernel leaves zeroed, so calls on one device must not run concurrently
+    on different streams); False: a second small merge kernel. None (default): True, except for a
+    one-wave call (few row tiles, e.g. batch 1) against a long full-causal cache on a GPU with
+    config and num_splits left to the launcher: ONE_WAVE_CONFIG, ~2 programs per SM, separate merge.
     merge_chunk: splits the fused merge loads per step (a power of two); None: 2048 values per step.
     (All splits in one step, tried at batch 1 where the launch is one wave: no faster; notes.)
     Returns out [B, NQ, Hq, D] bf16.
@@ -264,10 +283,15 @@ def attention_decode(
     G = Hq // Hkv
     rows = NQ * G
     on_gpu = q.device.type == "cuda"
-    BLOCK_N, num_warps, num_stages = config or DECODE_CONFIGS["cuda" if on_gpu else "cpu"]
     BLOCK_M = block_m or min(64 if on_gpu else 32, max(16, next_pow2(rows)))
     num_m = cdiv(rows, BLOCK_M)
     window = sliding_window if 0 < sliding_window < L_max else _NO_WINDOW
+    if on_gpu and config is None and num_splits is None and fused_merge is None:
+        splits = one_wave_splits(B * Hkv * num_m, L_max, window != _NO_WINDOW, sm_count(q.device))
+        if splits:
+            config, num_splits, fused_merge = ONE_WAVE_CONFIG, splits, False
+    fused_merge = True if fused_merge is None else fused_merge
+    BLOCK_N, num_warps, num_stages = config or DECODE_CONFIGS["cuda" if on_gpu else "cpu"]
     # Widest key range one row tile can need (lo is aligned down, hence the extra block).
     span = L_max if window == _NO_WINDOW else min(L_max, window + NQ - 1 + BLOCK_N)
     blocks = cdiv(span, BLOCK_N)
@@ -308,7 +332,8 @@ def attention_decode(
     )
     if split and not fused:
         R = B * NQ * Hq
-        BLOCK_R = 16
+        # rows per program: enough programs to spread the merge over the SMs (2 rows each at batch 1)
+        BLOCK_R = min(16, max(2, next_pow2(cdiv(R, sm_count(q.device)))))
         _attn_merge_kernel[(cdiv(R, BLOCK_R),)](
             part, part_m, part_l, out, R, num_splits,
             HEAD_DIM=D, BLOCK_R=BLOCK_R, MERGE_CHUNK=_merge_chunk(BLOCK_R, D, 8192), num_warps=4,

@@ -31,6 +31,7 @@ class ModeOutput(NamedTuple):
     hidden: dict[str, torch.Tensor]
     seconds: float
     spec_fallbacks: dict[str, int] | None = None
+    collective: str | None = None  # sharded runs: the torch.distributed backend the ranks used
 
 
 Outputs = dict[str, ModeOutput]  # mode -> its output
@@ -56,7 +57,7 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str]) -> Outputs:
     return out
 
 
-def _save_outputs(out: Outputs, path: Path) -> None:
+def _save_outputs(out: Outputs, path: Path, collective: str) -> None:
     from safetensors.torch import save_file
 
     t = {}
@@ -65,19 +66,23 @@ def _save_outputs(out: Outputs, path: Path) -> None:
         t[f"{mode}/seconds"] = torch.tensor([o.seconds], dtype=torch.float64)
         t |= {f"{mode}/hidden.{k}": v.contiguous() for k, v in o.hidden.items()}
         t |= {f"{mode}/spec_fallbacks.{k}": torch.tensor([n]) for k, n in (o.spec_fallbacks or {}).items()}
-    save_file(t, str(path))
+    save_file(t, str(path), metadata={"collective": collective})
 
 
 def _load_outputs(path: Path, modes: list[str]) -> Outputs:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     t = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        collective = (f.metadata() or {}).get("collective")
     out: Outputs = {}
     for mode in modes:
         pre, fb = f"{mode}/hidden.", f"{mode}/spec_fallbacks."
         fallbacks = {k[len(fb):]: int(v) for k, v in t.items() if k.startswith(fb)}
         out[mode] = ModeOutput(t[f"{mode}/logits"], {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)},
-                               float(t[f"{mode}/seconds"][0]), fallbacks if MODES[mode] == "triton" else None)
+                               float(t[f"{mode}/seconds"][0]), fallbacks if MODES[mode] == "triton" else None,
+                               collective)
     return out
 
 
@@ -111,7 +116,7 @@ def run_rank(job: dict) -> None:
         model = load_model(Path(job["ckpt"]), Parallel(rank=rank, world=tp, tp=tp, ep=ep), dev)
         out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"])
         if rank == 0:
-            _save_outputs(out, Path(job["result"]))
+            _save_outputs(out, Path(job["result"]), dist.get_backend())
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -295,7 +300,9 @@ def build_report(ckpt: Path, ref: Reference, outputs: Outputs, n_layers: int, *,
         "checkpoint": str(Path(ckpt).resolve()), "reference": ref.source,
         "expected_rounding": ref.rounding.key() if ref.expected is not None else None,
         "tokens": {"count": int(ref.logits.shape[0]), "from": tokens_from},
-        "vocab": int(ref.logits.shape[1]), "parallel": {"tp": tp, "ep": ep}, "device": device,
+        "vocab": int(ref.logits.shape[1]), "device": device,
+        # the collective the ranks used (nccl: one GPU each; gloo: CPU, or ranks sharing a GPU)
+        "parallel": {"tp": tp, "ep": ep, "collective": next((o.collective for o in outputs.values()), None)},
         "modes": list(outputs), "backends": {mode: MODES[mode] for mode in outputs},
     }
     if seconds is not None:
@@ -474,7 +481,7 @@ def verify_under_torchrun(ckpt: Path, reference: Path, tokens: torch.Tensor | No
         if world % ep:
             raise GptOssFp8Error(f"--ep {ep} must divide the world size {world}")
         model = load_model(Path(ckpt), Parallel(rank=rank, world=world, tp=world, ep=ep), dev)
-        outputs = run_modes(model, toks, modes)
+        outputs = {m: o._replace(collective=dist.get_backend()) for m, o in run_modes(model, toks, modes).items()}
         report = None
         if rank == 0:
             cfg = GptOssConfig.from_file(Path(ckpt) / "config.json")

@@ -243,6 +243,18 @@ def test_decode_cpu(kv_lens, L, nq, hq, hkv, window, splits, fused):
     _check(out, ref, gpu=False)
 
 
+def test_one_wave_plan():
+    """When the default takes the one-wave path: few row tiles, a long full-causal cache."""
+    from gptoss_fp8.kernels.attention_decode import ONE_WAVE_CONFIG, ONE_WAVE_PROGRAMS_PER_SM, one_wave_splits
+
+    assert one_wave_splits(8, 32768, False, 132) == 33  # batch 1 of gpt-oss on the H200: 264 programs
+    assert one_wave_splits(8, 32768, True, 132) is None  # sliding window: a few blocks, one split
+    assert one_wave_splits(64, 32768, False, 132) is None  # batch 8: several programs per SM already
+    short = 4 * 33 * ONE_WAVE_CONFIG[0]
+    assert one_wave_splits(8, short, False, 132) == 33 and one_wave_splits(8, short - 64, False, 132) is None
+    assert one_wave_splits(1, 1 << 20, False, 16) == ONE_WAVE_PROGRAMS_PER_SM * 16
+
+
 @interpreter_only
 def test_decode_split_count_invariant_cpu():
     """1, 2, 7 splits give the same result: the sink is counted once whatever the split."""
@@ -354,7 +366,7 @@ def test_prefill_fused_q_rope_gpu(window):
 @pytest.mark.parametrize("nq", [1, 16, 64])
 @pytest.mark.parametrize("window", [0, 128])
 @pytest.mark.parametrize("splits,fused,chunk", [(None, True, None), (None, False, None), (1, True, None), (7, True, None),
-                                                (33, True, None), (7, True, 8), (33, True, 4)])
+                                                (33, True, None), (7, True, 8), (33, True, 4), (64, False, None)])
 def test_decode_gpu(nq, window, splits, fused, chunk):
     gen = torch.Generator().manual_seed(nq * 13 + window + (splits or 0))
     kv_lens, L, hq, hkv = [5000, 64, 777], 5000, 64, 8
@@ -385,10 +397,22 @@ def test_decode_one_wave_gpu(nq, window):
     kl = torch.tensor([L], dtype=torch.int32, device=DEV)
     ref = attention_decode_ref(*_fp32(q, kc, vc), kl, sinks, sliding_window=window)
     _poison(1, nq, hq, D)
-    out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, merge_chunk=16)
+    out = attention_decode(q, kc, vc, kl, sinks, sliding_window=window, merge_chunk=16, fused_merge=True)
     _check(out, ref, gpu=True)
     torch.testing.assert_close(out.float(), attention_decode(q, kc, vc, kl, sinks, sliding_window=window,
-                                                             merge_chunk=2).float(), atol=2e-3, rtol=2e-2)
+                                                             merge_chunk=2, fused_merge=True).float(), atol=2e-3, rtol=2e-2)
+    # the default at batch 1: the one-wave plan (full causal: ~2 programs per SM, separate merge)
+    from gptoss_fp8.kernels import sm_count
+    from gptoss_fp8.kernels.attention_decode import ONE_WAVE_CONFIG, one_wave_splits
+
+    _poison(1, nq, hq, D)
+    auto = attention_decode(q, kc, vc, kl, sinks, sliding_window=window)
+    _check(auto, ref, gpu=True)
+    splits = one_wave_splits(hkv, L, window > 0, sm_count(q.device))
+    assert (splits is None) == (window > 0)
+    if splits:
+        planned = attention_decode(q, kc, vc, kl, sinks, config=ONE_WAVE_CONFIG, num_splits=splits, fused_merge=False)
+        assert torch.equal(auto, planned)
 
 
 # The warp-specialized Gluon kernel (kernels/attention_ws.py): attention_prefill picks it on sm_90
