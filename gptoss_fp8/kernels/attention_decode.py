@@ -18,7 +18,10 @@ the others with l = 0, so the sink is counted once. Splits write (acc, m, l) in 
 M = max m_s, o = sum acc_s 2^(m_s-M) / sum l_s 2^(m_s-M). A split with no visible key leaves
 (0, sink, 0) and contributes nothing. By default the last split of each tile to finish does the
 merge (an arrival counter per tile, the split-K semaphore pattern: no second launch); with
-fused_merge=False a second small kernel does it. With one split the kernel writes the output
+fused_merge=False a second small kernel does it, its rows spread over the SMs. A one-wave call
+(batch 1 against a long full-causal cache) takes the second form by default, with ~2 programs per
+SM of 64-key tiles (``one_wave_splits``): the fused merge runs serially in one program per tile
+and grows with the split count. With one split the kernel writes the output
 directly. The splits' partials are fp32 [num_splits, B, NQ, Hq, D] (+ m, l): at batch 1 and 32768
 cached tokens, 17 splits x 64 heads x 64 x 4 B = 0.3 MB beside 67 MB of KV.
 """
@@ -202,7 +205,7 @@ DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {
 # One wave (batch 1 on the H200: 8 row tiles against 132 SMs) with a long full-causal cache: more,
 # shorter splits keep more reads in flight, and the separate merge kernel spreads the merge over the
 # SMs (the fused one serializes it in the last split of each tile, which grows with the split
-# count). H200, 32768 cached tokens, batch 1: 23.5 us against 26.2 for the default above (ninth
+# count). H200, 32768 cached tokens, batch 1: 23.5-24.9 us against 26.2 for the default above (ninth
 # session, BENCHMARKS.md; `python3 -m gptoss_fp8.bench.kernels_attention decode_merge`).
 ONE_WAVE_CONFIG = (64, 4, 4)
 ONE_WAVE_PROGRAMS_PER_SM = 2
