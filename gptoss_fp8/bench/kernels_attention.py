@@ -277,7 +277,7 @@ def sweep(T: int = 8192) -> list[dict]:
     for cfg in PREFILL_SWEEP:
         for window in (0, WINDOW):
             try:
-                ms = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, config=cfg))
+                ms = _ms(lambda a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, config=cfg))
             except Exception as e:  # e.g. out of shared memory for a large tile
                 print(f"prefill {cfg} window={window}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
@@ -321,7 +321,7 @@ def sweep_quick() -> list[dict]:
                               (64, 64, 4, 3, False, 128)]),
                          (WINDOW, [(64, 64, 4, 2, False, None), (64, 64, 4, 3, False, None)])):
         for cfg in cfgs:
-            ms = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, config=cfg))
+            ms = _ms(lambda a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, config=cfg))
             r = {"kind": "prefill", "T": T, "cfg": cfg, "window": window, "ms": ms,
                  "tflops": _tflops(_visible_pairs(T, 0, window), ms)}
             print(r, flush=True)
@@ -369,7 +369,7 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
                 for name, cfgs in TILE_VARIANTS.items():
                     if name != "default" and cfgs[wi] is None:
                         continue
-                    fn = lambda cfg=cfgs[wi]: attention_prefill(q, k, v, sinks, sliding_window=window, config=cfg)  # noqa: E731
+                    fn = lambda cfg=cfgs[wi], a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, config=cfg)  # noqa: E731
                     ms = _ms(fn)
                     r = {"T": T, "window": window, "variant": name, "pass": rep, "ms": ms,
                          "tflops": _tflops(_visible_pairs(T, 0, window), ms), "rel_vs_default": _rel(fn(), base)}

@@ -115,7 +115,7 @@ def bench_dense(tokens: list[int]) -> list[dict]:
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
             flops = 2.0 * m * n * k
-            ours = lambda: fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias)  # noqa: E731
+            ours = lambda a=(x_fp8, x_scale, w_fp8, w_scale, bias): fp8_gemm(*a)  # noqa: E731
             ms = _ms(ours)
             try:
                 peer, note = _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias)
@@ -187,8 +187,8 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]
         for t in tokens:
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
-            ours = lambda: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K)  # noqa: E731
-            peer = lambda: moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, TOP_K)  # noqa: E731
+            ours = lambda a=(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2): fused_moe(*a, top_k=TOP_K)  # noqa: E731
+            peer = lambda a=(x, wr, br, w13, b13, w2, b2): moe_bf16_grouped_mm(*a, TOP_K)  # noqa: E731
             ms = _ms(ours)
             try:
                 peer_ms = _ms(peer)
@@ -325,7 +325,7 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
                 "route": lambda: route(x, wr, br, TOP_K),
                 "align": lambda: moe_align(ids, 0, e, base["ALIGN_M"]),
                 "act_quant": lambda: act_quant(x),
-                "experts (quant+align+2 GEMMs+combine)": lambda: moe_experts(x, w, ids, w13_fp8, s13, b13, w2_fp8, s2, b2),
+                "experts (quant+align+2 GEMMs+combine)": lambda a=(x, w, ids, w13_fp8, s13, b13, w2_fp8, s2, b2): moe_experts(*a),
             }
             for name, fn in parts.items():
                 rows.append(dict(case=f"moe E={e} T={t} part", config=name, ms=_ms_quick(fn), tflops=float("nan")))
@@ -334,7 +334,7 @@ def sweep(tokens: list[int], moe_tokens: tuple[int, ...] | list[int] = (8192,)) 
             flops = 2.0 * t * TOP_K * 3 * HIDDEN * INTER
             for cfg in cfgs:
                 try:
-                    ms = _ms_quick(lambda: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K, config=cfg))
+                    ms = _ms_quick(lambda a=(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2): fused_moe(*a, top_k=TOP_K, config=cfg))
                 except Exception as err:  # noqa: BLE001
                     ms = float("nan")
                     print("config failed", cfg, str(err).splitlines()[:1])
@@ -373,7 +373,7 @@ def moe_variants(moe_tokens: list[int]) -> list[dict]:
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             flops = 2.0 * t * TOP_K * 3 * HIDDEN * INTER
             variants = _moe_variant_configs(t, e)
-            run = {n: (lambda c=c: fused_moe(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2, top_k=TOP_K, config=c))
+            run = {n: (lambda c=c, a=(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2): fused_moe(*a, top_k=TOP_K, config=c))
                    for n, c in variants.items()}
             ref = run["triton"]().float()
             for rep in range(2):
