@@ -362,11 +362,11 @@ def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
             out["TAIL down only"] = dict(ws, gate_up=dict(gu, TAIL=False))
         for stages, group in [(3, 8), (5, 8), (4, 4), (4, 16)]:
             out[f"WS gate_up {stages} stages, GROUP_M {group}"] = dict(
-                ws, gate_up=dict(gu, num_stages=stages, GROUP_M=group))
+                ws, gate_up=dict(gu, num_stages=stages, GROUP_M=group, TAIL=gu.get("TAIL") and stages <= 4))
     return out
 
 
-def moe_variants(moe_tokens: list[int]) -> list[dict]:
+def moe_variants(moe_tokens: list[int], only: str = "") -> list[dict]:
     """The whole fused MoE FFN with each variant of ``_moe_variant_configs``, two interleaved passes
     (a change that wins both is not clock drift), and the largest difference from the default output."""
     rows = []
@@ -377,6 +377,9 @@ def moe_variants(moe_tokens: list[int]) -> list[dict]:
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             flops = 2.0 * t * TOP_K * 3 * HIDDEN * INTER
             variants = _moe_variant_configs(t, e)
+            if only:  # the reference ("triton") and the variants whose names contain one of these
+                keep = only.split(",")
+                variants = {n: c for n, c in variants.items() if n == "triton" or any(k in n for k in keep)}
             run = {n: (lambda c=c, a=(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2): fused_moe(*a, top_k=TOP_K, config=c))
                    for n, c in variants.items()}
             ref = run["triton"]().float()
@@ -433,11 +436,12 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time tile configurations instead of the peer comparison")
     p.add_argument("--probe", action="store_true", help="small-M timing check: plain launches vs CUDA graphs")
     p.add_argument("--moe-variants", action="store_true", help="the default MoE config against single changes")
+    p.add_argument("--only", default="", help="--moe-variants: only variants whose names contain one of these (comma-separated)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     tokens = [int(t) for t in a.tokens.split(",") if t]
     if a.moe_variants:
-        rows = moe_variants([int(t) for t in a.moe_tokens.split(",") if t])
+        rows = moe_variants([int(t) for t in a.moe_tokens.split(",") if t], a.only)
     elif a.probe:
         rows = probe(tokens)
     elif a.sweep:

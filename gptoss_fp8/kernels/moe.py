@@ -104,8 +104,9 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, nu
 @triton.jit
 def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_experts, num_tiles,
                           ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M) and
-    the expert of every ALIGN_M-row tile (num_experts past the last segment)."""
+    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M), the
+    expert of every ALIGN_M-row tile (num_experts past the last segment) and, at block_expert_ptr +
+    num_tiles, the tile's number of valid (routed) rows."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
@@ -118,6 +119,12 @@ def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_exper
         # expert of tile t = number of experts whose segment ends at or before t
         expert = tl.sum((tile_end[None, :] <= offs_t[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + offs_t, expert, mask=offs_t < num_tiles)
+        # valid rows of tile t: its overlap with the routed rows [start_e, start_e + count_e) of every expert
+        row0 = offs_t[:, None] * ALIGN_M
+        start = (pad_end - padded)[None, :]
+        overlap = tl.minimum(start + counts[None, :], row0 + ALIGN_M) - tl.maximum(start, row0)
+        rows = tl.sum(tl.where(e_mask[None, :], tl.maximum(overlap, 0), 0), axis=1)
+        tl.store(block_expert_ptr + num_tiles + offs_t, rows, mask=offs_t < num_tiles)
 
 
 @triton.jit
@@ -135,13 +142,15 @@ def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots,
 
 def moe_align(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by local expert, padding each expert's segment to block_m rows.
 
     topk_ids [T, k] int32 global expert ids. Returns
     - ``sorted_slots`` int32 [max_rows]: flat slot index t*k + j per padded row, T*k for padding;
     - ``block_expert`` int32 [max_rows / block_m]: the local expert of each row tile, num_local for
-      tiles past the last expert's segment (the kernels skip those).
+      tiles past the last expert's segment (the kernels skip those);
+    - ``block_rows`` int32 [max_rows / block_m]: each tile's routed (non-padding) rows, stored right
+      after ``block_expert`` (one [2, tiles] buffer: the GEMMs read it at block_expert + tiles).
     max_rows = round_up(T*k + num_local*(block_m - 1), block_m) is an upper bound, so no host sync.
     Three small Triton kernels (count with atomics, offsets, scatter); the order of the slots
     inside one expert's segment follows the atomics and may change between runs, which changes
@@ -155,7 +164,8 @@ def moe_align(
     counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
     rank = torch.empty(n_slots, dtype=torch.int32, device=dev)
     pad_start = torch.empty(num_local, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    tiles = torch.empty((2, num_tiles), dtype=torch.int32, device=dev)
+    block_expert, block_rows = tiles[0], tiles[1]
     sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
     block = 1024
     grid = (cdiv(n_slots, block),)
@@ -165,12 +175,12 @@ def moe_align(
         ALIGN_M=block_m, BLOCK_E=max(16, next_pow2(num_local)), BLOCK_T=64,
     )
     _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
-    return sorted_slots, block_expert
+    return sorted_slots, block_expert, block_rows
 
 
 def moe_align_reference(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch ``moe_align`` (stable order inside each expert's segment)."""
     n_slots = topk_ids.numel()
     max_rows = cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
@@ -185,7 +195,8 @@ def moe_align_reference(
         start = int(pad_end[e] - padded[e])
         sorted_slots[start:start + slots.numel()] = slots.int()
     tiles = torch.arange(0, max_rows, block_m, device=topk_ids.device)
-    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int()
+    rows = (sorted_slots < n_slots).view(-1, block_m).sum(1).int()
+    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int(), rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +245,8 @@ def _moe_gemm_kernel(
 
     # Experts' segments are padded to ALIGN_M rows, a multiple of BLOCK_M: one expert per tile.
     expert32 = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN_M)
+    if TAIL:  # routed rows of this tile, stored after block_expert (moe_align), BLOCK_M == ALIGN_M
+        n_valid = tl.load(block_expert_ptr + num_m_blocks + pid_m)
     if expert32 >= num_experts:
         return
     expert = expert32.to(tl.int64)
@@ -241,7 +254,6 @@ def _moe_gemm_kernel(
     slots = tl.load(slots_ptr + offs_r)
     valid = slots < num_slots
     if TAIL:
-        n_valid = tl.sum(valid.to(tl.int32), axis=0)
         if n_valid <= 16:
             _down_tail(a16_desc, as_ptr, b_ptr, bs_ptr + expert * stride_bse, bias_ptr + expert * stride_biase, out_ptr,
                        slots_ptr, pid_m * BLOCK_M, expert32 * N + pid_n * BLOCK_N, pid_n * BLOCK_N, N, K, num_slots,
@@ -562,6 +574,9 @@ def moe_expert_slots(
     ws_gu, ws_dn = bool(gu.pop("WS", False)), bool(dn.pop("WS", False))
     tail_gu, tail_dn = bool(gu.pop("TAIL", False)), bool(dn.pop("TAIL", False))
     assert not tail_gu or ws_gu, "TAIL for gate_up needs its Gluon kernel (WS=True)"
+    for name, ws_, tail_, d in (("gate_up", ws_gu, tail_gu, gu), ("down", ws_dn, tail_dn, dn)):
+        # the transposed tiles' layout conversion needs ~33 KB of shared memory beside the stages
+        assert not (ws_ and tail_ and d.get("num_stages", 4) > 4), f"{name}: WS with TAIL takes at most 4 stages"
     if ws_gu or ws_dn:
         assert moe_ws.supported(x.device) and align == moe_ws.TILE_M and cfg.get("TMA"), (
             f"config WS=True needs an sm_90 GPU, triton with Gluon, TMA and ALIGN_M={moe_ws.TILE_M} (got {align})")
@@ -570,7 +585,7 @@ def moe_expert_slots(
     bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
     assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
 
-    sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
+    sorted_slots, block_expert, _ = moe_align(topk_ids, expert_start, e, align)  # block_rows follows block_expert
     max_rows = sorted_slots.shape[0]
 
     tma = bool(cfg.get("TMA", False))
@@ -636,7 +651,8 @@ def _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_ex
     max_rows = sorted_slots.shape[0]
     bn = dn.pop("BLOCK_N")
     split_dn = bool(dn.pop("SPLIT_N", True))
-    assert not tail or (tma and bn <= BLOCK and bm_dn > 32), f"TAIL needs TMA, BLOCK_N <= 128, BLOCK_M > 32 (got {bn}, {bm_dn})"
+    assert not tail or (tma and bn <= BLOCK and bm_dn == align == 64), (
+        f"TAIL needs TMA, BLOCK_N <= 128, BLOCK_M = ALIGN_M = 64 (got {bn}, {bm_dn}, {align})")
     if tma:
         act_src = TensorDescriptor.from_tensor(act, [bm_dn, BLOCK])
         w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK) if split_dn else bn, BLOCK])

@@ -155,7 +155,6 @@ if HAS_GLUON:
         TN: gl.constexpr = b_bufs.type.shape[1]
         HN: gl.constexpr = TN // 2
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
-        s_layout: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
         c = 0
@@ -168,9 +167,8 @@ if HAS_GLUON:
                 col0 = pid_n * TN + W * HN
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 # path: the rows computed transposed (16 or 32), or 0 for the plain 64-row product
-                if TAIL:  # valid rows come first in a tile (an expert's segment, padded at its end)
-                    n_valid = gl.sum((gl.load(slots_ptr + pid_m * TM + gl.arange(0, TM, layout=s_layout)) < num_slots)
-                                     .to(gl.int32), axis=0)
+                if TAIL:  # the tile's routed rows (first in the tile), stored after block_expert by moe_align
+                    n_valid = gl.load(block_expert_ptr + num_m + pid_m)
                     path = gl.where(col0 < N, gl.where(n_valid <= 16, 16, gl.where(n_valid <= 32, 32, 0)), 0)
                 else:
                     path: gl.constexpr = 0
