@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call:
 #   GPU tests, kernel benchmarks, convert --device cuda benchmark. Results land under $OUT (or ./out).
-# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|tail|wscheck|attnws|decode1|clocks|depth|readprobe|final9|multigpu|gatherq|oproj|all]...
+# Usage (device tool): bash benchmarks/gpu_suite.sh [tests|verify|kernels|convert|prefill|prefill-20b|prefill-long|router|checkpoint|launch|ab|tiles|ws|moews|wscheck|attnws|decode1|clocks|depth|readprobe|final9|multigpu|gatherq|oproj|all]...
 #   ws: the Gluon warp-specialized dense GEMM: its GPU tests, the probe against the Triton configs
 #   and torch, whole-model A/B with and without it
 #   moews: the Gluon warp-specialized expert GEMMs: their GPU tests (first, with a timeout), the MoE
 #   variants bench, whole-model A/B (20b; 120b at 8192) against the Triton kernels
-#   tail: the transposed partial tiles of the expert GEMMs (moe.TAIL_TILES, tenth session): the MoE
-#   GPU and DEV tests, model / verify GPU tests, the MoE variants bench, whole-model A/B against it off
 #   wscheck: GPU tests of the kernels and the model (OpenAI's reference included), the MoE variant
 #   sweep and a 20b A/B at 8192 tokens (Gluon defaults vs Triton everywhere vs Gluon down too)
 #   attnws: the Gluon warp-specialized attention: its GPU tests (with a timeout), A/B against the
@@ -88,15 +86,6 @@ if has moews; then
   tail -2 "$OUT/moews_variants.log"
   timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 6 --variants default,triton-moe,triton-all 2>&1 | tee "$OUT/moews_ab_20b.log"
   timeout 150 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 5 --variants default,triton-all 2>&1 | tee "$OUT/moews_ab_120b.log"
-fi
-if has tail; then
-  timeout 240 python3 -m pytest -x -q -m gpu tests/kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/tail_tests.log"
-  timeout 200 python3 -m pytest -q -m "not gpu" tests/kernels/test_moe.py 2>&1 | tail -4 | tee -a "$OUT/tail_tests.log"
-  timeout 240 python3 -m pytest -q -m gpu tests/test_triton_ops.py tests/test_verify_kernels.py 2>&1 | tail -6 | tee -a "$OUT/tail_tests.log"
-  timeout 200 python3 -m gptoss_fp8.bench.kernels_gemm --moe-variants --only TAIL,default --moe-tokens 8192,32768 --json "$OUT/tail_variants.json" > "$OUT/tail_variants.log" 2>&1
-  grep "^{" "$OUT/tail_variants.log" | cut -c1-150
-  timeout 200 python3 benchmarks/ab_prefill.py --model 120b --tokens 8192 --runs 8 --variants default,no-tail 2>&1 | tee "$OUT/tail_ab_120b.log"
-  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 8192,32768 --runs 5 --variants default,no-tail 2>&1 | tee "$OUT/tail_ab_20b.log"
 fi
 if has wscheck; then
   timeout 240 python3 -m pytest -q -m gpu tests/kernels tests/test_triton_ops.py tests/test_verify_kernels.py 2>&1 | tail -8 | tee "$OUT/wscheck_tests.log"

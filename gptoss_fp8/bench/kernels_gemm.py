@@ -356,13 +356,9 @@ def _moe_variant_configs(t: int, e: int) -> dict[str, dict]:
         ws_down = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4)
         out["WS gate_up (default)"] = ws
         out["WS both"] = dict(ws, down=ws_down)
-        if gu.get("TAIL"):  # the transposed partial tiles (moe.TAIL_TILES) off, or on for one GEMM only
-            out["WS gate_up, no TAIL"] = dict(ws, gate_up=dict(gu, TAIL=False), down=dict(ws["down"], TAIL=False))
-            out["TAIL gate_up only"] = dict(ws, down=dict(ws["down"], TAIL=False))
-            out["TAIL down only"] = dict(ws, gate_up=dict(gu, TAIL=False))
         for stages, group in [(3, 8), (5, 8), (4, 4), (4, 16)]:
             out[f"WS gate_up {stages} stages, GROUP_M {group}"] = dict(
-                ws, gate_up=dict(gu, num_stages=stages, GROUP_M=group, TAIL=gu.get("TAIL") and stages <= 4))
+                ws, gate_up=dict(gu, num_stages=stages, GROUP_M=group))
     return out
 
 

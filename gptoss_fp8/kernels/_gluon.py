@@ -137,55 +137,38 @@ if HAS_GLUON:
             return gl.load(a_s_ptr)
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, s, A0: gl.constexpr, AR: gl.constexpr, B0: gl.constexpr, BR: gl.constexpr, zero,
-             SWAP: gl.constexpr):
-        """Issue stage s's wgmma: A rows x B rows^T [AR, BR], or with SWAP the transposed product
-        B rows x A rows^T [BR, AR] (the B tile as wgmma's 64-row M side)."""
-        if SWAP:
-            return warpgroup_mma(b_bufs.index(s).slice(B0, BR), a_bufs.index(s).slice(A0, AR).permute((1, 0)), zero,
-                                 use_acc=False, is_async=True)
-        else:
-            return warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), zero,
-                                 use_acc=False, is_async=True)
-
-    @gluon.jit
     def block_scaled_mainloop(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, AR: gl.constexpr, B0: gl.constexpr,
                               BR: gl.constexpr, a_s_ptr, rmask, b_s_ptr, c, n_k, layout: gl.constexpr,
-                              MASK_A: gl.constexpr, SWAP: gl.constexpr = False):
+                              MASK_A: gl.constexpr):
         """One consumer warpgroup's block-scaled FP8 product over n_k K blocks of the stage ring:
         A rows A0 .. A0 + AR and B rows B0 .. B0 + BR of each stage, at ring positions c, c + 1, ...
         The wgmma of K block i + 1 is issued before block i's is waited for and scaled into the
         fp32 accumulator by a_s[row, i] * b_s[i] (promotion every 128, the package's numerics);
         each stage is released on ``empty`` once read. a_s_ptr: [AR] row-scale pointers (masked by
-        rmask with MASK_A), b_s_ptr: the weight-scale row. Returns (acc [AR, BR], next c).
-        SWAP: the same sums transposed, acc [BR, AR] (a_s_ptr then laid out along dim 1): for a few
-        A rows, AR can be 8 .. 32 where wgmma's M side would need 64."""
+        rmask with MASK_A), b_s_ptr: the weight-scale row. Returns (acc [AR, BR], next c)."""
         S: gl.constexpr = a_bufs.type.shape[0]
-        if SWAP:
-            zero = gl.zeros((BR, AR), gl.float32, layout)
-            SDIM: gl.constexpr = 0
-        else:
-            zero = gl.zeros((AR, BR), gl.float32, layout)
-            SDIM: gl.constexpr = 1
-        acc = zero
+        zero = gl.zeros((AR, BR), gl.float32, layout)
+        acc = gl.zeros((AR, BR), gl.float32, layout)
         scale = _a_scale(a_s_ptr, rmask, MASK_A) * gl.load(b_s_ptr)
         s = c % S
         mbarrier.wait(ready.index(s), (c // S) & 1)
-        cur = _mma(a_bufs, b_bufs, s, A0, AR, B0, BR, zero, SWAP)
+        cur = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
         for kk in range(n_k - 1):
             c1 = c + 1
             s1 = c1 % S
             mbarrier.wait(ready.index(s1), (c1 // S) & 1)
-            nxt = _mma(a_bufs, b_bufs, s1, A0, AR, B0, BR, zero, SWAP)
+            nxt = warpgroup_mma(a_bufs.index(s1).slice(A0, AR), b_bufs.index(s1).slice(B0, BR).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
             # the next block's scales, loaded one step ahead (their latency hides behind this step)
             scale_next = _a_scale(a_s_ptr + kk + 1, rmask, MASK_A) * gl.load(b_s_ptr + kk + 1)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
             mbarrier.arrive(empty.index(c % S), count=1)
-            acc = acc + done * gl.expand_dims(scale, SDIM)
+            acc = acc + done * gl.expand_dims(scale, 1)
             scale = scale_next
             cur = nxt
             c = c1
         done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
         mbarrier.arrive(empty.index(c % S), count=1)
-        acc = acc + done * gl.expand_dims(scale, SDIM)
+        acc = acc + done * gl.expand_dims(scale, 1)
         return acc, c + 1

@@ -66,11 +66,6 @@ WS_MOE_DOWN = False
 # "gather-quant", same process, identical logits): 20b 0.0973 vs 0.0983 s at 8192 tokens and
 # 0.5520 vs 0.5536 s at 32768; 120b at 8192 0.1637 vs 0.1630 s (min 0.1588 vs 0.1607): at most 1%.
 GATHER_FROM_QUANT = True
-# TAIL_TILES: an expert's last, partial row tile with at most 16 / 32 valid rows is computed
-# transposed (the weight tile as the MMA's M side, the rows as its N): a quarter / half of the
-# tensor-core work of the plain 64-row tile. With 128 experts at 8192 tokens the 64-row padding is
-# ~12% of the rows. Both expert GEMMs (the Gluon gate_up, the Triton down; ``TAIL`` in moe_config).
-TAIL_TILES = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,9 +99,8 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, nu
 @triton.jit
 def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_experts, num_tiles,
                           ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M), the
-    expert of every ALIGN_M-row tile (num_experts past the last segment) and, at block_expert_ptr +
-    num_tiles, the tile's number of valid (routed) rows."""
+    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M) and
+    the expert of every ALIGN_M-row tile (num_experts past the last segment)."""
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
@@ -119,12 +113,6 @@ def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_exper
         # expert of tile t = number of experts whose segment ends at or before t
         expert = tl.sum((tile_end[None, :] <= offs_t[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + offs_t, expert, mask=offs_t < num_tiles)
-        # valid rows of tile t: its overlap with the routed rows [start_e, start_e + count_e) of every expert
-        row0 = offs_t[:, None] * ALIGN_M
-        start = (pad_end - padded)[None, :]
-        overlap = tl.minimum(start + counts[None, :], row0 + ALIGN_M) - tl.maximum(start, row0)
-        rows = tl.sum(tl.where(e_mask[None, :], tl.maximum(overlap, 0), 0), axis=1)
-        tl.store(block_expert_ptr + num_tiles + offs_t, rows, mask=offs_t < num_tiles)
 
 
 @triton.jit
@@ -142,15 +130,13 @@ def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots,
 
 def moe_align(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by local expert, padding each expert's segment to block_m rows.
 
     topk_ids [T, k] int32 global expert ids. Returns
     - ``sorted_slots`` int32 [max_rows]: flat slot index t*k + j per padded row, T*k for padding;
     - ``block_expert`` int32 [max_rows / block_m]: the local expert of each row tile, num_local for
-      tiles past the last expert's segment (the kernels skip those);
-    - ``block_rows`` int32 [max_rows / block_m]: each tile's routed (non-padding) rows, stored right
-      after ``block_expert`` (one [2, tiles] buffer: the GEMMs read it at block_expert + tiles).
+      tiles past the last expert's segment (the kernels skip those).
     max_rows = round_up(T*k + num_local*(block_m - 1), block_m) is an upper bound, so no host sync.
     Three small Triton kernels (count with atomics, offsets, scatter); the order of the slots
     inside one expert's segment follows the atomics and may change between runs, which changes
@@ -164,8 +150,7 @@ def moe_align(
     counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
     rank = torch.empty(n_slots, dtype=torch.int32, device=dev)
     pad_start = torch.empty(num_local, dtype=torch.int32, device=dev)
-    tiles = torch.empty((2, num_tiles), dtype=torch.int32, device=dev)
-    block_expert, block_rows = tiles[0], tiles[1]
+    block_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
     block = 1024
     grid = (cdiv(n_slots, block),)
@@ -175,12 +160,12 @@ def moe_align(
         ALIGN_M=block_m, BLOCK_E=max(16, next_pow2(num_local)), BLOCK_T=64,
     )
     _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
-    return sorted_slots, block_expert, block_rows
+    return sorted_slots, block_expert
 
 
 def moe_align_reference(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch ``moe_align`` (stable order inside each expert's segment)."""
     n_slots = topk_ids.numel()
     max_rows = cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
@@ -195,8 +180,7 @@ def moe_align_reference(
         start = int(pad_end[e] - padded[e])
         sorted_slots[start:start + slots.numel()] = slots.int()
     tiles = torch.arange(0, max_rows, block_m, device=topk_ids.device)
-    rows = (sorted_slots < n_slots).view(-1, block_m).sum(1).int()
-    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int(), rows
+    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,16 +200,13 @@ def _moe_gemm_kernel(
     FUSE_SWIGLU: tl.constexpr, TOP_K: tl.constexpr, TMA: tl.constexpr, ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ALPHA: tl.constexpr, A_SORTED: tl.constexpr = True,
-    SPLIT_N: tl.constexpr = True, TAIL: tl.constexpr = False, a16_desc=None, a32_desc=None,
+    SPLIT_N: tl.constexpr = True,
 ):
     """One row tile (one expert) x one column tile of a grouped FP8 block GEMM.
 
     A_SORTED: A rows are already in padded sorted row order (the down GEMM, or gate_up on
     ``gather_act_quant``'s output), read through TMA when TMA is set; otherwise (gate_up only) they
     are gathered from x by token (slot // TOP_K) with pointer loads.
-    TAIL (down only, BLOCK_N <= 128, A through TMA descriptors in 16- and 32-row blocks): a tile whose valid
-    rows fit in its first 16 or 32 (an expert's last, partial tile) is computed transposed, the
-    weight tile as the MMA's M side and those rows as its N, instead of all BLOCK_M rows.
     FUSE_SWIGLU: the epilogue adds the bias,
     applies the clamped SwiGLU to interleaved gate/up columns and writes FP8 + 1x128 scales in
     padded sorted row order. Otherwise A rows are the padded sorted rows and the epilogue adds the
@@ -245,25 +226,12 @@ def _moe_gemm_kernel(
 
     # Experts' segments are padded to ALIGN_M rows, a multiple of BLOCK_M: one expert per tile.
     expert32 = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN_M)
-    if TAIL:  # routed rows of this tile, stored after block_expert (moe_align), BLOCK_M == ALIGN_M
-        n_valid = tl.load(block_expert_ptr + num_m_blocks + pid_m)
     if expert32 >= num_experts:
         return
     expert = expert32.to(tl.int64)
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + offs_r)
     valid = slots < num_slots
-    if TAIL:
-        if n_valid <= 16:
-            _down_tail(a16_desc, as_ptr, b_ptr, bs_ptr + expert * stride_bse, bias_ptr + expert * stride_biase, out_ptr,
-                       slots_ptr, pid_m * BLOCK_M, expert32 * N + pid_n * BLOCK_N, pid_n * BLOCK_N, N, K, num_slots,
-                       stride_am, stride_asm, stride_bsn, stride_om, 16, BLOCK_N, BLOCK_K)
-            return
-        if n_valid <= 32:
-            _down_tail(a32_desc, as_ptr, b_ptr, bs_ptr + expert * stride_bse, bias_ptr + expert * stride_biase, out_ptr,
-                       slots_ptr, pid_m * BLOCK_M, expert32 * N + pid_n * BLOCK_N, pid_n * BLOCK_N, N, K, num_slots,
-                       stride_am, stride_asm, stride_bsn, stride_om, 32, BLOCK_N, BLOCK_K)
-            return
     if A_SORTED:
         a_rows = offs_r.to(tl.int64)
     else:
@@ -302,28 +270,6 @@ def _moe_gemm_kernel(
             store_rows(out_ptr, rows, valid, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_om, bias_e, True, BLOCK_K)
         else:
             store_rows(out_ptr, rows, valid, acc_lo, pid_n * BLOCK_N, N, stride_om, bias_e, True, BLOCK_N)
-
-
-@triton.jit
-def _down_tail(a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, out_ptr, slots_ptr, row0, b_row0, col0, N, K, num_slots,
-               stride_am, stride_asm, stride_bsn, stride_om, R: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """The down GEMM on rows row0 .. row0 + R of a tile, transposed: C^T [BLOCK_N, R] = W tile x
-    A rows^T, each K block's product scaled by s_w * s_a[row] as in ``fp8_block_mainloop``; then
-    the bias and the scatter of the valid rows as in the plain epilogue."""
-    toks = row0 + tl.arange(0, R)
-    slots = tl.load(slots_ptr + toks)
-    valid = slots < num_slots
-    as_ptrs = as_ptr + toks.to(tl.int64) * stride_asm
-    bs = bs_ptr + (col0 // BLOCK_K) * stride_bsn
-    acc_t = tl.zeros((BLOCK_N, R), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kb * BLOCK_K
-        w = b_desc.load([b_row0, k0])
-        a = a_desc.load([row0, k0])  # [R, BLOCK_K]
-        acc_t += tl.dot(w, tl.trans(a)) * (tl.load(as_ptrs + kb) * tl.load(bs + kb))[None, :]
-    store_rows(out_ptr, tl.where(valid, slots, 0).to(tl.int64), valid, tl.trans(acc_t), col0, N, stride_om, bias_ptr,
-               True, BLOCK_N)
 
 
 @triton.jit
@@ -497,17 +443,14 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, ws: bool = False) 
     tokens, 32 and 128 experts (H200, ``python -m gptoss_fp8.bench.kernels_gemm --moe-variants``).
     ``ws``: the warp-specialized Gluon GEMMs (kernels/moe_ws.py) can run here (an sm_90 GPU);
     ``WS=True`` in a GEMM's dict picks them (64-row segments only; gate_up then reads A pre-gathered).
-    ``TAIL=True`` (64-row segments; ``TAIL_TILES``): partial tiles of at most 32 valid rows are
-    computed transposed, in the Gluon GEMMs and in the Triton down GEMM.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     align = 64 if rows_per_expert >= 48 else 16
-    tail = TAIL_TILES and align == 64
-    down_triton = dict(BLOCK_M=align, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TAIL=tail)
+    down_triton = dict(BLOCK_M=align, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
     if ws and align == 64 and WS_MOE:
-        down_ws = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4, TAIL=tail)
+        down_ws = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4)
         return dict(ALIGN_M=64, TMA=True, PREGATHER=True,
-                    gate_up=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4, TAIL=tail),
+                    gate_up=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4),
                     down=down_ws if WS_MOE_DOWN else down_triton)
     return dict(
         ALIGN_M=align,
@@ -572,11 +515,6 @@ def moe_expert_slots(
     align = cfg["ALIGN_M"]
     gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
     ws_gu, ws_dn = bool(gu.pop("WS", False)), bool(dn.pop("WS", False))
-    tail_gu, tail_dn = bool(gu.pop("TAIL", False)), bool(dn.pop("TAIL", False))
-    assert not tail_gu or ws_gu, "TAIL for gate_up needs its Gluon kernel (WS=True)"
-    for name, ws_, tail_, d in (("gate_up", ws_gu, tail_gu, gu), ("down", ws_dn, tail_dn, dn)):
-        # the transposed tiles' layout conversion needs ~33 KB of shared memory beside the stages
-        assert not (ws_ and tail_ and d.get("num_stages", 4) > 4), f"{name}: WS with TAIL takes at most 4 stages"
     if ws_gu or ws_dn:
         assert moe_ws.supported(x.device) and align == moe_ws.TILE_M and cfg.get("TMA"), (
             f"config WS=True needs an sm_90 GPU, triton with Gluon, TMA and ALIGN_M={moe_ws.TILE_M} (got {align})")
@@ -585,7 +523,7 @@ def moe_expert_slots(
     bm_gu, bm_dn = gu.pop("BLOCK_M"), dn.pop("BLOCK_M")
     assert align % bm_gu == 0 and align % bm_dn == 0, f"BLOCK_M {bm_gu}, {bm_dn} must divide ALIGN_M {align}"
 
-    sorted_slots, block_expert, _ = moe_align(topk_ids, expert_start, e, align)  # block_rows follows block_expert
+    sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
     max_rows = sorted_slots.shape[0]
 
     tma = bool(cfg.get("TMA", False))
@@ -610,17 +548,17 @@ def moe_expert_slots(
     if ws_gu:
         moe_ws.ws_moe_gemm(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, True, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
-                           stages=gu.get("num_stages", 4), group_m=gu.get("GROUP_M", 8), tail=tail_gu)
+                           stages=gu.get("num_stages", 4), group_m=gu.get("GROUP_M", 8))
     else:
         _gate_up_triton(x_src, x_scale, x_fp8, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                         n_slots, swiglu_limit, k, tma, align, bm_gu, pregather, gu)
     if ws_dn:
         moe_ws.ws_moe_gemm(act, act_scale, w2, w2_scale_inv, b2, y, None, sorted_slots, block_expert, n_slots,
                            swiglu_limit, False, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
-                           stages=dn.get("num_stages", 4), group_m=dn.get("GROUP_M", 8), tail=tail_dn)
+                           stages=dn.get("num_stages", 4), group_m=dn.get("GROUP_M", 8))
         return y
     _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots, swiglu_limit, k, tma,
-                 align, bm_dn, dn, tail_dn)
+                 align, bm_dn, dn)
     return y
 
 
@@ -646,20 +584,16 @@ def _gate_up_triton(x_src, x_scale, x_fp8, w13, w13_scale_inv, b13, act, act_sca
 
 
 def _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots, swiglu_limit, k, tma,
-                 align, bm_dn, dn, tail=False):
+                 align, bm_dn, dn):
     e, h, i = w2.shape
     max_rows = sorted_slots.shape[0]
     bn = dn.pop("BLOCK_N")
     split_dn = bool(dn.pop("SPLIT_N", True))
-    assert not tail or (tma and bn <= BLOCK and bm_dn == align == 64), (
-        f"TAIL needs TMA, BLOCK_N <= 128, BLOCK_M = ALIGN_M = 64 (got {bn}, {bm_dn}, {align})")
     if tma:
         act_src = TensorDescriptor.from_tensor(act, [bm_dn, BLOCK])
         w2_src = TensorDescriptor.from_tensor(w2.view(e * h, i), [min(bn, BLOCK) if split_dn else bn, BLOCK])
     else:
         act_src, w2_src = act, w2
-    # TAIL: the partial tiles' first 16 / 32 rows through their own descriptors
-    a16, a32 = (TensorDescriptor.from_tensor(act, [r, BLOCK]) for r in (16, 32)) if tail else (None, None)
     grid = (max_rows // bm_dn * cdiv(h, bn),)
     _moe_gemm_kernel[grid](
         act_src, act_scale, w2_src, w2_scale_inv, b2, y, y,
@@ -670,8 +604,7 @@ def _down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_ex
         y.stride(0), 0,
         float(swiglu_limit),
         FUSE_SWIGLU=False, TOP_K=k, TMA=tma, ALIGN_M=align, BLOCK_M=bm_dn, BLOCK_N=bn, BLOCK_K=BLOCK,
-        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, SPLIT_N=split_dn, TAIL=tail, a16_desc=a16, a32_desc=a32,
-        **dn,
+        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, ALPHA=SWIGLU_ALPHA, SPLIT_N=split_dn, **dn,
     )
 
 

@@ -79,75 +79,11 @@ if HAS_GLUON:
                                    [expert * N + pid_n * TN, kk * TK])
 
     @gluon.jit
-    def _epilogue(acc, rows, cols, nmask, t_local, W: gl.constexpr, xbar, x_smem, o_smem, bias_ptr, out_ptr, out_desc,
-                  out_s_ptr, slots_ptr, pid_m, pid_n, expert, num_slots, stride_biase, stride_om, stride_osm, limit,
-                  TM: gl.constexpr, FUSE_SWIGLU: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr,
-                  EPS: gl.constexpr):
-        """One warpgroup's epilogue of a tile's rows (the first R of its TM, R = acc.shape[0]): bias,
-        then gate_up's SwiGLU + row-max exchange + FP8 TMA store, or down's bf16 row scatter.
-        Returns the next t_local (gate_up's exchange parity counter)."""
-        R: gl.constexpr = acc.shape[0]
-        acc = acc + gl.expand_dims(
-            gl.load(bias_ptr + expert * stride_biase + cols, mask=nmask, other=0.0).to(gl.float32), 0)
-        if FUSE_SWIGLU:
-            h = swiglu_columns(acc, nmask, limit, ALPHA)
-            amax = gl.max(gl.abs(h), axis=1)
-            # the other warpgroup's half of the 128-wide group: exchange row maxima
-            p = t_local % 2
-            x_smem.index(2 * p + W).slice(0, R).store(amax)
-            mbarrier.arrive(xbar.index(p), count=1)
-            mbarrier.wait(xbar.index(p), (t_local // 2) & 1)
-            amax = gl.maximum(amax, x_smem.index(2 * p + 1 - W).slice(0, R).load(amax.type.layout))
-            scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
-            q = h / gl.expand_dims(scale_o, 1)
-            q = gl.minimum(gl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-            tma.store_wait(0)
-            o_smem.slice(0, R).store(q.to(gl.float8e4nv))
-            fence_async_shared()
-            # the whole TM-row box: with R < TM, the padding rows R.. get stale values (never read)
-            OW: gl.constexpr = o_smem.type.shape[1]  # 64 FP8 columns per warpgroup
-            tma.async_copy_shared_to_global(out_desc, [pid_m * TM, pid_n * 2 * OW + W * OW], o_smem)
-            if W == 0:
-                srows = pid_m * TM + gl.arange(0, R, layout=amax.type.layout)
-                gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
-            t_local += 1
-        else:
-            slots = gl.load(slots_ptr + rows)
-            valid = slots < num_slots
-            ptrs = out_ptr + gl.expand_dims(gl.where(valid, slots, 0).to(gl.int64) * stride_om, 1) \
-                + gl.expand_dims(cols, 0)
-            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(valid, 1) & gl.expand_dims(nmask, 0))
-        return t_local
-
-    @gluon.jit
-    def _tail_tile(R: gl.constexpr, W: gl.constexpr, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr,
-                   b_s_ptr, bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, pid_m, pid_n, expert, col0, c, n_k,
-                   t_local, N, num_slots, stride_asm, stride_biase, stride_om, stride_osm, limit,
-                   FUSE_SWIGLU: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
-        """A tile whose valid rows (an expert's last, partial tile) fit in its first R (8 .. 32): the
-        warpgroup computes its 128 columns x R rows transposed (the weight tile as wgmma's M side,
-        R as N), where the plain product would cost all 64 rows; then the same epilogue on R rows."""
-        TM: gl.constexpr = a_bufs.type.shape[1]
-        HN: gl.constexpr = b_bufs.type.shape[1] // 2
-        t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32])
-        tok = pid_m * TM + gl.arange(0, R, layout=gl.SliceLayout(0, t_layout))
-        acc_t, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, R, W * HN, HN, as_ptr + tok * stride_asm,
-                                         tok, b_s_ptr, c, n_k, t_layout, False, True)
-        e_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
-        acc = gl.convert_layout(gl.permute(acc_t, (1, 0)), e_layout)
-        rows = pid_m * TM + gl.arange(0, R, layout=gl.SliceLayout(1, e_layout))
-        cols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, e_layout))
-        t_local = _epilogue(acc, rows, cols, cols < N, t_local, W, xbar, x_smem, o_smem, bias_ptr, out_ptr, out_desc,
-                            out_s_ptr, slots_ptr, pid_m, pid_n, expert, num_slots, stride_biase, stride_om, stride_osm,
-                            limit, TM, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)
-        return c, t_local
-
-    @gluon.jit
     def _moe_consume(W: gl.constexpr, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, bs_ptr, bias_ptr,
                      out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                      stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
                      GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
-                     FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TAIL: gl.constexpr):
+                     FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         """Consumer warpgroup W (0 or 1): columns W*128 .. W*128 + 128 of every tile."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
@@ -165,38 +101,48 @@ if HAS_GLUON:
             if expert32 < num_experts:
                 expert = expert32.to(gl.int64)
                 col0 = pid_n * TN + W * HN
+                rows = pid_m * TM + gl.arange(0, TM, layout=gl.SliceLayout(1, layout))
+                cols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                a_s_ptr = as_ptr + rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
-                # path: the rows computed transposed (16 or 32), or 0 for the plain 64-row product
-                if TAIL:  # the tile's routed rows (first in the tile), stored after block_expert by moe_align
-                    n_valid = gl.load(block_expert_ptr + num_m + pid_m)
-                    path = gl.where(col0 < N, gl.where(n_valid <= 16, 16, gl.where(n_valid <= 32, 32, 0)), 0)
+                if col0 < N:
+                    acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN, a_s_ptr, rows,
+                                                   b_s_ptr, c, n_k, layout, False)
+                else:  # all columns past N: only keep the stage ring in step
+                    acc = gl.zeros((TM, HN), gl.float32, layout)
+                    for kk in range(n_k):
+                        mbarrier.wait(ready.index(c % S), (c // S) & 1)
+                        mbarrier.arrive(empty.index(c % S), count=1)
+                        c += 1
+                nmask = cols < N
+                acc = acc + gl.expand_dims(
+                    gl.load(bias_ptr + expert * stride_biase + cols, mask=nmask, other=0.0).to(gl.float32), 0)
+                if FUSE_SWIGLU:
+                    h = swiglu_columns(acc, nmask, limit, ALPHA)
+                    amax = gl.max(gl.abs(h), axis=1)
+                    # the other warpgroup's half of the 128-wide group: exchange row maxima
+                    p = t_local % 2
+                    x_smem.index(2 * p + W).store(amax)
+                    mbarrier.arrive(xbar.index(p), count=1)
+                    mbarrier.wait(xbar.index(p), (t_local // 2) & 1)
+                    amax = gl.maximum(amax, x_smem.index(2 * p + 1 - W).load(amax.type.layout))
+                    scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
+                    q = h / gl.expand_dims(scale_o, 1)
+                    q = gl.minimum(gl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+                    tma.store_wait(0)
+                    o_smem.store(q.to(gl.float8e4nv))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(out_desc, [pid_m * TM, pid_n * HN + W * (HN // 2)], o_smem)
+                    if W == 0:
+                        srows = pid_m * TM + gl.arange(0, TM, layout=amax.type.layout)
+                        gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
+                    t_local += 1
                 else:
-                    path: gl.constexpr = 0
-                if path == 16:
-                    c, t_local = _tail_tile(16, W, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, b_s_ptr,
-                                            bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, pid_m, pid_n, expert,
-                                            col0, c, n_k, t_local, N, num_slots, stride_asm, stride_biase, stride_om,
-                                            stride_osm, limit, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)
-                elif path == 32:
-                    c, t_local = _tail_tile(32, W, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, b_s_ptr,
-                                            bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, pid_m, pid_n, expert,
-                                            col0, c, n_k, t_local, N, num_slots, stride_asm, stride_biase, stride_om,
-                                            stride_osm, limit, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)
-                else:
-                    rows = pid_m * TM + gl.arange(0, TM, layout=gl.SliceLayout(1, layout))
-                    cols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
-                    if col0 < N:
-                        acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN,
-                                                       as_ptr + rows * stride_asm, rows, b_s_ptr, c, n_k, layout, False)
-                    else:  # all columns past N: only keep the stage ring in step
-                        acc = gl.zeros((TM, HN), gl.float32, layout)
-                        for kk in range(n_k):
-                            mbarrier.wait(ready.index(c % S), (c // S) & 1)
-                            mbarrier.arrive(empty.index(c % S), count=1)
-                            c += 1
-                    t_local = _epilogue(acc, rows, cols, cols < N, t_local, W, xbar, x_smem, o_smem, bias_ptr, out_ptr,
-                                        out_desc, out_s_ptr, slots_ptr, pid_m, pid_n, expert, num_slots, stride_biase,
-                                        stride_om, stride_osm, limit, TM, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)
+                    slots = gl.load(slots_ptr + rows)
+                    valid = slots < num_slots
+                    ptrs = out_ptr + gl.expand_dims(gl.where(valid, slots, 0).to(gl.int64) * stride_om, 1) \
+                        + gl.expand_dims(cols, 0)
+                    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(valid, 1) & gl.expand_dims(nmask, 0))
         if FUSE_SWIGLU:
             tma.store_wait(0)
 
@@ -206,18 +152,18 @@ if HAS_GLUON:
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
                              stride_osm, limit, num_progs, GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr,
-                             ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TAIL: gl.constexpr):
+                             ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_consume(1, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(1), as_ptr, bs_ptr, bias_ptr, out_ptr,
                      out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                      stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M,
-                     FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS, TAIL)
+                     FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)
 
     @gluon.jit
     def _moe_producer(a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                       bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                       num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
                       stride_osm, limit, num_progs, GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr,
-                      ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TAIL: gl.constexpr):
+                      ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M)
 
@@ -226,7 +172,7 @@ if HAS_GLUON:
                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                             stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr,
-                            ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TAIL: gl.constexpr = False):
+                            ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -249,23 +195,23 @@ if HAS_GLUON:
             (_moe_consume, (0, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(0), as_ptr, bs_ptr, bias_ptr,
                             out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                             num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit,
-                            num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS, TAIL)),
+                            num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)),
             (_moe_second_consumer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                                     bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                                     num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase,
                                     stride_om, stride_osm, limit, num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C,
-                                    EPS, TAIL)),
+                                    EPS)),
             (_moe_producer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
-                             stride_osm, limit, num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS, TAIL)),
+                             stride_osm, limit, num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)),
         ], [4, 1], [232, 40])
 
 
 def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None, sorted_slots: torch.Tensor,
                 block_expert: torch.Tensor, num_slots: int, limit: float, fuse_swiglu: bool, alpha: float,
-                fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, tail: bool = False) -> None:
+                fp8_max: float, eps: float, stages: int = 4, group_m: int = 8) -> None:
     """One grouped expert GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of 64 rows), a_scale [max_rows,
@@ -287,6 +233,5 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_s, sorted_slots, block_expert,
         num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0),
         stride_om, stride_osm, float(limit), num_progs,
-        STAGES=stages, GROUP_M=group_m, FUSE_SWIGLU=fuse_swiglu, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, TAIL=tail,
-        num_warps=4,
+        STAGES=stages, GROUP_M=group_m, FUSE_SWIGLU=fuse_swiglu, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
     )

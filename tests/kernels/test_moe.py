@@ -75,12 +75,9 @@ def test_route_matches_gpt_oss():
 def test_moe_align_matches_reference(e0, n_local, block_m):
     g = torch.Generator().manual_seed(e0 + n_local)
     ids = torch.randint(0, max(8, n_local), (50, 4), generator=g, dtype=torch.int32).to(DEV)
-    slots, block_expert, block_rows = moe_align(ids, e0, n_local, block_m)
-    ref_slots, ref_block_expert, ref_block_rows = moe_align_reference(ids, e0, n_local, block_m)
+    slots, block_expert = moe_align(ids, e0, n_local, block_m)
+    ref_slots, ref_block_expert = moe_align_reference(ids, e0, n_local, block_m)
     assert torch.equal(block_expert.cpu(), ref_block_expert.cpu())
-    assert torch.equal(block_rows.cpu(), ref_block_rows.cpu()) and int(block_rows.sum()) < ids.numel() + 1
-    # the GEMMs read block_rows at block_expert + tiles (one buffer)
-    assert block_rows.data_ptr() == block_expert.data_ptr() + 4 * block_expert.numel()
     # Same slots in the same padded segments; the order inside a segment may differ (atomics).
     n = ids.numel()
     for tile in range(block_expert.numel()):
@@ -122,49 +119,6 @@ def test_fused_moe_tiles_and_loads(tma, pregather, split):
     ex = _shard(m["experts"], 2, 5)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
     _check(moe_experts(m["x"], w, ids, *ex, expert_start=2, config=cfg), moe_experts_reference(m["x"], w, ids, *ex, expert_start=2))
-
-
-def _tail_case(h, i, counts, seed):
-    """top-1 routing with chosen rows per expert (weight 1: the combine is the expert's output)."""
-    e = len(counts)
-    m = _model(sum(counts), h, i, e, seed=seed)
-    ids = torch.cat([torch.full((c,), j, dtype=torch.int32) for j, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))].to(DEV)[:, None].contiguous()
-    return m, torch.ones(ids.shape, dtype=torch.bfloat16, device=DEV), ids
-
-
-# Experts' last row tiles with 5 and 16 valid rows (16 transposed), 17 and 30 (32), 33 and 40 (plain),
-# 64 (full): the transposed partial tiles (TAIL) against the reference and against the plain tiles.
-TAIL_COUNTS = [64 + 5, 16, 64 + 17, 30, 128 + 33, 40, 64]
-
-
-def _tail_configs():
-    plain = dict(ALIGN_M=64, TMA=True, PREGATHER=True,
-                 gate_up=dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=2, num_warps=8, num_stages=2),
-                 down=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=2, num_warps=4, num_stages=2))
-    out = [(plain, dict(plain, down=dict(plain["down"], TAIL=True)))]
-    if HAS_CUDA:  # the Gluon gate_up (and down) with and without TAIL where they run
-        from gptoss_fp8.kernels import moe_ws
-
-        if moe_ws.supported(torch.device("cuda")):
-            for down_ws in (False, True):
-                cfg = _ws_config(down=down_ws)
-                on = dict(cfg, gate_up=dict(cfg["gate_up"], TAIL=True), down=dict(cfg["down"], TAIL=True))
-                off = dict(cfg, gate_up=dict(cfg["gate_up"], TAIL=False), down=dict(cfg["down"], TAIL=False))
-                out.append((off, on))
-    return out
-
-
-@pytest.mark.parametrize("h,i", [(256, 384), (2880, 2880)] if HAS_CUDA else [(256, 384)])
-def test_moe_tail_tiles_transposed(h, i):
-    m, w, ids = _tail_case(h, i, TAIL_COUNTS, seed=h + i)
-    ref = moe_experts_reference(m["x"], w, ids, *m["experts"])
-    for plain, tail in _tail_configs():
-        y_plain = moe_experts(m["x"], w, ids, *m["experts"], config=plain)
-        y_tail = moe_experts(m["x"], w, ids, *m["experts"], config=tail)
-        _check(y_tail, ref)
-        # the same products (only the MMA shape changes): bf16 outputs within one rounding
-        assert torch.allclose(y_tail.float(), y_plain.float(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
 def test_expert_parallel_ranks_sum_to_full():
@@ -299,8 +253,7 @@ def _ws_config(gate_up=True, down=True, stages=4):
 
     ws, base = moe_config(8192, 4, 32, ws=True), moe_config(8192, 4, 32)
     ws_down = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=stages)  # not the default
-    # 5 stages leave no shared memory for the transposed partial tiles (TAIL)
-    cfg = dict(ws, gate_up=dict(ws["gate_up"], num_stages=stages, TAIL=stages <= 4) if gate_up else base["gate_up"],
+    cfg = dict(ws, gate_up=dict(ws["gate_up"], num_stages=stages) if gate_up else base["gate_up"],
                down=ws_down if down else base["down"])
     assert cfg["ALIGN_M"] == 64 and cfg["PREGATHER"], cfg
     return cfg
@@ -332,12 +285,10 @@ def test_fused_moe_ws_refused_off_sm90():
         moe_experts(m["x"], w, ids, *m["experts"], config=_ws_config())
 
 
-@pytest.mark.parametrize("tail", [False, True], ids=["plain", "tail"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["gate_up", "down"])
-def test_moe_ws_compiles_for_sm90(fuse, tail):
+def test_moe_ws_compiles_for_sm90(fuse):
     """Without a GPU: both Gluon expert GEMMs compile for sm_90 into warp-specialized code
-    (registers moved between partitions, fp8 wgmma, TMA loads, no local memory in the PTX); with
-    TAIL also the transposed 16- and 32-row products of the partial tiles."""
+    (registers moved between partitions, fp8 wgmma, TMA loads, no local memory in the PTX)."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -351,13 +302,11 @@ def test_moe_ws_compiles_for_sm90(fuse, tail):
              "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>" if fuse else f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp8e4nv" if fuse else "*bf16",
              "out_s_ptr": "*fp32" if fuse else "*bf16", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
-    consts = dict(STAGES=4, GROUP_M=8, FUSE_SWIGLU=fuse, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, TAIL=tail)
+    consts = dict(STAGES=4, GROUP_M=8, FUSE_SWIGLU=fuse, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_kernel, types, consts)
     ptx = k["ptx"]
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
-    for n in (16, 32):
-        assert (f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ptx) == tail
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == fuse, "TMA store only for gate_up's FP8 output"
     assert ".local" not in ptx
