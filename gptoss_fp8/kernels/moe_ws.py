@@ -45,12 +45,6 @@ if HAS_GLUON:
         tma,
     )
 
-import os  # noqa: E402  (probe, temporary)
-
-# PROBE (benchmarks/moe_bound_probe.py, temporary): 1 = the consumers skip their MMAs (the stage
-# ring still streams every tile: load time alone), 2 = the producer skips its loads (MMAs on stale
-# shared memory: tensor-core time alone). Wrong results; timing only.
-PROBE = gl.constexpr(int(os.environ.get("GPTOSS_FP8_MOE_PROBE", "0"))) if HAS_GLUON else 0
 TILE_M, TILE_N, BK = 64, 256, 128  # rows (= the experts' segment alignment), columns, K block
 HALF_N = TILE_N // 2  # columns per consumer warpgroup
 
@@ -81,14 +75,8 @@ if HAS_GLUON:
             expert = gl.load(block_expert_ptr + pid_m)
             if expert < num_experts:
                 for kk in range(n_k):
-                    if PROBE == 2:
-                        S: gl.constexpr = a_bufs.type.shape[0]
-                        mbarrier.wait(empty.index(c % S), ((c // S) & 1) ^ 1)
-                        mbarrier.arrive(ready.index(c % S), count=1)
-                        c += 1
-                    else:
-                        c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
-                                       [expert * N + pid_n * TN, kk * TK])
+                    c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
+                                   [expert * N + pid_n * TN, kk * TK])
 
     @gluon.jit
     def _moe_consume(W: gl.constexpr, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, bs_ptr, bias_ptr,
@@ -117,7 +105,7 @@ if HAS_GLUON:
                 cols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
                 a_s_ptr = as_ptr + rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
-                if col0 < N * (1 - PROBE % 2):  # PROBE 1: never (the MMAs skipped)
+                if col0 < N:
                     acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN, a_s_ptr, rows,
                                                    b_s_ptr, c, n_k, layout, False)
                 else:  # all columns past N: only keep the stage ring in step
