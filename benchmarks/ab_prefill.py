@@ -13,7 +13,8 @@ fp8_gemm picks from WS_MIN_ROWS rows on, seventh session), "triton-moe" (the exp
 Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both), "ws-down" (the Gluon down
 GEMM too, moe.WS_MOE_DOWN), "gather-quant" / "gather-requant" (gate_up's sorted A copied from the norm's FP8 rows, or
 quantized again from its bf16 rows: moe.GATHER_FROM_QUANT on / off; on by default since the ninth
-session).
+session), "gu-5stages" / "gu-3stages" / "gu-group4" / "gu-group16" (the Gluon gate_up's ring depth or
+tile-order group instead of 4 stages, GROUP_M 8; tenth session).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -45,21 +46,25 @@ class TorchRouter(TritonOps):
 
 
 def _switched(fn, dense_ws: bool = True, moe_ws: bool = True, moe_ws_down: bool = False,
-              gather_from_quant: bool | None = None):
+              gather_from_quant: bool | None = None, gu_stages: int | None = None, gu_group: int | None = None):
     """fn with the Gluon warp-specialized dense GEMM and / or expert GEMMs switched off (or the down
-    one on), or moe.GATHER_FROM_QUANT set, for the call."""
+    one on), or moe.GATHER_FROM_QUANT / the Gluon gate_up's stages and GROUP_M set, for the call."""
     from gptoss_fp8.kernels import fp8_gemm, moe
 
     def run(t):
-        old = fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN, moe.GATHER_FROM_QUANT
+        old = (fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN, moe.GATHER_FROM_QUANT, moe.WS_GATE_UP_STAGES,
+               moe.WS_GATE_UP_GROUP_M)
         fp8_gemm.WS_MIN_ROWS = old[0] if dense_ws else 1 << 62
         moe.WS_MOE = old[1] and moe_ws
         moe.WS_MOE_DOWN = moe_ws_down
         moe.GATHER_FROM_QUANT = old[3] if gather_from_quant is None else gather_from_quant
+        moe.WS_GATE_UP_STAGES = old[4] if gu_stages is None else gu_stages
+        moe.WS_GATE_UP_GROUP_M = old[5] if gu_group is None else gu_group
         try:
             return fn(t)
         finally:
-            fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN, moe.GATHER_FROM_QUANT = old
+            (fp8_gemm.WS_MIN_ROWS, moe.WS_MOE, moe.WS_MOE_DOWN, moe.GATHER_FROM_QUANT, moe.WS_GATE_UP_STAGES,
+             moe.WS_GATE_UP_GROUP_M) = old
 
     return run
 
@@ -85,6 +90,10 @@ def main() -> None:
             "ws-down": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws_down=True),
             "gather-quant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=True),
             "gather-requant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=False),
+            "gu-5stages": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_stages=5),
+            "gu-3stages": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_stages=3),
+            "gu-group4": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_group=4),
+            "gu-group16": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_group=16),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")

@@ -66,6 +66,9 @@ WS_MOE_DOWN = False
 # "gather-quant", same process, identical logits): 20b 0.0973 vs 0.0983 s at 8192 tokens and
 # 0.5520 vs 0.5536 s at 32768; 120b at 8192 0.1637 vs 0.1630 s (min 0.1588 vs 0.1607): at most 1%.
 GATHER_FROM_QUANT = True
+# The Gluon gate_up's ring depth and tile order (moe_config; benchmarks/ab_prefill.py varies them).
+WS_GATE_UP_STAGES = 4
+WS_GATE_UP_GROUP_M = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +453,8 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, ws: bool = False) 
     if ws and align == 64 and WS_MOE:
         down_ws = dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4)
         return dict(ALIGN_M=64, TMA=True, PREGATHER=True,
-                    gate_up=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_stages=4),
+                    gate_up=dict(WS=True, BLOCK_M=64, BLOCK_N=256, GROUP_M=WS_GATE_UP_GROUP_M,
+                                 num_stages=WS_GATE_UP_STAGES),
                     down=down_ws if WS_MOE_DOWN else down_triton)
     return dict(
         ALIGN_M=align,
