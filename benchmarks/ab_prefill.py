@@ -13,8 +13,8 @@ fp8_gemm picks from WS_MIN_ROWS rows on, seventh session), "triton-moe" (the exp
 Triton kernels, i.e. without kernels/moe_ws.py), "triton-all" (both), "ws-down" (the Gluon down
 GEMM too, moe.WS_MOE_DOWN), "gather-quant" / "gather-requant" (gate_up's sorted A copied from the norm's FP8 rows, or
 quantized again from its bf16 rows: moe.GATHER_FROM_QUANT on / off; on by default since the ninth
-session), "gu-5stages" / "gu-3stages" / "gu-group4" / "gu-group16" (the Gluon gate_up's ring depth or
-tile-order group instead of 4 stages, GROUP_M 8; tenth session).
+session), "gu-s<stages>-g<GROUP_M>", e.g. "gu-s5-g16" (the Gluon gate_up's ring depth and tile-order
+group instead of 4 stages, GROUP_M 8; tenth session).
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
 0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
 """
@@ -90,14 +90,14 @@ def main() -> None:
             "ws-down": lambda: _switched(lambda t: prefill_logits(model, t, ops), moe_ws_down=True),
             "gather-quant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=True),
             "gather-requant": lambda: _switched(lambda t: prefill_logits(model, t, ops), gather_from_quant=False),
-            "gu-5stages": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_stages=5),
-            "gu-3stages": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_stages=3),
-            "gu-group4": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_group=4),
-            "gu-group16": lambda: _switched(lambda t: prefill_logits(model, t, ops), gu_group=16),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
         prefill_logits(model, tokens, ops)  # compile before any capture
+        for name in a.variants.split(","):
+            if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
+                st, gr = (int(v) for v in name[4:].split("-g"))
+                make[name] = lambda st=st, gr=gr: _switched(lambda t: prefill_logits(model, t, ops), gu_stages=st, gu_group=gr)
         variants = {name: make[name]() for name in a.variants.split(",")}
         ref = None
         t0 = time.perf_counter()
