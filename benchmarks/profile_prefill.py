@@ -12,7 +12,7 @@ import time
 import torch
 
 from gptoss_fp8.bench.prefill import prefill_logits, random_model
-from gptoss_fp8.convert.synth import preset_config
+from gptoss_fp8.config import preset_config
 from gptoss_fp8.model.triton_ops import TritonOps
 
 

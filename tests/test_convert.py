@@ -11,11 +11,12 @@ import torch
 from safetensors import safe_open
 
 from gptoss_fp8.convert import convert as convert_mod
-from gptoss_fp8.convert.convert import LOCK_NAME, PARTIAL_DIR, REPORT_NAME, convert_checkpoint
-from gptoss_fp8.convert.layout import hf_source_tensors
+from gptoss_fp8.checkpoint.format import REPORT_NAME
+from gptoss_fp8.convert.convert import LOCK_NAME, PARTIAL_DIR, convert_checkpoint
+from gptoss_fp8.checkpoint.format import hf_source_tensors
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.quant.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from gptoss_fp8.quant.mxfp4 import decode_mxfp4
 
@@ -237,7 +238,7 @@ def test_disk_full(tiny_src, tmp_path, monkeypatch):
     monkeypatch.undo()
 
     # ENOSPC in the middle of a file: one clear line, no file left looking complete, resumable.
-    from gptoss_fp8.convert import st_io
+    from gptoss_fp8.checkpoint import st_io
 
     class FullDisk:
         """The writer's file object, failing with ENOSPC on its 5th write."""
@@ -377,7 +378,7 @@ def test_bad_input_one_clear_error(tiny_src, tmp_path, case):
 
 
 def test_header_length_overflow(tmp_path):
-    from gptoss_fp8.convert.st_io import read_header
+    from gptoss_fp8.checkpoint.st_io import read_header
 
     f = tmp_path / "x.safetensors"
     f.write_bytes(struct.pack("<Q", 10**12) + b"{}")

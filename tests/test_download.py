@@ -22,7 +22,7 @@ from huggingface_hub import constants as hf_constants
 from typer.testing import CliRunner
 
 from gptoss_fp8.cli.main import app
-from gptoss_fp8.convert.hub import (
+from gptoss_fp8.checkpoint.hub import (
     CONVERTER_PATTERNS,
     ResolvedSource,
     download,

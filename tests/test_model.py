@@ -10,7 +10,8 @@ import torch
 from gptoss_fp8.convert.convert import convert_checkpoint
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.gptoss import load_model, rope_cos_sin
+from gptoss_fp8.model.gptoss import rope_cos_sin
+from gptoss_fp8.model.load import load_model
 from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps, get_ops, swiglu
 from gptoss_fp8.quant.fp8 import dequantize_act, dequantize_weight_blocks, quantize_act, quantize_weight_blocks
 
@@ -107,7 +108,7 @@ def test_attention_matches_reference_sdpa(window):
 
 @pytest.mark.parametrize("head_dim", [8, 16, 64])
 def test_rope_matches_reference(head_dim):
-    from gptoss_fp8.model.config import GptOssConfig
+    from gptoss_fp8.config import GptOssConfig
 
     cfg = GptOssConfig(num_hidden_layers=1, num_local_experts=2, num_experts_per_tok=1, hidden_size=64,
                        intermediate_size=64, head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2, vocab_size=10)

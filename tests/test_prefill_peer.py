@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gptoss_fp8.bench import prefill_peer as pp
-from gptoss_fp8.convert.synth import preset_config
+from gptoss_fp8.config import preset_config
 from gptoss_fp8.model.gptoss import rope_cos_sin
 from gptoss_fp8.model.ops import ReferenceOps
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from gptoss_fp8.convert.convert import convert_checkpoint
-from gptoss_fp8.convert.shard import Parallel, fp8_checkpoint_tensors, plan, rank_slice
-from gptoss_fp8.convert.sharded import load_rank, reassemble
-from gptoss_fp8.convert.synth import preset_config, write_synthetic
+from gptoss_fp8.checkpoint.plan import fp8_checkpoint_tensors, plan, rank_slice
+from gptoss_fp8.parallel import Parallel
+from gptoss_fp8.checkpoint.manifest import load_rank, reassemble
+from gptoss_fp8.config import preset_config
+from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
 
 LAYOUTS = [(tp, ep) for tp in (1, 2, 4, 8) for ep in (1, 2, 4, 8) if ep <= tp and tp % ep == 0]
@@ -231,7 +233,7 @@ def test_sharded_resume_is_byte_identical(sources, tmp_path):
 @pytest.mark.parametrize("tp,ep", [(1, 1), (4, 2)])
 def test_plan_matches_what_convert_writes(sources, tmp_path, tp, ep):
     """`plan` reads only config.json; its per-rank tensors and bytes are what convert writes."""
-    from gptoss_fp8.model.config import GptOssConfig
+    from gptoss_fp8.config import GptOssConfig
 
     src, _ = sources["odd"]
     planned = plan(GptOssConfig.from_file(src / "config.json"), tp, ep)

@@ -31,7 +31,8 @@ import torch
 from gptoss_fp8.convert.convert import convert_checkpoint
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.gptoss import load_model, rope_cos_sin
+from gptoss_fp8.model.gptoss import rope_cos_sin
+from gptoss_fp8.model.load import load_model
 from gptoss_fp8.model.ops import W8A8CpuOps, get_ops
 from gptoss_fp8.quant.fp8 import (
     quantize_weight_blocks,
@@ -304,7 +305,7 @@ def test_bench_prefill_forward_is_the_models_last_row():
         random_model,
         usd_per_million_tokens,
     )
-    from gptoss_fp8.convert.synth import preset_config
+    from gptoss_fp8.config import preset_config
 
     model = random_model(preset_config("tiny"), "cpu", seed=1)
     tokens = _tokens(model.cfg, 19)
@@ -331,7 +332,7 @@ def test_graphed_prefill_replays_the_eager_forward_gpu():
     those tokens' eager logits (routing is decided on the GPU; nothing of the capture's tokens is
     baked in). The forward is also chunked (moe_chunk 48 of 100 tokens)."""
     from gptoss_fp8.bench.prefill import GraphedPrefill, prefill_logits, random_model
-    from gptoss_fp8.convert.synth import preset_config
+    from gptoss_fp8.config import preset_config
 
     model = random_model(preset_config("tiny"), "cuda", seed=4)
     ops = get_ops("triton")
@@ -372,8 +373,8 @@ def test_bench_prefill_knows_presets_and_sizes():
     matched to its preset (for the seed's figures and the peer), the weight size it checks against
     free memory, and --layers refused with --checkpoint."""
     from gptoss_fp8.bench.prefill import load_checkpoint, matching_preset, weight_bytes
-    from gptoss_fp8.convert.synth import hf_config_dict, preset_config
-    from gptoss_fp8.model.config import GptOssConfig
+    from gptoss_fp8.config import hf_config_dict, preset_config
+    from gptoss_fp8.config import GptOssConfig
 
     for name in ("20b", "120b"):
         cfg = GptOssConfig.from_dict(hf_config_dict(preset_config(name, 3)))

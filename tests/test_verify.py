@@ -93,7 +93,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_default(tiny):
     """The default conversion (FP8 attention, lossy) and the reference with its expected rounding."""
-    from gptoss_fp8.verify.run import rounding_for
+    from gptoss_fp8.verify.report import rounding_for
 
     root, tokens, _ = tiny
     convert_checkpoint(root / "src", root / "default")
@@ -350,7 +350,7 @@ def test_exact_profile_relaxes_only_across_device_types():
     from gptoss_fp8.verify.reference import (
         Reference,
     )
-    from gptoss_fp8.verify.run import profile_for
+    from gptoss_fp8.verify.report import profile_for
 
     ref = Reference(torch.arange(3), torch.randn(3, 7))
     assert profile_for("weights", ref, True, "cpu")[0] == "exact"

@@ -185,7 +185,8 @@ def test_kernels_mode_sharded_through_the_interpreter(golden_ckpts):
     """tp 2 worker processes (gloo), the intermediate split over ranks: fallback counts come back
     from rank 0, and the kernels agree with the spec as unsharded."""
     from gptoss_fp8.verify.reference import load_reference_file
-    from gptoss_fp8.verify.run import compute_outputs, kernels_vs_spec
+    from gptoss_fp8.verify.report import kernels_vs_spec
+    from gptoss_fp8.verify.run import compute_outputs
 
     ckpt, ref_file = golden_ckpts("odd", "exact", tp=2, ep=1)
     tokens = load_reference_file(ref_file).tokens
@@ -199,7 +200,7 @@ def test_kernels_mode_sharded_through_the_interpreter(golden_ckpts):
 
 def test_kernels_vs_spec_fails_on_a_broken_kernel_output():
     """The agreement check is a check: logits that are not the spec's fail it."""
-    from gptoss_fp8.verify.run import ModeOutput, kernels_vs_spec
+    from gptoss_fp8.verify.report import ModeOutput, kernels_vs_spec
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(32, 50, generator=g) * 4

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from gptoss_fp8.convert.synth import preset_config
+from gptoss_fp8.config import preset_config
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.model.gptoss import GptOss
-from gptoss_fp8.model.parallel import SINGLE
+from gptoss_fp8.parallel import SINGLE
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
 GPU_HOUR_USD = 3.0
@@ -335,12 +335,14 @@ def check_fits(cfg: GptOssConfig, what: str, device: str = "cuda") -> None:
 
 def load_checkpoint(checkpoint: Path, layers: int | None) -> GptOss:
     """A converted checkpoint's tp=1 layout on the GPU (all layers: --layers does not apply)."""
-    from gptoss_fp8.model.gptoss import load_model, resolve_layout
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.model.load import load_model
 
     if layers is not None:
         raise GptOssFp8Error("--layers builds random weights at a preset's shapes; with --checkpoint the whole model runs")
-    resolve_layout(Path(checkpoint), 1, 1)  # one GPU: the tp=1 layout
-    return load_model(Path(checkpoint), SINGLE, "cuda")
+    ckpt = Checkpoint.open(checkpoint)
+    ckpt.resolve_layout(1, 1)  # one GPU: the tp=1 layout
+    return load_model(ckpt, SINGLE, "cuda")
 
 
 def _add_peer(rows: list[dict], preset: str, layers: int, token_list: list[int], runs: int, seed: int, echo) -> None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.config import GptOssConfig
 
 if TYPE_CHECKING:  # transformers is optional; never imported at module load
     from gptoss_fp8.model.gptoss import GptOss
@@ -224,7 +224,7 @@ def bench_peer(preset: str, token_list: list[int], layers: int | None = None, ru
     Never raises for the peer's sake: transformers missing, no GPU, weights that do not fit, out of
     memory or any failure inside transformers at one length give that length (or every length) an
     ``error`` line and ``median_s`` None. Only a bad preset / layers value raises GptOssFp8Error."""
-    from gptoss_fp8.convert.synth import preset_config
+    from gptoss_fp8.config import preset_config
 
     cfg = preset_config(preset, layers)
     full_layers = preset_config(preset).num_hidden_layers
@@ -307,7 +307,7 @@ def format_peer(preset: str, n: int, layers: int, full_layers: int, r: dict) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gptoss_fp8.convert.synth import PRESETS
+    from gptoss_fp8.config import PRESETS
 
     p = argparse.ArgumentParser(prog="python -m gptoss_fp8.bench.prefill_peer",
                                 description="Batch-1 prefill latency of transformers' GptOssForCausalLM (bf16, "

@@ -52,7 +52,7 @@ def convert(
 ) -> None:
     """Convert a gpt-oss MXFP4 checkpoint to FP8 e4m3 with 128x128 block scales, streaming."""
     from gptoss_fp8.convert.convert import convert_checkpoint
-    from gptoss_fp8.convert.hub import resolve_source
+    from gptoss_fp8.checkpoint.hub import resolve_source
 
     resolved = resolve_source(src, revision=revision, token=token)
     source = {k: v for k, v in (("repo_id", resolved.repo_id), ("revision", resolved.revision)) if v}

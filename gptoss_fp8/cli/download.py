@@ -41,8 +41,8 @@ def download(
 HF_ENDPOINT and HF_HUB_OFFLINE. A dropped transfer resumes; every file is checked against the size \
 and hash the hub announces.
     """
-    from gptoss_fp8.convert.hub import download as hub_download
-    from gptoss_fp8.convert.hub import parse_repo_spec
+    from gptoss_fp8.checkpoint.hub import download as hub_download
+    from gptoss_fp8.checkpoint.hub import parse_repo_spec
 
     repo, rev = parse_repo_spec(repo_id)
     if rev is not None and revision is not None and rev != revision:

@@ -35,9 +35,9 @@ def plan(
     summary: Annotated[bool, typer.Option(help="Only per-rank totals, not every tensor.")] = False,
 ) -> None:
     """Print what each rank holds (tensors, shapes, bytes) and the totals; no weights are read."""
-    from gptoss_fp8.convert.shard import plan as make_plan
-    from gptoss_fp8.convert.synth import preset_config
-    from gptoss_fp8.model.config import GptOssConfig
+    from gptoss_fp8.checkpoint.plan import plan as make_plan
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.config import GptOssConfig
 
     if (src is None) == (preset is None):
         raise GptOssFp8Error("give either a checkpoint directory SRC or --preset, not both or neither")

@@ -33,8 +33,9 @@ def synth(
     overwrite: Annotated[bool, typer.Option(help="Write into a non-empty DST.")] = False,
 ) -> None:
     """Write a synthetic gpt-oss MXFP4 checkpoint with realistic statistics (no network needed)."""
-    from gptoss_fp8.convert.synth import spec_bytes, preset_config, write_synthetic
-    from gptoss_fp8.convert.layout import hf_source_tensors
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.convert.synth import spec_bytes, write_synthetic
+    from gptoss_fp8.checkpoint.format import hf_source_tensors
 
     cfg = preset_config(preset.value, layers)
     total = sum(map(spec_bytes, hf_source_tensors(cfg))) * (2 if layout is Layout.both else 1)

@@ -71,7 +71,6 @@ def verify_logits(
 
     On --device cuda the default runs our GPU kernels too (mode kernels) and checks them against the
     reference and against the torch w8a8 spec; the report names the ops backend of every mode."""
-    from gptoss_fp8.model.config import GptOssConfig
     from gptoss_fp8.verify import run
     from gptoss_fp8.verify.reference import reference_for
     from gptoss_fp8.verify.reference import save_reference as save_ref
@@ -80,12 +79,12 @@ def verify_logits(
         raise GptOssFp8Error("pass --tokens or --prompt, not both")
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
-    if not (Path(ckpt) / "config.json").is_file():
-        raise GptOssFp8Error(f"{ckpt}: no config.json; point at a converted checkpoint directory")
-    cfg = GptOssConfig.from_file(Path(ckpt) / "config.json")
-    from gptoss_fp8.model.gptoss import resolve_layout
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.verify import report as verdict
 
-    tp, ep = resolve_layout(Path(ckpt), tp, ep)
+    opened = Checkpoint.open(ckpt)  # config, layout and conversion record, read once
+    cfg = opened.config
+    tp, ep = opened.resolve_layout(tp, ep)
     ids, tokens_from = None, "reference file"
     if tokens is not None:
         ids, tokens_from = read_tokens(tokens), f"--tokens {tokens}"
@@ -101,27 +100,27 @@ def verify_logits(
     overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err}
 
     if run.under_torchrun():
-        report, outputs, ref = run.verify_under_torchrun(ckpt, reference, ids, modes=modes, ep=ep, device=device.value,
+        report, outputs, ref = run.verify_under_torchrun(opened, reference, ids, modes=modes, ep=ep, device=device.value,
                                                          overrides=overrides, tokens_from=tokens_from,
                                                          save_reference=save_reference)
         if outputs is None:  # ranks > 0: same exit status as rank 0, no output
             raise typer.Exit(0 if report["passed"] else 1)
     else:
-        rounding, exact = run.rounding_for(Path(ckpt))
+        rounding, exact = verdict.rounding_for(opened)
         ref = reference_for(reference, ids, device.value, None if exact else rounding)
         if save_reference is not None:
             save_ref(ref, save_reference)
             typer.echo(f"reference saved to {save_reference}")
-        report, outputs = run.verify_checkpoint(ckpt, ref, modes=modes, tp=tp, ep=ep, device=device.value,
+        report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
                                                 overrides=overrides, tokens_from=tokens_from)
-    for line in run.summary_lines(report):
+    for line in verdict.summary_lines(report):
         typer.echo(line)
     if json_report is not None:
         json_report.parent.mkdir(parents=True, exist_ok=True)
         json_report.write_text(json.dumps(report, indent=1) + "\n")
         typer.echo(f"report: {json_report}")
     if dump_logits is not None:
-        for p in run.dump_logits(outputs, dump_logits, ref.tokens):
+        for p in verdict.dump_logits(outputs, dump_logits, ref.tokens):
             typer.echo(f"logits: {p}")
     if plot is not None:
         from gptoss_fp8.verify.plot import plot_report

@@ -30,13 +30,15 @@ from typing import Callable, Iterator
 import torch
 
 from gptoss_fp8 import __version__
-from gptoss_fp8.convert.layout import (
+from gptoss_fp8.checkpoint.format import (
     ATTENTION_MODULES, NOT_CONVERTED, Kind, assign_shards, fp8_names, rule_for, scales_name, shard_file_names,
 )
-from gptoss_fp8.convert.source import INDEX_NAME, PICKLE_SUFFIXES, SourceCheckpoint
-from gptoss_fp8.convert.st_io import DTYPE_NAMES, StreamingWriter
+from gptoss_fp8.checkpoint.format import INDEX_NAME, LAYOUT_FORMAT, LAYOUT_NAME, PICKLE_SUFFIXES, REPORT_NAME
+from gptoss_fp8.checkpoint.source import SourceCheckpoint
+from gptoss_fp8.checkpoint.st_io import DTYPE_NAMES, StreamingWriter
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.convert.shard import Parallel, Slice, plan_rank, validate_layout
+from gptoss_fp8.checkpoint.plan import Slice, plan_rank
+from gptoss_fp8.parallel import Parallel, check_layout
 from gptoss_fp8.quant.fp8 import (
     BLOCK, FP8_DTYPE, ScaleMode, block_amax, dequantize_weight_blocks, expand_blocks, fp8_exact_fraction,
     quantize_weight_blocks, quantize_weight_blocks_banded, scale_grid, to_fp8_saturating,
@@ -45,9 +47,6 @@ from gptoss_fp8.quant.mxfp4 import ExactStats, decode_mxfp4, mxfp4_to_fp8, nan_s
 
 PARTIAL_DIR = ".gptoss-fp8-partial"
 LOCK_NAME = ".gptoss-fp8.lock"
-REPORT_NAME = "conversion.json"
-LAYOUT_NAME = "layout.json"
-LAYOUT_FORMAT = "gptoss-fp8-layout/1"
 DEFAULT_SHARD_BYTES = 5 * 1000**3
 DEFAULT_CHUNK_BYTES = 96 * 1024**2
 
@@ -425,7 +424,7 @@ def convert_checkpoint(
     opts = ConvertOptions(ScaleMode(scale_mode), keep_attention_bf16, device, shard_bytes, chunk_bytes)
     dev_is_cpu = torch.device(device).type == "cpu"
     src = SourceCheckpoint.open(src_path)
-    validate_layout(src.config, tp, ep)
+    check_layout(src.config, tp, ep)
     if dst.resolve() == src.root.resolve():
         raise GptOssFp8Error(f"{dst}: DST is the source directory; choose a new directory for the FP8 checkpoint")
     jobs = plan_jobs(src, opts)
@@ -575,7 +574,7 @@ def _write_metadata_files(dst: Path, src: SourceCheckpoint, opts: ConvertOptions
                     "slices": [list(x) for x in t.slice.ranges] if t.slice is not None else None,
                 }
         ranks.append({
-            "rank": r, "dir": rank_dir(r, tp), "expert_group": par.expert_group, "intermediate_part": par.part,
+            "rank": r, "dir": rank_dir(r, tp), "expert_group": par.expert_group, "intermediate_part": par.expert_part,
             "files": {f.rel: {"bytes": finished[f.rel]["bytes"], "sha256": finished[f.rel]["sha256"]} for f in fs},
             "tensors": tensors,
         })

@@ -24,111 +24,30 @@ from typing import Callable, Iterator
 
 import torch
 
-from gptoss_fp8.convert.layout import TensorSpec, assign_shards, hf_source_tensors, shard_file_names
-from gptoss_fp8.convert.st_io import StreamingWriter
+from gptoss_fp8.checkpoint.format import TensorSpec, assign_shards, hf_source_tensors, shard_file_names
+from gptoss_fp8.checkpoint.st_io import StreamingWriter
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.config import GptOssConfig, hf_config_dict, original_config_dict, preset_config, special_token_ids
 from gptoss_fp8.quant.mxfp4 import E2M1_VALUES
 
-PRESETS: dict[str, dict] = {
-    # Small but not aligned anywhere: hidden 1.5 blocks, intermediate 1.25 blocks, odd vocab.
-    # 8 q heads and 8 experts so every tp/ep layout up to 8 has work on every rank.
-    "tiny": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, hidden_size=192,
-                 intermediate_size=160, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
-                 vocab_size=503, sliding_window=8),
-    "20b": dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, hidden_size=2880,
-                intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
-                vocab_size=201088, sliding_window=128),
-    "120b": dict(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4, hidden_size=2880,
-                 intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
-                 vocab_size=201088, sliding_window=128),
-}
 LAYOUTS = ("hf", "original", "both")
 SHARD_BYTES = 4 * 1024**3
 CHUNK_BYTES = 64 * 1024**2
 
+
+
+def _generation_config(cfg: GptOssConfig) -> dict:
+    ids = special_token_ids(cfg.vocab_size)
+    return {"bos_token_id": ids["bos"], "do_sample": True, "eos_token_id": [ids["eos"], ids["pad"], ids["call"]],
+            "pad_token_id": ids["pad"], "transformers_version": "4.55.0"}
+
+
 _EXTRA_FILES = {
-    "generation_config.json": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
-                               "pad_token_id": 199999, "transformers_version": "4.55.0"},
     "special_tokens_map.json": {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"},
     "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072,
                               "note": "synthetic checkpoint: no tokenizer.json; use token ids"},
 }
 _CHAT_TEMPLATE = "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}\n"
-
-
-def preset_config(preset: str, layers: int | None = None, **overrides) -> GptOssConfig:
-    if preset not in PRESETS:
-        raise GptOssFp8Error(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    kw = dict(PRESETS[preset])
-    if layers is not None:
-        if not 1 <= layers:
-            raise GptOssFp8Error(f"--layers must be >= 1, got {layers}")
-        kw["num_hidden_layers"] = layers
-    kw.update(overrides)
-    kw.pop("layer_types", None)
-    cfg = GptOssConfig(**kw)
-    cfg.validate(f"preset {preset}")
-    return cfg
-
-
-def hf_config_dict(cfg: GptOssConfig) -> dict:
-    """An HF ``config.json`` for cfg, with the keys the released checkpoints carry."""
-    d = {
-        "architectures": ["GptOssForCausalLM"],
-        "attention_bias": True,
-        "attention_dropout": 0.0,
-        "eos_token_id": 200002,
-        "experts_per_token": cfg.num_experts_per_tok,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "hidden_size": cfg.hidden_size,
-        "initial_context_length": cfg.initial_context_length,
-        "initializer_range": 0.02,
-        "intermediate_size": cfg.intermediate_size,
-        "layer_types": list(cfg.layer_types),
-        "max_position_embeddings": 131072,
-        "model_type": "gpt_oss",
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "num_local_experts": cfg.num_local_experts,
-        "output_router_logits": False,
-        "pad_token_id": 199999,
-        "quantization_config": {
-            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
-            "quant_method": "mxfp4",
-        },
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_scaling": dict(cfg.rope_scaling),
-        "rope_theta": cfg.rope_theta,
-        "router_aux_loss_coef": 0.9,
-        "sliding_window": cfg.sliding_window,
-        "swiglu_limit": cfg.swiglu_limit,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "transformers_version": "4.55.0.dev0",
-        "use_cache": True,
-        "vocab_size": cfg.vocab_size,
-    }
-    return d
-
-
-def original_config_dict(cfg: GptOssConfig) -> dict:
-    """OpenAI's ``original/config.json`` (exactly gpt_oss.torch's ModelConfig fields)."""
-    rs = cfg.rope_scaling
-    return {
-        "num_hidden_layers": cfg.num_hidden_layers, "num_experts": cfg.num_local_experts,
-        "experts_per_token": cfg.num_experts_per_tok, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "swiglu_limit": cfg.swiglu_limit, "head_dim": cfg.head_dim,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "sliding_window": cfg.sliding_window,
-        "initial_context_length": int(rs.get("original_max_position_embeddings", cfg.initial_context_length)),
-        "rope_theta": cfg.rope_theta, "rope_scaling_factor": float(rs.get("factor", 32.0)),
-        "rope_ntk_alpha": float(rs.get("beta_slow", 1.0)), "rope_ntk_beta": float(rs.get("beta_fast", 32.0)),
-    }
 
 
 def _gen(seed: int, name: str, chunk: int = 0) -> torch.Generator:
@@ -276,7 +195,7 @@ def write_synthetic(dst: Path, preset: str = "tiny", *, layers: int | None = Non
         index = {"metadata": {"total_size": sum(map(spec_bytes, specs))},
                  "weight_map": {s.name: names[k] for s, k in zip(specs, shard_of)}}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        for fname, content in _EXTRA_FILES.items():
+        for fname, content in {"generation_config.json": _generation_config(cfg), **_EXTRA_FILES}.items():
             (dst / fname).write_text(json.dumps(content, indent=2) + "\n")
         (dst / "chat_template.jinja").write_text(_CHAT_TEMPLATE)
         (dst / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")

@@ -10,20 +10,15 @@ clamped SwiGLU with +1 on the interleaved linear half, expert biases, bf16 resid
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from gptoss_fp8.convert.convert import LAYOUT_NAME  # the converter owns the file names
-from gptoss_fp8.convert.layout import ATTENTION_MODULES
-from gptoss_fp8.convert.source import INDEX_NAME
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig, read_config_json
+from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.model.ops import ReferenceOps
-from gptoss_fp8.model.parallel import SINGLE, Parallel
+from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -115,28 +110,12 @@ def local_experts(cfg: GptOssConfig, par: Parallel) -> tuple[int, int, int]:
     return cfg.num_local_experts // par.ep, cfg.intermediate_size // par.parts, cfg.hidden_size
 
 
-def check_parallel(cfg: GptOssConfig, par: Parallel, where: str = "") -> None:
-    """One-line errors for tp / ep values this model cannot be split into."""
-    h, kv, e, i = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts, cfg.intermediate_size
-    bad = []
-    if h % par.tp:
-        bad.append(f"{h} attention heads are not divisible by tp {par.tp}")
-    if kv % par.tp and par.tp % kv:
-        bad.append(f"{kv} kv heads and tp {par.tp} do not divide one another")
-    if e % par.ep:
-        bad.append(f"{e} experts are not divisible by ep {par.ep}")
-    if i % par.parts:
-        bad.append(f"intermediate size {i} is not divisible by tp/ep = {par.parts}")
-    if bad:
-        raise GptOssFp8Error(f"{where}{'; '.join(bad)}; choose another --tp/--ep")
-
-
 class GptOss(nn.Module):
     """gpt-oss causal LM for one rank. ``forward(tokens) -> logits`` (bf16 [T, V], replicated)."""
 
     def __init__(self, cfg: GptOssConfig, par: Parallel = SINGLE, *, attn_fp8: bool = True):
         super().__init__()
-        check_parallel(cfg, par)
+        check_layout(cfg, par.tp, par.ep)
         self.cfg, self.par, self.attn_fp8 = cfg, par, attn_fp8
         self.model = Body(cfg, par, attn_fp8)
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, fp8=False, bias=False)
@@ -289,99 +268,3 @@ def rope_cos_sin(cfg: GptOssConfig, n: int, device: torch.device | str = "cpu") 
     t = torch.arange(n, dtype=torch.float32, device=device)
     freqs = torch.einsum("i,j->ij", t, inv_freq)
     return freqs.cos() * concentration, freqs.sin() * concentration
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def attention_is_fp8(raw_config: dict) -> bool:
-    """Whether the checkpoint's attention projections are FP8 (recorded in quantization_config)."""
-    q = raw_config.get("quantization_config") or {}
-    if q.get("quant_method") != "fp8":
-        return False
-    return ATTENTION_MODULES not in q.get("modules_to_not_convert", [])
-
-
-def read_tensors(ckpt: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Tensors of an unsharded checkpoint directory (index json, or one model.safetensors)."""
-    from safetensors import safe_open
-
-    index = ckpt / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise GptOssFp8Error(f"{index}: not a valid safetensors index (no weight_map); re-run the conversion") from None
-    elif (ckpt / "model.safetensors").is_file():
-        with safe_open(ckpt / "model.safetensors", framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise GptOssFp8Error(f"{ckpt}: no {INDEX_NAME} or model.safetensors; point at a converted checkpoint directory")
-    wanted = list(weight_map) if names is None else [n for n in names if n in weight_map]
-    by_file: dict[str, list[str]] = {}
-    for n in wanted:
-        by_file.setdefault(weight_map[n], []).append(n)
-    out = {}
-    for fname, keys in by_file.items():
-        path = ckpt / fname
-        if not path.is_file():
-            raise GptOssFp8Error(f"{index}: points at missing file {fname}; re-run the conversion")
-        try:
-            with safe_open(path, framework="pt") as f:
-                for k in keys:
-                    out[k] = f.get_tensor(k)
-        except Exception as e:  # safetensors raises its own types for truncated/corrupt files
-            raise GptOssFp8Error(f"{path}: cannot read ({e}); the file is truncated or corrupt, re-run the conversion") from None
-    return out
-
-
-def load_model(ckpt: Path, par: Parallel = SINGLE, device: str | torch.device = "cpu") -> GptOss:
-    """Build this rank's model from a converted checkpoint directory (sharded loads via the shard plan)."""
-    ckpt = Path(ckpt)
-    raw = read_config_json(ckpt / "config.json")
-    cfg = GptOssConfig.from_dict(raw, str(ckpt / "config.json"))
-    model = GptOss(cfg, par, attn_fp8=attention_is_fp8(raw))
-    where = str(ckpt)
-    if par.world == 1 and not (ckpt / LAYOUT_NAME).is_file():
-        tensors = read_tensors(ckpt, list(model.expected()))  # an FP8 checkpoint not written by us
-    else:
-        tensors = load_rank_tensors(ckpt, par)
-        where = f"{ckpt} (rank {par.rank})"
-    model.load_tensors(tensors, where, device)
-    return model
-
-
-def checkpoint_layout(ckpt: Path) -> tuple[int, int]:
-    """(tp, ep) a checkpoint was converted for, from its layout.json ((1, 1) without one)."""
-    p = Path(ckpt) / LAYOUT_NAME
-    if not p.is_file():
-        return 1, 1
-    try:
-        d = json.loads(p.read_text())
-        return int(d["tp"]), int(d["ep"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        raise GptOssFp8Error(f"{p}: not a valid layout manifest (no tp/ep); re-run the conversion") from None
-
-
-def resolve_layout(ckpt: Path, tp: int | None, ep: int | None) -> tuple[int, int]:
-    """The (tp, ep) to run: the checkpoint's, which explicit --tp/--ep must match."""
-    ctp, cep = checkpoint_layout(ckpt)
-    if (tp is not None and tp != ctp) or (ep is not None and ep != cep):
-        raise GptOssFp8Error(
-            f"{ckpt}: converted for --tp {ctp} --ep {cep}, asked to run --tp {tp or ctp} --ep {ep or cep}; "
-            f"pass --tp {ctp} --ep {cep}, or convert again with the layout you want"
-        )
-    return ctp, cep
-
-
-def load_rank_tensors(ckpt: Path, par: Parallel) -> dict[str, torch.Tensor]:
-    """This rank's tensors, through the shard plan's manifest (convert/shard.py)."""
-    ctp, cep = checkpoint_layout(ckpt)
-    if (ctp, cep) != (par.tp, par.ep):
-        raise GptOssFp8Error(f"{ckpt}: converted for tp {ctp} / ep {cep}, not tp {par.tp} / ep {par.ep}; "
-                             "convert again with that --tp/--ep")
-    from gptoss_fp8.convert.sharded import load_rank
-
-    # Checks sizes, sha256 and every header against layout.json before anything is used.
-    return load_rank(ckpt, par.rank)

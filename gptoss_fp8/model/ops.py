@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gptoss_fp8.model.parallel import Parallel
+from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.quant.fp8 import (
     FP8_DTYPE,
     block_gemm_reference,

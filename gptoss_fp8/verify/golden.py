@@ -114,12 +114,12 @@ def materialize(name: str, work: Path, conversion: str = "exact", tp: int = 1, e
 
 
 def _valid_layouts(cfg) -> list[tuple[int, int]]:
-    from gptoss_fp8.convert.shard import validate_layout
+    from gptoss_fp8.parallel import check_layout
 
     out = []
     for tp, ep in LAYOUTS:
         try:
-            validate_layout(cfg, tp, ep)
+            check_layout(cfg, tp, ep)
         except GptOssFp8Error:
             continue
         out.append((tp, ep))
@@ -133,9 +133,11 @@ DEFAULT_ROUNDING_KEY = "pow2/attention-fp8"
 
 def _runs(src: Path, work: Path, cfg, ref_file: Path, tokens: torch.Tensor, layouts: list[tuple[int, int]]):
     """Yield (run key, report) for every conversion x layout, against the stored reference file."""
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
     from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.verify.reference import reference_for
-    from gptoss_fp8.verify.run import rounding_for, verify_checkpoint
+    from gptoss_fp8.verify.report import rounding_for
+    from gptoss_fp8.verify.run import verify_checkpoint
 
     for conv, kw in CONVERSIONS.items():
         for tp, ep in layouts:
@@ -146,9 +148,10 @@ def _runs(src: Path, work: Path, cfg, ref_file: Path, tokens: torch.Tensor, layo
                 convert_checkpoint(src, dst, **kw)
             else:
                 convert_checkpoint(src, dst, tp=tp, ep=ep, **kw)
-            rounding, exact = rounding_for(dst)
+            ckpt = Checkpoint.open(dst)
+            rounding, exact = rounding_for(ckpt)
             ref = reference_for(ref_file, tokens, rounding=None if exact else rounding)
-            report, _ = verify_checkpoint(dst, ref, modes=MODES, tp=tp, ep=ep)
+            report, _ = verify_checkpoint(ckpt, ref, modes=MODES, tp=tp, ep=ep)
             yield f"{conv}/tp{tp}/ep{ep}", report
 
 

@@ -133,9 +133,9 @@ def load_reference_model(src: Path, device: str = "cpu"):
 
 
 def _from_hf(src: Path, device: str, ref_model):
-    from gptoss_fp8.convert.synth import original_config_dict
-    from gptoss_fp8.model.config import GptOssConfig
-    from gptoss_fp8.model.gptoss import read_tensors
+    from gptoss_fp8.config import original_config_dict
+    from gptoss_fp8.config import GptOssConfig
+    from gptoss_fp8.checkpoint.checkpoint import read_tensors
     from gptoss_fp8.quant.mxfp4 import decode_mxfp4
 
     cfg = GptOssConfig.from_file(src / "config.json")

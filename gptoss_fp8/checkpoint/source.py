@@ -8,13 +8,11 @@ from pathlib import Path
 
 import torch
 
-from gptoss_fp8.convert.layout import TensorSpec, hf_source_tensors
-from gptoss_fp8.convert.st_io import TensorInfo, read_header, read_tensor
+from gptoss_fp8.checkpoint.format import INDEX_NAME, PICKLE_SUFFIXES, TensorSpec, hf_source_tensors
+from gptoss_fp8.checkpoint.st_io import TensorInfo, read_header, read_tensor
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig, read_config_json
+from gptoss_fp8.config import GptOssConfig, read_config_json
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-INDEX_NAME = "model.safetensors.index.json"
 # Folders of the hub repos that are not converter inputs (a second copy of the weights in OpenAI's
 # layout, and Metal kernels' weights).
 IGNORED_DIRS = ("original", "metal")

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.parallel import Parallel, check_layout
+from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
 
 
@@ -73,31 +73,6 @@ def split_for(name: str) -> Split:
 
 
 @dataclass(frozen=True)
-class Parallel:
-    """Where a rank sits: passed in, never a global."""
-
-    rank: int
-    tp: int
-    ep: int
-
-    @property
-    def world(self) -> int:
-        return self.tp
-
-    @property
-    def parts(self) -> int:  # ranks sharing one expert group
-        return self.tp // self.ep
-
-    @property
-    def expert_group(self) -> int:
-        return self.rank // self.parts
-
-    @property
-    def part(self) -> int:
-        return self.rank % self.parts
-
-
-@dataclass(frozen=True)
 class Slice:
     """A rank's piece of a full tensor: ranges [start, stop) per dimension (None = whole dim)."""
 
@@ -117,26 +92,6 @@ class Slice:
         for d, a, b in self.ranges:
             idx[d] = slice(a, b)
         return tuple(idx)
-
-
-def validate_layout(cfg: GptOssConfig, tp: int, ep: int) -> None:
-    def bad(msg: str) -> GptOssFp8Error:
-        return GptOssFp8Error(f"--tp {tp} --ep {ep}: {msg}")
-
-    if tp < 1 or ep < 1:
-        raise bad("tp and ep must be >= 1")
-    if tp % ep:
-        raise bad("ep must divide tp (world size = tp)")
-    if cfg.num_local_experts % ep:
-        raise bad(f"{cfg.num_local_experts} experts cannot be split evenly over ep={ep} groups")
-    if cfg.num_attention_heads % tp:
-        raise bad(f"{cfg.num_attention_heads} attention heads cannot be split evenly over tp={tp}")
-    kv = cfg.num_key_value_heads
-    if kv % tp and tp % kv:
-        raise bad(f"{kv} kv heads: tp must divide it or be a multiple of it")
-    parts = tp // ep
-    if cfg.intermediate_size % parts:
-        raise bad(f"intermediate_size {cfg.intermediate_size} cannot be split into tp/ep={parts} parts")
 
 
 def _even(n: int, k: int, i: int) -> tuple[int, int]:
@@ -171,13 +126,13 @@ def rank_slice(name: str, full_shape: tuple[int, ...], cfg: GptOssConfig, par: P
         h0, h1 = _even(cfg.num_attention_heads, tp, par.rank)
         return Slice(name, full_shape, ((1, h0 * hd, h1 * hd),))
     e0, e1 = _even(cfg.num_local_experts, par.ep, par.expert_group)
-    i0, i1 = _even(cfg.intermediate_size, par.parts, par.part)
+    i0, i1 = _even(cfg.intermediate_size, par.parts, par.expert_part)
     if s is Split.experts_rows:
         return Slice(name, full_shape, ((0, e0, e1), (1, 2 * i0, 2 * i1)))
     if s is Split.experts_cols:
         return Slice(name, full_shape, ((0, e0, e1), (2, i0, i1)))
     assert s is Split.experts_once, s
-    return Slice(name, full_shape, ((0, e0, e1),)) if par.part == 0 else None
+    return Slice(name, full_shape, ((0, e0, e1),)) if par.expert_part == 0 else None
 
 
 def shard_scale_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -199,7 +154,7 @@ class PlannedTensor:
 def fp8_checkpoint_tensors(cfg: GptOssConfig, keep_attention_bf16: bool = False,
                            float_dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, full shape) of every tensor of the converted checkpoint, in file order."""
-    from gptoss_fp8.convert.layout import Kind, fp8_names, hf_source_tensors, rule_for
+    from gptoss_fp8.checkpoint.format import Kind, fp8_names, hf_source_tensors, rule_for
 
     out = []
     for spec in hf_source_tensors(cfg):
@@ -237,6 +192,6 @@ def plan_rank(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], cfg: GptO
 
 def plan(cfg: GptOssConfig, tp: int, ep: int, keep_attention_bf16: bool = False) -> list[list[PlannedTensor]]:
     """Per rank, the tensors it holds, in file order. Pure: reads no weights."""
-    validate_layout(cfg, tp, ep)
+    check_layout(cfg, tp, ep)
     full = fp8_checkpoint_tensors(cfg, keep_attention_bf16)
     return [plan_rank(full, cfg, Parallel(r, tp, ep)) for r in range(tp)]

@@ -133,3 +133,109 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise GptOssFp8Error(f"{path}: expected a JSON object at the top level")
     return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets: the released models' shapes, and a tiny one for tests and the no-network demo.
+
+PRESETS: dict[str, dict] = {
+    # Small but not aligned anywhere: hidden 1.5 blocks, intermediate 1.25 blocks, odd vocab.
+    # 8 q heads and 8 experts so every tp/ep layout up to 8 has work on every rank.
+    "tiny": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, hidden_size=192,
+                 intermediate_size=160, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
+                 vocab_size=503, sliding_window=8),
+    "20b": dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, hidden_size=2880,
+                intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
+                vocab_size=201088, sliding_window=128),
+    "120b": dict(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4, hidden_size=2880,
+                 intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
+                 vocab_size=201088, sliding_window=128),
+}
+
+
+def preset_config(preset: str, layers: int | None = None, **overrides) -> GptOssConfig:
+    if preset not in PRESETS:
+        raise GptOssFp8Error(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    kw = dict(PRESETS[preset])
+    if layers is not None:
+        if not 1 <= layers:
+            raise GptOssFp8Error(f"--layers must be >= 1, got {layers}")
+        kw["num_hidden_layers"] = layers
+    kw.update(overrides)
+    kw.pop("layer_types", None)
+    cfg = GptOssConfig(**kw)
+    cfg.validate(f"preset {preset}")
+    return cfg
+
+
+# The released checkpoints' special tokens (o200k_harmony): <|startoftext|>, <|return|>,
+# <|endoftext|>, <|call|>.
+_RELEASED_SPECIAL = {"bos": 199998, "eos": 200002, "pad": 199999, "call": 200012}
+
+
+def special_token_ids(vocab_size: int) -> dict[str, int]:
+    """bos / eos / pad / call token ids for a vocabulary: the released ids where they fit, else the
+    last four ids of the vocabulary (transformers refuses a pad id outside it)."""
+    if vocab_size > max(_RELEASED_SPECIAL.values()):
+        return dict(_RELEASED_SPECIAL)
+    assert vocab_size >= 4, f"vocab_size {vocab_size} leaves no room for the special tokens"
+    return {k: vocab_size - 1 - i for i, k in enumerate(_RELEASED_SPECIAL)}
+
+
+def hf_config_dict(cfg: GptOssConfig) -> dict:
+    """An HF ``config.json`` for cfg, with the keys the released checkpoints carry."""
+    d = {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": special_token_ids(cfg.vocab_size)["eos"],
+        "experts_per_token": cfg.num_experts_per_tok,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": cfg.hidden_size,
+        "initial_context_length": cfg.initial_context_length,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.intermediate_size,
+        "layer_types": list(cfg.layer_types),
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "num_local_experts": cfg.num_local_experts,
+        "output_router_logits": False,
+        "pad_token_id": special_token_ids(cfg.vocab_size)["pad"],
+        "quantization_config": {
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_scaling": dict(cfg.rope_scaling),
+        "rope_theta": cfg.rope_theta,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": cfg.sliding_window,
+        "swiglu_limit": cfg.swiglu_limit,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+    }
+    return d
+
+
+def original_config_dict(cfg: GptOssConfig) -> dict:
+    """OpenAI's ``original/config.json`` (exactly gpt_oss.torch's ModelConfig fields)."""
+    rs = cfg.rope_scaling
+    return {
+        "num_hidden_layers": cfg.num_hidden_layers, "num_experts": cfg.num_local_experts,
+        "experts_per_token": cfg.num_experts_per_tok, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "swiglu_limit": cfg.swiglu_limit, "head_dim": cfg.head_dim,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "sliding_window": cfg.sliding_window,
+        "initial_context_length": int(rs.get("original_max_position_embeddings", cfg.initial_context_length)),
+        "rope_theta": cfg.rope_theta, "rope_scaling_factor": float(rs.get("factor", 32.0)),
+        "rope_ntk_alpha": float(rs.get("beta_slow", 1.0)), "rope_ntk_beta": float(rs.get("beta_fast", 32.0)),
+    }

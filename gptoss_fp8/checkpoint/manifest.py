@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from gptoss_fp8.convert.convert import LAYOUT_FORMAT, LAYOUT_NAME
-from gptoss_fp8.convert.st_io import DTYPES, read_header, read_tensor
+from gptoss_fp8.checkpoint.format import LAYOUT_FORMAT, LAYOUT_NAME
+from gptoss_fp8.checkpoint.st_io import DTYPES, read_header, read_tensor
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.quant.fp8 import dequantize_weight_blocks
 

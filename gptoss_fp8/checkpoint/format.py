@@ -10,7 +10,14 @@ import enum
 import re
 from dataclasses import dataclass
 
-from gptoss_fp8.model.config import GptOssConfig
+from gptoss_fp8.config import GptOssConfig
+
+# The files of a checkpoint directory (HF names for what HF defines).
+INDEX_NAME = "model.safetensors.index.json"
+REPORT_NAME = "conversion.json"  # the conversion record (what was converted, how, exactness)
+LAYOUT_NAME = "layout.json"  # the shard-plan manifest of a converted checkpoint
+LAYOUT_FORMAT = "gptoss-fp8-layout/1"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 class Kind(str, enum.Enum):
@@ -109,3 +116,11 @@ def assign_shards(sizes: list[int], max_bytes: int) -> list[int]:
 
 def shard_file_names(n: int) -> list[str]:
     return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+def attention_is_fp8(raw_config: dict) -> bool:
+    """Whether the checkpoint's attention projections are FP8 (recorded in quantization_config)."""
+    q = raw_config.get("quantization_config") or {}
+    if q.get("quant_method") != "fp8":
+        return False
+    return ATTENTION_MODULES not in q.get("modules_to_not_convert", [])

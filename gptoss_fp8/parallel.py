@@ -1,6 +1,6 @@
 """Parallelism passed into the model: which rank this process is, and the group to reduce over.
 
-Layout (the shard plan in convert/shard.py decides which tensors each rank loads):
+Layout (the shard plan in checkpoint/plan.py decides which tensors each rank loads):
 * tensor parallel over ``tp`` ranks: attention heads split by rank (kv heads replicated when
   tp > kv heads), o_proj split by input columns, so its output is a partial sum;
 * experts: ``ep`` expert groups of ``tp // ep`` ranks each; rank r holds the experts of group
@@ -18,19 +18,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gptoss_fp8.errors import GptOssFp8Error
+
 
 @dataclass(frozen=True)
 class Parallel:
+    """Where a rank sits (passed in, never a global): rank r of a world of ``tp`` ranks, ``ep``
+    expert groups, and the process group to reduce over (None: the default group)."""
+
     rank: int = 0
-    world: int = 1
     tp: int = 1
     ep: int = 1
-    group: Any = None  # a torch.distributed process group; None = the default group
+    group: Any = None
 
     def __post_init__(self) -> None:
-        assert self.world == self.tp, f"world {self.world} must equal tp {self.tp}"
-        assert 0 <= self.rank < self.world, f"rank {self.rank} outside world {self.world}"
+        assert self.tp >= 1 and self.ep >= 1, f"tp {self.tp} / ep {self.ep} must be >= 1"
+        assert 0 <= self.rank < self.tp, f"rank {self.rank} outside world {self.tp}"
         assert self.tp % self.ep == 0, f"tp {self.tp} not a multiple of ep {self.ep}"
+
+    @property
+    def world(self) -> int:
+        """World size: one rank per tensor-parallel part."""
+        return self.tp
 
     @property
     def parts(self) -> int:
@@ -43,6 +52,7 @@ class Parallel:
 
     @property
     def expert_part(self) -> int:
+        """Which part of each of its experts' intermediate dimension this rank holds."""
         return self.rank % self.parts
 
     @property
@@ -71,3 +81,24 @@ class Parallel:
 
 
 SINGLE = Parallel()
+
+
+def check_layout(cfg, tp: int, ep: int) -> None:
+    """One-line error for a (tp, ep) this model cannot be split into (cfg: a GptOssConfig)."""
+    def bad(msg: str) -> GptOssFp8Error:
+        return GptOssFp8Error(f"--tp {tp} --ep {ep}: {msg}; choose another --tp/--ep")
+
+    if tp < 1 or ep < 1:
+        raise bad("tp and ep must be >= 1")
+    if tp % ep:
+        raise bad("ep must divide tp (world size = tp)")
+    if cfg.num_local_experts % ep:
+        raise bad(f"{cfg.num_local_experts} experts cannot be split evenly over ep={ep} groups")
+    if cfg.num_attention_heads % tp:
+        raise bad(f"{cfg.num_attention_heads} attention heads cannot be split evenly over tp={tp}")
+    kv = cfg.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise bad(f"{kv} kv heads: tp must divide it or be a multiple of it")
+    parts = tp // ep
+    if cfg.intermediate_size % parts:
+        raise bad(f"intermediate_size {cfg.intermediate_size} cannot be split into tp/ep={parts} parts")

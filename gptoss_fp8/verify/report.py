@@ -1,0 +1,254 @@
+"""The verify-logits verdict and report: compare each mode's logits and captures with the
+reference (and the kernels with their spec), pass or fail against thresholds, the JSON report, its
+terminal summary and the logits dump. Computing the outputs is verify/run.py's job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from gptoss_fp8 import __version__
+from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+from gptoss_fp8.verify.backends import MODES, backend_device
+from gptoss_fp8.verify.metrics import layer_errors, logit_metrics
+from gptoss_fp8.verify.reference import Reference, Rounding
+from gptoss_fp8.verify.thresholds import DEFAULTS, Thresholds, with_overrides
+
+
+class ModeOutput(NamedTuple):
+    """One mode's forward pass: logits float32 [T, V] on CPU, captures (model.gptoss.GptOss.forward),
+    seconds, and for the kernels mode the calls each kernel op handed to the torch spec."""
+
+    logits: torch.Tensor
+    hidden: dict[str, torch.Tensor]
+    seconds: float
+    spec_fallbacks: dict[str, int] | None = None
+    collective: str | None = None  # sharded runs: the torch.distributed backend the ranks used
+
+
+Outputs = dict[str, ModeOutput]  # mode -> its output
+
+
+def rounding_for(ckpt: Checkpoint | Path) -> tuple[Rounding, bool]:
+    """The weight rounding the checkpoint's conversion applied (its scale mode, FP8 attention or
+    not), and whether conversion.json says every converted weight came out exact (then the rounding
+    changes nothing and the source reference is the expected one)."""
+    ckpt = Checkpoint.of(ckpt)
+    return Rounding(ckpt.scale_mode, ckpt.attention_fp8), ckpt.exact_conversion
+
+
+def profile_for(mode: str, ref: Reference, exact_conversion: bool, device: str = "cpu") -> tuple[str, str]:
+    """Which threshold profile applies to ``mode``, against which reference, and why."""
+    profile, why = _profile_for(mode, ref, exact_conversion)
+    ours = "cuda" if device.startswith("cuda") else "cpu"
+    if profile == "exact" and ours != ref.device:
+        return "exact-cross-device", (f"{why}; but OpenAI's model ran on {ref.device} and ours on {ours}: their bf16 "
+                                      "GEMMs round differently, so bf16 noise plus rare router near-ties")
+    return profile, why
+
+
+def _profile_for(mode: str, ref: Reference, exact_conversion: bool) -> tuple[str, str]:
+    if mode in ("w8a8", "kernels"):
+        by = " computed by our Triton kernels (the triton ops backend)," if mode == "kernels" else ""
+        if ref.expected is not None:
+            return mode, (f"FP8 activations,{by} compared with OpenAI's model holding the same FP8-rounded weights: "
+                          "the cost of quantizing activations, against generous measured bounds")
+        return mode, (f"FP8 weights and activations,{by} compared with the source: the whole FP8 cost, "
+                      "against generous measured bounds")
+    if ref.expected is not None:
+        return "exact", (f"compared with OpenAI's model holding the weights this conversion should produce "
+                         f"({ref.rounding.key()}): must match to bf16 noise")
+    if exact_conversion:
+        return "exact", "conversion.json: every converted weight is exact, so logits must match the source to bf16 noise"
+    return "lossy", ("the conversion rounded weights and no expected reference is available (a reference file made "
+                     "without it): compared with the source against generous measured bounds")
+
+
+def _divergence(layers: list[dict], th: Thresholds, exact: bool) -> dict | None:
+    """Where the outputs part from the reference. Exact profile: the first capture point over the
+    layer threshold (the noise floor is ~0, so the first one is the cause). Otherwise errors build up
+    everywhere, so the part that adds the most error (and whether any point crosses the threshold)."""
+    if not layers:
+        return None
+    if exact:
+        for p in layers:
+            if p["rel_err"] > th.layer_rel_err:
+                return {"layer": p["layer"], "part": p["part"], "rel_err": p["rel_err"],
+                        "reason": f"first point whose relative error exceeds {th.layer_rel_err:g}"}
+        return None
+    if max(p["rel_err"] for p in layers) <= th.layer_rel_err:
+        return None
+    p = max(layers, key=lambda p: p["added"])
+    return _worst_part(p, f"errors exceed {th.layer_rel_err:g}; this part adds the most ({p['added']:.3g})")
+
+
+def _worst_part(p: dict, why: str) -> dict:
+    if p.get("routing_changed"):
+        why += (f"; {100 * p['routing_changed']:.1f}% of tokens picked other experts than the reference here, "
+                "so upstream error is amplified by routing")
+    return {"layer": p["layer"], "part": p["part"], "rel_err": p["rel_err"], "reason": why}
+
+
+def _largest_source(layers: list[dict]) -> dict | None:
+    if not layers:
+        return None
+    p = max(layers, key=lambda p: p["added"])
+    return {"layer": p["layer"], "part": p["part"], "added": p["added"]}
+
+
+def compare_mode(ref: Reference, logits: torch.Tensor, hidden: dict[str, torch.Tensor], n_layers: int,
+                 th: Thresholds, exact: bool = False, experts_per_token: int | None = None) -> dict:
+    """One mode's section of the report (without profile fields)."""
+    m = logit_metrics(ref.logits, logits)
+    s = m["summary"]
+    layers = layer_errors(ref.hidden, hidden, n_layers, experts_per_token)
+    failures = []
+    if s["kl_mean"] > th.kl_mean:
+        failures.append(f"kl_mean {s['kl_mean']:.3g} > {th.kl_mean:g}")
+    if s["kl_max"] > th.kl_max:
+        failures.append(f"kl_max {s['kl_max']:.3g} > {th.kl_max:g}")
+    if s["top1_agreement_decisive"] < th.top1_min:
+        failures.append(f"top1_agreement_decisive {s['top1_agreement_decisive']:.4g} < {th.top1_min:g} "
+                        f"(over the {len(ref.logits) - s['ties']} positions that are not near-ties)")
+    div = _divergence(layers, th, exact)
+    if failures and div is None and layers:
+        p = max(layers, key=lambda p: p["added"])
+        div = _worst_part(p, f"no point exceeds the layer threshold; this part adds the most error ({p['added']:.3g})")
+    return {"passed": not failures, "failures": failures, "thresholds": th.to_dict(), "summary": s,
+            "per_position": m["per_position"], "layers": layers, "divergence": div,
+            "largest_error_source": _largest_source(layers)}
+
+
+def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: int, *, tp: int, ep: int, device: str,
+                 overrides: dict | None = None, seconds: float | None = None, tokens_from: str = "",
+                 experts_per_token: int | None = None) -> dict:
+    """The verify-logits JSON report: top-level ``passed``, one section per mode, and the kernels'
+    agreement with their spec (``kernels_vs_w8a8``) when both ran."""
+    report: dict = {
+        "tool": "gptoss-fp8", "version": __version__, "passed": True,
+        "checkpoint": str(ckpt.path.resolve()), "reference": ref.source,
+        "expected_rounding": ref.rounding.key() if ref.expected is not None else None,
+        "tokens": {"count": int(ref.logits.shape[0]), "from": tokens_from},
+        "vocab": int(ref.logits.shape[1]), "device": device,
+        # the collective the ranks used (nccl: one GPU each; gloo: CPU, or ranks sharing a GPU)
+        "parallel": {"tp": tp, "ep": ep, "collective": next((o.collective for o in outputs.values()), None)},
+        "modes": list(outputs), "backends": {mode: MODES[mode] for mode in outputs},
+    }
+    if seconds is not None:
+        report["model_seconds"] = seconds  # load + all modes' forward passes (+ process start when sharded)
+    _, exact_conversion = rounding_for(ckpt)
+    for mode, out in outputs.items():
+        profile, why = profile_for(mode, ref, exact_conversion, device)
+        th = with_overrides(DEFAULTS[profile], **(overrides or {}))
+        target = ref.expected if ref.expected is not None else ref
+        sec = compare_mode(target, out.logits, out.hidden, n_layers, th, exact=profile.startswith("exact"),
+                           experts_per_token=experts_per_token)
+        sec = {"backend": MODES[mode], "backend_device": backend_device(mode, device), "profile": profile,
+               "profile_reason": why, "compared_with": "expected" if ref.expected is not None else "source", **sec}
+        if out.spec_fallbacks is not None:
+            sec["spec_fallbacks"] = out.spec_fallbacks
+        if ref.expected is not None:  # the FP8 cost against the original model, for information
+            vs = compare_mode(ref, out.logits, out.hidden, n_layers, DEFAULTS["lossy" if mode == "weights" else profile],
+                              experts_per_token=experts_per_token)
+            sec["vs_source"] = {"summary": vs["summary"], "per_position_kl": vs["per_position"]["kl"], "layers": vs["layers"]}
+        if not target.hidden:
+            sec["layers_note"] = "the reference file holds no hidden states: no per-layer errors"
+        sec["forward_seconds"] = out.seconds
+        report[mode] = sec
+        report["passed"] = report["passed"] and sec["passed"]
+    report["kernels_vs_w8a8"] = None
+    if "kernels" in outputs and "w8a8" in outputs:
+        agree = kernels_vs_spec(outputs["w8a8"], outputs["kernels"], n_layers, experts_per_token)
+        report["kernels_vs_w8a8"] = agree
+        report["passed"] = report["passed"] and agree["passed"]
+    return report
+
+
+def kernels_vs_spec(spec: ModeOutput, kernels: ModeOutput, n_layers: int, experts_per_token: int | None = None) -> dict:
+    """The kernels' agreement with the torch w8a8 spec on the same weights and tokens: the metrics of a
+    mode section with the spec's logits and captures in the reference's place, the relative
+    Frobenius error of the logits (``logits_rel_err``), and pass/fail against
+    ``thresholds.DEFAULTS["kernels_vs_w8a8"]`` (not changed by the threshold overrides, which are
+    about the checkpoint)."""
+    base = Reference(tokens=torch.empty(0, dtype=torch.long), logits=spec.logits, hidden=spec.hidden, source="w8a8 mode")
+    sec = compare_mode(base, kernels.logits, kernels.hidden, n_layers, DEFAULTS["kernels_vs_w8a8"],
+                       experts_per_token=experts_per_token)
+    a, b = spec.logits.double(), kernels.logits.double()
+    return {"compared": "kernels (ours) against w8a8 (as the reference): KL(w8a8 || kernels)",
+            "passed": sec["passed"], "failures": sec["failures"], "thresholds": sec["thresholds"],
+            "summary": sec["summary"], "logits_rel_err": float((b - a).norm() / a.norm().clamp(min=1e-30)),
+            "per_position_kl": sec["per_position"]["kl"], "layers": sec["layers"], "divergence": sec["divergence"],
+            "largest_error_source": sec["largest_error_source"]}
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A few human lines for the terminal."""
+    lines = []
+    for mode in report["modes"]:
+        sec = report[mode]
+        s = sec["summary"]
+        lines.append(
+            f"{mode:7s} {'PASS' if sec['passed'] else 'FAIL'} [{sec['backend']} ops on {sec.get('backend_device', report['device'])}] "
+            f"({sec['profile']}, vs {sec['compared_with']}): KL mean {s['kl_mean']:.3g} "
+            f"p95 {s['kl_p95']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
+            f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | "
+            f"top-5 overlap {s['top5_overlap']:.4f} | max |dlogit| {s['max_abs_delta']:.3g} | cosine min {s['cosine_min']:.6f}"
+        )
+        fb = {op: n for op, n in (sec.get("spec_fallbacks") or {}).items() if n}
+        if fb:
+            lines.append("        warning: these kernel ops ran the torch spec instead (shapes or device outside the kernels' "
+                         "limits): " + ", ".join(f"{op} {n} call(s)" for op, n in fb.items()))
+        vs = sec.get("vs_source")
+        if vs:
+            v = vs["summary"]
+            lines.append(f"        (vs the source: KL mean {v['kl_mean']:.3g} max {v['kl_max']:.3g} | top-1 {v['top1_agreement']:.4f} "
+                         f"| max |dlogit| {v['max_abs_delta']:.3g}: the FP8 cost, for information)")
+        lines += _detail_lines(sec)
+    agree = report.get("kernels_vs_w8a8")
+    if agree:
+        s = agree["summary"]
+        lines.append(f"kernels vs w8a8 {'PASS' if agree['passed'] else 'FAIL'} (triton against the torch spec): "
+                     f"KL mean {s['kl_mean']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
+                     f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | logits rel. err {agree['logits_rel_err']:.3g}")
+        lines += _detail_lines(agree, "the w8a8 spec")
+    lines.append("PASSED" if report["passed"] else "FAILED")
+    return lines
+
+
+def _detail_lines(sec: dict, against: str = "the reference") -> list[str]:
+    """Failures, divergence, per-layer error and routing lines of one section."""
+    lines = [f"        fail: {f}" for f in sec["failures"]]
+    d = sec.get("divergence")
+    if d:
+        lines.append(f"        diverges at layer {d['layer']} ({d['part']}): relative error {d['rel_err']:.3g} ({d['reason']})")
+    src = sec.get("largest_error_source")
+    if src and sec["layers"] and src["added"] > 0:
+        worst = ", ".join(f"L{p['layer']}.{p['part']} {p['rel_err']:.2g}" for p in sec["layers"][-2:])
+        lines.append(f"        hidden rel. error at the last layer: {worst}; largest step: layer {src['layer']} ({src['part']})")
+    flips = [(p["layer"], p["routing_changed"]) for p in sec["layers"] if p.get("routing_changed")]
+    if flips:
+        lines.append(f"        tokens routed to other experts than {against}: " + ", ".join(f"L{n} {100 * f:.1f}%" for n, f in flips))
+    return lines
+
+
+def dump_paths(path: Path, modes: list[str]) -> dict[str, Path]:
+    """--dump-logits FILE: one file for one mode; FILE.<mode>.safetensors for several."""
+    path = Path(path)
+    if len(modes) == 1:
+        return {modes[0]: path}
+    stem = path.name.removesuffix(".safetensors")
+    return {m: path.with_name(f"{stem}.{m}.safetensors") for m in modes}
+
+
+def dump_logits(outputs: Outputs, path: Path, tokens: torch.Tensor) -> list[Path]:
+    from safetensors.torch import save_file
+
+    written = []
+    for mode, p in dump_paths(path, list(outputs)).items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"logits": outputs[mode].logits.float().contiguous(), "tokens": tokens.long().contiguous()}, str(p),
+                  metadata={"producer": f"gptoss-fp8 {__version__} verify-logits", "mode": mode, "backend": MODES[mode]})
+        written.append(p)
+    return written
