@@ -25,7 +25,10 @@ def main() -> None:
     a = p.parse_args()
     cfg = preset_config(a.model, a.layers)
     model = random_model(cfg, "cuda")
-    ops = TritonOps()
+    ops = TritonOps()  # the default KernelConfig (GPTOSS_FP8_GLUON=0 switches the Gluon kernels off)
+    from gptoss_fp8.kernels.config import kernel_paths
+
+    print(f"# {kernel_paths(torch.device('cuda'), ops.config)}")
     tokens = torch.randint(0, cfg.vocab_size, (a.tokens,), device="cuda")
     for _ in range(3):
         prefill_logits(model, tokens, ops)

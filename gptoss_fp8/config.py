@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,83 @@ _REQUIRED = (
     "num_key_value_heads",
     "vocab_size",
 )
+
+# Generous upper bounds, checked before anything is sized by them (the released 120b is 36 layers,
+# 128 experts, hidden 2880, vocab 201088): a corrupt or hostile config.json must fail at once, not
+# allocate per layer or per expert first.
+LIMITS = {
+    "num_hidden_layers": 1024,
+    "num_local_experts": 4096,
+    "num_experts_per_tok": 4096,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 18,
+    "head_dim": 4096,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "vocab_size": 1 << 23,
+    "sliding_window": 1 << 24,
+    "initial_context_length": 1 << 24,
+}
+_FLOATS = ("rope_theta", "rms_norm_eps", "swiglu_limit")
+MAX_JSON_DEPTH = 64
+
+
+def json_depth_exceeds(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether obj nests lists/dicts deeper than limit (iterative: no recursion on hostile input)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        elif not isinstance(o, list):
+            continue
+        if d > limit:
+            return True
+        stack.extend((x, d + 1) for x in o if isinstance(x, (dict, list)))
+    return False
+
+
+def load_json(raw: str | bytes, where: str, what: str = "JSON", object_pairs_hook=None) -> Any:
+    """json.loads with one-line errors: invalid JSON, and nesting deeper than MAX_JSON_DEPTH."""
+    try:
+        obj = json.loads(raw, object_pairs_hook=object_pairs_hook)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GptOssFp8Error(f"{where}: invalid {what} ({e}); re-download or fix the file") from None
+    except RecursionError:
+        obj = None
+        deep = True
+    else:
+        deep = json_depth_exceeds(obj)
+    if deep:
+        raise GptOssFp8Error(f"{where}: {what} nested more than {MAX_JSON_DEPTH} levels deep; the file is corrupt, re-download or fix it")
+    return obj
+
+
+def _check_bounds(kw: dict[str, Any], where: str) -> None:
+    """Types and sane bounds of the sizing fields, before any of them sizes an allocation."""
+    for k, cap in LIMITS.items():
+        v = kw.get(k)
+        if v is None and k not in kw:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise GptOssFp8Error(f"{where}: {k} must be a positive integer, got {v!r}")
+        if v > cap:
+            raise GptOssFp8Error(f"{where}: {k} is {v}, above the limit {cap} of any plausible gpt-oss model; fix config.json")
+    for k in _FLOATS:
+        if k in kw:
+            v = kw[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise GptOssFp8Error(f"{where}: {k} must be a positive finite number, got {v!r}")
+    if "tie_word_embeddings" in kw and not isinstance(kw["tie_word_embeddings"], bool):
+        raise GptOssFp8Error(f"{where}: tie_word_embeddings must be true or false, got {kw['tie_word_embeddings']!r}")
+    if "rope_scaling" in kw and not isinstance(kw["rope_scaling"], dict):
+        raise GptOssFp8Error(f"{where}: rope_scaling must be an object, got {kw['rope_scaling']!r}")
+    lt = kw.get("layer_types", ())
+    if not isinstance(lt, (list, tuple)) or not all(isinstance(x, str) for x in lt):
+        shown = repr(lt) if len(repr(lt)) < 60 else repr(lt)[:57] + "..."
+        raise GptOssFp8Error(f"{where}: layer_types must be a list of strings (one per layer), got {shown}")
+    if lt and len(lt) != kw.get("num_hidden_layers"):
+        raise GptOssFp8Error(f"{where}: layer_types has {len(lt)} entries for {kw.get('num_hidden_layers')} layers")
 
 
 @dataclass(frozen=True)
@@ -47,6 +126,7 @@ class GptOssConfig:
     initial_context_length: int = 4096
 
     def __post_init__(self) -> None:
+        _check_bounds({f.name: getattr(self, f.name) for f in fields(self)}, "config")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", tuple(
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
@@ -70,12 +150,13 @@ class GptOssConfig:
             if k in d:
                 kw[k] = d[k]
         kw.setdefault("num_experts_per_tok", d.get("experts_per_token"))
-        if "layer_types" in kw:
-            kw["layer_types"] = tuple(kw["layer_types"])
         ints = [f.name for f in fields(cls) if f.type == "int"]
         for k in ints:
             if k in kw and (not isinstance(kw[k], int) or isinstance(kw[k], bool) or kw[k] <= 0):
                 raise GptOssFp8Error(f"{where}: {k} must be a positive integer, got {kw[k]!r}")
+        _check_bounds(kw, where)  # before the dataclass sizes anything by these values
+        if "layer_types" in kw:
+            kw["layer_types"] = tuple(kw["layer_types"])
         cfg = cls(**kw)
         cfg.validate(where)
         return cfg
@@ -122,14 +203,26 @@ class GptOssConfig:
         return d
 
 
+MAX_CONFIG_BYTES = 16 * 1024**2
+
+
 def read_config_json(path: Path) -> dict[str, Any]:
     """Read a config.json with one-line errors for missing or malformed files."""
-    if not path.is_file():
-        raise GptOssFp8Error(f"{path}: config.json not found; point at a gpt-oss checkpoint directory")
     try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GptOssFp8Error(f"{path}: invalid JSON ({e}); re-download or fix the file") from None
+        st = path.stat()
+    except OSError:
+        raise GptOssFp8Error(f"{path}: config.json not found; point at a gpt-oss checkpoint directory") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise GptOssFp8Error(f"{path}: is a directory, not a config.json file; point at a gpt-oss checkpoint directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise GptOssFp8Error(f"{path}: not a regular file; config.json must be a plain file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise GptOssFp8Error(f"{path}: {st.st_size} bytes, too large for a config.json; fix the file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise GptOssFp8Error(f"{path}: cannot read ({e.strerror})") from None
+    d = load_json(raw, str(path))
     if not isinstance(d, dict):
         raise GptOssFp8Error(f"{path}: expected a JSON object at the top level")
     return d
@@ -158,8 +251,8 @@ def preset_config(preset: str, layers: int | None = None, **overrides) -> GptOss
         raise GptOssFp8Error(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     kw = dict(PRESETS[preset])
     if layers is not None:
-        if not 1 <= layers:
-            raise GptOssFp8Error(f"--layers must be >= 1, got {layers}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= LIMITS["num_hidden_layers"]:
+            raise GptOssFp8Error(f"--layers must be an integer from 1 to {LIMITS['num_hidden_layers']}, got {layers!r}")
         kw["num_hidden_layers"] = layers
     kw.update(overrides)
     kw.pop("layer_types", None)

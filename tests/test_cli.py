@@ -63,3 +63,52 @@ def test_synth_refuses_non_empty_dst(tmp_path):
     r = runner.invoke(app, ["synth", str(tmp_path / "x")])
     assert r.exit_code == 1 and "not empty" in r.output
     assert (tmp_path / "x" / "keep").read_text() == "1"
+
+
+_HEAVY = ("torch", "safetensors", "numpy", "triton", "huggingface_hub", "matplotlib")
+_PROBE = """
+import sys
+sys.argv = ["gptoss-fp8", *sys.argv[1:]]
+from gptoss_fp8.cli.main import app
+try:
+    app()
+except SystemExit as e:
+    code = e.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+print("\\nEXIT", code, "HEAVY", ",".join(heavy) or "-")
+""".replace("HEAVY)", repr(_HEAVY) + ")")
+
+
+def _probe(args):
+    p = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=60)
+    last = p.stdout.strip().splitlines()[-1].split()
+    return int(last[1]), last[3], p
+
+
+@pytest.mark.parametrize("path", _commands(app), ids=lambda p: " ".join(p) or "root")
+def test_help_imports_no_torch(path):
+    """`--help` of the app and of every command loads no torch / safetensors / hub: it stays fast."""
+    code, heavy, p = _probe([*path, "--help"])
+    assert code == 0 and "Usage" in p.stdout, p.stdout + p.stderr
+    assert heavy == "-", f"--help of {' '.join(path) or 'gptoss-fp8'} imported {heavy}"
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "a", "b", "--device", "mps"],
+    ["convert", "a", "b", "--max-shard-size", "nan"],
+    ["verify-logits", "c", "--reference", "r", "--device", "meta"],
+    ["synth", "x", "--preset", "7b"],
+    ["plan", "--tp", "0"],
+    ["nosuch"],
+], ids=lambda a: " ".join(a))
+def test_argument_errors_import_no_torch(args):
+    code, heavy, p = _probe(args)
+    assert code == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert heavy == "-", f"{args} imported {heavy}"
+
+
+def test_cli_scale_modes_match_the_codec():
+    from gptoss_fp8.cli.common import ScaleModeChoice
+    from gptoss_fp8.quant.fp8 import ScaleMode
+
+    assert [m.value for m in ScaleModeChoice] == [m.value for m in ScaleMode]

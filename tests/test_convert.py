@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gptoss_fp8.convert import convert as convert_mod
+from gptoss_fp8.convert import writer as writer_mod
 from gptoss_fp8.checkpoint.format import REPORT_NAME
 from gptoss_fp8.convert.convert import LOCK_NAME, PARTIAL_DIR, convert_checkpoint
 from gptoss_fp8.checkpoint.format import hf_source_tensors
@@ -231,7 +231,7 @@ def test_disk_full(tiny_src, tmp_path, monkeypatch):
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(convert_mod.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(writer_mod.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(GptOssFp8Error, match="GB free"):
         convert_checkpoint(tiny_src, tmp_path / "a")
     assert not list((tmp_path / "a").glob("*.safetensors"))

@@ -31,9 +31,10 @@ import torch
 from gptoss_fp8.convert.convert import convert_checkpoint
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.gptoss import rope_cos_sin
+from gptoss_fp8.spec import rope_cos_sin
 from gptoss_fp8.model.load import load_model
-from gptoss_fp8.model.ops import W8A8CpuOps, get_ops
+from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.model.ops import W8A8CpuOps
 from gptoss_fp8.quant.fp8 import (
     quantize_weight_blocks,
 )
@@ -234,7 +235,7 @@ def test_ops_on_the_same_inputs_gpu(checkpoints, shape):
     with torch.inference_mode():
         for layer in model.model.layers:
             a = layer.self_attn
-            t = spec.rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            t = spec.rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps).y
             for proj in (a.q_proj, a.k_proj, a.v_proj):
                 note("linear", rel(spec.linear(t, proj.weight, proj.weight_scale_inv, proj.bias),
                                    ops.linear(t, proj.weight, proj.weight_scale_inv, proj.bias)))
@@ -257,7 +258,7 @@ def test_ops_on_the_same_inputs_gpu(checkpoints, shape):
                                    ops.linear(o_spec, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, torch.float32)))
             xa = cap[f"{layer.idx}.attn"]
             m = layer.mlp
-            t = spec.rms_norm(xa, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            t = spec.rms_norm(xa, layer.post_attention_layernorm.weight, cfg.rms_norm_eps).y
             idx = torch.topk(cap[f"{layer.idx}.router"], k=cfg.num_experts_per_tok, dim=-1, sorted=True).indices
             ex = dict(m.experts.named_buffers(recurse=False))
             ys, _ = spec.expert_ffn(t, idx, ex, 0, cfg.swiglu_limit)
@@ -297,6 +298,10 @@ def test_unsupported_shapes_fall_back_to_the_spec():
     wb = torch.randn(24, 48, generator=g).bfloat16()  # bf16 weight: torch
     xb = torch.randn(5, 48, generator=g).bfloat16()
     assert torch.equal(ops.linear(xb, wb, None, None), spec.linear(xb, wb, None, None))
+    # counted by the backend itself (bf16 weights are torch by design: not a hand-over)
+    assert {op: n for op, n in ops.spec_fallbacks.items() if n} == {"attention": 1, "linear": 1}
+    assert ops.fallback_shapes["linear"] == {"[5, 40] bfloat16 [24, 40] float8_e4m3fn"}, ops.fallback_shapes
+    assert ops.fallback_shapes["attention"] and not ops.fallback_shapes["rms_norm"]
 
 
 def test_bench_prefill_forward_is_the_models_last_row():
@@ -388,9 +393,13 @@ def test_bench_prefill_knows_presets_and_sizes():
 
 
 def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch):
-    """The norm's fused FP8 quantization is what the following linear / linears / MoE consume
-    (act_quant is not called again, also for a block of rows), and it gives the same outputs as
-    quantizing the normed rows afresh; an in-place change of those rows drops it."""
+    """The norm's fused FP8 quantization (``Normed.quant``) is what the following linear / linears /
+    MoE consume when handed it as ``xq`` (act_quant is not called again, also for a block of rows,
+    ``Normed.rows``), and it gives the same outputs as quantizing the normed rows afresh; without
+    ``xq`` the rows are quantized again (no cache keyed on tensor identity)."""
+    from gptoss_fp8.model.ops import Normed
+    from gptoss_fp8.quant.fp8 import quantize_act
+
     dev = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(8)
     h = 192
@@ -400,12 +409,17 @@ def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch)
     w, s = quantize_weight_blocks(torch.randn(256, h, generator=g) / 14)
     w, s, b = w.to(dev), s.to(dev), (0.1 * torch.randn(256, generator=g)).bfloat16().to(dev)
     ops = get_ops("triton")
-    _, y = ops.add_rms_norm(x, d, nw, 1e-5)
-    fresh = y.clone()  # not from a norm: quantized by act_quant
-    want = ops.linear(fresh, w, s, b)
-    want_rows = ops.linear(fresh[5:17].clone(), w, s, b)
+    _, n = ops.add_rms_norm(x, d, nw, 1e-5)
+    assert isinstance(n, Normed) and n.quant is not None
+    assert isinstance(ops.rms_norm(x, nw, 1e-5), Normed) and ops.rms_norm(x, nw, 1e-5).quant is not None
+    y = n.y
+    if not HAS_CUDA:  # the interpreter's act_quant is quantize_act bit for bit
+        qr, sr = quantize_act(y)
+        assert torch.equal(n.quant[0].view(torch.uint8), qr.view(torch.uint8)) and torch.equal(n.quant[1], sr)
+    want = ops.linear(y, w, s, b)  # no xq: quantized by act_quant
+    want_rows = ops.linear(y[5:17].clone(), w, s, b)
     _, idx, ex = _expert_ffn_case(dev, t=24, h=h)
-    want_moe = ops.expert_ffn(fresh, idx, ex, 0, 7.0)[0]
+    want_moe = ops.expert_ffn(y, idx, ex, 0, 7.0)[0]
 
     import gptoss_fp8.kernels.act_quant as aq
     import gptoss_fp8.kernels.moe as moe
@@ -415,10 +429,34 @@ def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch)
 
     monkeypatch.setattr(aq, "act_quant", no_requantization)
     monkeypatch.setattr(moe, "act_quant", no_requantization)
-    assert torch.equal(ops.linear(y, w, s, b), want)
-    assert torch.equal(ops.linears(y, [(w, s, b), (w, s, b)])[1], want)
-    assert torch.equal(ops.linear(y[5:17], w, s, b), want_rows)
-    assert torch.equal(ops.expert_ffn(y, idx, ex, 0, 7.0)[0], want_moe)
-    y.mul_(2)  # changed in place: the stored quantization no longer describes y
+    assert torch.equal(ops.linear(y, w, s, b, xq=n.quant), want)
+    assert torch.equal(ops.linears(y, [(w, s, b), (w, s, b)], xq=n.quant)[1], want)
+    rows = n.rows(5, 17)
+    assert torch.equal(ops.linear(rows.y, w, s, b, xq=rows.quant), want_rows)
+    assert torch.equal(ops.expert_ffn(y, idx, ex, 0, 7.0, xq=n.quant)[0], want_moe)
     with pytest.raises(AssertionError, match="act_quant called"):
-        ops.linear(y, w, s, b)
+        ops.linear(y, w, s, b)  # no xq: quantized again, whatever tensor it is
+    assert set(ops.spec_fallbacks.values()) == {0}
+
+
+def test_kernel_config_is_held_and_passed(monkeypatch):
+    """``TritonOps(config=...)`` holds the one KernelConfig its launches get; the default honours
+    GPTOSS_FP8_GLUON=0 (read once, at construction)."""
+    import dataclasses
+
+    from gptoss_fp8.kernels import fp8_gemm as fg
+    from gptoss_fp8.kernels.config import KernelConfig
+    from gptoss_fp8.model.triton_ops import TritonOps
+
+    assert TritonOps().config == KernelConfig()
+    monkeypatch.setenv("GPTOSS_FP8_GLUON", "0")
+    assert TritonOps().config == KernelConfig(gluon=False)
+    cfg = dataclasses.replace(KernelConfig(), dense_gluon_min_rows=None)
+    ops = TritonOps(config=cfg)
+    seen = []
+    real = fg.fp8_gemm
+    monkeypatch.setattr(fg, "fp8_gemm", lambda *a, **k: seen.append(k.get("config")) or real(*a, **k))
+    dev = "cuda" if HAS_CUDA else "cpu"
+    w, s = (t.to(dev) for t in quantize_weight_blocks(torch.randn(64, 32)))
+    ops.linear(torch.randn(3, 32).bfloat16().to(dev), w, s, None)
+    assert seen == [cfg]

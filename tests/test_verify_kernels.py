@@ -133,7 +133,8 @@ def test_spec_fallbacks_are_counted_and_change_nothing():
     pytest.importorskip("triton")
     if not HAS_CUDA and not _interpreter():
         pytest.skip("needs CUDA or the Triton interpreter")
-    from gptoss_fp8.model.ops import W8A8CpuOps, get_ops
+    from gptoss_fp8.model.backends import get_ops
+    from gptoss_fp8.model.ops import W8A8CpuOps
     from gptoss_fp8.quant.fp8 import quantize_weight_blocks
     from gptoss_fp8.verify.backends import ops_for
 

@@ -202,10 +202,11 @@ def _decode_rows() -> list[dict]:
 
 def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
     from gptoss_fp8.kernels.attention import attention_prefill
-    from gptoss_fp8.kernels.rope import rope_cos_sin, rope_qk
+    from gptoss_fp8 import spec
+    from gptoss_fp8.kernels.rope import rope_qk
 
     q, k, v, sinks, gen = _prefill_inputs(T, T + 1)
-    cos, sin = rope_cos_sin(T, D, device=DEV)
+    cos, sin = spec.rope_table(T, D, device=DEV)
     pos = torch.arange(T, device=DEV, dtype=torch.int32)
 
     def eager():  # gpt-oss's _apply_rotary_emb on q and k (bf16 cos/sin)
@@ -258,13 +259,27 @@ def bench(tokens: list[int]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- tile sweep
-PREFILL_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma, maxnreg)
-    (128, 64, 4, 3, False, None), (128, 64, 8, 3, False, 128), (128, 64, 8, 3, False, None),
-    (64, 64, 4, 3, False, None), (64, 64, 4, 3, False, 128), (64, 64, 4, 2, False, None),
-    (128, 32, 4, 3, False, None), (64, 32, 4, 3, False, None),
-    (128, 128, 8, 2, False, None), (128, 64, 4, 3, True, None), (64, 64, 4, 3, True, None), (32, 32, 4, 2, False, None),
+PREFILL_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg); TMA K/V loads lost everywhere and were removed
+    (128, 64, 4, 3, None), (128, 64, 8, 3, 128), (128, 64, 8, 3, None),
+    (64, 64, 4, 3, None), (64, 64, 4, 3, 128), (64, 64, 4, 2, None),
+    (128, 32, 4, 3, None), (64, 32, 4, 3, None),
+    (128, 128, 8, 2, None), (32, 32, 4, 2, None),
 ]
 DECODE_SWEEP = [(128, 4, 3), (64, 4, 3), (128, 4, 2)]  # (BLOCK_N, num_warps, num_stages)
+
+
+def _ptile(cfg: tuple | None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg[, pack]]) -> PrefillTile (None: the default)."""
+    from gptoss_fp8.kernels.config import PrefillTile
+
+    return None if cfg is None else PrefillTile(*cfg)
+
+
+def _dtile(cfg: tuple | None):
+    """(BLOCK_N, num_warps, num_stages) -> DecodeTile (None: the default)."""
+    from gptoss_fp8.kernels.config import DecodeTile
+
+    return None if cfg is None else DecodeTile(*cfg)
 
 
 def sweep(T: int = 8192) -> list[dict]:
@@ -277,7 +292,7 @@ def sweep(T: int = 8192) -> list[dict]:
     for cfg in PREFILL_SWEEP:
         for window in (0, WINDOW):
             try:
-                ms = _ms(lambda a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, config=cfg))
+                ms = _ms(lambda a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, tile=_ptile(cfg)))
             except Exception as e:  # e.g. out of shared memory for a large tile
                 print(f"prefill {cfg} window={window}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
@@ -295,7 +310,7 @@ def sweep(T: int = 8192) -> list[dict]:
             for splits in split_list:
                 for fused in ((True, False) if splits is None else (True,)):
                     fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
-                        qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, fused_merge=fused) for qd, kc, vc in sets]
+                        qd, kc, vc, kl, sinks, num_splits=splits, tile=_dtile(cfg), fused_merge=fused) for qd, kc, vc in sets]
                     try:
                         ms = _ms_graph(fns)
                     except Exception as e:
@@ -317,11 +332,11 @@ def sweep_quick() -> list[dict]:
     out = []
     T = 32768
     q, k, v, sinks, gen = _prefill_inputs(T, 1)
-    for window, cfgs in ((0, [(128, 64, 8, 3, False, 128), (64, 64, 4, 3, False, None), (128, 64, 4, 3, False, None),
-                              (64, 64, 4, 3, False, 128)]),
-                         (WINDOW, [(64, 64, 4, 2, False, None), (64, 64, 4, 3, False, None)])):
+    for window, cfgs in ((0, [(128, 64, 8, 3, 128), (64, 64, 4, 3, None), (128, 64, 4, 3, None),
+                              (64, 64, 4, 3, 128)]),
+                         (WINDOW, [(64, 64, 4, 2, None), (64, 64, 4, 3, None)])):
         for cfg in cfgs:
-            ms = _ms(lambda a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, config=cfg))
+            ms = _ms(lambda a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, tile=_ptile(cfg)))
             r = {"kind": "prefill", "T": T, "cfg": cfg, "window": window, "ms": ms,
                  "tflops": _tflops(_visible_pairs(T, 0, window), ms)}
             print(r, flush=True)
@@ -337,7 +352,7 @@ def sweep_quick() -> list[dict]:
             if B > 1 and splits:
                 continue
             fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
-                qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, fused_merge=fused) for qd, kc, vc in sets]
+                qd, kc, vc, kl, sinks, num_splits=splits, tile=_dtile(cfg), fused_merge=fused) for qd, kc, vc in sets]
             ms = _ms_graph(fns)
             r = {"kind": "decode", "B": B, "cfg": cfg, "splits": splits, "fused": fused, "ms": ms, "floor_ratio": floor / ms}
             print(r, flush=True)
@@ -348,10 +363,10 @@ def sweep_quick() -> list[dict]:
 
 TILE_VARIANTS = {  # name -> (causal config, window config); None: that case is not timed
     "default": (None, None),
-    "pack 2, 128x64 8 warps 3 stages": ((128, 64, 8, 3, False, 128, 2), (128, 64, 8, 2, False, 128, 2)),
-    "pack 2, 128x64 8 warps 4 stages": ((128, 64, 8, 4, False, 128, 2), (128, 64, 8, 3, False, 128, 2)),
-    "pack 2, 128x64 4 warps 3 stages": ((128, 64, 4, 3, False, None, 2), (64, 32, 4, 2, False, 128, 2)),
-    "pack 4, 128x32 8 warps 3 stages": ((128, 32, 8, 3, False, 128, 4), None),
+    "pack 2, 128x64 8 warps 3 stages": ((128, 64, 8, 3, 128, 2), (128, 64, 8, 2, 128, 2)),
+    "pack 2, 128x64 8 warps 4 stages": ((128, 64, 8, 4, 128, 2), (128, 64, 8, 3, 128, 2)),
+    "pack 2, 128x64 4 warps 3 stages": ((128, 64, 4, 3, None, 2), (64, 32, 4, 2, 128, 2)),
+    "pack 4, 128x32 8 warps 3 stages": ((128, 32, 8, 3, 128, 4), None),
 }
 
 
@@ -369,7 +384,7 @@ def variants(tokens: tuple[int, ...] = (8192, 32768)) -> list[dict]:
                 for name, cfgs in TILE_VARIANTS.items():
                     if name != "default" and cfgs[wi] is None:
                         continue
-                    fn = lambda cfg=cfgs[wi], a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, config=cfg)  # noqa: E731
+                    fn = lambda cfg=cfgs[wi], a=(q, k, v, sinks): attention_prefill(*a, sliding_window=window, tile=_ptile(cfg))  # noqa: E731
                     ms = _ms(fn)
                     r = {"T": T, "window": window, "variant": name, "pass": rep, "ms": ms,
                          "tflops": _tflops(_visible_pairs(T, 0, window), ms), "rel_vs_default": _rel(fn(), base)}
@@ -403,7 +418,7 @@ def decode_b1(L: int = DECODE_KV, B: int = 1, splits_list=(None, 8, 32), configs
             for chunk in chunks for fused in fused_list]
     for cfg, splits, chunk, fused in runs:
         fns = [lambda qd=qd, kc=kc, vc=vc: attention_decode(
-            qd, kc, vc, kl, sinks, num_splits=splits, config=cfg, merge_chunk=chunk, fused_merge=fused)
+            qd, kc, vc, kl, sinks, num_splits=splits, tile=_dtile(cfg), merge_chunk=chunk, fused_merge=fused)
             for qd, kc, vc in sets]
         try:
             ms = _ms_graph(fns)

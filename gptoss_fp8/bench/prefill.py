@@ -169,9 +169,9 @@ class TimedOps:
         part = self.PARTS.get(name)
         return fn if part is None else functools.partial(self._timed, part, fn)
 
-    def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
+    def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
         part = "moe" if (w.dtype != FP8_DTYPE and w.shape[0] == self.num_experts) else "dense"
-        return self._timed(part, self.ops.linear, x, w, scale_inv, bias, out_dtype)
+        return self._timed(part, self.ops.linear, x, w, scale_inv, bias, out_dtype, xq=xq)
 
     def seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -209,13 +209,14 @@ def _sync_time(fn) -> float:
 
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
           moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
-          checkpoint: Path | None = None, cuda_graph: bool = False) -> list[dict]:
+          checkpoint: Path | None = None, cuda_graph: bool = False, kernel_config=None) -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
     (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
     tokens in the same run, after our model is freed. ``checkpoint``: time a converted (tp=1)
     checkpoint's own weights instead of random ones at the preset's shapes. ``cuda_graph``: also
     the same forward captured as a CUDA graph per length (``GraphedPrefill``), timed after the
-    eager runs (the row's ``latency_s`` stays the eager figure)."""
+    eager runs (the row's ``latency_s`` stays the eager figure). ``kernel_config``: the kernels'
+    ``KernelConfig`` (None: ``TritonOps``' default)."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
     t0 = time.perf_counter()
@@ -235,10 +236,10 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     torch.cuda.synchronize()
     echo(f"# {what}: {cfg.num_hidden_layers} of {full_layers} layers on {torch.cuda.get_device_name()} in "
          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
-    from gptoss_fp8.kernels._gluon import kernel_paths
+    from gptoss_fp8.kernels.config import kernel_paths
 
-    echo(f"# {kernel_paths(torch.device('cuda'))}")
-    ops = TritonOps()
+    ops = TritonOps(config=kernel_config)
+    echo(f"# {kernel_paths(torch.device('cuda'), ops.config)}")
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     for n in token_list:

@@ -9,13 +9,13 @@ rank file, or a manifest that does not match the files, stops with one clear lin
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from gptoss_fp8.checkpoint.format import LAYOUT_FORMAT, LAYOUT_NAME
 from gptoss_fp8.checkpoint.st_io import DTYPES, read_header, read_tensor
+from gptoss_fp8.config import load_json
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.quant.fp8 import dequantize_weight_blocks
 
@@ -24,15 +24,25 @@ def read_manifest(ckpt: Path) -> dict:
     path = Path(ckpt) / LAYOUT_NAME
     if not path.is_file():
         raise GptOssFp8Error(f"{ckpt}: no {LAYOUT_NAME}; is this a checkpoint written by gptoss-fp8 convert (complete)?")
+    def bad() -> GptOssFp8Error:
+        return GptOssFp8Error(f"{path}: not a valid {LAYOUT_FORMAT} manifest; reconvert or restore the file")
+
     try:
-        m = json.loads(path.read_text())
+        m = load_json(path.read_bytes(), str(path), "layout manifest")
+    except GptOssFp8Error:
+        raise bad() from None
+    try:
         assert m["format"] == LAYOUT_FORMAT and len(m["ranks"]) == m["world_size"] == m["tp"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
-        raise GptOssFp8Error(f"{path}: not a valid {LAYOUT_FORMAT} manifest; reconvert or restore the file") from None
+        for r in m["ranks"]:
+            assert isinstance(r["files"], dict) and isinstance(r["tensors"], dict)
+            assert all(isinstance(k, str) and isinstance(v["bytes"], int) and isinstance(v["sha256"], str)
+                       for k, v in r["files"].items())
+    except (KeyError, TypeError, AssertionError):
+        raise bad() from None
     return m
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 * 1024 * 1024):
@@ -53,7 +63,7 @@ def check_rank_files(ckpt: Path, manifest: dict, rank: int, verify: bool = True)
             raise GptOssFp8Error(f"{f}: rank {rank} file is missing; re-copy it or reconvert (convert --resume finishes a partial one)")
         if f.stat().st_size != meta["bytes"]:
             raise GptOssFp8Error(f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}; the file is truncated or from another conversion")
-        if verify and _sha256(f) != meta["sha256"]:
+        if verify and file_sha256(f) != meta["sha256"]:
             raise GptOssFp8Error(f"{f}: sha256 does not match {LAYOUT_NAME}; the file is corrupt or from another conversion: re-copy it")
         hdr, _ = read_header(f)
         infos.update(hdr)

@@ -15,13 +15,16 @@ import json
 import math
 import os
 import queue
+import stat
 import struct
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gptoss_fp8.config import MAX_JSON_DEPTH, json_depth_exceeds
 from gptoss_fp8.errors import GptOssFp8Error
 
 DTYPES: dict[str, torch.dtype] = {
@@ -32,6 +35,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
+MAX_RANK = 16  # dimensions of one tensor
+TMP_SUFFIX = ".gptoss-fp8.tmp"  # temporary files we create (unique names, O_EXCL): cleaned on resume/overwrite
 
 
 @dataclass(frozen=True)
@@ -44,46 +49,159 @@ class TensorInfo:
     nbytes: int
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header. Returns ({name: TensorInfo}, metadata)."""
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    sha256: str  # of the 8-byte length and the header bytes: identifies the file's layout cheaply
+    file_bytes: int
 
+
+def open_regular(path: Path, what: str = "file") -> int:
+    """An O_RDONLY fd of path, which must be a regular file (never blocks on a FIFO or device)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise GptOssFp8Error(f"{path}: no such {what}; re-download the checkpoint") from None
+    except OSError as e:
+        raise GptOssFp8Error(f"{path}: cannot stat ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+        raise GptOssFp8Error(f"{path}: is {kind}, not a regular {what}; remove or replace it")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise GptOssFp8Error(f"{path}: cannot open ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between stat and open
+        os.close(fd)
+        raise GptOssFp8Error(f"{path}: not a regular {what}; remove or replace it")
+    return fd
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _Duplicate(k)
+        d[k] = v
+    return d
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_header_full(path: Path) -> Header:
+    """Parse and validate a safetensors header: everything the format promises.
+
+    Regular file; header length within bounds and within the file; JSON of bounded nesting with no
+    duplicate names; every entry a {dtype, shape, data_offsets} with a known dtype, non-negative
+    integer shape and offsets; dtype x shape = bytes; tensors in order, not overlapping, covering
+    the data region exactly (no holes, nothing after the last tensor).
+    """
     def corrupt(why: str) -> GptOssFp8Error:
         return GptOssFp8Error(f"{path}: not a valid safetensors file ({why}); re-download or regenerate it")
 
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    fd = open_regular(path, "safetensors file")
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise corrupt("shorter than 8 bytes")
         (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or n > size - 8:
+        if n < 2 or n > MAX_HEADER or n > size - 8:
             raise corrupt(f"header length {n} does not fit a {size}-byte file")
         raw = f.read(n)
+    if len(raw) != n:
+        raise corrupt(f"header length {n}, only {len(raw)} bytes readable")
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise corrupt("header is not JSON") from None
+    except RecursionError:
+        raise corrupt(f"header JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except _Duplicate as e:
+        raise corrupt(f"name {e.args[0]!r} appears twice in the header") from None
+    if json_depth_exceeds(header):
+        raise corrupt(f"header JSON nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(header, dict):
         raise corrupt("header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise corrupt("__metadata__ is not an object of strings")
     data_start, data_len = 8 + n, size - 8 - n
     out: dict[str, TensorInfo] = {}
-    end_max = 0
+    spans: list[tuple[int, int, str]] = []
     for name, e in header.items():
-        try:
-            dtype = DTYPES[e["dtype"]]
-            shape = tuple(int(s) for s in e["shape"])
-            b, en = (int(x) for x in e["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise corrupt(f"bad header entry for tensor {name!r}") from None
+        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+            raise corrupt(f"bad header entry for tensor {name!r} (needs dtype, shape, data_offsets)")
+        dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise corrupt(f"tensor {name!r} has unknown dtype {dt!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_int(x) and x >= 0 for x in shape):
+            raise corrupt(f"tensor {name!r} has bad shape {shape!r}")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(_int(x) and x >= 0 for x in offs) or offs[1] < offs[0]:
+            raise corrupt(f"tensor {name!r} has bad data_offsets {offs!r}")
+        dtype, b, en = DTYPES[dt], offs[0], offs[1]
         nbytes = math.prod(shape) * dtype.itemsize
-        if en - b != nbytes or b < 0:
-            raise corrupt(f"tensor {name!r} has {en - b} bytes for shape {list(shape)} {e['dtype']}")
+        if en - b != nbytes:
+            raise corrupt(f"tensor {name!r} has {en - b} bytes for shape {list(shape)} {dt} ({nbytes} bytes)")
         if en > data_len:
             raise corrupt(f"truncated: tensor {name!r} ends at byte {data_start + en}, file has {size}")
-        end_max = max(end_max, en)
-        out[name] = TensorInfo(name, path, dtype, shape, data_start + b, nbytes)
-    return out, meta
+        spans.append((b, en, name))
+        out[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + b, nbytes)
+    pos, prev, hole = 0, None, None
+    for b, en, name in sorted(spans):  # overlaps first: they are what silently aliases two tensors
+        if b < pos:
+            raise corrupt(f"tensor {name!r} (data bytes {b}..{en}) overlaps tensor {prev!r} (ending at {pos})")
+        if b > pos and hole is None:
+            hole = f"{b - pos} data bytes before tensor {name!r} belong to no tensor (a hole at {pos}..{b})"
+        pos, prev = max(pos, en), name
+    if hole is not None:
+        raise corrupt(hole)
+    if pos != data_len:
+        raise corrupt(f"{data_len - pos} bytes after the last tensor belong to no tensor")
+    digest = hashlib.sha256(head + raw).hexdigest()
+    return Header(out, meta, digest, size)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header. Returns ({name: TensorInfo}, metadata)."""
+    h = read_header_full(path)
+    return h.tensors, h.metadata
+
+
+def format_gb(n: int) -> str:
+    """Bytes as GB with enough digits to be non-zero (0.000312 GB, not 0.00 GB)."""
+    gb = n / 1e9
+    if gb >= 0.1 or n == 0:
+        return f"{gb:.2f} GB"
+    return f"{gb:.{min(9, 2 - math.floor(math.log10(gb)))}f}".rstrip("0") + " GB"
+
+
+def _umask() -> int:
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+_UMASK = _umask()
+
+
+def create_temp(path: Path) -> tuple[int, Path]:
+    """A new temporary file beside path for an atomic write: (fd, tmp path).
+
+    The name is unique and created exclusively (O_EXCL, so a planted file or symlink is never
+    followed or reused); rename it onto path with os.replace, which replaces a symlink itself,
+    not its target. Permissions are the usual 0666 & ~umask (mkstemp would give 0600).
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    return fd, Path(tmp)
 
 
 def read_tensor(info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
@@ -94,7 +212,7 @@ def read_tensor(info: TensorInfo, start: int | None = None, stop: int | None = N
         start, stop = 0, shape[0] if shape else 1
     assert stop is not None and 0 <= start <= stop <= (shape[0] if shape else 1), (info.name, start, stop, shape)
     t = torch.empty((stop - start) * row, dtype=torch.uint8)  # no zero fill: readinto overwrites it
-    with open(info.file, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(info.file, "safetensors file"), "rb", buffering=0) as f:
         f.seek(info.begin + start * row)
         got = f.readinto(memoryview(t.numpy())) if t.numel() else 0
     if got != t.numel():
@@ -107,17 +225,19 @@ def read_tensor(info: TensorInfo, start: int | None = None, stop: int | None = N
 class StreamingWriter:
     """Write one safetensors file header-first, tensors (or row chunks of them) in header order.
 
-    The file is written as ``<path>.tmp`` and renamed to ``path`` by ``commit()`` after fsync,
-    so a file under its final name is always complete. Writing and hashing (sha256, for the
+    The file is written under a unique temporary name beside it (``create_temp``) and renamed to
+    ``path`` by ``commit()`` after fsync, so a file under its final name is always complete.
+    ``retry`` ends the message of a write error (what the user runs after freeing space). Writing and hashing (sha256, for the
     manifest) happen on a background thread, overlapping the caller's compute; at most
     ``QUEUE_CHUNKS`` chunks wait in memory. Callers must not modify a tensor after passing it.
     """
 
     QUEUE_CHUNKS = 3
 
-    def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+    def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str],
+                 retry: str = "rerun with --resume"):
         self.path = path
-        self.tmp = path.with_name(path.name + ".tmp")
+        self.retry = retry
         header: dict = {"__metadata__": metadata}
         off = 0
         self._order: list[tuple[str, int]] = []
@@ -129,7 +249,11 @@ class StreamingWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.total_bytes = 8 + len(raw) + off
-        self._f = open(self.tmp, "wb")
+        try:
+            fd, self.tmp = create_temp(path)
+        except OSError as e:
+            raise GptOssFp8Error(f"cannot create a file in {path.parent}: {e.strerror}; fix that and {retry}") from None
+        self._f = os.fdopen(fd, "wb")
         self.sha256 = hashlib.sha256()
         self._idx = 0
         self._written_in_tensor = 0
@@ -152,9 +276,9 @@ class StreamingWriter:
         self.abort()
         if e.errno == errno.ENOSPC:
             return GptOssFp8Error(
-                f"disk full while writing {self.path}; free at least {self.total_bytes / 1e9:.1f} GB and rerun with --resume"
+                f"disk full while writing {self.path}; free at least {format_gb(self.total_bytes)} and {self.retry}"
             )
-        return GptOssFp8Error(f"cannot write {self.path}: {e.strerror}; fix that and rerun with --resume")
+        return GptOssFp8Error(f"cannot write {self.path}: {e.strerror}; fix that and {self.retry}")
 
     def _write(self, data) -> None:
         if self._error is not None:

@@ -8,12 +8,20 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import user_errors
+from gptoss_fp8.cli.common import OverwriteOutputs
 from gptoss_fp8.errors import GptOssFp8Error
 
 app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)
 
 KERNEL_SUITES = ("gemm", "attention")
+
+
+def _lengths(tokens: str) -> list[int]:
+    """--tokens "1024,2048": positive comma-separated token counts."""
+    parts = [t.strip() for t in tokens.split(",") if t.strip()]
+    if not parts or not all(t.isdigit() and 0 < int(t) <= 1 << 24 for t in parts):
+        raise GptOssFp8Error(f"--tokens {tokens!r}: give positive comma-separated token counts (at most {1 << 24})")
+    return [int(t) for t in parts]
 
 
 def _print_rows(rows: list[dict]) -> None:
@@ -30,19 +38,23 @@ def _print_rows(rows: list[dict]) -> None:
 
 
 @app.command("kernels")
-@user_errors
 def kernels(
     tokens: Annotated[str, typer.Option(help="Comma-separated token counts.")] = "1024,2048,4096,8192,16384,32768",
     only: Annotated[str, typer.Option(help=f"Comma-separated suites out of {','.join(KERNEL_SUITES)}.")] = ",".join(KERNEL_SUITES),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Kernel throughput (TFLOP/s) beside peers measured in the same run (needs a CUDA GPU)."""
+    from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
+
+    if json_out is not None:
+        check_output_path(json_out, overwrite=overwrite_outputs, option="--json")
     import torch
 
     if not torch.cuda.is_available():
         raise GptOssFp8Error("bench kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
-    token_list = [int(t) for t in tokens.split(",") if t.strip()]
-    from gptoss_fp8.kernels._gluon import kernel_paths
+    token_list = _lengths(tokens)
+    from gptoss_fp8.kernels.config import kernel_paths
 
     typer.echo(f"# {kernel_paths(torch.device('cuda'))}")
     rows: list[dict] = []
@@ -59,36 +71,38 @@ def kernels(
         _print_rows(suite_rows)
         rows += suite_rows
     if json_out is not None:
-        json_out.write_text(json.dumps(rows, indent=1))
+        write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
 
 @app.command("prefill")
-@user_errors
 def prefill(
     model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
     tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "8192,32768",
-    layers: Annotated[int | None, typer.Option(help="Build only the first N layers (latency also scaled to the full depth).")] = None,
-    runs: Annotated[int, typer.Option(help="Timed runs per length (median reported).")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
-    moe_chunk: Annotated[int, typer.Option(help="Tokens per MoE call (bounds activation memory).")] = 32768,
+    layers: Annotated[int | None, typer.Option(min=1, help="Build only the first N layers (latency also scaled to the full depth).")] = None,
+    runs: Annotated[int, typer.Option(min=1, help="Timed runs per length (median reported).")] = 5,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
+    moe_chunk: Annotated[int, typer.Option(min=1, help="Tokens per MoE call (bounds activation memory).")] = 32768,
     peer: Annotated[bool, typer.Option(help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
-    peer_runs: Annotated[int, typer.Option(help="Timed runs of the transformers peer per length (median reported).")] = 3,
+    peer_runs: Annotated[int, typer.Option(min=1, help="Timed runs of the transformers peer per length (median reported).")] = 3,
     checkpoint: Annotated[Path | None, typer.Option(help="Time this converted checkpoint (tp=1 layout) instead of random weights at --model's shapes.")] = None,
     cuda_graph: Annotated[bool, typer.Option(help="Also time the same forward captured as a CUDA graph per length (no host launches; eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
     at real shapes built on the GPU (or a converted checkpoint's); beside the seed's figures and
     the floor, with a per-part breakdown and transformers' bf16 GptOss in the same run."""
+    from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
+
+    if json_out is not None:
+        check_output_path(json_out, overwrite=overwrite_outputs, forbidden=[checkpoint] if checkpoint else [], option="--json")
     import torch
 
     if not torch.cuda.is_available():
         raise GptOssFp8Error("bench prefill needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     if model not in ("20b", "120b"):
         raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
-    token_list = [int(t) for t in tokens.split(",") if t.strip()]
-    if not token_list or min(token_list) < 1:
-        raise GptOssFp8Error(f"--tokens {tokens!r}: give positive comma-separated lengths")
+    token_list = _lengths(tokens)
     from gptoss_fp8.bench.prefill import bench as run_prefill
 
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
@@ -96,4 +110,4 @@ def prefill(
     rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                        peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph)
     if json_out is not None:
-        json_out.write_text(json.dumps(rows, indent=1))
+        write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)

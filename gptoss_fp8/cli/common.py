@@ -1,41 +1,164 @@
-"""Shared CLI pieces: user-error handling and option types."""
+"""Shared CLI pieces: the last-resort error handler, shared option types and argument checks.
+
+Imports nothing heavy (no torch, no safetensors): ``--help`` and argument errors must stay fast,
+so command modules import the library inside their functions.
+"""
 
 from __future__ import annotations
 
-import functools
+import enum
+import errno
+import math
 import os
-from typing import Callable, TypeVar
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from gptoss_fp8.errors import GptOssFp8Error
 
-F = TypeVar("F", bound=Callable)
-
 DEBUG_ENV = "GPTOSS_FP8_DEBUG"
+DEBUG_HINT = "rerun with --debug (or GPTOSS_FP8_DEBUG=1) for the traceback"
+INTERRUPTED = 130  # the shell's code for "killed by SIGINT"
 
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def user_errors(fn: F) -> F:
-    """Show GptOssFp8Error as one line on stderr and exit 1 (traceback with --debug)."""
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except GptOssFp8Error as e:
-            if debug_enabled():
-                raise
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
 
-    return wrapper  # type: ignore[return-value]
+def _os_error_line(e: OSError) -> str:
+    names = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    where = f"{names}: " if names else ""
+    what = e.strerror or str(e) or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{where}no space left on the device ({what}); free space and run the command again"
+    if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+        return f"{where}permission denied ({what}); choose a location you can write (or read), or fix its permissions"
+    if e.errno == errno.EMFILE:
+        return f"{where}too many open files ({what}); raise the limit (ulimit -n) and run the command again"
+    return f"{where}{what} ({type(e).__name__}); check the path, or {DEBUG_HINT}"
+
+
+def failure_line(e: BaseException) -> str:
+    """The one line shown for an exception that reached the CLI (without the ``error: `` prefix)."""
+    if isinstance(e, GptOssFp8Error):
+        return _one_line(str(e), limit=4000)  # our own messages: whole, on one line
+    if isinstance(e, RecursionError):
+        return ("input nested too deeply to read (RecursionError): a JSON file (config.json, the index or a "
+                f"safetensors header) is malformed or hostile; {DEBUG_HINT}")
+    if isinstance(e, MemoryError):
+        return ("out of memory (MemoryError): an input declares sizes larger than this machine holds "
+                f"(a corrupt config or header?), or use a machine with more RAM; {DEBUG_HINT}")
+    if isinstance(e, OSError):
+        return _one_line(_os_error_line(e))
+    return _one_line(f"unexpected {type(e).__name__}: {str(e) or '(no message)'}. This is a bug, or an input "
+                     f"gptoss-fp8 does not check yet; {DEBUG_HINT}", limit=600)
+
+
+def report_failure(e: BaseException) -> int:
+    """Show ``e`` as one line on stderr; return the exit status (130 for Ctrl-C, 1 otherwise).
+    With --debug / GPTOSS_FP8_DEBUG=1 the caller re-raises instead (the traceback)."""
+    if isinstance(e, KeyboardInterrupt):
+        _stderr_line("interrupted")
+        return INTERRUPTED
+    _stderr_line(f"error: {failure_line(e)}")
+    return 1
+
+
+def _stderr_line(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed: nothing more to say
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared option types and checks (no torch: these are read when --help is built)
+
+
+class ScaleModeChoice(str, enum.Enum):
+    """The CLI's copy of quant.fp8.ScaleMode (that module imports torch); tests keep them equal."""
+
+    pow2 = "pow2"
+    amax = "amax"
+
+
+class Preset(str, enum.Enum):
+    """Synthetic shapes (config.preset_config)."""
+
+    tiny = "tiny"
+    b20 = "20b"
+    b120 = "120b"
+
+
+OverwriteOutputs = Annotated[bool, typer.Option(
+    "--overwrite-outputs",
+    help="Replace existing files named by the output options (--report, --json, ...); never a checkpoint's files.")]
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(value: str) -> str:
+    """--device of convert: cpu, cuda or cuda:N (torch parses it later; meta, mps, ... cannot run it)."""
+    if not _DEVICE.fullmatch(value):
+        raise typer.BadParameter(f"{value!r} is not a device the converter runs on; choose cpu, cuda or cuda:N")
+    return value
+
+
+def check_shard_size(value: float) -> float:
+    """--max-shard-size in GB: a number from 1e-6 (1 KB) to 1e6 (1 PB)."""
+    if not (math.isfinite(value) and 1e-6 <= value <= 1e6):
+        raise typer.BadParameter(f"{value:g} GB; give a size in GB from 1e-6 to 1e6 (e.g. 5, or 0.5)")
+    return value
+
+
+def check_threshold(value: float | None) -> float | None:
+    """A threshold override: a finite number >= 0 (NaN would make every comparison pass)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise typer.BadParameter(f"{value:g}; give a finite number >= 0")
+    return value
+
+
+def check_fraction(value: float | None) -> float | None:
+    """A fraction override (top-1 agreement): from 0 to 1."""
+    if value is not None and not (math.isfinite(value) and 0 <= value <= 1):
+        raise typer.BadParameter(f"{value:g}; give a fraction from 0 to 1")
+    return value
+
+
+def check_new_dir(path: Path, what: str) -> Path:
+    """A directory a command creates or fills: not an existing file, and under a directory (not a
+    file) that can be written. The library checks emptiness and locks it."""
+    if path.exists() and not path.is_dir():
+        raise GptOssFp8Error(f"{what} {path}: exists and is not a directory; give a new or empty directory")
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise GptOssFp8Error(f"{what} {path}: {p} is a file, not a directory; give a new or empty directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise GptOssFp8Error(f"{what} {path}: {p} is not writable; choose a directory you can write")
+    return path
+
+
+def check_distinct(outputs: dict[str, Path | None]) -> None:
+    """No two options name the same output file."""
+    seen: dict[Path, str] = {}
+    for option, p in outputs.items():
+        if p is None:
+            continue
+        key = Path(p).resolve()
+        if key in seen:
+            raise GptOssFp8Error(f"{option} and {seen[key]} name the same file {p}; give each its own")
+        seen[key] = option
 
 
 def progress_bar(total: int, desc: str, initial: int = 0):

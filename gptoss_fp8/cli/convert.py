@@ -8,8 +8,14 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import progress_bar, user_errors
-from gptoss_fp8.quant.fp8 import ScaleMode
+from gptoss_fp8.cli.common import (
+    OverwriteOutputs,
+    ScaleModeChoice,
+    check_device,
+    check_new_dir,
+    check_shard_size,
+    progress_bar,
+)
 
 
 def print_report(report: dict, dst: Path, worst: int = 5) -> None:
@@ -34,27 +40,39 @@ def print_report(report: dict, dst: Path, worst: int = 5) -> None:
     typer.echo(f"report: {dst / 'conversion.json'}")
 
 
-@user_errors
 def convert(
     src: Annotated[str, typer.Argument(help="Local HF-layout gpt-oss directory, or a hub repo id ORG/NAME[@REVISION].")],
     dst: Annotated[Path, typer.Argument(help="Output directory for the FP8 checkpoint.")],
-    scale_mode: Annotated[ScaleMode, typer.Option(help="pow2: power-of-two block scales (lossless for MXFP4); amax: amax/448 (DeepSeek).")] = ScaleMode.pow2,
+    scale_mode: Annotated[ScaleModeChoice, typer.Option(
+        help="pow2: power-of-two block scales (lossless for MXFP4); amax: amax/448 (DeepSeek).")] = ScaleModeChoice.pow2,
     keep_attention_bf16: Annotated[bool, typer.Option(help="Leave attention q/k/v/o projections in bf16.")] = False,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size: one folder per rank when > 1.")] = 1,
     ep: Annotated[int, typer.Option(min=1, help="Expert-parallel size (divides tp).")] = 1,
-    device: Annotated[str, typer.Option(help="Where the math runs: cpu, cuda, cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option(callback=check_device, help="Where the math runs: cpu, cuda, cuda:N.")] = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing checkpoint in DST.")] = False,
     resume: Annotated[bool, typer.Option(help="Finish an interrupted conversion into DST (same source and options).")] = False,
     revision: Annotated[str | None, typer.Option(help="Hub revision when SRC is a repo id.")] = None,
     token: Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN / the saved login).")] = None,
-    max_shard_size: Annotated[float, typer.Option(help="Largest output file, in GB.")] = 5.0,
-    report: Annotated[Path | None, typer.Option(help="Also write the exactness/provenance JSON here.")] = None,
+    max_shard_size: Annotated[float, typer.Option(callback=check_shard_size, help="Largest output file, in GB.")] = 5.0,
+    report: Annotated[Path | None, typer.Option(
+        help="Also write the exactness/provenance JSON here (not inside SRC or DST).")] = None,
+    overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Convert a gpt-oss MXFP4 checkpoint to FP8 e4m3 with 128x128 block scales, streaming."""
-    from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.checkpoint.hub import resolve_source
+    from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
+    check_new_dir(dst, "DST")
+
+    def check_report(*inputs: Path) -> None:  # before the conversion (and any download), not after it
+        if report is not None:
+            check_output_path(report, overwrite=overwrite_outputs, forbidden=[*inputs, dst], option="--report")
+
+    check_report(*([Path(src)] if Path(src).exists() else []))
     resolved = resolve_source(src, revision=revision, token=token)
+    check_report(resolved.path)
+    from gptoss_fp8.convert.convert import convert_checkpoint
+
     source = {k: v for k, v in (("repo_id", resolved.repo_id), ("revision", resolved.revision)) if v}
     bar = None
 
@@ -64,7 +82,7 @@ def convert(
 
     try:
         result = convert_checkpoint(
-            resolved.path, dst, scale_mode=scale_mode, keep_attention_bf16=keep_attention_bf16, tp=tp, ep=ep, device=device,
+            resolved.path, dst, scale_mode=scale_mode.value, keep_attention_bf16=keep_attention_bf16, tp=tp, ep=ep, device=device,
             overwrite=overwrite, resume=resume, source=source, shard_bytes=int(max_shard_size * 1e9),
             progress=lambda n: bar.update(n) if bar is not None else None, on_plan=on_plan,
         )
@@ -73,5 +91,8 @@ def convert(
             bar.close()
     print_report(result, dst)
     if report is not None:
-        report.write_text(json.dumps(result, indent=1) + "\n")
-    typer.echo(f"wrote FP8 checkpoint to {dst}")
+        write_atomic(report, json.dumps(result, indent=1) + "\n", overwrite=overwrite_outputs)
+    if result.get("status"):  # --resume on a finished, matching DST: nothing was written
+        typer.echo(f"{dst}: {result['status']}")
+    else:
+        typer.echo(f"wrote FP8 checkpoint to {dst}")

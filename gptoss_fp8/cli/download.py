@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import user_errors
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -20,7 +19,6 @@ def _human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-@user_errors
 def download(
     repo_id: Annotated[str, typer.Argument(help="Hub model repo, ORG/NAME or ORG/NAME@REVISION (e.g. openai/gpt-oss-20b).")],
     revision: Annotated[str | None, typer.Option(help="Branch, tag or commit (default: main).")] = None,

@@ -7,25 +7,22 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import user_errors
-
 app = typer.Typer(help="Golden checks: deterministic synthetic checkpoints and reference logits.", no_args_is_help=True)
 
 DirOption = Annotated[Path | None, typer.Option("--dir", help="Golden folder (default: golden/ of this source tree).")]
 
 
 @app.command("regen")
-@user_errors
 def regen(golden_dir: DirOption = None) -> None:
     """Regenerate golden/: synthetic sources (hashes), OpenAI's reference logits, expected metrics."""
-    from gptoss_fp8.verify.golden import default_dir, regen as do_regen
+    from gptoss_fp8.verify.golden import default_dir
+    from gptoss_fp8.verify.golden import regen as do_regen
 
     do_regen(golden_dir, log=typer.echo)
     typer.echo(f"golden written to {golden_dir or default_dir()}")
 
 
 @app.command("check")
-@user_errors
 def check(golden_dir: DirOption = None) -> None:
     """Convert the golden sources, run verify-logits (tp 1, 2; ep 1, 2), fail on drift."""
     from gptoss_fp8.verify.golden import check as do_check

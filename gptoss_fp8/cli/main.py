@@ -1,16 +1,75 @@
-"""The ``gptoss-fp8`` command line. Commands live one per module; this file only wires them."""
+"""The ``gptoss-fp8`` command line. Commands live one per module; this file wires them and holds
+the last-resort handler: whatever escapes a command (or argument parsing) becomes one line on
+stderr and an exit status, and Ctrl-C at any moment, imports included, is ``interrupted`` / 130.
+
+Nothing here or in the command modules imports torch at import time, so ``--help`` and argument
+errors are fast; the commands import the library when they run."""
 
 from __future__ import annotations
 
-import os
+import sys
 
-import typer
+try:  # Ctrl-C while starting up is one line too, not a traceback through the imports
+    import os
 
-from gptoss_fp8 import __version__
-from gptoss_fp8.cli.common import DEBUG_ENV
+    import typer
+    import typer.core
 
-app = typer.Typer(
+    try:
+        from typer._click.exceptions import ClickException, NoArgsIsHelpError  # typer vendors click
+    except ImportError:  # older typer: click itself
+        from click.exceptions import ClickException, NoArgsIsHelpError
+
+    from gptoss_fp8 import __version__
+    from gptoss_fp8.cli import bench, convert, download, golden, plan, synth, verify_logits
+    from gptoss_fp8.cli.common import DEBUG_ENV, INTERRUPTED, debug_enabled, report_failure
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130) from None
+
+
+class _Root(typer.core.TyperGroup):
+    """The root command group: runs the command with click's standalone mode off and turns every
+    outcome into an exit status here, one line on stderr for anything but success."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            # typer returns the exit status of typer.Exit, and turns Ctrl-C into Exit(130)
+            code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+            if code == INTERRUPTED:
+                code = report_failure(KeyboardInterrupt())
+        except NoArgsIsHelpError as e:
+            e.show()
+            code = e.exit_code
+        except ClickException as e:  # usage errors: bad option value, missing argument, ...
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            message = " ".join(e.format_message().split())
+            sys.stderr.write(f"error: {message}{hint}\n")
+            code = e.exit_code
+        except SystemExit:
+            raise
+        except BaseException as e:  # the last resort: GptOssFp8Error, OSError, bugs, Ctrl-C
+            if debug_enabled():
+                raise
+            code = report_failure(e)
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+class _App(typer.Typer):
+    def __call__(self, *args, **kwargs):
+        try:  # building the click command from the signatures happens here, before _Root.main
+            return super().__call__(*args, **kwargs)
+        except KeyboardInterrupt:
+            sys.exit(report_failure(KeyboardInterrupt()))
+
+
+app = _App(
     name="gptoss-fp8",
+    cls=_Root,
     help="Convert gpt-oss MXFP4 checkpoints to block-FP8 (e4m3, 128x128) for Hopper, and prove the result.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -33,20 +92,13 @@ def _root(
         os.environ[DEBUG_ENV] = "1"
 
 
-def _register() -> None:
-    # Imported here so `--help` stays fast and each command stays in its own module.
-    from gptoss_fp8.cli import bench, convert, download, golden, plan, synth, verify_logits
-
-    app.command("synth", no_args_is_help=True)(synth.synth)
-    app.command("convert", no_args_is_help=True)(convert.convert)
-    app.command("download", no_args_is_help=True)(download.download)
-    app.command("plan", no_args_is_help=True)(plan.plan)
-    app.command("verify-logits", no_args_is_help=True)(verify_logits.verify_logits)
-    app.add_typer(golden.app, name="golden")
-    app.add_typer(bench.app, name="bench")
-
-
-_register()
+app.command("synth", no_args_is_help=True)(synth.synth)
+app.command("convert", no_args_is_help=True)(convert.convert)
+app.command("download", no_args_is_help=True)(download.download)
+app.command("plan", no_args_is_help=True)(plan.plan)
+app.command("verify-logits", no_args_is_help=True)(verify_logits.verify_logits)
+app.add_typer(golden.app, name="golden")
+app.add_typer(bench.app, name="bench")
 
 if __name__ == "__main__":
     app()

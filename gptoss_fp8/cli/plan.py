@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import user_errors
+from gptoss_fp8.cli.common import Preset
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -25,23 +25,26 @@ def _group(name: str) -> str:
     return "other"
 
 
-@user_errors
 def plan(
     src: Annotated[Path | None, typer.Argument(help="Checkpoint directory (only its config.json is read).")] = None,
-    preset: Annotated[str | None, typer.Option(help="Plan for a preset's shapes instead: tiny, 20b, 120b.")] = None,
+    preset: Annotated[Preset | None, typer.Option(help="Plan for a preset's shapes instead.")] = None,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (world size).")] = 1,
     ep: Annotated[int, typer.Option(min=1, help="Expert-parallel size (divides tp).")] = 1,
     keep_attention_bf16: Annotated[bool, typer.Option(help="Plan with attention kept in bf16.")] = False,
     summary: Annotated[bool, typer.Option(help="Only per-rank totals, not every tensor.")] = False,
 ) -> None:
     """Print what each rank holds (tensors, shapes, bytes) and the totals; no weights are read."""
-    from gptoss_fp8.checkpoint.plan import plan as make_plan
-    from gptoss_fp8.config import preset_config
-    from gptoss_fp8.config import GptOssConfig
-
     if (src is None) == (preset is None):
         raise GptOssFp8Error("give either a checkpoint directory SRC or --preset, not both or neither")
-    cfg = preset_config(preset) if preset else GptOssConfig.from_file(src / "config.json")
+    if src is not None and not src.is_dir():
+        raise GptOssFp8Error(f"{src}: {'is not a directory' if src.exists() else 'no such directory'}; "
+                             "give the checkpoint directory (the folder holding config.json)")
+    if src is not None and not (src / "config.json").is_file():
+        raise GptOssFp8Error(f"{src}: no config.json; give the checkpoint directory (the folder holding config.json)")
+    from gptoss_fp8.checkpoint.plan import plan as make_plan
+    from gptoss_fp8.config import GptOssConfig, preset_config
+
+    cfg = preset_config(preset.value) if preset else GptOssConfig.from_file(src / "config.json")
     ranks = make_plan(cfg, tp, ep, keep_attention_bf16)
     grand = 0
     for r, tensors in enumerate(ranks):

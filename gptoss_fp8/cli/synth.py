@@ -8,13 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import progress_bar, user_errors
-
-
-class Preset(str, enum.Enum):
-    tiny = "tiny"
-    b20 = "20b"
-    b120 = "120b"
+from gptoss_fp8.cli.common import Preset, check_new_dir, progress_bar
 
 
 class Layout(str, enum.Enum):
@@ -23,7 +17,6 @@ class Layout(str, enum.Enum):
     both = "both"
 
 
-@user_errors
 def synth(
     dst: Annotated[Path, typer.Argument(help="Directory to create (must be empty or new).")],
     preset: Annotated[Preset, typer.Option(help="Shapes: tiny (tests), 20b or 120b (real shapes, streamed to disk).")] = Preset.tiny,
@@ -33,9 +26,10 @@ def synth(
     overwrite: Annotated[bool, typer.Option(help="Write into a non-empty DST.")] = False,
 ) -> None:
     """Write a synthetic gpt-oss MXFP4 checkpoint with realistic statistics (no network needed)."""
+    check_new_dir(dst, "DST")
+    from gptoss_fp8.checkpoint.format import hf_source_tensors
     from gptoss_fp8.config import preset_config
     from gptoss_fp8.convert.synth import spec_bytes, write_synthetic
-    from gptoss_fp8.checkpoint.format import hf_source_tensors
 
     cfg = preset_config(preset.value, layers)
     total = sum(map(spec_bytes, hf_source_tensors(cfg))) * (2 if layout is Layout.both else 1)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import user_errors
+from gptoss_fp8.cli.common import OverwriteOutputs, check_distinct, check_fraction, check_threshold
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -27,22 +27,55 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
-def read_tokens(path: Path):
-    """A JSON list of token ids -> int64 tensor [T]."""
-    import torch
+TOKENS_MAX_BYTES = 64 << 20  # a JSON list of ~10M token ids; more is not a tokens file
 
+
+def read_tokens(path: Path, vocab_size: int | None = None) -> list[int]:
+    """A JSON list of token ids, each in [0, vocab_size) when given."""
+    path = Path(path)
+    if not path.exists():
+        raise GptOssFp8Error(f"--tokens {path}: no such tokens file; pass a JSON list of token ids")
+    if not path.is_file():  # a directory, or a FIFO that would block the read
+        raise GptOssFp8Error(f"--tokens {path}: {'is a directory' if path.is_dir() else 'not a regular file'}; "
+                             "pass a JSON file holding a list of token ids")
+    if path.stat().st_size > TOKENS_MAX_BYTES:
+        raise GptOssFp8Error(f"--tokens {path}: larger than {TOKENS_MAX_BYTES >> 20} MiB; not a JSON list of token ids")
     try:
-        ids = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise GptOssFp8Error(f"{path}: no such tokens file; pass a JSON list of token ids") from None
+        ids = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GptOssFp8Error(f"{path}: invalid JSON ({e}); pass a JSON list of token ids") from None
+        raise GptOssFp8Error(f"--tokens {path}: invalid JSON ({e}); pass a JSON list of token ids") from None
+    except RecursionError:
+        raise GptOssFp8Error(f"--tokens {path}: JSON nested too deeply; pass a flat JSON list of token ids") from None
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise GptOssFp8Error(f"{path}: expected a non-empty JSON list of non-negative integer token ids")
-    return torch.tensor(ids, dtype=torch.long)
+        raise GptOssFp8Error(f"--tokens {path}: expected a non-empty JSON list of non-negative integer token ids")
+    if vocab_size is not None:
+        check_vocab(ids, vocab_size, f"--tokens {path}")
+    return ids
 
 
-@user_errors
+def check_vocab(ids: list[int], vocab_size: int, where: str) -> None:
+    """Every id in [0, vocab_size): the embedding has no row for others."""
+    bad = next(((k, i) for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        k, i = bad
+        shown = str(i) if len(str(i)) <= 24 else f"{str(i)[:12]}...({len(str(i))} digits)"
+        raise GptOssFp8Error(f"{where}: token id {shown} at position {k} is outside the vocabulary (vocab_size "
+                             f"{vocab_size}); use token ids the model has (--prompt needs the real 201088-token vocabulary)")
+
+
+def _plot_ready(plot: Path) -> None:
+    """--plot: matplotlib importable and the file suffix a format it writes, checked before any model runs."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise GptOssFp8Error(f"--plot {plot}: needs matplotlib; run: pip install matplotlib (or drop --plot)") from None
+    fmt = plot.suffix.lower().removeprefix(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt and fmt not in formats:
+        raise GptOssFp8Error(f"--plot {plot}: matplotlib cannot write .{fmt} files; use one of "
+                             + ", ".join(f".{f}" for f in sorted(formats)))
+
+
 def verify_logits(
     ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
     reference: Annotated[Path, typer.Option(help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
@@ -62,41 +95,59 @@ def verify_logits(
     dump_logits: Annotated[Path | None, typer.Option(help="Write our logits (safetensors, key 'logits', float32 [T, V]); FILE.<mode>.safetensors per mode when several run.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of per-layer errors and per-position KL (needs matplotlib).")] = None,
     save_reference: Annotated[Path | None, typer.Option(help="Also save the reference logits and hidden states here, to reuse with --reference FILE.")] = None,
-    max_kl_mean: Annotated[float | None, typer.Option(help="Override: largest mean KL(ref||ours), nats.")] = None,
-    max_kl: Annotated[float | None, typer.Option(help="Override: largest KL at any position, nats.")] = None,
-    min_top1: Annotated[float | None, typer.Option(help="Override: smallest top-1 agreement (0..1).")] = None,
-    layer_rel_err: Annotated[float | None, typer.Option(help="Override: hidden-state relative error that marks a layer as diverging.")] = None,
+    max_kl_mean: Annotated[float | None, typer.Option(
+        callback=check_threshold, help="Override: largest mean KL(ref||ours), nats.")] = None,
+    max_kl: Annotated[float | None, typer.Option(
+        callback=check_threshold, help="Override: largest KL at any position, nats.")] = None,
+    min_top1: Annotated[float | None, typer.Option(
+        callback=check_fraction, help="Override: smallest top-1 agreement (0..1).")] = None,
+    layer_rel_err: Annotated[float | None, typer.Option(
+        callback=check_threshold, help="Override: hidden-state relative error that marks a layer as diverging.")] = None,
+    overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Compare the FP8 checkpoint's logits with OpenAI's reference on the source; exit 1 on failure.
 
     On --device cuda the default runs our GPU kernels too (mode kernels) and checks them against the
     reference and against the torch w8a8 spec; the report names the ops backend of every mode."""
-    from gptoss_fp8.verify import run
-    from gptoss_fp8.verify.reference import reference_for
-    from gptoss_fp8.verify.reference import save_reference as save_ref
-
     if tokens is not None and prompt is not None:
         raise GptOssFp8Error("pass --tokens or --prompt, not both")
+    # Every output path is checked before any model runs: a bad one is one line now, not a
+    # traceback (or a clobbered file) after the reference and all modes have run.
+    from gptoss_fp8.checkpoint.outputs import atomic_output, check_output_path, write_atomic
+    from gptoss_fp8.verify import report as verdict
+    from gptoss_fp8.verify import run
+
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
+    inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
+    named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
+    if dump_logits is not None:
+        named |= {f"--dump-logits ({m})": p for m, p in verdict.dump_paths(dump_logits, modes).items()}
+    check_distinct(named)
+    for option, p in named.items():
+        if p is not None:
+            check_output_path(p, overwrite=overwrite_outputs, forbidden=inputs, option=option)
+    if plot is not None:
+        _plot_ready(plot)
+    import torch
+
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
-    from gptoss_fp8.verify import report as verdict
+    from gptoss_fp8.verify.reference import reference_for
+    from gptoss_fp8.verify.reference import save_reference as save_ref
 
     opened = Checkpoint.open(ckpt)  # config, layout and conversion record, read once
     cfg = opened.config
     tp, ep = opened.resolve_layout(tp, ep)
     ids, tokens_from = None, "reference file"
     if tokens is not None:
-        ids, tokens_from = read_tokens(tokens), f"--tokens {tokens}"
+        ids, tokens_from = read_tokens(tokens, cfg.vocab_size), f"--tokens {tokens}"
     elif prompt is not None:
-        import torch
-
         from gptoss_fp8.verify.prompt import render_prompt
 
-        ids, tokens_from = torch.tensor(render_prompt(prompt), dtype=torch.long), "--prompt (Harmony)"
-    if ids is not None and int(ids.max()) >= cfg.vocab_size:
-        raise GptOssFp8Error(f"token id {int(ids.max())} >= vocab_size {cfg.vocab_size} of {ckpt}; "
-                             "use token ids the model has (--prompt needs the real 201088-token vocabulary)")
+        ids, tokens_from = render_prompt(prompt), "--prompt (Harmony)"
+        check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
+    if ids is not None:
+        ids = torch.tensor(ids, dtype=torch.long)
     overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err}
 
     if run.under_torchrun():
@@ -109,23 +160,24 @@ def verify_logits(
         rounding, exact = verdict.rounding_for(opened)
         ref = reference_for(reference, ids, device.value, None if exact else rounding)
         if save_reference is not None:
-            save_ref(ref, save_reference)
+            with atomic_output(save_reference, overwrite=overwrite_outputs) as tmp:
+                save_ref(ref, tmp)
             typer.echo(f"reference saved to {save_reference}")
         report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
                                                 overrides=overrides, tokens_from=tokens_from)
     for line in verdict.summary_lines(report):
         typer.echo(line)
     if json_report is not None:
-        json_report.parent.mkdir(parents=True, exist_ok=True)
-        json_report.write_text(json.dumps(report, indent=1) + "\n")
+        write_atomic(json_report, json.dumps(report, indent=1) + "\n", overwrite=overwrite_outputs)
         typer.echo(f"report: {json_report}")
     if dump_logits is not None:
-        for p in verdict.dump_logits(outputs, dump_logits, ref.tokens):
+        for p in verdict.dump_logits(outputs, dump_logits, ref.tokens, overwrite=overwrite_outputs):
             typer.echo(f"logits: {p}")
     if plot is not None:
         from gptoss_fp8.verify.plot import plot_report
 
-        plot_report(report, plot)
+        with atomic_output(plot, overwrite=overwrite_outputs) as tmp:
+            plot_report(report, tmp)
         typer.echo(f"plot: {plot}")
     if not report["passed"]:
         raise typer.Exit(1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +26,8 @@ from typing import Callable, Iterator
 import torch
 
 from gptoss_fp8.checkpoint.format import TensorSpec, assign_shards, hf_source_tensors, shard_file_names
-from gptoss_fp8.checkpoint.st_io import StreamingWriter
+from gptoss_fp8.checkpoint.st_io import StreamingWriter, format_gb
+from gptoss_fp8.convert.writer import write_text_atomic
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.config import GptOssConfig, hf_config_dict, original_config_dict, preset_config, special_token_ids
 from gptoss_fp8.quant.mxfp4 import E2M1_VALUES
@@ -33,7 +35,8 @@ from gptoss_fp8.quant.mxfp4 import E2M1_VALUES
 LAYOUTS = ("hf", "original", "both")
 SHARD_BYTES = 4 * 1024**3
 CHUNK_BYTES = 64 * 1024**2
-
+# synth has no --resume: after a write error the way on is to run it again over the same DST.
+RETRY = "run synth again with --overwrite"
 
 
 def _generation_config(cfg: GptOssConfig) -> dict:
@@ -152,7 +155,7 @@ def _write_files(root: Path, names: list[str], specs_per_file: list[list[TensorS
         for s in specs:
             out_name, _, _ = make(s)
             entries.append((out_name, torch.uint8 if s.dtype == "uint8" else torch.bfloat16, s.shape))
-        w = StreamingWriter(root / fname, entries, metadata)
+        w = StreamingWriter(root / fname, entries, metadata, retry=RETRY)
         try:
             for s in specs:
                 out_name, produce, align = make(s)
@@ -177,11 +180,24 @@ def write_synthetic(dst: Path, preset: str = "tiny", *, layers: int | None = Non
         raise GptOssFp8Error(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     cfg = preset_config(preset, layers, **overrides)
     dst = Path(dst)
+    if dst.exists() and not dst.is_dir():
+        raise GptOssFp8Error(f"{dst}: exists and is not a directory; choose a new directory for the synthetic checkpoint")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise GptOssFp8Error(f"{dst}: directory is not empty; choose an empty or new directory (or --overwrite)")
-    dst.mkdir(parents=True, exist_ok=True)
-    progress = progress or (lambda n: None)
     specs = hf_source_tensors(cfg)
+    need = sum(map(spec_bytes, specs)) * (2 if layout == "both" else 1)
+    probe = dst
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise GptOssFp8Error(f"{dst}: the {preset} checkpoint needs {format_gb(need)}, {format_gb(free)} free; "
+                             "free space or choose another disk (nothing was written)")
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GptOssFp8Error(f"{dst}: cannot create directory ({e.strerror})") from None
+    progress = progress or (lambda n: None)
     meta = {"format": "pt", "producer": "gptoss-fp8 synth", "preset": preset, "seed": str(seed)}
     if shard_bytes is None:
         shard_bytes = SHARD_BYTES if preset != "tiny" else max(1, sum(map(spec_bytes, specs)) // 3)
@@ -194,11 +210,11 @@ def write_synthetic(dst: Path, preset: str = "tiny", *, layers: int | None = Non
         _write_files(dst, names, per_file, lambda s: (s.name, _producer(s, cfg, seed), 1), meta, progress)
         index = {"metadata": {"total_size": sum(map(spec_bytes, specs))},
                  "weight_map": {s.name: names[k] for s, k in zip(specs, shard_of)}}
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_text_atomic(dst / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n", RETRY)
         for fname, content in {"generation_config.json": _generation_config(cfg), **_EXTRA_FILES}.items():
-            (dst / fname).write_text(json.dumps(content, indent=2) + "\n")
-        (dst / "chat_template.jinja").write_text(_CHAT_TEMPLATE)
-        (dst / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+            write_text_atomic(dst / fname, json.dumps(content, indent=2) + "\n", RETRY)
+        write_text_atomic(dst / "chat_template.jinja", _CHAT_TEMPLATE, RETRY)
+        write_text_atomic(dst / "config.json", json.dumps(hf_config_dict(cfg), indent=2) + "\n", RETRY)
 
     if layout in ("original", "both"):
         _write_original(dst / "original", cfg, seed, meta, progress)
@@ -250,4 +266,4 @@ def _write_original(root: Path, cfg: GptOssConfig, seed: int, meta: dict[str, st
     specs = [s for s, _, _ in items]
     _write_files(root, ["model.safetensors"], [specs], lambda s: (s.name, by_name[s.name][1], by_name[s.name][2]),
                  meta, progress)
-    (root / "config.json").write_text(json.dumps(original_config_dict(cfg), indent=2) + "\n")
+    write_text_atomic(root / "config.json", json.dumps(original_config_dict(cfg), indent=2) + "\n", RETRY)

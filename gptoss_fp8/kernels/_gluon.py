@@ -39,15 +39,10 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-# GPTOSS_FP8_GLUON=0 in the environment keeps every call on the Triton kernels (for comparison, or
-# where a driver misbehaves with the Gluon ones); read at each call.
-ENV_SWITCH = "GPTOSS_FP8_GLUON"
-
-
 def supported(device: torch.device) -> bool:
-    """True where the Gluon kernels can run and may: a CUDA sm_90 device, Gluon's Hopper API
-    importable, and not switched off with GPTOSS_FP8_GLUON=0."""
-    if not HAS_GLUON or device.type != "cuda" or os.environ.get(ENV_SWITCH, "1").strip() == "0":
+    """True where the Gluon kernels can run: a CUDA sm_90 device and Gluon's Hopper API importable
+    (whether they may is ``KernelConfig.gluon``, kernels/config.py)."""
+    if not HAS_GLUON or device.type != "cuda":
         return False
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -63,23 +58,6 @@ def descriptor(t: torch.Tensor, block: list[int]):
     shared layout for that block. The layout is built once per (block, dtype): building it took
     ~10 us of host time per call (CPU box), three times per GEMM launch."""
     return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), t.dtype))
-
-
-def kernel_paths(device: torch.device) -> str:
-    """One line naming the kernels the ``triton`` ops backend runs on this device (for reports)."""
-    if device.type != "cuda":
-        return "kernels: Triton (interpreter on CPU)"
-    if not supported(device):
-        why = ("switched off by GPTOSS_FP8_GLUON=0" if os.environ.get(ENV_SWITCH, "1").strip() == "0"
-               else "no Gluon Hopper API in this triton" if not HAS_GLUON else "not an sm_90 GPU")
-        return f"kernels: Triton ({why})"
-    from gptoss_fp8.kernels import attention, fp8_gemm, moe
-
-    parts = [f"dense GEMM from {fp8_gemm.WS_MIN_ROWS} rows" if fp8_gemm.WS_MIN_ROWS < 1 << 40 else None,
-             ("MoE gate_up + down" if moe.WS_MOE_DOWN else "MoE gate_up") if moe.WS_MOE else None,
-             "one-sequence causal attention" if attention.WS_ATTENTION else None]
-    gluon_parts = ", ".join(p for p in parts if p)
-    return f"kernels: Gluon warp-specialized ({gluon_parts}), Triton for the rest" if gluon_parts else "kernels: Triton"
 
 
 def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4) -> dict:

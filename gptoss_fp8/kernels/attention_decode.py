@@ -34,8 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8 import spec
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels.attention import LOG2E, attention_ref
+from gptoss_fp8.kernels.attention import LOG2E
+from gptoss_fp8.kernels.config import CPU_DECODE_TILE, DEFAULT, DecodeTile, KernelConfig
 from gptoss_fp8.quant.fp8 import cdiv, next_pow2
 
 
@@ -195,30 +197,17 @@ def _attn_merge_kernel(
     tl.store(Out + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-# (BLOCK_N, num_warps, num_stages) per device kind; BLOCK_M follows the rows (NQ * GROUP).
-# H200, 32768 cached tokens: BLOCK_N 128 with ~4 splits per tile was best at batch 8 and 64
-# (benchmarks/notes/kernels_attention.md).
-DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {
-    "cuda": (128, 4, 3),
-    "cpu": (16, 4, 1),
-}
-# One wave (batch 1 on the H200: 8 row tiles against 132 SMs) with a long full-causal cache: more,
-# shorter splits keep more reads in flight, and the separate merge kernel spreads the merge over the
-# SMs (the fused one serializes it in the last split of each tile, which grows with the split
-# count). H200, 32768 cached tokens, batch 1: 23.5-24.9 us against 26.2 for the default above (ninth
-# session, BENCHMARKS.md; `python3 -m gptoss_fp8.bench.kernels_attention decode_merge`).
-ONE_WAVE_CONFIG = (64, 4, 4)
-ONE_WAVE_PROGRAMS_PER_SM = 2
 _NO_WINDOW = 1 << 30
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int) -> int | None:
+def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int, config: KernelConfig | None = None) -> int | None:
     """Splits per row tile for a one-wave call (16+ SMs per row tile) against a long full-causal
-    cache, ~ONE_WAVE_PROGRAMS_PER_SM programs per SM with at least 4 key blocks each; None when the
-    call is not one (then the DECODE_CONFIGS path runs)."""
-    want = cdiv(ONE_WAVE_PROGRAMS_PER_SM * sms, tiles)
-    if windowed or tiles * 16 > sms or cdiv(l_max, ONE_WAVE_CONFIG[0]) < 4 * want:
+    cache, ~``decode_one_wave_programs_per_sm`` programs per SM with at least 4 key blocks of
+    ``decode_one_wave`` each; None when the call is not one (then the ``decode`` tile runs)."""
+    cfg = config or DEFAULT
+    want = cdiv(cfg.decode_one_wave_programs_per_sm * sms, tiles)
+    if windowed or tiles * 16 > sms or cdiv(l_max, cfg.decode_one_wave.block_n) < 4 * want:
         return None
     return want
 
@@ -246,10 +235,11 @@ def attention_decode(
     sliding_window: int = 0,
     sm_scale: float | None = None,
     num_splits: int | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: KernelConfig | None = None,
     block_m: int | None = None,
     fused_merge: bool | None = None,
     merge_chunk: int | None = None,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:
     """Attention with sinks of NQ new queries per sequence against a KV cache (layout: module doc).
 
@@ -260,7 +250,9 @@ def attention_decode(
     counter buffer that the kernel leaves zeroed, so calls on one device must not run concurrently
     on different streams); False: a second small merge kernel. None (default): True, except for a
     one-wave call (few row tiles, e.g. batch 1) against a long full-causal cache on a GPU with
-    config and num_splits left to the launcher: ONE_WAVE_CONFIG, ~2 programs per SM, separate merge.
+    tile and num_splits left to the launcher: ``config.decode_one_wave``, ~2 programs per SM,
+    separate merge. ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this launch's
+    (BLOCK_N, warps, stages) instead of ``config.decode``.
     merge_chunk: splits the fused merge loads per step (a power of two); None: 2048 values per step.
     (All splits in one step, tried at batch 1 where the launch is one wave: no faster; notes.)
     Returns out [B, NQ, Hq, D] bf16.
@@ -289,12 +281,14 @@ def attention_decode(
     BLOCK_M = block_m or min(64 if on_gpu else 32, max(16, next_pow2(rows)))
     num_m = cdiv(rows, BLOCK_M)
     window = sliding_window if 0 < sliding_window < L_max else _NO_WINDOW
-    if on_gpu and config is None and num_splits is None and fused_merge is None:
-        splits = one_wave_splits(B * Hkv * num_m, L_max, window != _NO_WINDOW, sm_count(q.device))
+    cfg = config or DEFAULT
+    if on_gpu and tile is None and num_splits is None and fused_merge is None:
+        splits = one_wave_splits(B * Hkv * num_m, L_max, window != _NO_WINDOW, sm_count(q.device), cfg)
         if splits:
-            config, num_splits, fused_merge = ONE_WAVE_CONFIG, splits, False
+            tile, num_splits, fused_merge = cfg.decode_one_wave, splits, False
     fused_merge = True if fused_merge is None else fused_merge
-    BLOCK_N, num_warps, num_stages = config or DECODE_CONFIGS["cuda" if on_gpu else "cpu"]
+    tile = tile or (cfg.decode if on_gpu else CPU_DECODE_TILE)
+    BLOCK_N, num_warps, num_stages = tile.block_n, tile.num_warps, tile.num_stages
     # Widest key range one row tile can need (lo is aligned down, hence the extra block).
     span = L_max if window == _NO_WINDOW else min(L_max, window + NQ - 1 + BLOCK_N)
     blocks = cdiv(span, BLOCK_N)
@@ -353,9 +347,10 @@ def attention_decode_ref(
     sliding_window: int = 0,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
-    """``attention_decode``'s contract, sequence by sequence with ``attention_ref`` (fp32 inside)."""
+    """``attention_decode``'s contract, sequence by sequence with ``spec.attention`` in fp32."""
     B, NQ = q.shape[:2]
     out = torch.empty_like(q)
     for b, n in enumerate(kv_lens.tolist()):
-        out[b] = attention_ref(q[b], k_cache[b, :n], v_cache[b, :n], sinks, sliding_window, sm_scale, q_offset=n - NQ)
+        out[b] = spec.attention(q[b], k_cache[b, :n], v_cache[b, :n], sinks, sm_scale, sliding_window,
+                                q_offset=n - NQ, dtype=torch.float32)
     return out

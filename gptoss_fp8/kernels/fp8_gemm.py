@@ -17,9 +17,12 @@ Performance notes (H200, benchmarks/notes/kernels_gemm.md): the weight scale is 
 per-column scale vector, 128x128 tiles spilled registers and ran at 417 instead of 732 TFLOP/s);
 loads go through tensor descriptors (TMA).
 
-``fp8_block_mainloop`` is shared with the grouped expert GEMMs in moe.py. On sm_90, from
-``WS_MIN_ROWS`` rows, ``fp8_gemm`` runs the warp-specialized Gluon kernel of fp8_gemm_ws.py instead
-(same contract and numerics; ``dense_config``).
+Tiles: BLOCK_N <= 128 here (one weight-scale block per tile; 256-wide dense tiles ran at 0.70-0.92x
+of the 128-wide ones, notes/kernels_gemm.md, fourth session). The launch is
+``KernelConfig.dense_tile`` (kernels/config.py) unless a ``tile`` is given; on sm_90, from
+``KernelConfig.dense_gluon_min_rows`` rows, that is the warp-specialized Gluon kernel of
+fp8_gemm_ws.py (same contract and numerics). ``fp8_block_mainloop`` is shared with the grouped
+expert GEMMs in moe_gemm.py. Not done here: fp8 output, per-tensor scales, transposed operands.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gptoss_fp8.kernels import fp8_gemm_ws, sm_count
-from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
 from gptoss_fp8.kernels.act_quant import act_quant
+from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, TritonTile
+from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
 
 
 @triton.jit
@@ -56,10 +60,10 @@ def fp8_block_mainloop(
 ):
     """sum over K of (A[rows] * s_a) @ (B[b_col0 : b_col0 + BLOCK_N] * s_b)^T in fp32.
 
-    Returns (acc_lo, acc_hi). BLOCK_N = 256 is computed as two 128-column halves (lo, hi), each
-    inside one weight scale block, so the weight scale is one scalar per half and K step;
-    BLOCK_N <= 128 gives acc_lo [BLOCK_M, BLOCK_N] (acc_hi is the same tensor, unused), and so
-    does BLOCK_N = 256 with SPLIT_N=False: one 256-wide product scaled by a per-column vector.
+    Returns (acc_lo, acc_hi). BLOCK_N = 256 (the MoE gate_up) is computed as two 128-column halves
+    (lo, hi), each inside one weight scale block, so the weight scale is one scalar per half and K
+    step; BLOCK_N <= 128 gives acc_lo [BLOCK_M, BLOCK_N] (acc_hi is the same tensor, unused), and
+    so does BLOCK_N = 256 with SPLIT_N=False: one 256-wide product scaled by a per-column vector.
     b_col0 must be a multiple of min(BLOCK_N, 128): tiles never straddle a weight block.
 
     A operand: with A_TMA, ``a_src`` is a tensor descriptor over A [rows, K] (block [BLOCK_M,
@@ -123,7 +127,7 @@ def _fp8_gemm_kernel(
     a_src, as_ptr, b_src, bs_ptr, bias_ptr, c_ptr,
     M, N, K, num_progs,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-    HAS_BIAS: tl.constexpr, TMA: tl.constexpr, SPLIT_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr = False,
 ):
@@ -147,53 +151,11 @@ def _fp8_gemm_kernel(
         acc_lo, acc_hi = fp8_block_mainloop(
             a_src, pid_m * BLOCK_M, a_rows, stride_am, as_ptr, stride_asm,
             b_src, pid_n * BLOCK_N, pid_n * BLOCK_N, N, stride_bn, bs_ptr, stride_bsn,
-            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA, SPLIT_N,
+            K, BLOCK_M, BLOCK_N, BLOCK_K, TMA, TMA,
         )
         rows = offs_m.to(tl.int64)
         row_mask = offs_m < M
-        if BLOCK_N > BLOCK_K and SPLIT_N:
-            store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
-            store_rows(c_ptr, rows, row_mask, acc_hi, pid_n * BLOCK_N + BLOCK_K, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_K)
-        else:
-            store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
-
-
-# From this many rows on (twice as many for N <= 3072), where it runs (sm_90, bf16 out, N % 8 == 0),
-# the Gluon warp-specialized kernel (kernels/fp8_gemm_ws.py) replaces the Triton one: H200 probe,
-# benchmarks/notes/kernels_gemm.md (seventh session): 3-6% faster from 2048 rows, as fast at 1024
-# except o_proj's N = 2880 (0.93x there).
-WS_MIN_ROWS = 1024
-
-
-def dense_config(m: int, n: int, k: int, ws: bool = False) -> dict:
-    """Launch configuration by problem size (block shapes, warps, pipeline depth).
-
-    ``ws``: the warp-specialized Gluon kernel can run this call (``fp8_gemm`` decides); it is picked
-    from ``WS_MIN_ROWS`` rows on (``WS=True``; its own 128x128 tiles, ``num_stages`` and ``GROUP_M``).
-
-    Picked from H200 measurements (benchmarks/notes/kernels_gemm.md, fourth session's probe: CUDA-
-    graph device time beside torch's blockwise ``_scaled_mm``): persistent programs whose tile and K
-    loops are flattened into one pipelined loop (the next tile's loads overlap this tile's epilogue)
-    lead from 1024 rows on: 64x128 tiles, 4 warps, 2 programs per SM up to 2048 rows and for narrow
-    outputs (o_proj's N = 2880) up to 8192 rows; 128x128 tiles, 8 warps, 3 stages, one program per
-    SM beyond. Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays.
-    """
-    if ws and m >= WS_MIN_ROWS * (2 if n <= 3072 else 1):
-        return dict(WS=True, GROUP_M=8, num_stages=5)
-    if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
-    if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, TMA=True)
-    if m <= 512:
-        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5, TMA=True)
-    if m <= 1024 and n <= 3072:
-        # o_proj (2880 x 4096) at 1024 rows: one program per tile, 3 stages (3 programs per SM),
-        # 30.5 us against 35.2 us for the persistent tile below and 34.1 us for the peer
-        # (benchmarks/oproj_small.py, eighth session); at 2048 rows the persistent tile stays ahead
-        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, TMA=True)
-    if m <= 2048 or (n <= 3072 and m <= 8192):
-        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSISTENT=2, FLATTEN=True)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True, FLATTEN=True)
+        store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
 
 
 def fp8_gemm(
@@ -203,8 +165,9 @@ def fp8_gemm(
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    config: dict | None = None,
+    config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
+    tile: TritonTile | GluonTile | None = None,
 ) -> torch.Tensor:
     """FP8 block GEMM with fused bias.
 
@@ -213,6 +176,8 @@ def fp8_gemm(
     bias [N] bf16/fp32 or None; ``out`` an optional contiguous [..., N] tensor to write into.
     Returns ``out_dtype`` [..., N]. Agrees with
     ``gptoss_fp8.quant.fp8.block_gemm_reference`` up to fp32 summation order.
+    ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this launch instead of
+    ``config.dense_tile``'s choice (a ``GluonTile`` forces the Gluon kernel).
     """
     assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
@@ -240,46 +205,45 @@ def fp8_gemm(
         out = out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
+    cfg = config or DEFAULT
     ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
           and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases
-          and fp8_gemm_ws.supported(x_fp8.device))
-    cfg = dict(config or dense_config(m, n, k, ws))
-    if cfg.pop("WS", False):
-        assert ws, ("config WS=True needs the Gluon kernel's conditions: an sm_90 GPU, triton with Gluon, "
-                    "bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
-        fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=cfg.pop("num_stages", 4),
-                                group_m=cfg.pop("GROUP_M", 8))
+          and cfg.gluon_on(x_fp8.device))
+    tile = tile or cfg.dense_tile(m, n, k, ws)
+    if isinstance(tile, GluonTile):
+        assert ws, ("a GluonTile needs the Gluon kernel's conditions: config.gluon, an sm_90 GPU, triton with "
+                    "Gluon, bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
+        fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m)
         return out.reshape(*lead, n)
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    assert bn in (16, 32, 64, 128, 256), f"BLOCK_N={bn}: tiles must not straddle a 128-column weight block"
-    tma = cfg.pop("TMA", False)
-    split = cfg.pop("SPLIT_N", True)
-    persistent = cfg.pop("PERSISTENT", False)
+    bm, bn = tile.block_m, tile.block_n
+    assert bn in (16, 32, 64, 128), f"BLOCK_N={bn}: tiles must lie inside one 128-column weight block"
     num_tiles = cdiv(m, bm) * cdiv(n, bn)
-    # PERSISTENT: True or n programs per SM, each walking tiles
-    num_progs = min(num_tiles, int(persistent) * sm_count(x_fp8.device)) if persistent else num_tiles
-    tma = tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
+    # persistent: n programs per SM, each walking tiles
+    num_progs = min(num_tiles, tile.persistent * sm_count(x_fp8.device)) if tile.persistent else num_tiles
+    tma = tile.tma and a.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
     if tma:
         a_src = TensorDescriptor.from_tensor(a, [bm, BLOCK])
-        b_src = TensorDescriptor.from_tensor(w_fp8, [min(bn, BLOCK) if split else bn, BLOCK])
+        b_src = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK])
     else:
         a_src, b_src = a, w_fp8
     _fp8_gemm_kernel[(num_progs,)](
         a_src, a_s, b_src, w_scale_inv, bias if bias is not None else out, out,
         m, n, k, num_progs,
         a.stride(0), a_s.stride(0), w_fp8.stride(0), w_scale_inv.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, TMA=tma, SPLIT_N=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, **cfg,
+        HAS_BIAS=bias is not None, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=tile.group_m,
+        FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out.reshape(*lead, n)
 
 
 def fp8_linear(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """bf16 [..., K] -> bf16 [..., N]: per-token 1x128 quantization, then the block GEMM + bias."""
     x_fp8, x_scale = act_quant(x)
-    return fp8_gemm(x_fp8, x_scale, w_fp8, w_scale_inv, bias, out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
+    return fp8_gemm(x_fp8, x_scale, w_fp8, w_scale_inv, bias,
+                    out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16, config=config)
 
 
 def fp8_gemm_reference(

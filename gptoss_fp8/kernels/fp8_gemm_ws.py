@@ -5,7 +5,7 @@ Same contract and numerics as kernels/fp8_gemm.py, whose plain-torch reference
 (``fp8_gemm_reference``) is this kernel's reference too: y = (x_fp8 * s_x) @ (W_fp8 * s_W)^T + b,
 each 128-wide K block's fp8 tensor-core product scaled by s_x[row, kb] * s_W[col block, kb] into an
 fp32 accumulator, the bias added in fp32, one cast to bf16. ``fp8_gemm`` calls it (for large M on
-sm_90, see ``dense_config``); call it through there.
+sm_90, see ``KernelConfig.dense_tile``); call it through there.
 
 Structure: one persistent program per SM walking 128 x 128 output tiles in grouped order.
 - A 1-warp producer partition streams the (A, B) K blocks of this program's tiles through a ring of

@@ -1,16 +1,15 @@
-"""Warp-specialized grouped FP8 GEMMs of the fused MoE for Hopper (sm_90), in Gluon.
+"""The MoE gate_up GEMM, warp-specialized for Hopper (sm_90), in Gluon.
 
-The two expert GEMMs of kernels/moe.py (``moe_expert_slots`` calls these when its config says
-``WS``), with the same contracts and numerics as ``_moe_gemm_kernel`` there, whose plain-torch
-reference (``moe_experts_reference``) is theirs too:
-- gate_up (``FUSE_SWIGLU``): A = the tokens' activations already in padded sorted row order
-  (``gather_act_quant``), W13 [E, 2I, H] with gate/up rows interleaved; epilogue: bias, the clamped
-  SwiGLU, the 1x128 FP8 quantization of the result (one scale per row and 128 outputs), written in
-  sorted row order;
-- down: A = that FP8 intermediate, W2 [E, H, I]; epilogue: bias, bf16 rows scattered back to their
-  (token, slot) index.
-Each K block's fp8 product is scaled by s_a[row, kb] * s_w[expert, col block, kb] into an fp32
-accumulator (promotion every 128, as everywhere in this package).
+Same contract and numerics as the Triton gate_up of kernels/moe_gemm.py (its reference,
+``spec.moe_w8a8``, is this kernel's too), except that A comes pre-gathered: the tokens'
+FP8 activations already in padded sorted row order (``moe.gather_act_quant``), rows in segments of
+64 (TILE_M, the experts' alignment). W13 [E, 2I, H] fp8 with gate/up rows interleaved; epilogue:
+bias, the clamped SwiGLU, the 1x128 FP8 quantization of the result (one scale per row and 128
+outputs), written in sorted row order through TMA. Each K block's fp8 product is scaled by
+s_a[row, kb] * s_w[expert, col block, kb] into an fp32 accumulator (promotion every 128).
+Not done here: the down GEMM (a Gluon down ran 5-10% slower than the Triton one on the H200,
+BENCHMARKS.md seventh session, and was removed; ``slots_ptr``, ``out_ptr``, ``num_slots`` and
+``stride_om`` stay in the argument lists, unused); any other tile than 64 x 256.
 
 Structure (the dense fp8_gemm_ws.py's, on 64 x 256 tiles; experts' row segments are padded to 64):
 one persistent program per SM walks (row tile, column tile) pairs in grouped order, skipping row
@@ -54,7 +53,7 @@ if HAS_GLUON:
     @gluon.jit
     def swiglu_columns(acc, nmask, limit, ALPHA: gl.constexpr):
         """acc [rows, 2w] interleaved gate/up columns (bias added) -> the clamped SwiGLU [rows, w] in
-        kernels/moe.py's arithmetic; columns past N (nmask False) give exactly 0."""
+        kernels/moe_gemm.py's arithmetic; columns past N (nmask False) give exactly 0."""
         acc = gl.where(gl.expand_dims(nmask, 0), acc, 0.0)
         gate, up = gl.split(gl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
         gate = gl.minimum(gate, limit)
@@ -82,7 +81,7 @@ if HAS_GLUON:
     def _moe_consume(W: gl.constexpr, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, bs_ptr, bias_ptr,
                      out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                      stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
-                     GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
+                     GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
                      FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         """Consumer warpgroup W (0 or 1): columns W*128 .. W*128 + 128 of every tile."""
         S: gl.constexpr = a_bufs.type.shape[0]
@@ -117,52 +116,43 @@ if HAS_GLUON:
                 nmask = cols < N
                 acc = acc + gl.expand_dims(
                     gl.load(bias_ptr + expert * stride_biase + cols, mask=nmask, other=0.0).to(gl.float32), 0)
-                if FUSE_SWIGLU:
-                    h = swiglu_columns(acc, nmask, limit, ALPHA)
-                    amax = gl.max(gl.abs(h), axis=1)
-                    # the other warpgroup's half of the 128-wide group: exchange row maxima
-                    p = t_local % 2
-                    x_smem.index(2 * p + W).store(amax)
-                    mbarrier.arrive(xbar.index(p), count=1)
-                    mbarrier.wait(xbar.index(p), (t_local // 2) & 1)
-                    amax = gl.maximum(amax, x_smem.index(2 * p + 1 - W).load(amax.type.layout))
-                    scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
-                    q = h / gl.expand_dims(scale_o, 1)
-                    q = gl.minimum(gl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-                    tma.store_wait(0)
-                    o_smem.store(q.to(gl.float8e4nv))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(out_desc, [pid_m * TM, pid_n * HN + W * (HN // 2)], o_smem)
-                    if W == 0:
-                        srows = pid_m * TM + gl.arange(0, TM, layout=amax.type.layout)
-                        gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
-                    t_local += 1
-                else:
-                    slots = gl.load(slots_ptr + rows)
-                    valid = slots < num_slots
-                    ptrs = out_ptr + gl.expand_dims(gl.where(valid, slots, 0).to(gl.int64) * stride_om, 1) \
-                        + gl.expand_dims(cols, 0)
-                    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(valid, 1) & gl.expand_dims(nmask, 0))
-        if FUSE_SWIGLU:
-            tma.store_wait(0)
+                h = swiglu_columns(acc, nmask, limit, ALPHA)
+                amax = gl.max(gl.abs(h), axis=1)
+                # the other warpgroup's half of the 128-wide group: exchange row maxima
+                p = t_local % 2
+                x_smem.index(2 * p + W).store(amax)
+                mbarrier.arrive(xbar.index(p), count=1)
+                mbarrier.wait(xbar.index(p), (t_local // 2) & 1)
+                amax = gl.maximum(amax, x_smem.index(2 * p + 1 - W).load(amax.type.layout))
+                scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
+                q = h / gl.expand_dims(scale_o, 1)
+                q = gl.minimum(gl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+                tma.store_wait(0)
+                o_smem.store(q.to(gl.float8e4nv))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [pid_m * TM, pid_n * HN + W * (HN // 2)], o_smem)
+                if W == 0:
+                    srows = pid_m * TM + gl.arange(0, TM, layout=amax.type.layout)
+                    gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
+                t_local += 1
+        tma.store_wait(0)
 
     # The two worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _moe_second_consumer(a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
-                             stride_osm, limit, num_progs, GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr,
+                             stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
                              ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_consume(1, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(1), as_ptr, bs_ptr, bias_ptr, out_ptr,
                      out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                     stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M,
-                     FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)
+                     stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)
 
     @gluon.jit
     def _moe_producer(a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                       bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                       num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
-                      stride_osm, limit, num_progs, GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr,
+                      stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
                       ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M)
@@ -171,7 +161,7 @@ if HAS_GLUON:
     def _ws_moe_gemm_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr,
                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                             stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
-                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, FUSE_SWIGLU: gl.constexpr,
+                            STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
@@ -182,10 +172,7 @@ if HAS_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         x_smem = gl.allocate_shared_memory(gl.float32, [4, TM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if FUSE_SWIGLU:
-            o_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, TM, TN // 4], out_desc.layout)
-        else:
-            o_bufs = a_bufs  # unused
+        o_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, TM, TN // 4], out_desc.layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
@@ -195,43 +182,37 @@ if HAS_GLUON:
             (_moe_consume, (0, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(0), as_ptr, bs_ptr, bias_ptr,
                             out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                             num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit,
-                            num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)),
+                            num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)),
             (_moe_second_consumer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                                     bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                                     num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase,
-                                    stride_om, stride_osm, limit, num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C,
+                                    stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C,
                                     EPS)),
             (_moe_producer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
-                             stride_osm, limit, num_progs, GROUP_M, FUSE_SWIGLU, ALPHA, FP8_MAX_C, EPS)),
+                             stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)),
         ], [4, 1], [232, 40])
 
 
 def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None, sorted_slots: torch.Tensor,
-                block_expert: torch.Tensor, num_slots: int, limit: float, fuse_swiglu: bool, alpha: float,
+                bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, sorted_slots: torch.Tensor,
+                block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
                 fp8_max: float, eps: float, stages: int = 4, group_m: int = 8) -> None:
-    """One grouped expert GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
+    """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of 64 rows), a_scale [max_rows,
-    ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128), ceil(K/128)], bias [E, N].
-    fuse_swiglu: out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)] (sorted rows);
-    otherwise out = y [num_slots, N] (bf16 or fp32: the fp32 accumulator rounded once to its dtype),
-    row sorted_slots[r] = row r's result."""
+    ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128), ceil(K/128)], bias [E, N];
+    out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)] (sorted rows)."""
     max_rows, k = a.shape
     e, n, _ = w.shape
     a_desc, b_desc = descriptor(a, [TILE_M, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
-    if fuse_swiglu:
-        out_desc = descriptor(out, [TILE_M, TILE_N // 4])
-        stride_om, out_s, stride_osm = out.stride(0), out_scale, out_scale.stride(0)
-    else:
-        out_desc, stride_om, out_s, stride_osm = a_desc, out.stride(0), out, 0  # out_desc unused
+    out_desc = descriptor(out, [TILE_M, TILE_N // 4])
     num_m = max_rows // TILE_M
     num_progs = min(num_m * cdiv(n, TILE_N), sm_count(a.device))
     _ws_moe_gemm_kernel[(num_progs,)](
-        a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_s, sorted_slots, block_expert,
+        a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_scale, sorted_slots, block_expert,
         num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0),
-        stride_om, stride_osm, float(limit), num_progs,
-        STAGES=stages, GROUP_M=group_m, FUSE_SWIGLU=fuse_swiglu, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
+        out.stride(0), out_scale.stride(0), float(limit), num_progs,
+        STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
     )

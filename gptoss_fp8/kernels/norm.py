@@ -9,7 +9,7 @@ where torch takes ~8 passes over [T, H] in fp32.
 Numerics: the residual sum is rounded to bf16 exactly as torch's bf16 add (fp32 sum, one
 rounding); the sum of squares is an fp32 tree reduction (torch's mean: another order) and
 ``rsqrt`` is the GPU's approximate one: the normed output is within one bf16 ulp of
-``rms_norm_reference``. In Triton's interpreter (CPU), fp32 -> bf16 stores truncate instead of
+``gptoss_fp8.spec.rms_norm`` (the reference; ``spec.add_rms_norm`` for the fused add). In Triton's interpreter (CPU), fp32 -> bf16 stores truncate instead of
 rounding, which is also within one bf16 ulp.
 
 ``quant=True`` also returns the normed rows' FP8 quantization (1x128 groups, kernels/act_quant.py's
@@ -19,6 +19,9 @@ tensor, without reading it back. The linears and the MoE that follow a norm take
 ``rms_norm_quant(..., combine=weights)`` takes the MoE's per-slot outputs [T, k, H] as the delta and
 combines them in the same pass (``moe.moe_combine``'s arithmetic, bit for bit): the combined
 [T, H] delta is never written and read back, and one launch per layer is saved.
+
+Layout: x [T, H] with a contiguous last dim, weight float32 [H] contiguous; the whole row in one
+tile (BLOCK_H = next_pow2(H)), so very wide rows (H beyond ~16K) are not what this is for.
 """
 
 from __future__ import annotations
@@ -131,17 +134,3 @@ def rms_norm_quant(
     residual delta is their weighted combine, ``moe.moe_combine(delta, combine)`` bit for bit,
     computed in the same pass (the [T, H] combine is never written)."""
     return _launch(x, delta, weight, eps, quant=True, combine=combine)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """gpt-oss's RMSNorm in plain torch (fp32, cast back to x's dtype)."""
-    t = x.float()
-    t = t * torch.rsqrt(torch.mean(t**2, dim=-1, keepdim=True) + eps)
-    return (t * weight).to(x.dtype)
-
-
-def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add of the bf16 stream, then ``rms_norm_reference`` (the ops spec uses both)."""
-    xo = x + delta.to(x.dtype)
-    return xo, rms_norm_reference(xo, weight, eps)

@@ -4,19 +4,17 @@ gpt-oss rotates the two HALVES of each head (x1 = x[..., :D/2], x2 = x[..., D/2:
     o1 = x1 cos - x2 sin,   o2 = x2 cos + x1 sin,
 with angle(pos, j) = pos * inv_freq[j] and cos/sin multiplied by the YaRN concentration
 0.1 ln(factor) + 1; inv_freq blends interpolation (1 / (factor * base^(2j/D))) and extrapolation
-(1 / base^(2j/D)) with the NTK-by-parts ramp. ``rope_cos_sin`` builds the cos/sin table exactly as
-the reference does (fp32, torch), once per model; the kernel gathers its rows by position, so any
+(1 / base^(2j/D)) with the NTK-by-parts ramp. ``gptoss_fp8.spec.rope_table`` builds the cos/sin
+table exactly as the reference does (fp32, torch), once per model; the kernel gathers its rows by position, so any
 positions work (ragged batches, decode at the end of a cache). Arithmetic is fp32, rounded once
 to bf16 at the store (the reference rounds cos/sin to bf16 and computes in bf16: they differ by
-bf16 noise).
+bf16 noise; ``spec.apply_rope(..., dtype=torch.float32)`` is this kernel's arithmetic).
 
 Layout: q [T, Hq, D], k [T, Hkv, D], any row/head strides with a contiguous last dim (views into a
 fused qkv projection output work), positions int32/int64 [T], cos/sin fp32 [max_pos, D/2].
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -64,46 +62,6 @@ def _rope_kernel(
     tl.store(y_ptr + HALF, o2.to(QOut.dtype.element_ty), mask=ok)
 
 
-def yarn_concentration_inv_freq(
-    head_dim: int = 64,
-    base: float = 150000.0,
-    scaling_factor: float = 32.0,
-    initial_context_length: int = 4096,
-    ntk_alpha: float = 1.0,
-    ntk_beta: float = 32.0,
-    device: torch.device | str | None = None,
-) -> tuple[float, torch.Tensor]:
-    """(concentration, inv_freq fp32 [head_dim/2]) of YaRN with NTK-by-parts, as gpt-oss computes them."""
-    freq = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    if scaling_factor <= 1.0:
-        return 1.0, 1.0 / freq
-    concentration = 0.1 * math.log(scaling_factor) + 1.0
-    d_half = head_dim / 2
-    # Dimensions rotating more than ntk_beta times over the original context keep their frequency
-    # (extrapolate); fewer than ntk_alpha times get divided by the factor (interpolate); a ramp between.
-    low = d_half * math.log(initial_context_length / (ntk_beta * 2 * math.pi)) / math.log(base)
-    high = d_half * math.log(initial_context_length / (ntk_alpha * 2 * math.pi)) / math.log(base)
-    assert 0 < low < high < d_half - 1, f"YaRN ramp [{low}, {high}] outside (0, {d_half - 1})"
-    interpolation = 1.0 / (scaling_factor * freq)
-    extrapolation = 1.0 / freq
-    ramp = (torch.arange(d_half, dtype=torch.float32, device=device) - low) / (high - low)
-    keep = 1 - ramp.clamp(0, 1)
-    return concentration, interpolation * (1 - keep) + extrapolation * keep
-
-
-def rope_cos_sin(
-    max_positions: int, head_dim: int = 64, device: torch.device | str | None = None, **yarn
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin fp32 [max_positions, head_dim/2], concentration folded in (gpt-oss ``_compute_cos_sin``).
-
-    ``yarn``: base, scaling_factor, initial_context_length, ntk_alpha, ntk_beta (gpt-oss defaults).
-    """
-    concentration, inv_freq = yarn_concentration_inv_freq(head_dim, device=device, **yarn)
-    t = torch.arange(max_positions, dtype=torch.float32, device=device)
-    freqs = torch.einsum("i,j->ij", t, inv_freq)
-    return (freqs.cos() * concentration).contiguous(), (freqs.sin() * concentration).contiguous()
-
-
 def _check(name: str, x: torch.Tensor, T: int, D: int) -> None:
     assert x.dim() == 3 and x.shape[0] == T and x.shape[2] == D, f"{name} {tuple(x.shape)}: want [{T}, H, {D}]"
     assert x.stride(-1) == 1, f"{name} last dim not contiguous (strides {x.stride()})"
@@ -120,7 +78,7 @@ def rope_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token positions [T] (one launch).
 
-    cos/sin fp32 [max_pos, D/2] from ``rope_cos_sin``; every position must be < max_pos.
+    cos/sin fp32 [max_pos, D/2] from ``spec.rope_table``; every position must be < max_pos.
     inplace=True writes into q and k (strided views allowed) and returns them.
     q None: k alone (when the attention kernel rotates q itself); returns (None, k_out).
     """
@@ -155,11 +113,3 @@ def rope_qk(
         HALF=D // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return (None if k_only else q_out), k_out
-
-
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Plain-torch rotation of x [T, H, D] in fp32, rounded once to x's dtype."""
-    c = cos[positions.long()][:, None, :]
-    s = sin[positions.long()][:, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

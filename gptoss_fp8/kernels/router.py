@@ -7,18 +7,20 @@ and all E experts: the fp32 product over H, the bias in fp32, one rounding to bf
 written for captures), then k rounds of (row max, lowest column holding it, mask it out) and the
 softmax of the k values in fp32 with one rounding to bf16.
 
-Numerics against ``router_reference`` (torch on the same device):
+Numerics against ``gptoss_fp8.spec.route`` (torch on the same device):
 * logits: fp32 sums in another order than cuBLAS / the CPU GEMM: within one bf16 ulp;
 * ids: ties (equal bf16 logits) go to the lowest expert id; torch's top-k order among equal values
   is unspecified. Where two logits differ by one bf16 ulp, a one-ulp difference above can swap
   them; otherwise the same experts in the same order;
 * weights: ``exp`` on the GPU is approximate: within one bf16 ulp of torch's softmax.
+
+Layout: x bf16 [T, H] (contiguous last dim), weight bf16 [E, H] contiguous, all E experts in one
+tile (BLOCK_E = next_pow2(E): meant for gpt-oss's 32 / 128); top_k <= E.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -116,18 +118,3 @@ def router(
         EVEN_K=h % block_k == 0, num_warps=warps, num_stages=stages,
     )
     return logits, ids, wts
-
-
-def select_experts(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's selection from router logits [T, E]: (ids int64 [T, k] of ``topk(sorted=True)``,
-    weights = softmax over those k logits, in the logits' dtype)."""
-    top = torch.topk(logits, top_k, dim=-1, sorted=True)
-    return top.indices, torch.softmax(top.values, dim=-1)
-
-
-def router_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference's router in plain torch: (logits, ids int64, weights), as ``router``."""
-    logits = F.linear(x, weight, bias)
-    return logits, *select_experts(logits, top_k)

@@ -2,7 +2,8 @@
 
 Buffer names are the checkpoint's tensor names (``model.layers.3.self_attn.q_proj.weight``...), so
 loading is one loop over ``named_buffers()`` with a shape and dtype check per tensor. Numerics
-follow OpenAI's ``gpt_oss/torch/model.py`` op for op (see model/ops.py for the backends):
+follow OpenAI's ``gpt_oss/torch/model.py`` op for op (each op written once in gptoss_fp8/spec.py;
+model/ops.py picks them per backend):
 RMSNorm in fp32, YaRN RoPE with concentration, sinks as an extra softmax column, sliding window
 on ``sliding_attention`` layers, router top-k (sorted) + softmax over the selected logits in bf16,
 clamped SwiGLU with +1 on the interleaved linear half, expert biases, bf16 residual stream.
@@ -17,9 +18,10 @@ from torch import nn
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.config import GptOssConfig
-from gptoss_fp8.model.ops import ReferenceOps
+from gptoss_fp8.model.ops import Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
+from gptoss_fp8.spec import rope_cos_sin
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -158,7 +160,7 @@ class GptOss(nn.Module):
         x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
         cos, sin = rope_cos_sin(cfg, tokens.shape[0], x.device)
         layers = self.model.layers
-        h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
+        h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
             x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops), layer.post_attention_layernorm.weight, eps)
             if capture is not None:
@@ -170,22 +172,23 @@ class GptOss(nn.Module):
                 x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
-        return ops.linear(h[-1:] if last_only else h, self.lm_head.weight, None, None)
+        return ops.linear(h.y[-1:] if last_only else h.y, self.lm_head.weight, None, None)
 
-    def _moe_chunked(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps, capture: dict | None,
+    def _moe_chunked(self, layer: Layer, t: Normed, ops: ReferenceOps, capture: dict | None,
                      chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The MoE block on t [T, H]: (per-slot outputs [T, k, H], their weights [T, k]) for the
-        caller to combine with the residual add, or (combined delta [T, H], None) when run in chunks."""
-        n = t.shape[0]
+        """The MoE block on the normed stream t (rows [T, H]): (per-slot outputs [T, k, H], their
+        weights [T, k]) for the caller to combine with the residual add, or (combined delta [T, H],
+        None) when run in chunks."""
+        n = t.y.shape[0]
         if not chunk or n <= chunk:
             return self._moe(layer, t, ops, capture)
         if chunk < 1:
             raise GptOssFp8Error(f"moe_chunk must be a positive number of tokens, got {chunk}")
-        out = torch.empty_like(t)
+        out = torch.empty_like(t.y)
         router = []
         for s in range(0, n, chunk):
             part: dict | None = {} if capture is not None else None
-            out[s:s + chunk] = ops.moe_combine(*self._moe(layer, t[s:s + chunk], ops, part))
+            out[s:s + chunk] = ops.moe_combine(*self._moe(layer, t.rows(s, s + chunk), ops, part))
             if part is not None:
                 router.append(part[f"{layer.idx}.router"])
         if capture is not None:
@@ -197,13 +200,14 @@ class GptOss(nn.Module):
         layers = self.model.layers
         return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
 
-    def _attention(self, layer: Layer, t: torch.Tensor, cos, sin, ops: ReferenceOps) -> torch.Tensor:
-        """Attention block on the normed stream t [T, H] -> its residual delta (bf16, or float32
-        partial sums over ranks reduced here: the caller rounds once)."""
+    def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps) -> torch.Tensor:
+        """Attention block on the normed stream t (rows [T, H]) -> its residual delta (bf16, or
+        float32 partial sums over ranks reduced here: the caller rounds once)."""
         a, d = layer.self_attn, self.cfg.head_dim
-        q, k, v = ops.linears(t, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)])
+        q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
+                              xq=t.quant)
         # q [T, Hl * D], k / v [T, KVl * D]
-        n = t.shape[0]
+        n = t.y.shape[0]
         q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
         k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
         o = ops.attention(q, k, v.view(n, a.n_kv, d), a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
@@ -214,21 +218,21 @@ class GptOss(nn.Module):
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16
 
-    def _moe(self, layer: Layer, t: torch.Tensor, ops: ReferenceOps,
+    def _moe(self, layer: Layer, t: Normed, ops: ReferenceOps,
              capture: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """MoE block on the normed stream t [T, H] -> (per-slot expert outputs [T, k, H], routing
-        weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual delta."""
+        """MoE block on the normed stream t (rows [T, H]) -> (per-slot expert outputs [T, k, H],
+        routing weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual delta."""
         m = layer.mlp
         # logits [T, E] bf16 (replicated), top-k expert ids [T, k], their softmax weights [T, k] bf16
-        g, ids, weights = ops.route(t, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
+        g, ids, weights = ops.route(t.y, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
         if capture is not None:
             capture[f"{layer.idx}.router"] = g
         ex = dict(m.experts.named_buffers(recurse=False))
         ex.setdefault("down_proj_bias", None)
-        y, yb = ops.expert_ffn(t, ids, ex, m.experts.first_expert, self.cfg.swiglu_limit,
-                               partial=self.par.parts > 1)  # [T, k, H] f32 each
+        y, yb = ops.expert_ffn(t.y, ids, ex, m.experts.first_expert, self.cfg.swiglu_limit,
+                               partial=self.par.parts > 1, xq=t.quant)  # [T, k, H] f32 each
         if yb is None:  # whole experts per rank: each (token, slot) is computed by exactly one rank
-            y = ops.all_reduce(y, self.par).to(t.dtype)
+            y = ops.all_reduce(y, self.par).to(t.y.dtype)
         else:  # intermediate dim split: sum the partial products, round, then add the bias once
             both = ops.all_reduce(torch.stack([y, yb]), self.par)
             y = ops.add_bias_after_sum(both[0], both[1])
@@ -238,33 +242,3 @@ class GptOss(nn.Module):
 def _layer_of(name: str) -> str:
     parts = name.split(".")
     return f" (layer {parts[2]})" if len(parts) > 2 and parts[1] == "layers" else ""
-
-
-def rope_cos_sin(cfg: GptOssConfig, n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """YaRN cos / sin, float32 [n, head_dim / 2], concentration folded in (as the reference)."""
-    rs = cfg.rope_scaling or {}
-    base, d = cfg.rope_theta, cfg.head_dim
-    factor = float(rs.get("factor", 1.0))
-    ctx = int(rs.get("original_max_position_embeddings", cfg.initial_context_length))
-    alpha, beta = float(rs.get("beta_slow", 1.0)), float(rs.get("beta_fast", 32.0))
-    freq = base ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d)
-    if factor > 1.0:
-        concentration = 0.1 * math.log(factor) + 1.0
-        d_half = d / 2
-        low = d_half * math.log(ctx / (beta * 2 * math.pi)) / math.log(base)
-        high = d_half * math.log(ctx / (alpha * 2 * math.pi)) / math.log(base)
-        if not 0 < low < high < d_half - 1:
-            raise GptOssFp8Error(
-                f"rope: YaRN ramp bounds {low:.3f}..{high:.3f} do not fit head_dim {d} "
-                "(needs 0 < low < high < head_dim/2 - 1); check head_dim and rope_scaling in config.json"
-            )
-        interpolation = 1.0 / (factor * freq)
-        extrapolation = 1.0 / freq
-        ramp = (torch.arange(d_half, dtype=torch.float32, device=device) - low) / (high - low)
-        mask = 1 - ramp.clamp(0, 1)
-        inv_freq = interpolation * (1 - mask) + extrapolation * mask
-    else:
-        concentration, inv_freq = 1.0, 1.0 / freq
-    t = torch.arange(n, dtype=torch.float32, device=device)
-    freqs = torch.einsum("i,j->ij", t, inv_freq)
-    return freqs.cos() * concentration, freqs.sin() * concentration

@@ -10,117 +10,109 @@
   (quant/fp8.block_gemm_reference). This is the executable specification GPU kernels are tested
   against. bf16 weights (router, embeddings, lm_head, attention kept bf16) stay bf16 GEMMs.
 
-Attention, RMSNorm and RoPE are the same in both backends (bf16 / fp32 exactly as the reference);
-a GPU backend overrides what it accelerates and must agree with ``w8a8-cpu`` to fp32-accumulation
-noise.
+Attention, RMSNorm, RoPE, routing and the MoE combine are the same in both backends (bf16 / fp32
+exactly as the reference). Every op's arithmetic is written once, in gptoss_fp8/spec.py; the
+classes here only pick which spec function each op of a mode is. A GPU backend
+(model/triton_ops.py; model/backends.py picks a backend by name) overrides what it accelerates and
+must agree with ``w8a8-cpu`` to fp32-accumulation noise. Nothing here imports Triton.
+
+Quantized activations travel explicitly: a norm returns ``Normed`` (the normed rows and, when a
+backend computed it in the same pass, their ``quantize_act``), and the linears and the expert FFN
+that read those rows take it as ``xq``. The CPU backends return ``quant=None`` and ignore ``xq``
+(they quantize themselves: the spec depends on nothing a kernel computed).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+from gptoss_fp8 import spec
 from gptoss_fp8.parallel import Parallel
-from gptoss_fp8.quant.fp8 import (
-    FP8_DTYPE,
-    block_gemm_reference,
-    dequantize_weight_blocks,
-    quantize_act,
-)
+from gptoss_fp8.quant.fp8 import FP8_DTYPE, block_gemm_reference, quantize_act
 
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
 
+Quant = tuple[torch.Tensor, torch.Tensor]  # (x_fp8 [T, K], scale float32 [T, ceil(K/128)]) = quantize_act(x)
 
-def swiglu(x: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
-    """Clamped SwiGLU on interleaved rows (2j = gate j, 2j+1 = linear j), +1 on the linear half."""
-    x_glu, x_lin = x[..., ::2], x[..., 1::2]
-    x_glu = x_glu.clamp(min=None, max=limit)
-    x_lin = x_lin.clamp(min=-limit, max=limit)
-    return x_glu * torch.sigmoid(alpha * x_glu) * (x_lin + 1)
+
+class Normed(NamedTuple):
+    """A norm's output: ``y`` bf16 [T, H], and ``quant`` = quant/fp8.quantize_act(y) (fp8 [T, H],
+    float32 scale [T, ceil(H/128)]) when the backend computed it in the same pass, else None."""
+
+    y: torch.Tensor
+    quant: Quant | None = None
+
+    def rows(self, a: int, b: int) -> Normed:
+        """Rows a..b of both (the chunked MoE's slices)."""
+        q = None if self.quant is None else (self.quant[0][a:b], self.quant[1][a:b])
+        return Normed(self.y[a:b], q)
 
 
 class ReferenceOps:
     """bf16 activations, FP8 weights dequantized (the ``weights`` mode)."""
 
     name = "reference"
-    # dtype of the expert gate_up output and the SwiGLU: bf16 as in OpenAI's reference.
-    intermediate_dtype = torch.bfloat16
+    # Ops handed to the spec instead of a kernel (op -> calls) and the shapes that caused them: a
+    # GPU backend fills these (verify reports them); None in the CPU backends, which are the spec.
+    spec_fallbacks: dict[str, int] | None = None
+    fallback_shapes: dict[str, set[str]] | None = None
 
     # --- GEMMs -------------------------------------------------------------------------------
     def weight(self, w: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
         """A weight as bf16 [N, K] (dequantized when FP8)."""
-        if w.dtype == FP8_DTYPE:
-            assert scale_inv is not None, f"fp8 weight {tuple(w.shape)} without scale_inv"
-            return dequantize_weight_blocks(w, scale_inv, torch.bfloat16)
-        return w
+        return spec.bf16_weight(w, scale_inv)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
-               bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16, *,
+               xq: Quant | None = None) -> torch.Tensor:
         """y = x @ W^T + b: x bf16 [T, K], W [N, K] (bf16, or fp8 with block scales), b [N] -> [T, N].
         bf16 out: bias fused as in torch.nn.Linear (the reference's projections). float32 out (a
-        partial sum of a sharded layer, rounded once after the all-reduce): fp32 product + bias."""
+        partial sum of a sharded layer, rounded once after the all-reduce): fp32 product + bias.
+        ``xq``: x's quantize_act if the caller has it (a backend may use it; this one does not)."""
         wd = self.weight(w, scale_inv)
         if out_dtype == torch.bfloat16:
             return F.linear(x, wd, bias)
         return F.linear(x.float(), wd.float(), None if bias is None else bias.float()).to(out_dtype)
 
-    def linears(self, x: torch.Tensor, projs: list[tuple]) -> list[torch.Tensor]:
-        """Several projections of the same input (q, k, v): ``[linear(x, w, s, b) for (w, s, b) in
-        projs]``. A backend may quantize x once and run them as one GEMM; the results are the same."""
-        return [self.linear(x, w, s, b) for w, s, b in projs]
+    def linears(self, x: torch.Tensor, projs: list[tuple], *, xq: Quant | None = None) -> list[torch.Tensor]:
+        """Several projections of the same input (q, k, v): ``[linear(x, w, s, b, xq=xq) for (w, s, b)
+        in projs]``. A backend may quantize x once and run them as one GEMM; the results are the same."""
+        return [self.linear(x, w, s, b, xq=xq) for w, s, b in projs]
 
-    def expert_linear(self, x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
-                      bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """One expert's projection. The reference rounds the product to bf16, then adds the bias
-        in bf16 (``einsum(...) + bias``); so do we (float32 partials: one fp32 sum)."""
-        if out_dtype != torch.bfloat16:
-            return self.linear(x, w, scale_inv, bias, out_dtype)
-        y = F.linear(x, self.weight(w, scale_inv))
-        return y if bias is None else y + bias
-
-    # --- the rest: identical in every CPU backend ----------------------------------------------
+    # --- experts -------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The MoE router: (logits bf16 [T, E] = the bf16 linear with bias, expert ids [T, k] of the
-        top-k logits sorted descending, weights bf16 [T, k] = softmax over those k logits in bf16)."""
-        from gptoss_fp8.kernels.router import select_experts
-
-        g = self.linear(x, weight, None, bias)
-        return g, *select_experts(g, top_k)
+        """The MoE router (``spec.route``): (logits bf16 [T, E] = the bf16 linear with bias, expert
+        ids [T, k] of the top-k logits sorted descending, weights bf16 [T, k] = softmax over those k
+        logits in bf16)."""
+        return spec.route(x, weight, bias, top_k)
 
     def expert_ffn(self, x: torch.Tensor, idx: torch.Tensor, experts: dict[str, torch.Tensor | None],
-                   first_expert: int, limit: float, partial: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   first_expert: int, limit: float, partial: bool = False, *,
+                   xq: Quant | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Routed expert FFN on this rank's experts (and intermediate part).
 
         x bf16 [T, H]; idx int64 [T, k] global expert ids; experts: gate_up_proj [E_l, 2I_l, H]
         (+ _scale_inv, _bias [E_l, 2I_l]), down_proj [E_l, H, I_l] (+ _scale_inv, _bias [E_l, H] or
-        None when another rank owns it). Returns (y, b), float32 [T, k, H] each, zeros for experts
-        held elsewhere. Whole experts (``partial`` False): y = the bf16 per-expert outputs, bias
-        included, b None. Intermediate dim split over ranks (``partial``): y = unrounded fp32
-        partial products of the down projection, b = the down bias where this rank owns it; the
-        model sums both over ranks, rounds the sum to bf16 and then adds the bias, as the reference.
+        None when another rank owns it); ``xq``: x's quantize_act if the caller has it. Returns
+        (y, b), float32 [T, k, H] each, zeros for experts held elsewhere. Whole experts
+        (``partial`` False): y = the bf16 per-expert outputs, bias included, b None. Intermediate
+        dim split over ranks (``partial``): y = unrounded fp32 partial products of the down
+        projection, b = the down bias where this rank owns it; the model sums both over ranks,
+        rounds the sum to bf16 and then adds the bias (``add_bias_after_sum``), as the reference.
+        This backend: ``spec.moe_experts_bf16`` (OpenAI's bf16 order).
         """
-        t, k = idx.shape
-        out = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
-        bias_out = torch.zeros_like(out) if partial else None
-        n_local = experts["gate_up_proj"].shape[0]
-        local = idx - first_expert
-        for e in torch.unique(local[(local >= 0) & (local < n_local)]).tolist():
-            tok, slot = torch.nonzero(local == e, as_tuple=True)
-            h = self.expert_linear(x[tok], experts["gate_up_proj"][e], _at(experts["gate_up_proj_scale_inv"], e),
-                                   _at(experts["gate_up_proj_bias"], e), self.intermediate_dtype)
-            h = swiglu(h, limit)
-            b = _at(experts["down_proj_bias"], e)
-            if partial:
-                out[tok, slot] = self.expert_linear(h, experts["down_proj"][e], _at(experts["down_proj_scale_inv"], e),
-                                                    None, torch.float32)
-                if b is not None:
-                    bias_out[tok, slot] = b.float()
-            else:
-                out[tok, slot] = self.expert_linear(h, experts["down_proj"][e], _at(experts["down_proj_scale_inv"], e),
-                                                    b).float()
-        return out, bias_out
+        return spec.moe_experts_bf16(x, idx, *_expert_tensors(experts), first_expert, limit, partial)
 
+    def moe_combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16
+        [T, H] (``spec.moe_combine``: the reference's einsum, fp32 accumulation, one rounding)."""
+        return spec.moe_combine(y, weights)
+
+    # --- the rest: identical in every CPU backend ----------------------------------------------
     def all_reduce(self, t: torch.Tensor, par: Parallel) -> torch.Tensor:
         """Sum a partial result over the ranks of ``par`` (fp32 on the wire; identity on one rank)."""
         return par.all_reduce(t)
@@ -131,99 +123,62 @@ class ReferenceOps:
         the all-reduce)."""
         return y.to(torch.bfloat16) + b.to(torch.bfloat16)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """fp32 RMSNorm, cast back to x's dtype; weight float32 [H]."""
-        from gptoss_fp8.kernels.norm import rms_norm_reference
-
-        return rms_norm_reference(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Normed:
+        """``spec.rms_norm`` (fp32 RMSNorm, cast back to x's dtype; weight float32 [H]) as ``Normed``."""
+        return Normed(spec.rms_norm(x, weight, eps))
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float) -> tuple[torch.Tensor, Normed]:
         """Residual add of the bf16 stream (x + delta.to(x.dtype)), then ``rms_norm`` of the sum:
-        (new x, normed)."""
-        from gptoss_fp8.kernels.norm import add_rms_norm_reference
-
-        return add_rms_norm_reference(x, delta, weight, eps)
-
-    def moe_combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16
-        [T, H] (the reference's einsum: fp32 accumulation, one rounding)."""
-        return torch.einsum("bec,be->bc", y, weights)
+        (new x, normed) (``spec.add_rms_norm``)."""
+        xo, y = spec.add_rms_norm(x, delta, weight, eps)
+        return xo, Normed(y)
 
     def moe_combine_add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
-                                 norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                 norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, Normed]:
         """``add_rms_norm(x, moe_combine(y, weights), ...)``: the MoE's residual add and the next
         norm. A backend may fuse the three; the values are the same."""
         return self.add_rms_norm(x, self.moe_combine(y, weights), norm_weight, eps)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate halves of each head: x [T, heads, D]; cos/sin float32 [T, D/2], cast to x's dtype."""
-        cos = cos.unsqueeze(-2).to(x.dtype)
-        sin = sin.unsqueeze(-2).to(x.dtype)
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """Rotate halves of each head: x [T, heads, D]; cos/sin float32 [T, D/2], cast to x's dtype
+        (``spec.apply_rope`` in x's dtype, as the reference)."""
+        return spec.apply_rope(x, cos, sin)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   sm_scale: float, window: int) -> torch.Tensor:
         """Causal attention with per-head sinks as an extra softmax column (then dropped).
 
         q [T, KV, M, D], k/v [T, KV, D], sinks [KV * M]; window > 0: key j visible to query i iff
-        i - window < j <= i. Returns [T, KV * M * D] in q's dtype.
+        i - window < j <= i. Returns [T, KV * M * D] in q's dtype (``spec.attention`` in q's dtype).
         """
         n, kvh, m, d = q.shape
-        k = k[:, :, None, :].expand(-1, -1, m, -1)
-        v = v[:, :, None, :].expand(-1, -1, m, -1)
-        s = sinks.reshape(kvh, m, 1, 1).expand(-1, -1, n, -1)
-        mask = torch.triu(q.new_full((n, n), -float("inf")), diagonal=1)
-        if window > 0:
-            mask += torch.tril(mask.new_full((n, n), -float("inf")), diagonal=-window)
-        qk = torch.einsum("qhmd,khmd->hmqk", q, k)
-        qk *= sm_scale
-        qk += mask[None, None, :, :]
-        qk = torch.cat([qk, s], dim=-1)
-        w = torch.softmax(qk, dim=-1)[..., :-1]
-        return torch.einsum("hmqk,khmd->qhmd", w, v).reshape(n, -1)
+        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window).reshape(n, -1)
 
 
 class W8A8CpuOps(ReferenceOps):
     """FP8 weights x FP8 activations (per-token 1x128 groups), fp32 accumulation: the ``w8a8`` mode."""
 
     name = "w8a8-cpu"
-    # The fused MoE keeps the gate_up accumulator (+ bias) and the SwiGLU in fp32 and quantizes the
-    # intermediate straight to FP8; rounding it to bf16 first would only add error, so the spec
-    # does the same.
-    intermediate_dtype = torch.float32
 
-    def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
+    def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
         if w.dtype != FP8_DTYPE:
             return super().linear(x, w, scale_inv, bias, out_dtype)
         assert scale_inv is not None, f"fp8 weight {tuple(w.shape)} without scale_inv"
-        xq, xs = quantize_act(x)
-        return block_gemm_reference(xq, xs, w, scale_inv, bias, out_dtype=out_dtype)
+        x_fp8, x_scale = quantize_act(x)
+        return block_gemm_reference(x_fp8, x_scale, w, scale_inv, bias, out_dtype=out_dtype)
 
     def add_bias_after_sum(self, y, b):
         """The w8a8 spec adds the bias in fp32 and rounds once (as block_gemm_reference)."""
         return (y + b).to(torch.bfloat16)
 
-    def expert_linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
-        if w.dtype != FP8_DTYPE:
-            return super().expert_linear(x, w, scale_inv, bias, out_dtype)
-        return self.linear(x, w, scale_inv, bias, out_dtype)
+    def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False, *, xq=None):
+        """``spec.moe_experts_w8a8``: the gate_up accumulator (+ bias) and the SwiGLU stay in fp32
+        and only the SwiGLU output is quantized for the down GEMM, as the fused MoE kernel does."""
+        return spec.moe_experts_w8a8(x, idx, *_expert_tensors(experts), first_expert, limit, partial)
 
 
-def _at(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    return None if t is None else t[e]
-
-
-def get_ops(name: str) -> ReferenceOps:
-    """Backend by name: ``reference`` / ``weights``, ``w8a8-cpu`` / ``w8a8``, or ``triton``."""
-    name = MODES.get(name, name)
-    if name == "reference":
-        return ReferenceOps()
-    if name == "w8a8-cpu":
-        return W8A8CpuOps()
-    if name == "triton":  # the GPU kernels
-        from gptoss_fp8.model.triton_ops import TritonOps
-
-        return TritonOps()
-    raise ValueError(f"unknown ops backend {name!r}")
+def _expert_tensors(experts: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+    """(w13, w13_scale_inv, b13, w2, w2_scale_inv, b2) from the model's expert buffers."""
+    return tuple(experts.get(n) for n in ("gate_up_proj", "gate_up_proj_scale_inv", "gate_up_proj_bias",
+                                          "down_proj", "down_proj_scale_inv", "down_proj_bias"))

@@ -23,9 +23,9 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
 * ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
   (within one bf16 ulp of the torch code: reduction order, approximate rsqrt). The same pass
-  writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), which the
-  ``linear(s)`` and ``expert_ffn`` that read those rows (or a block of them) take instead of
-  quantizing again.
+  writes the normed rows' FP8 quantization (the bits ``act_quant`` would give), returned as
+  ``Normed.quant``; the ``linear(s)`` and ``expert_ffn`` that read those rows (or a block of them,
+  ``Normed.rows``) take it as ``xq`` instead of quantizing again.
 * ``route``: kernels/router.py, the router's bf16 GEMM + bias, top-k and softmax in one kernel
   (fp32 sums in another order than torch's bf16 linear: logits within one bf16 ulp; equal logits
   go to the lowest expert id).
@@ -39,9 +39,16 @@ where ``W8A8CpuOps.expert_ffn`` rounds it to bf16 and computes the SwiGLU in bf1
 percent of the intermediate's FP8 values differ by one e4m3 step); attention and rope in fp32
 instead of bf16.
 
+Tuning: one ``KernelConfig`` (kernels/config.py) held as ``self.config`` and passed to every
+launch; the default is ``KernelConfig()`` with ``gluon`` off when ``GPTOSS_FP8_GLUON=0`` is in the
+environment (read once, when the object is built).
+
 Anything the kernels do not support (CPU tensors without the Triton interpreter, dtypes other
 than bf16 activations, K not a multiple of 16, head_dim not a power of two in 16..256, missing
-scales) falls back to the parent, op by op.
+scales) falls back to the parent, op by op, and is counted: ``spec_fallbacks`` (op -> calls, every
+op this backend has a kernel for, zeros included; ``linears`` only dispatches to ``linear`` and is
+counted there; bf16 GEMMs are torch by design and not counted) and ``fallback_shapes`` (op -> the
+shapes that caused them).
 """
 
 from __future__ import annotations
@@ -53,10 +60,14 @@ import triton
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.ops import W8A8CpuOps
+from gptoss_fp8.kernels.config import KernelConfig
+from gptoss_fp8.model.ops import Normed, W8A8CpuOps
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
 BF16, F32 = torch.bfloat16, torch.float32
+# the ops this backend has kernels for (each counted in spec_fallbacks when handed to the spec)
+KERNEL_OPS = ("add_rms_norm", "attention", "expert_ffn", "linear", "moe_combine", "moe_combine_add_rms_norm",
+              "rms_norm", "rope", "route")
 
 
 def interpreter_on() -> bool:
@@ -64,9 +75,18 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def default_config() -> KernelConfig:
+    """``KernelConfig()``, with the Gluon kernels off where ``GPTOSS_FP8_GLUON=0`` is set."""
+    return KernelConfig(gluon=os.environ.get("GPTOSS_FP8_GLUON", "1").strip() != "0")
+
+
 def _kernel_device(t: torch.Tensor) -> bool:
     """Whether a Triton kernel can take tensors on t's device: CUDA, or CPU under the interpreter."""
     return t.device.type == "cuda" or (t.device.type == "cpu" and interpreter_on())
+
+
+def _shapes(*ts) -> str:
+    return " ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in ts if isinstance(t, torch.Tensor))
 
 
 class TritonOps(W8A8CpuOps):
@@ -74,7 +94,7 @@ class TritonOps(W8A8CpuOps):
 
     name = "triton"
 
-    def __init__(self, rope_kernel: bool = True, moe_config: dict | None = None):
+    def __init__(self, rope_kernel: bool = True, config: KernelConfig | None = None):
         if not torch.cuda.is_available() and not interpreter_on():
             raise GptOssFp8Error(
                 "the triton ops backend needs a CUDA GPU (none is visible), or TRITON_INTERPRET=1 set before "
@@ -82,65 +102,55 @@ class TritonOps(W8A8CpuOps):
                 "(verify-logits --mode w8a8)"
             )
         self.rope_kernel = rope_kernel
-        self.moe_config = moe_config
+        self.config = config if config is not None else default_config()
+        self.spec_fallbacks: dict[str, int] = dict.fromkeys(KERNEL_OPS, 0)
+        self.fallback_shapes: dict[str, set[str]] = {op: set() for op in KERNEL_OPS}
         self._positions: dict[tuple, torch.Tensor] = {}
         self._fused = WeakIdKeyDictionary()  # fused q/k/v weights, keyed by the q weight tensor
-        # normed activations -> (version, their act_quant), written by the norm kernels in the same
-        # pass; the linears and the MoE after a norm use it instead of quantizing again
-        self._quantized = WeakIdKeyDictionary()
 
-    def _act_quant(self, x):
-        """act_quant(x), taken from the norm that produced x (or a block of its rows) when it can."""
-        hit = self._cached_quant(x)
-        if hit is not None:
-            return hit
+    def _fallback(self, op: str, *tensors) -> None:
+        """Count one call of ``op`` handed to the spec, and the shapes that caused it."""
+        self.spec_fallbacks[op] += 1
+        self.fallback_shapes[op].add(_shapes(*tensors))
+
+    @staticmethod
+    def _quant(x, xq):
+        """x's activation quantization: the caller's ``xq`` (the norm's pass) or ``act_quant(x)``."""
+        if xq is not None:
+            return xq
         from gptoss_fp8.kernels.act_quant import act_quant
 
         return act_quant(x)
 
-    def _cached_quant(self, x):
-        base = x if x._base is None else x._base
-        hit = self._quantized.get(base)
-        if hit is None or hit[0] != _version(base):
-            return None
-        q, s = hit[1]
-        if base is x:
-            return q, s
-        # rows r0 .. r0 + n of base (the chunked MoE's slices)
-        if x.dim() == base.dim() == 2 and x.shape[1] == base.shape[1] and x.stride() == base.stride():
-            off, row = x.data_ptr() - base.data_ptr(), base.stride(0) * base.element_size()
-            if off >= 0 and off % row == 0:
-                r0 = off // row
-                return q[r0:r0 + x.shape[0]], s[r0:r0 + x.shape[0]]
-        return None
-
     # --- dense ---------------------------------------------------------------------------------
-    def linear(self, x, w, scale_inv, bias, out_dtype=BF16):
+    def linear(self, x, w, scale_inv, bias, out_dtype=BF16, *, xq=None):
         if (w.dtype != FP8_DTYPE or scale_inv is None or not _kernel_device(x) or x.dtype != BF16
                 or w.dim() != 2 or w.shape[1] % 16 or out_dtype not in (BF16, F32)):
-            # bf16 weights (router, lm_head, bf16 attention) and shapes fp8_gemm rejects: torch.
+            # bf16 weights (router, lm_head, bf16 attention: torch by design) and shapes fp8_gemm rejects
+            if w.dtype == FP8_DTYPE:
+                self._fallback("linear", x, w)
             return super().linear(x, w, scale_inv, bias, out_dtype)
         from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 
-        xq, xs = self._act_quant(x)
-        return fp8_gemm(xq, xs, w.contiguous(), scale_inv.contiguous(),
-                        None if bias is None else bias.contiguous(), out_dtype=out_dtype)
+        x_fp8, x_scale = self._quant(x, xq)
+        return fp8_gemm(x_fp8, x_scale, w.contiguous(), scale_inv.contiguous(),
+                        None if bias is None else bias.contiguous(), out_dtype=out_dtype, config=self.config)
 
-    def linears(self, x, projs):
+    def linears(self, x, projs, *, xq=None):
         """One activation quantization for all; one GEMM over the weights concatenated along N
         when every one is FP8 with N a multiple of 128 (block scales then stack), else one GEMM each."""
         if len(projs) < 2 or not all(w.dtype == FP8_DTYPE and s is not None and w.dim() == 2 for w, s, _ in projs) \
                 or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1 \
                 or projs[0][0].shape[1] % 16:
-            return super().linears(x, projs)
+            return super().linears(x, projs, xq=xq)  # one ``linear`` each (counted there)
         from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 
-        xq, xs = self._act_quant(x)
+        x_fp8, x_scale = self._quant(x, xq)
         fused = self._fused_weights(projs)
         if fused is None:
-            return [fp8_gemm(xq, xs, w.contiguous(), s.contiguous(), None if b is None else b.contiguous())
-                    for w, s, b in projs]
-        y = fp8_gemm(xq, xs, *fused)
+            return [fp8_gemm(x_fp8, x_scale, w.contiguous(), s.contiguous(), None if b is None else b.contiguous(),
+                             config=self.config) for w, s, b in projs]
+        y = fp8_gemm(x_fp8, x_scale, *fused, config=self.config)
         return list(y.split([w.shape[0] for w, _, _ in projs], dim=-1))
 
     def _fused_weights(self, projs):
@@ -165,13 +175,14 @@ class TritonOps(W8A8CpuOps):
         """kernels/router.py: the bf16 router GEMM + bias, top-k and softmax in one kernel (int32 ids)."""
         if (not _kernel_device(x) or x.dtype != BF16 or weight.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1
                 or weight.dim() != 2 or not weight.is_contiguous() or (bias is not None and bias.dtype != BF16)):
+            self._fallback("route", x, weight)
             return super().route(x, weight, bias, top_k)
         from gptoss_fp8.kernels.router import router
 
         return router(x, weight, None if bias is None else bias.contiguous(), top_k)
 
     # --- expert FFN ----------------------------------------------------------------------------
-    def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False):
+    def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False, *, xq=None):
         w13, w2 = experts["gate_up_proj"], experts["down_proj"]
         s13, s2 = experts.get("gate_up_proj_scale_inv"), experts.get("down_proj_scale_inv")
         b13, b2 = experts.get("gate_up_proj_bias"), experts.get("down_proj_bias")
@@ -180,7 +191,8 @@ class TritonOps(W8A8CpuOps):
                 or w2.dtype != FP8_DTYPE or s13 is None or s2 is None or b13 is None
                 or h % 16 or w2.shape[-1] % 16 or w13.shape[1] != 2 * w2.shape[-1]):
             # The kernels need FP8 experts with scales, a gate_up bias, H and I multiples of 16.
-            return super().expert_ffn(x, idx, experts, first_expert, limit, partial)
+            self._fallback("expert_ffn", x, w13, w2)
+            return super().expert_ffn(x, idx, experts, first_expert, limit, partial, xq=xq)
         t, k = idx.shape
         n_local = w13.shape[0]
         # The kernel always adds a bias; a zero bias leaves the fp32 partial products exact.
@@ -190,8 +202,8 @@ class TritonOps(W8A8CpuOps):
         # per-(token, slot) rows [T*k, H]; slots routed to other ranks are zero. A rank's expert
         # slices may be views: the kernels want them contiguous.
         c = [a.contiguous() for a in (w13, s13, b13, w2, s2, b2_kernel)]
-        y = moe_expert_slots(x, idx.to(torch.int32), *c, first_expert, limit, self.moe_config,
-                             F32 if partial else BF16, zero_foreign=True, x_quant=self._cached_quant(x))
+        y = moe_expert_slots(x, idx.to(torch.int32), *c, first_expert, limit, self.config,
+                             F32 if partial else BF16, zero_foreign=True, x_quant=xq)
         y = y.view(t, k, h)
         if not partial:
             return y, None  # bf16 (see the module docstring): values identical to the float32 contract
@@ -204,6 +216,7 @@ class TritonOps(W8A8CpuOps):
 
     def moe_combine(self, y, weights):
         if not _kernel_device(y) or y.dtype not in (BF16, F32) or y.stride(-1) != 1:
+            self._fallback("moe_combine", y, weights)
             return super().moe_combine(y, weights)
         from gptoss_fp8.kernels.moe import moe_combine
 
@@ -213,6 +226,7 @@ class TritonOps(W8A8CpuOps):
         """The MoE's weighted combine, the residual add and the next norm in one pass (norm.py)."""
         if (not self._norm_ok(x, norm_weight) or y.dtype not in (BF16, F32) or y.stride(-1) != 1
                 or y.shape[-1] != x.shape[-1] or y.numel() != weights.numel() * x.shape[-1]):
+            self._fallback("moe_combine_add_rms_norm", x, y, weights)
             return super().moe_combine_add_rms_norm(x, y, weights, norm_weight, eps)
         return self._norm(x, y, norm_weight, eps, combine=weights)
 
@@ -223,21 +237,22 @@ class TritonOps(W8A8CpuOps):
 
     def rms_norm(self, x, weight, eps):
         if not self._norm_ok(x, weight):
+            self._fallback("rms_norm", x, weight)
             return super().rms_norm(x, weight, eps)
         return self._norm(x, None, weight, eps)[1]
 
     def add_rms_norm(self, x, delta, weight, eps):
         if not self._norm_ok(x, weight) or delta.shape != x.shape or delta.stride(-1) != 1:
+            self._fallback("add_rms_norm", x, delta, weight)
             return super().add_rms_norm(x, delta, weight, eps)
         return self._norm(x, delta, weight, eps)
 
     def _norm(self, x, delta, weight, eps, combine=None):
-        """The norm kernel with the output's FP8 quantization in the same pass (kept for the next op)."""
+        """The norm kernel with the output's FP8 quantization in the same pass: (new x, Normed)."""
         from gptoss_fp8.kernels.norm import rms_norm_quant
 
         xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine)
-        self._quantized[y] = (_version(y), quant)
-        return xo, y
+        return xo, Normed(y, quant)
 
     # --- attention -----------------------------------------------------------------------------
     def attention(self, q, k, v, sinks, sm_scale, window):
@@ -245,13 +260,14 @@ class TritonOps(W8A8CpuOps):
         if (not _kernel_device(q) or q.dtype != BF16 or k.dtype != BF16 or v.dtype != BF16
                 or d not in (16, 32, 64, 128, 256) or not sinks.is_floating_point()):
             # attention_prefill takes bf16 q/k/v with a power-of-two head_dim in 16..256.
+            self._fallback("attention", q, k, v)
             return super().attention(q, k, v, sinks, sm_scale, window)
         from gptoss_fp8.kernels.attention import attention_prefill
 
         # k, v may be strided views (v is a column slice of the fused q/k/v GEMM's output): the
         # kernel reads rows by stride, so no copy
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
-                              sliding_window=window, sm_scale=sm_scale)
+                              sliding_window=window, sm_scale=sm_scale, config=self.config)
         return o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------
@@ -260,6 +276,7 @@ class TritonOps(W8A8CpuOps):
         if (not self.rope_kernel or not _kernel_device(x) or x.dim() != 3 or x.dtype not in (BF16, torch.float16, F32)
                 or triton.next_power_of_2(d // 2) != d // 2 or cos.shape != (x.shape[0], d // 2)):
             # rope_qk needs D/2 a power of two and one cos/sin row per token (positions 0..T-1).
+            self._fallback("rope", x, cos)
             return super().rope(x, cos, sin)
         from gptoss_fp8.kernels.rope import rope_qk
 

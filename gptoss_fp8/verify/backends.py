@@ -16,31 +16,28 @@ CUDA: on a GPU the kernels are checked against OpenAI's reference and against th
 
 ``TritonOps`` hands an op to the spec (its parent class) when the kernels cannot take it (a shape
 or dtype outside their limits, tensors on a device no kernel runs on); gpt-oss's own shapes need
-none of that. So that a report never claims kernels that did not run, the ``kernels`` mode uses
-``TritonOps`` with a counter placed between it and the spec in the class order: every op TritonOps
-passes on through ``super()`` is counted there (``spec_fallbacks`` in the report). bf16 GEMMs
-(lm_head, attention kept bf16) are torch by design in every backend and are not counted; the
-router's bf16 GEMM is part of ``route`` (a kernel in the triton backend, counted when handed over).
+none of that. So that a report never claims kernels that did not run, the backend counts each
+hand-over itself: ``ops.spec_fallbacks`` (op -> calls, every op it has a kernel for, zeros
+included; ``linears``, which only dispatches to ``linear``, is counted where it lands), which the
+report carries. bf16 GEMMs (lm_head, attention kept bf16) are torch by design in every backend and
+are not counted; the router's bf16 GEMM is part of ``route`` (a kernel in the triton backend,
+counted when handed over). The CPU backends are the spec: their ``spec_fallbacks`` is None.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
 import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps, get_ops
-from gptoss_fp8.quant.fp8 import FP8_DTYPE
+from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.model.ops import ReferenceOps
 
 MODES: dict[str, str] = {"weights": "reference", "w8a8": "w8a8-cpu", "kernels": "triton"}  # mode -> ops backend
 ORDER = tuple(MODES)
 SHORTHANDS: dict[str, tuple[str, ...]] = {"both": ("weights", "w8a8"), "all": ORDER}
-# Ops of the triton backend that only dispatch to another op (``linears``: one ``linear`` per
-# projection), whose hand-overs are counted where they land.
-DISPATCHERS = frozenset({"linears"})
 
 
 def kernels_unavailable(device: str) -> str | None:
@@ -92,44 +89,7 @@ def backend_device(mode: str, device: str) -> str:
 # Ops objects
 
 
-def _count_then_spec(op: str):
-    """A method that counts one hand-over of ``op`` and runs the spec's ``op``."""
-    spec = getattr(W8A8CpuOps, op)
-
-    def method(self, *args, **kwargs):
-        self.spec_fallbacks[op] += 1
-        return spec(self, *args, **kwargs)
-
-    method.__name__ = op
-    return method
-
-
-def _count_fp8_linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16):
-    if w.dtype == FP8_DTYPE:  # bf16 weights are torch GEMMs in every backend: not a hand-over
-        self.spec_fallbacks["linear"] += 1
-    return W8A8CpuOps.linear(self, x, w, scale_inv, bias, out_dtype)
-
-
-@functools.cache
-def _counted_triton_ops() -> type:
-    """TritonOps with a counter class between it and the spec (see the module docstring). The ops
-    counted are those TritonOps itself defines over the spec, whatever they are at the time."""
-    from gptoss_fp8.model.triton_ops import TritonOps
-
-    ops = sorted(n for n, v in vars(TritonOps).items()
-                 if callable(v) and not n.startswith("_") and hasattr(W8A8CpuOps, n) and n not in DISPATCHERS)
-    counter = type("SpecFallbackCounter", (W8A8CpuOps,),
-                   {op: _count_fp8_linear if op == "linear" else _count_then_spec(op) for op in ops})
-
-    def __init__(self):
-        TritonOps.__init__(self)
-        self.spec_fallbacks = dict.fromkeys(ops, 0)
-
-    return type("CountedTritonOps", (TritonOps, counter), {"__init__": __init__})
-
-
 def ops_for(mode: str) -> ReferenceOps:
-    """A fresh ops object for ``mode``. The ``kernels`` one is TritonOps counting, in
-    ``spec_fallbacks`` (op -> calls), the calls it handed to the spec instead of a kernel."""
-    backend = MODES[mode]
-    return _counted_triton_ops()() if backend == "triton" else get_ops(backend)
+    """A fresh ops object for ``mode`` (the ``kernels`` one counts its hand-overs to the spec in
+    ``spec_fallbacks``, see the module docstring)."""
+    return get_ops(MODES[mode])

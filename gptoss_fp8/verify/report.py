@@ -242,13 +242,18 @@ def dump_paths(path: Path, modes: list[str]) -> dict[str, Path]:
     return {m: path.with_name(f"{stem}.{m}.safetensors") for m in modes}
 
 
-def dump_logits(outputs: Outputs, path: Path, tokens: torch.Tensor) -> list[Path]:
+def dump_logits(outputs: Outputs, path: Path, tokens: torch.Tensor, *, overwrite: bool = False) -> list[Path]:
+    """Write each mode's logits (float32 [T, V], key ``logits``) and the tokens (int64 [T]) as
+    safetensors at ``dump_paths(path, modes)``, each atomically; an existing file is replaced only
+    with ``overwrite`` (checkpoint.outputs). Returns the paths written."""
     from safetensors.torch import save_file
+
+    from gptoss_fp8.checkpoint.outputs import atomic_output
 
     written = []
     for mode, p in dump_paths(path, list(outputs)).items():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"logits": outputs[mode].logits.float().contiguous(), "tokens": tokens.long().contiguous()}, str(p),
-                  metadata={"producer": f"gptoss-fp8 {__version__} verify-logits", "mode": mode, "backend": MODES[mode]})
+        with atomic_output(p, overwrite=overwrite) as tmp:  # save_file writes to the file: no bytes copy in RAM
+            save_file({"logits": outputs[mode].logits.float().contiguous(), "tokens": tokens.long().contiguous()}, str(tmp),
+                      metadata={"producer": f"gptoss-fp8 {__version__} verify-logits", "mode": mode, "backend": MODES[mode]})
         written.append(p)
     return written

@@ -12,9 +12,21 @@ import math
 import pytest
 import torch
 
-from gptoss_fp8.kernels.attention import PrefillConfig, attention_prefill, attention_prefill_ref, attention_ref
+from gptoss_fp8 import spec
+from gptoss_fp8.kernels.attention import attention_prefill
 from gptoss_fp8.kernels.attention_decode import attention_decode, attention_decode_ref
-from gptoss_fp8.kernels.rope import rope_cos_sin, rope_qk
+from gptoss_fp8.kernels.config import GluonAttentionTile, KernelConfig, PrefillTile
+from gptoss_fp8.kernels.rope import rope_qk
+
+
+def attention_ref(q, k, v, sinks, sliding_window=0, sm_scale=None):
+    """spec.attention of one sequence in fp32 (the kernels' arithmetic)."""
+    return spec.attention(q, k, v, sinks, sm_scale, sliding_window, dtype=torch.float32)
+
+
+def attention_prefill_ref(q, k, v, sinks, cu_seqlens=None, sliding_window=0):
+    """spec.attention_varlen in fp32: attention_prefill's contract, sequence by sequence."""
+    return spec.attention_varlen(q, k, v, sinks, cu_seqlens, None, sliding_window, dtype=torch.float32)
 
 # the interpreter's own numpy deprecation noise
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -98,21 +110,6 @@ def test_prefill_cpu(lens, hq, hkv, window):
 
 
 @interpreter_only
-def test_prefill_tma_path_cpu():
-    """The tensor-descriptor K/V path (rows past a sequence come from the next one and are masked)."""
-    gen = torch.Generator().manual_seed(9)
-    lens, hq, hkv = [37, 64, 5, 90], 4, 2
-    T = sum(lens)
-    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
-    sinks = _sinks(hq, gen, device="cpu")
-    cu = _cu(lens, device="cpu")
-    for window in (0, 16):
-        cfg = PrefillConfig(32, 16, 4, 1, use_tma=True)
-        out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=cfg)
-        _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
-
-
-@interpreter_only
 @pytest.mark.parametrize("pack,window", [(2, 0), (2, 16), (4, 0), (4, 40)])
 def test_prefill_packed_heads_cpu(pack, window):
     """Several query heads of one KV head per program (rows stacked by head): same results, ragged
@@ -123,10 +120,10 @@ def test_prefill_packed_heads_cpu(pack, window):
     q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
     sinks = _sinks(hq, gen, device="cpu")
     cu = _cu(lens, device="cpu")
-    cfg = PrefillConfig(16 * pack, 16, 4, 1, pack=pack)
-    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=cfg)
+    tile = PrefillTile(16 * pack, 16, 4, 1, pack=pack)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile)
     _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
-    fused, ref = _fused_rope_case("cpu", gen, [33, 70, 1], 8, 2, window, config=cfg)
+    fused, ref = _fused_rope_case("cpu", gen, [33, 70, 1], 8, 2, window, tile=tile)
     _check(fused, ref, gpu=True)
 
 
@@ -134,10 +131,12 @@ def test_prefill_packed_heads_cpu(pack, window):
 def test_gpu_default_tiles_through_the_interpreter():
     """The GPU's default tiles (window: two heads per program) on CPU, and their fallback for query
     heads that the pack does not divide (one query head per KV head)."""
-    from gptoss_fp8.kernels.attention import UNPACKED_CONFIGS, default_config
-
-    assert default_config(True, True, 8).pack == 2 and default_config(True, True, 1) == UNPACKED_CONFIGS[("cuda", True)]
-    assert default_config(True, True, 1).pack == 1 and default_config(False, True, 1).pack == 1
+    cfg = KernelConfig()
+    assert cfg.prefill_tile(True, True, 8).pack == 2 and cfg.prefill_tile(True, True, 1) == cfg.prefill_window_unpacked
+    assert cfg.prefill_tile(True, True, 1).pack == 1 and cfg.prefill_tile(False, True, 1).pack == 1
+    assert cfg.prefill_tile(True, False, 8) == PrefillTile(128, 64, 8, 3, maxnreg=128)
+    assert cfg.prefill_tile(True, True, 8) == PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2)
+    assert cfg.prefill_window_unpacked == PrefillTile(64, 64, 4, 2, maxnreg=128)
     gen = torch.Generator().manual_seed(61)
     lens = [70, 1, 45]
     T = sum(lens)
@@ -145,23 +144,23 @@ def test_gpu_default_tiles_through_the_interpreter():
     for hq, hkv, window in ((4, 2, 40), (2, 2, 40), (4, 2, 0)):
         q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
         sinks = _sinks(hq, gen, device="cpu")
-        cfg = default_config(True, window > 0, hq // hkv)
-        out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=cfg)
+        tile = cfg.prefill_tile(True, window > 0, hq // hkv)
+        out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile)
         _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
 
 
-def _fused_rope_case(device, gen, lens, hq, hkv, window, config=None):
+def _fused_rope_case(device, gen, lens, hq, hkv, window, tile=None):
     """Fused q-rope (+ separate k rope) against rotating q and k first, on a ragged batch."""
     T = sum(lens)
     q, k, v = _qkv(T, hq, hkv, gen, device=device)
     sinks = _sinks(hq, gen, device=device)
     cu = _cu(lens, device=device)
-    cos, sin = rope_cos_sin(max(lens), D, device=device)
+    cos, sin = spec.rope_table(max(lens), D, device=device)
     pos = torch.cat([torch.arange(n) for n in lens]).to(device)
     q_r, k_r = rope_qk(q, k, pos, cos, sin)
     none, k_r2 = rope_qk(None, k, pos, cos, sin)
     assert none is None and torch.equal(k_r2, k_r)
-    fused = attention_prefill(q, k_r, v, sinks, cu, max(lens), sliding_window=window, config=config, rope=(cos, sin))
+    fused = attention_prefill(q, k_r, v, sinks, cu, max(lens), sliding_window=window, tile=tile, rope=(cos, sin))
     ref = attention_prefill_ref(*_fp32(q_r, k_r, v), sinks, cu, sliding_window=window)
     return fused, ref
 
@@ -245,14 +244,18 @@ def test_decode_cpu(kv_lens, L, nq, hq, hkv, window, splits, fused):
 
 def test_one_wave_plan():
     """When the default takes the one-wave path: few row tiles, a long full-causal cache."""
-    from gptoss_fp8.kernels.attention_decode import ONE_WAVE_CONFIG, ONE_WAVE_PROGRAMS_PER_SM, one_wave_splits
+    from gptoss_fp8.kernels.attention_decode import one_wave_splits
+
+    cfg = KernelConfig()
 
     assert one_wave_splits(8, 32768, False, 132) == 33  # batch 1 of gpt-oss on the H200: 264 programs
     assert one_wave_splits(8, 32768, True, 132) is None  # sliding window: a few blocks, one split
     assert one_wave_splits(64, 32768, False, 132) is None  # batch 8: several programs per SM already
-    short = 4 * 33 * ONE_WAVE_CONFIG[0]
+    short = 4 * 33 * cfg.decode_one_wave.block_n
     assert one_wave_splits(8, short, False, 132) == 33 and one_wave_splits(8, short - 64, False, 132) is None
-    assert one_wave_splits(1, 1 << 20, False, 16) == ONE_WAVE_PROGRAMS_PER_SM * 16
+    assert one_wave_splits(1, 1 << 20, False, 16) == cfg.decode_one_wave_programs_per_sm * 16
+    three = KernelConfig(decode_one_wave_programs_per_sm=3)
+    assert one_wave_splits(8, 1 << 20, False, 132, three) == 50  # ceil(3 * 132 / 8)
 
 
 @interpreter_only
@@ -299,9 +302,9 @@ def test_launcher_rejects_bad_inputs():
     with pytest.raises(AssertionError, match="contiguous"):
         attention_prefill(q.transpose(0, 2).contiguous().transpose(0, 2), k[:, :2], k[:, :2], torch.zeros(4))
     with pytest.raises(AssertionError, match="pack 4 must divide"):
-        attention_prefill(q, k[:, :2], k[:, :2], torch.zeros(4), config=PrefillConfig(64, 16, 4, 1, pack=4))
+        attention_prefill(q, k[:, :2], k[:, :2], torch.zeros(4), tile=PrefillTile(64, 16, 4, 1, pack=4))
     with pytest.raises(AssertionError, match="multiple of pack"):
-        attention_prefill(q, k[:, :2], k[:, :2], torch.zeros(4), config=PrefillConfig(32, 32, 4, 1, pack=2))
+        attention_prefill(q, k[:, :2], k[:, :2], torch.zeros(4), tile=PrefillTile(32, 32, 4, 1, pack=2))
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -317,18 +320,18 @@ GPU_PREFILL_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens,window", GPU_PREFILL_CASES)
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 2)])
-@pytest.mark.parametrize("config", [
-    None, PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 3, use_tma=True),
-    PrefillConfig(256, 64, 16, 3, maxnreg=128), PrefillConfig(128, 64, 8, 3, maxnreg=128, pack=2),
+@pytest.mark.parametrize("tile", [
+    None, PrefillTile(128, 64, 8, 3),
+    PrefillTile(256, 64, 16, 3, maxnreg=128), PrefillTile(128, 64, 8, 3, maxnreg=128, pack=2),
 ])
-def test_prefill_gpu(lens, window, hq, hkv, config):
+def test_prefill_gpu(lens, window, hq, hkv, tile):
     gen = torch.Generator().manual_seed(sum(lens) + window + hq)
     T = sum(lens)
     q, k, v = _qkv(T, hq, hkv, gen)
     sinks = _sinks(hq, gen)
     cu = _cu(lens)
     _poison(T, hq, D)
-    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, config=config)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile)
     ref = attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window)
     _check(out, ref, gpu=True)
 
@@ -347,7 +350,7 @@ def test_prefill_single_sequence_gpu(window):
     ragged = attention_prefill(q, k, v, sinks, _cu([T]), T, sliding_window=window)
     from gptoss_fp8.kernels import attention as attn_mod
 
-    if attn_mod._ws_ok(q, k, v, False, window or attn_mod._NO_WINDOW, None):
+    if attn_mod._ws_ok(q, k, v, False, window or attn_mod._NO_WINDOW, None, KernelConfig()):
         # the single sequence went to the Gluon kernel (attention_ws.py), the ragged call to the
         # Triton one: same arithmetic in another instruction order
         _check(out, ragged.float(), gpu=True)
@@ -403,7 +406,7 @@ def test_decode_one_wave_gpu(nq, window):
                                                              merge_chunk=2, fused_merge=True).float(), atol=2e-3, rtol=2e-2)
     # the default at batch 1: the one-wave plan (full causal: ~2 programs per SM, separate merge)
     from gptoss_fp8.kernels import sm_count
-    from gptoss_fp8.kernels.attention_decode import ONE_WAVE_CONFIG, one_wave_splits
+    from gptoss_fp8.kernels.attention_decode import one_wave_splits
 
     _poison(1, nq, hq, D)
     auto = attention_decode(q, kc, vc, kl, sinks, sliding_window=window)
@@ -411,36 +414,38 @@ def test_decode_one_wave_gpu(nq, window):
     splits = one_wave_splits(hkv, L, window > 0, sm_count(q.device))
     assert (splits is None) == (window > 0)
     if splits:
-        planned = attention_decode(q, kc, vc, kl, sinks, config=ONE_WAVE_CONFIG, num_splits=splits, fused_merge=False)
+        planned = attention_decode(q, kc, vc, kl, sinks, tile=KernelConfig().decode_one_wave, num_splits=splits,
+                                   fused_merge=False)
         assert torch.equal(auto, planned)
 
 
 # The warp-specialized Gluon kernel (kernels/attention_ws.py): attention_prefill picks it on sm_90
-# for one causal sequence with head_dim 64 (WS_ATTENTION, on by default there; WS_CONFIG's tiles).
+# for one causal sequence with head_dim 64 (KernelConfig.attention_gluon, on by default there, with
+# attention_gluon_tile).
 # Lengths around its 64-query warpgroup tiles and 128/192-query programs, GQA 8:1 and 1:1, sinks
 # from -10 to +10, q/k/v as views of one fused projection output (the model's layout), each tile
 # variant, against the fp32 reference.
-WS_VARIANTS = [dict(block_n=64, stages=3, warpgroups=2), dict(block_n=128, stages=3, warpgroups=2),
-               dict(block_n=64, stages=3, warpgroups=3), dict(block_n=64, stages=4, warpgroups=3)]
+WS_VARIANTS = [GluonAttentionTile(block_n=64, stages=3, warpgroups=2), GluonAttentionTile(block_n=128, stages=3, warpgroups=2),
+               GluonAttentionTile(block_n=64, stages=3, warpgroups=3), GluonAttentionTile(block_n=64, stages=4, warpgroups=3)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", WS_VARIANTS, ids=["n64-2wg", "n128-2wg", "n64-3wg", "n64-3wg-4st"])
 @pytest.mark.parametrize("T,hq,hkv", [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1),
                                       (4099, 64, 8)])
-def test_prefill_ws_gpu(T, hq, hkv, variant, monkeypatch):
+def test_prefill_ws_gpu(T, hq, hkv, variant):
     from gptoss_fp8.kernels import attention as attn_mod
     from gptoss_fp8.kernels.attention_ws import supported
 
     assert supported(torch.device("cuda")), "the H200 must run the Gluon kernel"
-    monkeypatch.setattr(attn_mod, "WS_ATTENTION", True)
-    monkeypatch.setattr(attn_mod, "WS_CONFIG", variant)
+    cfg = KernelConfig(attention_gluon_tile=variant)
     gen = torch.Generator().manual_seed(T + hq)
     fused = _rand(T, (hq + 2 * hkv) * D, gen=gen)
     q, k, v = (t.view(T, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
     sinks = torch.linspace(-10, 10, hq, device=DEV)
-    assert attn_mod._ws_ok(q, k, v, False, attn_mod._NO_WINDOW, None)
-    out = attention_prefill(q, k, v, sinks)
+    assert attn_mod._ws_ok(q, k, v, False, attn_mod._NO_WINDOW, None, cfg)
+    assert not attn_mod._ws_ok(q, k, v, False, attn_mod._NO_WINDOW, None, KernelConfig(attention_gluon=False))
+    out = attention_prefill(q, k, v, sinks, config=cfg)
     _check(out, attention_ref(q, k, v, sinks), gpu=True)
 
 

@@ -46,24 +46,23 @@ def test_dense_gemm_launcher(monkeypatch):
     assert kw["STAGES"] == 5 and kw["HAS_BIAS"] is False
 
 
-@pytest.mark.parametrize("fuse", [True, False])
-def test_moe_launcher(monkeypatch, fuse):
+def test_moe_launcher(monkeypatch):
     from gptoss_fp8.kernels import moe_ws
 
     stub = _Stub()
     monkeypatch.setattr(moe_ws, "_ws_moe_gemm_kernel", stub)
     e, n, k, rows = 4, 512, 256, 128
     a, w = torch.zeros(rows, k, dtype=FP8), torch.zeros(e, n, k, dtype=FP8)
-    out = torch.empty(rows, n // 2, dtype=FP8) if fuse else torch.empty(rows, n, dtype=torch.bfloat16)
-    moe_ws.ws_moe_gemm(a, torch.ones(rows, 2), w, torch.ones(e, 4, 2), torch.zeros(e, n), out,
-                       torch.empty(rows, 2) if fuse else None, torch.arange(rows, dtype=torch.int32),
-                       torch.zeros(rows // 64, dtype=torch.int32), rows, 7.0, fuse, 1.702, 448.0, 1e-10)
+    out, out_s = torch.empty(rows, n // 2, dtype=FP8), torch.empty(rows, 2)
+    moe_ws.ws_moe_gemm(a, torch.ones(rows, 2), w, torch.ones(e, 4, 2), torch.zeros(e, n), out, out_s,
+                       torch.arange(rows, dtype=torch.int32), torch.zeros(rows // 64, dtype=torch.int32), rows, 7.0,
+                       1.702, 448.0, 1e-10, stages=5, group_m=4)
     (grid, args, kw), = stub.calls
+    assert grid == (4,)  # min(2 row tiles x 2 column tiles, 4 "SMs" off the GPU)
     _desc(args[0], a, [64, 128])
     _desc(args[1], w.view(e * n, k), [256, 128])
-    if fuse:
-        _desc(args[6], out, [64, 64])
-    assert kw["FUSE_SWIGLU"] is fuse
+    _desc(args[6], out, [64, 64])
+    assert args[7] is out_s and kw["STAGES"] == 5 and kw["GROUP_M"] == 4
 
 
 def test_attention_launcher(monkeypatch):

@@ -13,13 +13,9 @@ import pytest
 import torch
 
 from gptoss_fp8.kernels.act_quant import act_quant
-from gptoss_fp8.kernels.norm import (
-    add_rms_norm,
-    add_rms_norm_reference,
-    rms_norm,
-    rms_norm_quant,
-    rms_norm_reference,
-)
+from gptoss_fp8.kernels.norm import add_rms_norm, rms_norm, rms_norm_quant
+from gptoss_fp8.spec import add_rms_norm as add_rms_norm_reference
+from gptoss_fp8.spec import rms_norm as rms_norm_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

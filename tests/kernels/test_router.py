@@ -4,14 +4,15 @@ Tolerances: logits within one bf16 ulp of the exact product + bias rounded once 
 plus 1e-5 absolute: where the sum cancels to near zero, the fp32 rounding of partial sums of
 magnitude ~1 dominates (measured on the H200 at 8192-32768 tokens: at most 1e-6 absolute, e.g.
 -5.5e-6 for an exact -6.2e-6; every value above ~1e-3 within one ulp); ids exactly the top-k of the kernel's own logits with ties to the lowest id, and the same
-experts as ``router_reference`` for every token whose k-th and (k+1)-th logits are more than two
+experts as ``spec.route`` (the reference) for every token whose k-th and (k+1)-th logits are more than two
 ulps apart; weights within one bf16 ulp of the softmax of the selected logits.
 """
 
 import pytest
 import torch
 
-from gptoss_fp8.kernels.router import router, router_reference
+from gptoss_fp8.kernels.router import router
+from gptoss_fp8.spec import route as router_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = 2.0**-7  # bf16 relative spacing (8 significant bits)

@@ -1,0 +1,193 @@
+"""Every tuning choice of the kernels, in one frozen ``KernelConfig`` passed to each launcher.
+
+Contract: a launcher called with ``config=None`` uses ``DEFAULT`` (the H200-measured best, the
+shipped path); a run is reproduced from its config alone (no module globals, no environment
+variables: the environment's Gluon off-switch is read by ``model/triton_ops.TritonOps`` when it
+builds its default, not here). Tile heuristics by shape are methods (``dense_tile``, ``moe_plan``,
+``prefill_tile``) returning small typed dataclasses; the benchmarks vary a config with
+``dataclasses.replace``. Figures behind each default: BENCHMARKS.md and benchmarks/notes/.
+What this module does not do: check that a tile fits a GPU (the launchers assert their limits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gptoss_fp8.kernels import _gluon
+
+
+@dataclass(frozen=True)
+class TritonTile:
+    """One launch of the Triton FP8 block GEMM (dense ``fp8_gemm`` or a grouped expert GEMM)."""
+
+    block_m: int
+    block_n: int  # dense / down: <= 128 (one weight-scale block); gate_up: 256 (one SwiGLU output group)
+    group_m: int = 8  # row tiles that sweep the column tiles together (L2 reuse)
+    num_warps: int = 4
+    num_stages: int = 4
+    tma: bool = True  # dense: tensor-descriptor loads (pointer loads where operands are not 16-byte aligned)
+    persistent: int = 0  # dense: 0 = one program per tile, n = n programs per SM walking the tiles
+    flatten: bool = False  # dense, persistent: the tile and K loops fused into one pipelined loop
+    split_n: bool = True  # gate_up: 256 columns as two 128-column products (False: one, per-column scales)
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """The warp-specialized Gluon GEMMs (fixed tiles of their own): ring depth and tile order."""
+
+    stages: int = 4
+    group_m: int = 8
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """The fused MoE's launches: experts' row segments padded to ``align_m`` (each GEMM's BLOCK_M
+    divides it); gate_up on the Triton kernel (A gathered by token) or the Gluon one (A
+    pre-gathered in sorted order by ``gather_act_quant``, ``align_m`` 64); down on Triton."""
+
+    align_m: int
+    gate_up: TritonTile | GluonTile
+    down: TritonTile
+    tma: bool = True  # weights (and down's A) through tensor descriptors
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """One launch of the Triton prefill attention kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None  # register cap per thread (more programs per SM), None: the compiler's
+    pack: int = 1  # query heads of one KV head per program, stacked in the tile's rows (GQA packing)
+
+
+@dataclass(frozen=True)
+class GluonAttentionTile:
+    """The warp-specialized Gluon causal attention (kernels/attention_ws.py)."""
+
+    block_n: int = 64
+    stages: int = 4
+    warpgroups: int = 3
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """One launch of the split-KV decode kernel (BLOCK_M follows the rows, NQ * GROUP)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter gets small tiles (its cost grows with them): constants, not tuning.
+CPU_PREFILL_TILE = PrefillTile(32, 16, 4, 1)
+CPU_DECODE_TILE = DecodeTile(16, 4, 1)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The kernels' tuning, defaults = the measured best on the H200 (figures in the comments)."""
+
+    # The Gluon warp-specialized kernels where they can run (sm_90, Gluon's Hopper API); False
+    # keeps every call on the Triton kernels.
+    gluon: bool = True
+    # Dense GEMM on Gluon from this many rows (twice as many for N <= 3072); None: never. 3-6%
+    # faster from 2048 rows, as fast at 1024 except o_proj (0.93x) (notes/kernels_gemm.md, 7th session).
+    dense_gluon_min_rows: int | None = 1024
+    dense_gluon_tile: GluonTile = field(default_factory=lambda: GluonTile(stages=5, group_m=8))
+    # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
+    # session); ring depth / tile order within 0.6% of each other (10th session): 4 stages, GROUP_M 8.
+    moe_gluon: bool = True
+    moe_gluon_gate_up: GluonTile = field(default_factory=GluonTile)
+    # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
+    # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
+    attention_gluon: bool = True
+    attention_gluon_tile: GluonAttentionTile = field(default_factory=GluonAttentionTile)
+    # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71); window-128 with
+    # two heads per program 0.115 vs 0.119 ms (notes/kernels_attention.md, 4th session).
+    prefill_causal: PrefillTile = field(default_factory=lambda: PrefillTile(128, 64, 8, 3, maxnreg=128))
+    prefill_window: PrefillTile = field(default_factory=lambda: PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2))
+    # for query-head groups that prefill_window's pack does not divide
+    prefill_window_unpacked: PrefillTile = field(default_factory=lambda: PrefillTile(64, 64, 4, 2, maxnreg=128))
+    # Decode: 128-key blocks, ~4 splits per tile best at batch 8 and 64 (32768 cached tokens).
+    decode: DecodeTile = field(default_factory=lambda: DecodeTile(128, 4, 3))
+    # A one-wave call (batch 1) against a long full-causal cache: 64-key blocks, ~2 programs per SM,
+    # the separate merge: 23.5-24.9 vs 26.2 us (BENCHMARKS.md, 9th session).
+    decode_one_wave: DecodeTile = field(default_factory=lambda: DecodeTile(64, 4, 4))
+    decode_one_wave_programs_per_sm: int = 2
+
+    def gluon_on(self, device: torch.device) -> bool:
+        """Whether the Gluon kernels may run on ``device``: allowed here and supported there."""
+        return self.gluon and _gluon.supported(device)
+
+    # --- shape heuristics --------------------------------------------------------------------
+    def dense_tile(self, m: int, n: int, k: int, gluon_ok: bool = False) -> TritonTile | GluonTile:
+        """The dense GEMM's launch by problem size. ``gluon_ok``: the Gluon kernel can take this
+        call (``fp8_gemm`` decides). H200 (notes/kernels_gemm.md, 4th session, CUDA-graph device time
+        beside blockwise ``_scaled_mm``): persistent flattened programs lead from 1024 rows on:
+        64x128 tiles, 4 warps, 2 programs per SM up to 2048 rows and for narrow outputs (o_proj's
+        N = 2880) up to 8192 rows; 128x128 tiles, 8 warps, 3 stages, one program per SM beyond.
+        Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays."""
+        lo = self.dense_gluon_min_rows
+        if gluon_ok and lo is not None and m >= lo * (2 if n <= 3072 else 1):
+            return self.dense_gluon_tile
+        if m <= 16:
+            return TritonTile(16, 64, group_m=1, num_warps=4, num_stages=4)
+        if m <= 64:
+            return TritonTile(64, 64, group_m=1, num_warps=4, num_stages=4)
+        if m <= 512:
+            return TritonTile(64, 128, group_m=8, num_warps=4, num_stages=5)
+        if m <= 1024 and n <= 3072:
+            # o_proj (2880 x 4096) at 1024 rows: one program per tile, 3 stages, 30.5 us against
+            # 35.2 for the persistent tile (benchmarks/oproj_small.py, 8th session)
+            return TritonTile(64, 128, group_m=8, num_warps=4, num_stages=3)
+        if m <= 2048 or (n <= 3072 and m <= 8192):
+            return TritonTile(64, 128, group_m=8, num_warps=4, num_stages=4, persistent=2, flatten=True)
+        return TritonTile(128, 128, group_m=8, num_warps=8, num_stages=3, persistent=1, flatten=True)
+
+    def moe_plan(self, num_tokens: int, top_k: int, num_experts: int, gluon_ok: bool = False) -> MoePlan:
+        """The fused MoE's tiles by load (H200 sweeps, notes/kernels_gemm.md). ALIGN_M pads each
+        expert's rows (padding waste vs tile efficiency). gate_up's 256 columns: one product per K
+        step at ALIGN 64 (2-5% faster whole FFN, 3rd session), two 128-column halves at 16.
+        ``gluon_ok``: the Gluon gate_up can run here (an sm_90 GPU)."""
+        rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+        align = 64 if rows_per_expert >= 48 else 16
+        down = TritonTile(align, 128, group_m=8, num_warps=4, num_stages=4)
+        if gluon_ok and align == 64 and self.moe_gluon:
+            return MoePlan(64, self.moe_gluon_gate_up, down)
+        gate_up = TritonTile(align, 256, group_m=8, num_warps=8 if align == 64 else 4, num_stages=4,
+                             split_n=align != 64)
+        return MoePlan(align, gate_up, down)
+
+    def prefill_tile(self, on_gpu: bool, windowed: bool, group: int) -> PrefillTile:
+        """The Triton prefill tile for a causal / sliding-window call with ``group`` query heads per KV head."""
+        if not on_gpu:
+            return CPU_PREFILL_TILE
+        tile = self.prefill_window if windowed else self.prefill_causal
+        if group % tile.pack == 0:
+            return tile
+        return self.prefill_window_unpacked if windowed else PrefillTile(tile.block_m, tile.block_n, tile.num_warps,
+                                                                         tile.num_stages, tile.maxnreg)
+
+
+DEFAULT = KernelConfig()
+
+
+def kernel_paths(device: torch.device, config: KernelConfig | None = None) -> str:
+    """One line naming the kernels the ``triton`` ops backend runs on ``device`` with ``config``."""
+    cfg = config or DEFAULT
+    if device.type != "cuda":
+        return "kernels: Triton (interpreter on CPU)"
+    if not cfg.gluon_on(device):
+        why = ("Gluon switched off (KernelConfig.gluon=False)" if not cfg.gluon
+               else "no Gluon Hopper API in this triton" if not _gluon.HAS_GLUON else "not an sm_90 GPU")
+        return f"kernels: Triton ({why})"
+    parts = [f"dense GEMM from {cfg.dense_gluon_min_rows} rows" if cfg.dense_gluon_min_rows is not None else None,
+             "MoE gate_up" if cfg.moe_gluon else None,
+             "one-sequence causal attention" if cfg.attention_gluon else None]
+    gluon_parts = ", ".join(p for p in parts if p)
+    return f"kernels: Gluon warp-specialized ({gluon_parts}), Triton for the rest" if gluon_parts else "kernels: Triton"

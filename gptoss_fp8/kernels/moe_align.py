@@ -1,0 +1,118 @@
+"""Grouping the MoE's (token, slot) pairs by local expert, each expert's rows padded (Triton).
+
+Contract: topk_ids int32 [T, k] (contiguous) of global expert ids; a rank holds experts
+[expert_start, expert_start + E_local). ``moe_align`` returns ``sorted_slots`` int32 [max_rows]
+(flat slot t*k + j per padded row, T*k for padding) and ``block_expert`` int32
+[max_rows / ALIGN_M] (each row tile's local expert, E_local past the last segment), with
+max_rows = round_up(T*k + E_local*(ALIGN_M - 1), ALIGN_M) an upper bound, so the host never
+synchronises. Pairs routed to other ranks are dropped. Three small kernels (count with atomics,
+offsets, scatter); the order inside one expert's segment follows the atomics (it changes nothing
+downstream: rows are independent and written back by slot). ``moe_align_reference`` is the
+plain-torch form (stable order inside each segment). Not done here: the GEMMs (moe_gemm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gptoss_fp8.quant.fp8 import cdiv, next_pow2
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, num_experts, BLOCK: tl.constexpr):
+    """Count the slots of each local expert; each slot's rank within its expert (atomic order)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_slots
+    e = tl.load(ids_ptr + offs, mask=m, other=0) - expert_start
+    here = m & (e >= 0) & (e < num_experts)
+    rank = tl.atomic_add(counts_ptr + tl.where(here, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=here)
+    tl.store(rank_ptr + offs, rank, mask=m)
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_experts, num_tiles,
+                          ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: padded segment starts (exclusive cumsum of counts rounded up to ALIGN_M) and
+    the expert of every ALIGN_M-row tile (num_experts past the last segment)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < num_experts
+    counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
+    padded = (counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M
+    pad_end = tl.cumsum(padded, axis=0)
+    tl.store(pad_start_ptr + offs_e, pad_end - padded, mask=e_mask)
+    tile_end = tl.where(e_mask, pad_end // ALIGN_M, 2147483647)  # [BLOCK_E] tile index ends
+    for t0 in range(0, num_tiles, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        # expert of tile t = number of experts whose segment ends at or before t
+        expert = tl.sum((tile_end[None, :] <= offs_t[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + offs_t, expert, mask=offs_t < num_tiles)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots, expert_start, num_experts,
+                          BLOCK: tl.constexpr):
+    """sorted_slots[pad_start[e] + rank] = slot for every slot routed to a local expert."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_slots
+    e = tl.load(ids_ptr + offs, mask=m, other=0) - expert_start
+    here = m & (e >= 0) & (e < num_experts)
+    rank = tl.load(rank_ptr + offs, mask=here, other=0)
+    start = tl.load(pad_start_ptr + tl.where(here, e, 0), mask=here, other=0)
+    tl.store(sorted_ptr + start + rank, offs, mask=here)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by local expert, padding each expert's segment to block_m rows.
+
+    topk_ids [T, k] int32 global expert ids. Returns
+    - ``sorted_slots`` int32 [max_rows]: flat slot index t*k + j per padded row, T*k for padding;
+    - ``block_expert`` int32 [max_rows / block_m]: the local expert of each row tile, num_local for
+      tiles past the last expert's segment (the kernels skip those).
+    max_rows = round_up(T*k + num_local*(block_m - 1), block_m) is an upper bound, so no host sync.
+    Three small Triton kernels (count with atomics, offsets, scatter); the order of the slots
+    inside one expert's segment follows the atomics and may change between runs, which changes
+    nothing in the results (rows are independent and written back by slot index).
+    """
+    assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous(), f"topk_ids {topk_ids.dtype}"
+    dev = topk_ids.device
+    n_slots = topk_ids.numel()
+    max_rows = cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
+    num_tiles = max_rows // block_m
+    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    rank = torch.empty(n_slots, dtype=torch.int32, device=dev)
+    pad_start = torch.empty(num_local, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
+    block = 1024
+    grid = (cdiv(n_slots, block),)
+    _align_count_kernel[grid](topk_ids, counts, rank, n_slots, expert_start, num_local, BLOCK=block)
+    _align_offsets_kernel[(1,)](
+        counts, pad_start, block_expert, num_local, num_tiles,
+        ALIGN_M=block_m, BLOCK_E=max(16, next_pow2(num_local)), BLOCK_T=64,
+    )
+    _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
+    return sorted_slots, block_expert
+
+
+def moe_align_reference(
+    topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch ``moe_align`` (stable order inside each expert's segment)."""
+    n_slots = topk_ids.numel()
+    max_rows = cdiv(n_slots + num_local * (block_m - 1), block_m) * block_m
+    key = topk_ids.reshape(-1).long() - expert_start
+    key = torch.where((key >= 0) & (key < num_local), key, num_local)
+    counts = torch.bincount(key, minlength=num_local + 1)[:num_local]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=topk_ids.device)
+    for e in range(num_local):
+        slots = (key == e).nonzero().reshape(-1)
+        start = int(pad_end[e] - padded[e])
+        sorted_slots[start:start + slots.numel()] = slots.int()
+    tiles = torch.arange(0, max_rows, block_m, device=topk_ids.device)
+    return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int()

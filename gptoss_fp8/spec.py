@@ -1,0 +1,366 @@
+"""The plain-torch specification of every gpt-oss op: written once, used by the CPU backends
+(model/ops.py) and by the kernels' tests (tests/kernels) as their reference.
+
+Numerics follow OpenAI's ``gpt_oss/torch/model.py`` op for op unless a function says otherwise;
+the FP8 conventions are quant/fp8.py's (design.md section 1). Only torch and this package's
+quant / config / errors are imported: never Triton.
+
+Norms
+    ``rms_norm(x, w, eps)``              fp32 RMSNorm, cast back to x's dtype.
+    ``add_rms_norm(x, d, w, eps)``       bf16 residual add, then ``rms_norm``: (new x, normed).
+SwiGLU
+    ``swiglu(h, limit, alpha)``          clamped SwiGLU on interleaved gate/up columns, +1 on the linear half.
+Routing
+    ``select_experts(logits, k)``        top-k sorted descending + softmax over the k logits (their dtype).
+    ``route(x, w, b, k)``                the router: bf16 linear with bias, then ``select_experts``.
+YaRN rotary embedding
+    ``yarn_inv_freq(head_dim, ...)``     (concentration, inv_freq) with NTK-by-parts (gpt-oss defaults).
+    ``yarn_params(cfg)``                 a config's YaRN arguments for ``yarn_inv_freq`` / ``rope_table``.
+    ``rope_table(n, head_dim, ...)``     cos / sin fp32 [n, D/2] for positions 0..n-1, concentration folded in.
+    ``rope_cos_sin(cfg, n, device)``     ``rope_table`` of a model config (what the forward pass uses).
+    ``apply_rope(x, cos, sin, ...)``     rotate the two halves of each head (bf16 as the reference, or fp32).
+Attention
+    ``attention(q, k, v, sinks, ...)``   causal / sliding-window GQA attention, sinks as an extra softmax column.
+    ``attention_varlen(...)``            ``attention`` per sequence of a ragged batch (cu_seqlens).
+Experts (the MoE after routing)
+    ``moe_experts_w8a8(...)``            the w8a8 expert FFN: per-(token, slot) outputs [T, k, H].
+    ``moe_experts_bf16(...)``            the same contract in the ``weights`` mode (dequantized bf16, OpenAI's order).
+    ``moe_combine(y, weights)``          weighted sum of per-slot outputs -> bf16 [T, H].
+    ``moe_w8a8(...)``                    ``moe_combine(moe_experts_w8a8(...))``: the combined w8a8 MoE [T, H].
+    ``bf16_weight(w, scale_inv)``        a weight as bf16 (dequantized when FP8): the ``weights`` mode's GEMM operand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gptoss_fp8.config import GptOssConfig
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.quant.fp8 import FP8_DTYPE, block_gemm_reference, dequantize_weight_blocks, quantize_act
+
+SWIGLU_ALPHA = 1.702
+
+__all__ = [
+    "SWIGLU_ALPHA", "rms_norm", "add_rms_norm", "swiglu", "select_experts", "route", "yarn_inv_freq",
+    "yarn_params", "rope_table", "rope_cos_sin", "apply_rope", "attention", "attention_varlen",
+    "moe_experts_w8a8", "moe_experts_bf16", "moe_combine", "moe_w8a8", "bf16_weight",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpt-oss's RMSNorm: x [..., H] (bf16), weight float32 [H] -> [..., H] in x's dtype.
+    t = x.float(); t * rsqrt(mean(t^2) + eps) * weight in fp32, one rounding to x's dtype."""
+    t = x.float()
+    t = t * torch.rsqrt(torch.mean(t**2, dim=-1, keepdim=True) + eps)
+    return (t * weight).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add of the bf16 stream then ``rms_norm``: x [T, H] bf16, delta [T, H] bf16 or
+    float32 (an all-reduced partial sum: rounded once, ``delta.to(x.dtype)``) -> (x + delta, normed),
+    both [T, H] in x's dtype."""
+    xo = x + delta.to(x.dtype)
+    return xo, rms_norm(xo, weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU
+
+
+def swiglu(h: torch.Tensor, limit: float = 7.0, alpha: float = SWIGLU_ALPHA) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU: h [..., 2I] with interleaved columns (2j = gate j, 2j+1 = linear j)
+    -> [..., I] in h's dtype: glu = gate.clamp(max=limit), lin = linear.clamp(-limit, limit),
+    glu * sigmoid(alpha * glu) * (lin + 1)."""
+    glu = h[..., ::2].clamp(max=limit)
+    lin = h[..., 1::2].clamp(min=-limit, max=limit)
+    return glu * torch.sigmoid(alpha * glu) * (lin + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+def select_experts(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's selection: logits [T, E] -> (ids int64 [T, k] of ``topk(sorted=True)``, i.e.
+    by logit descending; weights [T, k] = softmax over those k logits, in the logits' dtype)."""
+    top = torch.topk(logits, top_k, dim=-1, sorted=True)
+    return top.indices, torch.softmax(top.values, dim=-1)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE router: x bf16 [T, H], weight bf16 [E, H], bias bf16 [E] or None ->
+    (logits bf16 [T, E] = the bf16 linear with bias, ids int64 [T, k], weights bf16 [T, k])."""
+    logits = F.linear(x, weight, bias)
+    return logits, *select_experts(logits, top_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# YaRN rotary embedding
+
+
+def yarn_inv_freq(
+    head_dim: int = 64,
+    base: float = 150000.0,
+    scaling_factor: float = 32.0,
+    initial_context_length: int = 4096,
+    ntk_alpha: float = 1.0,
+    ntk_beta: float = 32.0,
+    device: torch.device | str | None = None,
+) -> tuple[float, torch.Tensor]:
+    """(concentration, inv_freq float32 [head_dim / 2]) of YaRN with NTK-by-parts, as gpt-oss's
+    ``RotaryEmbedding._compute_concentration_and_inv_freq`` (defaults: gpt-oss's config).
+
+    Dimensions rotating more than ntk_beta times over the original context keep their frequency
+    (extrapolate), fewer than ntk_alpha times are divided by the factor (interpolate), a linear
+    ramp between; concentration = 0.1 ln(factor) + 1. A factor <= 1: plain RoPE, concentration 1.
+    Raises GptOssFp8Error when the ramp bounds do not fit head_dim (a config error).
+    """
+    freq = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaling_factor <= 1.0:
+        return 1.0, 1.0 / freq
+    concentration = 0.1 * math.log(scaling_factor) + 1.0
+    d_half = head_dim / 2
+    low = d_half * math.log(initial_context_length / (ntk_beta * 2 * math.pi)) / math.log(base)
+    high = d_half * math.log(initial_context_length / (ntk_alpha * 2 * math.pi)) / math.log(base)
+    if not 0 < low < high < d_half - 1:
+        raise GptOssFp8Error(
+            f"rope: YaRN ramp bounds {low:.3f}..{high:.3f} do not fit head_dim {head_dim} "
+            "(needs 0 < low < high < head_dim/2 - 1); check head_dim and rope_scaling in config.json"
+        )
+    interpolation = 1.0 / (scaling_factor * freq)
+    extrapolation = 1.0 / freq
+    ramp = (torch.arange(d_half, dtype=torch.float32, device=device) - low) / (high - low)
+    keep = 1 - ramp.clamp(0, 1)
+    return concentration, interpolation * (1 - keep) + extrapolation * keep
+
+
+def yarn_params(cfg: GptOssConfig) -> dict:
+    """A config's rotary arguments for ``yarn_inv_freq`` / ``rope_table``: head_dim, base
+    (rope_theta), and from rope_scaling: scaling_factor (factor, 1 without), initial_context_length
+    (original_max_position_embeddings, else the config's), ntk_alpha (beta_slow), ntk_beta (beta_fast)."""
+    rs = cfg.rope_scaling or {}
+    return dict(
+        head_dim=cfg.head_dim,
+        base=cfg.rope_theta,
+        scaling_factor=float(rs.get("factor", 1.0)),
+        initial_context_length=int(rs.get("original_max_position_embeddings", cfg.initial_context_length)),
+        ntk_alpha=float(rs.get("beta_slow", 1.0)),
+        ntk_beta=float(rs.get("beta_fast", 32.0)),
+    )
+
+
+def rope_table(n: int, head_dim: int = 64, device: torch.device | str | None = None,
+               **yarn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) float32 [n, head_dim / 2] for positions 0..n-1, concentration folded in (gpt-oss's
+    ``_compute_cos_sin``): angle(t, j) = t * inv_freq[j]. ``yarn``: ``yarn_inv_freq``'s other
+    arguments (base, scaling_factor, initial_context_length, ntk_alpha, ntk_beta)."""
+    concentration, inv_freq = yarn_inv_freq(head_dim, device=device, **yarn)
+    t = torch.arange(n, dtype=torch.float32, device=device)
+    freqs = torch.einsum("i,j->ij", t, inv_freq)
+    return (freqs.cos() * concentration).contiguous(), (freqs.sin() * concentration).contiguous()
+
+
+def rope_cos_sin(cfg: GptOssConfig, n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """YaRN (cos, sin) of a model, float32 [n, head_dim / 2]: ``rope_table`` with ``yarn_params(cfg)``."""
+    return rope_table(n, device=device, **yarn_params(cfg))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rotate the two halves of each head (x1 = x[..., :D/2], x2 = x[..., D/2:]):
+    o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin.
+
+    x [T, heads, D]; cos / sin float32 [T, D/2] (row t for token t), or [max_pos, D/2] with
+    ``positions`` int [T] picking each token's row. Computed in ``dtype`` and rounded to x's dtype:
+    the default (x's dtype, bf16) is the reference's ``_apply_rotary_emb`` (cos / sin rounded to
+    bf16, bf16 arithmetic); ``dtype=torch.float32`` is the kernels' arithmetic (fp32, one rounding).
+    """
+    if positions is not None:
+        cos, sin = cos[positions.long()], sin[positions.long()]
+    dt = dtype or x.dtype
+    c = cos.unsqueeze(-2).to(dt)
+    s = sin.unsqueeze(-2).to(dt)
+    x1, x2 = torch.chunk(x.to(dt), 2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, sm_scale: float | None = None,
+              window: int = 0, q_offset: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Attention with per-head sinks (an extra softmax column, then dropped), GQA, causal or
+    sliding window, for ONE sequence (gpt-oss's ``sdpa``).
+
+    q [Tq, Hq, D], k / v [Tk, Hkv, D], sinks [Hq]; q head h reads kv head h // (Hq / Hkv). Query t
+    sits at position q_offset + t, key j at j; key j is visible to query position i iff j <= i and,
+    with window > 0, i - window < j. sm_scale defaults to 1 / sqrt(D). Computed in ``dtype`` (default
+    q's dtype: bf16 logits, softmax and products as the reference; ``torch.float32`` for the
+    kernels' fp32 reference) and returned as [Tq, Hq, D] in q's dtype.
+    """
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    assert hq % hkv == 0 and v.shape == k.shape and sinks.numel() == hq, (
+        f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, sinks {tuple(sinks.shape)}")
+    m = hq // hkv
+    out_dtype, dt = q.dtype, dtype or q.dtype
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    q = q.to(dt).view(tq, hkv, m, d)
+    k = k.to(dt)[:, :, None, :].expand(-1, -1, m, -1)
+    v = v.to(dt)[:, :, None, :].expand(-1, -1, m, -1)
+    s = sinks.to(dt).reshape(hkv, m, 1, 1).expand(-1, -1, tq, -1)
+    pos_q = torch.arange(tq, device=q.device)[:, None] + q_offset
+    pos_k = torch.arange(tk, device=q.device)[None, :]
+    hidden = pos_k > pos_q
+    if window > 0:
+        hidden |= pos_k <= pos_q - window
+    qk = torch.einsum("qhmd,khmd->hmqk", q, k)
+    qk *= sm_scale
+    # masked_fill equals the reference's adding a 0 / -inf mask (x + 0 = x, x - inf = -inf)
+    qk = qk.masked_fill(hidden, -float("inf"))
+    qk = torch.cat([qk, s], dim=-1)
+    w = torch.softmax(qk, dim=-1)[..., :-1]
+    return torch.einsum("hmqk,khmd->qhmd", w, v).reshape(tq, hq, d).to(out_dtype)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``attention`` of a ragged batch: sequences [cu_seqlens[i], cu_seqlens[i + 1]) of the rows of
+    q [T, Hq, D], k / v [T, Hkv, D] attend only within themselves (each from position 0); None: one
+    sequence. Returns [T, Hq, D] in q's dtype."""
+    if cu_seqlens is None:
+        return attention(q, k, v, sinks, sm_scale, window, dtype=dtype)
+    cu = cu_seqlens.tolist()
+    out = torch.empty_like(q)
+    for s, e in zip(cu[:-1], cu[1:]):
+        if e > s:
+            out[s:e] = attention(q[s:e], k[s:e], v[s:e], sinks, sm_scale, window, dtype=dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts
+
+
+def _local_slots(ids: torch.Tensor, expert_start: int, n_local: int):
+    """(local expert e, token indices, slot indices) of every local expert some slot of ids [T, k]
+    (global expert ids) is routed to, in expert order."""
+    local = ids.long() - expert_start
+    for e in torch.unique(local[(local >= 0) & (local < n_local)]).tolist():
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        yield e, tok, slot
+
+
+def _at(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if t is None else t[e]
+
+
+def moe_experts_w8a8(
+    x: torch.Tensor, ids: torch.Tensor,
+    w13: torch.Tensor, w13_scale_inv: torch.Tensor, b13: torch.Tensor | None,
+    w2: torch.Tensor, w2_scale_inv: torch.Tensor, b2: torch.Tensor | None,
+    expert_start: int = 0, limit: float = 7.0, partial: bool = False,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The w8a8 expert FFN (design.md section 1) of routed tokens, per (token, slot), on a rank
+    holding experts [expert_start, expert_start + E_l) (and, with ``partial``, a part of each
+    expert's intermediate dim).
+
+    x bf16 [T, H]; ids int [T, k] global expert ids; w13 fp8 [E_l, 2I_l, H] (gate / up rows
+    interleaved) with scale_inv [E_l, ceil(2I_l/128), ceil(H/128)] and bias b13 [E_l, 2I_l];
+    w2 fp8 [E_l, H, I_l] with scale_inv [E_l, ceil(H/128), ceil(I_l/128)] and bias b2 [E_l, H]
+    (None: another rank owns it). xq: x's ``quantize_act`` when the caller has it (same bits).
+
+    Per slot routed here: x quantized per token (1x128), gate_up block GEMM + bias in fp32, the
+    clamped SwiGLU in fp32, its output quantized per token (1x128), down block GEMM.
+    Returns (y, b), float32 [T, k, H] each, zeros for slots routed elsewhere. Whole experts
+    (``partial`` False): y = the down GEMM + bias rounded once to bf16, b None. Intermediate split
+    over ranks: y = the unrounded fp32 down products without bias, b = the down bias where this
+    rank owns it; the sum over ranks is rounded and the bias added after (``add_bias_after_sum``).
+    """
+    assert w13.dtype == FP8_DTYPE and w2.dtype == FP8_DTYPE, f"fp8 experts expected, got {w13.dtype}, {w2.dtype}"
+    t, k = ids.shape
+    out = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
+    bias_out = torch.zeros_like(out) if partial else None
+    x_fp8, x_scale = xq if xq is not None else quantize_act(x)
+    for e, tok, slot in _local_slots(ids, expert_start, w13.shape[0]):
+        h = block_gemm_reference(x_fp8[tok], x_scale[tok], w13[e], w13_scale_inv[e], _at(b13, e), torch.float32)
+        a_fp8, a_scale = quantize_act(swiglu(h, limit))
+        b = _at(b2, e)
+        if partial:
+            out[tok, slot] = block_gemm_reference(a_fp8, a_scale, w2[e], w2_scale_inv[e], None, torch.float32)
+            if b is not None:
+                bias_out[tok, slot] = b.float()
+        else:
+            out[tok, slot] = block_gemm_reference(a_fp8, a_scale, w2[e], w2_scale_inv[e], b, torch.bfloat16).float()
+    return out, bias_out
+
+
+def moe_experts_bf16(
+    x: torch.Tensor, ids: torch.Tensor,
+    w13: torch.Tensor, w13_scale_inv: torch.Tensor | None, b13: torch.Tensor | None,
+    w2: torch.Tensor, w2_scale_inv: torch.Tensor | None, b2: torch.Tensor | None,
+    expert_start: int = 0, limit: float = 7.0, partial: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``moe_experts_w8a8``'s contract in the ``weights`` mode: FP8 weights dequantized to bf16
+    (bf16 weights as they are), bf16 activations, OpenAI's op order: each GEMM rounded to bf16,
+    then its bias added in bf16; the SwiGLU in bf16. ``partial``: the down products in fp32
+    (one rounding after the sum over ranks, then the bias, as the reference's all-reduce)."""
+    t, k = ids.shape
+    out = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
+    bias_out = torch.zeros_like(out) if partial else None
+    for e, tok, slot in _local_slots(ids, expert_start, w13.shape[0]):
+        h = F.linear(x[tok], bf16_weight(w13[e], _at(w13_scale_inv, e)))
+        if b13 is not None:
+            h = h + b13[e]
+        a = swiglu(h, limit)
+        wd = bf16_weight(w2[e], _at(w2_scale_inv, e))
+        b = _at(b2, e)
+        if partial:
+            out[tok, slot] = F.linear(a.float(), wd.float())
+            if b is not None:
+                bias_out[tok, slot] = b.float()
+        else:
+            y = F.linear(a, wd)
+            out[tok, slot] = (y if b is None else y + b).float()
+    return out, bias_out
+
+
+def bf16_weight(w: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
+    """A weight as bf16 [N, K]: dequantized when FP8."""
+    if w.dtype == FP8_DTYPE:
+        assert scale_inv is not None, f"fp8 weight {tuple(w.shape)} without scale_inv"
+        return dequantize_weight_blocks(w, scale_inv, torch.bfloat16)
+    return w
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16 [T, H]
+    (the reference's bf16 einsum: fp32 accumulation over the slots, one rounding)."""
+    return torch.einsum("bec,be->bc", y.to(torch.bfloat16), weights.to(torch.bfloat16))
+
+
+def moe_w8a8(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    w13: torch.Tensor, w13_scale_inv: torch.Tensor, b13: torch.Tensor | None,
+    w2: torch.Tensor, w2_scale_inv: torch.Tensor, b2: torch.Tensor | None,
+    expert_start: int = 0, limit: float = 7.0,
+) -> torch.Tensor:
+    """The combined w8a8 MoE of routed tokens on one rank: x bf16 [T, H], weights [T, k] and ids
+    [T, k] from ``route``, experts as ``moe_experts_w8a8`` -> bf16 [T, H] = ``moe_combine`` of the
+    per-slot outputs (slots routed to other ranks' experts contribute nothing: a partial sum that
+    one all-reduce over the expert-parallel ranks completes, each bias counted once)."""
+    y, _ = moe_experts_w8a8(x, ids, w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, expert_start, limit)
+    return moe_combine(y, weights)
