@@ -60,6 +60,11 @@ def _config(name: str) -> KernelConfig | None:
     return None
 
 
+def _forward(model, ops):
+    """The prefill forward of model on ops, as a function of the tokens (ops built by the caller)."""
+    return lambda t: prefill_logits(model, t, ops)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="20b")
@@ -73,14 +78,14 @@ def main() -> None:
         ops = TritonOps(config=KernelConfig())
         make = {
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
-            "unfused-combine": lambda: (lambda t, o=UnfusedCombine(config=ops.config): prefill_logits(model, t, o)),
-            "torch-router": lambda: (lambda t, o=TorchRouter(config=ops.config): prefill_logits(model, t, o)),
+            "unfused-combine": lambda: _forward(model, UnfusedCombine(config=ops.config)),
+            "torch-router": lambda: _forward(model, TorchRouter(config=ops.config)),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         for name in a.variants.split(","):
             cfg = _config(name)
             if cfg is not None:  # the same model, its ops holding another KernelConfig
-                make[name] = lambda cfg=cfg: (lambda t, o=TritonOps(config=cfg): prefill_logits(model, t, o))
+                make[name] = lambda cfg=cfg: _forward(model, TritonOps(config=cfg))
         tokens = torch.randint(0, cfg_model.vocab_size, (n,), device="cuda")
         prefill_logits(model, tokens, ops)  # compile before any capture
         variants = {name: make[name]() for name in a.variants.split(",")}

@@ -71,7 +71,8 @@ def load_json(raw: str | bytes, where: str, what: str = "JSON", object_pairs_hoo
     else:
         deep = json_depth_exceeds(obj)
     if deep:
-        raise GptOssFp8Error(f"{where}: {what} nested more than {MAX_JSON_DEPTH} levels deep; the file is corrupt, re-download or fix it")
+        raise GptOssFp8Error(f"{where}: {what} nested more than {MAX_JSON_DEPTH} levels deep; the file is corrupt, "
+                             "re-download or fix it")
     return obj
 
 
@@ -133,7 +134,7 @@ class GptOssConfig:
             ))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "GptOssConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> GptOssConfig:
         """Validate a config.json dict; unknown keys are ignored (kept by whoever copies the file)."""
         if d.get("model_type") != "gpt_oss":
             raise GptOssFp8Error(
@@ -162,7 +163,7 @@ class GptOssConfig:
         return cfg
 
     @classmethod
-    def from_file(cls, path: Path) -> "GptOssConfig":
+    def from_file(cls, path: Path) -> GptOssConfig:
         return cls.from_dict(read_config_json(path), str(path))
 
     def validate(self, where: str = "config") -> None:

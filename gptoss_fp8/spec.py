@@ -244,7 +244,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
         return attention(q, k, v, sinks, sm_scale, window, dtype=dtype)
     cu = cu_seqlens.tolist()
     out = torch.empty_like(q)
-    for s, e in zip(cu[:-1], cu[1:]):
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
         if e > s:
             out[s:e] = attention(q[s:e], k[s:e], v[s:e], sinks, sm_scale, window, dtype=dtype)
     return out

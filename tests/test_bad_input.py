@@ -184,7 +184,8 @@ def test_resume_with_a_changed_source_is_refused(tiny_src, tmp_path, change):
     convert_checkpoint(src, dst, shard_bytes=SHARD)
     half = interrupted(src, tmp_path / "half")
     what = SOURCE_CHANGES[change](src)
-    for d, kind in ((dst, "finished conversion made with another source"), (half, "interrupted conversion there used another source")):
+    for d, kind in ((dst, "finished conversion made with another source"),
+                    (half, "interrupted conversion there used another source")):
         before = tree(d)
         with pytest.raises(GptOssFp8Error) as ei:
             convert_checkpoint(src, d, shard_bytes=SHARD, resume=True)
@@ -546,7 +547,8 @@ def _overlap(victim: str, donor: str):
 SOURCE_HEADER_EDITS = {
     # two tensors sharing bytes: before, one silently held the other's values
     "overlap biases": (L0 + "mlp.router.bias", _overlap(L0 + "mlp.router.bias", L0 + "self_attn.sinks"), "overlaps"),
-    "overlap norm": (L0 + "input_layernorm.weight", _overlap(L0 + "input_layernorm.weight", L0 + "post_attention_layernorm.weight"), "overlaps"),
+    "overlap norm": (L0 + "input_layernorm.weight",
+                     _overlap(L0 + "input_layernorm.weight", L0 + "post_attention_layernorm.weight"), "overlaps"),
     "shifted by 2": (L0 + "mlp.router.bias", lambda h: h[L0 + "mlp.router.bias"].update(
         data_offsets=[x + 2 for x in h[L0 + "mlp.router.bias"]["data_offsets"]]), "model.layers.0.mlp.router.bias"),
     "dtype lie": (L0 + "self_attn.sinks", lambda h: h[L0 + "self_attn.sinks"].update(dtype="F32"), "self_attn.sinks"),
@@ -624,7 +626,8 @@ def _drop_from_index(root: Path):
 
 
 INDEX_CASES = {
-    "value a list": (_weight_map_value(["model-00001-of-00004.safetensors"]), "weight_map value for tensor model.layers.0.self_attn.sinks is list"),
+    "value a list": (_weight_map_value(["model-00001-of-00004.safetensors"]),
+                     "weight_map value for tensor model.layers.0.self_attn.sinks is list"),
     "value a number": (_weight_map_value(3), "is int 3, not a file name"),
     "value null": (_weight_map_value(None), "is NoneType None, not a file name"),
     "value an object": (_weight_map_value({"f": "x"}), "not a file name"),
@@ -684,7 +687,8 @@ CONFIG_CASES = {
     "rope_theta string": (_config_edit(rope_theta="1e4"), "rope_theta must be"),
     "rope_scaling a list": (_config_edit(rope_scaling=[1]), "rope_scaling must be an object"),
     "deep nesting": (_config_edit(extra=json.loads("[" * 100 + "]" * 100)), "nested more than"),
-    "very deep nesting": (lambda r: (r / "config.json").write_text('{"a": ' + "[" * 200_000 + "]" * 200_000 + "}"), "nested more than"),
+    "very deep nesting": (lambda r: (r / "config.json").write_text('{"a": ' + "[" * 200_000 + "]" * 200_000 + "}"),
+                          "nested more than"),
     "config a list": (lambda r: (r / "config.json").write_text("[]"), "expected a JSON object"),
 }
 

@@ -52,7 +52,8 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
     assert "Traceback" not in proc.stderr
-    dbg = subprocess.run([sys.executable, "-m", "gptoss_fp8.cli.main", "--debug", "convert", str(tmp_path / "nope"), str(tmp_path / "o")],
+    dbg = subprocess.run([sys.executable, "-m", "gptoss_fp8.cli.main", "--debug", "convert",
+                          str(tmp_path / "nope"), str(tmp_path / "o")],
                          capture_output=True, text=True)
     assert dbg.returncode != 0 and "Traceback" in dbg.stderr
 

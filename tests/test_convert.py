@@ -10,13 +10,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from gptoss_fp8.checkpoint.format import REPORT_NAME, hf_source_tensors
+from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.convert import writer as writer_mod
-from gptoss_fp8.checkpoint.format import REPORT_NAME
 from gptoss_fp8.convert.convert import LOCK_NAME, PARTIAL_DIR, convert_checkpoint
-from gptoss_fp8.checkpoint.format import hf_source_tensors
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.quant.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from gptoss_fp8.quant.mxfp4 import decode_mxfp4
 
@@ -323,7 +322,8 @@ BAD_INPUTS = {
                                                  lambda d: {k: v for k, v in d.items() if k != L0 + "self_attn.sinks"}),
                        "self_attn.sinks is missing"),
     "wrong shape": (_set(L0 + "mlp.experts.down_proj_bias", lambda t: t[:, :-1].contiguous()), "down_proj_bias has shape"),
-    "blocks vs scales": (_set(L0 + "mlp.experts.gate_up_proj_scales", lambda t: t[:, :-2].contiguous()), "gate_up_proj_scales has shape"),
+    "blocks vs scales": (_set(L0 + "mlp.experts.gate_up_proj_scales", lambda t: t[:, :-2].contiguous()),
+                         "gate_up_proj_scales has shape"),
     "nan scale": (_set(L0 + "mlp.experts.down_proj_scales", lambda t: t.index_fill(1, torch.tensor([3]), 255)),
                   "down_proj_scales has .* equal to 255"),
     "wrong dtype": (_set(L0 + "mlp.experts.gate_up_proj_blocks", lambda t: t.to(torch.int16)), "expected uint8"),

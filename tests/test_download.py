@@ -18,10 +18,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hub_server import HubServer
 from huggingface_hub import constants as hf_constants
 from typer.testing import CliRunner
 
-from gptoss_fp8.cli.main import app
 from gptoss_fp8.checkpoint.hub import (
     CONVERTER_PATTERNS,
     ResolvedSource,
@@ -30,8 +30,8 @@ from gptoss_fp8.checkpoint.hub import (
     resolve_source,
     select_files,
 )
+from gptoss_fp8.cli.main import app
 from gptoss_fp8.errors import GptOssFp8Error
-from hub_server import HubServer
 
 REPO = "test-org/gpt-oss-tiny"
 GATED = "test-org/gpt-oss-gated"

@@ -10,11 +10,11 @@ import torch
 from gptoss_fp8.convert.convert import convert_checkpoint
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.load import load_model
 from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.model.load import load_model
 from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps
-from gptoss_fp8.spec import rope_cos_sin, swiglu
 from gptoss_fp8.quant.fp8 import dequantize_act, dequantize_weight_blocks, quantize_act, quantize_weight_blocks
+from gptoss_fp8.spec import rope_cos_sin, swiglu
 
 ref_model = pytest.importorskip("gpt_oss.torch.model", reason="OpenAI's reference: pip install --no-deps gpt-oss==0.0.9")
 

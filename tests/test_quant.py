@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from gptoss_fp8.quant.fp8 import (
-    FP8_MAX, dequantize_act, dequantize_weight_blocks, pow2_scale_for_amax, quantize_act, quantize_weight_blocks,
+    FP8_MAX,
+    dequantize_act,
+    dequantize_weight_blocks,
+    pow2_scale_for_amax,
+    quantize_act,
+    quantize_weight_blocks,
 )
 from gptoss_fp8.quant.mxfp4 import decode_mxfp4, mxfp4_to_fp8, nan_scale_count
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptoss_fp8.convert.convert import convert_checkpoint
-from gptoss_fp8.checkpoint.plan import fp8_checkpoint_tensors, plan, rank_slice
-from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.checkpoint.manifest import load_rank, reassemble
+from gptoss_fp8.checkpoint.plan import fp8_checkpoint_tensors, plan, rank_slice
 from gptoss_fp8.config import preset_config
+from gptoss_fp8.convert.convert import convert_checkpoint
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.parallel import Parallel
 
 LAYOUTS = [(tp, ep) for tp in (1, 2, 4, 8) for ep in (1, 2, 4, 8) if ep <= tp and tp % ep == 0]
 SHAPES = {
@@ -144,7 +144,7 @@ def test_plan_cli(tmp_path):
     r = CliRunner().invoke(app, ["plan", "--preset", "120b", "--tp", "4", "--ep", "2", "--summary"])
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
-    assert lines[-1].startswith("total over 4 ranks:") and sum(l.startswith("rank ") for l in lines) == 4
+    assert lines[-1].startswith("total over 4 ranks:") and sum(ln.startswith("rank ") for ln in lines) == 4
     r = CliRunner().invoke(app, ["plan", "--preset", "20b", "--tp", "4", "--ep", "3"])
     assert r.exit_code == 1 and "ep must divide tp" in r.output
     r = CliRunner().invoke(app, ["plan", "--preset", "20b", "--tp", "2"])

@@ -103,7 +103,8 @@ def test_select_experts_invariants():
 
 def test_route_is_the_bf16_linear_then_selection():
     g = _gen(6)
-    x, wr, br = torch.randn(13, 64, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16(), torch.randn(8, generator=g).bfloat16()
+    x, wr, br = (torch.randn(13, 64, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16(),
+                 torch.randn(8, generator=g).bfloat16())
     logits, ids, w = spec.route(x, wr, br, 3)
     want = x.double() @ wr.double().t() + br.double()
     assert logits.dtype == torch.bfloat16 and ((logits.double() - want).abs() <= 2 * BF16_ULP * want.abs() + 1e-2).all()
@@ -197,7 +198,7 @@ def _attention_loop(q, k, v, sinks, sm_scale, window, q_offset):
             mx = max(s + [float(sinks[h])])
             e = [math.exp(x - mx) for x in s]
             z = sum(e) + math.exp(float(sinks[h]) - mx)
-            for j, ej in zip(keys, e):
+            for j, ej in zip(keys, e, strict=True):
                 out[t, h] += ej / z * v[j, kvh].double()
     return out
 

@@ -31,13 +31,13 @@ import torch
 from gptoss_fp8.convert.convert import convert_checkpoint
 from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.spec import rope_cos_sin
-from gptoss_fp8.model.load import load_model
 from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.model.load import load_model
 from gptoss_fp8.model.ops import W8A8CpuOps
 from gptoss_fp8.quant.fp8 import (
     quantize_weight_blocks,
 )
+from gptoss_fp8.spec import rope_cos_sin
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -155,8 +155,10 @@ def _check_expert_ffn(device, gpu):
         sub["gate_up_proj_bias"] = ex["gate_up_proj_bias"][:, rows].contiguous()
         sub["down_proj"] = ex["down_proj"][:, :, i_half * p:i_half * (p + 1)].contiguous()
         # the block scales of an exact 128-aligned split are the matching columns/rows of blocks
-        sub["gate_up_proj_scale_inv"] = ex["gate_up_proj_scale_inv"][:, 2 * i_half * p // 128:(2 * i_half * (p + 1) + 127) // 128].contiguous()
-        sub["down_proj_scale_inv"] = ex["down_proj_scale_inv"][:, :, i_half * p // 128:(i_half * (p + 1) + 127) // 128].contiguous()
+        sub["gate_up_proj_scale_inv"] = ex["gate_up_proj_scale_inv"][
+            :, 2 * i_half * p // 128:(2 * i_half * (p + 1) + 127) // 128].contiguous()
+        sub["down_proj_scale_inv"] = ex["down_proj_scale_inv"][
+            :, :, i_half * p // 128:(i_half * (p + 1) + 127) // 128].contiguous()
         sub["down_proj_bias"] = ex["down_proj_bias"] if p == 0 else None
         yp, bp = ops.expert_ffn(x, idx, sub, 0, 7.0, partial=True)
         sp, sbp = spec.expert_ffn(x, idx, sub, 0, 7.0, partial=True)
@@ -367,7 +369,7 @@ def test_linears_equal_separate_linears(ns):
     ops = get_ops("triton")
     got = ops.linears(x, projs)
     want = [ops.linear(x, *p) for p in projs]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     projs[1][2].mul_(2)  # a bias changed in place: the cached concatenation must not be reused
     got = ops.linears(x, projs)
     assert torch.equal(got[1], ops.linear(x, *projs[1]))
@@ -378,8 +380,7 @@ def test_bench_prefill_knows_presets_and_sizes():
     matched to its preset (for the seed's figures and the peer), the weight size it checks against
     free memory, and --layers refused with --checkpoint."""
     from gptoss_fp8.bench.prefill import load_checkpoint, matching_preset, weight_bytes
-    from gptoss_fp8.config import hf_config_dict, preset_config
-    from gptoss_fp8.config import GptOssConfig
+    from gptoss_fp8.config import GptOssConfig, hf_config_dict, preset_config
 
     for name in ("20b", "120b"):
         cfg = GptOssConfig.from_dict(hf_config_dict(preset_config(name, 3)))

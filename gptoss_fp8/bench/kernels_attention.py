@@ -201,8 +201,8 @@ def _decode_rows() -> list[dict]:
 
 
 def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
-    from gptoss_fp8.kernels.attention import attention_prefill
     from gptoss_fp8 import spec
+    from gptoss_fp8.kernels.attention import attention_prefill
     from gptoss_fp8.kernels.rope import rope_qk
 
     q, k, v, sinks, gen = _prefill_inputs(T, T + 1)

@@ -173,7 +173,8 @@ def moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, top_k: int) -> torch.Tensor
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, sorted_e, torch.ones_like(sorted_e, dtype=torch.int32))
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+        0, sorted_e, torch.ones_like(sorted_e, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     tok = order // top_k
     hg = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs) + b13[sorted_e]
@@ -223,7 +224,8 @@ def bench_router(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[di
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             ours = lambda: router(x, wr, br, TOP_K)  # noqa: E731
             peer = lambda: route(x, wr, br, TOP_K)  # noqa: E731
-            row = _row(f"router E={e} top{TOP_K} T={t}", 2.0 * t * HIDDEN * e, _ms(ours), "torch route (linear+topk+softmax)", _ms(peer))
+            row = _row(f"router E={e} top{TOP_K} T={t}", 2.0 * t * HIDDEN * e, _ms(ours),
+                       "torch route (linear+topk+softmax)", _ms(peer))
             row.update(graph_ms=_ms_graph(ours), peer_graph_ms=_ms_graph(peer))
             row["graph_ratio"] = row["peer_graph_ms"] / row["graph_ms"]
             # device time of other tiles (BLOCK_T, warps, stages), for the next choice of router_config
@@ -280,7 +282,8 @@ def _ms_quick(fn) -> float:
 
 def kernel_resources() -> list[str]:
     """Registers / spills of every compiled variant of our GEMM kernels (from Triton's cache)."""
-    from gptoss_fp8.kernels import fp8_gemm as dense_mod, moe_gemm
+    from gptoss_fp8.kernels import fp8_gemm as dense_mod
+    from gptoss_fp8.kernels import moe_gemm
 
     lines = []
     for kern in (dense_mod._fp8_gemm_kernel, moe_gemm._moe_gemm_kernel):

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-from gptoss_fp8.config import preset_config
+from gptoss_fp8.config import GptOssConfig, preset_config
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.model.gptoss import GptOss
 from gptoss_fp8.parallel import SINGLE
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
@@ -388,7 +387,8 @@ def format_row(r: dict) -> str:
             f"floor {r['floor_s']:.4f} s (latency / floor x{r['latency_s'] / r['floor_s']:.2f}) | "
             f"peak mem {r['peak_mem_gib']:.1f} GiB")
     if r.get("graph_latency_s") is not None:
-        head += (f"\n  CUDA graph: latency {r['graph_latency_s']:.4f} s (eager / graph x{r['latency_s'] / r['graph_latency_s']:.3f}; "
+        head += (f"\n  CUDA graph: latency {r['graph_latency_s']:.4f} s (eager / graph "
+                 f"x{r['latency_s'] / r['graph_latency_s']:.3f}; "
                  f"capture {r['graph_capture_s']:.2f} s; logits vs eager rel {r['graph_vs_eager_rel']:.1e})")
     tot = r["parts_total_s"]
     parts = " | ".join(

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.config import GptOssConfig
+from gptoss_fp8.errors import GptOssFp8Error
 
 if TYPE_CHECKING:  # transformers is optional; never imported at module load
     from gptoss_fp8.model.gptoss import GptOss

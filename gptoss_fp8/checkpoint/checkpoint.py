@@ -35,7 +35,7 @@ class Checkpoint:
     conversion: dict | None  # conversion.json, None when absent
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path) -> Checkpoint:
         """Open a converted checkpoint directory; one-line errors for what is missing or invalid."""
         from gptoss_fp8.checkpoint.manifest import read_manifest
 
@@ -53,7 +53,8 @@ class Checkpoint:
             try:
                 tp, ep = int(manifest["tp"]), int(manifest["ep"])
             except (KeyError, TypeError, ValueError):
-                raise GptOssFp8Error(f"{root / LAYOUT_NAME}: not a valid layout manifest (no tp/ep); re-run the conversion") from None
+                raise GptOssFp8Error(f"{root / LAYOUT_NAME}: not a valid layout manifest (no tp/ep); "
+                                     "re-run the conversion") from None
         conversion = None
         if (root / REPORT_NAME).is_file():
             try:
@@ -65,7 +66,7 @@ class Checkpoint:
         return cls(root, raw, cfg, tp, ep, manifest, conversion)
 
     @classmethod
-    def of(cls, ckpt: "Checkpoint | str | Path") -> "Checkpoint":
+    def of(cls, ckpt: Checkpoint | str | Path) -> Checkpoint:
         """``ckpt`` itself when already open, else ``Checkpoint.open(ckpt)`` (library entry points
         take either; inside, the one object is passed on)."""
         return ckpt if isinstance(ckpt, Checkpoint) else cls.open(ckpt)
@@ -130,7 +131,8 @@ def read_tensors(ckpt: Path, names: list[str] | None = None) -> dict[str, torch.
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
             assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AssertionError):
-            raise GptOssFp8Error(f"{index}: not a valid safetensors index (no weight_map of file names); re-run the conversion") from None
+            raise GptOssFp8Error(f"{index}: not a valid safetensors index (no weight_map of file names); "
+                                 "re-run the conversion") from None
     elif (ckpt / "model.safetensors").is_file():
         with safe_open(ckpt / "model.safetensors", framework="pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118  (a safe_open handle is not iterable)

@@ -60,18 +60,22 @@ def check_rank_files(ckpt: Path, manifest: dict, rank: int, verify: bool = True)
     for rel, meta in r["files"].items():
         f = ckpt / rel
         if not f.is_file():
-            raise GptOssFp8Error(f"{f}: rank {rank} file is missing; re-copy it or reconvert (convert --resume finishes a partial one)")
+            raise GptOssFp8Error(f"{f}: rank {rank} file is missing; re-copy it or reconvert "
+                                 "(convert --resume finishes a partial one)")
         if f.stat().st_size != meta["bytes"]:
-            raise GptOssFp8Error(f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}; the file is truncated or from another conversion")
+            raise GptOssFp8Error(f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}; "
+                                 "the file is truncated or from another conversion")
         if verify and file_sha256(f) != meta["sha256"]:
-            raise GptOssFp8Error(f"{f}: sha256 does not match {LAYOUT_NAME}; the file is corrupt or from another conversion: re-copy it")
+            raise GptOssFp8Error(f"{f}: sha256 does not match {LAYOUT_NAME}; the file is corrupt or from another conversion: "
+                                 "re-copy it")
         hdr, _ = read_header(f)
         infos.update(hdr)
     listed = r["tensors"]
     for name, t in listed.items():
         info = infos.get(name)
         if info is None or str(info.file) != str(ckpt / t["file"]):
-            raise GptOssFp8Error(f"{ckpt / t['file']}: tensor {name} listed in {LAYOUT_NAME} is not in that file; the manifest does not match the files")
+            raise GptOssFp8Error(f"{ckpt / t['file']}: tensor {name} listed in {LAYOUT_NAME} is not in that file; "
+                                 "the manifest does not match the files")
         if info.dtype != DTYPES[t["dtype"]] or list(info.shape) != t["shape"]:
             raise GptOssFp8Error(
                 f"{info.file}: tensor {name} is {info.dtype} {list(info.shape)}, {LAYOUT_NAME} says {t['dtype']} {t['shape']}; "
@@ -79,7 +83,8 @@ def check_rank_files(ckpt: Path, manifest: dict, rank: int, verify: bool = True)
             )
     extra = sorted(set(infos) - set(listed))
     if extra:
-        raise GptOssFp8Error(f"{infos[extra[0]].file}: tensor {extra[0]} is not in {LAYOUT_NAME}; the manifest does not match the files")
+        raise GptOssFp8Error(f"{infos[extra[0]].file}: tensor {extra[0]} is not in {LAYOUT_NAME}; "
+                             "the manifest does not match the files")
     return infos
 
 

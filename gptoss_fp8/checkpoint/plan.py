@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_fp8.parallel import Parallel, check_layout
 from gptoss_fp8.config import GptOssConfig
+from gptoss_fp8.parallel import Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
 
 

@@ -11,8 +11,8 @@ import torch
 
 from gptoss_fp8.checkpoint.format import INDEX_NAME, PICKLE_SUFFIXES, TensorSpec, hf_source_tensors
 from gptoss_fp8.checkpoint.st_io import TensorInfo, open_regular, read_header_full, read_tensor
-from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.config import GptOssConfig, load_json, read_config_json
+from gptoss_fp8.errors import GptOssFp8Error
 
 # Folders of the hub repos that are not converter inputs (a second copy of the weights in OpenAI's
 # layout, and Metal kernels' weights).
@@ -33,7 +33,7 @@ class SourceCheckpoint:
     digests: dict[str, str] = field(default_factory=dict)  # file name -> sha256 (config, index, headers)
 
     @classmethod
-    def open(cls, root: Path) -> "SourceCheckpoint":
+    def open(cls, root: Path) -> SourceCheckpoint:
         """Locate and validate everything that can be checked without reading weights."""
         root = Path(root)
         if not root.is_dir():
@@ -50,7 +50,8 @@ class SourceCheckpoint:
             digests[f.name] = f"{h.file_bytes}:{h.sha256}"
             for name, info in h.tensors.items():
                 if name in tensors:
-                    raise GptOssFp8Error(f"tensor {name} is in both {tensors[name].file.name} and {f.name}; remove the duplicate file")
+                    raise GptOssFp8Error(f"tensor {name} is in both {tensors[name].file.name} and {f.name}; "
+                                         "remove the duplicate file")
                 tensors[name] = info
         if weight_map is not None:
             _check_index(root / INDEX_NAME, weight_map, tensors)
@@ -109,7 +110,8 @@ def _check_index(index: Path, weight_map: dict[str, str], tensors: dict[str, Ten
     for name, fname in weight_map.items():
         info = tensors.get(name)
         if info is None:
-            raise GptOssFp8Error(f"{index}: weight_map lists tensor {name} in {fname}, which does not hold it; re-download the checkpoint")
+            raise GptOssFp8Error(f"{index}: weight_map lists tensor {name} in {fname}, which does not hold it; "
+                                 "re-download the checkpoint")
         if info.file.name != fname:
             raise GptOssFp8Error(
                 f"{index}: weight_map puts tensor {name} in {fname}, but it is in {info.file.name}; re-download the checkpoint"
@@ -117,7 +119,8 @@ def _check_index(index: Path, weight_map: dict[str, str], tensors: dict[str, Ten
     unlisted = [n for n in tensors if n not in weight_map]
     if unlisted:
         raise GptOssFp8Error(
-            f"{tensors[unlisted[0]].file}: tensor {unlisted[0]} is not in {INDEX_NAME} ({len(unlisted)} in all); re-download the checkpoint"
+            f"{tensors[unlisted[0]].file}: tensor {unlisted[0]} is not in {INDEX_NAME} ({len(unlisted)} in all); "
+            "re-download the checkpoint"
         )
 
 
@@ -135,7 +138,8 @@ def _read_index(index: Path) -> tuple[dict[str, str], str]:
         if not isinstance(fname, str):
             shown = repr(fname) if len(repr(fname)) < 60 else repr(fname)[:57] + "..."
             raise GptOssFp8Error(
-                f"{index}: weight_map value for tensor {name} is {type(fname).__name__} {shown}, not a file name; re-download the index"
+                f"{index}: weight_map value for tensor {name} is {type(fname).__name__} {shown}, not a file name; "
+                "re-download the index"
             )
     return wm, hashlib.sha256(raw).hexdigest()
 
@@ -153,7 +157,8 @@ def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None, str | 
                 raise GptOssFp8Error(f"{index}: weight_map points at {name!r}, outside {root}; refusing to read it")
             p = root / name
             if p.suffix in PICKLE_SUFFIXES:
-                raise GptOssFp8Error(f"{index}: weight_map points at pickle file {name!r}; pickle weights are never loaded (unsafe), use safetensors")
+                raise GptOssFp8Error(f"{index}: weight_map points at pickle file {name!r}; pickle weights are never loaded "
+                                     "(unsafe), use safetensors")
             if not p.exists():
                 raise GptOssFp8Error(f"{index}: weight_map points at {name!r}, which does not exist; re-download the checkpoint")
             files.append(p)

@@ -40,7 +40,8 @@ def _print_rows(rows: list[dict]) -> None:
 @app.command("kernels")
 def kernels(
     tokens: Annotated[str, typer.Option(help="Comma-separated token counts.")] = "1024,2048,4096,8192,16384,32768",
-    only: Annotated[str, typer.Option(help=f"Comma-separated suites out of {','.join(KERNEL_SUITES)}.")] = ",".join(KERNEL_SUITES),
+    only: Annotated[str, typer.Option(
+        help=f"Comma-separated suites out of {','.join(KERNEL_SUITES)}.")] = ",".join(KERNEL_SUITES),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
@@ -78,14 +79,20 @@ def kernels(
 def prefill(
     model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
     tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "8192,32768",
-    layers: Annotated[int | None, typer.Option(min=1, help="Build only the first N layers (latency also scaled to the full depth).")] = None,
+    layers: Annotated[int | None, typer.Option(
+        min=1, help="Build only the first N layers (latency also scaled to the full depth).")] = None,
     runs: Annotated[int, typer.Option(min=1, help="Timed runs per length (median reported).")] = 5,
-    warmup: Annotated[int, typer.Option(min=0, help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
+    warmup: Annotated[int, typer.Option(
+        min=0, help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
     moe_chunk: Annotated[int, typer.Option(min=1, help="Tokens per MoE call (bounds activation memory).")] = 32768,
-    peer: Annotated[bool, typer.Option(help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
+    peer: Annotated[bool, typer.Option(
+        help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
     peer_runs: Annotated[int, typer.Option(min=1, help="Timed runs of the transformers peer per length (median reported).")] = 3,
-    checkpoint: Annotated[Path | None, typer.Option(help="Time this converted checkpoint (tp=1 layout) instead of random weights at --model's shapes.")] = None,
-    cuda_graph: Annotated[bool, typer.Option(help="Also time the same forward captured as a CUDA graph per length (no host launches; eager latency stays the headline).")] = False,
+    checkpoint: Annotated[Path | None, typer.Option(
+        help="Time this converted checkpoint (tp=1 layout) instead of random weights at --model's shapes.")] = None,
+    cuda_graph: Annotated[bool, typer.Option(
+        help="Also time the same forward captured as a CUDA graph per length (no host launches; "
+             "eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:

@@ -19,10 +19,12 @@ class Layout(str, enum.Enum):
 
 def synth(
     dst: Annotated[Path, typer.Argument(help="Directory to create (must be empty or new).")],
-    preset: Annotated[Preset, typer.Option(help="Shapes: tiny (tests), 20b or 120b (real shapes, streamed to disk).")] = Preset.tiny,
+    preset: Annotated[Preset, typer.Option(
+        help="Shapes: tiny (tests), 20b or 120b (real shapes, streamed to disk).")] = Preset.tiny,
     layers: Annotated[int | None, typer.Option(min=1, help="Number of layers (default: the preset's).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed regenerates the same bytes.")] = 0,
-    layout: Annotated[Layout, typer.Option(help="hf (Hugging Face root layout), original (OpenAI's original/), or both.")] = Layout.hf,
+    layout: Annotated[Layout, typer.Option(
+        help="hf (Hugging Face root layout), original (OpenAI's original/), or both.")] = Layout.hf,
     overwrite: Annotated[bool, typer.Option(help="Write into a non-empty DST.")] = False,
 ) -> None:
     """Write a synthetic gpt-oss MXFP4 checkpoint with realistic statistics (no network needed)."""

@@ -78,7 +78,8 @@ def _plot_ready(plot: Path) -> None:
 
 def verify_logits(
     ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
-    reference: Annotated[Path, typer.Option(help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
+    reference: Annotated[Path, typer.Option(
+        help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
     tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run.")] = None,
     prompt: Annotated[str | None, typer.Option(help="Text, rendered as a Harmony chat (openai-harmony, offline).")] = None,
     mode: Annotated[list[Mode] | None, typer.Option(
@@ -88,13 +89,19 @@ def verify_logits(
              "numerics on our Triton kernels (needs --device cuda); both = weights + w8a8; all = the three. "
              "Default auto: weights + w8a8, plus kernels on --device cuda (then also checked against w8a8).",
         show_default=False)] = None,
-    tp: Annotated[int | None, typer.Option(min=1, help="Tensor-parallel processes (default: the checkpoint's layout.json; must match it).")] = None,
-    ep: Annotated[int | None, typer.Option(min=1, help="Expert-parallel groups, dividing tp (default: the checkpoint's layout).")] = None,
+    tp: Annotated[int | None, typer.Option(
+        min=1, help="Tensor-parallel processes (default: the checkpoint's layout.json; must match it).")] = None,
+    ep: Annotated[int | None, typer.Option(
+        min=1, help="Expert-parallel groups, dividing tp (default: the checkpoint's layout).")] = None,
     device: Annotated[Device, typer.Option(help="Where the forward passes run.")] = Device.cpu,
     json_report: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
-    dump_logits: Annotated[Path | None, typer.Option(help="Write our logits (safetensors, key 'logits', float32 [T, V]); FILE.<mode>.safetensors per mode when several run.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of per-layer errors and per-position KL (needs matplotlib).")] = None,
-    save_reference: Annotated[Path | None, typer.Option(help="Also save the reference logits and hidden states here, to reuse with --reference FILE.")] = None,
+    dump_logits: Annotated[Path | None, typer.Option(
+        help="Write our logits (safetensors, key 'logits', float32 [T, V]); "
+             "FILE.<mode>.safetensors per mode when several run.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Write a PNG of per-layer errors and per-position KL (needs matplotlib).")] = None,
+    save_reference: Annotated[Path | None, typer.Option(
+        help="Also save the reference logits and hidden states here, to reuse with --reference FILE.")] = None,
     max_kl_mean: Annotated[float | None, typer.Option(
         callback=check_threshold, help="Override: largest mean KL(ref||ours), nats.")] = None,
     max_kl: Annotated[float | None, typer.Option(
@@ -103,6 +110,11 @@ def verify_logits(
         callback=check_fraction, help="Override: smallest top-1 agreement (0..1).")] = None,
     layer_rel_err: Annotated[float | None, typer.Option(
         callback=check_threshold, help="Override: hidden-state relative error that marks a layer as diverging.")] = None,
+    max_part_err: Annotated[float | None, typer.Option(
+        callback=check_threshold,
+        help="Override: largest teacher-forced relative error of any part (attention, MoE, router).")] = None,
+    allow_fallback: Annotated[bool, typer.Option(
+        help="Let the kernels mode pass when some ops ran the torch spec instead of a kernel (experiments).")] = False,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Compare the FP8 checkpoint's logits with OpenAI's reference on the source; exit 1 on failure.
@@ -148,12 +160,13 @@ def verify_logits(
         check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
     if ids is not None:
         ids = torch.tensor(ids, dtype=torch.long)
-    overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err}
+    overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err,
+                 "part_rel_err": max_part_err}
 
     if run.under_torchrun():
         report, outputs, ref = run.verify_under_torchrun(opened, reference, ids, modes=modes, ep=ep, device=device.value,
                                                          overrides=overrides, tokens_from=tokens_from,
-                                                         save_reference=save_reference)
+                                                         save_reference=save_reference, allow_fallback=allow_fallback)
         if outputs is None:  # ranks > 0: same exit status as rank 0, no output
             raise typer.Exit(0 if report["passed"] else 1)
     else:
@@ -164,7 +177,8 @@ def verify_logits(
                 save_ref(ref, tmp)
             typer.echo(f"reference saved to {save_reference}")
         report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
-                                                overrides=overrides, tokens_from=tokens_from)
+                                                overrides=overrides, tokens_from=tokens_from,
+                                                allow_fallback=allow_fallback)
     for line in verdict.summary_lines(report):
         typer.echo(line)
     if json_report is not None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -34,11 +34,27 @@ from gptoss_fp8.checkpoint.plan import plan_rank
 from gptoss_fp8.checkpoint.source import SourceCheckpoint
 from gptoss_fp8.checkpoint.st_io import StreamingWriter
 from gptoss_fp8.convert.jobs import (  # noqa: F401  (re-exported)
-    DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, ConvertOptions, Job, Report, output_config, plan_jobs, reslice_blocks, run_job,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_SHARD_BYTES,
+    ConvertOptions,
+    Job,
+    Report,
+    output_config,
+    plan_jobs,
+    reslice_blocks,
+    run_job,
 )
 from gptoss_fp8.convert.writer import (  # noqa: F401  (LOCK_NAME, PARTIAL_DIR: re-exported)
-    FILE_OVERHEAD, LOCK_NAME, PARTIAL_DIR, RESUME_KEY, OutputDir, RankFile, check_free_space, describe_difference,
-    layout_files, write_metadata_files,
+    FILE_OVERHEAD,
+    LOCK_NAME,
+    PARTIAL_DIR,
+    RESUME_KEY,
+    OutputDir,
+    RankFile,
+    check_free_space,
+    describe_difference,
+    layout_files,
+    write_metadata_files,
 )
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.parallel import Parallel, check_layout
@@ -152,7 +168,8 @@ def convert_checkpoint(
             elif (dst / "config.json").is_file():
                 return _already_complete(out, state, all_files, total_in, on_plan)
             elif existing:
-                raise GptOssFp8Error(f"{dst}: holds files but no interrupted gptoss-fp8 conversion; use --overwrite or an empty DST")
+                raise GptOssFp8Error(f"{dst}: holds files but no interrupted gptoss-fp8 conversion; "
+                                     "use --overwrite or an empty DST")
         elif existing or out.partial.exists() or out.partial.is_symlink():
             if not overwrite:
                 raise GptOssFp8Error(

@@ -9,9 +9,9 @@ the orchestration (resume, records) convert.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
@@ -20,8 +20,17 @@ from gptoss_fp8.checkpoint.plan import Slice
 from gptoss_fp8.checkpoint.source import SourceCheckpoint
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.quant.fp8 import (
-    BLOCK, FP8_DTYPE, ScaleMode, block_amax, dequantize_weight_blocks, expand_blocks, fp8_exact_fraction,
-    quantize_weight_blocks, quantize_weight_blocks_banded, scale_grid, to_fp8_saturating,
+    BLOCK,
+    FP8_DTYPE,
+    ScaleMode,
+    block_amax,
+    dequantize_weight_blocks,
+    expand_blocks,
+    fp8_exact_fraction,
+    quantize_weight_blocks,
+    quantize_weight_blocks_banded,
+    scale_grid,
+    to_fp8_saturating,
 )
 from gptoss_fp8.quant.mxfp4 import ExactStats, decode_mxfp4, mxfp4_to_fp8, nan_scale_count
 
@@ -183,7 +192,7 @@ def run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], o
             step = max(1, opts.chunk_bytes // row_bytes)
             ranges = [(a, min(rows, a + step)) for a in range(0, rows, step)]
             reads = (lambda a=a, b=b: src.read(job.source, a, b) if info.shape else src.read(job.source) for a, b in ranges)
-            for (a, b), t in zip(ranges, _read_ahead(reads)):
+            for (a, b), t in zip(ranges, _read_ahead(reads), strict=True):
                 for r, _ in holders:
                     write(r, wname, t)
                 progress(row_bytes * (b - a))
@@ -223,7 +232,7 @@ def run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], o
         if need:
             chunks.append((a, b, need))
     reads = (lambda a=a, b=b: (src.read(job.source, a, b), src.read(sinfo.name, a, b)) for a, b, _ in chunks)
-    for (a, b, need), (blocks, scales) in zip(chunks, _read_ahead(reads)):
+    for (a, b, need), (blocks, scales) in zip(chunks, _read_ahead(reads), strict=True):
         blocks, scales = blocks.to(dev), scales.to(dev)
         bad = nan_scale_count(scales)
         if bad:

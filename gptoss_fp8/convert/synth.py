@@ -19,17 +19,17 @@ import json
 import math
 import shutil
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from gptoss_fp8.checkpoint.format import TensorSpec, assign_shards, hf_source_tensors, shard_file_names
 from gptoss_fp8.checkpoint.st_io import StreamingWriter, format_gb
+from gptoss_fp8.config import GptOssConfig, hf_config_dict, original_config_dict, preset_config, special_token_ids
 from gptoss_fp8.convert.writer import write_text_atomic
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.config import GptOssConfig, hf_config_dict, original_config_dict, preset_config, special_token_ids
 from gptoss_fp8.quant.mxfp4 import E2M1_VALUES
 
 LAYOUTS = ("hf", "original", "both")
@@ -150,7 +150,7 @@ def spec_bytes(spec: TensorSpec) -> int:
 def _write_files(root: Path, names: list[str], specs_per_file: list[list[TensorSpec]],
                  make: Callable[[TensorSpec], tuple[str, Callable[[int, int], torch.Tensor], int]],
                  metadata: dict[str, str], progress: Callable[[int], None]) -> None:
-    for fname, specs in zip(names, specs_per_file):
+    for fname, specs in zip(names, specs_per_file, strict=True):
         entries = []
         for s in specs:
             out_name, _, _ = make(s)
@@ -206,10 +206,10 @@ def write_synthetic(dst: Path, preset: str = "tiny", *, layers: int | None = Non
         shard_of = assign_shards([spec_bytes(s) for s in specs], shard_bytes)
         n = shard_of[-1] + 1
         names = shard_file_names(n)
-        per_file = [[s for s, k in zip(specs, shard_of) if k == f] for f in range(n)]
+        per_file = [[s for s, k in zip(specs, shard_of, strict=True) if k == f] for f in range(n)]
         _write_files(dst, names, per_file, lambda s: (s.name, _producer(s, cfg, seed), 1), meta, progress)
         index = {"metadata": {"total_size": sum(map(spec_bytes, specs))},
-                 "weight_map": {s.name: names[k] for s, k in zip(specs, shard_of)}}
+                 "weight_map": {s.name: names[k] for s, k in zip(specs, shard_of, strict=True)}}
         write_text_atomic(dst / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n", RETRY)
         for fname, content in {"generation_config.json": _generation_config(cfg), **_EXTRA_FILES}.items():
             write_text_atomic(dst / fname, json.dumps(content, indent=2) + "\n", RETRY)

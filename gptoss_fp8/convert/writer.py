@@ -21,13 +21,20 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-from gptoss_fp8.checkpoint.format import INDEX_NAME, LAYOUT_FORMAT, LAYOUT_NAME, PICKLE_SUFFIXES, REPORT_NAME, shard_file_names
-from gptoss_fp8.checkpoint.format import assign_shards
+from gptoss_fp8.checkpoint.format import (
+    INDEX_NAME,
+    LAYOUT_FORMAT,
+    LAYOUT_NAME,
+    PICKLE_SUFFIXES,
+    REPORT_NAME,
+    assign_shards,
+    shard_file_names,
+)
 from gptoss_fp8.checkpoint.manifest import check_rank_files, file_sha256, read_manifest
 from gptoss_fp8.checkpoint.st_io import DTYPE_NAMES, TMP_SUFFIX, create_temp, format_gb
 from gptoss_fp8.config import load_json
@@ -73,7 +80,7 @@ def layout_files(job_outputs: list[list[str]], plans: list[dict], tp: int, shard
         names = shard_file_names(shard_of[-1] + 1)
         d = rank_dir(r, tp)
         files = [RankFile(r, names[f] if d == "." else f"{d}/{names[f]}", [], []) for f in range(len(names))]
-        for (i, ts), f in zip(mine, shard_of):
+        for (i, ts), f in zip(mine, shard_of, strict=True):
             files[f].jobs.append(i)
             files[f].tensors += ts
         out.append(files)
@@ -251,7 +258,7 @@ class OutputDir:
 
     # --- the session ------------------------------------------------------------------------
     @contextmanager
-    def session(self) -> Iterator["OutputDir"]:
+    def session(self) -> Iterator[OutputDir]:
         self._mkdir()
         lock = self.root / LOCK_NAME
         fd = self._lock(lock)
@@ -317,7 +324,8 @@ class OutputDir:
             except BlockingIOError:
                 os.close(fd)
                 raise GptOssFp8Error(
-                    f"{self.root}: another gptoss-fp8 convert is writing here (lock {LOCK_NAME} is held); wait for it or choose another DST"
+                    f"{self.root}: another gptoss-fp8 convert is writing here (lock {LOCK_NAME} is held); "
+                    "wait for it or choose another DST"
                 ) from None
             try:  # the holder before us may have unlinked the file we opened: lock the one on disk
                 if os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
@@ -374,7 +382,8 @@ class OutputDir:
                 if not idx.is_file():
                     raise GptOssFp8Error(f"{idx}: missing")
         except GptOssFp8Error as e:
-            raise GptOssFp8Error(f"{e} (--resume: the finished conversion in {self.root} is damaged; use --overwrite to convert again)") from None
+            raise GptOssFp8Error(f"{e} (--resume: the finished conversion in {self.root} is damaged; "
+                                 "use --overwrite to convert again)") from None
 
     def verify_done(self, files: list[RankFile]) -> dict[str, dict]:
         """Records of the files that really are finished: size and sha256 re-checked. A file that

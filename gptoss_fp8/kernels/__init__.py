@@ -15,7 +15,7 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     # get_device_properties costs ~20 us a call on the H200 machine (measured): once per device
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     HAS_GLUON = False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
@@ -47,7 +47,7 @@ def supported(device: torch.device) -> bool:
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), {torch.float8_e4m3fn: gl.float8e4nv,
                                                               torch.bfloat16: gl.bfloat16}[dtype])

@@ -39,6 +39,7 @@ notes/kernels_attention.md, and was removed.)
 from __future__ import annotations
 
 import math
+
 import torch
 import triton
 import triton.language as tl

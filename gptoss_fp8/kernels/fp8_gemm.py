@@ -190,7 +190,8 @@ def fp8_gemm(
     a_s = x_scale.reshape(-1, x_scale.shape[-1])
     assert a_s.shape == (m, cdiv(k, BLOCK)), f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}"
     assert a_s.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32"
-    assert w_scale_inv.shape == scale_grid(n, k), f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
+    assert w_scale_inv.shape == scale_grid(n, k), \
+        f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
     assert a.stride(-1) == 1 and a_s.stride(-1) == 1, "x and x_scale need a contiguous last dimension"
     assert w_fp8.is_contiguous() and w_scale_inv.is_contiguous(), "weight and its scales must be contiguous"
     if bias is not None:

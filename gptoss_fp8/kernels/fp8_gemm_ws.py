@@ -42,10 +42,10 @@ if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         block_scaled_mainloop,
         descriptor,
-        load_stage,
         fence_async_shared,
         gl,
         gluon,
+        load_stage,
         mbarrier,
         tile_coords,
         tma,

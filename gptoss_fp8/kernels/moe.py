@@ -136,7 +136,8 @@ def _gather_act_quant_kernel(
         x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
     rows = offs_m.to(tl.int64)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & k_ok[None, :])
     tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=m_ok)
 
 

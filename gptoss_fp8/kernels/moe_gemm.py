@@ -96,12 +96,15 @@ def _moe_gemm_kernel(
             h_hi = _bias_swiglu(acc_hi, bias_e, pid_n * BLOCK_N + BLOCK_K, N, limit, ALPHA, BLOCK_K)
             amax = tl.maximum(tl.max(tl.abs(h_lo), axis=1), tl.max(tl.abs(h_hi), axis=1))
             scale = group_scale(amax, FP8_MAX_C, EPS)
-            store_rows(out_ptr, rows, valid, quantize_with_scale(h_lo, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr, False, BLOCK_K // 2)
-            store_rows(out_ptr, rows, valid, quantize_with_scale(h_hi, scale, FP8_MAX_C), c0 + BLOCK_K // 2, N // 2, stride_om, out_ptr, False, BLOCK_K // 2)
+            store_rows(out_ptr, rows, valid, quantize_with_scale(h_lo, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr,
+                       False, BLOCK_K // 2)
+            store_rows(out_ptr, rows, valid, quantize_with_scale(h_hi, scale, FP8_MAX_C), c0 + BLOCK_K // 2, N // 2,
+                       stride_om, out_ptr, False, BLOCK_K // 2)
         else:  # one 256-wide accumulator: its SwiGLU is the whole 128-wide group
             h = _bias_swiglu(acc_lo, bias_e, pid_n * BLOCK_N, N, limit, ALPHA, BLOCK_N)
             scale = group_scale(tl.max(tl.abs(h), axis=1), FP8_MAX_C, EPS)
-            store_rows(out_ptr, rows, valid, quantize_with_scale(h, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr, False, BLOCK_K)
+            store_rows(out_ptr, rows, valid, quantize_with_scale(h, scale, FP8_MAX_C), c0, N // 2, stride_om, out_ptr,
+                       False, BLOCK_K)
         tl.store(out_s_ptr + rows * stride_osm + pid_n, scale, mask=valid)
     else:
         rows = tl.where(valid, slots, 0).to(tl.int64)

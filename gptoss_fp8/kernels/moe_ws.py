@@ -33,12 +33,12 @@ from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
-        descriptor,
         block_scaled_mainloop,
-        load_stage,
+        descriptor,
         fence_async_shared,
         gl,
         gluon,
+        load_stage,
         mbarrier,
         tile_coords,
         tma,
@@ -109,7 +109,7 @@ if HAS_GLUON:
                                                    b_s_ptr, c, n_k, layout, False)
                 else:  # all columns past N: only keep the stage ring in step
                     acc = gl.zeros((TM, HN), gl.float32, layout)
-                    for kk in range(n_k):
+                    for _kk in range(n_k):
                         mbarrier.wait(ready.index(c % S), (c // S) & 1)
                         mbarrier.arrive(empty.index(c % S), count=1)
                         c += 1
@@ -146,7 +146,8 @@ if HAS_GLUON:
                              ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_consume(1, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(1), as_ptr, bs_ptr, bias_ptr, out_ptr,
                      out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                     stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)
+                     stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C,
+                     EPS)
 
     @gluon.jit
     def _moe_producer(a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,

@@ -9,8 +9,9 @@ where torch takes ~8 passes over [T, H] in fp32.
 Numerics: the residual sum is rounded to bf16 exactly as torch's bf16 add (fp32 sum, one
 rounding); the sum of squares is an fp32 tree reduction (torch's mean: another order) and
 ``rsqrt`` is the GPU's approximate one: the normed output is within one bf16 ulp of
-``gptoss_fp8.spec.rms_norm`` (the reference; ``spec.add_rms_norm`` for the fused add). In Triton's interpreter (CPU), fp32 -> bf16 stores truncate instead of
-rounding, which is also within one bf16 ulp.
+``gptoss_fp8.spec.rms_norm`` (the reference; ``spec.add_rms_norm`` for the fused add). In Triton's
+interpreter (CPU), fp32 -> bf16 stores truncate instead of rounding, which is also within one bf16
+ulp.
 
 ``quant=True`` also returns the normed rows' FP8 quantization (1x128 groups, kernels/act_quant.py's
 contract and arithmetic, on the bf16-rounded output): the same bits as ``act_quant`` of the normed
@@ -88,9 +89,11 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     xo = torch.empty_like(x) if delta is not None else x
     top_k = 0
     if combine is not None:  # delta: per-slot rows [T, k, H] / [T * k, H], combined with these weights
-        assert delta is not None and combine.dim() == 2 and combine.shape[0] == m, f"combine weights {tuple(combine.shape)} for {m} rows"
+        assert delta is not None and combine.dim() == 2 and combine.shape[0] == m, \
+            f"combine weights {tuple(combine.shape)} for {m} rows"
         top_k = combine.shape[1]
-        assert delta.shape[-1] == h and delta.numel() == m * top_k * h, f"per-slot rows {tuple(delta.shape)} do not fit [{m}, {top_k}, {h}]"
+        assert delta.shape[-1] == h and delta.numel() == m * top_k * h, \
+            f"per-slot rows {tuple(delta.shape)} do not fit [{m}, {top_k}, {h}]"
         delta = delta.reshape(m * top_k, h)
         combine = combine.contiguous()
     elif delta is not None:
@@ -105,7 +108,8 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
     d = delta if delta is not None else x
     _rms_norm_kernel[(cdiv(m, block_m),)](
-        x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h, x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
+        x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h,
+        x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
         num_warps=8 if block_h >= 4096 else 4,

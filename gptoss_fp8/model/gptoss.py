@@ -16,8 +16,8 @@ import math
 import torch
 from torch import nn
 
-from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.config import GptOssConfig
+from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.ops import Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
@@ -218,13 +218,44 @@ class GptOss(nn.Module):
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16
 
-    def _moe(self, layer: Layer, t: Normed, ops: ReferenceOps,
-             capture: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # ------------------------------------------------------------------------------------------
+    # The parts, one at a time on a given input (teacher forcing: verify/parts.py)
+
+    @torch.inference_mode()
+    def attention_part(self, i: int, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        """Layer i's attention block on the residual stream x (bf16 [T, H], positions 0..T-1): its
+        input norm, attention and residual add, as the forward computes them -> bf16 [T, H]."""
+        layer, eps = self.model.layers[i], self.cfg.rms_norm_eps
+        cos, sin = rope_cos_sin(self.cfg, x.shape[0], x.device)
+        h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
+        out, _ = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops), layer.post_attention_layernorm.weight, eps)
+        return out
+
+    @torch.inference_mode()
+    def moe_part(self, i: int, x: torch.Tensor, ops: ReferenceOps,
+                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's MoE block on the residual stream after its attention, x (bf16 [T, H]): norm,
+        router, experts, combine and residual add -> (bf16 [T, H], our router logits bf16 [T, E]).
+        ``routing`` (expert ids [T, k], weights [T, k]) replaces our own top-k choice, so the expert
+        FFN is compared on the reference's routing; the router logits are ours either way."""
+        layer, eps = self.model.layers[i], self.cfg.rms_norm_eps
+        h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+        cap: dict[str, torch.Tensor] = {}
+        y, weights = self._moe(layer, h, ops, cap, routing)
+        out, _ = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
+        return out, cap[f"{layer.idx}.router"]
+
+    def _moe(self, layer: Layer, t: Normed, ops: ReferenceOps, capture: dict | None = None,
+             routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MoE block on the normed stream t (rows [T, H]) -> (per-slot expert outputs [T, k, H],
-        routing weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual delta."""
+        routing weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual
+        delta. ``routing``: (ids, weights) to use instead of the router's own top-k."""
         m = layer.mlp
         # logits [T, E] bf16 (replicated), top-k expert ids [T, k], their softmax weights [T, k] bf16
         g, ids, weights = ops.route(t.y, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
+        if routing is not None:
+            ids, weights = routing[0].to(device=ids.device, dtype=ids.dtype), routing[1].to(device=weights.device,
+                                                                                           dtype=weights.dtype)
         if capture is not None:
             capture[f"{layer.idx}.router"] = g
         ex = dict(m.experts.named_buffers(recurse=False))

@@ -116,7 +116,7 @@ class ExactStats:
     exact: int = 0
     max_rel_err: float = 0.0
 
-    def add(self, other: "ExactStats") -> None:
+    def add(self, other: ExactStats) -> None:
         self.total += other.total
         self.exact += other.exact
         self.max_rel_err = max(self.max_rel_err, other.max_rel_err)

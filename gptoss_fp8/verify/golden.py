@@ -192,7 +192,8 @@ def regen(golden_dir: Path | None = None, log=print) -> dict:
                                        "measured": {k: s[k] for k in ("kl_mean", "kl_max", "top1_agreement", "max_abs_delta")},
                                        "limits": _limits(s, case.n_tokens)}
                 log(f"{case.name} {key}: " + ", ".join(
-                    f"{m} KL {runs[key][m]['measured']['kl_mean']:.3g} top-1 {runs[key][m]['measured']['top1_agreement']:.3f}" for m in MODES))
+                    f"{m} KL {runs[key][m]['measured']['kl_mean']:.3g} top-1 {runs[key][m]['measured']['top1_agreement']:.3f}"
+                    for m in MODES))
             out["cases"][case.name] = {"case": asdict(case), "source_sha256": checkpoint_digest(work / "src"),
                                        "tokens": tokens.tolist(), "reference": ref_file, "runs": runs}
     (golden_dir / GOLDEN_FILE).write_text(json.dumps(out, indent=1) + "\n")
@@ -221,7 +222,8 @@ def check(golden_dir: Path | None = None, log=print, layouts: list[tuple[int, in
             cfg = _make_source(case, work / "src")
             digest = checkpoint_digest(work / "src")
             if digest != entry["source_sha256"]:
-                failures.append(f"{name}: regenerated synthetic source differs (sha256 {digest[:12]} != {entry['source_sha256'][:12]}): synth drifted")
+                failures.append(f"{name}: regenerated synthetic source differs (sha256 {digest[:12]} != "
+                                f"{entry['source_sha256'][:12]}): synth drifted")
                 continue
             ref = load_reference_file(golden_dir / entry["reference"])
             tokens = torch.tensor(entry["tokens"], dtype=torch.long)
@@ -260,11 +262,13 @@ def check(golden_dir: Path | None = None, log=print, layouts: list[tuple[int, in
                     where = f"{name} {key} {mode}"
                     if sec["passed"] != e["passed"]:
                         failures.append(f"{where}: verify-logits {'passed' if sec['passed'] else 'failed'} "
-                                        f"({'; '.join(sec['failures']) or 'no failures'}), golden expects {'pass' if e['passed'] else 'fail'}")
+                                        f"({'; '.join(sec['failures']) or 'no failures'}), "
+                                        f"golden expects {'pass' if e['passed'] else 'fail'}")
                     for k, bad in (("kl_mean", s["kl_mean"] > lim["kl_mean"]), ("kl_max", s["kl_max"] > lim["kl_max"]),
                                    ("max_abs_delta", s["max_abs_delta"] > lim["max_abs_delta"])):
                         if bad:
-                            failures.append(f"{where}: {k} {s[k]:.4g} drifted beyond {lim[k]:.4g} (golden {e['measured'][k]:.4g})")
+                            failures.append(f"{where}: {k} {s[k]:.4g} drifted beyond {lim[k]:.4g} "
+                                            f"(golden {e['measured'][k]:.4g})")
                     if s["top1_agreement"] < lim["top1_min"]:
                         failures.append(f"{where}: top1_agreement {s['top1_agreement']:.4f} < {lim['top1_min']:.4f} "
                                         f"(golden {e['measured']['top1_agreement']:.4f})")

@@ -35,7 +35,8 @@ def plot_report(report: dict, path: Path) -> None:
             ax1.axhline(sec["thresholds"]["layer_rel_err"], color=line.get_color(), ls="--", lw=0.8)
             d = sec.get("divergence")
             if d:
-                ax1.annotate(f"{mode}: L{d['layer']} {d['part']}", (d["layer"] + (0 if d["part"] == "attn" else 0.5), max(d["rel_err"], e_floor)),
+                ax1.annotate(f"{mode}: L{d['layer']} {d['part']}",
+                             (d["layer"] + (0 if d["part"] == "attn" else 0.5), max(d["rel_err"], e_floor)),
                              textcoords="offset points", xytext=(5, 8), fontsize=8)
         kl = [max(v, k_floor) for v in sec["per_position"]["kl"]]
         zero = " - 0 drawn at floor" if any(v == 0 for v in sec["per_position"]["kl"]) else ""

@@ -40,7 +40,7 @@ class Rounding:
         return f"{self.scale_mode}/attention-{'fp8' if self.attention_fp8 else 'bf16'}"
 
     @classmethod
-    def from_key(cls, key: str) -> "Rounding":
+    def from_key(cls, key: str) -> Rounding:
         mode, attn = key.split("/attention-")
         return cls(mode, attn == "fp8")
 
@@ -56,7 +56,7 @@ class Reference:
     logits: torch.Tensor
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     source: str = ""
-    expected: "Reference | None" = None
+    expected: Reference | None = None
     rounding: Rounding | None = None
     device: str = "cpu"  # device type OpenAI's model ran on ("cpu" / "cuda")
 
@@ -108,7 +108,8 @@ def _config_or_none(path: Path) -> dict | None:
 
 def is_hf_mxfp4(path: Path) -> bool:
     d = _config_or_none(path)
-    return d is not None and d.get("model_type") == "gpt_oss" and (d.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return (d is not None and d.get("model_type") == "gpt_oss"
+            and (d.get("quantization_config") or {}).get("quant_method") == "mxfp4")
 
 
 def is_original(path: Path) -> bool:
@@ -133,9 +134,8 @@ def load_reference_model(src: Path, device: str = "cpu"):
 
 
 def _from_hf(src: Path, device: str, ref_model):
-    from gptoss_fp8.config import original_config_dict
-    from gptoss_fp8.config import GptOssConfig
     from gptoss_fp8.checkpoint.checkpoint import read_tensors
+    from gptoss_fp8.config import GptOssConfig, original_config_dict
     from gptoss_fp8.quant.mxfp4 import decode_mxfp4
 
     cfg = GptOssConfig.from_file(src / "config.json")
@@ -268,12 +268,14 @@ def load_reference_file(path: Path) -> Reference:
             if "expected.logits" in keys and "expected_rounding" in meta:
                 rounding = Rounding.from_key(meta["expected_rounding"])
                 expected = Reference(torch.empty(0, dtype=torch.long), f.get_tensor("expected.logits").float(),
-                                     {k[len("expected.hidden."):]: f.get_tensor(k) for k in keys if k.startswith("expected.hidden.")},
+                                     {k[len("expected.hidden."):]: f.get_tensor(k)
+                                      for k in keys if k.startswith("expected.hidden.")},
                                      f"{source} with {rounding.key()} weight rounding")
     except GptOssFp8Error:
         raise
     except Exception as e:
-        raise GptOssFp8Error(f"{path}: cannot read as safetensors ({e}); pass a reference logits file or a checkpoint directory") from None
+        raise GptOssFp8Error(f"{path}: cannot read as safetensors ({e}); "
+                             "pass a reference logits file or a checkpoint directory") from None
     if logits.dim() != 2:
         raise GptOssFp8Error(f"{path}: logits have shape {list(logits.shape)}, expected [tokens, vocab]")
     if tokens is None:

@@ -4,6 +4,7 @@ terminal summary and the logits dump. Computing the outputs is verify/run.py's j
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,8 +14,29 @@ from gptoss_fp8 import __version__
 from gptoss_fp8.checkpoint.checkpoint import Checkpoint
 from gptoss_fp8.verify.backends import MODES, backend_device
 from gptoss_fp8.verify.metrics import layer_errors, logit_metrics
+from gptoss_fp8.verify.parts import compare_parts
 from gptoss_fp8.verify.reference import Reference, Rounding
-from gptoss_fp8.verify.thresholds import DEFAULTS, Thresholds, with_overrides
+from gptoss_fp8.verify.thresholds import (
+    CROSS_DEVICE_FACTOR,
+    DEFAULTS,
+    PART_LIMITS,
+    SMOKE,
+    Thresholds,
+    with_overrides,
+)
+
+
+def smoke_failures(summary: dict) -> list[str]:
+    """The loose check of free-running logits that stays binding beside the teacher-forced parts:
+    garbage (non-finite or wholesale different logits) fails; random-router drift does not."""
+    out = []
+    if not all(math.isfinite(summary[k]) for k in ("kl_mean", "kl_max")):
+        out.append("free-running logits are not finite")
+    elif summary["kl_mean"] > SMOKE.kl_mean:
+        out.append(f"free-running smoke check: kl_mean {summary['kl_mean']:.3g} > {SMOKE.kl_mean:g}")
+    if summary["top1_agreement_decisive"] < SMOKE.top1_min:
+        out.append(f"free-running smoke check: top-1 {summary['top1_agreement_decisive']:.3g} < {SMOKE.top1_min:g}")
+    return out
 
 
 class ModeOutput(NamedTuple):
@@ -26,6 +48,11 @@ class ModeOutput(NamedTuple):
     seconds: float
     spec_fallbacks: dict[str, int] | None = None
     collective: str | None = None  # sharded runs: the torch.distributed backend the ranks used
+    # teacher-forced parts (verify/parts.py): our part outputs on the reference's inputs, and for
+    # the kernels mode also on the w8a8 spec's own inputs (then compared with the spec's outputs)
+    parts: dict[str, torch.Tensor] | None = None
+    parts_vs_spec: dict[str, torch.Tensor] | None = None
+    fallback_shapes: dict[str, list[str]] | None = None  # kernels mode: op -> shapes handed to the spec
 
 
 Outputs = dict[str, ModeOutput]  # mode -> its output
@@ -123,9 +150,12 @@ def compare_mode(ref: Reference, logits: torch.Tensor, hidden: dict[str, torch.T
 
 def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: int, *, tp: int, ep: int, device: str,
                  overrides: dict | None = None, seconds: float | None = None, tokens_from: str = "",
-                 experts_per_token: int | None = None) -> dict:
+                 experts_per_token: int | None = None, allow_fallback: bool = False) -> dict:
     """The verify-logits JSON report: top-level ``passed``, one section per mode, and the kernels'
-    agreement with their spec (``kernels_vs_w8a8``) when both ran."""
+    agreement with their spec (``kernels_vs_w8a8``) when both ran. A section passes when its
+    teacher-forced parts (``teacher_forced``: every layer's attention, MoE and router on the
+    target's own inputs, against ``thresholds.PART_LIMITS``) and the free-running smoke check pass;
+    the kernels mode also fails on any fallback to the spec unless ``allow_fallback``."""
     report: dict = {
         "tool": "gptoss-fp8", "version": __version__, "passed": True,
         "checkpoint": str(ckpt.path.resolve()), "reference": ref.source,
@@ -139,16 +169,47 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
     if seconds is not None:
         report["model_seconds"] = seconds  # load + all modes' forward passes (+ process start when sharded)
     _, exact_conversion = rounding_for(ckpt)
+    free_overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    part_override = free_overrides.pop("part_rel_err", None)
+    free_binding = bool(free_overrides)  # the user set free-running thresholds: they apply
     for mode, out in outputs.items():
         profile, why = profile_for(mode, ref, exact_conversion, device)
-        th = with_overrides(DEFAULTS[profile], **(overrides or {}))
+        th = with_overrides(DEFAULTS[profile], **free_overrides)
         target = ref.expected if ref.expected is not None else ref
         sec = compare_mode(target, out.logits, out.hidden, n_layers, th, exact=profile.startswith("exact"),
                            experts_per_token=experts_per_token)
         sec = {"backend": MODES[mode], "backend_device": backend_device(mode, device), "profile": profile,
                "profile_reason": why, "compared_with": "expected" if ref.expected is not None else "source", **sec}
+        fallback_failures = []
         if out.spec_fallbacks is not None:
             sec["spec_fallbacks"] = out.spec_fallbacks
+            sec["fallback_shapes"] = out.fallback_shapes or {}
+            fb = {op: n for op, n in out.spec_fallbacks.items() if n}
+            if fb and not allow_fallback:
+                fallback_failures = [
+                    f"{op}: {n} call(s) ran the torch spec instead of a kernel (shapes "
+                    f"{', '.join((out.fallback_shapes or {}).get(op, [])) or '?'}); pass --allow-fallback to accept"
+                    for op, n in fb.items()]
+        if out.parts is not None and experts_per_token:
+            # The verdict: the teacher-forced parts (+ fallbacks + a loose smoke check of the
+            # free-running logits); the free-running comparison under the profile's thresholds
+            # stays as information, binding only when its thresholds were overridden.
+            limits = dict(PART_LIMITS[profile])
+            cross = ref.device != ("cuda" if device.startswith("cuda") else "cpu") and not profile.startswith("exact")
+            if cross:  # the reference's own bf16 GEMMs rounded on another device type
+                limits = {k: v * CROSS_DEVICE_FACTOR for k, v in limits.items()}
+            if part_override is not None:
+                limits = dict.fromkeys(limits, part_override)
+            tf = compare_parts(target.hidden, out.parts, n_layers, experts_per_token, limits)
+            tf["limits_profile"] = profile + (" x cross-device" if cross else "")
+            sec["teacher_forced"] = tf
+            sec["free_running"] = {"passed": sec["passed"], "failures": sec["failures"], "binding": free_binding}
+            smoke = smoke_failures(sec["summary"])
+            sec["failures"] = tf["failures"] + fallback_failures + smoke + (sec["failures"] if free_binding else [])
+            sec["passed"] = not sec["failures"]
+        else:  # no hidden states in the reference: the free-running comparison decides
+            sec["failures"] = sec["failures"] + fallback_failures
+            sec["passed"] = sec["passed"] and not fallback_failures
         if ref.expected is not None:  # the FP8 cost against the original model, for information
             vs = compare_mode(ref, out.logits, out.hidden, n_layers, DEFAULTS["lossy" if mode == "weights" else profile],
                               experts_per_token=experts_per_token)
@@ -161,6 +222,17 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
     report["kernels_vs_w8a8"] = None
     if "kernels" in outputs and "w8a8" in outputs:
         agree = kernels_vs_spec(outputs["w8a8"], outputs["kernels"], n_layers, experts_per_token)
+        vs = outputs["kernels"].parts_vs_spec
+        if vs is not None and experts_per_token:
+            agree["free_running"] = {"passed": agree["passed"], "failures": agree["failures"], "binding": False}
+            agree["failures"] = smoke_failures(agree["summary"])
+            agree["passed"] = not agree["failures"]
+            key = "kernels_vs_w8a8" if device.startswith("cuda") else "kernels_vs_w8a8-interpreter"
+            tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key])
+            tf["limits_profile"] = key
+            agree["teacher_forced"] = tf
+            agree["failures"] = agree["failures"] + tf["failures"]
+            agree["passed"] = agree["passed"] and tf["passed"]
         report["kernels_vs_w8a8"] = agree
         report["passed"] = report["passed"] and agree["passed"]
     return report
@@ -190,7 +262,8 @@ def summary_lines(report: dict) -> list[str]:
         sec = report[mode]
         s = sec["summary"]
         lines.append(
-            f"{mode:7s} {'PASS' if sec['passed'] else 'FAIL'} [{sec['backend']} ops on {sec.get('backend_device', report['device'])}] "
+            f"{mode:7s} {'PASS' if sec['passed'] else 'FAIL'} [{sec['backend']} ops on "
+            f"{sec.get('backend_device', report['device'])}] "
             f"({sec['profile']}, vs {sec['compared_with']}): KL mean {s['kl_mean']:.3g} "
             f"p95 {s['kl_p95']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
             f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | "
@@ -203,18 +276,41 @@ def summary_lines(report: dict) -> list[str]:
         vs = sec.get("vs_source")
         if vs:
             v = vs["summary"]
-            lines.append(f"        (vs the source: KL mean {v['kl_mean']:.3g} max {v['kl_max']:.3g} | top-1 {v['top1_agreement']:.4f} "
+            lines.append(f"        (vs the source: KL mean {v['kl_mean']:.3g} max {v['kl_max']:.3g} "
+                         f"| top-1 {v['top1_agreement']:.4f} "
                          f"| max |dlogit| {v['max_abs_delta']:.3g}: the FP8 cost, for information)")
+        lines += _parts_lines(sec)
         lines += _detail_lines(sec)
     agree = report.get("kernels_vs_w8a8")
     if agree:
         s = agree["summary"]
         lines.append(f"kernels vs w8a8 {'PASS' if agree['passed'] else 'FAIL'} (triton against the torch spec): "
                      f"KL mean {s['kl_mean']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
-                     f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | logits rel. err {agree['logits_rel_err']:.3g}")
+                     f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) "
+                     f"| logits rel. err {agree['logits_rel_err']:.3g}")
+        lines += _parts_lines(agree)
         lines += _detail_lines(agree, "the w8a8 spec")
     lines.append("PASSED" if report["passed"] else "FAILED")
     return lines
+
+
+def _parts_lines(sec: dict) -> list[str]:
+    """The teacher-forced verdict of a section: the worst error of each kind of part against its
+    limit, and the first failing part (the failures themselves are listed with the others)."""
+    tf = sec.get("teacher_forced")
+    if not tf:
+        return []
+    worst = []
+    for part, label in (("attn", "attention"), ("mlp", "MoE"), ("router", "router")):
+        rows = [r for r in tf["parts"] if r["part"] == part]
+        if rows:
+            r = max(rows, key=lambda r: r["rel_err"] / max(r["limit"], 1e-30))
+            worst.append(f"{label} {r['rel_err']:.3g} (L{r['layer']}, limit {r['limit']:.3g})")
+    line = f"        teacher-forced parts {'PASS' if tf['passed'] else 'FAIL'}: worst " + ", ".join(worst)
+    if tf["first_failing"]:
+        f = tf["first_failing"]
+        line += f"; first failing: layer {f['layer']} {f['part']}"
+    return [line]
 
 
 def _detail_lines(sec: dict, against: str = "the reference") -> list[str]:
@@ -229,7 +325,8 @@ def _detail_lines(sec: dict, against: str = "the reference") -> list[str]:
         lines.append(f"        hidden rel. error at the last layer: {worst}; largest step: layer {src['layer']} ({src['part']})")
     flips = [(p["layer"], p["routing_changed"]) for p in sec["layers"] if p.get("routing_changed")]
     if flips:
-        lines.append(f"        tokens routed to other experts than {against}: " + ", ".join(f"L{n} {100 * f:.1f}%" for n, f in flips))
+        lines.append(f"        tokens routed to other experts than {against}: "
+                     + ", ".join(f"L{n} {100 * f:.1f}%" for n, f in flips))
     return lines
 
 

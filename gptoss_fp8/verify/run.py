@@ -17,27 +17,52 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.load import load_model
 from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
+from gptoss_fp8.verify.parts import forced_inputs_needed, run_parts
 from gptoss_fp8.verify.reference import Reference
 from gptoss_fp8.verify.report import ModeOutput, Outputs, build_report, rounding_for
-
 
 # ----------------------------------------------------------------------------------------------
 # Our forward pass, unsharded or over tp processes
 
 
-def run_modes(model, tokens: torch.Tensor, modes: list[str]) -> Outputs:
-    """Run one loaded model (any rank) once per mode (``backends.MODES``)."""
+def resolve_ops_hook(spec: str | None):
+    """``module:function`` -> the function (called as ``fn(mode, ops) -> ops`` on every backend built):
+    how tests inject bugs into a backend, also in the worker processes of a sharded run."""
+    if not spec:
+        return None
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise GptOssFp8Error(f"ops hook {spec!r}: cannot import it ({e}); give module:function") from None
+
+
+def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
+              ops_hook: str | None = None) -> Outputs:
+    """Run one loaded model (any rank) once per mode (``backends.MODES``): free-running, then, given
+    the reference's captures ``forced``, every part teacher-forced on them (verify/parts.py); the
+    kernels mode also on the w8a8 spec's own captures when w8a8 ran first (``resolve_modes`` order)."""
     out: Outputs = {}
     dev = next(iter(model.buffers())).device
+    hook = resolve_ops_hook(ops_hook)
     for mode in modes:
         cap: dict[str, torch.Tensor] = {}
-        ops = ops_for(mode)
+        ops = ops_for(mode) if hook is None else hook(mode, ops_for(mode))
         t0 = time.perf_counter()
         logits = model(tokens.to(dev), ops, cap)
         if logits.is_cuda:
             torch.cuda.synchronize()
-        out[mode] = ModeOutput(logits.float().cpu(), {k: v.cpu() for k, v in cap.items()}, time.perf_counter() - t0,
-                               getattr(ops, "spec_fallbacks", None))
+        seconds = time.perf_counter() - t0
+        hidden = {k: v.cpu() for k, v in cap.items()}
+        has_parts = forced is not None and all(k in forced for k in forced_inputs_needed(model.cfg.num_hidden_layers))
+        parts = run_parts(model, tokens, ops, forced) if has_parts else None
+        vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None
+        shapes = getattr(ops, "fallback_shapes", None)
+        out[mode] = ModeOutput(logits.float().cpu(), hidden, seconds, getattr(ops, "spec_fallbacks", None),
+                               parts=parts, parts_vs_spec=vs_spec,
+                               fallback_shapes=None if shapes is None else {k: sorted(v) for k, v in shapes.items() if v})
     return out
 
 
@@ -50,7 +75,10 @@ def _save_outputs(out: Outputs, path: Path, collective: str) -> None:
         t[f"{mode}/seconds"] = torch.tensor([o.seconds], dtype=torch.float64)
         t |= {f"{mode}/hidden.{k}": v.contiguous() for k, v in o.hidden.items()}
         t |= {f"{mode}/spec_fallbacks.{k}": torch.tensor([n]) for k, n in (o.spec_fallbacks or {}).items()}
-    save_file(t, str(path), metadata={"collective": collective})
+        t |= {f"{mode}/parts.{k}": v.contiguous() for k, v in (o.parts or {}).items()}
+        t |= {f"{mode}/parts_vs_spec.{k}": v.contiguous() for k, v in (o.parts_vs_spec or {}).items()}
+    shapes = {mode: o.fallback_shapes for mode, o in out.items() if o.fallback_shapes is not None}
+    save_file(t, str(path), metadata={"collective": collective, "fallback_shapes": json.dumps(shapes)})
 
 
 def _load_outputs(path: Path, modes: list[str]) -> Outputs:
@@ -59,14 +87,21 @@ def _load_outputs(path: Path, modes: list[str]) -> Outputs:
 
     t = load_file(str(path))
     with safe_open(str(path), "pt") as f:
-        collective = (f.metadata() or {}).get("collective")
+        meta = f.metadata() or {}
+    collective, shapes = meta.get("collective"), json.loads(meta.get("fallback_shapes", "{}"))
+
+    def sub(prefix: str) -> dict[str, torch.Tensor] | None:
+        d = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+        return d or None
+
     out: Outputs = {}
     for mode in modes:
-        pre, fb = f"{mode}/hidden.", f"{mode}/spec_fallbacks."
+        fb = f"{mode}/spec_fallbacks."
         fallbacks = {k[len(fb):]: int(v) for k, v in t.items() if k.startswith(fb)}
-        out[mode] = ModeOutput(t[f"{mode}/logits"], {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)},
-                               float(t[f"{mode}/seconds"][0]), fallbacks if MODES[mode] == "triton" else None,
-                               collective)
+        out[mode] = ModeOutput(t[f"{mode}/logits"], sub(f"{mode}/hidden.") or {}, float(t[f"{mode}/seconds"][0]),
+                               fallbacks if MODES[mode] == "triton" else None, collective,
+                               parts=sub(f"{mode}/parts."), parts_vs_spec=sub(f"{mode}/parts_vs_spec."),
+                               fallback_shapes=shapes.get(mode))
     return out
 
 
@@ -98,7 +133,12 @@ def run_rank(job: dict) -> None:
     dist.init_process_group(_backend(dev, tp), init_method="env://", rank=rank, world_size=tp)
     try:
         model = load_model(Checkpoint.open(job["ckpt"]), Parallel(rank=rank, tp=tp, ep=ep), dev)
-        out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"])
+        forced = None
+        if job.get("forced"):
+            from safetensors.torch import load_file
+
+            forced = load_file(job["forced"])
+        out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"], forced, job.get("ops_hook"))
         if rank == 0:
             _save_outputs(out, Path(job["result"]), dist.get_backend())
         dist.barrier()
@@ -113,21 +153,28 @@ def _free_port() -> int:
 
 
 def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[str], tp: int = 1, ep: int = 1,
-                    device: str = "cpu", timeout_s: float = 3600.0) -> Outputs:
-    """Our logits and captures for each mode. tp > 1 starts tp worker processes (gloo on CPU,
-    NCCL on GPUs), each loading only its rank's tensors; rank 0's outputs come back."""
+                    device: str = "cpu", timeout_s: float = 3600.0,
+                    forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None) -> Outputs:
+    """Our logits and captures for each mode, and with ``forced`` (the reference's captures) the
+    teacher-forced parts. tp > 1 starts tp worker processes (gloo on CPU, NCCL on GPUs), each
+    loading only its rank's tensors; rank 0's outputs come back. ``ops_hook``: see ``resolve_ops_hook``."""
     ckpt = Checkpoint.of(ckpt)
     ckpt.resolve_layout(tp, ep)  # the checkpoint must have been converted for this layout
     modes = resolve_modes(modes, device)  # and every mode must be able to run on this device
     if tp == 1:
-        return run_modes(load_model(ckpt, Parallel(), _device_for(device, 0)), tokens, modes)
+        return run_modes(load_model(ckpt, Parallel(), _device_for(device, 0)), tokens, modes, forced, ops_hook)
     import subprocess
     import sys
 
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
-               "threads": max(1, (os.cpu_count() or 1) // tp)}
+               "threads": max(1, (os.cpu_count() or 1) // tp), "ops_hook": ops_hook}
+        if forced:
+            from safetensors.torch import save_file
+
+            job["forced"] = str(Path(tmp) / "forced.safetensors")
+            save_file({k: v.contiguous() for k, v in forced.items()}, job["forced"])
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         env = dict(os.environ, WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         procs = []
@@ -163,7 +210,8 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
 
 
 def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[str], tp: int = 1, ep: int = 1,
-                      device: str = "cpu", overrides: dict | None = None, tokens_from: str = "") -> tuple[dict, Outputs]:
+                      device: str = "cpu", overrides: dict | None = None, tokens_from: str = "",
+                      allow_fallback: bool = False, ops_hook: str | None = None) -> tuple[dict, Outputs]:
     """Run our model in each mode (tp/ep sharded when tp > 1) on the reference's tokens and report."""
     ckpt = Checkpoint.of(ckpt)
     cfg = ckpt.config
@@ -171,13 +219,15 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
         raise GptOssFp8Error(f"reference logits have vocab {ref.logits.shape[1]}, {ckpt.path} has vocab_size {cfg.vocab_size}; "
                              "is the reference for this model?")
     if ref.tokens.numel() and (int(ref.tokens.max()) >= cfg.vocab_size or int(ref.tokens.min()) < 0):
-        raise GptOssFp8Error(f"token ids must lie in 0..{cfg.vocab_size - 1} for {ckpt.path}; got {int(ref.tokens.min())}..{int(ref.tokens.max())}")
+        raise GptOssFp8Error(f"token ids must lie in 0..{cfg.vocab_size - 1} for {ckpt.path}; "
+                             f"got {int(ref.tokens.min())}..{int(ref.tokens.max())}")
     t0 = time.perf_counter()
-    outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device)
+    target = ref.expected if ref.expected is not None else ref
+    outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device, forced=target.hidden or None, ops_hook=ops_hook)
     total = time.perf_counter() - t0
     return build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=tp, ep=ep, device=device,
                         overrides=overrides, seconds=total, tokens_from=tokens_from,
-                        experts_per_token=cfg.num_experts_per_tok), outputs
+                        experts_per_token=cfg.num_experts_per_tok, allow_fallback=allow_fallback), outputs
 
 
 def under_torchrun() -> bool:
@@ -186,7 +236,8 @@ def under_torchrun() -> bool:
 
 def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tensor | None, *, modes: list[str], ep: int,
                           device: str, overrides: dict | None, tokens_from: str,
-                          save_reference: Path | None = None) -> tuple[dict | None, Outputs | None, Reference | None]:
+                          save_reference: Path | None = None,
+                          allow_fallback: bool = False) -> tuple[dict | None, Outputs | None, Reference | None]:
     """One rank of ``torchrun --nproc-per-node TP gptoss-fp8 verify-logits ...``: rank 0 runs the
     reference first (OpenAI's model reads torch.distributed's state when built, so it is built
     before the process group exists), every rank runs its shard, rank 0 reports. Returns
@@ -217,12 +268,17 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
         if world % ep:
             raise GptOssFp8Error(f"--ep {ep} must divide the world size {world}")
         model = load_model(ckpt, Parallel(rank=rank, tp=world, ep=ep), dev)
-        outputs = {m: o._replace(collective=dist.get_backend()) for m, o in run_modes(model, toks, modes).items()}
+        target = None if ref is None else (ref.expected if ref.expected is not None else ref)
+        box = [None if target is None else (target.hidden or None)]
+        dist.broadcast_object_list(box, 0)  # the reference's captures, for the teacher-forced parts
+        outputs = {m: o._replace(collective=dist.get_backend())
+                   for m, o in run_modes(model, toks, modes, box[0]).items()}
         report = None
         if rank == 0:
             cfg = ckpt.config
             report = build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=world, ep=ep, device=device,
-                                  overrides=overrides, tokens_from=tokens_from, experts_per_token=cfg.num_experts_per_tok)
+                                  overrides=overrides, tokens_from=tokens_from, experts_per_token=cfg.num_experts_per_tok,
+                                  allow_fallback=allow_fallback)
         ok = torch.tensor([int(report["passed"]) if report else 0])
         dist.broadcast(ok, 0)
         if rank != 0:

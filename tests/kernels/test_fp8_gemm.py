@@ -200,7 +200,8 @@ def test_fp8_gemm_ws_compiles_for_sm90():
         pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
     lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
-    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>", "b_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
+    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
+             "b_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
     k = _gluon.compile_for_sm90(fp8_gemm_ws._ws_fp8_gemm_kernel, types, dict(STAGES=5, GROUP_M=8, HAS_BIAS=True))
     ptx = k["ptx"]

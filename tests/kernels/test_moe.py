@@ -115,7 +115,8 @@ def test_fused_moe_tiles_and_loads(tma, split):
     m = _model(30, 160, 192, 8, seed=21)
     ex = _shard(m["experts"], 2, 5)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
-    _check(moe_experts(m["x"], w, ids, *ex, expert_start=2, plan=plan), moe_experts_reference(m["x"], w, ids, *ex, expert_start=2))
+    _check(moe_experts(m["x"], w, ids, *ex, expert_start=2, plan=plan),
+           moe_experts_reference(m["x"], w, ids, *ex, expert_start=2))
 
 
 def test_default_plans_are_the_measured_ones():

@@ -3,8 +3,9 @@
 Tolerance: one bf16 ulp (relative 2^-7 of each value, plus 1e-6 absolute for values near zero):
 the kernel's sum of squares runs in another order and its rsqrt is approximate. In the interpreter
 (CPU) every fp32 -> bf16 cast truncates instead of rounding; where two casts meet (an fp32 delta
-cast to bf16, then the sum) that is two ulps, so the CPU bound is 2^-6. Bit-identical outputs: at least 90% on the GPU; in the interpreter, whose
-stores truncate, about half (measured 55%), so at least 40% there.
+cast to bf16, then the sum) that is two ulps, so the CPU bound is 2^-6. Bit-identical outputs: at
+least 90% on the GPU; in the interpreter, whose stores truncate, about half (measured 55%), so at
+least 40% there.
 The fused quantization (``rms_norm_quant``) is checked bit for bit against ``act_quant`` of the
 kernel's own normed output (same arithmetic on the same bf16 values), on CPU and GPU alike.
 """

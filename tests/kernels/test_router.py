@@ -3,7 +3,8 @@
 Tolerances: logits within one bf16 ulp of the exact product + bias rounded once (summation order),
 plus 1e-5 absolute: where the sum cancels to near zero, the fp32 rounding of partial sums of
 magnitude ~1 dominates (measured on the H200 at 8192-32768 tokens: at most 1e-6 absolute, e.g.
--5.5e-6 for an exact -6.2e-6; every value above ~1e-3 within one ulp); ids exactly the top-k of the kernel's own logits with ties to the lowest id, and the same
+-5.5e-6 for an exact -6.2e-6; every value above ~1e-3 within one ulp); ids exactly the top-k of the
+kernel's own logits with ties to the lowest id, and the same
 experts as ``spec.route`` (the reference) for every token whose k-th and (k+1)-th logits are more than two
 ulps apart; weights within one bf16 ulp of the softmax of the selected logits.
 """
@@ -58,7 +59,8 @@ def _check_router(t, h, e, k, bias):
     # the same experts as torch's router wherever the k-th choice is not a near-tie
     ref_logits, ref_ids, ref_w = router_reference(x, w, b, k)
     srt = torch.sort(ref_logits.float(), dim=-1, descending=True).values
-    clear = (srt[:, k - 1] - srt[:, k]) > 2 * ULP * srt[:, k - 1].abs() if k < e else torch.ones(t, dtype=torch.bool, device=x.device)
+    clear = ((srt[:, k - 1] - srt[:, k]) > 2 * ULP * srt[:, k - 1].abs() if k < e
+             else torch.ones(t, dtype=torch.bool, device=x.device))
     assert t < 16 or clear.float().mean() > 0.5  # most tokens are clear cases
     same = (ids.long().sort(-1).values == ref_ids.sort(-1).values).all(-1)
     assert bool(same[clear].all()), f"{int((~same[clear]).sum())} clear tokens route differently"

@@ -1,0 +1,130 @@
+"""The verdict catches kernel bugs: each bug of tests/mutations.py, injected into the w8a8 spec or
+into the triton kernels (the Triton interpreter on CPU, the GPU under ``-m gpu``), makes
+verify-logits FAIL with the first failing teacher-forced part at the layer and part the bug is in;
+the modes it is not injected into still PASS. On both golden checkpoints, and sharded (tp 2)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from mutations import MUTATIONS, PART_OF
+
+from gptoss_fp8.verify import golden
+from gptoss_fp8.verify.reference import reference_for
+from gptoss_fp8.verify.report import rounding_for
+from gptoss_fp8.verify.run import verify_checkpoint
+
+TESTS = str(Path(__file__).resolve().parent)
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def golden_ckpts(tmp_path_factory):
+    work = {}
+
+    def get(name, conversion="default", tp=1, ep=1):
+        if name not in work:
+            work[name] = tmp_path_factory.mktemp(name)
+        return golden.materialize(name, work[name], conversion, tp, ep)
+
+    return get
+
+
+def _expected_first(ckpt: Path, mutation: str) -> dict:
+    """The first (layer, part) a bug shows in: every layer, except the window, which only sliding layers have."""
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+
+    cfg = Checkpoint.open(ckpt).config
+    layer = 0
+    if mutation == "no_window":
+        layer = next(i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention")
+    return {"layer": layer, "part": PART_OF[mutation]}
+
+
+def _verify(ckpt, ref_file, modes, hook, device="cpu", tp=1, ep=1):
+    rounding, exact = rounding_for(ckpt)
+    ref = reference_for(ref_file, None, rounding=None if exact else rounding)
+    if device != "cpu":  # OpenAI's model on the same device as ours (the stored file was made on CPU)
+        ref = reference_for(Path(ckpt).parent / "src", ref.tokens, device, None if exact else rounding)
+    report, _ = verify_checkpoint(ckpt, ref, modes=modes, tp=tp, ep=ep, device=device, ops_hook=hook)
+    return report
+
+
+def _check_caught(report, target, ckpt, mutation, clean_modes):
+    sec = report[target] if target != "kernels_vs_w8a8" else report["kernels_vs_w8a8"]
+    tf = sec["teacher_forced"]
+    assert not report["passed"] and not sec["passed"] and not tf["passed"], tf
+    assert tf["first_failing"] == _expected_first(ckpt, mutation), (tf["first_failing"], tf["failures"])
+    for m in clean_modes:
+        assert report[m]["passed"], (m, report[m]["failures"])
+
+
+@pytest.mark.parametrize("case", ["tiny", "odd"])
+def test_correct_code_passes_with_parts(golden_ckpts, case):
+    ckpt, ref_file = golden_ckpts(case)
+    report = _verify(ckpt, ref_file, ["weights", "w8a8"], None)
+    assert report["passed"], [report[m]["failures"] for m in ("weights", "w8a8")]
+    for m in ("weights", "w8a8"):
+        assert report[m]["teacher_forced"]["passed"] and report[m]["teacher_forced"]["parts"]
+
+
+@pytest.mark.parametrize("case", ["tiny", "odd"])
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_bug_in_the_spec_fails(golden_ckpts, case, mutation):
+    ckpt, ref_file = golden_ckpts(case)
+    report = _verify(ckpt, ref_file, ["weights", "w8a8"], f"mutations:w8a8__{mutation}")
+    _check_caught(report, "w8a8", ckpt, mutation, ["weights"])
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_bug_in_the_spec_fails_sharded(golden_ckpts, mutation, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ckpt, ref_file = golden_ckpts("tiny", "exact", tp=2, ep=2)
+    report = _verify(ckpt, ref_file, ["weights", "w8a8"], f"mutations:w8a8__{mutation}", tp=2, ep=2)
+    _check_caught(report, "w8a8", ckpt, mutation, ["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tiny", "odd"])
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_bug_in_the_kernels_fails(golden_ckpts, case, mutation):
+    """Through the interpreter on CPU (conftest sets TRITON_INTERPRET=1), on the GPU when there is one."""
+    ckpt, ref_file = golden_ckpts(case)
+    device = "cuda" if HAS_CUDA else "cpu"
+    report = _verify(ckpt, ref_file, ["w8a8", "kernels"], f"mutations:kernels__{mutation}", device=device)
+    _check_caught(report, "kernels_vs_w8a8", ckpt, mutation, ["w8a8"])
+
+
+def _random_shape(i: int):
+    """A small gpt-oss of random shape: hidden sizes off the 128 grid, odd head counts, 1-3 layers."""
+    import random
+
+    r = random.Random(5000 + i)  # not the calibration's shapes (docs/verify.md)
+    kvh, grp = r.choice([(1, 3), (1, 5), (3, 1), (1, 7), (2, 2), (3, 3), (1, 1), (2, 4), (5, 1)])
+    experts = r.choice([4, 5, 6, 8, 12, 16])
+    ov = dict(hidden_size=r.choice([96, 160, 192, 224, 288, 320]), intermediate_size=r.choice([96, 160, 224, 288]),
+              head_dim=r.choice([16, 32]), num_attention_heads=kvh * grp, num_key_value_heads=kvh,
+              num_local_experts=experts, num_experts_per_tok=min(r.choice([1, 2, 3, 4]), experts),
+              sliding_window=r.choice([4, 8, 16]), vocab_size=r.choice([257, 311, 503]))
+    return r.choice([1, 2, 3]), ov, r.choice([32, 48, 64])
+
+
+@pytest.mark.parametrize("i", range(20))
+def test_random_small_checkpoints_pass(tmp_path, i):
+    """Correct code passes on fresh random shapes (both conversions: FP8 attention or kept bf16)."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+
+    layers, ov, n = _random_shape(i)
+    src = tmp_path / "src"
+    write_synthetic(src, "tiny", layers=layers, seed=i, **ov)
+    tokens = torch.randint(0, ov["vocab_size"], (n,), generator=torch.Generator().manual_seed(i))
+    for keep_bf16 in (False, True):
+        dst = tmp_path / f"fp8-{keep_bf16}"
+        convert_checkpoint(src, dst, keep_attention_bf16=keep_bf16)
+        rounding, exact = rounding_for(dst)
+        ref = reference_for(src, tokens, rounding=None if exact else rounding)
+        report, _ = verify_checkpoint(dst, ref, modes=["weights", "w8a8"])
+        assert report["passed"], (ov, layers, [report[m]["failures"] for m in ("weights", "w8a8")])
+        assert all(report[m]["teacher_forced"]["parts"] for m in ("weights", "w8a8"))
