@@ -1,4 +1,5 @@
-"""--plot PNG: per-layer relative error of the residual stream and per-position KL, per mode."""
+"""--plot PNG: per mode, the teacher-forced part errors against their limits (the verdict), the
+free-running per-layer relative error of the residual stream, and per-position KL."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from gptoss_fp8.errors import GptOssFp8Error
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """Two panels: hidden-state relative error after each attention / MLP (log scale, layer
-    threshold dashed), and KL(ref || ours) per token position (log scale)."""
+    """Three panels: teacher-forced error of each part (attention at x.0, MoE at x.5, router at
+    x.25) divided by its limit (log scale; above 1 fails), the free-running hidden-state relative
+    error after each attention / MLP (layer threshold dashed), and KL(ref || ours) per position."""
     try:
         import matplotlib
 
@@ -17,7 +19,28 @@ def plot_report(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise GptOssFp8Error("--plot needs matplotlib; run: pip install matplotlib (or drop --plot)") from None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
+    offset = {"attn": 0.0, "router": 0.25, "mlp": 0.5}
+    sections = [(m, report[m]) for m in report["modes"]]
+    if report.get("kernels_vs_w8a8"):
+        sections.append(("kernels vs w8a8", report["kernels_vs_w8a8"]))
+    for name, sec in sections:
+        tf = sec.get("teacher_forced")
+        if not tf:
+            continue
+        rows = tf["parts"]
+        x = [r["layer"] + offset[r["part"]] for r in rows]
+        y = [max(r["rel_err"] / r["limit"], 1e-4) for r in rows]
+        ax0.plot(x, y, marker="o", ls="none", label=f"{name} ({'PASS' if tf['passed'] else 'FAIL'})")
+        if tf["first_failing"]:
+            f = tf["first_failing"]
+            ax0.annotate(f"{name}: L{f['layer']} {f['part']}", (f["layer"] + offset[f["part"]], 1.0),
+                         textcoords="offset points", xytext=(5, 8), fontsize=8)
+    ax0.axhline(1.0, color="red", ls="--", lw=0.8)
+    ax0.set_yscale("log")
+    ax0.set_xlabel("layer (x.0 attention, x.25 router, x.5 MoE)")
+    ax0.set_ylabel("part error / its limit (1e-4 floor)")
+    ax0.set_title("teacher-forced parts (the verdict)")
     # Log axes: exact zeros (bit-identical results) are drawn at a floor a decade under the
     # smallest nonzero value, and said so in the legend.
     errs = [p["rel_err"] for m in report["modes"] for p in report[m]["layers"] if p["rel_err"] > 0]
@@ -44,12 +67,12 @@ def plot_report(report: dict, path: Path) -> None:
     ax1.set_yscale("log")
     ax1.set_xlabel("layer (x.0 after attention, x.5 after MLP)")
     ax1.set_ylabel("relative error of hidden state vs reference")
-    ax1.set_title("per-layer error")
+    ax1.set_title("free-running per-layer error")
     ax2.set_yscale("log")
     ax2.set_xlabel("token position")
     ax2.set_ylabel("KL(ref || ours), nats")
     ax2.set_title("per-position KL")
-    for ax in (ax1, ax2):
+    for ax in (ax0, ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -197,7 +197,8 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             limits = dict(PART_LIMITS[profile])
             cross = ref.device != ("cuda" if device.startswith("cuda") else "cpu") and not profile.startswith("exact")
             if cross:  # the reference's own bf16 GEMMs rounded on another device type
-                limits = {k: v * CROSS_DEVICE_FACTOR for k, v in limits.items()}
+                floor = PART_LIMITS["exact-cross-device"]
+                limits = {k: max(v * CROSS_DEVICE_FACTOR, floor[k]) for k, v in limits.items()}
             if part_override is not None:
                 limits = dict.fromkeys(limits, part_override)
             tf = compare_parts(target.hidden, out.parts, n_layers, experts_per_token, limits)

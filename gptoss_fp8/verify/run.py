@@ -255,7 +255,12 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
         rounding, exact = rounding_for(ckpt)
         ref = reference_for(reference, tokens, device, None if exact else rounding)
         if save_reference is not None:
-            save_ref(ref, save_reference)
+            from gptoss_fp8.checkpoint.outputs import atomic_output
+
+            # the CLI checked the path before any work (and refused an existing file without
+            # --overwrite-outputs): write it atomically, never half a file
+            with atomic_output(save_reference, overwrite=True) as tmp:
+                save_ref(ref, tmp)
     dev = _device_for(device, int(os.environ.get("LOCAL_RANK", rank)))
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)

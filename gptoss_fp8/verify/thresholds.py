@@ -99,9 +99,13 @@ DEFAULTS: dict[str, Thresholds] = {
 # (w8a8, kernels vs the reference), x 2 for the kernels against their spec.
 PART_LIMITS: dict[str, dict[str, float]] = {
     # CPU: our weights mode and OpenAI's model on the expected weights are bit-identical (0.0 on
-    # all 98 parts of each conversion); the limit leaves room only for bf16 op-order noise.
-    "exact": {"attn": 5e-3, "mlp": 5e-3, "router": 5e-3},
-    "exact-cross-device": {"attn": 0.05, "mlp": 0.05, "router": 0.05},
+    # all 98 parts of each conversion); on the H200 against OpenAI's model there (20b x 2 layers):
+    # attention 2.8e-3, MoE 1.1e-4 (cuBLAS op order); about 3.5x that.
+    "exact": {"attn": 0.01, "mlp": 0.01, "router": 0.01},
+    # OpenAI's model on CPU (a stored reference file), ours on the H200, the golden tiny and its tp 2
+    # layouts: attention 1.3e-4, MoE 0.116-0.147 (the reference's bf16 expert GEMMs and combine
+    # round otherwise on the CPU), router 0; MoE bound x 2
+    "exact-cross-device": {"attn": 0.05, "mlp": 0.3, "router": 0.05},
     "lossy": {"attn": 0.3, "mlp": 0.3, "router": 0.3},
     # FP8 activations: worst attn 0.0643 (default conversion; 0 with attention kept bf16), MoE 0.0425;
     # the router is a bf16 GEMM on the same input: 0.
@@ -120,8 +124,10 @@ PART_LIMITS: dict[str, dict[str, float]] = {
 
 
 # A reference made on another device type (a CPU-made reference file, our run on a GPU): its bf16
-# GEMMs round otherwise, which adds to the FP8 cost. Measured once (golden tiny, default conversion,
-# H200 against the stored CPU reference): w8a8 MoE 0.119 against 0.04 same-device; x 3.
+# GEMMs round otherwise, which adds to the FP8 cost. Measured on the H200 against the stored CPU
+# golden references: w8a8 MoE 0.119 (0.04 same-device), weights-mode MoE up to 0.147. The w8a8 /
+# kernels limits then become max(3 x theirs, the exact-cross-device ones). The kernels against the
+# spec run on one device and keep their own limits: that is the kernel-bug guarantee on a GPU.
 CROSS_DEVICE_FACTOR = 3.0
 
 # The free-running smoke check that stays binding beside the parts: mean KL per position above
