@@ -18,3 +18,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def golden_ckpts(tmp_path_factory):
+    """(case, conversion="exact", tp, ep) -> (checkpoint, stored reference file); one source per case
+    and test module (verify/golden.py ``materialize``)."""
+    from gptoss_fp8.verify import golden
+
+    work = {}
+
+    def get(name, conversion="exact", tp=1, ep=1):
+        if name not in work:
+            work[name] = tmp_path_factory.mktemp(name)
+        return golden.materialize(name, work[name], conversion, tp, ep)
+
+    return get

@@ -35,19 +35,6 @@ except ImportError:
 GOLDEN_AGREEMENT = {"kl_mean": 0.15, "kl_max": 6.0, "top1_decisive": 0.9, "logits_rel_err": 0.25}
 
 
-@pytest.fixture(scope="module")
-def golden_ckpts(tmp_path_factory):
-    """(case, conversion, tp, ep) -> (checkpoint, stored reference file); one source per case."""
-    work = {}
-
-    def get(name, conversion="exact", tp=1, ep=1):
-        if name not in work:
-            work[name] = tmp_path_factory.mktemp(name)
-        return golden.materialize(name, work[name], conversion, tp, ep)
-
-    return get
-
-
 def _verify(ckpt, ref_file, tmp_path, *extra):
     args = ["verify-logits", str(ckpt), "--reference", str(ref_file), "--json", str(tmp_path / "r.json"), *extra]
     r = runner.invoke(app, args)

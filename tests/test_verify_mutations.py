@@ -10,25 +10,12 @@ import pytest
 import torch
 from mutations import MUTATIONS, PART_OF
 
-from gptoss_fp8.verify import golden
 from gptoss_fp8.verify.reference import reference_for
 from gptoss_fp8.verify.report import rounding_for
 from gptoss_fp8.verify.run import verify_checkpoint
 
 TESTS = str(Path(__file__).resolve().parent)
 HAS_CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def golden_ckpts(tmp_path_factory):
-    work = {}
-
-    def get(name, conversion="default", tp=1, ep=1):
-        if name not in work:
-            work[name] = tmp_path_factory.mktemp(name)
-        return golden.materialize(name, work[name], conversion, tp, ep)
-
-    return get
 
 
 def _expected_first(ckpt: Path, mutation: str) -> dict:
@@ -62,7 +49,7 @@ def _check_caught(report, target, ckpt, mutation, clean_modes):
 
 @pytest.mark.parametrize("case", ["tiny", "odd"])
 def test_correct_code_passes_with_parts(golden_ckpts, case):
-    ckpt, ref_file = golden_ckpts(case)
+    ckpt, ref_file = golden_ckpts(case, "default")
     report = _verify(ckpt, ref_file, ["weights", "w8a8"], None)
     assert report["passed"], [report[m]["failures"] for m in ("weights", "w8a8")]
     for m in ("weights", "w8a8"):
@@ -72,7 +59,7 @@ def test_correct_code_passes_with_parts(golden_ckpts, case):
 @pytest.mark.parametrize("case", ["tiny", "odd"])
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_bug_in_the_spec_fails(golden_ckpts, case, mutation):
-    ckpt, ref_file = golden_ckpts(case)
+    ckpt, ref_file = golden_ckpts(case, "default")
     report = _verify(ckpt, ref_file, ["weights", "w8a8"], f"mutations:w8a8__{mutation}")
     _check_caught(report, "w8a8", ckpt, mutation, ["weights"])
 
@@ -90,7 +77,7 @@ def test_bug_in_the_spec_fails_sharded(golden_ckpts, mutation, monkeypatch):
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_bug_in_the_kernels_fails(golden_ckpts, case, mutation):
     """Through the interpreter on CPU (conftest sets TRITON_INTERPRET=1), on the GPU when there is one."""
-    ckpt, ref_file = golden_ckpts(case)
+    ckpt, ref_file = golden_ckpts(case, "default")
     device = "cuda" if HAS_CUDA else "cpu"
     report = _verify(ckpt, ref_file, ["w8a8", "kernels"], f"mutations:kernels__{mutation}", device=device)
     _check_caught(report, "kernels_vs_w8a8", ckpt, mutation, ["w8a8"])
