@@ -18,6 +18,7 @@ from torch import nn
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.cache import KVCache
 from gptoss_fp8.model.ops import Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
@@ -156,13 +157,60 @@ class GptOss(nn.Module):
         many tokens at a time (bounds the [T * top_k, ...] expert activations; the MoE is per
         token, so only the summation order of GEMMs given fewer rows may change)."""
         ops = ops or ReferenceOps()
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        cos, sin = rope_cos_sin(self.cfg, tokens.shape[0], self.model.embed_tokens.weight.device)
+        return self._run(tokens, ops, cos, sin, capture, last_only=last_only, moe_chunk=moe_chunk)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, ops: ReferenceOps | None = None, *, max_len: int | None = None,
+                moe_chunk: int | None = None) -> tuple[KVCache, torch.Tensor]:
+        """Run the prompt tokens int [T] (positions 0..T-1) as ``forward`` does, keeping every
+        layer's K and V -> (a cache for up to ``max_len`` tokens, default T + 1024, holding T;
+        bf16 logits [1, V] of the last position: the first generated token's)."""
+        ops = ops or ReferenceOps()
+        n = tokens.shape[0]
+        cache = self.new_cache(max_len or n + 1024)
+        cos, sin = cache.rope_rows(0, n)
+        logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache)
+        cache.length = n
+        return cache, logits
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, token: torch.Tensor | int, ops: ReferenceOps | None = None) -> torch.Tensor:
+        """One new token (int, or int tensor of one element) at position ``cache.length``: its K and
+        V are appended to the cache, its attention reads the cached keys (the layer's window, the
+        sinks once) -> bf16 logits [1, V]; ``cache.length`` advances by one."""
+        ops = ops or ReferenceOps()
+        t = torch.as_tensor(token, device=self.model.embed_tokens.weight.device).reshape(1)
+        pos = cache.length
+        cos, sin = self._rope_at(cache, pos)
+        logits = self._run(t, ops, cos, sin, None, last_only=True, cache=cache, pos0=pos)
+        cache.length = pos + 1
+        return logits
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """An empty KV cache of this rank's kv heads for up to ``max_len`` tokens (batch 1)."""
+        dev = self.model.embed_tokens.weight.device
+        windows = [layer.window for layer in self.model.layers]
+        return KVCache.empty(windows, self.model.layers[0].self_attn.n_kv, self.cfg.head_dim, max_len,
+                             rope_cos_sin(self.cfg, max_len, dev), dev)
+
+    def _rope_at(self, cache: KVCache, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) [1, D/2] of a decode step's token: the row of its absolute position."""
+        return cache.rope_rows(pos, 1)
+
+    def _run(self, tokens: torch.Tensor, ops: ReferenceOps, cos, sin, capture: dict | None, *,
+             last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
+             pos0: int = 0) -> torch.Tensor:
+        """The one forward pass: tokens [T] at positions pos0..pos0 + T - 1 (cos / sin: their RoPE
+        rows); with a cache, each layer's K / V are written to it (and, past position 0, attention
+        reads the cached keys)."""
+        eps = self.cfg.rms_norm_eps
         x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
-        cos, sin = rope_cos_sin(cfg, tokens.shape[0], x.device)
         layers = self.model.layers
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
-            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops), layer.post_attention_layernorm.weight, eps)
+            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, pos0),
+                                    layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
             y, weights = self._moe_chunked(layer, h, ops, capture, moe_chunk)
@@ -200,9 +248,13 @@ class GptOss(nn.Module):
         layers = self.model.layers
         return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
 
-    def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps) -> torch.Tensor:
-        """Attention block on the normed stream t (rows [T, H]) -> its residual delta (bf16, or
-        float32 partial sums over ranks reduced here: the caller rounds once)."""
+    def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps, cache: KVCache | None = None,
+                   pos0: int = 0) -> torch.Tensor:
+        """Attention block on the normed stream t (rows [T, H], positions pos0..pos0 + T - 1; cos /
+        sin their RoPE rows) -> its residual delta (bf16, or float32 partial sums over ranks reduced
+        here: the caller rounds once). With a cache, K and V are written to it at their positions;
+        from position 0 the attention is the prefill's over these rows, later (decode: one row) it
+        reads the cache's keys."""
         a, d = layer.self_attn, self.cfg.head_dim
         q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
                               xq=t.quant)
@@ -210,7 +262,16 @@ class GptOss(nn.Module):
         n = t.y.shape[0]
         q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
         k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
-        o = ops.attention(q, k, v.view(n, a.n_kv, d), a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+        v = v.view(n, a.n_kv, d)
+        if cache is not None:
+            cache.write(layer.idx, pos0, k, v)
+        if cache is None or pos0 == 0:
+            o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+        else:
+            if n != 1:
+                raise GptOssFp8Error(f"decode runs one token at a time past position 0, got {n} at position {pos0}")
+            kc, vc, first = cache.read(layer.idx, pos0 + 1)
+            o = ops.attention_cached(q, kc, vc, a.sinks, 1 / math.sqrt(d), layer.window, pos0 - first)
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
         return ops.all_reduce(o, self.par)

@@ -155,6 +155,16 @@ class ReferenceOps:
         n, kvh, m, d = q.shape
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window).reshape(n, -1)
 
+    def attention_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                         sm_scale: float, window: int, q_offset: int) -> torch.Tensor:
+        """Decode attention over a KV cache: q [T, KV, M, D] of the newest tokens, k / v [S, KV, D]
+        the cached keys in position order (the newest included; key j at relative position j,
+        query t at q_offset + t), the same masks and sinks (once) as ``attention`` -> [T, KV * M * D].
+        ``spec.attention`` with q_offset; a GPU backend may run its split-KV decode kernel."""
+        n, kvh, m, d = q.shape
+        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
+                              q_offset=q_offset).reshape(n, -1)
+
 
 class W8A8CpuOps(ReferenceOps):
     """FP8 weights x FP8 activations (per-token 1x128 groups), fp32 accumulation: the ``w8a8`` mode."""
