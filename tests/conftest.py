@@ -34,3 +34,32 @@ def golden_ckpts(tmp_path_factory):
         return golden.materialize(name, work[name], conversion, tp, ep)
 
     return get
+
+
+def fail_writes_with_enospc(monkeypatch, on_write: int) -> None:
+    """Make every StreamingWriter's file fail with ENOSPC on its ``on_write``-th write (a full disk
+    in the middle of a file)."""
+    import errno
+
+    from gptoss_fp8.checkpoint import st_io
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, data):
+            self.n += 1
+            if self.n == on_write:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+    real_init = st_io.StreamingWriter.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        self._f = FullDisk(self._f)
+
+    monkeypatch.setattr(st_io.StreamingWriter, "__init__", init)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fail_writes_with_enospc
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -846,28 +847,7 @@ def test_resume_needs_only_the_missing_bytes(tiny_src, reference, tmp_path, monk
 
 
 def test_synth_full_disk_does_not_offer_resume(tmp_path, monkeypatch):
-    from gptoss_fp8.checkpoint import st_io
-
-    class FullDisk:
-        def __init__(self, f):
-            self.f, self.n = f, 0
-
-        def write(self, data):
-            self.n += 1
-            if self.n == 3:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.f.write(data)
-
-        def __getattr__(self, k):
-            return getattr(self.f, k)
-
-    real_init = st_io.StreamingWriter.__init__
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        self._f = FullDisk(self._f)
-
-    monkeypatch.setattr(st_io.StreamingWriter, "__init__", init)
+    fail_writes_with_enospc(monkeypatch, 3)
     with pytest.raises(GptOssFp8Error) as ei:
         write_synthetic(tmp_path / "s", "tiny", layout="hf")
     msg = one_line_error(ei, "disk full while writing", "synth again with --overwrite")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fail_writes_with_enospc
 from safetensors import safe_open
 
 from gptoss_fp8.checkpoint.format import REPORT_NAME, hf_source_tensors
@@ -226,7 +227,6 @@ def test_lock_refuses_second_convert(tiny_src, tmp_path):
 
 
 def test_disk_full(tiny_src, tmp_path, monkeypatch):
-    import errno
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
@@ -237,30 +237,7 @@ def test_disk_full(tiny_src, tmp_path, monkeypatch):
     monkeypatch.undo()
 
     # ENOSPC in the middle of a file: one clear line, no file left looking complete, resumable.
-    from gptoss_fp8.checkpoint import st_io
-
-    class FullDisk:
-        """The writer's file object, failing with ENOSPC on its 5th write."""
-
-        def __init__(self, f):
-            self.f, self.n = f, 0
-
-        def write(self, data):
-            self.n += 1
-            if self.n == 5:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.f.write(data)
-
-        def __getattr__(self, k):
-            return getattr(self.f, k)
-
-    real_init = st_io.StreamingWriter.__init__
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        self._f = FullDisk(self._f)
-
-    monkeypatch.setattr(st_io.StreamingWriter, "__init__", init)
+    fail_writes_with_enospc(monkeypatch, 5)  # the writer's 5th write fails
     with pytest.raises(GptOssFp8Error, match="disk full while writing .*--resume"):
         convert_checkpoint(tiny_src, tmp_path / "b", shard_bytes=150_000)
     monkeypatch.undo()
