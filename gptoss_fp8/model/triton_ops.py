@@ -255,6 +255,12 @@ class TritonOps(W8A8CpuOps):
         return xo, Normed(y, quant)
 
     # --- attention -----------------------------------------------------------------------------
+    def attention_cached(self, q, k, v, sinks, sm_scale, window, q_offset):
+        """Decode attention over a cache: no kernel wired yet (kernels/attention_decode.py is the
+        next step), so the torch spec runs, counted as an attention fallback."""
+        self._fallback("attention", q, k)
+        return super().attention_cached(q, k, v, sinks, sm_scale, window, q_offset)
+
     def attention(self, q, k, v, sinks, sm_scale, window):
         n, kvh, m, d = q.shape
         if (not _kernel_device(q) or q.dtype != BF16 or k.dtype != BF16 or v.dtype != BF16
