@@ -83,6 +83,8 @@ class DecodeTile:
     num_stages: int
 
 
+GEMM_BACKENDS = ("ours", "deep_gemm")
+
 # The interpreter gets small tiles (its cost grows with them): constants, not tuning.
 CPU_PREFILL_TILE = PrefillTile(32, 16, 4, 1)
 CPU_DECODE_TILE = DecodeTile(16, 4, 1)
@@ -95,6 +97,10 @@ class KernelConfig:
     # The Gluon warp-specialized kernels where they can run (sm_90, Gluon's Hopper API); False
     # keeps every call on the Triton kernels.
     gluon: bool = True
+    # Which library runs the dense and grouped FP8 GEMMs: "ours" (the kernels of this package, the
+    # default) or "deep_gemm" (DeepGEMM when importable, kernels/deepgemm.py; bias, SwiGLU and
+    # quantization stay in our neighbouring kernels).
+    gemm: str = "ours"
     # Dense GEMM on Gluon from this many rows (twice as many for N <= 3072); None: never. 3-6%
     # faster from 2048 rows, as fast at 1024 except o_proj (0.93x) (notes/kernels_gemm.md, 7th session).
     dense_gluon_min_rows: int | None = 1024
@@ -119,6 +125,10 @@ class KernelConfig:
     # the separate merge: 23.5-24.9 vs 26.2 us (BENCHMARKS.md, 9th session).
     decode_one_wave: DecodeTile = field(default_factory=lambda: DecodeTile(64, 4, 4))
     decode_one_wave_programs_per_sm: int = 2
+
+    def __post_init__(self):
+        if self.gemm not in GEMM_BACKENDS:
+            raise ValueError(f"KernelConfig.gemm must be one of {', '.join(GEMM_BACKENDS)}, got {self.gemm!r}")
 
     def gluon_on(self, device: torch.device) -> bool:
         """Whether the Gluon kernels may run on ``device``: allowed here and supported there."""
