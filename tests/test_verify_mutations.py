@@ -115,3 +115,26 @@ def test_random_small_checkpoints_pass(tmp_path, i):
         report, _ = verify_checkpoint(dst, ref, modes=["weights", "w8a8"])
         assert report["passed"], (ov, layers, [report[m]["failures"] for m in ("weights", "w8a8")])
         assert all(report[m]["teacher_forced"]["parts"] for m in ("weights", "w8a8"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(20))
+def test_random_small_checkpoints_pass_on_cuda(tmp_path, i):
+    """The same random shapes on the GPU, as ``verify-logits --device cuda`` runs them: OpenAI's model
+    on the GPU, every mode (the kernels included: no fallback allowed) PASSES."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+
+    layers, ov, n = _random_shape(i)
+    src = tmp_path / "src"
+    write_synthetic(src, "tiny", layers=layers, seed=i, **ov)
+    tokens = torch.randint(0, ov["vocab_size"], (n,), generator=torch.Generator().manual_seed(i))
+    for keep_bf16 in (False, True):
+        dst = tmp_path / f"fp8-{keep_bf16}"
+        convert_checkpoint(src, dst, keep_attention_bf16=keep_bf16)
+        rounding, exact = rounding_for(dst)
+        ref = reference_for(src, tokens, "cuda", None if exact else rounding)
+        report, _ = verify_checkpoint(dst, ref, modes=["weights", "w8a8", "kernels"], device="cuda")
+        summary = {m: report.get(m, {}).get("failures") for m in ("weights", "w8a8", "kernels", "kernels_vs_w8a8")}
+        print(f"METRIC random cuda {i} bf16-attn={keep_bf16}: passed {report['passed']} {summary}")
+        assert report["passed"], (ov, layers, summary)
