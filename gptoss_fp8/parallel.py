@@ -12,7 +12,13 @@ projection (biases added once, by their owner rank, before the sum).
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,3 +108,71 @@ def check_layout(cfg, tp: int, ep: int) -> None:
     parts = tp // ep
     if cfg.intermediate_size % parts:
         raise bad(f"intermediate_size {cfg.intermediate_size} cannot be split into tp/ep={parts} parts")
+
+
+# ------------------------------------------------------------------------------------------------
+# Rank processes (verify-logits' sharded workers, bench prefill --tp): one process per rank
+
+
+def device_for(device: str, rank: int) -> str:
+    """The device rank ``rank`` runs on: its own GPU (round robin over the visible ones) or the CPU."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise GptOssFp8Error(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+        return f"cuda:{rank % torch.cuda.device_count()}"
+    return device
+
+
+def backend_for(dev: str, world: int) -> str:
+    """NCCL with one GPU per rank; gloo on CPU, and when ranks share a GPU (NCCL refuses two ranks on
+    one device; ``Parallel.all_reduce`` then stages the sums through host memory)."""
+    return "nccl" if dev.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def launch_ranks(module: str, job: Path, world: int, what: str, timeout_s: float = 3600.0) -> None:
+    """Run ``python -m module job`` once per rank (RANK / WORLD_SIZE / MASTER_* set, as torchrun
+    does) and wait; the first rank to fail stops the others. A rank's GptOssFp8Error comes back as
+    one; any other failure as a RuntimeError with that rank's stderr tail. Ranks' stderr is kept
+    beside ``job`` (rank<r>.err)."""
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    errs = [job.parent / f"rank{r}.err" for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(errs[r], "w") as err:  # the child holds its own descriptor
+            procs.append(subprocess.Popen([sys.executable, "-m", module, str(job)],
+                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                          stdout=subprocess.DEVNULL, stderr=err))
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    while any(p.poll() is None for p in procs):
+        bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if bad or time.monotonic() > deadline:
+            failed = bad[0] if bad else -1
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.wait()
+    if failed is None:
+        failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+    if failed is None:
+        return
+    if failed < 0:
+        raise GptOssFp8Error(f"{what} (tp {world}) timed out after {timeout_s:.0f} s")
+    err = errs[failed].read_text().strip().splitlines()
+    last = err[-1] if err else f"exit code {procs[failed].returncode}"
+    if "GptOssFp8Error:" in last:
+        raise GptOssFp8Error(last.split("GptOssFp8Error:", 1)[1].strip())
+    raise RuntimeError(f"rank {failed} of the {what} failed:\n" + "\n".join(err[-30:]))

@@ -29,6 +29,7 @@ import functools
 import math
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from gptoss_fp8.config import GptOssConfig, preset_config
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.gptoss import GptOss
-from gptoss_fp8.parallel import SINGLE
+from gptoss_fp8.parallel import SINGLE, Parallel
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
 GPU_HOUR_USD = 3.0
@@ -74,12 +75,17 @@ def _fill_fp8(t: torch.Tensor, gen: torch.Generator, chunk: int = 1 << 27) -> No
 
 
 @torch.no_grad()
-def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: int = 0) -> GptOss:
-    """A GptOss (tp=1) with random weights at cfg's shapes, built on ``device`` (FP8 attention)."""
-    model = GptOss(cfg, SINGLE, attn_fp8=True)
+def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: int = 0, par: Parallel = SINGLE) -> GptOss:
+    """A GptOss (rank ``par`` of its layout) with random weights at cfg's shapes, built on ``device``
+    (FP8 attention). Each tensor has its own generator, seeded by (seed, name, and the rank for a
+    shard): tensors every rank holds whole (embedding, norms, router, lm_head) are the same on every
+    rank, as in a real layout; shards differ."""
+    model = GptOss(cfg, par, attn_fp8=True)
     expected = model.expected()
-    gen = torch.Generator(device=device).manual_seed(seed)
+    whole = expected if par.world == 1 else GptOss(cfg, SINGLE, attn_fp8=True).expected()
     for name, (shape, dtype) in expected.items():
+        shard = par.rank + 1 if whole.get(name, (None,))[0] != shape else 0
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * shard)
         if dtype == FP8_DTYPE:
             t = torch.empty(shape, dtype=dtype, device=device)
             _fill_fp8(t, gen)
@@ -141,18 +147,24 @@ class GraphedPrefill:
 
 
 class TimedOps:
-    """Delegates to ``ops``, recording CUDA events around each call by part."""
+    """Delegates to ``ops``, timing each call by part: CUDA events on a GPU (no host sync per
+    call), the host clock on CPU (the ops there are synchronous)."""
 
-    def __init__(self, ops, num_experts: int):
-        self.ops, self.num_experts = ops, num_experts
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    def __init__(self, ops, num_experts: int, cuda: bool = True):
+        self.ops, self.num_experts, self.cuda = ops, num_experts, cuda
+        self.events: list[tuple[str, object, object]] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
     def _timed(self, part, fn, *a, **kw):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+        s = self._now()
         out = fn(*a, **kw)
-        e.record()
-        self.events.append((part, s, e))
+        self.events.append((part, s, self._now()))
         return out
 
     # ops method -> breakdown part (``linear`` is split by its weight below); anything else the
@@ -172,10 +184,17 @@ class TimedOps:
         part = "moe" if (w.dtype != FP8_DTYPE and w.shape[0] == self.num_experts) else "dense"
         return self._timed(part, self.ops.linear, x, w, scale_inv, bias, out_dtype, xq=xq)
 
+    def all_reduce(self, t, par):
+        """Timed as "allreduce" on a sharded model (an identity on one rank: not a part)."""
+        if par.world == 1:
+            return self.ops.all_reduce(t, par)
+        return self._timed("allreduce", self.ops.all_reduce, t, par)
+
     def seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for part, s, e in self.events:
-            out[part] = out.get(part, 0.0) + s.elapsed_time(e) / 1e3
+            dt = s.elapsed_time(e) / 1e3 if self.cuda else e - s
+            out[part] = out.get(part, 0.0) + dt
         return out
 
 
@@ -395,5 +414,5 @@ def format_row(r: dict) -> str:
         f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%"
         + (f", {r['parts_tflops'][p]:.0f} TFLOP/s, floor {r['parts_floor_s'][p] * 1e3:.2f} ms" if p in r["parts_tflops"] else "")
         + ")"
-        for p in ("attention", "moe", "dense", "norm", "other"))
+        for p in ("attention", "moe", "dense", "norm", "allreduce", "other") if p != "allreduce" or p in r["parts_s"])
     return head + "\n  breakdown (one run with events, " + f"{tot * 1e3:.2f} ms): " + parts

@@ -1,0 +1,222 @@
+"""``gptoss-fp8 bench prefill --tp T --ep E``: batch-1 prefill latency of the sharded model (issue 25).
+
+One process per rank, each on its own GPU, all-reducing over NCCL (gloo on CPU, or when ranks share
+a GPU: the mechanics run, the figures then mean nothing and the row says so). Started for the user
+(``launch_ranks``: RANK / WORLD_SIZE set as torchrun does), or under ``torchrun --nproc-per-node T``
+(each rank runs its part, rank 0 prints).
+
+Latency is the one-GPU definition: prompt in, last-position logits out on rank 0. Every run starts
+behind a barrier (all ranks hold the same token ids, broadcast from rank 0), and the figure is rank
+0's time to its logits; the slowest rank's time is reported beside it. Weights: random per rank at
+the real shapes of the rank's shard (``random_model(par=...)``: replicated tensors equal on every
+rank), or a converted checkpoint's tp/ep layout. The breakdown (one extra run, rank 0's events)
+adds the all-reduces as their own part. $ per 1M input tokens counts all T GPUs at $3 per GPU-hour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gptoss_fp8.config import preset_config
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.parallel import Parallel, backend_for, check_layout, device_for, launch_ranks, under_torchrun
+
+# The seed's batch-1 prefill on one node (issue 25), seconds, by (tp, ep) and prompt length.
+SEED_SHARDED_S = {
+    "20b": {(2, 2): {8192: 0.127, 128000: 8.143}, (4, 4): {8192: 0.108, 128000: 4.766},
+            (8, 8): {8192: 0.116, 128000: 3.365}},
+    "120b": {(2, 2): {8192: 0.190, 128000: 12.116}, (4, 4): {8192: 0.165, 128000: 7.165},
+             (8, 8): {8192: 0.179, 128000: 5.119}},
+}
+TARGET_VS_SEED = 1.5  # issue 25: at least 1.5x faster than the seed's row
+
+
+def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: int | None = None, runs: int = 5,
+                  warmup: int = 2, moe_chunk: int = 32768, seed: int = 0, echo=print, checkpoint: Path | None = None,
+                  device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0) -> list[dict]:
+    """One row per prompt length (rank 0's). Under torchrun this process is one rank (the other
+    ranks get ``[]``); otherwise ``tp`` rank processes are started and their rows returned."""
+    if checkpoint is None:
+        check_layout(preset_config(preset, layers), tp, ep)
+    job = {"preset": preset, "tokens": token_list, "tp": tp, "ep": ep, "layers": layers, "runs": runs,
+           "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
+           "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
+           "kernel_config": None if kernel_config is None else _config_dict(kernel_config)}
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != tp:
+            raise GptOssFp8Error(f"--tp {tp} under torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']}; "
+                                 "give --nproc-per-node equal to --tp")
+        rows = run_rank(job, echo=echo)
+        return rows or []
+    with tempfile.TemporaryDirectory(prefix="gptoss-fp8-bench-") as tmp:
+        job["result"] = str(Path(tmp) / "rows.json")
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps(job))
+        launch_ranks("gptoss_fp8.bench.prefill_sharded", path, tp, "sharded prefill bench", timeout_s)
+        rows = json.loads(Path(job["result"]).read_text())
+    for r in rows:
+        echo(format_sharded_row(r))
+    return rows
+
+
+def _config_dict(cfg) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+def _config_from(d: dict | None):
+    if d is None:
+        return None
+    from gptoss_fp8.kernels import config as kc
+
+    tiles = {"dense_gluon_tile": kc.GluonTile, "moe_gluon_gate_up": kc.GluonTile,
+             "attention_gluon_tile": kc.GluonAttentionTile, "decode": kc.DecodeTile, "decode_one_wave": kc.DecodeTile}
+    fields = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            cls = tiles.get(k) or kc.PrefillTile
+            v = cls(**v)
+        fields[k] = v
+    return kc.KernelConfig(**fields)
+
+
+def _ops(dev: str, kernel_config):
+    if dev.startswith("cuda"):
+        from gptoss_fp8.model.triton_ops import TritonOps
+
+        return TritonOps(config=_config_from(kernel_config))
+    from gptoss_fp8.model.ops import W8A8CpuOps  # CPU: the mechanics on the w8a8 spec (tests)
+
+    return W8A8CpuOps()
+
+
+def run_rank(job: dict, echo=print) -> list[dict] | None:
+    """This rank's part of the bench (process group from RANK / WORLD_SIZE / MASTER_*): rank 0's rows."""
+    import torch.distributed as dist
+
+    from gptoss_fp8.bench.prefill import (
+        SEED_S,
+        TimedOps,
+        matching_preset,
+        part_flops,
+        prefill_logits,
+        random_model,
+        usd_per_million_tokens,
+    )
+
+    rank, tp, ep = int(os.environ["RANK"]), int(job["tp"]), int(job["ep"])
+    dev = device_for(job["device"], int(os.environ.get("LOCAL_RANK", rank)))
+    cuda = dev.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    dist.init_process_group(backend_for(dev, tp), init_method="env://", rank=rank, world_size=tp)
+    try:
+        collective = dist.get_backend()
+        shared_gpu = cuda and torch.cuda.device_count() < tp
+        par = Parallel(rank=rank, tp=tp, ep=ep)
+        t0 = time.perf_counter()
+        if job["checkpoint"]:
+            from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+            from gptoss_fp8.model.load import load_model
+
+            if job["layers"] is not None:
+                raise GptOssFp8Error("--layers builds random weights at a preset's shapes; "
+                                     "with --checkpoint the whole model runs")
+            ckpt = Checkpoint.open(job["checkpoint"])
+            ckpt.resolve_layout(tp, ep)
+            model = load_model(ckpt, par, dev)
+            cfg = model.cfg
+            preset = matching_preset(cfg) or Path(job["checkpoint"]).name
+        else:
+            preset = job["preset"]
+            cfg = preset_config(preset, job["layers"])
+            model = random_model(cfg, dev, job["seed"], par)
+        full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
+        ops = _ops(dev, job["kernel_config"])
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        dist.barrier()
+        if rank == 0:
+            mem = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+            note = ", ranks share a GPU: figures not meaningful" if shared_gpu else ""
+            echo(f"# {preset} tp {tp} ep {ep} ({collective}{note}): "
+                 f"{cfg.num_hidden_layers} of {full_layers} layers in {time.perf_counter() - t0:.1f} s, "
+                 f"{mem:.1f} GiB resident per rank")
+        rows = []
+        for n in job["tokens"]:
+            tokens = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(job["seed"] + n))
+            tokens = tokens.to(dev)
+            dist.broadcast(tokens, 0)  # the same prompt on every rank (already equal: made explicit)
+
+            def once(o=ops, tokens=tokens) -> float:
+                sync()
+                dist.barrier()
+                s = time.perf_counter()
+                prefill_logits(model, tokens, o, job["moe_chunk"])
+                sync()
+                return time.perf_counter() - s
+
+            for _ in range(max(job["warmup"], 1)):
+                once()
+            times = [once() for _ in range(job["runs"])]
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # gloo and NCCL both reduce float64
+            timed = TimedOps(ops, cfg.num_local_experts, cuda=cuda)  # the router: all experts
+            total = once(timed)
+            parts = timed.seconds()
+            parts["other"] = max(total - sum(parts.values()), 0.0)
+            lat = statistics.median(times)
+            est = lat * full_layers / cfg.num_hidden_layers
+            seed_s = SEED_SHARDED_S.get(preset, {}).get((tp, ep), {}).get(n)
+            flops = part_flops(cfg, n)
+            rows.append({
+                "model": preset, "tokens": n, "tp": tp, "ep": ep, "gpus": tp, "collective": collective,
+                "shared_gpu": shared_gpu, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "layers": cfg.num_hidden_layers, "full_layers": full_layers,
+                "latency_s": lat, "runs_s": times, "slowest_rank_median_s": statistics.median(slowest.tolist()),
+                "est_full_s": est, "usd_per_1m_tokens": usd_per_million_tokens(est, n) * tp,
+                "seed_s": seed_s, "vs_seed": seed_s / est if seed_s else None,
+                "target_s": seed_s / TARGET_VS_SEED if seed_s else None,
+                "one_gpu_seed_s": SEED_S.get(preset, {}).get(n),
+                "parts_s": parts, "parts_total_s": total, "flops": flops,
+                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            })
+        if rank == 0 and job.get("result"):
+            Path(job["result"]).write_text(json.dumps(rows, indent=1))
+        dist.barrier()
+        return rows if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def format_sharded_row(r: dict) -> str:
+    def f(v, fmt="{:.3f}"):
+        return "-" if v is None else fmt.format(v)
+
+    full = r["layers"] == r["full_layers"]
+    head = (f"{r['model']} | tp {r['tp']} ep {r['ep']} ({r['collective']}) | {r['tokens']} tok | "
+            f"layers {r['layers']}/{r['full_layers']} | latency {r['latency_s']:.4f} s (slowest rank "
+            f"{r['slowest_rank_median_s']:.4f})" + ("" if full else f" | full-model est {r['est_full_s']:.4f} s")
+            + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok on {r['gpus']} GPUs | seed {f(r['seed_s'])} s "
+            f"(x{f(r['vs_seed'], '{:.2f}')}; target {f(r['target_s'])} s)"
+            + (" | RANKS SHARE ONE GPU: not a measurement" if r["shared_gpu"] else ""))
+    tot = r["parts_total_s"]
+    parts = " | ".join(f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%)"
+                       for p in ("attention", "moe", "dense", "norm", "allreduce", "other"))
+    return head + f"\n  breakdown, rank 0 ({tot * 1e3:.2f} ms): " + parts
+
+
+if __name__ == "__main__":  # a rank started by bench_sharded
+    import sys
+
+    run_rank(json.loads(Path(sys.argv[1]).read_text()))
