@@ -9,7 +9,10 @@
 #   verify   verify-logits --device cuda on a tiny checkpoint and on a synthetic 20b cut to 2 layers
 #            (synth, convert, verify; wall time and reports)
 #   convert  convert --device cuda on a synthetic 20b cut to 8 layers, beside the disk's bandwidth
-#   peers    DeepGEMM side by side with our MoE FFN and dense GEMM (needs .peers/ carried into the call)
+#   peers    DeepGEMM side by side with our MoE FFN and dense GEMM (needs .peers/ carried into the call):
+#            its example, deepgemm_peer.py, the deep_gemm backend's GPU tests, bench kernels --only gemm
+#            with deep_gemm importable, and verify-logits --mode kernels --gemm deep_gemm on a tiny
+#            checkpoint and a synthetic 20b cut to 2 layers
 # The device machine has no network: OpenAI's reference (for the tests and verify that run it) comes
 # from .whl/gpt_oss (the installed package copied there, git-ignored, carried with the call), and
 # DeepGEMM from .peers/ (carried too).
@@ -72,8 +75,45 @@ if has peers; then
       source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz \
         && python3 .peers/deepgemm_example.py 2>&1 | tee "$OUT/peers_deepgemm_example.log" \
         && python3 benchmarks/deepgemm_peer.py --json "$OUT/peers_deepgemm.json" 2>&1 | tee "$OUT/peers_deepgemm.log"
+      # the deep_gemm backend (kernels/deepgemm.py): its GPU tests, the gemm suite with its rows, verify
+      python3 -m pytest -q -s -m gpu tests/test_deepgemm.py 2>&1 | tee "$OUT/peers_tests_deepgemm.log"
+      m bench kernels --only gemm --gemm deep_gemm --tokens 1024,8192,32768 \
+        --json "$OUT/peers_bench_gemm.json" 2>&1 | tee "$OUT/peers_bench_gemm.log"
+      for spec in "tiny tiny 64" "20b-2l 20b 128"; do
+        set -- $spec
+        name=$1 preset=$2 n=$3 src=/tmp/peers_$1_src dst=/tmp/peers_$1_fp8
+        layers=(); [[ $preset == 20b ]] && layers=(--layers 2)
+        m synth "$src" --preset "$preset" "${layers[@]}" --overwrite >/dev/null \
+          && m convert "$src" "$dst" --device cuda --overwrite >/dev/null \
+          && python3 -c "import json, sys, torch; v = json.load(open(sys.argv[1] + '/config.json'))['vocab_size']
+json.dump(torch.randint(0, v, (int(sys.argv[2]),), generator=torch.Generator().manual_seed(0)).tolist(), open(sys.argv[3], 'w'))" \
+            "$src" "$n" "/tmp/peers_${name}_tokens.json" \
+          && m verify-logits "$dst" --reference "$src" --tokens "/tmp/peers_${name}_tokens.json" --device cuda \
+            --mode kernels --gemm deep_gemm --json "$OUT/peers_verify_deepgemm_${name}.json" 2>&1 \
+            | tee "$OUT/peers_verify_deepgemm_${name}.log"
+      done
     )
   else
     echo "peers: .peers/deepgemm_setup.sh not found (carry .peers into the call)" | tee "$OUT/peers_deepgemm.log"
   fi
 fi
+
+if has decode; then
+  m bench decode --model 20b --batch 1,8,32,64,128 --context 8192,32768 \
+    --json "$OUT/decode_20b.json" 2>&1 | tee "$OUT/decode_20b.log"
+  m bench decode --model 120b --batch 1,8,32,64 --context 8192,32768 \
+    --json "$OUT/decode_120b.json" 2>&1 | tee "$OUT/decode_120b.log"
+fi
+
+if has sweep; then
+  (
+    if [[ -f .peers/deepgemm_setup.sh ]]; then source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz; fi
+    python3 benchmarks/gemm_sweep.py --json "$OUT/gemm_sweep.json" 2>&1 | tee "$OUT/gemm_sweep.log"
+  )
+fi
+
+if has sharded; then
+  m bench prefill --model 20b --layers 2 --tokens 8192 --tp 2 --ep 2 --runs 3 \
+    --json "$OUT/prefill_sharded.json" 2>&1 | tee "$OUT/prefill_sharded.log"
+fi
+

@@ -63,3 +63,19 @@ def hook(target: str, name: str):
 for _t in TARGET_MODES:
     for _n in MUTATIONS:
         globals()[f"{_t}__{_n}"] = hook(_t, _n)
+
+
+def weights__ffn_scaled(mode, ops):
+    """The weights mode's expert FFN output scaled by 1 + 5e-3 (a bug below the old 0.01 exact bound)."""
+    if mode != "weights":
+        return ops
+    base = type(ops)
+
+    class Scaled(base):
+        def expert_ffn(self, *a, **kw):
+            y, b = base.expert_ffn(self, *a, **kw)
+            return y * (1 + 5e-3), b
+
+    m = Scaled.__new__(Scaled)
+    m.__dict__.update(ops.__dict__)
+    return m

@@ -47,3 +47,13 @@ def test_seed_rows_and_bad_layouts():
         bench_sharded("tiny", [16], 3, 1, device="cpu")
     with pytest.raises(GptOssFp8Error, match="ep must divide tp"):
         bench_sharded("tiny", [16], 2, 4, device="cpu")
+
+
+@pytest.mark.gpu
+def test_sharded_bench_on_the_gpu_kernels():
+    """Two ranks on the triton kernels (NCCL with a GPU each; gloo through host memory when they share one)."""
+    rows = bench_sharded("tiny", [64], 2, 2, runs=2, warmup=1, device="cuda", echo=lambda s: None)
+    (r,) = rows
+    assert r["shared_gpu"] == (torch.cuda.device_count() < 2)
+    assert r["collective"] == ("gloo" if r["shared_gpu"] else "nccl")
+    assert r["latency_s"] > 0 and r["parts_s"]["allreduce"] > 0 and r["parts_s"]["moe"] > 0

@@ -56,6 +56,18 @@ def test_correct_code_passes_with_parts(golden_ckpts, case):
         assert report[m]["teacher_forced"]["passed"] and report[m]["teacher_forced"]["parts"]
 
 
+def test_exact_on_cpu_catches_a_small_scaling(golden_ckpts):
+    """Weights mode with both models on the CPU is bit-identical: its bound (exact-cpu, 2e-3)
+    catches the expert FFN scaled by 1 + 5e-3 at layer 0's MoE, which the 0.01 bound let through."""
+    ckpt, ref_file = golden_ckpts("tiny", "exact")
+    report = _verify(ckpt, ref_file, ["weights"], "mutations:weights__ffn_scaled")
+    tf = report["weights"]["teacher_forced"]
+    assert not report["passed"] and tf["limits_profile"] == "exact-cpu", tf
+    assert tf["first_failing"] == {"layer": 0, "part": "mlp"}, tf["failures"]
+    clean = _verify(ckpt, ref_file, ["weights"], None)["weights"]["teacher_forced"]
+    assert clean["passed"], clean["failures"]
+
+
 @pytest.mark.parametrize("case", ["tiny", "odd"])
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_bug_in_the_spec_fails(golden_ckpts, case, mutation):

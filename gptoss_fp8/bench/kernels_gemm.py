@@ -1,14 +1,21 @@
 """``gptoss-fp8 bench kernels --only gemm``: FP8 block GEMM + bias and the fused FP8 MoE FFN.
 
 Peers, measured in the same run on the same inputs (median of ``triton.testing.do_bench``):
-- dense: torch blockwise ``torch._scaled_mm`` (x scales 1x128 [M, K/128] column-major, weight
-  scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 128 only if torch refuses
-  the unpadded call), followed by an in-place bias add. Ours includes the bias in the kernel; both
-  start from already-quantized activations.
+- dense: cuBLAS blockwise ``torch._scaled_mm`` without bias (x scales 1x128 [M, K/128]
+  column-major, weight scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 128
+  only if torch refuses the unpadded call): an unfused ``out += bias`` would understate it by
+  ~25%. Ours includes the bias in the kernel; both start from already-quantized activations.
 - MoE FFN (route + sort + both grouped GEMMs + SwiGLU + weighted combine, everything from bf16 x
   to bf16 out): ours (FP8, activation quantization included) against the same FFN in bf16 with
   ``torch._grouped_mm``.
-FLOPs: dense 2*M*N*K; MoE 2*T*top_k*(H*2I + I*H) (router and elementwise work not counted).
+- DeepGEMM, when ``deep_gemm`` is importable (kernels/deepgemm.py; BENCHMARKS.md "How to run the
+  peers"): its dense GEMM (no bias, K-padded operands prepared beforehand) beside ours; its two
+  grouped GEMMs alone (gate_up + down, no bias, no SwiGLU, rows already grouped) beside our whole
+  expert FFN ``moe_experts`` (quantization, alignment, both GEMMs with bias and SwiGLU, combine);
+  and our ``deep_gemm`` backend (the same calls with our glue: activation re-layout, bias, SwiGLU,
+  quantization, scatter, combine) beside DeepGEMM alone: rows "[deep_gemm backend]".
+FLOPs: dense 2*M*N*K; MoE 2*T*top_k*(H*2I + I*H) (router and elementwise work not counted; the
+real, unpadded K for DeepGEMM too).
 
 ``python -m gptoss_fp8.bench.kernels_gemm --sweep`` times tile configurations (used to pick the
 defaults of KernelConfig.dense_tile and KernelConfig.moe_plan, kernels/config.py).
@@ -79,8 +86,8 @@ def _scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale):
     return lambda: torch._scaled_mm(x_fp8, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
 
 
-def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias):
-    """(callable peer GEMM + bias add, note) trying unpadded K first, then K padded to 128."""
+def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias=None):
+    """(callable peer GEMM (+ bias add when given), note) trying unpadded K first, then K padded to 128."""
     try:
         mm = _scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale)
         mm()
@@ -96,7 +103,8 @@ def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias):
 
     def peer():
         y = mm()
-        y += bias
+        if bias is not None:
+            y += bias
         return y
 
     return peer, note
@@ -109,7 +117,7 @@ def _dense_weights(n: int, k: int, g: torch.Generator, bias_std: float = 1.0):
     return w_fp8, w_scale, bias
 
 
-def bench_dense(tokens: list[int]) -> list[dict]:
+def bench_dense(tokens: list[int], with_deepgemm: bool = False) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in DENSE_SHAPES:
@@ -120,18 +128,36 @@ def bench_dense(tokens: list[int]) -> list[dict]:
             ours = lambda a=(x_fp8, x_scale, w_fp8, w_scale, bias): fp8_gemm(*a)  # noqa: E731
             ms = _ms(ours)
             try:
-                peer, note = _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias)
+                peer, note = _dense_peer(x_fp8, x_scale, w_fp8, w_scale)
                 peer_ms = _ms(peer)
             except RuntimeError as err:  # the peer's failure is a result to print, not a crash
                 note, peer_ms = f" (failed: {str(err).splitlines()[0][:80]})", float("nan")
-            row = _row(f"dense+bias {name} M={m}", flops, ms, "_scaled_mm blockwise + bias" + note, peer_ms)
+            row = _row(f"dense+bias {name} M={m}", flops, ms, "cuBLAS _scaled_mm blockwise, no bias" + note, peer_ms)
             # device time alone (CUDA-graph replay): below ~4096 rows a plain call is host-bound
             row["graph_ms"] = _ms_graph(ours)
             row["peer_graph_ms"] = _ms_graph(peer) if math.isfinite(peer_ms) else float("nan")
             row["graph_ratio"] = row["peer_graph_ms"] / row["graph_ms"]
             rows.append(row)
+            if with_deepgemm:
+                rows += _dense_deepgemm_rows(f"dense+bias {name} M={m}", flops, ms, x_fp8, x_scale, w_fp8, w_scale, bias)
             del x_fp8, x_scale
     return rows
+
+
+def _dense_deepgemm_rows(case, flops, ours_ms, x_fp8, x_scale, w_fp8, w_scale, bias) -> list[dict]:
+    """DeepGEMM's dense GEMM alone (operands K-padded and scales laid out beforehand, no bias) beside
+    ours, and our deep_gemm backend (``deepgemm.linear`` from the same unpadded quantization, as the
+    model hands it the norm's: re-layout + GEMM + bias) beside DeepGEMM alone."""
+    from gptoss_fp8.kernels import deepgemm
+
+    xa, xs = deepgemm.padded_quant(None, (x_fp8, x_scale))
+    wp, sp = deepgemm.prepared_weight(w_fp8, w_scale)
+    out = torch.empty((x_fp8.shape[0], w_fp8.shape[0]), dtype=torch.bfloat16, device=x_fp8.device)
+    dense = getattr(deepgemm.require(), deepgemm.DENSE_API)
+    dg_ms = _ms(lambda: dense((xa, xs), (wp, sp), out))
+    backend_ms = _ms(lambda: deepgemm.linear(None, w_fp8, w_scale, bias, xq=(x_fp8, x_scale)))
+    return [_row(case, flops, ours_ms, "DeepGEMM gemm_fp8_fp8_bf16_nt, no bias", dg_ms),
+            _row(case + " [deep_gemm backend]", flops, backend_ms, "DeepGEMM gemm_fp8_fp8_bf16_nt, no bias", dg_ms)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,7 +212,7 @@ def moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, top_k: int) -> torch.Tensor
     return out.to(x.dtype)
 
 
-def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]:
+def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS, with_deepgemm: bool = False) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for e in experts:
@@ -205,9 +231,52 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]
             except RuntimeError as err:
                 peer_ms, note = float("nan"), f" (failed: {str(err).splitlines()[0][:80]})"
             rows.append(_row(f"moe ffn E={e} top{TOP_K} T={t}", flops, ms, "bf16 _grouped_mm ffn" + note, peer_ms))
+            if with_deepgemm:
+                rows += _moe_deepgemm_rows(e, t, flops, x, wr, br, (w13_fp8, s13, b13, w2_fp8, s2, b2))
         del w13, w2, w13_fp8, w2_fp8
+        if with_deepgemm:
+            from gptoss_fp8.kernels import deepgemm
+
+            deepgemm.clear_cache()  # the K-padded expert copies
         torch.cuda.empty_cache()
     return rows
+
+
+def _moe_deepgemm_rows(e, t, flops, x, wr, br, experts) -> list[dict]:
+    """DeepGEMM's two grouped GEMMs alone (rows grouped and padded to 128, A and the intermediate
+    prepared beforehand from the same routing, no bias) beside our whole expert FFN after routing
+    (``moe_experts``), and our deep_gemm backend's expert FFN + combine beside the same two GEMMs."""
+    from gptoss_fp8.kernels import deepgemm
+    from gptoss_fp8.kernels.moe import moe_combine
+    from gptoss_fp8.kernels.swiglu_quant import swiglu_quant
+
+    w13, s13, b13, w2, s2, b2 = experts
+    weights, ids = route(x, wr, br, TOP_K)
+    ours_ms = _ms(lambda: moe_experts(x, weights, ids, *experts))
+    slots, block_expert = moe_align(ids, 0, e, deepgemm.ALIGN_M)
+    a, a_s, m_indices = deepgemm.gather_rows(*act_quant(x), slots, block_expert, TOP_K, e)
+    w13p, s13p = deepgemm.prepared_weight(w13, s13)
+    w2p, s2p = deepgemm.prepared_weight(w2, s2)
+    grouped = getattr(deepgemm.require(), deepgemm.GROUPED_API)
+    gu_out = torch.empty((a.shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
+    gu_ms = _ms(lambda: grouped((a, a_s), (w13p, s13p), gu_out, m_indices))
+    act, act_s = swiglu_quant(gu_out, b13, m_indices)
+    dn_out = torch.empty((a.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=x.device)
+    dn_ms = _ms(lambda: grouped((act, act_s), (w2p, s2p), dn_out, m_indices))
+
+    def backend():
+        y = deepgemm.expert_slots(x, ids, *experts)
+        return moe_combine(y, weights, ids, 0, e)
+
+    backend_ms = _ms(backend)
+    real = t * TOP_K
+    extra = dict(deepgemm_gate_up_ms=gu_ms, deepgemm_down_ms=dn_ms,
+                 deepgemm_gate_up_tflops=_tflops(2.0 * real * 2 * INTER * HIDDEN, gu_ms),
+                 deepgemm_down_tflops=_tflops(2.0 * real * HIDDEN * INTER, dn_ms))
+    peer = "DeepGEMM grouped gate_up + down alone, no bias"
+    case = f"moe experts E={e} top{TOP_K} T={t}"
+    return [_row(case, flops, ours_ms, peer, gu_ms + dn_ms) | extra,
+            _row(case + " [deep_gemm backend]", flops, backend_ms, peer, gu_ms + dn_ms) | extra]
 
 
 def bench_router(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[dict]:
@@ -235,11 +304,19 @@ def bench_router(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[di
     return rows
 
 
-def bench(tokens: list[int]) -> list[dict]:
+def bench(tokens: list[int], gemm: str = "ours") -> list[dict]:
     """Rows {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (peer_ms / ms; > 1: ours faster)};
     dense and router rows also graph_ms, peer_graph_ms and graph_ratio (CUDA-graph replay: device
-    time only)."""
-    return bench_dense(tokens) + bench_moe(tokens) + bench_router(tokens)
+    time only). DeepGEMM rows when deep_gemm is importable; ``gemm="deep_gemm"``: they are required
+    (GptOssFp8Error, one line, when it is not importable)."""
+    from gptoss_fp8.kernels import deepgemm
+
+    if gemm == "deep_gemm":
+        deepgemm.require()
+    with_dg = deepgemm.available()
+    if not with_dg:
+        print(f"# DeepGEMM rows skipped: deep_gemm is not importable ({deepgemm._load()[1]})")
+    return (bench_dense(tokens, with_dg) + bench_moe(tokens, with_deepgemm=with_dg) + bench_router(tokens))
 
 
 # ------------------------------------------------------------------------------------------------

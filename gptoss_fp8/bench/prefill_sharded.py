@@ -48,7 +48,8 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
     job = {"preset": preset, "tokens": token_list, "tp": tp, "ep": ep, "layers": layers, "runs": runs,
            "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
            "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
-           "kernel_config": None if kernel_config is None else _config_dict(kernel_config)}
+           # the ranks build TritonOps' default config; of a given one, its GEMM library is passed on
+           "gemm": None if kernel_config is None else kernel_config.gemm}
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != tp:
             raise GptOssFp8Error(f"--tp {tp} under torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']}; "
@@ -66,33 +67,13 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
     return rows
 
 
-def _config_dict(cfg) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cfg)
-
-
-def _config_from(d: dict | None):
-    if d is None:
-        return None
-    from gptoss_fp8.kernels import config as kc
-
-    tiles = {"dense_gluon_tile": kc.GluonTile, "moe_gluon_gate_up": kc.GluonTile,
-             "attention_gluon_tile": kc.GluonAttentionTile, "decode": kc.DecodeTile, "decode_one_wave": kc.DecodeTile}
-    fields = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            cls = tiles.get(k) or kc.PrefillTile
-            v = cls(**v)
-        fields[k] = v
-    return kc.KernelConfig(**fields)
-
-
-def _ops(dev: str, kernel_config):
+def _ops(dev: str, gemm: str | None):
     if dev.startswith("cuda"):
-        from gptoss_fp8.model.triton_ops import TritonOps
+        from dataclasses import replace
 
-        return TritonOps(config=_config_from(kernel_config))
+        from gptoss_fp8.model.triton_ops import TritonOps, default_config
+
+        return TritonOps(config=None if gemm is None else replace(default_config(), gemm=gemm))
     from gptoss_fp8.model.ops import W8A8CpuOps  # CPU: the mechanics on the w8a8 spec (tests)
 
     return W8A8CpuOps()
@@ -142,7 +123,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
-        ops = _ops(dev, job["kernel_config"])
+        ops = _ops(dev, job["gemm"])
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         dist.barrier()

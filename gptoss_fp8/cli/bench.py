@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from gptoss_fp8.cli.common import OverwriteOutputs
+from gptoss_fp8.cli.verify_logits import Gemm, GemmOption
 from gptoss_fp8.errors import GptOssFp8Error
 
 app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)
@@ -22,6 +23,20 @@ def _lengths(tokens: str) -> list[int]:
     if not parts or not all(t.isdigit() and 0 < int(t) <= 1 << 24 for t in parts):
         raise GptOssFp8Error(f"--tokens {tokens!r}: give positive comma-separated token counts (at most {1 << 24})")
     return [int(t) for t in parts]
+
+
+def _kernel_config(gemm: Gemm):
+    """--gemm: None (TritonOps' default KernelConfig) for ours; for deep_gemm that default with
+    gemm="deep_gemm", after checking deep_gemm imports (one line if not)."""
+    if gemm is Gemm.ours:
+        return None
+    from dataclasses import replace
+
+    from gptoss_fp8.kernels import deepgemm
+    from gptoss_fp8.model.triton_ops import default_config
+
+    deepgemm.require()
+    return replace(default_config(), gemm=gemm.value)
 
 
 def _print_rows(rows: list[dict]) -> None:
@@ -43,9 +58,12 @@ def kernels(
     only: Annotated[str, typer.Option(
         help=f"Comma-separated suites out of {','.join(KERNEL_SUITES)}.")] = ",".join(KERNEL_SUITES),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    gemm: GemmOption = Gemm.ours,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
-    """Kernel throughput (TFLOP/s) beside peers measured in the same run (needs a CUDA GPU)."""
+    """Kernel throughput (TFLOP/s) beside peers measured in the same run (needs a CUDA GPU). The
+    gemm suite prints DeepGEMM and our deep_gemm backend beside our kernels whenever deep_gemm is
+    importable; --gemm deep_gemm makes that a requirement."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
     if json_out is not None:
@@ -57,7 +75,8 @@ def kernels(
     token_list = _lengths(tokens)
     from gptoss_fp8.kernels.config import kernel_paths
 
-    typer.echo(f"# {kernel_paths(torch.device('cuda'))}")
+    kernel_config = _kernel_config(gemm)
+    typer.echo(f"# {kernel_paths(torch.device('cuda'), kernel_config)}")
     rows: list[dict] = []
     for suite in [s.strip() for s in only.split(",") if s.strip()]:
         if suite not in KERNEL_SUITES:
@@ -66,7 +85,7 @@ def kernels(
             from gptoss_fp8.bench import kernels_gemm as mod
         else:
             from gptoss_fp8.bench import kernels_attention as mod
-        suite_rows = mod.bench(token_list)
+        suite_rows = mod.bench(token_list, gemm=gemm.value) if suite == "gemm" else mod.bench(token_list)
         for r in suite_rows:
             r.setdefault("suite", suite)
         _print_rows(suite_rows)
@@ -94,11 +113,18 @@ def prefill(
         help="Also time the same forward captured as a CUDA graph per length (no host launches; "
              "eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    gemm: GemmOption = Gemm.ours,
+    tp: Annotated[int, typer.Option(min=1, max=64, help=(
+        "Tensor-parallel ranks, one process per GPU (started here, or run under torchrun "
+        "--nproc-per-node TP); NCCL all-reduces."))] = 1,
+    ep: Annotated[int, typer.Option(min=1, max=64, help="Expert-parallel groups (must divide --tp).")] = 1,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
     at real shapes built on the GPU (or a converted checkpoint's); beside the seed's figures and
-    the floor, with a per-part breakdown and transformers' bf16 GptOss in the same run."""
+    the floor, with a per-part breakdown and transformers' bf16 GptOss in the same run. With --tp
+    the sharded model (bench/prefill_sharded.py): rank 0's latency, the all-reduces in the breakdown,
+    the seed's row for the same layout."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
     if json_out is not None:
@@ -110,11 +136,63 @@ def prefill(
     if model not in ("20b", "120b"):
         raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
     token_list = _lengths(tokens)
+    kernel_config = _kernel_config(gemm)
     from gptoss_fp8.bench.prefill import bench as run_prefill
 
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise GptOssFp8Error(f"--checkpoint {checkpoint}: no config.json; point at a converted checkpoint directory")
-    rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
-                       peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph)
+    if tp > 1 or ep > 1:
+        from gptoss_fp8.bench.prefill_sharded import bench_sharded
+
+        if cuda_graph:
+            raise GptOssFp8Error("--cuda-graph is not implemented for --tp > 1; leave it out")
+        if torch.cuda.device_count() < tp:
+            typer.echo(f"# {torch.cuda.device_count()} GPU(s) for {tp} ranks: ranks share a GPU over gloo "
+                       "(the mechanics run; the figures are not a measurement)")
+        rows = bench_sharded(model, token_list, tp, ep, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk,
+                             echo=typer.echo, checkpoint=checkpoint, kernel_config=kernel_config)
+    else:
+        rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
+                           peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,
+                           kernel_config=kernel_config)
+    if json_out is not None and rows:
+        write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
+
+
+@app.command("decode")
+def decode(
+    model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (sequences per step).")] = "1,8,32,64,128",
+    context: Annotated[str, typer.Option(help="Comma-separated cached tokens per sequence.")] = "8192,32768",
+    layers: Annotated[int | None, typer.Option(min=1, help="Build only the first N layers (floor likewise).")] = None,
+    runs: Annotated[int, typer.Option(min=1, help="Timed graph replays per case (median reported).")] = 20,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    overwrite_outputs: OverwriteOutputs = False,
+) -> None:
+    """Decode step latency per (batch, context) on our kernels as a replayed CUDA graph, random FP8
+    weights at real shapes and a synthetic bf16 KV cache: ms/step, tokens/s per user and total,
+    $ per 1M output tokens, the HBM floor and floor/ours, cache bytes (bench/decode.py)."""
+    from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
+
+    if json_out is not None:
+        check_output_path(json_out, overwrite=overwrite_outputs, option="--json")
+    if model not in ("20b", "120b"):
+        raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
+    batches, contexts = _counts("--batch", batch, 1 << 12), _counts("--context", context, 1 << 20)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GptOssFp8Error("bench decode needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    from gptoss_fp8.bench.decode import bench as run_decode
+
+    rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo)
     if json_out is not None:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
+
+
+def _counts(option: str, text: str, top: int) -> list[int]:
+    """``--batch "1,8"``: positive comma-separated integers up to ``top``."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts or not all(t.isdigit() and 0 < int(t) <= top for t in parts):
+        raise GptOssFp8Error(f"{option} {text!r}: give positive comma-separated integers (at most {top})")
+    return [int(t) for t in parts]

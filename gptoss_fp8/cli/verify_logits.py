@@ -27,6 +27,17 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class Gemm(str, enum.Enum):
+    ours = "ours"
+    deep_gemm = "deep_gemm"
+
+
+# --gemm: KernelConfig.gemm of the run's kernels (verify-logits, bench prefill, bench kernels)
+GemmOption = Annotated[Gemm, typer.Option(
+    help="The library of the kernels' dense and grouped FP8 GEMMs: ours, or deep_gemm (DeepGEMM, when "
+         "importable; bias, SwiGLU and quantization stay in our kernels).")]
+
+
 TOKENS_MAX_BYTES = 64 << 20  # a JSON list of ~10M token ids; more is not a tokens file
 
 
@@ -115,6 +126,11 @@ def verify_logits(
         help="Override: largest teacher-forced relative error of any part (attention, MoE, router).")] = None,
     allow_fallback: Annotated[bool, typer.Option(
         help="Let the kernels mode pass when some ops ran the torch spec instead of a kernel (experiments).")] = False,
+    gemm: GemmOption = Gemm.ours,
+    decode: Annotated[int, typer.Option(
+        min=0, metavar="N",
+        help="Also prefill all but the last N tokens and decode those one at a time through the KV cache; each "
+             "step must match the same mode's full forward at that position (logits and every layer).")] = 0,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Compare the FP8 checkpoint's logits with OpenAI's reference on the source; exit 1 on failure.
@@ -128,9 +144,11 @@ def verify_logits(
     from gptoss_fp8.checkpoint.outputs import atomic_output, check_output_path, write_atomic
     from gptoss_fp8.verify import report as verdict
     from gptoss_fp8.verify import run
+    from gptoss_fp8.verify.backends import check_gemm
 
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
+    check_gemm(gemm.value, modes)
     inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
     named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
     if dump_logits is not None:
@@ -160,13 +178,18 @@ def verify_logits(
         check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
     if ids is not None:
         ids = torch.tensor(ids, dtype=torch.long)
+        if decode:
+            from gptoss_fp8.verify.decode import check_decode_steps
+
+            check_decode_steps(decode, int(ids.numel()))
     overrides = {"kl_mean": max_kl_mean, "kl_max": max_kl, "top1_min": min_top1, "layer_rel_err": layer_rel_err,
                  "part_rel_err": max_part_err}
 
     if run.under_torchrun():
         report, outputs, ref = run.verify_under_torchrun(opened, reference, ids, modes=modes, ep=ep, device=device.value,
                                                          overrides=overrides, tokens_from=tokens_from,
-                                                         save_reference=save_reference, allow_fallback=allow_fallback)
+                                                         save_reference=save_reference, allow_fallback=allow_fallback,
+                                                         gemm=gemm.value, decode=decode)
         if outputs is None:  # ranks > 0: same exit status as rank 0, no output
             raise typer.Exit(0 if report["passed"] else 1)
     else:
@@ -178,7 +201,9 @@ def verify_logits(
             typer.echo(f"reference saved to {save_reference}")
         report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
                                                 overrides=overrides, tokens_from=tokens_from,
-                                                allow_fallback=allow_fallback)
+                                                allow_fallback=allow_fallback, gemm=gemm.value, decode=decode)
+    if gemm is not Gemm.ours:  # the report names the ops backend; this says which GEMMs it ran
+        typer.echo(f"kernels mode: dense and grouped FP8 GEMMs on {gemm.value} (--gemm)")
     for line in verdict.summary_lines(report):
         typer.echo(line)
     if json_report is not None:

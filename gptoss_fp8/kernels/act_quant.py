@@ -70,7 +70,7 @@ def quantize_group_rows(x, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr,
-    M, K, stride_xm, stride_qm, stride_sm,
+    M, K, K_OUT, stride_xm, stride_qm, stride_sm, stride_sg,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
 ):
@@ -82,37 +82,57 @@ def _act_quant_kernel(
     rows = offs_m.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     q, scale = quantize_group_rows(x, FP8_MAX_C, EPS)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=offs_m < M)
+    # columns K..K_OUT (a K-padded output) get the zeros loaded there
+    out_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K_OUT)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(s_ptr + rows * stride_sm + pid_g * stride_sg, scale, mask=offs_m < M)
 
 
-def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, group: int = ACT_GROUP, *, pad_k: bool = False,
+              col_major_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations per token in groups of 128 along the last dimension.
 
     x: [..., K] bf16 / fp16 / fp32, last dimension contiguous. Returns (x_fp8 float8_e4m3fn
     [..., K] contiguous, scale float32 [..., ceil(K/128)]), bit-identical to
     ``gptoss_fp8.quant.fp8.quantize_act`` in the interpreter; on the GPU up to the division
     rounding described above.
+
+    For DeepGEMM (kernels/deepgemm.py), x 2-D [M, K]: ``pad_k`` writes x_fp8 [M, round_up(K, 128)]
+    with zeros in columns K.. (same bits before them, same scales: the padding is in the last
+    group, whose amax it does not change); ``col_major_scale`` writes the scales [M, ceil(K/128)]
+    column-major with the column stride M rounded up to 4 (16-byte TMA alignment), the layout
+    DeepGEMM reads without a transposing copy (``scale_layout``).
     """
     assert group == ACT_GROUP, f"only groups of {ACT_GROUP} are supported, got {group}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x dtype {x.dtype}"
     assert x.shape[-1] > 0, f"empty last dimension in {tuple(x.shape)}"
+    assert not (pad_k or col_major_scale) or x.dim() == 2, f"pad_k / col_major_scale take 2-D x, got {tuple(x.shape)}"
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     g = cdiv(k, group)
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    k_out = g * group if pad_k else k
+    q = torch.empty((m, k_out), dtype=FP8_DTYPE, device=x.device)
+    s = scale_layout(m, g, x.device) if col_major_scale else torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m > 0:
         block_m = 16
         grid = (cdiv(m, block_m), g)
         _act_quant_kernel[grid](
-            x2, q, s, m, k, x2.stride(0), q.stride(0), s.stride(0),
+            x2, q, s, m, k, k_out, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
             BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
         )
+    if pad_k or col_major_scale:
+        return q, s
     return q.reshape(*lead, k), s.reshape(*lead, g)
+
+
+def scale_layout(m: int, g: int, device: torch.device | str) -> torch.Tensor:
+    """An empty float32 [m, g] scale tensor in DeepGEMM's activation-scale layout: column-major,
+    columns m rounded up to 4 apart (strides (1, round_up(m, 4)): TMA needs 16-byte aligned columns)."""
+    m_al = cdiv(max(m, 1), 4) * 4
+    return torch.empty((g, m_al), dtype=torch.float32, device=device).t()[:m]
 
 
 def act_quant_reference(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:

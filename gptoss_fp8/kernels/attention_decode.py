@@ -10,6 +10,15 @@ KV cache layout (contiguous per sequence, token-major, the layout prefill's k/v 
     out [B, NQ, Hq, D] bf16.
 Visibility as in prefill: key j is visible to a query at position i iff j <= i and i - window < j.
 
+Ring caches (``ring=True``, a sliding-window layer's cache of L_max = window rows, position p in
+row p % L_max): one new query per sequence (NQ = 1) sees every key the ring holds, rows
+0 .. min(kv_lens[b], L_max) - 1 (once the ring is full those are exactly positions
+kv_lens[b] - L_max .. kv_lens[b] - 1, all inside the window; before, positions 0 .. kv_lens[b] - 1
+in rows of the same index). The kernel runs as a full-causal call with kv_lens capped at L_max: the
+order of the keys in the ring is not position order, which the softmax does not care about (only
+the fp32 summation order differs). kv_lens stays the sequence length, so the caller passes the
+same kv_lens tensor to every layer (no per-layer min on the host or the device).
+
 The kernel packs the GROUP = Hq / Hkv query heads that share a KV head, for all NQ new tokens, into
 the rows of one tile (row r = t * GROUP + g), so each KV tile is read once per KV head, not once per
 query head. The tile's key range is split into num_splits chunks of whole BLOCK_N blocks, one program
@@ -85,7 +94,7 @@ def _attn_decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
-    qk_scale, window, chunk,
+    qk_scale, window, chunk, kv_cap,
     NQ, HQ, B,
     NUM_M: tl.constexpr,  # row tiles per KV head: cdiv(NQ * GROUP, BLOCK_M)
     GROUP: tl.constexpr,
@@ -103,7 +112,7 @@ def _attn_decode_kernel(
     b64 = pid_b.to(tl.int64)  # B * L_max * Hkv * D can pass 2^31
     kv_h = pid_hm // NUM_M
     pid_m = pid_hm % NUM_M
-    kv_len = tl.load(KvLens + pid_b)
+    kv_len = tl.minimum(tl.load(KvLens + pid_b), kv_cap)  # kv_cap: a ring's rows (else 2^30)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < NQ * GROUP
@@ -199,6 +208,8 @@ def _attn_merge_kernel(
 
 _NO_WINDOW = 1 << 30
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by a larger one stay alive: a CUDA graph captured earlier keeps their address.
+_RETIRED: list[torch.Tensor] = []
 
 
 def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int, config: KernelConfig | None = None) -> int | None:
@@ -221,6 +232,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters, one per row tile; the kernel resets each to 0 after use."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
@@ -240,6 +253,7 @@ def attention_decode(
     fused_merge: bool | None = None,
     merge_chunk: int | None = None,
     tile: DecodeTile | None = None,
+    ring: bool = False,
 ) -> torch.Tensor:
     """Attention with sinks of NQ new queries per sequence against a KV cache (layout: module doc).
 
@@ -255,6 +269,9 @@ def attention_decode(
     (BLOCK_N, warps, stages) instead of ``config.decode``.
     merge_chunk: splits the fused merge loads per step (a power of two); None: 2048 values per step.
     (All splits in one step, tried at batch 1 where the launch is one wave: no faster; notes.)
+    ring: the cache is a ring of L_max rows (module doc): NQ must be 1 and sliding_window 0 or
+    >= L_max (every held row is visible); kv_lens are the sequences' lengths, capped at L_max here.
+    No host synchronisation (graph-capturable): every launch parameter follows from shapes.
     Returns out [B, NQ, Hq, D] bf16.
     """
     assert q.dim() == 4, f"q {q.shape}: want [B, NQ, Hq, D]"
@@ -281,6 +298,10 @@ def attention_decode(
     BLOCK_M = block_m or min(64 if on_gpu else 32, max(16, next_pow2(rows)))
     num_m = cdiv(rows, BLOCK_M)
     window = sliding_window if 0 < sliding_window < L_max else _NO_WINDOW
+    if ring:
+        assert NQ == 1 and window == _NO_WINDOW, (
+            f"a ring cache takes one new query (got {NQ}) and a window >= its {L_max} rows (got {sliding_window})")
+    kv_cap = L_max if ring else _NO_WINDOW
     cfg = config or DEFAULT
     if on_gpu and tile is None and num_splits is None and fused_merge is None:
         splits = one_wave_splits(B * Hkv * num_m, L_max, window != _NO_WINDOW, sm_count(q.device), cfg)
@@ -321,7 +342,7 @@ def attention_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        sm_scale * LOG2E, window, chunk,
+        sm_scale * LOG2E, window, chunk, kv_cap,
         NQ, Hq, B,
         NUM_M=num_m, GROUP=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, UPCAST=not on_gpu,
@@ -346,11 +367,15 @@ def attention_decode_ref(
     sinks: torch.Tensor,
     sliding_window: int = 0,
     sm_scale: float | None = None,
+    ring: bool = False,
 ) -> torch.Tensor:
-    """``attention_decode``'s contract, sequence by sequence with ``spec.attention`` in fp32."""
+    """``attention_decode``'s contract, sequence by sequence with ``spec.attention`` in fp32 (a
+    ring: its min(n, L_max) held rows, all visible)."""
     B, NQ = q.shape[:2]
     out = torch.empty_like(q)
     for b, n in enumerate(kv_lens.tolist()):
+        if ring:
+            n, sliding_window = min(n, k_cache.shape[1]), 0
         out[b] = spec.attention(q[b], k_cache[b, :n], v_cache[b, :n], sinks, sm_scale, sliding_window,
                                 q_offset=n - NQ, dtype=torch.float32)
     return out

@@ -35,21 +35,42 @@ class TritonTile:
 
 @dataclass(frozen=True)
 class GluonTile:
-    """The warp-specialized Gluon GEMMs (fixed tiles of their own): ring depth and tile order."""
+    """The warp-specialized Gluon GEMMs: ring depth, tile order, and the tile.
+
+    block_m / block_n None: the kernel's base tile (dense 128 x 128, MoE gate_up 64 x 256). The wide
+    forms hold two 64 x 128 wgmma accumulators per consumer warpgroup, accumulated in the tensor
+    cores with per-block rescaling (``_gluon.block_scaled_mainloop_pair``): dense block_m=256
+    (256 x 128, DeepGEMM's tile for these shapes) or block_n=256 (128 x 256); gate_up block_m=128
+    (128 x 256 over 128-row expert segments). Not yet measured on the GPU: opt-in.
+    balance: the fewest persistent programs that keep the number of waves (DeepGEMM's num_min_sms).
+    inplace: the base kernels (dense 128 x 128, gate_up 64 x 256) with in-place accumulators instead
+    of the promotion loop, whose wgmmas ptxas serializes (its C7514: every wgmma waits for the
+    previous one); the wide forms always accumulate in place.
+    promote: "pipelined" (the shipped loops above) or "serial": any of the tiles, and the MoE's
+    Gluon down, with the promotion numerics (each 128-wide K block's product in a temporary,
+    scaled and added to a separate fp32 accumulator; the default's accuracy) and every block's
+    wgmmas waited for within their iteration, so ptxas does not serialize them
+    (``_gluon.block_scaled_mainloop_serial``; overrides inplace). Opt-in, not yet measured."""
 
     stages: int = 4
     group_m: int = 8
+    block_m: int | None = None
+    block_n: int | None = None
+    balance: bool = False
+    inplace: bool = False
+    promote: str = "pipelined"
 
 
 @dataclass(frozen=True)
 class MoePlan:
     """The fused MoE's launches: experts' row segments padded to ``align_m`` (each GEMM's BLOCK_M
     divides it); gate_up on the Triton kernel (A gathered by token) or the Gluon one (A
-    pre-gathered in sorted order by ``gather_act_quant``, ``align_m`` 64); down on Triton."""
+    pre-gathered in sorted order by ``gather_act_quant``, ``align_m`` 64, or 128 for its wide
+    form); down on Triton, or on Gluon with ``GluonTile(block_m=128)`` (128 x 256 tiles, align_m 128)."""
 
     align_m: int
     gate_up: TritonTile | GluonTile
-    down: TritonTile
+    down: TritonTile | GluonTile
     tma: bool = True  # weights (and down's A) through tensor descriptors
 
 
@@ -168,7 +189,8 @@ class KernelConfig:
         align = 64 if rows_per_expert >= 48 else 16
         down = TritonTile(align, 128, group_m=8, num_warps=4, num_stages=4)
         if gluon_ok and align == 64 and self.moe_gluon:
-            return MoePlan(64, self.moe_gluon_gate_up, down)
+            # the wide gate_up (block_m 128) pads the experts' segments to its 128 rows
+            return MoePlan(self.moe_gluon_gate_up.block_m or 64, self.moe_gluon_gate_up, down)
         gate_up = TritonTile(align, 256, group_m=8, num_warps=8 if align == 64 else 4, num_stages=4,
                              split_n=align != 64)
         return MoePlan(align, gate_up, down)
@@ -188,16 +210,20 @@ DEFAULT = KernelConfig()
 
 
 def kernel_paths(device: torch.device, config: KernelConfig | None = None) -> str:
-    """One line naming the kernels the ``triton`` ops backend runs on ``device`` with ``config``."""
+    """One line naming the kernels the ``triton`` ops backend runs on ``device`` with ``config``
+    (and the GEMM library when it is DeepGEMM)."""
     cfg = config or DEFAULT
+    gemm = "; dense and grouped FP8 GEMMs on DeepGEMM (kernels/deepgemm.py)" if cfg.gemm == "deep_gemm" else ""
     if device.type != "cuda":
-        return "kernels: Triton (interpreter on CPU)"
+        return "kernels: Triton (interpreter on CPU)" + gemm
     if not cfg.gluon_on(device):
         why = ("Gluon switched off (KernelConfig.gluon=False)" if not cfg.gluon
                else "no Gluon Hopper API in this triton" if not _gluon.HAS_GLUON else "not an sm_90 GPU")
-        return f"kernels: Triton ({why})"
-    parts = [f"dense GEMM from {cfg.dense_gluon_min_rows} rows" if cfg.dense_gluon_min_rows is not None else None,
-             "MoE gate_up" if cfg.moe_gluon else None,
+        return f"kernels: Triton ({why})" + gemm
+    parts = [f"dense GEMM from {cfg.dense_gluon_min_rows} rows" if cfg.dense_gluon_min_rows is not None and not gemm
+             else None,
+             "MoE gate_up" if cfg.moe_gluon and not gemm else None,
              "one-sequence causal attention" if cfg.attention_gluon else None]
     gluon_parts = ", ".join(p for p in parts if p)
-    return f"kernels: Gluon warp-specialized ({gluon_parts}), Triton for the rest" if gluon_parts else "kernels: Triton"
+    return (f"kernels: Gluon warp-specialized ({gluon_parts}), Triton for the rest" if gluon_parts
+            else "kernels: Triton") + gemm

@@ -214,7 +214,9 @@ def fp8_gemm(
     if isinstance(tile, GluonTile):
         assert ws, ("a GluonTile needs the Gluon kernel's conditions: config.gluon, an sm_90 GPU, triton with "
                     "Gluon, bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
-        fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m)
+        fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
+                                block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
+                                balance=tile.balance, inplace=tile.inplace)
         return out.reshape(*lead, n)
     bm, bn = tile.block_m, tile.block_n
     assert bn in (16, 32, 64, 128), f"BLOCK_N={bn}: tiles must lie inside one 128-column weight block"

@@ -237,9 +237,10 @@ def moe_expert_slots(
     align = plan.align_m
     gluon_gu = isinstance(plan.gate_up, GluonTile)
     if gluon_gu:
-        assert gluon_ok and align == moe_ws.TILE_M and plan.tma, (
+        gu_rows = plan.gate_up.block_m or moe_ws.TILE_M
+        assert gluon_ok and align == gu_rows and plan.tma, (
             f"a GluonTile gate_up needs config.gluon, an sm_90 GPU, triton with Gluon, TMA and "
-            f"ALIGN_M={moe_ws.TILE_M} (got {align})")
+            f"ALIGN_M={gu_rows} (got {align})")
 
     sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
     max_rows = sorted_slots.shape[0]
@@ -250,12 +251,23 @@ def moe_expert_slots(
         a_fp8, a_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant)
         moe_ws.ws_moe_gemm(a_fp8, a_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
-                           stages=plan.gate_up.stages, group_m=plan.gate_up.group_m)
+                           stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,
+                           balance=plan.gate_up.balance, inplace=plan.gate_up.inplace,
+                           promote=plan.gate_up.promote)
     else:
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         gate_up_triton(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert, k,
                        swiglu_limit, align, plan.tma, plan.gate_up)
-    down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, k, align, plan.tma, plan.down)
+    if isinstance(plan.down, GluonTile):  # the Gluon down (128 x 256 tiles over 128-row segments)
+        assert gluon_ok and align == moe_ws.WIDE_M and plan.tma, (
+            f"a GluonTile down needs config.gluon, an sm_90 GPU, triton with Gluon, TMA and ALIGN_M={moe_ws.WIDE_M} "
+            f"(got {align})")
+        moe_ws.ws_moe_down(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots,
+                           stages=plan.down.stages, group_m=plan.down.group_m, balance=plan.down.balance,
+                           promote=plan.down.promote)
+    else:
+        down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, k, align, plan.tma,
+                    plan.down)
     return y
 
 

@@ -1,11 +1,21 @@
-"""The KV cache of one sequence: per layer, the bf16 K and V after RoPE.
+"""The KV cache of a batch of B sequences: per layer, the bf16 K and V after RoPE.
 
-Full-attention layers hold the whole sequence, preallocated to ``max_len`` positions (position p
-in row p); sliding-window layers hold a ring of ``sliding_window`` rows (position p in row
-p % window), all a query at position p can see (keys p - window < j <= p). ``length`` counts the
-tokens seen (written and advanced past). Batch 1 only for now: one sequence per cache (batches of
-sequences of different lengths, tp-sharded heads beyond this rank's, and the GPU decode kernel's
-layout come later; a rank's cache already holds only its local kv heads).
+Layout, per layer i (``k[i]`` / ``v[i]`` bf16 [B, rows, kv heads, head_dim], sequence b in row b):
+* a full-attention layer holds ``rows = max_len`` positions, position p in row p;
+* a sliding-window layer holds a ring of ``rows = min(window, max_len)`` rows, position p in row
+  p % rows: everything a query at position p can see (keys p - window < j <= p).
+One rule covers both: position p lives in row p % rows (p < max_len, so a full layer never wraps).
+This is the layout kernels/attention_decode.py reads directly (full layers by length, rings with
+``ring=True``); a rank's cache holds only its local kv heads (model/gptoss.py ``local_heads``).
+
+Lengths: ``lengths`` int32 [B] on the cache's device (tokens held per sequence: the next token of
+sequence b sits at position lengths[b]) is what a decode step reads, so the step never looks at
+host values (graph-capturable). ``host_lengths`` mirrors it on the host for the bookkeeping that
+must not read the device (room checks, ``length``); whoever advances the device lengths advances
+the mirror (``GptOss.decode`` and model/graph.py do).
+
+Prefill writes one sequence (row b) at positions 0..n-1 with Python ints (``write``); a decode step
+writes one new token per sequence at positions ``lengths`` by index tensors (``append``).
 """
 
 from __future__ import annotations
@@ -18,10 +28,31 @@ from gptoss_fp8.errors import GptOssFp8Error
 
 
 @dataclass
+class DecodeStep:
+    """One decode step's positions on the device, computed once per step (no host reads):
+    ``pos`` int64 [B] the new tokens' positions, ``n`` int32 [B] keys per sequence once they are
+    written (pos + 1), ``seq`` int64 [B] = 0..B-1; ``slots`` caches pos % rows per ring size."""
+
+    pos: torch.Tensor
+    n: torch.Tensor
+    seq: torch.Tensor
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def slot(self, rows: int, full: bool) -> torch.Tensor:
+        """Row of each new token in a layer of ``rows`` rows (int64 [B])."""
+        if full:
+            return self.pos
+        s = self.slots.get(rows)
+        if s is None:
+            s = self.slots[rows] = torch.remainder(self.pos, rows)
+        return s
+
+
+@dataclass(eq=False)  # identity: model/graph.py keys its graphs by the cache object
 class KVCache:
-    """Per layer i: ``k[i]`` / ``v[i]`` bf16 [rows, kv heads, head_dim] (rows = ``max_len`` for a
-    full-attention layer, ``windows[i]`` for a sliding-window one); ``windows[i]`` 0 = full;
-    ``cos`` / ``sin`` float32 [max_len, head_dim / 2]: the model's RoPE table, row p for position p."""
+    """Per layer i: ``k[i]`` / ``v[i]`` bf16 [B, rows, kv heads, head_dim] (module docstring);
+    ``windows[i]`` 0 = full attention; ``cos`` / ``sin`` float32 [max_len, head_dim / 2]: the
+    model's RoPE table, row p for position p; ``lengths`` int32 [B] (device) and its host mirror."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -29,7 +60,8 @@ class KVCache:
     max_len: int
     cos: torch.Tensor
     sin: torch.Tensor
-    length: int = field(default=0)
+    lengths: torch.Tensor
+    host_lengths: list[int]
 
     @staticmethod
     def ring_size(window: int) -> int:
@@ -39,47 +71,115 @@ class KVCache:
     @classmethod
     def empty(cls, windows: list[int], n_kv: int, head_dim: int, max_len: int,
               rope: tuple[torch.Tensor, torch.Tensor], device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.bfloat16) -> KVCache:
-        """A zeroed cache for up to ``max_len`` tokens; ``rope`` = (cos, sin) of at least max_len rows."""
+              dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> KVCache:
+        """A zeroed cache for ``batch`` sequences of up to ``max_len`` tokens each, all empty;
+        ``rope`` = (cos, sin) of at least max_len rows."""
         if max_len < 1:
             raise GptOssFp8Error(f"KV cache max_len must be a positive number of tokens, got {max_len}")
+        if batch < 1:
+            raise GptOssFp8Error(f"KV cache batch must be a positive number of sequences, got {batch}")
         rows = [min(cls.ring_size(w), max_len) if w > 0 else max_len for w in windows]
-        k = [torch.zeros(r, n_kv, head_dim, dtype=dtype, device=device) for r in rows]
-        v = [torch.zeros(r, n_kv, head_dim, dtype=dtype, device=device) for r in rows]
+        k = [torch.zeros(batch, r, n_kv, head_dim, dtype=dtype, device=device) for r in rows]
+        v = [torch.zeros(batch, r, n_kv, head_dim, dtype=dtype, device=device) for r in rows]
         cos, sin = rope
-        return cls(k, v, list(windows), max_len, cos[:max_len], sin[:max_len])
+        lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        return cls(k, v, list(windows), max_len, cos[:max_len], sin[:max_len], lengths, [0] * batch)
+
+    @staticmethod
+    def bytes_for(windows: list[int], n_kv: int, head_dim: int, max_len: int, batch: int = 1,
+                  elem: int = 2) -> int:
+        """Bytes ``empty`` allocates for K and V (no allocation)."""
+        rows = sum(min(KVCache.ring_size(w), max_len) if w > 0 else max_len for w in windows)
+        return 2 * batch * rows * n_kv * head_dim * elem
+
+    # --- shape and bookkeeping ------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Tokens held (batch 1; the host mirror, no device read)."""
+        if self.batch != 1:
+            raise GptOssFp8Error(f"cache.length is for a batch-1 cache; this one holds {self.batch} sequences "
+                                 "(read cache.host_lengths)")
+        return self.host_lengths[0]
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.set_length(0, n)
+
+    def set_length(self, b: int, n: int) -> None:
+        """Sequence b holds n tokens (device lengths and host mirror)."""
+        if not 0 <= n <= self.max_len:
+            raise GptOssFp8Error(f"KV cache length {n} outside 0..{self.max_len}")
+        self.lengths[b] = n
+        self.host_lengths[b] = n
+
+    def check_room(self, n: int = 1) -> None:
+        """Raise unless every sequence has room for n more tokens (host mirror only)."""
+        top = max(self.host_lengths)
+        if top + n > self.max_len:
+            raise GptOssFp8Error(f"KV cache full: {top + n} tokens, max_len {self.max_len}; "
+                                 "make the cache with a larger max_len")
+
+    def advance_host(self, n: int = 1) -> None:
+        """The host mirror of a step that advanced every device length by n."""
+        self.host_lengths = [x + n for x in self.host_lengths]
 
     def rows(self, i: int) -> int:
-        return self.k[i].shape[0]
+        return self.k[i].shape[1]
+
+    def is_ring(self, i: int) -> bool:
+        return self.windows[i] > 0
 
     def slot(self, i: int, pos: torch.Tensor) -> torch.Tensor:
         """Row of layer i holding positions ``pos`` (int tensor)."""
-        return pos % self.rows(i) if self.windows[i] > 0 else pos
+        return pos % self.rows(i)
 
-    def write(self, i: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store layer i's keys / values [n, kv heads, D] of positions pos0..pos0 + n - 1 (a ring
-        keeps the last rows of them)."""
+    # --- prefill (host positions) ----------------------------------------------------------------
+    def write(self, i: int, b: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store sequence b's keys / values [n, kv heads, D] of layer i at positions pos0..pos0 + n - 1
+        (a ring keeps the last rows of them)."""
         n = k.shape[0]
         if pos0 + n > self.max_len:
             raise GptOssFp8Error(f"KV cache full: {pos0 + n} tokens, max_len {self.max_len}")
         keep = min(n, self.rows(i))
         pos = torch.arange(pos0 + n - keep, pos0 + n, device=k.device)
         s = self.slot(i, pos)
-        self.k[i][s] = k[n - keep:].to(self.k[i].dtype)
-        self.v[i][s] = v[n - keep:].to(self.v[i].dtype)
+        self.k[i][b, s] = k[n - keep:].to(self.k[i].dtype)
+        self.v[i][b, s] = v[n - keep:].to(self.v[i].dtype)
 
-    def read(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Layer i's keys / values visible to a query at position end - 1, in position order:
-        (k, v [n, kv heads, D], position of the first). A ring's view is a gather (a copy)."""
-        if self.windows[i] == 0:
-            return self.k[i][:end], self.v[i][:end], 0
+    def read(self, i: int, b: int, end: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Sequence b's layer-i keys / values visible to a query at position end - 1, in position
+        order: (k, v [n, kv heads, D], position of the first). A wrapped ring's view is a gather."""
         first = max(0, end - self.rows(i))
+        if end <= self.rows(i):
+            return self.k[i][b, :end], self.v[i][b, :end], 0
         s = self.slot(i, torch.arange(first, end, device=self.k[i].device))
-        return self.k[i][s], self.v[i][s], first
+        return self.k[i][b, s], self.v[i][b, s], first
 
     def rope_rows(self, pos0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) rows of positions pos0..pos0 + n - 1."""
         return self.cos[pos0:pos0 + n], self.sin[pos0:pos0 + n]
+
+    # --- decode (device positions, no host reads) ------------------------------------------------
+    def step(self) -> DecodeStep:
+        """This step's positions: one new token per sequence at ``lengths``."""
+        pos = self.lengths.long()
+        seq = torch.arange(self.batch, device=self.lengths.device)
+        return DecodeStep(pos, self.lengths + 1, seq)
+
+    def append(self, i: int, step: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store layer i's new keys / values [B, kv heads, D] at the step's positions (index tensors)."""
+        s = step.slot(self.rows(i), not self.is_ring(i))
+        self.k[i].index_put_((step.seq, s), k.to(self.k[i].dtype))
+        self.v[i].index_put_((step.seq, s), v.to(self.v[i].dtype))
+
+    def advance(self, n: int = 1) -> None:
+        """Every sequence holds n more tokens: the device lengths (in place) and the host mirror."""
+        self.lengths.add_(n)
+        self.advance_host(n)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

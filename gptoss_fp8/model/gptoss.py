@@ -18,7 +18,7 @@ from torch import nn
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import KVCache
+from gptoss_fp8.model.cache import DecodeStep, KVCache
 from gptoss_fp8.model.ops import Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
@@ -162,54 +162,90 @@ class GptOss(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, ops: ReferenceOps | None = None, *, max_len: int | None = None,
-                moe_chunk: int | None = None) -> tuple[KVCache, torch.Tensor]:
+                moe_chunk: int | None = None, cache: KVCache | None = None,
+                row: int = 0) -> tuple[KVCache, torch.Tensor]:
         """Run the prompt tokens int [T] (positions 0..T-1) as ``forward`` does, keeping every
         layer's K and V -> (a cache for up to ``max_len`` tokens, default T + 1024, holding T;
-        bf16 logits [1, V] of the last position: the first generated token's)."""
+        bf16 logits [1, V] of the last position: the first generated token's).
+
+        A batch of prompts: B prefills into the rows of one cache, ``cache = model.new_cache(L,
+        batch=B)``, then ``model.prefill(prompt_b, ops, cache=cache, row=b)`` for each b (the
+        sequence's old contents are replaced; max_len is the cache's)."""
         ops = ops or ReferenceOps()
         n = tokens.shape[0]
-        cache = self.new_cache(max_len or n + 1024)
+        if cache is None:
+            cache = self.new_cache(max_len or n + 1024)
+        if not 0 <= row < cache.batch:
+            raise GptOssFp8Error(f"prefill row {row}: the cache holds sequences 0..{cache.batch - 1}")
+        if not 1 <= n <= cache.max_len:
+            raise GptOssFp8Error(f"prefill of {n} tokens into a KV cache of max_len {cache.max_len}; "
+                                 "give 1..max_len prompt tokens (or a larger max_len)")
         cos, sin = cache.rope_rows(0, n)
-        logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache)
-        cache.length = n
+        logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache, row=row)
+        cache.set_length(row, n)
         return cache, logits
 
     @torch.inference_mode()
-    def decode(self, cache: KVCache, token: torch.Tensor | int, ops: ReferenceOps | None = None) -> torch.Tensor:
-        """One new token (int, or int tensor of one element) at position ``cache.length``: its K and
+    def decode(self, cache: KVCache, token: torch.Tensor | int, ops: ReferenceOps | None = None, *,
+               capture: dict | None = None) -> torch.Tensor:
+        """One new token per sequence: ``token`` an int or one-element tensor (batch-1 cache), or
+        int [B] (a cache of B sequences), sequence b's at position ``cache.lengths[b]``. Its K and
         V are appended to the cache, its attention reads the cached keys (the layer's window, the
-        sinks once) -> bf16 logits [1, V]; ``cache.length`` advances by one."""
+        sinks once) -> bf16 logits [B, V]; every length advances by one. ``capture`` (if given)
+        receives the step's per-layer states as ``forward``'s does, one row per sequence ([B, H],
+        [B, E])."""
         ops = ops or ReferenceOps()
-        t = torch.as_tensor(token, device=self.model.embed_tokens.weight.device).reshape(1)
-        pos = cache.length
-        cos, sin = self._rope_at(cache, pos)
-        logits = self._run(t, ops, cos, sin, None, last_only=True, cache=cache, pos0=pos)
-        cache.length = pos + 1
+        t = torch.as_tensor(token, device=self.model.embed_tokens.weight.device)
+        if t.numel() == 1 and cache.batch == 1:
+            t = t.reshape(1)
+        if t.shape != (cache.batch,) or t.is_floating_point():
+            raise GptOssFp8Error(f"decode takes one integer token per sequence: {cache.batch} for this cache, "
+                                 f"got {t.dtype} {list(t.shape)}")
+        cache.check_room(1)
+        logits = self.decode_step(cache, t, ops, capture=capture)
+        cache.advance_host()
         return logits
 
-    def new_cache(self, max_len: int) -> KVCache:
-        """An empty KV cache of this rank's kv heads for up to ``max_len`` tokens (batch 1)."""
+    @torch.inference_mode()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor, ops: ReferenceOps, *,
+                    capture: dict | None = None) -> torch.Tensor:
+        """``decode``'s device work: tokens int [B] on the cache's device -> logits bf16 [B, V];
+        the device lengths advance by one, the host mirror does not (the caller's: ``decode``, or
+        model/graph.py after a replay). Positions come from ``cache.lengths`` as tensors (RoPE rows
+        gathered, cache rows written by index, kernel lengths on the device): on the triton
+        backend no host synchronisation, so it can be captured as a CUDA graph. The caller checks
+        room (``cache.check_room``)."""
+        step = cache.step()
+        cos, sin = self._rope_at(cache, step.pos)
+        logits = self._run(tokens, ops, cos, sin, capture, last_only=False, cache=cache, step=step)
+        cache.lengths.add_(1)
+        return logits
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """An empty KV cache of this rank's kv heads for ``batch`` sequences of up to ``max_len`` tokens."""
         dev = self.model.embed_tokens.weight.device
         windows = [layer.window for layer in self.model.layers]
         return KVCache.empty(windows, self.model.layers[0].self_attn.n_kv, self.cfg.head_dim, max_len,
-                             rope_cos_sin(self.cfg, max_len, dev), dev)
+                             rope_cos_sin(self.cfg, max_len, dev), dev, batch=batch)
 
-    def _rope_at(self, cache: KVCache, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE (cos, sin) [1, D/2] of a decode step's token: the row of its absolute position."""
-        return cache.rope_rows(pos, 1)
+    def _rope_at(self, cache: KVCache, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) [B, D/2] of a decode step's tokens: rows of their positions (int [B],
+        on the device: a gather, no host read)."""
+        return cache.cos[pos], cache.sin[pos]
 
     def _run(self, tokens: torch.Tensor, ops: ReferenceOps, cos, sin, capture: dict | None, *,
              last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
-             pos0: int = 0) -> torch.Tensor:
-        """The one forward pass: tokens [T] at positions pos0..pos0 + T - 1 (cos / sin: their RoPE
-        rows); with a cache, each layer's K / V are written to it (and, past position 0, attention
-        reads the cached keys)."""
+             row: int = 0, step: DecodeStep | None = None) -> torch.Tensor:
+        """The one forward pass (cos / sin: the tokens' RoPE rows). Without ``step``: tokens [T] of
+        one sequence at positions 0..T - 1, with a cache written to its sequence ``row``. With a
+        decode ``step``: tokens [B], one per sequence of the cache at the step's positions, their
+        K / V appended and the attention reading the cached keys."""
         eps = self.cfg.rms_norm_eps
         x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
         layers = self.model.layers
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
-            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, pos0),
+            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step),
                                     layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
@@ -249,12 +285,13 @@ class GptOss(nn.Module):
         return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
 
     def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps, cache: KVCache | None = None,
-                   pos0: int = 0) -> torch.Tensor:
-        """Attention block on the normed stream t (rows [T, H], positions pos0..pos0 + T - 1; cos /
-        sin their RoPE rows) -> its residual delta (bf16, or float32 partial sums over ranks reduced
-        here: the caller rounds once). With a cache, K and V are written to it at their positions;
-        from position 0 the attention is the prefill's over these rows, later (decode: one row) it
-        reads the cache's keys."""
+                   row: int = 0, step: DecodeStep | None = None) -> torch.Tensor:
+        """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
+        residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
+        once). Without ``step`` the rows are one sequence at positions 0..T - 1 (written to the
+        cache's sequence ``row`` if a cache is given) and the attention is the prefill's over them;
+        with a decode ``step`` row b is sequence b's new token: its K / V are appended to the cache
+        and it attends to the cached keys (``ops.attention_cached``)."""
         a, d = layer.self_attn, self.cfg.head_dim
         q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
                               xq=t.quant)
@@ -263,15 +300,14 @@ class GptOss(nn.Module):
         q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
         k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
         v = v.view(n, a.n_kv, d)
-        if cache is not None:
-            cache.write(layer.idx, pos0, k, v)
-        if cache is None or pos0 == 0:
-            o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+        if step is not None:  # decode: k / v [B, KVl, D], one new token per sequence
+            cache.append(layer.idx, step, k, v)
+            o = ops.attention_cached(q, cache.k[layer.idx], cache.v[layer.idx], step.n, a.sinks, 1 / math.sqrt(d),
+                                     layer.window)  # [B, Hl * D]
         else:
-            if n != 1:
-                raise GptOssFp8Error(f"decode runs one token at a time past position 0, got {n} at position {pos0}")
-            kc, vc, first = cache.read(layer.idx, pos0 + 1)
-            o = ops.attention_cached(q, kc, vc, a.sinks, 1 / math.sqrt(d), layer.window, pos0 - first)
+            if cache is not None:
+                cache.write(layer.idx, row, 0, k, v)
+            o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
         return ops.all_reduce(o, self.par)

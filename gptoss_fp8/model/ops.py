@@ -155,15 +155,31 @@ class ReferenceOps:
         n, kvh, m, d = q.shape
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window).reshape(n, -1)
 
-    def attention_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                         sm_scale: float, window: int, q_offset: int) -> torch.Tensor:
-        """Decode attention over a KV cache: q [T, KV, M, D] of the newest tokens, k / v [S, KV, D]
-        the cached keys in position order (the newest included; key j at relative position j,
-        query t at q_offset + t), the same masks and sinks (once) as ``attention`` -> [T, KV * M * D].
-        ``spec.attention`` with q_offset; a GPU backend may run its split-KV decode kernel."""
-        n, kvh, m, d = q.shape
-        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
-                              q_offset=q_offset).reshape(n, -1)
+    def attention_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         lengths: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int) -> torch.Tensor:
+        """Decode attention over a KV cache (model/cache.py's layout), one new token per sequence.
+
+        q [B, KV, M, D]: sequence b's new query, at position lengths[b] - 1; k_cache / v_cache
+        [B, rows, KV, D]: the layer's cache, position p in row p % rows (a full layer: rows >=
+        every length, so row p; a sliding layer: a ring), the new token's K / V already written;
+        lengths int [B] (device): keys per sequence, the new one included. The same masks and sinks
+        (once) as ``attention``: the keys of positions max(0, n - window) .. n - 1 (window 0: all)
+        -> [B, KV * M * D]. Here: each sequence's visible keys gathered in position order and
+        ``spec.attention`` (reads lengths on the host: the CPU spec); a GPU backend runs its
+        split-KV decode kernel on the cache as it lies."""
+        b_, kvh, m, d = q.shape
+        rows = k_cache.shape[1]
+        out = []
+        for b, n in enumerate(lengths.tolist()):
+            first = max(0, n - rows)
+            if first == 0:
+                k, v = k_cache[b, :n], v_cache[b, :n]
+            else:  # a wrapped ring: positions first..n-1 from rows p % rows
+                s = torch.arange(first, n, device=k_cache.device) % rows
+                k, v = k_cache[b, s], v_cache[b, s]
+            out.append(spec.attention(q[b:b + 1].reshape(1, kvh * m, d), k, v, sinks.reshape(-1), sm_scale,
+                                      window, q_offset=n - 1 - first).reshape(1, -1))
+        return torch.cat(out)
 
 
 class W8A8CpuOps(ReferenceOps):

@@ -130,6 +130,11 @@ class TritonOps(W8A8CpuOps):
             if w.dtype == FP8_DTYPE:
                 self._fallback("linear", x, w)
             return super().linear(x, w, scale_inv, bias, out_dtype)
+        if self.config.gemm == "deep_gemm":
+            from gptoss_fp8.kernels import deepgemm
+
+            if deepgemm.dense_ok(w):  # N % 8 == 0 (every gpt-oss shape); else our kernel below
+                return deepgemm.linear(x, w, scale_inv, bias, out_dtype, xq=xq)
         from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 
         x_fp8, x_scale = self._quant(x, xq)
@@ -143,6 +148,11 @@ class TritonOps(W8A8CpuOps):
                 or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1 \
                 or projs[0][0].shape[1] % 16:
             return super().linears(x, projs, xq=xq)  # one ``linear`` each (counted there)
+        if self.config.gemm == "deep_gemm":
+            from gptoss_fp8.kernels import deepgemm
+
+            if all(deepgemm.dense_ok(w) for w, _, _ in projs):
+                return deepgemm.linears(x, projs, xq=xq)
         from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 
         x_fp8, x_scale = self._quant(x, xq)
@@ -195,15 +205,24 @@ class TritonOps(W8A8CpuOps):
             return super().expert_ffn(x, idx, experts, first_expert, limit, partial, xq=xq)
         t, k = idx.shape
         n_local = w13.shape[0]
-        # The kernel always adds a bias; a zero bias leaves the fp32 partial products exact.
-        b2_kernel = b2 if (b2 is not None and not partial) else torch.zeros(n_local, h, dtype=F32, device=x.device)
-        from gptoss_fp8.kernels.moe import moe_expert_slots
+        if self.config.gemm == "deep_gemm":
+            # kernels/deepgemm.py: both grouped GEMMs on DeepGEMM, the biases, SwiGLU and FP8
+            # quantization in our kernels around them; same per-(token, slot) contract (``partial``:
+            # the bf16 down products widened to float32, no bias)
+            from gptoss_fp8.kernels import deepgemm
 
-        # per-(token, slot) rows [T*k, H]; slots routed to other ranks are zero. A rank's expert
-        # slices may be views: the kernels want them contiguous.
-        c = [a.contiguous() for a in (w13, s13, b13, w2, s2, b2_kernel)]
-        y = moe_expert_slots(x, idx.to(torch.int32), *c, first_expert, limit, self.config,
-                             F32 if partial else BF16, zero_foreign=True, x_quant=xq)
+            y = deepgemm.expert_slots(x, idx.to(torch.int32), w13, s13, b13, w2, s2, None if partial else b2,
+                                      first_expert, limit, F32 if partial else BF16, x_quant=xq)
+        else:
+            # The kernel always adds a bias; a zero bias leaves the fp32 partial products exact.
+            b2_kernel = b2 if (b2 is not None and not partial) else torch.zeros(n_local, h, dtype=F32, device=x.device)
+            from gptoss_fp8.kernels.moe import moe_expert_slots
+
+            # per-(token, slot) rows [T*k, H]; slots routed to other ranks are zero. A rank's expert
+            # slices may be views: the kernels want them contiguous.
+            c = [a.contiguous() for a in (w13, s13, b13, w2, s2, b2_kernel)]
+            y = moe_expert_slots(x, idx.to(torch.int32), *c, first_expert, limit, self.config,
+                                 F32 if partial else BF16, zero_foreign=True, x_quant=xq)
         y = y.view(t, k, h)
         if not partial:
             return y, None  # bf16 (see the module docstring): values identical to the float32 contract
@@ -255,11 +274,27 @@ class TritonOps(W8A8CpuOps):
         return xo, Normed(y, quant)
 
     # --- attention -----------------------------------------------------------------------------
-    def attention_cached(self, q, k, v, sinks, sm_scale, window, q_offset):
-        """Decode attention over a cache: no kernel wired yet (kernels/attention_decode.py is the
-        next step), so the torch spec runs, counted as an attention fallback."""
-        self._fallback("attention", q, k)
-        return super().attention_cached(q, k, v, sinks, sm_scale, window, q_offset)
+    def attention_cached(self, q, k_cache, v_cache, lengths, sinks, sm_scale, window):
+        """kernels/attention_decode.py on the cache as it lies, no copy and no host read: a full
+        layer by lengths; a sliding layer's ring (rows <= window) with ``ring=True``: one new query
+        sees every row the ring holds (kernel docstring), so the kernel caps lengths at the ring's
+        rows on the device. fp32 online softmax (the spec: bf16), keys of a wrapped ring in row
+        order (the spec: position order); the sink enters once across the KV splits."""
+        b, kvh, m, d = q.shape
+        rows = k_cache.shape[1]
+        ring = window > 0
+        if (not _kernel_device(q) or q.dtype != BF16 or k_cache.dtype != BF16 or v_cache.dtype != BF16
+                or d not in (16, 32, 64, 128, 256) or not sinks.is_floating_point() or k_cache.stride(-1) != 1
+                or v_cache.stride(-1) != 1 or lengths.dtype != torch.int32 or (ring and rows > window)):
+            # the kernel takes bf16 caches with a power-of-two head_dim in 16..256 and int32
+            # lengths; a ring longer than the window would need position order (never built so)
+            self._fallback("attention", q, k_cache)
+            return super().attention_cached(q, k_cache, v_cache, lengths, sinks, sm_scale, window)
+        from gptoss_fp8.kernels.attention_decode import attention_decode
+
+        o = attention_decode(q.reshape(b, 1, kvh * m, d), k_cache, v_cache, lengths, sinks.reshape(-1).contiguous(),
+                             sliding_window=0, sm_scale=sm_scale, config=self.config, ring=ring)
+        return o.reshape(b, -1)
 
     def attention(self, q, k, v, sinks, sm_scale, window):
         n, kvh, m, d = q.shape

@@ -89,7 +89,31 @@ def backend_device(mode: str, device: str) -> str:
 # Ops objects
 
 
-def ops_for(mode: str) -> ReferenceOps:
+def ops_for(mode: str, gemm: str = "ours") -> ReferenceOps:
     """A fresh ops object for ``mode`` (the ``kernels`` one counts its hand-overs to the spec in
-    ``spec_fallbacks``, see the module docstring)."""
+    ``spec_fallbacks``, see the module docstring). ``gemm``: the kernels mode's GEMM library,
+    ``KernelConfig.gemm`` ("ours", or "deep_gemm": kernels/deepgemm.py)."""
+    if MODES[mode] == "triton" and gemm != "ours":
+        from dataclasses import replace
+
+        from gptoss_fp8.model.triton_ops import TritonOps, default_config
+
+        return TritonOps(config=replace(default_config(), gemm=gemm))
     return get_ops(MODES[mode])
+
+
+def check_gemm(gemm: str, modes: list[str]) -> None:
+    """``--gemm``: a known library, one the run uses (the kernels mode), importable. Raises
+    GptOssFp8Error (one line) before any model runs."""
+    from gptoss_fp8.kernels.config import GEMM_BACKENDS
+
+    if gemm not in GEMM_BACKENDS:
+        raise GptOssFp8Error(f"--gemm {gemm!r}: choose one of {', '.join(GEMM_BACKENDS)}")
+    if gemm == "ours":
+        return
+    if "kernels" not in modes:
+        raise GptOssFp8Error(f"--gemm {gemm} changes the kernels mode only, which this run does not include "
+                             f"({', '.join(modes)}); add --mode kernels (needs --device cuda)")
+    from gptoss_fp8.kernels import deepgemm
+
+    deepgemm.require()

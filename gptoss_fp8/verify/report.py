@@ -13,6 +13,8 @@ import torch
 from gptoss_fp8 import __version__
 from gptoss_fp8.checkpoint.checkpoint import Checkpoint
 from gptoss_fp8.verify.backends import MODES, backend_device
+from gptoss_fp8.verify.decode import compare_decode
+from gptoss_fp8.verify.decode import summary_line as decode_summary_line
 from gptoss_fp8.verify.metrics import layer_errors, logit_metrics
 from gptoss_fp8.verify.parts import compare_parts
 from gptoss_fp8.verify.reference import Reference, Rounding
@@ -22,6 +24,8 @@ from gptoss_fp8.verify.thresholds import (
     PART_LIMITS,
     SMOKE,
     Thresholds,
+    decode_limits,
+    decode_profile,
     with_overrides,
 )
 
@@ -53,6 +57,10 @@ class ModeOutput(NamedTuple):
     parts: dict[str, torch.Tensor] | None = None
     parts_vs_spec: dict[str, torch.Tensor] | None = None
     fallback_shapes: dict[str, list[str]] | None = None  # kernels mode: op -> shapes handed to the spec
+    # --decode N: the KV-cached decode of the last N tokens (verify/decode.py ``run_decode``), and
+    # for the kernels mode the decode's own hand-overs to the spec
+    decode: dict[str, torch.Tensor] | None = None
+    decode_fallbacks: dict[str, int] | None = None
 
 
 Outputs = dict[str, ModeOutput]  # mode -> its output
@@ -165,6 +173,9 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
         # the collective the ranks used (nccl: one GPU each; gloo: CPU, or ranks sharing a GPU)
         "parallel": {"tp": tp, "ep": ep, "collective": next((o.collective for o in outputs.values()), None)},
         "modes": list(outputs), "backends": {mode: MODES[mode] for mode in outputs},
+        # --decode N (verify/decode.py): each mode section then holds ``decode``
+        "decode_steps": next((int(o.decode["logits"].shape[0]) - 1 for o in outputs.values() if o.decode is not None),
+                             None),
     }
     if seconds is not None:
         report["model_seconds"] = seconds  # load + all modes' forward passes (+ process start when sharded)
@@ -194,15 +205,18 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             # The verdict: the teacher-forced parts (+ fallbacks + a loose smoke check of the
             # free-running logits); the free-running comparison under the profile's thresholds
             # stays as information, binding only when its thresholds were overridden.
-            limits = dict(PART_LIMITS[profile])
-            cross = ref.device != ("cuda" if device.startswith("cuda") else "cpu") and not profile.startswith("exact")
+            ours = "cuda" if device.startswith("cuda") else "cpu"
+            # both on the CPU, exact is bit-identical there: the tighter bound
+            part_profile = "exact-cpu" if profile == "exact" and ours == ref.device == "cpu" else profile
+            limits = dict(PART_LIMITS[part_profile])
+            cross = ref.device != ours and not profile.startswith("exact")
             if cross:  # the reference's own bf16 GEMMs rounded on another device type
                 floor = PART_LIMITS["exact-cross-device"]
                 limits = {k: max(v * CROSS_DEVICE_FACTOR, floor[k]) for k, v in limits.items()}
             if part_override is not None:
                 limits = dict.fromkeys(limits, part_override)
             tf = compare_parts(target.hidden, out.parts, n_layers, experts_per_token, limits)
-            tf["limits_profile"] = profile + (" x cross-device" if cross else "")
+            tf["limits_profile"] = part_profile + (" x cross-device" if cross else "")
             sec["teacher_forced"] = tf
             sec["free_running"] = {"passed": sec["passed"], "failures": sec["failures"], "binding": free_binding}
             smoke = smoke_failures(sec["summary"])
@@ -217,6 +231,13 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             sec["vs_source"] = {"summary": vs["summary"], "per_position_kl": vs["per_position"]["kl"], "layers": vs["layers"]}
         if not target.hidden:
             sec["layers_note"] = "the reference file holds no hidden states: no per-layer errors"
+        if out.decode is not None:  # --decode N: the cached decode against this mode's full forward
+            dec = compare_decode(out.decode, out.logits, out.hidden, n_layers, decode_limits(mode, device),
+                                 experts_per_token, target.logits, decode_profile(mode, device),
+                                 out.decode_fallbacks, allow_fallback)
+            sec["decode"] = dec
+            sec["failures"] = sec["failures"] + dec["failures"]
+            sec["passed"] = sec["passed"] and dec["passed"]
         sec["forward_seconds"] = out.seconds
         report[mode] = sec
         report["passed"] = report["passed"] and sec["passed"]
@@ -281,6 +302,8 @@ def summary_lines(report: dict) -> list[str]:
                          f"| top-1 {v['top1_agreement']:.4f} "
                          f"| max |dlogit| {v['max_abs_delta']:.3g}: the FP8 cost, for information)")
         lines += _parts_lines(sec)
+        if sec.get("decode"):
+            lines.append(decode_summary_line(sec["decode"]))
         lines += _detail_lines(sec)
     agree = report.get("kernels_vs_w8a8")
     if agree:

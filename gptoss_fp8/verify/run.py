@@ -17,6 +17,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.load import load_model
 from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
+from gptoss_fp8.verify.decode import check_decode_steps, run_decode
 from gptoss_fp8.verify.parts import forced_inputs_needed, run_parts
 from gptoss_fp8.verify.reference import Reference
 from gptoss_fp8.verify.report import ModeOutput, Outputs, build_report, rounding_for
@@ -40,16 +41,19 @@ def resolve_ops_hook(spec: str | None):
 
 
 def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
-              ops_hook: str | None = None) -> Outputs:
+              ops_hook: str | None = None, gemm: str = "ours", decode: int = 0) -> Outputs:
     """Run one loaded model (any rank) once per mode (``backends.MODES``): free-running, then, given
     the reference's captures ``forced``, every part teacher-forced on them (verify/parts.py); the
-    kernels mode also on the w8a8 spec's own captures when w8a8 ran first (``resolve_modes`` order)."""
+    kernels mode also on the w8a8 spec's own captures when w8a8 ran first (``resolve_modes`` order).
+    ``gemm``: the kernels mode's GEMM library (``backends.ops_for``). ``decode`` N > 0: also
+    prefill all but the last N tokens and decode those one at a time (verify/decode.py), on a
+    fresh ops object of the mode (its own spec fallbacks)."""
     out: Outputs = {}
     dev = next(iter(model.buffers())).device
     hook = resolve_ops_hook(ops_hook)
     for mode in modes:
         cap: dict[str, torch.Tensor] = {}
-        ops = ops_for(mode) if hook is None else hook(mode, ops_for(mode))
+        ops = ops_for(mode, gemm) if hook is None else hook(mode, ops_for(mode, gemm))
         t0 = time.perf_counter()
         logits = model(tokens.to(dev), ops, cap)
         if logits.is_cuda:
@@ -60,9 +64,15 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         parts = run_parts(model, tokens, ops, forced) if has_parts else None
         vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None
         shapes = getattr(ops, "fallback_shapes", None)
+        dec = dec_fallbacks = None
+        if decode:
+            dec_ops = ops_for(mode, gemm) if hook is None else hook(mode, ops_for(mode, gemm))
+            dec = run_decode(model, tokens, dec_ops, decode)
+            dec_fallbacks = getattr(dec_ops, "spec_fallbacks", None)
         out[mode] = ModeOutput(logits.float().cpu(), hidden, seconds, getattr(ops, "spec_fallbacks", None),
                                parts=parts, parts_vs_spec=vs_spec,
-                               fallback_shapes=None if shapes is None else {k: sorted(v) for k, v in shapes.items() if v})
+                               fallback_shapes=None if shapes is None else {k: sorted(v) for k, v in shapes.items() if v},
+                               decode=dec, decode_fallbacks=None if dec_fallbacks is None else dict(dec_fallbacks))
     return out
 
 
@@ -77,6 +87,8 @@ def _save_outputs(out: Outputs, path: Path, collective: str) -> None:
         t |= {f"{mode}/spec_fallbacks.{k}": torch.tensor([n]) for k, n in (o.spec_fallbacks or {}).items()}
         t |= {f"{mode}/parts.{k}": v.contiguous() for k, v in (o.parts or {}).items()}
         t |= {f"{mode}/parts_vs_spec.{k}": v.contiguous() for k, v in (o.parts_vs_spec or {}).items()}
+        t |= {f"{mode}/decode.{k}": v.contiguous() for k, v in (o.decode or {}).items()}
+        t |= {f"{mode}/decode_fallbacks.{k}": torch.tensor([n]) for k, n in (o.decode_fallbacks or {}).items()}
     shapes = {mode: o.fallback_shapes for mode, o in out.items() if o.fallback_shapes is not None}
     save_file(t, str(path), metadata={"collective": collective, "fallback_shapes": json.dumps(shapes)})
 
@@ -98,10 +110,13 @@ def _load_outputs(path: Path, modes: list[str]) -> Outputs:
     for mode in modes:
         fb = f"{mode}/spec_fallbacks."
         fallbacks = {k[len(fb):]: int(v) for k, v in t.items() if k.startswith(fb)}
+        dfb = f"{mode}/decode_fallbacks."
+        dec_fallbacks = {k[len(dfb):]: int(v) for k, v in t.items() if k.startswith(dfb)}
         out[mode] = ModeOutput(t[f"{mode}/logits"], sub(f"{mode}/hidden.") or {}, float(t[f"{mode}/seconds"][0]),
                                fallbacks if MODES[mode] == "triton" else None, collective,
                                parts=sub(f"{mode}/parts."), parts_vs_spec=sub(f"{mode}/parts_vs_spec."),
-                               fallback_shapes=shapes.get(mode))
+                               fallback_shapes=shapes.get(mode), decode=sub(f"{mode}/decode."),
+                               decode_fallbacks=dec_fallbacks if MODES[mode] == "triton" else None)
     return out
 
 
@@ -138,7 +153,8 @@ def run_rank(job: dict) -> None:
             from safetensors.torch import load_file
 
             forced = load_file(job["forced"])
-        out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"], forced, job.get("ops_hook"))
+        out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"], forced, job.get("ops_hook"),
+                        job.get("gemm", "ours"), int(job.get("decode", 0)))
         if rank == 0:
             _save_outputs(out, Path(job["result"]), dist.get_backend())
         dist.barrier()
@@ -154,22 +170,28 @@ def _free_port() -> int:
 
 def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[str], tp: int = 1, ep: int = 1,
                     device: str = "cpu", timeout_s: float = 3600.0,
-                    forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None) -> Outputs:
+                    forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None,
+                    gemm: str = "ours", decode: int = 0) -> Outputs:
     """Our logits and captures for each mode, and with ``forced`` (the reference's captures) the
-    teacher-forced parts. tp > 1 starts tp worker processes (gloo on CPU, NCCL on GPUs), each
-    loading only its rank's tensors; rank 0's outputs come back. ``ops_hook``: see ``resolve_ops_hook``."""
+    teacher-forced parts; ``decode`` N > 0: the last N tokens decoded one at a time too. tp > 1
+    starts tp worker processes (gloo on CPU, NCCL on GPUs), each loading only its rank's tensors;
+    rank 0's outputs come back. ``ops_hook``: see ``resolve_ops_hook``."""
     ckpt = Checkpoint.of(ckpt)
     ckpt.resolve_layout(tp, ep)  # the checkpoint must have been converted for this layout
     modes = resolve_modes(modes, device)  # and every mode must be able to run on this device
+    if decode:
+        check_decode_steps(decode, int(tokens.shape[0]))
     if tp == 1:
-        return run_modes(load_model(ckpt, Parallel(), _device_for(device, 0)), tokens, modes, forced, ops_hook)
+        return run_modes(load_model(ckpt, Parallel(), _device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
+                         decode)
     import subprocess
     import sys
 
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
-               "threads": max(1, (os.cpu_count() or 1) // tp), "ops_hook": ops_hook}
+               "threads": max(1, (os.cpu_count() or 1) // tp), "ops_hook": ops_hook, "gemm": gemm,
+               "decode": decode}
         if forced:
             from safetensors.torch import save_file
 
@@ -211,8 +233,10 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
 
 def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[str], tp: int = 1, ep: int = 1,
                       device: str = "cpu", overrides: dict | None = None, tokens_from: str = "",
-                      allow_fallback: bool = False, ops_hook: str | None = None) -> tuple[dict, Outputs]:
-    """Run our model in each mode (tp/ep sharded when tp > 1) on the reference's tokens and report."""
+                      allow_fallback: bool = False, ops_hook: str | None = None,
+                      gemm: str = "ours", decode: int = 0) -> tuple[dict, Outputs]:
+    """Run our model in each mode (tp/ep sharded when tp > 1) on the reference's tokens and report;
+    ``decode`` N > 0 adds the KV-cached decode of the last N tokens (verify/decode.py)."""
     ckpt = Checkpoint.of(ckpt)
     cfg = ckpt.config
     if ref.logits.shape[1] != cfg.vocab_size:
@@ -223,7 +247,8 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
                              f"got {int(ref.tokens.min())}..{int(ref.tokens.max())}")
     t0 = time.perf_counter()
     target = ref.expected if ref.expected is not None else ref
-    outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device, forced=target.hidden or None, ops_hook=ops_hook)
+    outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device, forced=target.hidden or None, ops_hook=ops_hook,
+                              gemm=gemm, decode=decode)
     total = time.perf_counter() - t0
     return build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=tp, ep=ep, device=device,
                         overrides=overrides, seconds=total, tokens_from=tokens_from,
@@ -237,7 +262,8 @@ def under_torchrun() -> bool:
 def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tensor | None, *, modes: list[str], ep: int,
                           device: str, overrides: dict | None, tokens_from: str,
                           save_reference: Path | None = None,
-                          allow_fallback: bool = False) -> tuple[dict | None, Outputs | None, Reference | None]:
+                          allow_fallback: bool = False,
+                          gemm: str = "ours", decode: int = 0) -> tuple[dict | None, Outputs | None, Reference | None]:
     """One rank of ``torchrun --nproc-per-node TP gptoss-fp8 verify-logits ...``: rank 0 runs the
     reference first (OpenAI's model reads torch.distributed's state when built, so it is built
     before the process group exists), every rank runs its shard, rank 0 reports. Returns
@@ -268,6 +294,8 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
     try:
         n = torch.tensor([ref.tokens.numel() if ref is not None else 0])
         dist.broadcast(n, 0)
+        if decode:  # every rank alike, before the model runs
+            check_decode_steps(decode, int(n))
         toks = ref.tokens.clone() if ref is not None else torch.empty(int(n), dtype=torch.long)
         dist.broadcast(toks, 0)
         if world % ep:
@@ -277,7 +305,7 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
         box = [None if target is None else (target.hidden or None)]
         dist.broadcast_object_list(box, 0)  # the reference's captures, for the teacher-forced parts
         outputs = {m: o._replace(collective=dist.get_backend())
-                   for m, o in run_modes(model, toks, modes, box[0]).items()}
+                   for m, o in run_modes(model, toks, modes, box[0], gemm=gemm, decode=decode).items()}
         report = None
         if rank == 0:
             cfg = ckpt.config

@@ -1,0 +1,212 @@
+"""``gptoss-fp8 bench decode``: one decode step of a batch of B sequences at a given context, on
+our kernels, replayed as a CUDA graph (model/graph.py), beside the HBM floor of that step.
+
+What runs: ``GptOss.decode_step`` (the model's own code, the ``triton`` ops backend) for B
+sequences that each hold ``context`` tokens, captured once per (batch, context) case and replayed;
+the time is the median over replays of one step (token ids in, logits [B, V] out), CUDA events
+around each replay. Weights: random FP8 at the preset's real shapes built on the GPU as
+``bench prefill`` builds them (bench/prefill.py ``random_model``; routing over random weights is
+about even). The KV cache is filled synthetically: random bf16 K / V (N(0, 1)) in every row and
+``lengths = context`` for every sequence, no prefill run (the step reads the same bytes and does
+the same work as after a real prompt; only the attention weights' values differ, which the
+timing does not see). Before every step (outside the timed region) the lengths are set back
+to ``context``, so every timed step reads exactly ``context`` cached tokens and writes row
+``context``.
+
+The floor (``floor_bytes``): bytes one step must read from HBM at least, at ``HBM_BPS``:
+* the expert weights the batch touches: per layer, B tokens each pick top_k distinct experts of E
+  uniformly (a trained router's skew not modelled), so E (1 - (1 - k/E)^B) distinct experts are
+  expected, each its FP8 gate_up and down matrices with their scales and biases;
+* attention weights (q / k / v / o FP8 + scales + biases + sinks), the router (bf16), the norms;
+* the bf16 lm_head, and B rows of the embedding;
+* the KV bytes read: per full layer B (context + 1) keys and values, per sliding layer
+  B min(context + 1, window), bf16, kv heads x head_dim each.
+Activations are ignored (a few MB). ``floor_ratio`` = floor / ours (1 = at the floor).
+
+Cost: $ per 1M output tokens at ``GPU_HOUR_USD`` per GPU-hour = step seconds / B tokens.
+A case whose cache does not fit beside the weights is skipped with a line saying so.
+The transformers peer (issue 24's 53 ms at batch 1) is not run here yet.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from gptoss_fp8.bench.prefill import GPU_HOUR_USD, random_model, usd_per_million_tokens
+from gptoss_fp8.config import GptOssConfig, preset_config
+from gptoss_fp8.model.cache import KVCache
+from gptoss_fp8.model.gptoss import GptOss
+from gptoss_fp8.parallel import SINGLE
+
+HBM_BPS = 4.26e12  # H200 HBM3e, bytes/s (issue 24's floor)
+WARMUP_S = 1.0
+HEADROOM = 2 << 30  # bytes left free beside the cache: activations, logits, the graph pool
+
+
+def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts among ``batch`` tokens' top-k picks (each token: k distinct of E,
+    uniformly at random): E (1 - (1 - k/E)^B)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def floor_bytes(cfg: GptOssConfig, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` sequences at ``context`` cached tokens must read, by part
+    (module docstring), from the model's own tensor list (tp = 1), and their sum as ``total``."""
+    parts = dict.fromkeys(("experts", "attention", "router_norms", "lm_head", "embedding", "kv"), 0.0)
+    touched = expected_experts(cfg.num_local_experts, cfg.num_experts_per_tok, batch)
+    for name, (shape, dtype) in GptOss(cfg, SINGLE, attn_fp8=True).expected().items():
+        n = math.prod(shape) * dtype.itemsize
+        if ".mlp.experts." in name:
+            parts["experts"] += n / cfg.num_local_experts * touched
+        elif ".self_attn." in name:
+            parts["attention"] += n
+        elif name == "lm_head.weight":
+            parts["lm_head"] += n
+        elif name == "model.embed_tokens.weight":
+            parts["embedding"] += batch * shape[-1] * dtype.itemsize
+        else:  # router, norms
+            parts["router_norms"] += n
+    per_key = 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    for kind in cfg.layer_types:
+        keys = context + 1
+        if kind == "sliding_attention" and cfg.sliding_window > 0:
+            keys = min(keys, cfg.sliding_window)
+        parts["kv"] += batch * keys * per_key
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def cache_bytes(cfg: GptOssConfig, batch: int, max_len: int) -> int:
+    windows = [cfg.sliding_window if t == "sliding_attention" else 0 for t in cfg.layer_types]
+    return KVCache.bytes_for(windows, cfg.num_key_value_heads, cfg.head_dim, max_len, batch)
+
+
+def synthetic_cache(model: GptOss, batch: int, context: int, max_len: int, seed: int = 0) -> KVCache:
+    """A cache of ``batch`` sequences holding ``context`` tokens each: random bf16 K / V, N(0, 1)."""
+    cache = model.new_cache(max_len, batch=batch)
+    gen = torch.Generator(device=cache.lengths.device).manual_seed(seed)
+    for t in (*cache.k, *cache.v):
+        t.normal_(generator=gen)
+    set_context(cache, context)
+    return cache
+
+
+def set_context(cache: KVCache, context: int) -> None:
+    """Every sequence holds ``context`` tokens again (device lengths and host mirror)."""
+    cache.lengths.fill_(context)
+    cache.host_lengths = [context] * cache.batch
+
+
+def row_figures(cfg: GptOssConfig, batch: int, context: int, step_s: float) -> dict:
+    """The derived columns of one case: tokens/s, $/1M, floor and ratio."""
+    floor = floor_bytes(cfg, batch, context)
+    floor_s = floor["total"] / HBM_BPS
+    return {
+        "ms_per_step": step_s * 1e3,
+        "tok_s_per_user": 1.0 / step_s,
+        "tok_s_total": batch / step_s,
+        "usd_per_1m_tokens": usd_per_million_tokens(step_s, batch, GPU_HOUR_USD),
+        "floor_ms": floor_s * 1e3,
+        "floor_ratio": floor_s / step_s,
+        "floor_bytes": floor,
+    }
+
+
+def format_row(r: dict) -> str:
+    if r.get("skipped"):
+        return f"{r['model']} b={r['batch']} ctx={r['context']}: skipped ({r['skipped']})"
+    return (f"{r['model']} L{r['layers']} b={r['batch']} ctx={r['context']}: {r['ms_per_step']:.3f} ms/step, "
+            f"{r['tok_s_per_user']:.0f} tok/s/user, {r['tok_s_total']:.0f} tok/s total, "
+            f"${r['usd_per_1m_tokens']:.3f}/1M tok; floor {r['floor_ms']:.3f} ms "
+            f"({r['floor_bytes']['total'] / 1e9:.2f} GB at {HBM_BPS / 1e12:.2f} TB/s), floor/ours "
+            f"{r['floor_ratio']:.2f}; cache {r['cache_bytes'] / 2**30:.2f} GiB")
+
+
+def _time_steps(step, reset, runs: int, warmup: int, cuda: bool) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``step`` after ``warmup`` (and >= WARMUP_S on a GPU);
+    ``reset()`` before each call, untimed."""
+    w0, done = time.perf_counter(), 0
+    while done < warmup or (cuda and time.perf_counter() - w0 < WARMUP_S and done < 2000):
+        reset()
+        step()
+        done += 1
+    times = []
+    for _ in range(runs):
+        reset()
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench(preset: str, batches: list[int], contexts: list[int], layers: int | None = None, runs: int = 20,
+          warmup: int = 3, seed: int = 0, echo=print, device: str = "cuda", ops=None,
+          kernel_config=None) -> list[dict]:
+    """One row per (context, batch): ms per step (median), tokens/s, $/1M, floor, cache bytes.
+
+    On ``cuda`` (the bench): the ``triton`` backend and CUDA-graph replay. ``device="cpu"`` with
+    a CPU ``ops`` backend runs eager steps: the command path and the arithmetic (timings then
+    mean nothing), for tests."""
+    cfg = preset_config(preset, layers)
+    full_layers = preset_config(preset).num_hidden_layers
+    cuda = device == "cuda"
+    if cuda:
+        from gptoss_fp8.bench.prefill import check_fits
+        from gptoss_fp8.model.graph import DecodeGraphs
+        from gptoss_fp8.model.triton_ops import TritonOps
+
+        check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers")
+        ops = ops or TritonOps(config=kernel_config)
+    t0 = time.perf_counter()
+    model = random_model(cfg, device, seed)
+    what = f"{torch.cuda.get_device_name()}" if cuda else "cpu"
+    echo(f"# {preset}: {cfg.num_hidden_layers} of {full_layers} layers, random FP8 weights on {what} in "
+         f"{time.perf_counter() - t0:.1f} s; KV cache random bf16 (no prefill), CUDA-graph replay: {cuda}")
+    graphs = DecodeGraphs(model, ops) if cuda else None
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            max_len = context + 1  # the step writes row ``context`` (lengths reset before each step)
+            need = cache_bytes(cfg, batch, max_len)
+            base = {"model": preset, "layers": cfg.num_hidden_layers, "full_layers": full_layers, "batch": batch,
+                    "context": context, "cache_bytes": need}
+            if cuda:
+                free, _ = torch.cuda.mem_get_info()
+                if need + HEADROOM > free:
+                    row = {**base, "skipped": f"the cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free "
+                                              f"beside the weights"}
+                    rows.append(row)
+                    echo(format_row(row))
+                    continue
+            cache = synthetic_cache(model, batch, context, max_len, seed)
+            tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=device)
+            reset = lambda c=cache: set_context(c, context)  # noqa: E731
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                times = _time_steps(lambda c=cache, t=tokens: graphs.step(c, t), reset, runs, warmup, cuda)
+                peak = torch.cuda.max_memory_allocated()
+            else:
+                times = _time_steps(lambda c=cache, t=tokens: model.decode(c, t, ops), reset, runs, warmup, cuda)
+                peak = None
+            step_s = statistics.median(times)
+            row = {**base, **row_figures(cfg, batch, context, step_s), "runs_s": times, "peak_mem_bytes": peak}
+            rows.append(row)
+            echo(format_row(row))
+            del cache
+            if cuda:
+                graphs = DecodeGraphs(model, ops)  # drop the case's graph and its pool
+                torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,92 @@
+"""Decode steps captured as CUDA graphs and replayed: one graph per KV cache (= per batch bucket).
+
+A decode step at batch B runs ~20 small kernels per layer; at batch 1 each does a few microseconds
+of work, so the host's launch path (Python, the ops dispatch, Triton's launcher) would set the pace.
+``GptOss.decode_step`` has no host synchronisation and no data-dependent shape on the ``triton``
+backend: positions are read from the cache's device ``lengths`` (RoPE rows gathered, K / V rows
+written by index tensors, the decode kernel's lengths on the device, its grid sized by the cache's
+capacity), and the MoE sizes its buffers by upper bounds. So one step can be captured once and
+replayed: the graph reads the token ids from a static input buffer, writes the logits to a static
+output buffer, and advances ``lengths`` on the device; the runner advances the host mirror.
+
+Capture (the first ``step`` on a cache): ``warmup`` eager steps on a side stream (compilation, the
+fused q/k/v weights, the decode kernel's counters), then the capture; each of them writes K / V
+at positions ``lengths`` (rows the next real step overwrites: for a ring, the oldest row, which the
+next query no longer sees) and the device lengths are restored after each, so the cache is as it
+was. A graph holds its cache's addresses: keep the cache alive while the graph is used (the runner
+keys graphs by the cache object and drops a graph with its cache). Each graph has its own memory
+pool (one step's activations: a few MB, plus the logits [B, V]), so graphs replay in any order.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.cache import KVCache
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # static input, int64 [B]
+    logits: torch.Tensor  # static output, bf16 [B, V]
+
+
+class DecodeGraphs:
+    """``step(cache, tokens) -> logits [B, V]``: ``model.decode`` as a replayed CUDA graph.
+
+    ``model`` on a CUDA device, ``ops`` a backend with no host synchronisation in the step (the
+    ``triton`` one). The returned logits are the graph's output buffer, overwritten by the next
+    replay of that cache's graph: clone to keep.
+    """
+
+    def __init__(self, model, ops, warmup: int = 2):
+        if model.model.embed_tokens.weight.device.type != "cuda":
+            raise GptOssFp8Error("CUDA-graph decode needs the model on a CUDA device")
+        self.model, self.ops, self.warmup = model, ops, warmup
+        self._graphs: weakref.WeakKeyDictionary[KVCache, _Captured] = weakref.WeakKeyDictionary()
+        self.captured = 0  # graphs captured so far
+
+    @torch.inference_mode()
+    def capture(self, cache: KVCache) -> _Captured:
+        """Capture one decode step of this cache (module docstring); the cache is left as it was."""
+        cache.check_room(1)
+        dev = cache.lengths.device
+        tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)
+        saved = cache.lengths.clone()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # torch's recipe: warm-up runs on a side stream before capture
+            for _ in range(self.warmup):
+                self.model.decode_step(cache, tokens, self.ops)
+                cache.lengths.copy_(saved)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.model.decode_step(cache, tokens, self.ops)
+        cache.lengths.copy_(saved)
+        self.captured += 1
+        return _Captured(graph, tokens, logits)
+
+    @torch.inference_mode()
+    def step(self, cache: KVCache, tokens: torch.Tensor | int) -> torch.Tensor:
+        """One decode step of every sequence of ``cache`` (tokens int [B], or an int / one-element
+        tensor for batch 1) by graph replay -> logits bf16 [B, V] (the static buffer)."""
+        got = self._graphs.get(cache)
+        if got is None:
+            got = self._graphs[cache] = self.capture(cache)
+        t = torch.as_tensor(tokens)
+        if t.numel() == 1 and cache.batch == 1:
+            t = t.reshape(1)
+        if t.shape != (cache.batch,) or t.is_floating_point():
+            raise GptOssFp8Error(f"decode takes one integer token per sequence: {cache.batch} for this cache, "
+                                 f"got {t.dtype} {list(t.shape)}")
+        cache.check_room(1)
+        got.tokens.copy_(t, non_blocking=True)
+        got.graph.replay()
+        cache.advance_host()
+        return got.logits

@@ -1,0 +1,270 @@
+"""``gptoss-fp8 generate``: prefill a prompt, then decode token by token through the KV cache.
+
+Greedy at temperature 0 (the argmax of each step's logits), else sampling from softmax(logits / T)
+with a seeded ``torch.Generator`` (same seed, same tokens). Generation stops after
+``max_new_tokens`` or at a Harmony stop token: ``<|return|>`` (the reply is done), ``<|call|>`` (a
+tool call), or ``<|end|>`` closing a message on any channel but ``analysis`` (in Harmony the model
+ends its reasoning with ``<|end|>`` and goes on with the final answer, so that one does not stop
+it). The ids are the released vocabulary's (``openai_harmony``); a synthetic checkpoint with a
+smaller vocabulary has ``config.special_token_ids``' stand-ins for ``<|return|>`` and ``<|call|>``
+(its last ids) and no text: its tokens are shown as ids.
+
+Text: the offline o200k_harmony tokenizer that ``--prompt`` uses (verify/prompt.py), streamed as
+tokens arrive (held back while a UTF-8 character is incomplete); at the end the reply is parsed
+into its Harmony messages (channel ``analysis`` / ``final`` / ``commentary``, and their text).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from gptoss_fp8.config import GptOssConfig, special_token_ids
+from gptoss_fp8.errors import GptOssFp8Error
+
+# o200k_harmony's special tokens (openai_harmony; the released checkpoints' vocabulary)
+HARMONY_VOCAB = 201088
+CHANNEL, START, END, MESSAGE, RETURN, CALL = 200005, 200006, 200007, 200008, 200002, 200012
+ANALYSIS = (35644,)  # "analysis", the channel name's tokens
+
+
+def stop_tokens(vocab_size: int) -> dict[int, str]:
+    """Token id -> name of the tokens that can end a reply, for a vocabulary of ``vocab_size``."""
+    ids = special_token_ids(vocab_size)
+    out = {ids["eos"]: "<|return|>", ids["call"]: "<|call|>"}
+    if vocab_size >= HARMONY_VOCAB:
+        out[END] = "<|end|>"
+    return out
+
+
+def stops_here(generated: list[int], stops: dict[int, str]) -> str | None:
+    """Whether the last generated token ends the reply: its name, or None. ``<|end|>`` ends it
+    unless it closes an ``analysis`` message (the header: ``<|channel|>analysis<|message|>``)."""
+    tok = generated[-1]
+    name = stops.get(tok)
+    if name != "<|end|>":
+        return name
+    head = [i for i, t in enumerate(generated[:-1]) if t == MESSAGE]
+    if not head:
+        return name
+    opening = generated[:head[-1]]
+    ch = max((i for i, t in enumerate(opening) if t == CHANNEL), default=None)
+    if ch is not None and tuple(opening[ch + 1:]) == ANALYSIS:
+        return None
+    return name
+
+
+def context_of(cfg: GptOssConfig) -> int:
+    """The model's context in tokens: the initial context times the YaRN factor (131072 for gpt-oss)."""
+    return int(cfg.initial_context_length * float(cfg.rope_scaling.get("factor", 1.0)))
+
+
+@dataclass
+class Generation:
+    """A finished generation: prompt and generated ids, why it stopped, and its timings."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    stop: str = "max-new-tokens"  # or the stop token's name
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # the decode steps (one per generated token after the first)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt) / self.prefill_seconds if self.prefill_seconds > 0 else math.inf
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        steps = len(self.tokens) - 1
+        if steps < 1:
+            return None
+        return steps / self.decode_seconds if self.decode_seconds > 0 else math.inf
+
+
+def check_request(cfg: GptOssConfig, prompt: list[int], max_new_tokens: int, temperature: float) -> None:
+    """Bad requests as one line each, before any model runs."""
+    if not prompt:
+        raise GptOssFp8Error("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise GptOssFp8Error(f"--max-new-tokens {max_new_tokens}: give at least 1")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise GptOssFp8Error(f"--temperature {temperature}: give a finite number >= 0 (0: greedy)")
+    bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise GptOssFp8Error(f"prompt token id {bad} is outside the vocabulary (vocab_size {cfg.vocab_size})")
+    ctx = context_of(cfg)
+    if len(prompt) + max_new_tokens > ctx:
+        raise GptOssFp8Error(f"--max-new-tokens {max_new_tokens}: the {len(prompt)}-token prompt plus that many "
+                             f"exceed the model's context of {ctx} tokens; ask for at most {max(0, ctx - len(prompt))}")
+
+
+def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """The next token from one row of logits [1, V] (or [V]): argmax at temperature 0, else a sample."""
+    row = logits.reshape(-1).float()
+    if temperature == 0:
+        return int(row.argmax())
+    probs = torch.softmax(row / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             on_token: Callable[[int], None] | None = None) -> Generation:
+    """Prefill ``prompt`` (token ids) with ``ops``, then decode one token at a time until a stop
+    token (``stops_here``) or ``max_new_tokens``; ``on_token`` is called with each new id as it
+    comes. The cache holds exactly prompt + max_new_tokens positions."""
+    cfg = model.cfg
+    check_request(cfg, prompt, max_new_tokens, temperature)
+    dev = model.model.embed_tokens.weight.device
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    stops = stop_tokens(cfg.vocab_size)
+    out = Generation(list(prompt))
+    t0 = time.perf_counter()
+    cache, logits = model.prefill(torch.tensor(prompt, dtype=torch.long, device=dev), ops,
+                                  max_len=len(prompt) + max_new_tokens)
+    tok = pick(logits, temperature, gen)  # a host read: the prefill is done
+    out.prefill_seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    while True:
+        out.tokens.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        name = stops_here(out.tokens, stops)
+        if name is not None:
+            out.stop = name
+            break
+        if len(out.tokens) == max_new_tokens:
+            break
+        tok = pick(model.decode(cache, tok, ops), temperature, gen)
+    _sync(dev)
+    out.decode_seconds = time.perf_counter() - t1
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Text (the offline tokenizer of --prompt)
+
+
+def _encoding():
+    from gptoss_fp8.verify.prompt import INSTALL, ensure_o200k
+
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(ensure_o200k())
+    try:
+        from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    except ImportError:
+        raise GptOssFp8Error(f"text needs openai-harmony; run: {INSTALL}") from None
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _text(ids: list[int]) -> str:
+    return _encoding().decode(ids) if ids else ""
+
+
+def has_text(vocab_size: int) -> bool:
+    """Whether this vocabulary is the tokenizer's (synthetic checkpoints usually have a smaller one)."""
+    return vocab_size == HARMONY_VOCAB
+
+
+class TextStream:
+    """Turns generated ids into text pieces as they come: the decoded text's new suffix, held back
+    while it ends in an incomplete UTF-8 character (shown as U+FFFD until its last byte arrives)."""
+
+    def __init__(self) -> None:
+        self.enc = _encoding()
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, tok: int) -> str:
+        self.ids.append(tok)
+        text = self.enc.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.enc.decode(self.ids)
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+
+def parse_reply(tokens: list[int]) -> tuple[list[tuple[str, str]], str | None]:
+    """The reply's Harmony messages as (channel, text) pairs, and why it does not parse (None when
+    it does): the generated tokens after the prompt's ``<|start|>assistant``."""
+    from openai_harmony import HarmonyError, Role
+
+    enc = _encoding()
+    ids = list(tokens)
+    if ids and ids[-1] not in (RETURN, CALL, END):
+        ids.append(END)  # stopped by max-new-tokens: close the last message so it is shown
+    try:
+        msgs = enc.parse_messages_from_completion_tokens(ids, Role.ASSISTANT)
+    except HarmonyError as e:  # the model's output, not ours: say so, do not fail
+        return [], f"the reply is not well-formed Harmony ({e})"
+    out = []
+    for m in msgs:
+        text = "".join(getattr(c, "text", "") for c in m.content)
+        out.append((m.channel or "(none)", text))
+    return out, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The command (cli/generate.py parses; this runs and prints)
+
+
+def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+        device: str = "cpu", mode: str = "auto", echo: Callable[..., None] = print) -> Generation:
+    """Load ``ckpt`` (an opened Checkpoint, unsharded), generate from the prompt ids with the
+    ``mode``'s ops backend (verify-logits' modes; auto: kernels on cuda, weights on cpu), stream
+    the reply through ``echo`` (text, or ids for a vocabulary that is not the tokenizer's), then
+    its Harmony channels and the prefill / decode tokens per second."""
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.parallel import Parallel
+    from gptoss_fp8.verify.backends import ops_for, resolve_modes
+    from gptoss_fp8.verify.run import _device_for
+
+    cfg = ckpt.config
+    check_request(cfg, prompt, max_new_tokens, temperature)
+    if ckpt.tp > 1:
+        raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}; generate runs in one process: "
+                             "convert again with --tp 1 (the default)")
+    auto = "kernels" if device.startswith("cuda") else "weights"
+    (mode,) = resolve_modes([auto if mode == "auto" else mode], device)
+    model = load_model(ckpt, Parallel(), _device_for(device, 0))
+    ops = ops_for(mode)
+    text = has_text(cfg.vocab_size)
+    if text:
+        stream = TextStream()
+        on_token = lambda t: echo(stream.push(t), nl=False)  # noqa: E731
+    else:
+        echo(f"vocab_size {cfg.vocab_size} is not the o200k_harmony tokenizer's {HARMONY_VOCAB} (a synthetic "
+             "checkpoint?): the reply is shown as token ids, without text or channels")
+        on_token = lambda t: echo(f"{t} ", nl=False)  # noqa: E731
+    echo(f"[{len(prompt)} prompt tokens, mode {mode}, {device}, "
+         + ("greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}") + "]")
+    g = generate(model, prompt, ops, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                 on_token=on_token)
+    if text:
+        echo(stream.flush(), nl=False)
+    echo("")
+    echo(f"stopped: {g.stop} after {len(g.tokens)} new tokens")
+    if text:
+        msgs, why = parse_reply(g.tokens)
+        for channel, body in msgs:
+            echo(f"[{channel}] {body}")
+        if why:
+            echo(f"channels: {why}")
+    dec = g.decode_tokens_per_s
+    echo(f"prefill: {len(prompt)} tokens in {g.prefill_seconds:.3f} s ({g.prefill_tokens_per_s:.1f} tokens/s); "
+         + (f"decode: {len(g.tokens) - 1} tokens in {g.decode_seconds:.3f} s ({dec:.1f} tokens/s)" if dec is not None
+            else "decode: no steps (one token, from the prefill)"))
+    return g
