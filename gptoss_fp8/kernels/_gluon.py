@@ -60,17 +60,38 @@ def descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), t.dtype))
 
 
-def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4) -> dict:
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_programs(tiles: int, sms: int, balance: bool) -> int:
+    """Persistent programs for ``tiles`` tiles on ``sms`` SMs: one per SM (at most one per tile), or
+    with ``balance`` the fewest that keep the same number of waves (DeepGEMM's ``num_min_sms``:
+    every program walks ceil(tiles / sms) or one fewer tiles either way, and the idle SMs cost no
+    power or L2 bandwidth, which matters under the H200's power cap)."""
+    progs = min(tiles, sms)
+    if balance:
+        progs = _cdiv(tiles, _cdiv(tiles, progs))
+    return progs
+
+
+def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4,
+                     divisible16: tuple[str, ...] = ()) -> dict:
     """Compile a Gluon kernel for sm_90 with no GPU present (types: argument -> triton type string,
-    "i32" for the ones not named). Returns {"ptx", "num_warps", "shared"}. Runs in a child process
+    "i32" for the ones not named). Returns {"ptx", "num_warps", "shared"} and ptxas's report
+    (``ptxas_resources``: registers, spill bytes, stack). ``divisible16``: arguments to compile as
+    a launch specializes them when they are multiples of 16 (pointers 16-byte aligned, strides, sizes:
+    what lets row stores vectorize). Runs in a child process
     when this one has Triton's interpreter on (there triton's own jit helpers, which Gluon's
     reductions wrap, are interpreter objects that cannot be compiled)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         code = ("import importlib, json, sys; from gptoss_fp8.kernels import _gluon; "
                 "fn = getattr(importlib.import_module(sys.argv[1]), sys.argv[2]); "
-                "print(json.dumps(_gluon.compile_for_sm90(fn, *map(json.loads, sys.argv[3:5]), int(sys.argv[5]))))")
-        args = [fn.fn.__module__, fn.fn.__name__, json.dumps(types), json.dumps(constexprs), str(num_warps)]
+                "print(json.dumps(_gluon.compile_for_sm90(fn, *map(json.loads, sys.argv[3:5]), int(sys.argv[5]), "
+                "tuple(json.loads(sys.argv[6])))))")
+        args = [fn.fn.__module__, fn.fn.__name__, json.dumps(types), json.dumps(constexprs), str(num_warps),
+                json.dumps(list(divisible16))]
         r = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"compiling {fn.fn.__name__} for sm_90 failed:\n{r.stderr[-3000:]}")
@@ -79,10 +100,47 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    # constexprs the caller leaves out take their defaults, as at a launch
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {a: ("constexpr" if a in constexprs else types.get(a, "i32")) for a in fn.arg_names}
-    k = triton.compile(GluonASTSource(fn, sig, constexprs, {}), target=GPUTarget("cuda", 90, 128),
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible16}
+    k = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
                        options=dict(num_warps=num_warps, num_stages=1, maxnreg=None))
-    return {"ptx": k.asm["ptx"], "num_warps": k.metadata.num_warps, "shared": k.metadata.shared}
+    return {"ptx": k.asm["ptx"], "num_warps": k.metadata.num_warps, "shared": k.metadata.shared,
+            **ptxas_resources(k.asm["ptx"])}
+
+
+def ptxas_resources(ptx: str) -> dict:
+    """ptxas's report for a PTX kernel assembled for sm_90a: {"regs", "spill_stores", "spill_loads",
+    "stack", "wgmma_serialized"} (bytes; regs is the launch count, the partitions' setmaxnreg aside;
+    wgmma_serialized: ptxas's C7514, every wgmma waiting for the previous one), {} where triton's
+    ptxas cannot be found."""
+    import re
+    import tempfile
+
+    from triton import knobs
+
+    try:
+        ptxas = knobs.nvidia.ptxas.path
+    except Exception:  # noqa: BLE001 - a triton without its bundled ptxas: no report
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    if r.returncode != 0 or regs is None:
+        return {"ptxas_error": log[-2000:]}
+    # C7514: ptxas could not prove the accumulators read between wgmma issue and wait to be retired and
+    # made every wgmma wait for the previous one (no tensor-core pipelining)
+    return {"regs": int(regs.group(1)), "spill_stores": int(spill.group(1)) if spill else 0,
+            "spill_loads": int(spill.group(2)) if spill else 0, "stack": int(stack.group(1)) if stack else 0,
+            "wgmma_serialized": "C7514" in log}
 
 
 if HAS_GLUON:
@@ -150,3 +208,167 @@ if HAS_GLUON:
         mbarrier.arrive(empty.index(c % S), count=1)
         acc = acc + done * gl.expand_dims(scale, 1)
         return acc, c + 1
+
+    @gluon.jit
+    def _scale_pair(as_ptr, a_offs, rmask, b_ptr, MASK_A: gl.constexpr):
+        """s_a[rows] * s_b for the rescaled main loop; masked rows (past M) read 1, never 0, so that
+        the ratio of two blocks' scales stays finite; a zero scale is raised to 1e-20 (see below)."""
+        if MASK_A:
+            sa = gl.load(as_ptr + a_offs, mask=rmask, other=1.0)
+        else:
+            sa = gl.load(as_ptr + a_offs)
+        return gl.maximum(sa * gl.load(b_ptr), 1e-20)
+
+    @gluon.jit
+    def block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr,
+                                   AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
+                                   as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
+                                   layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr):
+        """Two block-scaled FP8 products of one consumer warpgroup over the same stages, both
+        accumulated *in the tensor cores*: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1
+        of A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a tile as two m64 x n128
+        wgmma accumulators: 128 registers and no temporaries).
+
+        Rescaled accumulation instead of promotion: with s_k = s_a[row, k] * s_b[k] the kernel keeps
+        acc_k = sum_{j <= k} (s_j / s_k) P_j, i.e. acc_k = acc_{k-1} * (s_{k-1} / s_k) + P_k, where the
+        "+ P_k" is the wgmma's own accumulation (use_acc), and returns s_K * acc_K = sum_k s_k P_k,
+        the package's per-128 block scaling up to fp32 rounding (one multiply per block, as the
+        promotion's one FMA). Where the promotion needs a temporary per product in flight (64
+        registers each; the serial DeepGEMM order with both accumulators spilled here), this holds
+        only the accumulators. Per K block: wait for both products of the previous block, rescale
+        acc0 and issue its wgmma, then rescale acc1 while acc0's runs and issue acc1's (acc0's
+        rescale overlaps the other warpgroup's wgmma). A stage is released once both of its products
+        are done (at the next block's wait, one K block later than the promotion loops). With DO1 False this is the
+        one-accumulator form: wait, rescale, issue. Scale ratios stay finite:
+        masked rows read 1, scales are raised to 1e-20 (ratios of real scales, 1e-10 / 448 * s_w
+        and up, stay far inside fp32's range).
+
+        Scales addressed by int32 offsets (registers): product 0's row scales at as_ptr + a_offs
+        [AR] (masked by rmask0 with MASK_A), product 1's at a_offs + a_off1 (rmask1); weight-scale
+        rows at b_s_ptr and b_s_ptr + b_off1. DO1 False (constexpr; callers branch on their run-time
+        condition outside the loop: product 1's columns all past N, or its rows all padding) skips
+        product 1; acc1 is then exact zeros. Returns (acc0, acc1, next c)."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        zero = gl.zeros((AR, BR), gl.float32, layout)
+        acc1 = zero
+        sc0 = _scale_pair(as_ptr, a_offs, rmask0, b_s_ptr, MASK_A)
+        if DO1:  # b_s_ptr + b_off1 may lie past the scale array where product 1 is skipped: not read then
+            sc1 = _scale_pair(as_ptr, a_offs + a_off1, rmask1, b_s_ptr + b_off1, MASK_A)
+        # K block 0: both products straight into fresh accumulators
+        nk = gl.minimum(1, n_k - 1)
+        s = c % S
+        mbarrier.wait(ready.index(s), (c // S) & 1)
+        acc0 = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+        prev0 = sc0
+        sc0 = _scale_pair(as_ptr, a_offs + nk, rmask0, b_s_ptr + nk, MASK_A)
+        if DO1:
+            acc1 = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)), zero,
+                                 use_acc=False, is_async=True)
+            prev1 = sc1
+            sc1 = _scale_pair(as_ptr, a_offs + (a_off1 + nk), rmask1, b_s_ptr + (b_off1 + nk), MASK_A)
+        c += 1
+        for kk in range(1, n_k):
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            # Both products of block kk - 1 done before acc0 is read: waiting for acc0's group alone
+            # (acc1's left in flight across the loop's back edge) made ptxas serialize every wgmma
+            # (C7514: it cannot order groups carried around a loop); acc1 below is read with acc0's
+            # new group in flight, which ptxas can order.
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+            mbarrier.arrive(empty.index((c + S - 1) % S), count=1)  # block kk - 1's stage: both read
+            acc0 = acc0 * gl.expand_dims(prev0 / sc0, 1)
+            acc0 = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), acc0,
+                                 use_acc=True, is_async=True)
+            # the next block's scales (their latency hides behind this block's products)
+            nk = gl.minimum(kk + 1, n_k - 1)
+            prev0 = sc0
+            sc0 = _scale_pair(as_ptr, a_offs + nk, rmask0, b_s_ptr + nk, MASK_A)
+            if DO1:
+                acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))  # a no-op: retired above
+                acc1 = acc1 * gl.expand_dims(prev1 / sc1, 1)
+                acc1 = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)),
+                                     acc1, use_acc=True, is_async=True)
+                prev1 = sc1
+                sc1 = _scale_pair(as_ptr, a_offs + (a_off1 + nk), rmask1, b_s_ptr + (b_off1 + nk), MASK_A)
+            c += 1
+        if DO1:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            acc1 = acc1 * gl.expand_dims(prev1, 1)
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+        mbarrier.arrive(empty.index((c + S - 1) % S), count=1)
+        acc0 = acc0 * gl.expand_dims(prev0, 1)
+        return acc0, acc1, c
+
+    @gluon.jit
+    def _scale_prod(as_ptr, a_offs, rmask, b_ptr, MASK_A: gl.constexpr):
+        """s_a[rows] * s_b for the serial promotion loop (masked rows, past M, read 0)."""
+        if MASK_A:
+            sa = gl.load(as_ptr + a_offs, mask=rmask, other=0.0)
+        else:
+            sa = gl.load(as_ptr + a_offs)
+        return sa * gl.load(b_ptr)
+
+    @gluon.jit
+    def block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr,
+                                     AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
+                                     as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
+                                     layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr):
+        """``block_scaled_mainloop_pair``'s products (same arguments, same result) with the package's
+        promotion numerics: per K block each product's wgmma goes into a fresh temporary, is waited
+        for in full (warpgroup_mma_wait(0)) within the same iteration and then added, scaled by
+        s_a[row, kb] * s_b[kb], to its fp32 accumulator (``GluonTile(promote="serial")``).
+
+        Hopper's FP8 wgmma accumulates with limited internal precision, so accumulating in place
+        over all of K (the pair loop) loses ~1e-3 relative accuracy; the promotion every 128 keeps
+        it at the default's. The default loop (``block_scaled_mainloop``) issues block k + 1's wgmma
+        before it promotes block k, a group left in flight across the loop's back edge, which ptxas
+        cannot order (C7514: it serializes every wgmma). Here no wgmma is in flight at a back edge
+        nor while any register it writes is read, so ptxas keeps the tensor cores pipelined within
+        a block; the overlap of promotion with tensor-core work comes from the two consumer
+        warpgroups being separate partitions (one promotes while the other's wgmmas run). With DO1
+        the two products run one after the other through the same 64-register temporary (product
+        0's promotion before product 1's issue): accumulators 2 x 64 + one temporary fit in 232
+        registers. The stage is released once its last product is done. DO1 False: product 1 is
+        skipped and acc1 is exact zeros. Returns (acc0, acc1, next c)."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        # t: the temporary. Each wgmma is issued with use_acc=False on the previous (promoted, dead)
+        # temporary, whose values it ignores: the same registers, no zeros to write per block, and
+        # ptxas never holds two temporaries at once.
+        t = gl.zeros((AR, BR), gl.float32, layout)
+        acc0 = gl.zeros((AR, BR), gl.float32, layout)
+        acc1 = gl.zeros((AR, BR), gl.float32, layout)
+        for kk in range(n_k):
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            t = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), t,
+                              use_acc=False, is_async=True)
+            sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
+            if DO1:
+                acc0 = acc0 + t * gl.expand_dims(sc0, 1)
+                t = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)), t,
+                                  use_acc=False, is_async=True)
+                sc1 = _scale_prod(as_ptr, a_offs + (a_off1 + kk), rmask1, b_s_ptr + (b_off1 + kk), MASK_A)
+                t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = acc1 + t * gl.expand_dims(sc1, 1)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + t * gl.expand_dims(sc0, 1)
+            c += 1
+        return acc0, acc1, c
+
+    @gluon.jit
+    def block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr, AR: gl.constexpr,
+                                  B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr, as_ptr, a_offs, a_off1,
+                                  rmask0, rmask1, b_s_ptr, b_off1, c, n_k, layout: gl.constexpr,
+                                  MASK_A: gl.constexpr, DO1: gl.constexpr, SERIAL: gl.constexpr):
+        """``block_scaled_mainloop_serial`` (SERIAL) or ``block_scaled_mainloop_pair`` (in place)."""
+        if SERIAL:
+            return block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR, as_ptr, a_offs,
+                                                a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k, layout, MASK_A, DO1)
+        else:
+            return block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR, as_ptr, a_offs,
+                                              a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k, layout, MASK_A, DO1)

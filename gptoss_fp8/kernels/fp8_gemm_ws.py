@@ -17,6 +17,12 @@ Structure: one persistent program per SM walking 128 x 128 output tiles in group
   partitions, the two drift: one's promotion and epilogue run beside the other's wgmma.
 - Epilogue: bias added, the bf16 tile written to shared memory and stored by TMA asynchronously;
   the store is waited for only before that buffer is written again, one tile later.
+Wide forms (opt-in, ``GluonTile(block_m=256)`` / ``GluonTile(block_n=256)``, not yet measured):
+256 x 128 or 128 x 256 tiles, each consumer warpgroup holding two 64 x 128 accumulators that the
+wgmma accumulates in place, rescaled by s_{k-1} / s_k before each K block and by s_K at the end
+(``_gluon.block_scaled_mainloop_pair``): no promotion temporaries, so 128 rows x 128 columns per
+warpgroup fit in 232 registers without spills, and 1.5x the FLOPs per loaded byte of the 128 x 128
+tile. ``GluonTile(balance=True)``: the fewest programs that keep the number of waves.
 Triton's tile language cannot express this on Hopper (its automatic warp specialization hangs on
 the H200 with triton 3.6: benchmarks/repro_triton_autows_hang.py).
 
@@ -35,12 +41,15 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - re-exported
+from gptoss_fp8.kernels._gluon import HAS_GLUON, num_programs, supported  # noqa: F401 - re-exported
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         block_scaled_mainloop,
+        block_scaled_mainloop_pair,
+        block_scaled_mainloop_serial,
+        block_scaled_mainloop_two,
         descriptor,
         fence_async_shared,
         gl,
@@ -52,7 +61,9 @@ if HAS_GLUON:
     )
 
 BM, BN, BK = 128, 128, 128  # output tile and K block (= the scale group)
-WARPGROUP_ROWS = BM // 2  # rows of a tile per consumer warpgroup
+WARPGROUP_ROWS = BM // 2  # rows of a tile per consumer warpgroup (and of one TMA store)
+WIDE = 256  # the wide forms' long tile side: 256 x 128 (block_m) or 128 x 256 (block_n) tiles
+SMEM_BYTES = 227 * 1024  # one sm_90 block's shared memory
 
 
 
@@ -77,7 +88,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume(ROW0: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_smem,
-                 M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+                 M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         """One consumer warpgroup: rows ROW0 .. ROW0 + 64 of every tile of this program."""
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
@@ -94,8 +106,17 @@ if HAS_GLUON:
             rmask = rows < M
             a_s_ptr = as_ptr + rows * stride_asm
             b_s_ptr = bs_ptr + pid_n * stride_bsn  # TN = 128: one weight-scale block row per tile
-            acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, ROW0, ROWS, 0, TN, a_s_ptr, rmask, b_s_ptr, c,
-                                           n_k, layout, True)
+            if SERIAL:  # promotion, each block's wgmma waited for in its iteration (no C7514 serialization)
+                acc, _unused, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, ROW0, ROW0, ROWS, 0, 0, TN,
+                                                               as_ptr, rows * stride_asm, 0, rmask, rmask,
+                                                               b_s_ptr, 0, c, n_k, layout, True, False)
+            elif INPLACE:  # one in-place accumulator, rescaled per block (no C7514 serialization)
+                acc, _unused, c = block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, ROW0, ROW0, ROWS, 0, 0, TN,
+                                                             as_ptr, rows * stride_asm, 0, rmask, rmask,
+                                                             b_s_ptr, 0, c, n_k, layout, True, False)
+            else:
+                acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, ROW0, ROWS, 0, TN, a_s_ptr, rmask, b_s_ptr,
+                                               c, n_k, layout, True)
             # epilogue (the producer is already loading this program's next tile)
             if HAS_BIAS:
                 cols = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(0, layout))
@@ -109,18 +130,21 @@ if HAS_GLUON:
     # The two worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         _consume(c_bufs.type.shape[1], empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs.index(1),
-                 M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)
+                 M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)
 
     @gluon.jit
     def _producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                  M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+                  M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
-                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -134,27 +158,159 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
         gl.warp_specialize([
             (_consume, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs.index(0),
-                        M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
+                        M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)),
             (_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                                M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
+                                M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)),
             (_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
+                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)),
         ], [4, 1], [232, 40])
 
 
+if HAS_GLUON:
+
+    @gluon.jit
+    def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
+                      M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      SERIAL: gl.constexpr = False):
+        """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_pair``):
+        256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
+        128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
+        each A stage (the second skipped where it lies wholly past N). Each 64 x 128 piece leaves
+        through its own TMA store. c_bufs [2 * NB, 64, 128]: NB store buffers per warpgroup (with
+        one, the second piece waits until the first piece's store has read the buffer)."""
+        TM: gl.constexpr = a_bufs.type.shape[1]
+        TN: gl.constexpr = b_bufs.type.shape[1]
+        TK: gl.constexpr = a_bufs.type.shape[2]
+        R: gl.constexpr = c_bufs.type.shape[1]
+        HN: gl.constexpr = c_bufs.type.shape[2]  # columns of one product
+        NB: gl.constexpr = c_bufs.type.shape[0] // 2
+        WN: gl.constexpr = TN > HN  # 128 x 256 (else 256 x 128)
+        A0: gl.constexpr = W * R if WN else W * 2 * R
+        A1: gl.constexpr = A0 if WN else A0 + R
+        B1: gl.constexpr = HN if WN else 0
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
+        num_m = gl.cdiv(M, TM)
+        num_n = gl.cdiv(N, TN)
+        n_k = gl.cdiv(K, TK)
+        c = 0
+        for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            row0 = pid_m * TM + A0
+            col0 = pid_n * TN
+            rows0 = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+            a_offs = rows0 * stride_asm
+            b_s_ptr = bs_ptr + (col0 // TK) * stride_bsn  # one weight-scale block row per 128 columns
+            if WN:
+                row1 = row0
+                col1 = col0 + HN
+                if col1 < N:
+                    acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
+                                                               as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
+                                                               stride_bsn, c, n_k, layout, True, True, SERIAL)
+                else:
+                    acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
+                                                               as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
+                                                               stride_bsn, c, n_k, layout, True, False, SERIAL)
+            else:
+                row1 = row0 + R
+                col1 = col0
+                acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
+                                                           as_ptr, a_offs, R * stride_asm, rows0 < M,
+                                                           rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True, SERIAL)
+            if HAS_BIAS:
+                cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
+                cols1 = col1 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                acc1 = acc1 + gl.expand_dims(gl.load(bias_ptr + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
+            tma.store_wait(0)  # the previous tile's stores have left c_bufs
+            c_bufs.index(W * NB).store(acc0.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row0, col0], c_bufs.index(W * NB))
+            if NB == 1:
+                tma.store_wait(0)
+            c_bufs.index(W * NB + NB - 1).store(acc1.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row1, col1], c_bufs.index(W * NB + NB - 1))  # clipped past M, N
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
+                              M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
+                              HAS_BIAS: gl.constexpr, INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+        _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
+                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)
+
+    @gluon.jit
+    def _ws_fp8_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
+                                 num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                 C_BUFS: gl.constexpr, SERIAL: gl.constexpr = False):
+        """The wide forms (``GluonTile(block_m=256)``: 256 x 128 tiles, DeepGEMM's choice for these
+        shapes; ``GluonTile(block_n=256)``: 128 x 256): per K block 48 KB of loads for 256 x 128 x 128
+        MACs (the 128 x 128 tile: 32 KB for half of that), i.e. 1.5x the FLOPs per byte through L2
+        and shared memory. The producer is the base kernel's; C_BUFS: TMA-store buffers per consumer
+        warpgroup (1 or 2)."""
+        TM: gl.constexpr = a_desc.block_type.shape[0]
+        TN: gl.constexpr = b_desc.block_type.shape[0]
+        TK: gl.constexpr = a_desc.block_type.shape[1]
+        R: gl.constexpr = c_desc.block_type.shape[0]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, TM, TK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, TN, TK], b_desc.layout)
+        c_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * C_BUFS, R, c_desc.block_type.shape[1]], c_desc.layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            mbarrier.init(ready.index(i), count=1)
+        gl.warp_specialize([
+            (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
+                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)),
+            (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
+                                     c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, False, SERIAL)),
+            (_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
+                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, False, SERIAL)),
+        ], [4, 1], [232, 40])
+
+
+def wide_c_bufs(stages: int) -> int:
+    """Store buffers per consumer warpgroup of the wide kernel that fit beside ``stages`` stages."""
+    stage = (WIDE + BN) * BK  # fp8 A and B blocks
+    c_buf = WARPGROUP_ROWS * BN * 2  # one bf16 64 x 128 store buffer
+    for bufs in (2, 1):
+        if stages * stage + 2 * bufs * c_buf + 1024 <= SMEM_BYTES:
+            return bufs
+    raise AssertionError(f"{stages} stages of {stage} bytes do not fit the wide kernel's shared memory")
+
+
 def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8) -> torch.Tensor:
+                bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
+                block_m: int = BM, block_n: int = BN, balance: bool = False, inplace: bool = False,
+                promote: str = "pipelined") -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
-    [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point."""
+    [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
+    block_m x block_n: 128 x 128 (the base kernel), 256 x 128 or 128 x 256 (the wide forms);
+    balance: ``_gluon.num_programs``; inplace: the 128 x 128 kernel with one in-place accumulator
+    (``_gluon.block_scaled_mainloop_pair`` with one product) instead of the promotion loop;
+    promote="serial": the promotion numerics with every K block's wgmmas waited for within their
+    iteration (``_gluon.block_scaled_mainloop_serial``, no C7514), on any of the three tiles (it
+    overrides inplace and the wide forms' in-place accumulation)."""
+    assert promote in ("pipelined", "serial"), f"promote={promote!r}: 'pipelined' or 'serial'"
     m, k = a.shape
     n = w.shape[0]
+    serial = dict(SERIAL=True) if promote == "serial" else {}  # the shipped launches keep their exact signatures
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
-    a_desc, b_desc, c_desc = descriptor(a, [BM, BK]), descriptor(w, [BN, BK]), descriptor(out, [WARPGROUP_ROWS, BN])
-    num_progs = min(cdiv(m, BM) * cdiv(n, BN), sm_count(a.device))
-    _ws_fp8_gemm_kernel[(num_progs,)](
-        a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
-        a_scale.stride(0), w_scale_inv.stride(0), num_progs,
-        STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None, num_warps=4,
-    )
+    assert (block_m, block_n) in ((BM, BN), (WIDE, BN), (BM, WIDE)), (
+        f"tile {block_m} x {block_n}: the Gluon dense GEMM has 128 x 128, 256 x 128 and 128 x 256 tiles")
+    a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w, [block_n, BK])
+    c_desc = descriptor(out, [WARPGROUP_ROWS, BN])
+    num_progs = num_programs(cdiv(m, block_m) * cdiv(n, block_n), sm_count(a.device), balance)
+    args = (a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
+            a_scale.stride(0), w_scale_inv.stride(0), num_progs)
+    if (block_m, block_n) == (BM, BN):
+        extra = dict(INPLACE=True) if inplace and not serial else {}
+        _ws_fp8_gemm_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
+                                          num_warps=4, **extra, **serial)
+    else:
+        _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
+                                               C_BUFS=wide_c_bufs(stages), num_warps=4, **serial)
     return out

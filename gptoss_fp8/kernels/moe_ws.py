@@ -7,9 +7,14 @@ FP8 activations already in padded sorted row order (``moe.gather_act_quant``), r
 bias, the clamped SwiGLU, the 1x128 FP8 quantization of the result (one scale per row and 128
 outputs), written in sorted row order through TMA. Each K block's fp8 product is scaled by
 s_a[row, kb] * s_w[expert, col block, kb] into an fp32 accumulator (promotion every 128).
-Not done here: the down GEMM (a Gluon down ran 5-10% slower than the Triton one on the H200,
-BENCHMARKS.md seventh session, and was removed; ``slots_ptr``, ``out_ptr``, ``num_slots`` and
-``stride_om`` stay in the argument lists, unused); any other tile than 64 x 256.
+Opt-in forms (not yet measured on the GPU; defaults unchanged): the wide gate_up
+(``GluonTile(block_m=128)``, 128 x 256 tiles over 128-row segments, each warpgroup 64 rows x all
+256 columns as two in-place-accumulated products, ``_gluon.block_scaled_mainloop_pair``: no row-max
+exchange, 1.67x the FLOPs per byte) and the down GEMM on the same tiles (``ws_moe_down``, output
+rows scattered to the slots with 16-byte stores through shared memory; the earlier 64 x 256 Gluon
+down with 4-byte stores from the wgmma layout ran 5-10% behind the Triton down, BENCHMARKS.md
+seventh session). The base gate_up keeps ``slots_ptr``, ``out_ptr``, ``num_slots`` and
+``stride_om`` in its argument lists, unused.
 
 Structure (the dense fp8_gemm_ws.py's, on 64 x 256 tiles; experts' row segments are padded to 64):
 one persistent program per SM walks (row tile, column tile) pairs in grouped order, skipping row
@@ -28,12 +33,15 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels._gluon import HAS_GLUON, num_programs, supported  # noqa: F401 - supported is re-exported
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         block_scaled_mainloop,
+        block_scaled_mainloop_pair,
+        block_scaled_mainloop_serial,
+        block_scaled_mainloop_two,
         descriptor,
         fence_async_shared,
         gl,
@@ -46,6 +54,7 @@ if HAS_GLUON:
 
 TILE_M, TILE_N, BK = 64, 256, 128  # rows (= the experts' segment alignment), columns, K block
 HALF_N = TILE_N // 2  # columns per consumer warpgroup
+WIDE_M = 128  # the wide form's rows (segments padded to 128): 64 per consumer warpgroup, all 256 columns
 
 
 if HAS_GLUON:
@@ -82,8 +91,11 @@ if HAS_GLUON:
                      out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                      stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
                      GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
-                     FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
-        """Consumer warpgroup W (0 or 1): columns W*128 .. W*128 + 128 of every tile."""
+                     FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, INPLACE: gl.constexpr = False,
+                     SERIAL: gl.constexpr = False):
+        """Consumer warpgroup W (0 or 1): columns W*128 .. W*128 + 128 of every tile (INPLACE: one
+        in-place accumulator, ``block_scaled_mainloop_pair`` with one product, instead of the
+        promotion loop that ptxas serializes)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -105,8 +117,17 @@ if HAS_GLUON:
                 a_s_ptr = as_ptr + rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 if col0 < N:
-                    acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN, a_s_ptr, rows,
-                                                   b_s_ptr, c, n_k, layout, False)
+                    if SERIAL:
+                        acc, _unused, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, 0, 0, TM, W * HN,
+                                                                       W * HN, HN, as_ptr, rows * stride_asm, 0, rows,
+                                                                       rows, b_s_ptr, 0, c, n_k, layout, False, False)
+                    elif INPLACE:
+                        acc, _unused, c = block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, 0, 0, TM, W * HN,
+                                                                     W * HN, HN, as_ptr, rows * stride_asm, 0, rows,
+                                                                     rows, b_s_ptr, 0, c, n_k, layout, False, False)
+                    else:
+                        acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN, a_s_ptr, rows,
+                                                       b_s_ptr, c, n_k, layout, False)
                 else:  # all columns past N: only keep the stage ring in step
                     acc = gl.zeros((TM, HN), gl.float32, layout)
                     for _kk in range(n_k):
@@ -143,18 +164,20 @@ if HAS_GLUON:
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
                              stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                             ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+                             ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
+                             INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         _moe_consume(1, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(1), as_ptr, bs_ptr, bias_ptr, out_ptr,
                      out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                      stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C,
-                     EPS)
+                     EPS, INPLACE, SERIAL)
 
     @gluon.jit
     def _moe_producer(a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                       bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                       num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
                       stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                      ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+                      ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
+                      INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M)
 
@@ -163,7 +186,8 @@ if HAS_GLUON:
                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                             stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+                            ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
+                            INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -183,37 +207,329 @@ if HAS_GLUON:
             (_moe_consume, (0, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(0), as_ptr, bs_ptr, bias_ptr,
                             out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                             num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit,
-                            num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)),
+                            num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, INPLACE, SERIAL)),
             (_moe_second_consumer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                                     bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                                     num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase,
                                     stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C,
-                                    EPS)),
+                                    EPS, INPLACE, SERIAL)),
             (_moe_producer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
-                             stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)),
+                             stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, INPLACE, SERIAL)),
         ], [4, 1], [232, 40])
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _moe_consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
+                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
+                          stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
+                          ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
+                          SERIAL: gl.constexpr = False):
+        """Wide form, consumer warpgroup W: rows W*64 .. W*64 + 64 of every 128 x 256 tile, all 256
+        columns as two 128-column products sharing each A stage (``block_scaled_mainloop_pair``), so
+        the tile's 128 SwiGLU outputs (one FP8 group) sit in one warpgroup: no row-max exchange.
+        A warpgroup whose first row is padding (a segment's padding rows come last, so all its rows
+        are) skips its products; the right half is skipped where it lies wholly past N."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        TM: gl.constexpr = a_bufs.type.shape[1]
+        TK: gl.constexpr = a_bufs.type.shape[2]
+        TN: gl.constexpr = b_bufs.type.shape[1]
+        R: gl.constexpr = TM // 2
+        HN: gl.constexpr = TN // 2
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
+        num_n = gl.cdiv(N, TN)
+        n_k = gl.cdiv(K, TK)
+        c = 0
+        for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            expert32 = gl.load(block_expert_ptr + pid_m)
+            if expert32 < num_experts:
+                expert = expert32.to(gl.int64)
+                row0 = pid_m * TM + W * R
+                col0 = pid_n * TN
+                rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+                cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                cols1 = cols0 + HN
+                a_offs = rows * stride_asm
+                b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
+                live = gl.load(slots_ptr + row0) < num_slots
+                if live:
+                    if col0 + HN < N:
+                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                   layout, False, True, SERIAL)
+                    else:
+                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                   layout, False, False, SERIAL)
+                else:  # padding rows only: keep the stage ring in step (their outputs: the bias's SwiGLU)
+                    acc0 = gl.zeros((R, HN), gl.float32, layout)
+                    acc1 = gl.zeros((R, HN), gl.float32, layout)
+                    for _kk in range(n_k):
+                        mbarrier.wait(ready.index(c % S), (c // S) & 1)
+                        mbarrier.arrive(empty.index(c % S), count=1)
+                        c += 1
+                nmask0 = cols0 < N
+                nmask1 = cols1 < N
+                bias_row = bias_ptr + expert * stride_biase
+                acc0 = acc0 + gl.expand_dims(gl.load(bias_row + cols0, mask=nmask0, other=0.0).to(gl.float32), 0)
+                acc1 = acc1 + gl.expand_dims(gl.load(bias_row + cols1, mask=nmask1, other=0.0).to(gl.float32), 0)
+                h0 = swiglu_columns(acc0, nmask0, limit, ALPHA)
+                h1 = swiglu_columns(acc1, nmask1, limit, ALPHA)
+                amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
+                scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
+                inv = gl.expand_dims(scale_o, 1)
+                q0 = gl.minimum(gl.maximum(h0 / inv, -FP8_MAX_C), FP8_MAX_C)
+                q1 = gl.minimum(gl.maximum(h1 / inv, -FP8_MAX_C), FP8_MAX_C)
+                tma.store_wait(0)  # the previous tile's stores have left o_bufs
+                o_bufs.index(2 * W).store(q0.to(gl.float8e4nv))
+                o_bufs.index(2 * W + 1).store(q1.to(gl.float8e4nv))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN], o_bufs.index(2 * W))
+                tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN + HN // 2], o_bufs.index(2 * W + 1))
+                srows = row0 + gl.arange(0, R, layout=amax.type.layout)
+                gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _moe_wide_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
+                         out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
+                         stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
+                         ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
+                          SERIAL: gl.constexpr = False):
+        _moe_consume_wide(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr,
+                          slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                          stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS,
+                          SERIAL)
+
+    @gluon.jit
+    def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
+                           out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
+                           stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
+                           ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
+                          SERIAL: gl.constexpr = False):
+        _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
+                     num_progs, GROUP_M)
+
+    @gluon.jit
+    def _ws_moe_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr, slots_ptr,
+                                 block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                                 stride_bsn, stride_biase, stride_osm, limit, num_progs, STAGES: gl.constexpr,
+                                 GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr,
+                                 EPS: gl.constexpr, SERIAL: gl.constexpr = False):
+        """The wide gate_up (``GluonTile(block_m=128)``): 128 x 256 tiles over 128-row segments, 48 KB of
+        loads per K block for twice the 64 x 256 tile's work (40 KB): 1.67x the FLOPs per byte."""
+        TM: gl.constexpr = a_desc.block_type.shape[0]
+        TN: gl.constexpr = b_desc.block_type.shape[0]
+        TK: gl.constexpr = a_desc.block_type.shape[1]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, TM, TK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, TN, TK], b_desc.layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        o_bufs = gl.allocate_shared_memory(gl.float8e4nv, [4, TM // 2, TN // 4], out_desc.layout)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            mbarrier.init(ready.index(i), count=1)
+        gl.warp_specialize([
+            (_moe_consume_wide, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr,
+                                 slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
+                                 stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA,
+                                 FP8_MAX_C, EPS, SERIAL)),
+            (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
+                                out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
+                                stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs,
+                                GROUP_M, ALPHA, FP8_MAX_C, EPS, SERIAL)),
+            (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
+                                  out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
+                                  num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit,
+                                  num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, SERIAL)),
+        ], [4, 1], [232, 40])
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _down_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
+                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr,
+                     SERIAL: gl.constexpr = False):
+        """Down, consumer warpgroup W: rows W*64 .. W*64 + 64 of every 128 x 256 tile as the wide
+        gate_up's two 128-column products; + bias; each 64 x 128 piece goes through this
+        warpgroup's shared-memory buffer into 16-byte row stores at its tokens' slots (padding rows
+        not written)."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        TM: gl.constexpr = a_bufs.type.shape[1]
+        TK: gl.constexpr = a_bufs.type.shape[2]
+        TN: gl.constexpr = b_bufs.type.shape[1]
+        R: gl.constexpr = TM // 2
+        HN: gl.constexpr = TN // 2
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
+        # 8 bf16 (16 bytes) per thread, a warp on 2 rows x 128 columns: coalesced row stores
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        c_smem = c_bufs.index(W)
+        num_n = gl.cdiv(N, TN)
+        n_k = gl.cdiv(K, TK)
+        c = 0
+        for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            expert32 = gl.load(block_expert_ptr + pid_m)
+            if expert32 < num_experts:
+                expert = expert32.to(gl.int64)
+                row0 = pid_m * TM + W * R
+                col0 = pid_n * TN
+                rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+                a_offs = rows * stride_asm
+                b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
+                live = gl.load(slots_ptr + row0) < num_slots
+                if live:
+                    if col0 + HN < N:
+                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                   layout, False, True, SERIAL)
+                    else:
+                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                   layout, False, False, SERIAL)
+                    srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
+                    slot = gl.load(slots_ptr + srows)
+                    smask = gl.expand_dims(slot < num_slots, 1)
+                    y_rows = y_ptr + gl.expand_dims(slot.to(gl.int64) * stride_ym, 1)
+                    bias_row = bias_ptr + expert * stride_biase
+                    cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                    acc0 = acc0 + gl.expand_dims(gl.load(bias_row + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
+                    c_smem.store(acc0.to(gl.bfloat16))
+                    vals = c_smem.load(store_layout)
+                    scols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, store_layout))
+                    gl.store(y_rows + gl.expand_dims(scols, 0), vals, mask=smask & gl.expand_dims(scols < N, 0))
+                    if col0 + HN < N:
+                        cols1 = cols0 + HN
+                        acc1 = acc1 + gl.expand_dims(
+                            gl.load(bias_row + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
+                        c_smem.store(acc1.to(gl.bfloat16))
+                        vals = c_smem.load(store_layout)
+                        scols = scols + HN
+                        gl.store(y_rows + gl.expand_dims(scols, 0), vals, mask=smask & gl.expand_dims(scols < N, 0))
+                else:  # padding rows only: nothing to write; keep the stage ring in step
+                    for _kk in range(n_k):
+                        mbarrier.wait(ready.index(c % S), (c // S) & 1)
+                        mbarrier.arrive(empty.index(c % S), count=1)
+                        c += 1
+
+    @gluon.jit
+    def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
+                     slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                     stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr,
+                     SERIAL: gl.constexpr = False):
+        _down_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr,
+                      block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
+                      stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)
+
+    @gluon.jit
+    def _down_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
+                       slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                       stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr,
+                       SERIAL: gl.constexpr = False):
+        _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
+                     num_progs, GROUP_M)
+
+    @gluon.jit
+    def _ws_moe_down_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr, block_expert_ptr, num_m, N,
+                            K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_ym,
+                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERIAL: gl.constexpr = False):
+        """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128))``): the
+        wide gate_up's main loop, 1.67x the 64 x 256 tile's FLOPs per byte; output scattered to the
+        slots' rows (the earlier 64 x 256 Gluon down, 4-byte stores from the wgmma layout, ran 5-10%
+        behind the Triton down)."""
+        TM: gl.constexpr = a_desc.block_type.shape[0]
+        TN: gl.constexpr = b_desc.block_type.shape[0]
+        TK: gl.constexpr = a_desc.block_type.shape[1]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, TM, TK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, TN, TK], b_desc.layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        c_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        c_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, TM // 2, TN // 2], c_layout)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            mbarrier.init(ready.index(i), count=1)
+        gl.warp_specialize([
+            (_down_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr,
+                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                             stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)),
+            (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
+                            slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)),
+            (_down_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
+                              slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
+                              stride_bse, stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)),
+        ], [4, 1], [232, 40])
+
+
+def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
+                num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
+                promote: str = "pipelined") -> None:
+    """The down GEMM on 128 x 256 tiles: y[slot] = act[row] @ W2[expert]^T + b2[expert] (bf16), for
+    the sorted rows of 128-row segments (``moe_expert_slots`` checks the shapes and is the entry
+    point). a = act [max_rows, I] fp8 with a_scale [max_rows, ceil(I/128)]; w [E, H, I] fp8 with
+    w_scale_inv [E, ceil(H/128), ceil(I/128)]; bias [E, H]; y [num_slots, H] bf16 (rows of padding
+    slots are not written). promote="serial": ``_gluon.block_scaled_mainloop_serial`` (the promotion
+    numerics, no C7514) instead of the in-place accumulation."""
+    assert promote in ("pipelined", "serial"), f"promote={promote!r}: 'pipelined' or 'serial'"
+    max_rows, k = a.shape
+    e, n, _ = w.shape
+    assert max_rows % WIDE_M == 0 and y.stride(1) == 1 and y.dtype == torch.bfloat16, (max_rows, y.dtype)
+    a_desc, b_desc = descriptor(a, [WIDE_M, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
+    num_m = max_rows // WIDE_M
+    num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
+    _ws_moe_down_kernel[(num_progs,)](
+        a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
+        a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
+        STAGES=stages, GROUP_M=group_m, num_warps=4, **(dict(SERIAL=True) if promote == "serial" else {}),
+    )
 
 
 def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, sorted_slots: torch.Tensor,
                 block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
-                fp8_max: float, eps: float, stages: int = 4, group_m: int = 8) -> None:
+                fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, block_m: int = TILE_M,
+                balance: bool = False, inplace: bool = False, promote: str = "pipelined") -> None:
     """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
-    a [max_rows, K] fp8 in padded sorted row order (segments of 64 rows), a_scale [max_rows,
-    ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128), ceil(K/128)], bias [E, N];
-    out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)] (sorted rows)."""
+    a [max_rows, K] fp8 in padded sorted row order (segments of block_m rows: 64, or 128 for the
+    wide form), a_scale [max_rows, ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128),
+    ceil(K/128)], bias [E, N]; out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)]
+    (sorted rows). balance: ``_gluon.num_programs``; inplace: the 64 x 256 kernel with in-place
+    accumulators (the wide form always has them); promote="serial": either form with the promotion
+    numerics and no C7514 (``_gluon.block_scaled_mainloop_serial``; overrides inplace)."""
+    assert promote in ("pipelined", "serial"), f"promote={promote!r}: 'pipelined' or 'serial'"
+    serial = dict(SERIAL=True) if promote == "serial" else {}  # the shipped launches keep their exact signatures
     max_rows, k = a.shape
     e, n, _ = w.shape
-    a_desc, b_desc = descriptor(a, [TILE_M, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
+    assert block_m in (TILE_M, WIDE_M) and max_rows % block_m == 0, f"block_m {block_m}, {max_rows} rows"
+    a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     out_desc = descriptor(out, [TILE_M, TILE_N // 4])
-    num_m = max_rows // TILE_M
-    num_progs = min(num_m * cdiv(n, TILE_N), sm_count(a.device))
+    num_m = max_rows // block_m
+    num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
+    if block_m == WIDE_M:
+        _ws_moe_gemm_wide_kernel[(num_progs,)](
+            a_desc, b_desc, a_scale, w_scale_inv, bias, out_desc, out_scale, sorted_slots, block_expert,
+            num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),
+            bias.stride(0), out_scale.stride(0), float(limit), num_progs,
+            STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4, **serial,
+        )
+        return
     _ws_moe_gemm_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_scale, sorted_slots, block_expert,
         num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0),
         out.stride(0), out_scale.stride(0), float(limit), num_progs,
         STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
+        **(dict(INPLACE=True) if inplace and not serial else {}), **serial,
     )
