@@ -316,7 +316,7 @@ def test_cli_under_torchrun_tp2(tiny, tmp_path):
     import subprocess
     import sys
 
-    from gptoss_fp8.verify.run import _free_port
+    from gptoss_fp8.parallel import free_port as _free_port
 
     root = tiny[0]
     convert_checkpoint(root / "src", tmp_path / "tp2", tp=2, ep=1, keep_attention_bf16=True)

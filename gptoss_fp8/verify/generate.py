@@ -228,9 +228,8 @@ def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.
     the reply through ``echo`` (text, or ids for a vocabulary that is not the tokenizer's), then
     its Harmony channels and the prefill / decode tokens per second."""
     from gptoss_fp8.model.load import load_model
-    from gptoss_fp8.parallel import Parallel
+    from gptoss_fp8.parallel import Parallel, device_for
     from gptoss_fp8.verify.backends import ops_for, resolve_modes
-    from gptoss_fp8.verify.run import _device_for
 
     cfg = ckpt.config
     check_request(cfg, prompt, max_new_tokens, temperature)
@@ -239,7 +238,7 @@ def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.
                              "convert again with --tp 1 (the default)")
     auto = "kernels" if device.startswith("cuda") else "weights"
     (mode,) = resolve_modes([auto if mode == "auto" else mode], device)
-    model = load_model(ckpt, Parallel(), _device_for(device, 0))
+    model = load_model(ckpt, Parallel(), device_for(device, 0))
     ops = ops_for(mode)
     text = has_text(cfg.vocab_size)
     if text:

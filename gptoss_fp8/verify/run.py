@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from gptoss_fp8.checkpoint.checkpoint import Checkpoint
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.load import load_model
-from gptoss_fp8.parallel import Parallel
+from gptoss_fp8.parallel import Parallel, backend_for, device_for, launch_ranks, under_torchrun  # noqa: F401 (re-exported)
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
 from gptoss_fp8.verify.decode import check_decode_steps, run_decode
 from gptoss_fp8.verify.parts import forced_inputs_needed, run_parts
@@ -120,20 +119,6 @@ def _load_outputs(path: Path, modes: list[str]) -> Outputs:
     return out
 
 
-def _device_for(device: str, rank: int) -> str:
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise GptOssFp8Error(f"--device {device}: no CUDA GPU is visible; use --device cpu")
-        return f"cuda:{rank % torch.cuda.device_count()}"
-    return device
-
-
-def _backend(dev: str, world: int) -> str:
-    """NCCL with one GPU per rank; gloo on CPU, and when ranks share a GPU (NCCL refuses two ranks on
-    one device; ``Parallel.all_reduce`` then stages the sums through host memory)."""
-    return "nccl" if dev.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
-
-
 def run_rank(job: dict) -> None:
     """One rank of a sharded run started by ``compute_outputs`` (``python -m gptoss_fp8.verify.run JOB``):
     join the process group from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, load this rank's
@@ -142,10 +127,10 @@ def run_rank(job: dict) -> None:
 
     rank, tp, ep = int(os.environ["RANK"]), int(job["tp"]), int(job["ep"])
     torch.set_num_threads(int(job.get("threads", 1)))
-    dev = _device_for(job["device"], rank)
+    dev = device_for(job["device"], rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    dist.init_process_group(_backend(dev, tp), init_method="env://", rank=rank, world_size=tp)
+    dist.init_process_group(backend_for(dev, tp), init_method="env://", rank=rank, world_size=tp)
     try:
         model = load_model(Checkpoint.open(job["ckpt"]), Parallel(rank=rank, tp=tp, ep=ep), dev)
         forced = None
@@ -162,12 +147,6 @@ def run_rank(job: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[str], tp: int = 1, ep: int = 1,
                     device: str = "cpu", timeout_s: float = 3600.0,
                     forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None,
@@ -182,11 +161,8 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
     if decode:
         check_decode_steps(decode, int(tokens.shape[0]))
     if tp == 1:
-        return run_modes(load_model(ckpt, Parallel(), _device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
+        return run_modes(load_model(ckpt, Parallel(), device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
                          decode)
-    import subprocess
-    import sys
-
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
@@ -198,36 +174,7 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
             job["forced"] = str(Path(tmp) / "forced.safetensors")
             save_file({k: v.contiguous() for k, v in forced.items()}, job["forced"])
         (Path(tmp) / "job.json").write_text(json.dumps(job))
-        env = dict(os.environ, WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        procs = []
-        for r in range(tp):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gptoss_fp8.verify.run", str(Path(tmp) / "job.json")],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
-                stderr=open(Path(tmp) / f"rank{r}.err", "w")))  # noqa: SIM115  (open while the worker runs)
-        deadline = time.monotonic() + timeout_s
-        failed = None
-        while any(p.poll() is None for p in procs):
-            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad or time.monotonic() > deadline:
-                failed = bad[0] if bad else -1
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            time.sleep(0.05)
-        for p in procs:
-            p.wait()
-        if failed is None:
-            failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
-        if failed is not None:
-            if failed < 0:
-                raise GptOssFp8Error(f"sharded run (tp {tp}) timed out after {timeout_s:.0f} s")
-            err = (Path(tmp) / f"rank{failed}.err").read_text().strip().splitlines()
-            last = err[-1] if err else f"exit code {procs[failed].returncode}"
-            if "GptOssFp8Error:" in last:
-                raise GptOssFp8Error(last.split("GptOssFp8Error:", 1)[1].strip())
-            raise RuntimeError(f"rank {failed} of the sharded run failed:\n" + "\n".join(err[-30:]))
+        launch_ranks("gptoss_fp8.verify.run", Path(tmp) / "job.json", tp, "sharded run", timeout_s)
         return _load_outputs(Path(job["result"]), modes)
 
 
@@ -253,10 +200,6 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
     return build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=tp, ep=ep, device=device,
                         overrides=overrides, seconds=total, tokens_from=tokens_from,
                         experts_per_token=cfg.num_experts_per_tok, allow_fallback=allow_fallback), outputs
-
-
-def under_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tensor | None, *, modes: list[str], ep: int,
@@ -287,10 +230,10 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
             # --overwrite-outputs): write it atomically, never half a file
             with atomic_output(save_reference, overwrite=True) as tmp:
                 save_ref(ref, tmp)
-    dev = _device_for(device, int(os.environ.get("LOCAL_RANK", rank)))
+    dev = device_for(device, int(os.environ.get("LOCAL_RANK", rank)))
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    dist.init_process_group(_backend(dev, world), init_method="env://")
+    dist.init_process_group(backend_for(dev, world), init_method="env://")
     try:
         n = torch.tensor([ref.tokens.numel() if ref is not None else 0])
         dist.broadcast(n, 0)
