@@ -109,9 +109,9 @@ def _random_shape(i: int):
     return r.choice([1, 2, 3]), ov, r.choice([32, 48, 64])
 
 
-@pytest.mark.parametrize("i", range(20))
-def test_random_small_checkpoints_pass(tmp_path, i):
-    """Correct code passes on fresh random shapes (both conversions: FP8 attention or kept bf16)."""
+def _random_cases(tmp_path, i: int, device: str = "cpu"):
+    """Random shape i converted both ways (FP8 attention, kept bf16): (shape, layers, checkpoint,
+    OpenAI's reference on ``device``) per conversion."""
     from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.convert.synth import write_synthetic
 
@@ -123,7 +123,13 @@ def test_random_small_checkpoints_pass(tmp_path, i):
         dst = tmp_path / f"fp8-{keep_bf16}"
         convert_checkpoint(src, dst, keep_attention_bf16=keep_bf16)
         rounding, exact = rounding_for(dst)
-        ref = reference_for(src, tokens, rounding=None if exact else rounding)
+        yield ov, layers, dst, reference_for(src, tokens, device, None if exact else rounding)
+
+
+@pytest.mark.parametrize("i", range(20))
+def test_random_small_checkpoints_pass(tmp_path, i):
+    """Correct code passes on fresh random shapes (both conversions: FP8 attention or kept bf16)."""
+    for ov, layers, dst, ref in _random_cases(tmp_path, i):
         report, _ = verify_checkpoint(dst, ref, modes=["weights", "w8a8"])
         assert report["passed"], (ov, layers, [report[m]["failures"] for m in ("weights", "w8a8")])
         assert all(report[m]["teacher_forced"]["parts"] for m in ("weights", "w8a8"))
@@ -134,18 +140,8 @@ def test_random_small_checkpoints_pass(tmp_path, i):
 def test_random_small_checkpoints_pass_on_cuda(tmp_path, i):
     """The same random shapes on the GPU, as ``verify-logits --device cuda`` runs them: OpenAI's model
     on the GPU, every mode (the kernels included: no fallback allowed) PASSES."""
-    from gptoss_fp8.convert.convert import convert_checkpoint
-    from gptoss_fp8.convert.synth import write_synthetic
-
-    layers, ov, n = _random_shape(i)
-    src = tmp_path / "src"
-    write_synthetic(src, "tiny", layers=layers, seed=i, **ov)
-    tokens = torch.randint(0, ov["vocab_size"], (n,), generator=torch.Generator().manual_seed(i))
-    for keep_bf16 in (False, True):
-        dst = tmp_path / f"fp8-{keep_bf16}"
-        convert_checkpoint(src, dst, keep_attention_bf16=keep_bf16)
-        rounding, exact = rounding_for(dst)
-        ref = reference_for(src, tokens, "cuda", None if exact else rounding)
+    for ov, layers, dst, ref in _random_cases(tmp_path, i, "cuda"):
+        keep_bf16 = dst.name.endswith("True")
         report, _ = verify_checkpoint(dst, ref, modes=["weights", "w8a8", "kernels"], device="cuda")
         summary = {m: report.get(m, {}).get("failures") for m in ("weights", "w8a8", "kernels", "kernels_vs_w8a8")}
         print(f"METRIC random cuda {i} bf16-attn={keep_bf16}: passed {report['passed']} {summary}")

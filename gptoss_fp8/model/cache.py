@@ -183,3 +183,16 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def decode_tokens(cache: KVCache, token, device: torch.device | str | None = None) -> torch.Tensor:
+    """One decode step's tokens for ``cache``: an int / one-element tensor (batch 1) or a [B] tensor
+    -> int tensor [B] on ``device``; anything else is one clear error."""
+    t = torch.as_tensor(token, device=device)
+    if t.numel() == 1 and cache.batch == 1:
+        t = t.reshape(1)
+    if t.shape != (cache.batch,) or t.is_floating_point():
+        raise GptOssFp8Error(f"decode takes one integer token per sequence: {cache.batch} for this cache, "
+                             f"got {t.dtype} {list(t.shape)}")
+    return t
+

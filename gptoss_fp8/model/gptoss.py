@@ -18,7 +18,7 @@ from torch import nn
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import DecodeStep, KVCache
+from gptoss_fp8.model.cache import DecodeStep, KVCache, decode_tokens
 from gptoss_fp8.model.ops import Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
@@ -195,12 +195,7 @@ class GptOss(nn.Module):
         receives the step's per-layer states as ``forward``'s does, one row per sequence ([B, H],
         [B, E])."""
         ops = ops or ReferenceOps()
-        t = torch.as_tensor(token, device=self.model.embed_tokens.weight.device)
-        if t.numel() == 1 and cache.batch == 1:
-            t = t.reshape(1)
-        if t.shape != (cache.batch,) or t.is_floating_point():
-            raise GptOssFp8Error(f"decode takes one integer token per sequence: {cache.batch} for this cache, "
-                                 f"got {t.dtype} {list(t.shape)}")
+        t = decode_tokens(cache, token, self.model.embed_tokens.weight.device)
         cache.check_room(1)
         logits = self.decode_step(cache, t, ops, capture=capture)
         cache.advance_host()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import KVCache
+from gptoss_fp8.model.cache import KVCache, decode_tokens
 
 
 @dataclass
@@ -79,12 +79,7 @@ class DecodeGraphs:
         got = self._graphs.get(cache)
         if got is None:
             got = self._graphs[cache] = self.capture(cache)
-        t = torch.as_tensor(tokens)
-        if t.numel() == 1 and cache.batch == 1:
-            t = t.reshape(1)
-        if t.shape != (cache.batch,) or t.is_floating_point():
-            raise GptOssFp8Error(f"decode takes one integer token per sequence: {cache.batch} for this cache, "
-                                 f"got {t.dtype} {list(t.shape)}")
+        t = decode_tokens(cache, tokens)
         cache.check_room(1)
         got.tokens.copy_(t, non_blocking=True)
         got.graph.replay()
