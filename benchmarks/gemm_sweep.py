@@ -5,8 +5,8 @@ every ``GluonTile`` variant of ``VARIANTS`` with bias, the shipped default (``fp
 ``config=None``: Triton below its Gluon threshold), cuBLAS blockwise ``torch._scaled_mm`` without
 bias, DeepGEMM ``gemm_fp8_fp8_bf16_nt`` without bias when importable (K zero-padded to 2944; TFLOP/s
 count the real K everywhere). MoE: the whole expert FFN ``moe_experts`` (gate_up + bias + SwiGLU +
-FP8, down + bias, combine) for each ``MoePlan`` of ``moe_plans`` (the wide Gluon gate_up, the Gluon
-down, balanced grids), against DeepGEMM's two grouped
+FP8, down + bias, combine) for each ``MoePlan`` of ``moe_plans`` (the 64 x 256 Gluon gate_up on
+either loop, the wide Gluon gate_up, the Gluon down, balanced grids), against DeepGEMM's two grouped
 GEMMs alone (rows padded to 128, no bias), 32 / 128 experts x 8192 / 32768 tokens, top-4.
 
 Every variant's output is checked before it is timed: dense against ``fp8_gemm_reference`` (fp32),
@@ -46,7 +46,6 @@ import torch
 import triton
 
 from gptoss_fp8 import spec
-from gptoss_fp8.kernels import fp8_gemm_ws
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig, MoePlan, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from gptoss_fp8.kernels.moe import moe_experts
@@ -68,54 +67,44 @@ VARIANTS: dict[str, GluonTile | None] = {
     "default": None,
     "g128": GluonTile(stages=5, group_m=8),
     "g128-bal": GluonTile(stages=5, group_m=8, balance=True),
-    "g128-inplace": GluonTile(stages=5, group_m=8, inplace=True),
-    "g128-inplace-bal": GluonTile(stages=5, group_m=8, inplace=True, balance=True),
-    "w256x128-s3": GluonTile(stages=3, group_m=8, block_m=256),
-    "w256x128-s4": GluonTile(stages=4, group_m=8, block_m=256),
-    "w256x128-s4-bal": GluonTile(stages=4, group_m=8, block_m=256, balance=True),
-    "w256x128-s4-g16": GluonTile(stages=4, group_m=16, block_m=256),
-    "w128x256-s3": GluonTile(stages=3, group_m=8, block_n=256),
-    "w128x256-s4": GluonTile(stages=4, group_m=8, block_n=256),
-    "w128x256-s4-bal": GluonTile(stages=4, group_m=8, block_n=256, balance=True),
     # promote="serial": the default's numerics (a separate fp32 accumulator, promotion every 128)
-    # with no wgmma in flight across a loop back edge (ptxas does not serialize them)
+    # with no wgmma in flight across a loop back edge (ptxas does not serialize them); the wide
+    # tiles' only loop (their in-place accumulation lost accuracy and was removed)
     "g128-serial": GluonTile(stages=5, group_m=8, promote="serial"),
     "g128-serial-bal": GluonTile(stages=5, group_m=8, balance=True, promote="serial"),
     "w256x128-serial-s3": GluonTile(stages=3, group_m=8, block_m=256, promote="serial"),
     "w256x128-serial-s4": GluonTile(stages=4, group_m=8, block_m=256, promote="serial"),
     "w128x256-serial-s3": GluonTile(stages=3, group_m=8, block_n=256, promote="serial"),
     "w128x256-serial-s4": GluonTile(stages=4, group_m=8, block_n=256, promote="serial"),
+    "w256x128-serial-s4-bal": GluonTile(stages=4, group_m=8, block_m=256, balance=True, promote="serial"),
+    "w256x128-serial-s4-g16": GluonTile(stages=4, group_m=16, block_m=256, promote="serial"),
+    "w128x256-serial-s3-bal": GluonTile(stages=3, group_m=8, block_n=256, balance=True, promote="serial"),
 }
 
 
 def moe_plans(t: int, e: int) -> dict[str, MoePlan | None]:
-    """The MoE variants at t tokens, e experts: the shipped default and the wide gate_up ones."""
+    """The MoE variants at t tokens, e experts: the shipped default (64 x 256 gate_up, serial
+    promotion), the pipelined 64 x 256 loop, and the wide gate_up / Gluon down ones (serial
+    promotion, their only loop)."""
     base = KernelConfig().moe_plan(t, TOP_K, e, gluon_ok=True)
-    wide = KernelConfig(moe_gluon_gate_up=GluonTile(4, 8, block_m=128)).moe_plan(t, TOP_K, e, gluon_ok=True)
+    wide_serial = GluonTile(4, 8, block_m=128, promote="serial")
+    wide = KernelConfig(moe_gluon_gate_up=wide_serial).moe_plan(t, TOP_K, e, gluon_ok=True)
     plans: dict[str, MoePlan | None] = {"default": None}
     if wide.align_m != 128:  # too few rows per expert for 64-row alignment: no Gluon gate_up here
         return plans
-    plans["g64-bal"] = MoePlan(base.align_m, GluonTile(4, 8, balance=True), base.down)
-    plans["g64-inplace"] = MoePlan(base.align_m, GluonTile(4, 8, inplace=True), base.down)
-    plans["g64-inplace-bal"] = MoePlan(base.align_m, GluonTile(4, 8, inplace=True, balance=True), base.down)
-    plans["wide"] = wide
-    plans["wide-s3"] = MoePlan(128, GluonTile(3, 8, block_m=128), wide.down)
-    plans["wide-bal"] = MoePlan(128, GluonTile(4, 8, block_m=128, balance=True), wide.down)
-    plans["wide-down128"] = MoePlan(128, GluonTile(4, 8, block_m=128), TritonTile(128, 128, 8, 8, 4))
-    plans["wide+gdown"] = MoePlan(128, GluonTile(4, 8, block_m=128), GluonTile(4, 8, block_m=128))
-    plans["wide+gdown-s3"] = MoePlan(128, GluonTile(4, 8, block_m=128), GluonTile(3, 8, block_m=128))
-    plans["wide+gdown-bal"] = MoePlan(128, GluonTile(4, 8, block_m=128, balance=True),
-                                      GluonTile(4, 8, block_m=128, balance=True))
-    # promote="serial" (the default's numerics, no C7514): the 64 x 256 gate_up, the wide one, the Gluon down
-    serial = GluonTile(4, 8, promote="serial")
-    wide_serial = GluonTile(4, 8, block_m=128, promote="serial")
-    plans["gu64-serial"] = MoePlan(base.align_m, serial, base.down)
+    plans["gu64-pipelined"] = MoePlan(base.align_m, GluonTile(4, 8), base.down)
+    plans["gu64-pipelined-bal"] = MoePlan(base.align_m, GluonTile(4, 8, balance=True), base.down)
+    plans["gu64-serial"] = MoePlan(base.align_m, GluonTile(4, 8, promote="serial"), base.down)
     plans["gu64-serial-bal"] = MoePlan(base.align_m, GluonTile(4, 8, balance=True, promote="serial"), base.down)
-    plans["wide-serial"] = MoePlan(128, wide_serial, wide.down)
+    plans["wide-serial"] = wide
+    plans["wide-serial-s3"] = MoePlan(128, GluonTile(3, 8, block_m=128, promote="serial"), wide.down)
+    plans["wide-serial-bal"] = MoePlan(128, GluonTile(4, 8, block_m=128, balance=True, promote="serial"), wide.down)
+    plans["wide-serial-down128"] = MoePlan(128, wide_serial, TritonTile(128, 128, 8, 8, 4))
     plans["wide-serial+gdown-serial"] = MoePlan(128, wide_serial, wide_serial)
     plans["wide-serial+gdown-serial-s3"] = MoePlan(128, GluonTile(3, 8, block_m=128, promote="serial"),
                                                    GluonTile(3, 8, block_m=128, promote="serial"))
-    plans["wide+gdown-serial"] = MoePlan(128, GluonTile(4, 8, block_m=128), wide_serial)
+    plans["wide-serial+gdown-serial-bal"] = MoePlan(128, GluonTile(4, 8, block_m=128, balance=True, promote="serial"),
+                                                    GluonTile(4, 8, block_m=128, balance=True, promote="serial"))
     return plans
 
 
@@ -243,14 +232,7 @@ def dense_rows(ms: list[int], g: torch.Generator, budget: Budget, rows: list[dic
             for vname, tile in VARIANTS.items():
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 def fn(out=out, tile=tile):
-                    if tile is not None and tile.promote != "pipelined":
-                        # straight to the Gluon launch (fp8_gemm does not forward ``promote`` yet);
-                        # what fp8_gemm passes it for these 2-D contiguous operands
-                        return fp8_gemm_ws.ws_fp8_gemm(x_fp8, x_s, w_fp8, w_s, bias, out, stages=tile.stages,
-                                                       group_m=tile.group_m, block_m=tile.block_m or fp8_gemm_ws.BM,
-                                                       block_n=tile.block_n or fp8_gemm_ws.BN, balance=tile.balance,
-                                                       inplace=tile.inplace, promote=tile.promote)
-                    return fp8_gemm(x_fp8, x_s, w_fp8, w_s, bias, out=out, tile=tile)
+                    return fp8_gemm(x_fp8, x_s, w_fp8, w_s, bias, out=out, tile=tile)  # forwards tile.promote
 
                 try:
                     fn()

@@ -75,6 +75,21 @@ def num_programs(tiles: int, sms: int, balance: bool) -> int:
     return progs
 
 
+PROMOTES = ("pipelined", "serial")
+
+
+def check_promote(promote: str, wide: bool, what: str) -> None:
+    """ValueError unless ``promote`` names a main loop ``what`` has: the base tiles take "pipelined"
+    (``block_scaled_mainloop``) or "serial" (``block_scaled_mainloop_serial``); the wide tiles and
+    the MoE's Gluon down (``wide``) only "serial" (their in-place accumulation, FP8 wgmma
+    accumulating over all of K in limited precision, lost accuracy and was removed)."""
+    if promote not in PROMOTES:
+        raise ValueError(f"{what}: promote={promote!r}, expected 'pipelined' or 'serial'")
+    if wide and promote != "serial":
+        raise ValueError(f"{what} runs only the serial promotion loop: use GluonTile(..., promote='serial') "
+                         f"(got promote={promote!r})")
+
+
 def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4,
                      divisible16: tuple[str, ...] = ()) -> dict:
     """Compile a Gluon kernel for sm_90 with no GPU present (types: argument -> triton type string,
@@ -210,98 +225,6 @@ if HAS_GLUON:
         return acc, c + 1
 
     @gluon.jit
-    def _scale_pair(as_ptr, a_offs, rmask, b_ptr, MASK_A: gl.constexpr):
-        """s_a[rows] * s_b for the rescaled main loop; masked rows (past M) read 1, never 0, so that
-        the ratio of two blocks' scales stays finite; a zero scale is raised to 1e-20 (see below)."""
-        if MASK_A:
-            sa = gl.load(as_ptr + a_offs, mask=rmask, other=1.0)
-        else:
-            sa = gl.load(as_ptr + a_offs)
-        return gl.maximum(sa * gl.load(b_ptr), 1e-20)
-
-    @gluon.jit
-    def block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr,
-                                   AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
-                                   as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
-                                   layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr):
-        """Two block-scaled FP8 products of one consumer warpgroup over the same stages, both
-        accumulated *in the tensor cores*: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1
-        of A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a tile as two m64 x n128
-        wgmma accumulators: 128 registers and no temporaries).
-
-        Rescaled accumulation instead of promotion: with s_k = s_a[row, k] * s_b[k] the kernel keeps
-        acc_k = sum_{j <= k} (s_j / s_k) P_j, i.e. acc_k = acc_{k-1} * (s_{k-1} / s_k) + P_k, where the
-        "+ P_k" is the wgmma's own accumulation (use_acc), and returns s_K * acc_K = sum_k s_k P_k,
-        the package's per-128 block scaling up to fp32 rounding (one multiply per block, as the
-        promotion's one FMA). Where the promotion needs a temporary per product in flight (64
-        registers each; the serial DeepGEMM order with both accumulators spilled here), this holds
-        only the accumulators. Per K block: wait for both products of the previous block, rescale
-        acc0 and issue its wgmma, then rescale acc1 while acc0's runs and issue acc1's (acc0's
-        rescale overlaps the other warpgroup's wgmma). A stage is released once both of its products
-        are done (at the next block's wait, one K block later than the promotion loops). With DO1 False this is the
-        one-accumulator form: wait, rescale, issue. Scale ratios stay finite:
-        masked rows read 1, scales are raised to 1e-20 (ratios of real scales, 1e-10 / 448 * s_w
-        and up, stay far inside fp32's range).
-
-        Scales addressed by int32 offsets (registers): product 0's row scales at as_ptr + a_offs
-        [AR] (masked by rmask0 with MASK_A), product 1's at a_offs + a_off1 (rmask1); weight-scale
-        rows at b_s_ptr and b_s_ptr + b_off1. DO1 False (constexpr; callers branch on their run-time
-        condition outside the loop: product 1's columns all past N, or its rows all padding) skips
-        product 1; acc1 is then exact zeros. Returns (acc0, acc1, next c)."""
-        S: gl.constexpr = a_bufs.type.shape[0]
-        zero = gl.zeros((AR, BR), gl.float32, layout)
-        acc1 = zero
-        sc0 = _scale_pair(as_ptr, a_offs, rmask0, b_s_ptr, MASK_A)
-        if DO1:  # b_s_ptr + b_off1 may lie past the scale array where product 1 is skipped: not read then
-            sc1 = _scale_pair(as_ptr, a_offs + a_off1, rmask1, b_s_ptr + b_off1, MASK_A)
-        # K block 0: both products straight into fresh accumulators
-        nk = gl.minimum(1, n_k - 1)
-        s = c % S
-        mbarrier.wait(ready.index(s), (c // S) & 1)
-        acc0 = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-        prev0 = sc0
-        sc0 = _scale_pair(as_ptr, a_offs + nk, rmask0, b_s_ptr + nk, MASK_A)
-        if DO1:
-            acc1 = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)), zero,
-                                 use_acc=False, is_async=True)
-            prev1 = sc1
-            sc1 = _scale_pair(as_ptr, a_offs + (a_off1 + nk), rmask1, b_s_ptr + (b_off1 + nk), MASK_A)
-        c += 1
-        for kk in range(1, n_k):
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            # Both products of block kk - 1 done before acc0 is read: waiting for acc0's group alone
-            # (acc1's left in flight across the loop's back edge) made ptxas serialize every wgmma
-            # (C7514: it cannot order groups carried around a loop); acc1 below is read with acc0's
-            # new group in flight, which ptxas can order.
-            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-            mbarrier.arrive(empty.index((c + S - 1) % S), count=1)  # block kk - 1's stage: both read
-            acc0 = acc0 * gl.expand_dims(prev0 / sc0, 1)
-            acc0 = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), acc0,
-                                 use_acc=True, is_async=True)
-            # the next block's scales (their latency hides behind this block's products)
-            nk = gl.minimum(kk + 1, n_k - 1)
-            prev0 = sc0
-            sc0 = _scale_pair(as_ptr, a_offs + nk, rmask0, b_s_ptr + nk, MASK_A)
-            if DO1:
-                acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))  # a no-op: retired above
-                acc1 = acc1 * gl.expand_dims(prev1 / sc1, 1)
-                acc1 = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)),
-                                     acc1, use_acc=True, is_async=True)
-                prev1 = sc1
-                sc1 = _scale_pair(as_ptr, a_offs + (a_off1 + nk), rmask1, b_s_ptr + (b_off1 + nk), MASK_A)
-            c += 1
-        if DO1:
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-            acc1 = acc1 * gl.expand_dims(prev1, 1)
-        else:
-            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-        mbarrier.arrive(empty.index((c + S - 1) % S), count=1)
-        acc0 = acc0 * gl.expand_dims(prev0, 1)
-        return acc0, acc1, c
-
-    @gluon.jit
     def _scale_prod(as_ptr, a_offs, rmask, b_ptr, MASK_A: gl.constexpr):
         """s_a[rows] * s_b for the serial promotion loop (masked rows, past M, read 0)."""
         if MASK_A:
@@ -315,27 +238,40 @@ if HAS_GLUON:
                                      AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr):
-        """``block_scaled_mainloop_pair``'s products (same arguments, same result) with the package's
-        promotion numerics: per K block each product's wgmma goes into a fresh temporary, is waited
-        for in full (warpgroup_mma_wait(0)) within the same iteration and then added, scaled by
-        s_a[row, kb] * s_b[kb], to its fp32 accumulator (``GluonTile(promote="serial")``).
+        """Two block-scaled FP8 products of one consumer warpgroup over the same stages, with the
+        package's promotion numerics: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1 of
+        A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a wide tile as two m64 x n128
+        products; with DO1 False one product, the base tiles' ``GluonTile(promote="serial")``).
+        Per K block each product's wgmma goes into a fresh temporary, is waited for in full
+        (warpgroup_mma_wait(0)) within the same iteration and then added, scaled by
+        s_a[row, kb] * s_b[kb], to its fp32 accumulator. The only main loop of the wide tiles and
+        of the MoE's Gluon down.
 
         Hopper's FP8 wgmma accumulates with limited internal precision, so accumulating in place
-        over all of K (the pair loop) loses ~1e-3 relative accuracy; the promotion every 128 keeps
-        it at the default's. The default loop (``block_scaled_mainloop``) issues block k + 1's wgmma
-        before it promotes block k, a group left in flight across the loop's back edge, which ptxas
-        cannot order (C7514: it serializes every wgmma). Here no wgmma is in flight at a back edge
-        nor while any register it writes is read, so ptxas keeps the tensor cores pipelined within
-        a block; the overlap of promotion with tensor-core work comes from the two consumer
+        over all of K loses accuracy (measured on the H200: dense rel. error 2.09e-3 vs 1.66e-3,
+        MoE 1.07e-2 vs 4.2e-3; that variant was removed); the promotion every 128 keeps it at the
+        default's. The default loop (``block_scaled_mainloop``) issues block k + 1's wgmma before it
+        promotes block k, a group left in flight across the loop's back edge, which ptxas cannot
+        order (C7514: it serializes every wgmma). Here no wgmma is in flight at a back edge nor
+        while any register it writes is read, so ptxas keeps the tensor cores pipelined within a
+        block; the overlap of promotion with tensor-core work comes from the two consumer
         warpgroups being separate partitions (one promotes while the other's wgmmas run). With DO1
-        the two products run one after the other through the same 64-register temporary (product
-        0's promotion before product 1's issue): accumulators 2 x 64 + one temporary fit in 232
-        registers. The stage is released once its last product is done. DO1 False: product 1 is
-        skipped and acc1 is exact zeros. Returns (acc0, acc1, next c)."""
+        the two products run one after the other through a 64-register temporary (in source order
+        product 0's promotion before product 1's issue): accumulators 2 x 64 + the temporary.
+        The stage is released once its last product is done.
+
+        Scales addressed by int32 offsets (registers): product 0's row scales at as_ptr + a_offs
+        [AR] (masked by rmask0 with MASK_A; masked rows read 0), product 1's at a_offs + a_off1
+        (rmask1); weight-scale rows at b_s_ptr and b_s_ptr + b_off1. DO1 False (constexpr; callers
+        branch on their run-time condition outside the loop: product 1's columns all past N)
+        skips product 1 (its scales are not read: b_s_ptr + b_off1 may lie past the scale array
+        then); acc1 is then exact zeros. Returns (acc0, acc1, next c)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         # t: the temporary. Each wgmma is issued with use_acc=False on the previous (promoted, dead)
-        # temporary, whose values it ignores: the same registers, no zeros to write per block, and
-        # ptxas never holds two temporaries at once.
+        # temporary, whose values it ignores (ptxas's !UPT: no zeros written per block). With DO1,
+        # ptxas may still hoist product 1's wgmma above product 0's promotion into a second
+        # register set (256 x 128 dense: ~96 bytes of spills); forcing the order (a run-time False
+        # use_acc, so the wgmma reads t) spilled ~1 KB.
         t = gl.zeros((AR, BR), gl.float32, layout)
         acc0 = gl.zeros((AR, BR), gl.float32, layout)
         acc1 = gl.zeros((AR, BR), gl.float32, layout)
@@ -345,12 +281,13 @@ if HAS_GLUON:
             t = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), t,
                               use_acc=False, is_async=True)
             sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
+            if DO1:  # product 1's scales too: loaded once product 0 is issued
+                sc1 = _scale_prod(as_ptr, a_offs + (a_off1 + kk), rmask1, b_s_ptr + (b_off1 + kk), MASK_A)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
             if DO1:
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
                 t = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)), t,
                                   use_acc=False, is_async=True)
-                sc1 = _scale_prod(as_ptr, a_offs + (a_off1 + kk), rmask1, b_s_ptr + (b_off1 + kk), MASK_A)
                 t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + t * gl.expand_dims(sc1, 1)
@@ -359,16 +296,3 @@ if HAS_GLUON:
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
             c += 1
         return acc0, acc1, c
-
-    @gluon.jit
-    def block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr, AR: gl.constexpr,
-                                  B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr, as_ptr, a_offs, a_off1,
-                                  rmask0, rmask1, b_s_ptr, b_off1, c, n_k, layout: gl.constexpr,
-                                  MASK_A: gl.constexpr, DO1: gl.constexpr, SERIAL: gl.constexpr):
-        """``block_scaled_mainloop_serial`` (SERIAL) or ``block_scaled_mainloop_pair`` (in place)."""
-        if SERIAL:
-            return block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR, as_ptr, a_offs,
-                                                a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k, layout, MASK_A, DO1)
-        else:
-            return block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR, as_ptr, a_offs,
-                                              a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k, layout, MASK_A, DO1)

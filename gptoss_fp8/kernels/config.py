@@ -35,30 +35,35 @@ class TritonTile:
 
 @dataclass(frozen=True)
 class GluonTile:
-    """The warp-specialized Gluon GEMMs: ring depth, tile order, and the tile.
+    """The warp-specialized Gluon GEMMs: ring depth, tile order, the tile and its main loop.
 
     block_m / block_n None: the kernel's base tile (dense 128 x 128, MoE gate_up 64 x 256). The wide
-    forms hold two 64 x 128 wgmma accumulators per consumer warpgroup, accumulated in the tensor
-    cores with per-block rescaling (``_gluon.block_scaled_mainloop_pair``): dense block_m=256
-    (256 x 128, DeepGEMM's tile for these shapes) or block_n=256 (128 x 256); gate_up block_m=128
-    (128 x 256 over 128-row expert segments). Not yet measured on the GPU: opt-in.
+    forms hold two 64 x 128 products per consumer warpgroup: dense block_m=256 (256 x 128,
+    DeepGEMM's tile for these shapes) or block_n=256 (128 x 256, the default from 8192 rows);
+    gate_up block_m=128 (128 x 256 over 128-row segments); the MoE's Gluon down is a 128 x 256 tile
+    too (``MoePlan.down``, block_m=128).
     balance: the fewest persistent programs that keep the number of waves (DeepGEMM's num_min_sms).
-    inplace: the base kernels (dense 128 x 128, gate_up 64 x 256) with in-place accumulators instead
-    of the promotion loop, whose wgmmas ptxas serializes (its C7514: every wgmma waits for the
-    previous one); the wide forms always accumulate in place.
-    promote: "pipelined" (the shipped loops above) or "serial": any of the tiles, and the MoE's
-    Gluon down, with the promotion numerics (each 128-wide K block's product in a temporary,
-    scaled and added to a separate fp32 accumulator; the default's accuracy) and every block's
-    wgmmas waited for within their iteration, so ptxas does not serialize them
-    (``_gluon.block_scaled_mainloop_serial``; overrides inplace). Opt-in, not yet measured."""
+    promote: the main loop, both with the package's promotion numerics (each 128-wide K block's
+    product in a temporary, scaled and added to a separate fp32 accumulator). "pipelined"
+    (``_gluon.block_scaled_mainloop``, base tiles only): block k + 1's wgmma issued before block
+    k's promotion, which ptxas serializes (its C7514). "serial"
+    (``_gluon.block_scaled_mainloop_serial``): every block's wgmmas waited for within their
+    iteration (no C7514). The wide forms and the Gluon down have only "serial": their launchers
+    raise ValueError for promote="pipelined" (``_gluon.check_promote``), so those tiles are written
+    ``GluonTile(block_n=256, promote="serial")`` etc. (The in-place accumulation, FP8 wgmma
+    accumulating over all of K in its limited internal precision, lost accuracy on the H200 and
+    was removed.)"""
 
     stages: int = 4
     group_m: int = 8
     block_m: int | None = None
     block_n: int | None = None
     balance: bool = False
-    inplace: bool = False
     promote: str = "pipelined"
+
+    def __post_init__(self):
+        if self.promote not in _gluon.PROMOTES:
+            raise ValueError(f"GluonTile.promote must be one of {', '.join(_gluon.PROMOTES)}, got {self.promote!r}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ class MoePlan:
     """The fused MoE's launches: experts' row segments padded to ``align_m`` (each GEMM's BLOCK_M
     divides it); gate_up on the Triton kernel (A gathered by token) or the Gluon one (A
     pre-gathered in sorted order by ``gather_act_quant``, ``align_m`` 64, or 128 for its wide
-    form); down on Triton, or on Gluon with ``GluonTile(block_m=128)`` (128 x 256 tiles, align_m 128)."""
+    form); down on Triton, or on Gluon with ``GluonTile(block_m=128, promote="serial")`` (128 x 256
+    tiles, align_m 128; opt-in, never chosen by ``KernelConfig.moe_plan``)."""
 
     align_m: int
     gate_up: TritonTile | GluonTile
@@ -126,10 +132,19 @@ class KernelConfig:
     # faster from 2048 rows, as fast at 1024 except o_proj (0.93x) (notes/kernels_gemm.md, 7th session).
     dense_gluon_min_rows: int | None = 1024
     dense_gluon_tile: GluonTile = field(default_factory=lambda: GluonTile(stages=5, group_m=8))
+    # From this many rows the wide promoted tile: 128 x 256, serial promotion (no wgmma
+    # serialization, the default's numerics), 3 stages: 8192 rows x the three gpt-oss shapes
+    # 1.21-1.26x the 128 x 128 tile, o_proj 1000 TFLOP/s beside cuBLAS blockwise 1009 (no bias)
+    # (benchmarks/gemm_sweep.py --quick, H200, 2026-12-01; fewer rows not measured: the 128 x 128 tile).
+    dense_gluon_wide_min_rows: int | None = 8192
+    dense_gluon_wide_tile: GluonTile = field(
+        default_factory=lambda: GluonTile(stages=3, group_m=8, block_n=256, promote="serial"))
     # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
     # session); ring depth / tile order within 0.6% of each other (10th session): 4 stages, GROUP_M 8.
     moe_gluon: bool = True
-    moe_gluon_gate_up: GluonTile = field(default_factory=GluonTile)
+    # gate_up 64 x 256 with serial promotion: the whole FFN 1.02-1.18x the pipelined loop's at 8192
+    # tokens, 32 / 128 experts, same numerics (benchmarks/gemm_sweep.py --quick, H200, 2026-12-01).
+    moe_gluon_gate_up: GluonTile = field(default_factory=lambda: GluonTile(promote="serial"))
     # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True
@@ -165,7 +180,8 @@ class KernelConfig:
         Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays."""
         lo = self.dense_gluon_min_rows
         if gluon_ok and lo is not None and m >= lo * (2 if n <= 3072 else 1):
-            return self.dense_gluon_tile
+            wide = self.dense_gluon_wide_min_rows
+            return self.dense_gluon_wide_tile if wide is not None and m >= wide else self.dense_gluon_tile
         if m <= 16:
             return TritonTile(16, 64, group_m=1, num_warps=4, num_stages=4)
         if m <= 64:

@@ -17,12 +17,14 @@ Structure: one persistent program per SM walking 128 x 128 output tiles in group
   partitions, the two drift: one's promotion and epilogue run beside the other's wgmma.
 - Epilogue: bias added, the bf16 tile written to shared memory and stored by TMA asynchronously;
   the store is waited for only before that buffer is written again, one tile later.
-Wide forms (opt-in, ``GluonTile(block_m=256)`` / ``GluonTile(block_n=256)``, not yet measured):
-256 x 128 or 128 x 256 tiles, each consumer warpgroup holding two 64 x 128 accumulators that the
-wgmma accumulates in place, rescaled by s_{k-1} / s_k before each K block and by s_K at the end
-(``_gluon.block_scaled_mainloop_pair``): no promotion temporaries, so 128 rows x 128 columns per
-warpgroup fit in 232 registers without spills, and 1.5x the FLOPs per loaded byte of the 128 x 128
-tile. ``GluonTile(balance=True)``: the fewest programs that keep the number of waves.
+Wide forms (``GluonTile(block_m=256, promote="serial")`` / ``GluonTile(block_n=256,
+promote="serial")``; the 128 x 256 one is the default from 8192 rows, ``KernelConfig``): 256 x 128
+or 128 x 256 tiles, each consumer warpgroup holding two 64 x 128 fp32 accumulators and one
+promotion temporary, each K block's wgmmas waited for within their iteration so ptxas does not
+serialize them (``_gluon.block_scaled_mainloop_serial``, the only loop of the wide forms: they
+refuse promote="pipelined"); 1.5x the FLOPs per loaded byte of the 128 x 128 tile.
+``GluonTile(promote="serial")`` on the 128 x 128 tile: the same loop with one product.
+``GluonTile(balance=True)``: the fewest programs that keep the number of waves.
 Triton's tile language cannot express this on Hopper (its automatic warp specialization hangs on
 the H200 with triton 3.6: benchmarks/repro_triton_autows_hang.py).
 
@@ -41,15 +43,13 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels._gluon import HAS_GLUON, num_programs, supported  # noqa: F401 - re-exported
+from gptoss_fp8.kernels._gluon import HAS_GLUON, check_promote, num_programs, supported  # noqa: F401 - re-exported
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         block_scaled_mainloop,
-        block_scaled_mainloop_pair,
         block_scaled_mainloop_serial,
-        block_scaled_mainloop_two,
         descriptor,
         fence_async_shared,
         gl,
@@ -89,7 +89,7 @@ if HAS_GLUON:
     @gluon.jit
     def _consume(ROW0: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_smem,
                  M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                 SERIAL: gl.constexpr = False):
         """One consumer warpgroup: rows ROW0 .. ROW0 + 64 of every tile of this program."""
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
@@ -110,10 +110,6 @@ if HAS_GLUON:
                 acc, _unused, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, ROW0, ROW0, ROWS, 0, 0, TN,
                                                                as_ptr, rows * stride_asm, 0, rmask, rmask,
                                                                b_s_ptr, 0, c, n_k, layout, True, False)
-            elif INPLACE:  # one in-place accumulator, rescaled per block (no C7514 serialization)
-                acc, _unused, c = block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, ROW0, ROW0, ROWS, 0, 0, TN,
-                                                             as_ptr, rows * stride_asm, 0, rmask, rmask,
-                                                             b_s_ptr, 0, c, n_k, layout, True, False)
             else:
                 acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, ROW0, ROWS, 0, TN, a_s_ptr, rmask, b_s_ptr,
                                                c, n_k, layout, True)
@@ -131,20 +127,20 @@ if HAS_GLUON:
     @gluon.jit
     def _second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                          M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                         SERIAL: gl.constexpr = False):
         _consume(c_bufs.type.shape[1], empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs.index(1),
-                 M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)
+                 M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)
 
     @gluon.jit
     def _producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                   M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                  SERIAL: gl.constexpr = False):
         _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M)
 
     @gluon.jit
     def _ws_fp8_gemm_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
                             num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                            SERIAL: gl.constexpr = False):
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -158,11 +154,11 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
         gl.warp_specialize([
             (_consume, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs.index(0),
-                        M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)),
+                        M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)),
             (_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                                M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)),
+                                M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)),
             (_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, INPLACE, SERIAL)),
+                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)),
         ], [4, 1], [232, 40])
 
 
@@ -170,9 +166,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                      M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      SERIAL: gl.constexpr = False):
-        """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_pair``):
+                      M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_serial``):
         256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
         128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
         each A stage (the second skipped where it lies wholly past N). Each 64 x 128 piece leaves
@@ -204,19 +199,19 @@ if HAS_GLUON:
                 row1 = row0
                 col1 = col0 + HN
                 if col1 < N:
-                    acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
-                                                               as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
-                                                               stride_bsn, c, n_k, layout, True, True, SERIAL)
+                    acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
+                                                                  HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
+                                                                  stride_bsn, c, n_k, layout, True, True)
                 else:
-                    acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
-                                                               as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
-                                                               stride_bsn, c, n_k, layout, True, False, SERIAL)
+                    acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
+                                                                  HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
+                                                                  stride_bsn, c, n_k, layout, True, False)
             else:
                 row1 = row0 + R
                 col1 = col0
-                acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
-                                                           as_ptr, a_offs, R * stride_asm, rows0 < M,
-                                                           rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True, SERIAL)
+                acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
+                                                             as_ptr, a_offs, R * stride_asm, rows0 < M,
+                                                             rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True)
             if HAS_BIAS:
                 cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
                 acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
@@ -236,16 +231,17 @@ if HAS_GLUON:
     @gluon.jit
     def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                               M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
-                              HAS_BIAS: gl.constexpr, INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                              HAS_BIAS: gl.constexpr):
         _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
-                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)
+                      stride_bsn, num_progs, GROUP_M, HAS_BIAS)
 
     @gluon.jit
     def _ws_fp8_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
                                  num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                 C_BUFS: gl.constexpr, SERIAL: gl.constexpr = False):
-        """The wide forms (``GluonTile(block_m=256)``: 256 x 128 tiles, DeepGEMM's choice for these
-        shapes; ``GluonTile(block_n=256)``: 128 x 256): per K block 48 KB of loads for 256 x 128 x 128
+                                 C_BUFS: gl.constexpr):
+        """The wide forms (``GluonTile(block_m=256, promote="serial")``: 256 x 128 tiles, DeepGEMM's
+        choice for these shapes; ``GluonTile(block_n=256, promote="serial")``: 128 x 256), always on
+        the serial promotion loop: per K block 48 KB of loads for 256 x 128 x 128
         MACs (the 128 x 128 tile: 32 KB for half of that), i.e. 1.5x the FLOPs per byte through L2
         and shared memory. The producer is the base kernel's; C_BUFS: TMA-store buffers per consumer
         warpgroup (1 or 2)."""
@@ -263,11 +259,11 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, SERIAL)),
+                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
             (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
-                                     c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, False, SERIAL)),
+                                     c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
             (_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, False, SERIAL)),
+                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
         ], [4, 1], [232, 40])
 
 
@@ -283,21 +279,20 @@ def wide_c_bufs(stages: int) -> int:
 
 def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
-                block_m: int = BM, block_n: int = BN, balance: bool = False, inplace: bool = False,
+                block_m: int = BM, block_n: int = BN, balance: bool = False,
                 promote: str = "pipelined") -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
     [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
     block_m x block_n: 128 x 128 (the base kernel), 256 x 128 or 128 x 256 (the wide forms);
-    balance: ``_gluon.num_programs``; inplace: the 128 x 128 kernel with one in-place accumulator
-    (``_gluon.block_scaled_mainloop_pair`` with one product) instead of the promotion loop;
-    promote="serial": the promotion numerics with every K block's wgmmas waited for within their
-    iteration (``_gluon.block_scaled_mainloop_serial``, no C7514), on any of the three tiles (it
-    overrides inplace and the wide forms' in-place accumulation)."""
-    assert promote in ("pipelined", "serial"), f"promote={promote!r}: 'pipelined' or 'serial'"
+    balance: ``_gluon.num_programs``; promote: the 128 x 128 kernel's main loop, "pipelined"
+    (``_gluon.block_scaled_mainloop``, the shipped one) or "serial" (every K block's wgmma waited
+    for within its iteration, ``_gluon.block_scaled_mainloop_serial``, no C7514); the wide forms
+    have only "serial" (ValueError otherwise)."""
+    wide = (block_m, block_n) != (BM, BN)
+    check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
     m, k = a.shape
     n = w.shape[0]
-    serial = dict(SERIAL=True) if promote == "serial" else {}  # the shipped launches keep their exact signatures
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
     assert (block_m, block_n) in ((BM, BN), (WIDE, BN), (BM, WIDE)), (
         f"tile {block_m} x {block_n}: the Gluon dense GEMM has 128 x 128, 256 x 128 and 128 x 256 tiles")
@@ -306,11 +301,11 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     num_progs = num_programs(cdiv(m, block_m) * cdiv(n, block_n), sm_count(a.device), balance)
     args = (a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
             a_scale.stride(0), w_scale_inv.stride(0), num_progs)
-    if (block_m, block_n) == (BM, BN):
-        extra = dict(INPLACE=True) if inplace and not serial else {}
+    if not wide:
+        serial = dict(SERIAL=True) if promote == "serial" else {}  # the shipped launch keeps its exact signature
         _ws_fp8_gemm_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
-                                          num_warps=4, **extra, **serial)
+                                          num_warps=4, **serial)
     else:
         _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
-                                               C_BUFS=wide_c_bufs(stages), num_warps=4, **serial)
+                                               C_BUFS=wide_c_bufs(stages), num_warps=4)
     return out

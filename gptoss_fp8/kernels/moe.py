@@ -241,6 +241,10 @@ def moe_expert_slots(
         assert gluon_ok and align == gu_rows and plan.tma, (
             f"a GluonTile gate_up needs config.gluon, an sm_90 GPU, triton with Gluon, TMA and "
             f"ALIGN_M={gu_rows} (got {align})")
+        moe_ws.check_promote(plan.gate_up.promote, gu_rows == moe_ws.WIDE_M,
+                             f"the {gu_rows} x {moe_ws.TILE_N} Gluon MoE gate_up")
+    if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
+        moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
     sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
     max_rows = sorted_slots.shape[0]
@@ -252,8 +256,7 @@ def moe_expert_slots(
         moe_ws.ws_moe_gemm(a_fp8, a_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
                            stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,
-                           balance=plan.gate_up.balance, inplace=plan.gate_up.inplace,
-                           promote=plan.gate_up.promote)
+                           balance=plan.gate_up.balance, promote=plan.gate_up.promote)
     else:
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         gate_up_triton(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert, k,

@@ -7,13 +7,16 @@ FP8 activations already in padded sorted row order (``moe.gather_act_quant``), r
 bias, the clamped SwiGLU, the 1x128 FP8 quantization of the result (one scale per row and 128
 outputs), written in sorted row order through TMA. Each K block's fp8 product is scaled by
 s_a[row, kb] * s_w[expert, col block, kb] into an fp32 accumulator (promotion every 128).
-Opt-in forms (not yet measured on the GPU; defaults unchanged): the wide gate_up
-(``GluonTile(block_m=128)``, 128 x 256 tiles over 128-row segments, each warpgroup 64 rows x all
-256 columns as two in-place-accumulated products, ``_gluon.block_scaled_mainloop_pair``: no row-max
-exchange, 1.67x the FLOPs per byte) and the down GEMM on the same tiles (``ws_moe_down``, output
-rows scattered to the slots with 16-byte stores through shared memory; the earlier 64 x 256 Gluon
-down with 4-byte stores from the wgmma layout ran 5-10% behind the Triton down, BENCHMARKS.md
-seventh session). The base gate_up keeps ``slots_ptr``, ``out_ptr``, ``num_slots`` and
+Opt-in forms: the wide gate_up (``GluonTile(block_m=128, promote="serial")``, 128 x 256 tiles over
+128-row segments, each warpgroup 64 rows x all 256 columns as two promoted products: no row-max
+exchange, 1.67x the FLOPs per byte) and the down GEMM on the same tiles (``ws_moe_down``,
+``GluonTile(block_m=128, promote="serial")``, output rows scattered to the slots with 16-byte
+stores through shared memory; the earlier 64 x 256 Gluon down with 4-byte stores from the wgmma
+layout ran 5-10% behind the Triton down, BENCHMARKS.md seventh session). Both run only
+``_gluon.block_scaled_mainloop_serial`` (the promotion numerics with no wgmma in flight across a
+loop back edge, no C7514) and refuse promote="pipelined"; the 64 x 256 gate_up takes either loop
+(``GluonTile(promote="serial")`` is the default, ``KernelConfig.moe_gluon_gate_up``).
+The base gate_up keeps ``slots_ptr``, ``out_ptr``, ``num_slots`` and
 ``stride_om`` in its argument lists, unused.
 
 Structure (the dense fp8_gemm_ws.py's, on 64 x 256 tiles; experts' row segments are padded to 64):
@@ -33,15 +36,13 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels._gluon import HAS_GLUON, num_programs, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels._gluon import HAS_GLUON, check_promote, num_programs, supported  # noqa: F401 - re-exported
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         block_scaled_mainloop,
-        block_scaled_mainloop_pair,
         block_scaled_mainloop_serial,
-        block_scaled_mainloop_two,
         descriptor,
         fence_async_shared,
         gl,
@@ -91,11 +92,10 @@ if HAS_GLUON:
                      out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                      stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
                      GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
-                     FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, INPLACE: gl.constexpr = False,
-                     SERIAL: gl.constexpr = False):
-        """Consumer warpgroup W (0 or 1): columns W*128 .. W*128 + 128 of every tile (INPLACE: one
-        in-place accumulator, ``block_scaled_mainloop_pair`` with one product, instead of the
-        promotion loop that ptxas serializes)."""
+                     FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, SERIAL: gl.constexpr = False):
+        """Consumer warpgroup W (0 or 1): columns W*128 .. W*128 + 128 of every tile (SERIAL:
+        ``block_scaled_mainloop_serial`` with one product instead of the pipelined promotion loop,
+        whose wgmmas ptxas serializes)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -121,10 +121,6 @@ if HAS_GLUON:
                         acc, _unused, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, 0, 0, TM, W * HN,
                                                                        W * HN, HN, as_ptr, rows * stride_asm, 0, rows,
                                                                        rows, b_s_ptr, 0, c, n_k, layout, False, False)
-                    elif INPLACE:
-                        acc, _unused, c = block_scaled_mainloop_pair(ready, empty, a_bufs, b_bufs, 0, 0, TM, W * HN,
-                                                                     W * HN, HN, as_ptr, rows * stride_asm, 0, rows,
-                                                                     rows, b_s_ptr, 0, c, n_k, layout, False, False)
                     else:
                         acc, c = block_scaled_mainloop(ready, empty, a_bufs, b_bufs, 0, TM, W * HN, HN, a_s_ptr, rows,
                                                        b_s_ptr, c, n_k, layout, False)
@@ -165,11 +161,11 @@ if HAS_GLUON:
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
                              stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
                              ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                             INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                             SERIAL: gl.constexpr = False):
         _moe_consume(1, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(1), as_ptr, bs_ptr, bias_ptr, out_ptr,
                      out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                      stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C,
-                     EPS, INPLACE, SERIAL)
+                     EPS, SERIAL)
 
     @gluon.jit
     def _moe_producer(a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
@@ -177,7 +173,7 @@ if HAS_GLUON:
                       num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
                       stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
                       ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                      INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                      SERIAL: gl.constexpr = False):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M)
 
@@ -187,7 +183,7 @@ if HAS_GLUON:
                             stride_bsn, stride_biase, stride_om, stride_osm, limit, num_progs,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                            INPLACE: gl.constexpr = False, SERIAL: gl.constexpr = False):
+                            SERIAL: gl.constexpr = False):
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -207,16 +203,16 @@ if HAS_GLUON:
             (_moe_consume, (0, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs.index(0), as_ptr, bs_ptr, bias_ptr,
                             out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                             num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om, stride_osm, limit,
-                            num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, INPLACE, SERIAL)),
+                            num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, SERIAL)),
             (_moe_second_consumer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                                     bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                                     num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase,
                                     stride_om, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C,
-                                    EPS, INPLACE, SERIAL)),
+                                    EPS, SERIAL)),
             (_moe_producer, (a_desc, b_desc, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_bufs, as_ptr, bs_ptr,
                              bias_ptr, out_ptr, out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K,
                              num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_om,
-                             stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, INPLACE, SERIAL)),
+                             stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, SERIAL)),
         ], [4, 1], [232, 40])
 
 
@@ -226,10 +222,9 @@ if HAS_GLUON:
     def _moe_consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                           out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                           stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                          ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                          SERIAL: gl.constexpr = False):
+                          ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         """Wide form, consumer warpgroup W: rows W*64 .. W*64 + 64 of every 128 x 256 tile, all 256
-        columns as two 128-column products sharing each A stage (``block_scaled_mainloop_pair``), so
+        columns as two 128-column products sharing each A stage (``block_scaled_mainloop_serial``), so
         the tile's 128 SwiGLU outputs (one FP8 group) sit in one warpgroup: no row-max exchange.
         A warpgroup whose first row is padding (a segment's padding rows come last, so all its rows
         are) skips its products; the right half is skipped where it lies wholly past N."""
@@ -251,22 +246,20 @@ if HAS_GLUON:
                 row0 = pid_m * TM + W * R
                 col0 = pid_n * TN
                 rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-                cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
-                cols1 = cols0 + HN
                 a_offs = rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 live = gl.load(slots_ptr + row0) < num_slots
                 if live:
                     if col0 + HN < N:
-                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                   layout, False, True, SERIAL)
+                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                      layout, False, True)
                     else:
-                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                   layout, False, False, SERIAL)
+                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                      layout, False, False)
                 else:  # padding rows only: keep the stage ring in step (their outputs: the bias's SwiGLU)
                     acc0 = gl.zeros((R, HN), gl.float32, layout)
                     acc1 = gl.zeros((R, HN), gl.float32, layout)
@@ -274,6 +267,10 @@ if HAS_GLUON:
                         mbarrier.wait(ready.index(c % S), (c // S) & 1)
                         mbarrier.arrive(empty.index(c % S), count=1)
                         c += 1
+                # the column indices after the main loop: 32 registers each in the wgmma layout, not
+                # held through it
+                cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                cols1 = cols0 + HN
                 nmask0 = cols0 < N
                 nmask1 = cols1 < N
                 bias_row = bias_ptr + expert * stride_biase
@@ -300,19 +297,16 @@ if HAS_GLUON:
     def _moe_wide_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                          stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                         ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                          SERIAL: gl.constexpr = False):
+                         ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_consume_wide(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr,
                           slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                          stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS,
-                          SERIAL)
+                          stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)
 
     @gluon.jit
     def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                            out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                            stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                           ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                          SERIAL: gl.constexpr = False):
+                           ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M)
 
@@ -321,9 +315,10 @@ if HAS_GLUON:
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                                  stride_bsn, stride_biase, stride_osm, limit, num_progs, STAGES: gl.constexpr,
                                  GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr,
-                                 EPS: gl.constexpr, SERIAL: gl.constexpr = False):
-        """The wide gate_up (``GluonTile(block_m=128)``): 128 x 256 tiles over 128-row segments, 48 KB of
-        loads per K block for twice the 64 x 256 tile's work (40 KB): 1.67x the FLOPs per byte."""
+                                 EPS: gl.constexpr):
+        """The wide gate_up (``GluonTile(block_m=128, promote="serial")``, the serial promotion loop):
+        128 x 256 tiles over 128-row segments, 48 KB of loads per K block for twice the 64 x 256
+        tile's work (40 KB): 1.67x the FLOPs per byte."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -339,15 +334,15 @@ if HAS_GLUON:
             (_moe_consume_wide, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr,
                                  slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                                  stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA,
-                                 FP8_MAX_C, EPS, SERIAL)),
+                                 FP8_MAX_C, EPS)),
             (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                 out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                                 stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs,
-                                GROUP_M, ALPHA, FP8_MAX_C, EPS, SERIAL)),
+                                GROUP_M, ALPHA, FP8_MAX_C, EPS)),
             (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                   out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                                   num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit,
-                                  num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, SERIAL)),
+                                  num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)),
         ], [4, 1], [232, 40])
 
 
@@ -356,8 +351,7 @@ if HAS_GLUON:
     @gluon.jit
     def _down_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                       slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr,
-                     SERIAL: gl.constexpr = False):
+                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
         """Down, consumer warpgroup W: rows W*64 .. W*64 + 64 of every 128 x 256 tile as the wide
         gate_up's two 128-column products; + bias; each 64 x 128 piece goes through this
         warpgroup's shared-memory buffer into 16-byte row stores at its tokens' slots (padding rows
@@ -388,15 +382,15 @@ if HAS_GLUON:
                 live = gl.load(slots_ptr + row0) < num_slots
                 if live:
                     if col0 + HN < N:
-                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                   layout, False, True, SERIAL)
+                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                      layout, False, True)
                     else:
-                        acc0, acc1, c = block_scaled_mainloop_two(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                   HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                   rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                   layout, False, False, SERIAL)
+                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                      layout, False, False)
                     srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
                     slot = gl.load(slots_ptr + srows)
                     smask = gl.expand_dims(slot < num_slots, 1)
@@ -425,28 +419,26 @@ if HAS_GLUON:
     @gluon.jit
     def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                     stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr,
-                     SERIAL: gl.constexpr = False):
+                     stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
         _down_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr,
                       block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
-                      stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)
+                      stride_biase, stride_ym, num_progs, GROUP_M)
 
     @gluon.jit
     def _down_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                        slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                       stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr,
-                       SERIAL: gl.constexpr = False):
+                       stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
                      num_progs, GROUP_M)
 
     @gluon.jit
     def _ws_moe_down_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr, block_expert_ptr, num_m, N,
                             K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_ym,
-                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERIAL: gl.constexpr = False):
-        """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128))``): the
-        wide gate_up's main loop, 1.67x the 64 x 256 tile's FLOPs per byte; output scattered to the
-        slots' rows (the earlier 64 x 256 Gluon down, 4-byte stores from the wgmma layout, ran 5-10%
-        behind the Triton down)."""
+                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128,
+        promote="serial"))``): the wide gate_up's main loop (the serial promotion), 1.67x the 64 x 256
+        tile's FLOPs per byte; output scattered to the slots' rows (the earlier 64 x 256 Gluon down,
+        4-byte stores from the wgmma layout, ran 5-10% behind the Triton down)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -462,27 +454,27 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_down_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                             stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)),
+                             stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
             (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                             slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)),
+                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
             (_down_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                               slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                              stride_bse, stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, SERIAL)),
+                              stride_bse, stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
         ], [4, 1], [232, 40])
 
 
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
-                promote: str = "pipelined") -> None:
+                promote: str = "serial") -> None:
     """The down GEMM on 128 x 256 tiles: y[slot] = act[row] @ W2[expert]^T + b2[expert] (bf16), for
     the sorted rows of 128-row segments (``moe_expert_slots`` checks the shapes and is the entry
     point). a = act [max_rows, I] fp8 with a_scale [max_rows, ceil(I/128)]; w [E, H, I] fp8 with
     w_scale_inv [E, ceil(H/128), ceil(I/128)]; bias [E, H]; y [num_slots, H] bf16 (rows of padding
-    slots are not written). promote="serial": ``_gluon.block_scaled_mainloop_serial`` (the promotion
-    numerics, no C7514) instead of the in-place accumulation."""
-    assert promote in ("pipelined", "serial"), f"promote={promote!r}: 'pipelined' or 'serial'"
+    slots are not written). Its one main loop is ``_gluon.block_scaled_mainloop_serial`` (the
+    promotion numerics, no C7514): promote must be "serial" (ValueError otherwise)."""
+    check_promote(promote, True, "the Gluon MoE down")
     max_rows, k = a.shape
     e, n, _ = w.shape
     assert max_rows % WIDE_M == 0 and y.stride(1) == 1 and y.dtype == torch.bfloat16, (max_rows, y.dtype)
@@ -492,7 +484,7 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     _ws_moe_down_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
         a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
-        STAGES=stages, GROUP_M=group_m, num_warps=4, **(dict(SERIAL=True) if promote == "serial" else {}),
+        STAGES=stages, GROUP_M=group_m, num_warps=4,
     )
 
 
@@ -500,20 +492,20 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, sorted_slots: torch.Tensor,
                 block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
                 fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, block_m: int = TILE_M,
-                balance: bool = False, inplace: bool = False, promote: str = "pipelined") -> None:
+                balance: bool = False, promote: str = "pipelined") -> None:
     """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of block_m rows: 64, or 128 for the
     wide form), a_scale [max_rows, ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128),
     ceil(K/128)], bias [E, N]; out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)]
-    (sorted rows). balance: ``_gluon.num_programs``; inplace: the 64 x 256 kernel with in-place
-    accumulators (the wide form always has them); promote="serial": either form with the promotion
-    numerics and no C7514 (``_gluon.block_scaled_mainloop_serial``; overrides inplace)."""
-    assert promote in ("pipelined", "serial"), f"promote={promote!r}: 'pipelined' or 'serial'"
-    serial = dict(SERIAL=True) if promote == "serial" else {}  # the shipped launches keep their exact signatures
+    (sorted rows). balance: ``_gluon.num_programs``; promote: the 64 x 256 kernel's main loop,
+    "pipelined" (``_gluon.block_scaled_mainloop``) or "serial" (``_gluon.block_scaled_mainloop_serial``,
+    no C7514); the wide form has only "serial" (ValueError otherwise)."""
+    assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
+    check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
     max_rows, k = a.shape
     e, n, _ = w.shape
-    assert block_m in (TILE_M, WIDE_M) and max_rows % block_m == 0, f"block_m {block_m}, {max_rows} rows"
+    assert max_rows % block_m == 0, f"block_m {block_m}, {max_rows} rows"
     a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     out_desc = descriptor(out, [TILE_M, TILE_N // 4])
     num_m = max_rows // block_m
@@ -523,13 +515,13 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
             a_desc, b_desc, a_scale, w_scale_inv, bias, out_desc, out_scale, sorted_slots, block_expert,
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),
             bias.stride(0), out_scale.stride(0), float(limit), num_progs,
-            STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4, **serial,
+            STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
         )
         return
+    serial = dict(SERIAL=True) if promote == "serial" else {}  # the pipelined launch keeps its exact signature
     _ws_moe_gemm_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_scale, sorted_slots, block_expert,
         num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0),
         out.stride(0), out_scale.stride(0), float(limit), num_progs,
-        STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
-        **(dict(INPLACE=True) if inplace and not serial else {}), **serial,
+        STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4, **serial,
     )

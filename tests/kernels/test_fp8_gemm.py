@@ -213,82 +213,41 @@ def test_fp8_gemm_ws_compiles_for_sm90():
     assert k["num_warps"] == 4 + 4 + 4 and k["shared"] <= 227 * 1024
 
 
-# The wide forms (two 64 x 128 accumulators per consumer warpgroup, rescaled accumulation) and the
-# wave-balanced grid, forced at the same odd shapes as the base kernel: M tails (a 256-row tile
-# half past M), N = 2880 (a 128 x 256 tile whose right half lies past N), N = 64 and 136 (one
-# tile), K = 160 / 2880 / 4096, no bias, fp32 bias; 3 and 4 stages (one and two store buffers).
-WIDE_TILES = [GluonTile(stages=3, block_m=256), GluonTile(stages=4, block_m=256),
-              GluonTile(stages=3, block_n=256), GluonTile(stages=4, block_n=256, balance=True),
-              GluonTile(stages=5, balance=True), GluonTile(stages=5, inplace=True),
-              GluonTile(stages=3, group_m=4, inplace=True, balance=True)]
-
-
+# The wave-balanced grid of the shipped (pipelined) 128 x 128 loop, at the base kernel's odd shapes.
+# (The wide forms run only the serial promotion: their cases are SERIAL_TILES below; the in-place
+# accumulation variants lost accuracy on the H200 and were removed with their tests.)
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", WIDE_TILES, ids=["256x128-s3", "256x128-s4", "128x256-s3", "128x256-s4-bal",
-                                                  "128x128-bal", "128x128-inplace", "128x128-inplace-s3-g4-bal"])
 @pytest.mark.parametrize("m,n,k,bias", WS_CASES + [(1000, 5120, 2880, "bf16")])
-def test_fp8_gemm_ws_wide_gpu(m, n, k, bias, tile):
+def test_fp8_gemm_ws_balanced_gpu(m, n, k, bias):
     x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=m + 5 * n + k, bias=bias is not None)
     if bias == "fp32":
         b = b.float()
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, tile=tile)
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, tile=GluonTile(stages=5, balance=True))
     assert y.data_ptr() == out.data_ptr()
     _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
 
 
-@pytest.mark.gpu
-def test_fp8_gemm_ws_wide_extreme_scales():
-    """Rescaled accumulation keeps s_k * sum (s_j / s_k) P_j: rows whose K blocks' scales span many
-    orders of magnitude (an all-zero block, a 1e-6 block beside a 1e3 one) stay within tolerance."""
-    m, n, k = 512, 256, 1024
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=11)
-    x = torch.randn(m, k, device=DEV)
-    x[:, 128:256] = 0.0
-    x[::2, 256:384] *= 1e-6
-    x[1::2, 512:640] *= 1e3
-    from gptoss_fp8.quant.fp8 import quantize_act
-
-    x_fp8, x_scale = quantize_act(x)
-    for tile in (GluonTile(stages=3, block_m=256), GluonTile(stages=4, block_n=256), GluonTile(inplace=True)):
-        y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=tile)
-        _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
-
-
-def test_fp8_gemm_ws_wide_compiles_for_sm90():
-    """Without a GPU: the wide forms and the in-place 128 x 128 form compile for sm_90 with fp8 wgmma
-    accumulating in place (use_acc), no spills in ptxas's report (the serial promotion order
-    spilled 212-1040 bytes) and no wgmma serialization (ptxas's C7514, which the shipped promotion
-    loop gets), within one SM's shared memory; the wave-balanced grid keeps the number of waves."""
-    import re
-
-    from gptoss_fp8.kernels import _gluon, fp8_gemm_ws
+def test_num_programs_keeps_waves():
+    """The wave-balanced grid: the fewest programs that keep the number of waves."""
+    from gptoss_fp8.kernels import _gluon
 
     assert _gluon.num_programs(2560, 132, False) == 132 and _gluon.num_programs(2560, 132, True) == 128
     assert _gluon.num_programs(40, 132, True) == 40 and _gluon.num_programs(1280, 132, True) == 128
-    if not _gluon.HAS_GLUON:
-        pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
-    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    for bm, bn, stages in ((256, 128, 3), (256, 128, 4), (128, 256, 3), (128, 256, 4), (128, 128, 5)):
-        types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{lay.format(8)}>",
-                 "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lay.format(8)}>",
-                 "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
-                 "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
-        if bm == bn:  # the base kernel, in-place
-            fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, INPLACE=True)
-        else:
-            fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
-            consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages))
-        k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
-                                                                    "stride_asm", "stride_bsn"))
-        ptx = k["ptx"]
-        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
-        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
-        assert ".local" not in ptx and k["num_warps"] == 12 and k["shared"] <= 227 * 1024
-        if "regs" in k:  # ptxas's report (absent where triton ships no ptxas)
-            assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] == 0, (bm, bn, stages, k)
-            assert not k["wgmma_serialized"], f"ptxas serialized the wgmmas of {bm}x{bn}"
+
+
+def test_gluon_wide_tiles_refuse_pipelined():
+    """The wide forms have only the serial promotion loop: promote="pipelined" (GluonTile's default)
+    is refused before any launch, as is an unknown loop (also by GluonTile itself)."""
+    from gptoss_fp8.kernels import fp8_gemm_ws
+
+    for bm, bn in ((256, 128), (128, 256)):
+        with pytest.raises(ValueError, match="only the serial promotion"):
+            fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, block_m=bm, block_n=bn)
+    with pytest.raises(ValueError, match="promote="):
+        fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="bogus")
+    with pytest.raises(ValueError, match="promote"):
+        GluonTile(promote="inplace")
 
 
 def test_gluon_switch_and_report():
@@ -334,8 +293,8 @@ def test_host_helpers_match_triton():
 
 
 # promote="serial": the default's numerics (promotion every 128 into a separate fp32 accumulator),
-# each K block's wgmmas waited for within their iteration (no C7514). fp8_gemm does not forward
-# ``promote`` yet: these call the Gluon launch with what fp8_gemm passes it for 2-D operands.
+# each K block's wgmmas waited for within their iteration (no C7514); the only loop of the wide
+# forms. These call the Gluon launch with what fp8_gemm passes it for 2-D operands.
 SERIAL_TILES = [GluonTile(stages=5, promote="serial"), GluonTile(stages=4, balance=True, promote="serial"),
                 GluonTile(stages=3, block_m=256, promote="serial"), GluonTile(stages=4, block_m=256, promote="serial"),
                 GluonTile(stages=3, block_n=256, promote="serial"),
@@ -348,7 +307,7 @@ def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
 
     return fp8_gemm_ws.ws_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out, stages=tile.stages, group_m=tile.group_m,
                                    block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
-                                   balance=tile.balance, inplace=tile.inplace, promote=tile.promote)
+                                   balance=tile.balance, promote=tile.promote)
 
 
 @pytest.mark.gpu
@@ -356,7 +315,8 @@ def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
 @pytest.mark.parametrize("m,n,k,bias", WS_CASES + [(1000, 5120, 2880, "bf16")])
 def test_fp8_gemm_ws_serial_gpu(m, n, k, bias, tile):
     """The serial-promotion forms against the reference, and as accurate as the shipped promotion
-    loop (the in-place forms lose ~1e-3 relative: Hopper's FP8 wgmma accumulates in limited precision)."""
+    loop (the removed in-place forms measured 2.09e-3 relative against its 1.66e-3 on the H200:
+    Hopper's FP8 wgmma accumulates in limited precision)."""
     x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=m + 7 * n + k, bias=bias is not None)
     if bias == "fp32":
         b = b.float()
@@ -388,16 +348,17 @@ def test_fp8_gemm_ws_serial_extreme_scales():
 def test_fp8_gemm_ws_serial_compiles_for_sm90():
     """Without a GPU: the serial-promotion forms compile for sm_90 with ptxas pipelining their wgmmas
     (no C7514) and, for 128 x 128 and 128 x 256, no spills (256 x 128: ptxas's report; measured
-    132 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block)."""
+    96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block)."""
+    import re
+
     from gptoss_fp8.kernels import _gluon, fp8_gemm_ws
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
-    with pytest.raises(AssertionError, match="promote="):
-        fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="bogus")
     lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
-    for bm, bn, stages in ((128, 128, 5), (256, 128, 3), (128, 256, 4)):
+    # 128 x 256 with 3 stages: KernelConfig.dense_gluon_wide_tile, the default from 8192 rows
+    for bm, bn, stages in ((128, 128, 5), (256, 128, 3), (256, 128, 4), (128, 256, 3), (128, 256, 4)):
         types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{lay.format(8)}>",
                  "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lay.format(8)}>",
                  "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
@@ -406,10 +367,11 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90():
             fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
         else:
             fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
-            consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages), SERIAL=True)
+            consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages))
         k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
                                                                     "stride_asm", "stride_bsn"))
         ptx = k["ptx"]
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
         assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
         assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
         if "regs" in k:

@@ -127,7 +127,9 @@ def test_default_plans_are_the_measured_ones():
     assert light == MoePlan(16, TritonTile(16, 256, 8, 4, 4, split_n=True), TritonTile(16, 128, 8, 4, 4))
     heavy = cfg.moe_plan(8192, 4, 32)
     assert heavy == MoePlan(64, TritonTile(64, 256, 8, 8, 4, split_n=False), TritonTile(64, 128, 8, 4, 4))
-    assert cfg.moe_plan(8192, 4, 32, gluon_ok=True) == MoePlan(64, GluonTile(4, 8), TritonTile(64, 128, 8, 4, 4))
+    # the 64 x 256 Gluon gate_up on the serial promotion loop (KernelConfig.moe_gluon_gate_up)
+    assert cfg.moe_plan(8192, 4, 32, gluon_ok=True) == MoePlan(64, GluonTile(4, 8, promote="serial"),
+                                                               TritonTile(64, 128, 8, 4, 4))
     assert cfg.moe_plan(8, 4, 32, gluon_ok=True) == light  # 16-row segments: no Gluon
     assert KernelConfig(moe_gluon=False).moe_plan(8192, 4, 32, gluon_ok=True) == heavy
 
@@ -244,10 +246,11 @@ def test_moe_combine_matches_einsum():
 # experts' segments are 64-row aligned), forced here: 5 stages, GROUP_M 4, a tensor-parallel-like
 # shard (I = 720: the last gate_up tile's second warpgroup holds 32 of its 128 columns) and H = 640.
 # (The Gluon down GEMM, measured 5-10% slower than the Triton one, was removed with its cases.)
-def _ws_plan(stages=4, group_m=8, inplace=False, balance=False):
+def _ws_plan(stages=4, group_m=8, balance=False):
+    """The 64 x 256 Gluon gate_up on the pipelined promotion loop (the serial one: _serial_plan)."""
     plan = KernelConfig().moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 64 and isinstance(plan.gate_up, GluonTile), plan
-    return MoePlan(64, GluonTile(stages, group_m, inplace=inplace, balance=balance), plan.down)
+    return MoePlan(64, GluonTile(stages, group_m, balance=balance), plan.down)
 
 
 @pytest.mark.gpu
@@ -257,12 +260,8 @@ def _ws_plan(stages=4, group_m=8, inplace=False, balance=False):
     (2000, 2880, 2880, 128, 0, 128, _ws_plan(group_m=4)),
     (1500, 2880, 720, 16, 0, 16, _ws_plan()),
     (700, 640, 1440, 8, 2, 4, _ws_plan()),
-    (3000, 2880, 2880, 32, 4, 16, _ws_plan(inplace=True)),
-    (2000, 2880, 2880, 128, 0, 128, _ws_plan(inplace=True, balance=True)),
-    (1500, 2880, 720, 16, 0, 16, _ws_plan(inplace=True)),
-    (700, 640, 1440, 8, 2, 4, _ws_plan(inplace=True)),
-], ids=["gate_up", "e128-5stages", "e128-group4", "i720", "h640", "inplace", "inplace-e128-bal", "inplace-i720",
-        "inplace-h640"])
+    (2000, 2880, 2880, 128, 0, 128, _ws_plan(balance=True)),
+], ids=["gate_up", "e128-5stages", "e128-group4", "i720", "h640", "e128-bal"])
 def test_fused_moe_ws_gpu(t, h, i, e, e0, n_local, plan):
     m = _model(t, h, i, e, seed=t + h + i)
     ex = _shard(m["experts"], e0, n_local)
@@ -272,9 +271,10 @@ def test_fused_moe_ws_gpu(t, h, i, e, e0, n_local, plan):
 
 
 def _wide_plan(stages=4, group_m=8, balance=False, down=None):
-    """The wide gate_up (128 x 256 tiles over 128-row segments) with the default down tile, or ``down``."""
-    plan = KernelConfig(moe_gluon_gate_up=GluonTile(stages, group_m, block_m=128, balance=balance)).moe_plan(
-        8192, 4, 32, gluon_ok=True)
+    """The wide gate_up (128 x 256 tiles over 128-row segments, the serial promotion: its only loop)
+    with the default down tile, or ``down``."""
+    gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial")
+    plan = KernelConfig(moe_gluon_gate_up=gu).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
 
@@ -288,15 +288,17 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None):
     (700, 640, 1440, 8, 2, 4, _wide_plan()),
     (3000, 2880, 2880, 32, 0, 32, _wide_plan(down=TritonTile(128, 128, 8, 8, 4))),
     (1, 2880, 2880, 32, 0, 32, _wide_plan()),
-    (3000, 2880, 2880, 32, 4, 16, _wide_plan(down=GluonTile(4, 8, block_m=128))),
-    (2000, 2880, 2880, 128, 0, 128, _wide_plan(down=GluonTile(3, 8, block_m=128, balance=True))),
-    (700, 640, 1440, 8, 2, 4, _wide_plan(down=GluonTile(4, 4, block_m=128))),
-    (1500, 720, 2880, 16, 0, 16, _wide_plan(down=GluonTile(4, 8, block_m=128))),
-    (1, 2880, 2880, 32, 0, 32, _wide_plan(down=GluonTile(4, 8, block_m=128))),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
+    (2000, 2880, 2880, 128, 0, 128, _wide_plan(down=GluonTile(3, 8, block_m=128, balance=True, promote="serial"))),
+    (700, 640, 1440, 8, 2, 4, _wide_plan(down=GluonTile(4, 4, block_m=128, promote="serial"))),
+    (1500, 720, 2880, 16, 0, 16, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
+    (1, 2880, 2880, 32, 0, 32, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
 ], ids=["gate_up", "e128-3stages", "e128-group4-bal", "i720", "h640", "down128", "t1", "gdown", "gdown-e128-s3-bal",
         "gdown-h640", "gdown-h720", "gdown-t1"])
 def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
-    """The wide gate_up (and the Gluon down, "gdown") against the reference: padding-only
+    """The wide gate_up (and the Gluon down, "gdown"), both on the serial promotion loop (their
+    only one; the in-place accumulation they had failed these cases and was removed), against the
+    reference: padding-only
     warpgroups (every expert's last tile), a right half past N (h640: 2I = 2880 and H = 640 = 2.5
     tiles of 256; i720: 32 of its 128 columns valid; h720: down's last tile 80 of 256 columns),
     expert-parallel shards, one token."""
@@ -308,8 +310,8 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
 
 
 def test_moe_ws_wide_compiles_for_sm90():
-    """Without a GPU: the wide gate_up compiles for sm_90, no spills in ptxas's report, within one
-    SM's shared memory (4 stages of 48 KB)."""
+    """Without a GPU: the wide gate_up (the serial promotion loop) compiles for sm_90, no spills in
+    ptxas's report, no wgmma serialization, within one SM's shared memory (4 stages of 48 KB)."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -333,11 +335,6 @@ def test_moe_ws_wide_compiles_for_sm90():
     if "regs" in k:
         assert k["spill_stores"] == 0 and k["stack"] == 0, k
         assert not k["wgmma_serialized"], "ptxas serialized the wide gate_up's wgmmas (C7514)"
-    # the base gate_up with in-place accumulators: no serialization either (its promotion loop has it)
-    types.update(a_desc=f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>", out_ptr="*fp8e4nv")
-    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_kernel, types, dict(consts, INPLACE=True))
-    if "regs" in k:
-        assert k["spill_stores"] == 0 and not k["wgmma_serialized"], k
 
 
 def test_moe_ws_down_compiles_for_sm90():
@@ -423,11 +420,11 @@ def _serial_plan(kind, stages=4, group_m=8, balance=False):
         base = _ws_plan()
         return MoePlan(64, GluonTile(stages, group_m, balance=balance, promote="serial"), base.down)
     gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial")
-    down = {"wide": None, "wide+gdown": gu, "gdown": GluonTile(stages, group_m, block_m=128, promote="serial")}[kind]
-    plan = _wide_plan()
-    if kind == "gdown":  # the in-place wide gate_up with the serial Gluon down
-        return MoePlan(128, plan.gate_up, down)
-    return MoePlan(128, gu, down or plan.down)
+    gdown = GluonTile(stages, group_m, block_m=128, promote="serial")
+    if kind == "tgu+gdown":  # the Gluon down alone: a Triton gate_up (64-row tiles) over 128-row segments
+        return MoePlan(128, TritonTile(64, 256, group_m=8, num_warps=8, num_stages=4, split_n=False), gdown)
+    down = {"wide": None, "wide+gdown": gu, "gdown": gdown}[kind]
+    return MoePlan(128, gu, down or _wide_plan().down)
 
 
 @pytest.mark.gpu
@@ -441,10 +438,17 @@ def _serial_plan(kind, stages=4, group_m=8, balance=False):
     (1500, 2880, 720, 16, 0, 16, _serial_plan("wide+gdown")),
     (700, 640, 1440, 8, 2, 4, _serial_plan("wide+gdown", group_m=4)),
     (1500, 720, 2880, 16, 0, 16, _serial_plan("gdown")),
+    (1500, 720, 2880, 16, 0, 16, _serial_plan("tgu+gdown")),
+    (1500, 720, 2880, 16, 0, 16, _serial_plan("wide")),
     (1, 2880, 2880, 32, 0, 32, _serial_plan("wide+gdown")),
 ], ids=["gu64", "gu64-e128-s5-bal", "gu64-i720", "gu64-h640", "wide", "wide+gdown-e128-s3-bal", "wide+gdown-i720",
-        "wide+gdown-h640-g4", "gdown-h720", "wide+gdown-t1"])
+        "wide+gdown-h640-g4", "gdown-h720", "tgu+gdown-h720", "wide-h720", "wide+gdown-t1"])
 def test_fused_moe_ws_serial_gpu(t, h, i, e, e0, n_local, plan):
+    """gdown-h720 (H = 720: the down's last 256-column tile has its second half 80 of 128 columns
+    inside N, the only case here where that half runs) failed on the H200 while its plan paired the
+    serial down with the *in-place* wide gate_up (which failed every case of the wide test); both
+    are serial now. tgu+gdown-h720 checks the down alone behind a Triton gate_up, wide-h720 the
+    wide gate_up at K = 720 behind the Triton down."""
     m = _model(t, h, i, e, seed=t + h + i + 2)
     ex = _shard(m["experts"], e0, n_local)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
@@ -453,38 +457,46 @@ def test_fused_moe_ws_serial_gpu(t, h, i, e, e0, n_local, plan):
 
 
 def test_moe_ws_serial_compiles_for_sm90():
-    """Without a GPU: the serial-promotion gate_up (64 x 256 and wide) and down compile for sm_90 with
-    their wgmmas pipelined by ptxas (no C7514); the 64 x 256 gate_up and the down without spills
-    (the wide gate_up: ptxas's report, ~300 bytes of spills with triton 3.6's ptxas)."""
+    """Without a GPU: the serial-promotion gate_up (64 x 256 and wide, 3 stages) compiles for sm_90 with
+    their wgmmas pipelined by ptxas (no C7514) and no spills (the wide gate_up's column indices are
+    built after the main loop: held through it they spilled ~300 bytes)."""
     from gptoss_fp8.kernels import _gluon, moe_ws
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
     lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
-    consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, SERIAL=True)
+    consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)
     types = {"a_desc": f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>",
              "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
              "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp8e4nv",
              "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
-    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_kernel, types, consts)
+    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_kernel, types, dict(consts, SERIAL=True))
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in k["ptx"]
     if "regs" in k:
         assert k["spill_stores"] == 0 and k["stack"] == 0 and not k["wgmma_serialized"], k
     types.update(a_desc=f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>")
-    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, consts)
-    assert k["shared"] <= 227 * 1024
-    if "regs" in k:
-        assert not k["wgmma_serialized"], k
-    l128 = lay.format(128)
-    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{l128}>", "b_desc": f"tensordesc<fp8e4nv[256, 128],{l128}>",
-             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
-             "slots_ptr": "*i32", "block_expert_ptr": "*i32"}
-    div16 = ("as_ptr", "bs_ptr", "bias_ptr", "y_ptr", "slots_ptr", "block_expert_ptr", "N", "K", "stride_biase",
-             "stride_ym")
-    k = _gluon.compile_for_sm90(moe_ws._ws_moe_down_kernel, types, dict(STAGES=4, GROUP_M=8, SERIAL=True),
-                                divisible16=div16)
+    # the wide gate_up and the down have only the serial loop: 4 stages and the down are compiled by
+    # test_moe_ws_wide_compiles_for_sm90 / test_moe_ws_down_compiles_for_sm90
+    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, dict(consts, STAGES=3))
     assert k["shared"] <= 227 * 1024
     if "regs" in k:
         assert k["spill_stores"] == 0 and k["stack"] == 0 and not k["wgmma_serialized"], k
+
+
+def test_moe_ws_wide_and_down_refuse_pipelined():
+    """The wide gate_up and the Gluon down have only the serial promotion loop: promote="pipelined"
+    (GluonTile's default) is refused before any launch (on any device)."""
+    from gptoss_fp8.kernels import moe_ws
+
+    with pytest.raises(ValueError, match="only the serial promotion"):
+        moe_ws.ws_moe_gemm(*[None] * 14, block_m=128)
+    with pytest.raises(ValueError, match="only the serial promotion"):
+        moe_ws.ws_moe_down(*[None] * 9, promote="pipelined")
+    m = _model(64, 256, 256, 4, seed=3)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    plan = MoePlan(128, TritonTile(64, 256, group_m=8, num_warps=8, num_stages=4, split_n=False),
+                   GluonTile(block_m=128))
+    with pytest.raises(ValueError, match="Gluon MoE down runs only the serial promotion"):
+        moe_experts(m["x"], w, ids, *m["experts"], plan=plan)
