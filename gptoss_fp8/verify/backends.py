@@ -104,13 +104,14 @@ def ops_for(mode: str, gemm: str = "ours") -> ReferenceOps:
 
 def check_gemm(gemm: str, modes: list[str]) -> None:
     """``--gemm``: a known library, one the run uses (the kernels mode), importable. Raises
-    GptOssFp8Error (one line) before any model runs."""
+    GptOssFp8Error (one line) before any model runs. "ours" imports nothing (a CPU run stays
+    free of Triton, which kernels/config.py imports)."""
+    if gemm == "ours":
+        return
     from gptoss_fp8.kernels.config import GEMM_BACKENDS
 
     if gemm not in GEMM_BACKENDS:
         raise GptOssFp8Error(f"--gemm {gemm!r}: choose one of {', '.join(GEMM_BACKENDS)}")
-    if gemm == "ours":
-        return
     if "kernels" not in modes:
         raise GptOssFp8Error(f"--gemm {gemm} changes the kernels mode only, which this run does not include "
                              f"({', '.join(modes)}); add --mode kernels (needs --device cuda)")
