@@ -118,10 +118,12 @@ def _sync(dev: torch.device) -> None:
 
 
 def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             on_token: Callable[[int], None] | None = None) -> Generation:
+             on_token: Callable[[int], None] | None = None, cuda_graph: bool | None = None) -> Generation:
     """Prefill ``prompt`` (token ids) with ``ops``, then decode one token at a time until a stop
     token (``stops_here``) or ``max_new_tokens``; ``on_token`` is called with each new id as it
-    comes. The cache holds exactly prompt + max_new_tokens positions."""
+    comes. The cache holds exactly prompt + max_new_tokens positions. ``cuda_graph``: each decode
+    step as a replayed CUDA graph (model/graph.py; the same logits bit for bit); None: on a GPU
+    with the triton backend, whose step has no host synchronisation."""
     cfg = model.cfg
     check_request(cfg, prompt, max_new_tokens, temperature)
     dev = model.model.embed_tokens.weight.device
@@ -133,6 +135,15 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
                                   max_len=len(prompt) + max_new_tokens)
     tok = pick(logits, temperature, gen)  # a host read: the prefill is done
     out.prefill_seconds = time.perf_counter() - t0
+    if cuda_graph is None:
+        cuda_graph = dev.type == "cuda" and getattr(ops, "name", "") == "triton"
+    if cuda_graph:
+        from gptoss_fp8.model.graph import DecodeGraphs
+
+        step = DecodeGraphs(model, ops).step  # captured at the first step (counted in decode time)
+    else:
+        def step(c, t):
+            return model.decode(c, t, ops)
     t1 = time.perf_counter()
     while True:
         out.tokens.append(tok)
@@ -144,7 +155,7 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
             break
         if len(out.tokens) == max_new_tokens:
             break
-        tok = pick(model.decode(cache, tok, ops), temperature, gen)
+        tok = pick(step(cache, tok), temperature, gen)
     _sync(dev)
     out.decode_seconds = time.perf_counter() - t1
     return out
