@@ -392,7 +392,10 @@ def test_bench_decode_runs_on_cpu():
     for r in rows:
         assert r["ms_per_step"] > 0 and len(r["runs_s"]) == 2 and r["floor_ratio"] > 0
         assert r["cache_bytes"] == bd.cache_bytes(bd.preset_config("tiny"), r["batch"], 13)
-    assert len(lines) == 3 and "ms/step" in lines[1] and "floor/ours" in lines[2]
+        # the per-part breakdown of one eager step: every part the step runs, inside its wall time
+        assert {"attention", "moe", "dense", "norm"} <= set(r["parts_s"]), r["parts_s"]
+        assert 0 < sum(r["parts_s"].values()) <= r["eager_step_s"]
+    assert len(lines) == 3 and "ms/step" in lines[1] and "floor/ours" in lines[2] and "by part" in lines[2]
 
 
 def test_bench_decode_without_gpu_is_one_clear_error():

@@ -123,7 +123,15 @@ def format_row(r: dict) -> str:
             f"{r['tok_s_per_user']:.0f} tok/s/user, {r['tok_s_total']:.0f} tok/s total, "
             f"${r['usd_per_1m_tokens']:.3f}/1M tok; floor {r['floor_ms']:.3f} ms "
             f"({r['floor_bytes']['total'] / 1e9:.2f} GB at {HBM_BPS / 1e12:.2f} TB/s), floor/ours "
-            f"{r['floor_ratio']:.2f}; cache {r['cache_bytes'] / 2**30:.2f} GiB")
+            f"{r['floor_ratio']:.2f}; cache {r['cache_bytes'] / 2**30:.2f} GiB"
+            + (_format_parts(r) if r.get("parts_s") else ""))
+
+
+def _format_parts(r: dict) -> str:
+    parts = r["parts_s"]
+    shown = " | ".join(f"{p} {parts[p] * 1e3:.3f} ms" for p in ("attention", "moe", "dense", "norm") if p in parts)
+    return (f"\n  one eager step by part (device time of its ops calls): {shown} | sum "
+            f"{sum(parts.values()) * 1e3:.3f} ms; eager wall {r['eager_step_s'] * 1e3:.3f} ms")
 
 
 def _time_steps(step, reset, runs: int, warmup: int, cuda: bool) -> list[float]:
@@ -149,6 +157,24 @@ def _time_steps(step, reset, runs: int, warmup: int, cuda: bool) -> list[float]:
             step()
             times.append(time.perf_counter() - t0)
     return times
+
+
+def _breakdown(model, cache, tokens, ops, reset, num_experts: int, cuda: bool) -> dict:
+    """One eager step with every ops call timed by part (bench/prefill.py ``TimedOps``: CUDA events
+    around each call, so device time per part; the eager step's wall time beside it, whose excess
+    over the graph step is host launch time the graph removes)."""
+    from gptoss_fp8.bench.prefill import TimedOps
+
+    timed = TimedOps(ops, num_experts, cuda=cuda)
+    reset()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    model.decode(cache, tokens, timed)
+    sync()
+    wall = time.perf_counter() - t0
+    reset()
+    return {"parts_s": timed.seconds(), "eager_step_s": wall}
 
 
 def bench(preset: str, batches: list[int], contexts: list[int], layers: int | None = None, runs: int = 20,
@@ -202,7 +228,8 @@ def bench(preset: str, batches: list[int], contexts: list[int], layers: int | No
                 times = _time_steps(lambda c=cache, t=tokens: model.decode(c, t, ops), reset, runs, warmup, cuda)
                 peak = None
             step_s = statistics.median(times)
-            row = {**base, **row_figures(cfg, batch, context, step_s), "runs_s": times, "peak_mem_bytes": peak}
+            row = {**base, **row_figures(cfg, batch, context, step_s), "runs_s": times, "peak_mem_bytes": peak,
+                   **_breakdown(model, cache, tokens, ops, reset, cfg.num_local_experts, cuda)}
             rows.append(row)
             echo(format_row(row))
             del cache

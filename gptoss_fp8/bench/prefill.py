@@ -171,7 +171,7 @@ class TimedOps:
     # model calls runs untimed and lands in "other"
     PARTS = {"linears": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
              "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
-             "attention": "attention"}
+             "attention": "attention", "attention_cached": "attention"}
 
     def __getattr__(self, name):
         if name == "ops":  # not set yet (copy / unpickle): no recursion
