@@ -39,6 +39,13 @@ where ``W8A8CpuOps.expert_ffn`` rounds it to bf16 and computes the SwiGLU in bf1
 percent of the intermediate's FP8 values differ by one e4m3 step); attention and rope in fp32
 instead of bf16.
 
+* ``attention_cached`` (decode): kernels/attention_decode.py's split-KV kernel on the cache as it
+  lies (full layers by length, sliding layers' rings with ``ring=True``), the sink counted once;
+  no host read, so the step can be captured as a CUDA graph (model/graph.py).
+* ``config.gemm == "deep_gemm"``: ``linear`` / ``linears`` / ``expert_ffn`` run DeepGEMM's GEMMs
+  (kernels/deepgemm.py: K-padded weights prepared once, biases, SwiGLU and FP8 quantization in our
+  neighbouring kernels) instead of ours.
+
 Tuning: one ``KernelConfig`` (kernels/config.py) held as ``self.config`` and passed to every
 launch; the default is ``KernelConfig()`` with ``gluon`` off when ``GPTOSS_FP8_GLUON=0`` is in the
 environment (read once, when the object is built).
