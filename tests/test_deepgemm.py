@@ -436,6 +436,32 @@ def test_tiny_model_on_deep_gemm_matches_the_w8a8_spec(fake_dg, tiny_ckpt):
     assert ops.spec_fallbacks["linear"] == 0 and ops.spec_fallbacks["expert_ffn"] == 0, ops.spec_fallbacks
 
 
+def test_adopt_padded_leaves_one_copy_and_the_same_outputs(fake_dg, tiny_ckpt):
+    """adopt_padded: each FP8 weight with K % 128 != 0 becomes the [..., :K] view of its padded copy
+    (same values), DeepGEMM is handed that copy (no second one is made), and the logits of the spec
+    and of the deep_gemm backend are bit for bit those before it; a second call changes nothing."""
+    from gptoss_fp8.model.load import load_model
+
+    if HAS_CUDA:
+        pytest.skip("the fake deep_gemm is for CPU")
+    model = load_model(tiny_ckpt, device="cpu")
+    tokens = torch.randint(0, model.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    experts = model.model.layers[0].mlp.experts
+    before_w = experts.gate_up_proj.clone()
+    want_spec, want_dg = model(tokens, W8A8CpuOps()), model(tokens, _ops())
+    deepgemm.clear_cache()
+    added = deepgemm.adopt_padded(model)
+    w = experts.gate_up_proj
+    k = w.shape[-1]
+    assert k % 128 and added > 0 and not w.is_contiguous() and w._base.shape[-1] == deepgemm.cdiv(k, 128) * 128
+    assert torch.equal(w.view(torch.uint8), before_w.view(torch.uint8))
+    assert (w._base.view(torch.uint8)[..., k:] == 0).all()
+    assert deepgemm.prepared_weight(w, experts.gate_up_proj_scale_inv)[0] is w._base  # no copy
+    assert deepgemm.adopt_padded(model) == 0
+    assert torch.equal(model(tokens, W8A8CpuOps()), want_spec)
+    assert torch.equal(model(tokens, _ops()), want_dg)
+
+
 # ------------------------------------------------------------------------------------------------
 # The real DeepGEMM (GPU machine, deep_gemm importable: BENCHMARKS.md "How to run the peers")
 

@@ -257,6 +257,10 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     from gptoss_fp8.kernels.config import kernel_paths
 
     ops = TritonOps(config=kernel_config)
+    if ops.config.gemm == "deep_gemm":  # DeepGEMM's K-padded weights replace ours: no second copy
+        from gptoss_fp8.kernels.deepgemm import adopt_padded
+
+        echo(f"# deep_gemm: weights K-padded in place, +{adopt_padded(model) / 2**30:.2f} GiB")
     echo(f"# {kernel_paths(torch.device('cuda'), ops.config)}")
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)

@@ -124,6 +124,10 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
         ops = _ops(dev, job["gemm"])
+        if job["gemm"] == "deep_gemm":
+            from gptoss_fp8.kernels.deepgemm import adopt_padded
+
+            adopt_padded(model)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         dist.barrier()

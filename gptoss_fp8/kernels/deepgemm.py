@@ -16,13 +16,15 @@ runs in our neighbouring kernels.
 Weights are prepared once per weight tensor and cached here, keyed weakly by the model's tensor
 (dropped with it; rebuilt when any source tensor is replaced or changed in place, as
 TritonOps._fused_weights): the K-padded copy (the source itself when K % 128 == 0 and contiguous),
-contiguous scales, and for q/k/v the padded concatenation. Extra bytes: one copy of every FP8
-weight with K % 128 != 0, N * round_up(K, 128) bytes each: for the 20b nearly all weights (experts
-24 x 32 x 8640 x 2944 = 19.5 GB, q/k/v 24 x 5120 x 2944 = 0.36 GB; o_proj, K = 4096, none), so
-the 20b needs ~41 GB, and the 120b (36 x 128 x 8640 x 2944 = 117 GB of padded experts) does not
-fit one H200 beside its unpadded weights. ``clear_cache()`` drops them. Padding at load time
-(model/load.py replacing the buffers) would remove the duplicate but changes every backend's K;
-not done.
+contiguous scales, and for q/k/v the padded concatenation. A padded copy is N * round_up(K, 128)
+bytes per FP8 weight with K % 128 != 0: for the 20b nearly all weights (experts 24 x 32 x 8640 x
+2944 = 19.5 GB, q/k/v 24 x 5120 x 2944 = 0.36 GB; o_proj, K = 4096, none). Beside the unpadded
+weights that would be a second copy (the 20b ~41 GB; the 120b's 117 GB of padded experts would
+not fit one H200), so ``adopt_padded(model)`` makes the padded copies the model's own weights
+(each becomes the [..., :K] view of its copy; +2.2% bytes, the padding): ``verify-logits --gemm
+deep_gemm`` (before its kernels mode) and ``bench prefill --gemm deep_gemm`` call it. Only the
+q/k/v concatenation stays a copy (0.36 GB on the 20b), as on our own path. ``clear_cache()`` drops
+the cache.
 
 Dense (``linear`` / ``linears``): x quantized by ``act_quant(pad_k, col_major_scale)`` straight into
 the K-padded buffer and DeepGEMM's scale layout; when the norm's pass already quantized x (``xq``,
@@ -136,11 +138,16 @@ def _cached(cache, key: torch.Tensor, parts, make):
 
 def pad_k(w: torch.Tensor) -> torch.Tensor:
     """FP8 [..., K] -> contiguous [..., round_up(K, 128)] with zero columns after K (w itself when
-    already aligned and contiguous)."""
+    already aligned and contiguous; the padded tensor itself when w is its [..., :K] view, as
+    ``adopt_padded`` leaves the model's weights)."""
     k = w.shape[-1]
     kp = cdiv(k, BLOCK) * BLOCK
     if kp == k and w.is_contiguous():
         return w
+    base = w._base
+    if (base is not None and base.is_contiguous() and base.shape == (*w.shape[:-1], kp)
+            and base.dtype == w.dtype and w.data_ptr() == base.data_ptr() and w.stride() == base.stride()):
+        return base
     out = torch.zeros(*w.shape[:-1], kp, dtype=torch.uint8, device=w.device)
     out[..., :k] = w.view(torch.uint8)
     return out.view(w.dtype)
@@ -152,6 +159,28 @@ def prepared_weight(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Ten
     assert scale_inv.shape[-2:] == (cdiv(w.shape[-2], BLOCK), cdiv(w.shape[-1], BLOCK)), (
         f"scale_inv {tuple(scale_inv.shape)} does not fit weight {tuple(w.shape)}")
     return _cached(_DENSE, w, (w, scale_inv), lambda: (pad_k(w), scale_inv.contiguous()))
+
+
+def adopt_padded(model) -> int:
+    """Make the K-padded copies the model's own weights: every FP8 weight with K % 128 != 0 becomes
+    the [..., :K] view of its padded copy (``pad_k`` then hands DeepGEMM the copy itself), so the
+    unpadded tensor is freed and the backend holds no second copy (the 20b: ~20 GB less; the 120b
+    fits). The views are strided, not contiguous: the torch backends read them as they are; our
+    kernels would copy them per call (``.contiguous()``), so a model adopted here is for the
+    deep_gemm backend and the spec. Returns the bytes of padding added. Call it once after
+    loading, before the first GEMM (what ``verify-logits --gemm deep_gemm`` and ``bench prefill
+    --gemm deep_gemm`` do)."""
+    added = 0
+    for mod in model.modules():
+        for name, t in list(mod.named_buffers(recurse=False)):
+            if t is None or t.dtype != FP8_DTYPE or t.dim() < 2 or t.shape[-1] % BLOCK == 0:
+                continue
+            padded = pad_k(t)
+            if padded is t._base:  # adopted already
+                continue
+            setattr(mod, name, padded[..., :t.shape[-1]])
+            added += padded.numel() - t.numel()
+    return added
 
 
 def prepared_fused(projs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
