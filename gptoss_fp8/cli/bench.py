@@ -8,8 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import OverwriteOutputs
-from gptoss_fp8.cli.verify_logits import Gemm, GemmOption
+from gptoss_fp8.cli.common import Gemm, GemmOption, OverwriteOutputs
 from gptoss_fp8.errors import GptOssFp8Error
 
 app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)

@@ -91,6 +91,17 @@ class ScaleModeChoice(str, enum.Enum):
     amax = "amax"
 
 
+class Gemm(str, enum.Enum):
+    ours = "ours"
+    deep_gemm = "deep_gemm"
+
+
+# --gemm: KernelConfig.gemm of the run's kernels (verify-logits, bench prefill, bench kernels)
+GemmOption = Annotated[Gemm, typer.Option(
+    help="The library of the kernels' dense and grouped FP8 GEMMs: ours, or deep_gemm (DeepGEMM, when "
+         "importable; bias, SwiGLU and quantization stay in our kernels).")]
+
+
 class Preset(str, enum.Enum):
     """Synthetic shapes (config.preset_config)."""
 

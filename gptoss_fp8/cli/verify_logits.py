@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import OverwriteOutputs, check_distinct, check_fraction, check_threshold
+from gptoss_fp8.cli.common import Gemm, GemmOption, OverwriteOutputs, check_distinct, check_fraction, check_threshold
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -27,15 +27,6 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
-class Gemm(str, enum.Enum):
-    ours = "ours"
-    deep_gemm = "deep_gemm"
-
-
-# --gemm: KernelConfig.gemm of the run's kernels (verify-logits, bench prefill, bench kernels)
-GemmOption = Annotated[Gemm, typer.Option(
-    help="The library of the kernels' dense and grouped FP8 GEMMs: ours, or deep_gemm (DeepGEMM, when "
-         "importable; bias, SwiGLU and quantization stay in our kernels).")]
 
 
 TOKENS_MAX_BYTES = 64 << 20  # a JSON list of ~10M token ids; more is not a tokens file
