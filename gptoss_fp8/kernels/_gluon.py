@@ -296,3 +296,20 @@ if HAS_GLUON:
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
             c += 1
         return acc0, acc1, c
+
+    @gluon.jit
+    def block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr,
+                                     AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
+                                     as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
+                                     layout: gl.constexpr, MASK_A: gl.constexpr, second):
+        """``block_scaled_mainloop_serial`` of a tile split in two column halves, the second product
+        run only where ``second`` (run time: False where the right half lies wholly past N)."""
+        if second:
+            acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
+                                                         as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
+                                                         c, n_k, layout, MASK_A, True)
+        else:
+            acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
+                                                         as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
+                                                         c, n_k, layout, MASK_A, False)
+        return acc0, acc1, c

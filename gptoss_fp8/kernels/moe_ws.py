@@ -42,6 +42,7 @@ from gptoss_fp8.quant.fp8 import cdiv
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
         block_scaled_mainloop,
+        block_scaled_mainloop_halves,
         block_scaled_mainloop_serial,
         descriptor,
         fence_async_shared,
@@ -250,16 +251,10 @@ if HAS_GLUON:
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 live = gl.load(slots_ptr + row0) < num_slots
                 if live:
-                    if col0 + HN < N:
-                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                      layout, False, True)
-                    else:
-                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                      layout, False, False)
+                    acc0, acc1, c = block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0, HN,
+                                                                 HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                 rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                 layout, False, col0 + HN < N)
                 else:  # padding rows only: keep the stage ring in step (their outputs: the bias's SwiGLU)
                     acc0 = gl.zeros((R, HN), gl.float32, layout)
                     acc1 = gl.zeros((R, HN), gl.float32, layout)
@@ -381,16 +376,10 @@ if HAS_GLUON:
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 live = gl.load(slots_ptr + row0) < num_slots
                 if live:
-                    if col0 + HN < N:
-                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                      layout, False, True)
-                    else:
-                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
-                                                                      HN, HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                      rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                      layout, False, False)
+                    acc0, acc1, c = block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0, HN,
+                                                                 HN, as_ptr, a_offs, 0, rows < num_slots,
+                                                                 rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
+                                                                 layout, False, col0 + HN < N)
                     srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
                     slot = gl.load(slots_ptr + srows)
                     smask = gl.expand_dims(slot < num_slots, 1)
