@@ -19,3 +19,23 @@ def sm_count(device: torch.device) -> int:
 def _cuda_sm_count(index: int) -> int:
     # get_device_properties costs ~20 us a call on the H200 machine (measured): once per device
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by a larger one stay alive: a CUDA graph captured earlier keeps their address.
+_RETIRED: list[torch.Tensor] = []
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters (at least ``n``) for the split-K semaphore pattern: the
+    splits of one output tile count their arrival with an acq_rel ``atomic_add`` and the last one
+    reduces the partials and resets its counter to 0, so the buffer is zeroed again after every
+    launch. One buffer per device, shared by every kernel using the pattern (kernels on one stream
+    run one after another; calls on one device must not run concurrently on several streams)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf

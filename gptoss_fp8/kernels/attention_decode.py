@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8 import spec
-from gptoss_fp8.kernels import sm_count
+from gptoss_fp8.kernels import arrival_counters, sm_count
 from gptoss_fp8.kernels.attention import LOG2E
 from gptoss_fp8.kernels.config import CPU_DECODE_TILE, DEFAULT, DecodeTile, KernelConfig
 from gptoss_fp8.quant.fp8 import cdiv, next_pow2
@@ -207,9 +207,6 @@ def _attn_merge_kernel(
 
 
 _NO_WINDOW = 1 << 30
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Buffers replaced by a larger one stay alive: a CUDA graph captured earlier keeps their address.
-_RETIRED: list[torch.Tensor] = []
 
 
 def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int, config: KernelConfig | None = None) -> int | None:
@@ -226,17 +223,6 @@ def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int, config: Ke
 def _merge_chunk(rows: int, head_dim: int, values: int) -> int:
     """Splits per merge step: a [chunk, rows, head_dim] fp32 tile of about `values` values."""
     return max(1, values // (rows * head_dim))
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per row tile; the kernel resets each to 0 after use."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def attention_decode(
@@ -334,7 +320,7 @@ def attention_decode(
     if merge_chunk is None:
         merge_chunk = _merge_chunk(BLOCK_M, D, 2048)
     assert merge_chunk >= 1 and merge_chunk & (merge_chunk - 1) == 0, f"merge_chunk {merge_chunk}: want a power of two"
-    counter = _counters(q.device, B * Hkv * num_m) if fused else kv_lens  # unused unless fused
+    counter = arrival_counters(q.device, B * Hkv * num_m) if fused else kv_lens  # unused unless fused
     grid = (num_splits, Hkv * num_m, B)
     _attn_decode_kernel[grid](
         q, k_cache, v_cache, sinks, kv_lens, out, part, part_m, part_l, counter,

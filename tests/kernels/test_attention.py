@@ -273,7 +273,7 @@ def test_decode_split_count_invariant_cpu():
     outs += [attention_decode(q, kc, vc, kl, sinks, num_splits=7, merge_chunk=c).float() for c in (1, 8)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-4, rtol=1e-2)
-    from gptoss_fp8.kernels import attention_decode as mod
+    import gptoss_fp8.kernels as mod
 
     assert not mod._COUNTERS[q.device].any(), "fused merge left its arrival counters non-zero"
 

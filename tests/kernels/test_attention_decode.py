@@ -100,10 +100,10 @@ def test_ring_rejects_more_than_one_query_or_a_window():
 def test_counters_outlive_a_larger_launch():
     """A launch needing more arrival counters than exist replaces the buffer but keeps the old one
     alive (a CUDA graph captured before still points at it), and leaves the new one zeroed."""
-    from gptoss_fp8.kernels import attention_decode as mod
+    import gptoss_fp8.kernels as mod
 
     dev = torch.device(DEV)
-    first = mod._counters(dev, 4)
-    bigger = mod._counters(dev, first.numel() + 1)
+    first = mod.arrival_counters(dev, 4)
+    bigger = mod.arrival_counters(dev, first.numel() + 1)
     assert bigger.numel() > first.numel() and any(t is first for t in mod._RETIRED)
-    assert mod._counters(dev, 4) is bigger and not bigger.any()
+    assert mod.arrival_counters(dev, 4) is bigger and not bigger.any()
