@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from gptoss_fp8.bench.decode import floor_bytes, set_context, synthetic_cache
+from gptoss_fp8.bench.decode import HBM_BPS, floor_bytes, set_context, synthetic_cache
 from gptoss_fp8.bench.prefill import random_model
 from gptoss_fp8.config import preset_config
 from gptoss_fp8.model.graph import DecodeGraphs
@@ -60,7 +60,7 @@ def main() -> None:
         # and are not in the model (the fill of lengths)
         per_step = [(e.self_device_time_total / a.steps, e.count / a.steps, e.key) for e in events]
         total = sum(t for t, _, _ in per_step)
-        floor_us = sum(floor_bytes(cfg, batch, a.context).values()) / 4.26e12 * 1e6
+        floor_us = floor_bytes(cfg, batch, a.context)["total"] / HBM_BPS * 1e6
         print(f"# {a.model} {cfg.num_hidden_layers} layers, batch {batch}, context {a.context}: graph step "
               f"{step_us:.1f} us (median of 150), kernels {total:.1f} us per step (incl. the lengths reset), "
               f"floor {floor_us:.1f} us")
