@@ -7,7 +7,7 @@ bias, DeepGEMM ``gemm_fp8_fp8_bf16_nt`` without bias when importable (K zero-pad
 count the real K everywhere). MoE: the whole expert FFN ``moe_experts`` (gate_up + bias + SwiGLU +
 FP8, down + bias, combine) for each ``MoePlan`` of ``moe_plans`` (the 64 x 256 Gluon gate_up on
 either loop, the wide Gluon gate_up, the Gluon down, balanced grids), against DeepGEMM's two grouped
-GEMMs alone (rows padded to 128, no bias), 32 / 128 experts x 8192 / 32768 tokens, top-4.
+GEMMs alone (rows padded to 128, no bias), 32 / 128 experts x 8192 / 32768 / 2048 tokens, top-4.
 
 Every variant's output is checked before it is timed: dense against ``fp8_gemm_reference`` (fp32),
 MoE against ``spec.moe_w8a8`` (at 8192 tokens; at 32768 against the default's output). Outputs are
@@ -59,7 +59,7 @@ except ImportError:  # not set up: the DeepGEMM columns stay empty
 HIDDEN, INTER, TOP_K = 2880, 2880, 4
 DENSE_SHAPES = [("qkv", 5120, 2880), ("o_proj", 2880, 4096), ("5760", 5760, 2880)]
 DENSE_M = [1024, 4096, 8192, 32768]
-MOE_CASES = [(32, 8192), (128, 8192), (32, 32768), (128, 32768)]
+MOE_CASES = [(32, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 2048), (128, 2048)]
 DENSE_TOL, MOE_TOL = 3e-3, 1e-2
 
 # name -> GluonTile (forced Gluon kernel); "default" is the shipped path (config=None).

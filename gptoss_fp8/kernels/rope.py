@@ -113,3 +113,96 @@ def rope_qk(
         HALF=D // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return (None if k_only else q_out), k_out
+
+
+@triton.jit
+def _rope_append_kernel(
+    Q, K, V, QOut, KC, VC, Pos, Slot, Cos, Sin,
+    HQ, HKV,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qot, stride_qoh,
+    stride_kcb, stride_kcr, stride_kch, stride_vcb, stride_vcr, stride_vch,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # One program per (token, block of heads); heads 0 .. HQ + 2 HKV - 1 number q, then k, then v
+    # (v copied unrotated). Token t is sequence t of the cache: k and v go to row Slot[t].
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, HALF)
+    pos = tl.load(Pos + t).to(tl.int64)
+    row = tl.load(Slot + t).to(tl.int64)
+    c = tl.load(Cos + pos * HALF + offs_j)[None, :]
+    s = tl.load(Sin + pos * HALF + offs_j)[None, :]
+    h2 = offs_h[:, None]
+    j2 = offs_j[None, :]
+    is_q = h2 < HQ
+    is_k = (h2 >= HQ) & (h2 < HQ + HKV)
+    is_v = h2 >= HQ + HKV
+    ok = (h2 < HQ + 2 * HKV) & (j2 < HALF)
+    hk = h2 - HQ
+    hv = h2 - HQ - HKV
+    src = tl.where(is_q, Q + t * stride_qt + h2 * stride_qh,
+                   tl.where(is_k, K + t * stride_kt + hk * stride_kh, V + t * stride_vt + hv * stride_vh)) + j2
+    dst = tl.where(is_q, QOut + t * stride_qot + h2 * stride_qoh,
+                   tl.where(is_k, KC + t * stride_kcb + row * stride_kcr + hk * stride_kch,
+                            VC + t * stride_vcb + row * stride_vcr + hv * stride_vch)) + j2
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1 = tl.where(is_v, x1, x1 * c - x2 * s)
+    o2 = tl.where(is_v, x2, x2 * c + x1 * s)
+    tl.store(dst, o1.to(QOut.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, o2.to(QOut.dtype.element_ty), mask=ok)
+
+
+def rope_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step's q / k / v in one launch: q [B, Hq, D] rotated into a new tensor (returned),
+    k [B, Hkv, D] rotated and v [B, Hkv, D] as it is written to row ``slots[b]`` of sequence b of
+    the layer's cache (k_cache / v_cache [B, rows, Hkv, D], the cache's dtype = q's).
+
+    Same arithmetic as ``rope_qk`` (fp32, one rounding at the store); v's bits are copied. So the
+    cache holds exactly what ``rope_qk`` then an indexed store would put there (model/cache.py
+    ``KVCache.append``). positions int [B] index cos / sin fp32 [max_pos, D/2]; slots int [B]
+    (< rows; not checked on the device)."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    _check("q", q, B, D)
+    _check("k", k, B, D)
+    _check("v", v, B, D)
+    assert v.shape[1] == Hkv, f"v {tuple(v.shape)} does not match k {tuple(k.shape)}"
+    assert D % 2 == 0 and next_pow2(D // 2) == D // 2, f"head_dim {D}: D/2 must be a power of two"
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        assert c.dim() == 4 and c.shape[0] == B and c.shape[2:] == (Hkv, D) and c.stride(-1) == 1, (
+            f"{name} {tuple(c.shape)}: want [{B}, rows, {Hkv}, {D}] with a contiguous last dim")
+        assert c.dtype == q.dtype, f"{name} {c.dtype}, q {q.dtype}: one dtype"
+    assert q.dtype == k.dtype == v.dtype, f"q {q.dtype}, k {k.dtype}, v {v.dtype} must share a dtype"
+    assert positions.shape == (B,) and slots.shape == (B,), (
+        f"positions {tuple(positions.shape)} / slots {tuple(slots.shape)}: want [{B}]")
+    assert positions.dtype in (torch.int32, torch.int64) and slots.dtype in (torch.int32, torch.int64)
+    assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == D // 2, f"cos {cos.shape} sin {sin.shape}"
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return q_out
+    heads = Hq + 2 * Hkv
+    BLOCK_H = min(32, next_pow2(heads))
+    _rope_append_kernel[(B, cdiv(heads, BLOCK_H))](
+        q, k, v, q_out, k_cache, v_cache, positions, slots, cos, sin,
+        Hq, Hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=4,
+    )
+    return q_out

@@ -292,14 +292,14 @@ class GptOss(nn.Module):
                               xq=t.quant)
         # q [T, Hl * D], k / v [T, KVl * D]
         n = t.y.shape[0]
-        q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
-        k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
         v = v.view(n, a.n_kv, d)
-        if step is not None:  # decode: k / v [B, KVl, D], one new token per sequence
-            cache.append(layer.idx, step, k, v)
-            o = ops.attention_cached(q, cache.k[layer.idx], cache.v[layer.idx], step.n, a.sinks, 1 / math.sqrt(d),
-                                     layer.window)  # [B, Hl * D]
+        if step is not None:  # decode: k / v [B, KVl, D], one new token per sequence, into the cache
+            q = ops.rope_append(q.view(n, a.n_heads, d), k.view(n, a.n_kv, d), v, cos, sin, cache, layer.idx, step)
+            o = ops.attention_cached(q.view(n, a.n_kv, a.n_heads // a.n_kv, d), cache.k[layer.idx],
+                                     cache.v[layer.idx], step.n, a.sinks, 1 / math.sqrt(d), layer.window)  # [B, Hl * D]
         else:
+            q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
+            k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
             if cache is not None:
                 cache.write(layer.idx, row, 0, k, v)
             o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]

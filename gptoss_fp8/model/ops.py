@@ -145,6 +145,16 @@ class ReferenceOps:
         (``spec.apply_rope`` in x's dtype, as the reference)."""
         return spec.apply_rope(x, cos, sin)
 
+    def rope_append(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cache, i: int, step) -> torch.Tensor:
+        """A decode step's q / k / v of layer i: q [B, Hq, D] and k [B, KV, D] rotated (``rope``;
+        cos / sin [B, D/2], row b sequence b's position), k and v [B, KV, D] stored in the cache
+        (model/cache.py ``KVCache.append(i, step, k, v)``) -> q rotated. A backend may do the three
+        in one pass (model/triton_ops.py); what the cache holds is the same."""
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        cache.append(i, step, k, v)
+        return q
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   sm_scale: float, window: int) -> torch.Tensor:
         """Causal attention with per-head sinks as an extra softmax column (then dropped).

@@ -328,13 +328,36 @@ class TritonOps(W8A8CpuOps):
             return super().rope(x, cos, sin)
         from gptoss_fp8.kernels.rope import rope_qk
 
-        key = (x.shape[0], x.device)
-        pos = self._positions.get(key)
-        if pos is None:
-            pos = self._positions[key] = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+        pos = self._arange(x.shape[0], x.device)
         _, out = rope_qk(None, x if x.stride(-1) == 1 else x.contiguous(), pos,
                          cos.float().contiguous(), sin.float().contiguous())
         return out
+
+
+    def rope_append(self, q, k, v, cos, sin, cache, i, step):
+        """kernels/rope.py ``rope_append``: q and k rotated, k and v written to the layer's cache
+        rows in one launch (rope_qk's fp32 arithmetic, so the cache holds what ``rope`` + ``KVCache.append``
+        would write)."""
+        d = q.shape[-1]
+        kc, vc = cache.k[i], cache.v[i]
+        if (not self.rope_kernel or not _kernel_device(q) or q.dtype != BF16 or k.dtype != BF16 or v.dtype != BF16
+                or kc.dtype != BF16 or vc.dtype != BF16 or triton.next_power_of_2(d // 2) != d // 2
+                or cos.shape != (q.shape[0], d // 2) or kc.stride(-1) != 1 or vc.stride(-1) != 1):
+            self._fallback("rope", q, cos)
+            return super().rope_append(q, k, v, cos, sin, cache, i, step)
+        from gptoss_fp8.kernels.rope import rope_append
+
+        pos = self._arange(q.shape[0], q.device)
+        return rope_append(_rows(q), _rows(k), _rows(v), pos, cos.float().contiguous(), sin.float().contiguous(), kc, vc,
+                           step.slot(cache.rows(i), not cache.is_ring(i)))
+
+    def _arange(self, n: int, device) -> torch.Tensor:
+        """int32 0..n - 1 on ``device``, cached (the rope kernels' positions for per-token cos / sin rows)."""
+        key = (n, device)
+        pos = self._positions.get(key)
+        if pos is None:
+            pos = self._positions[key] = torch.arange(n, dtype=torch.int32, device=device)
+        return pos
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -77,3 +77,28 @@ def test_rope_gpu_long():
     qo, ko = rope_qk(q, k, pos, cos, sin)
     torch.testing.assert_close(qo.float(), rope_ref(q.float(), pos, cos, sin), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(ko.float(), rope_ref(k.float(), pos, cos, sin), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("b,hq,hkv,rows", [(1, 8, 2, 16), (3, 12, 4, 5), (5, 64, 8, 128)])
+def test_rope_append_matches_rope_then_indexed_store(b, hq, hkv, rows):
+    """One launch (q, k rotated; k, v into the cache at each sequence's row) leaves exactly what
+    ``rope_qk`` followed by an indexed store leaves: q and the cache bit for bit, other rows untouched."""
+    from gptoss_fp8.kernels.rope import rope_append
+
+    gen = torch.Generator().manual_seed(b * 100 + hq)
+    qkv = _rand(b, (hq + 2 * hkv) * 64 + 64, gen=gen)  # strided views of one row, as the fused projection gives
+    q = qkv[:, : hq * 64].view(b, hq, 64)
+    k = qkv[:, hq * 64 : (hq + hkv) * 64].view(b, hkv, 64)
+    v = qkv[:, (hq + hkv) * 64 : (hq + 2 * hkv) * 64].view(b, hkv, 64)
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(4096))
+    positions = torch.randint(0, 4096, (b,), generator=gen).to(DEV)
+    slots = torch.randint(0, rows, (b,), generator=gen).to(DEV)
+    kc, vc = _rand(b, rows, hkv, 64, gen=gen), _rand(b, rows, hkv, 64, gen=gen)
+    kc0, vc0 = kc.clone(), vc.clone()
+    qo = rope_append(q, k, v, positions, cos, sin, kc, vc, slots)
+    want_q, want_k = rope_qk(q, k, positions, cos, sin)
+    seq = torch.arange(b, device=DEV)
+    kc0[seq, slots] = want_k
+    vc0[seq, slots] = v
+    assert torch.equal(qo, want_q) and torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    torch.testing.assert_close(qo.float(), rope_ref(q, positions, cos, sin).float(), rtol=1e-2, atol=1e-2)
