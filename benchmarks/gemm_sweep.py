@@ -37,6 +37,7 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 
 try:  # DeepGEMM's JIT wants NVRTC's bindings loaded before torch (its tests do the same)
     import cuda.bindings.nvrtc  # noqa: F401
@@ -83,12 +84,13 @@ VARIANTS: dict[str, GluonTile | None] = {
 
 
 def moe_plans(t: int, e: int) -> dict[str, MoePlan | None]:
-    """The MoE variants at t tokens, e experts: the shipped default (64 x 256 gate_up, serial
-    promotion), the pipelined 64 x 256 loop, and the wide gate_up / Gluon down ones (serial
+    """The MoE variants at t tokens, e experts: the shipped default (``KernelConfig.moe_plan``), the
+    64 x 256 gate_up on either loop, and the wide gate_up / Gluon down ones (serial
     promotion, their only loop)."""
-    base = KernelConfig().moe_plan(t, TOP_K, e, gluon_ok=True)
+    narrow = KernelConfig(moe_wide_min_rows_per_expert=None)  # the 64 x 256 gate_up wherever it runs
+    base = narrow.moe_plan(t, TOP_K, e, gluon_ok=True)
     wide_serial = GluonTile(4, 8, block_m=128, promote="serial")
-    wide = KernelConfig(moe_gluon_gate_up=wide_serial).moe_plan(t, TOP_K, e, gluon_ok=True)
+    wide = replace(narrow, moe_gluon_gate_up=wide_serial).moe_plan(t, TOP_K, e, gluon_ok=True)
     plans: dict[str, MoePlan | None] = {"default": None}
     if wide.align_m != 128:  # too few rows per expert for 64-row alignment: no Gluon gate_up here
         return plans

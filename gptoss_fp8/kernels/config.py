@@ -72,7 +72,7 @@ class MoePlan:
     divides it); gate_up on the Triton kernel (A gathered by token) or the Gluon one (A
     pre-gathered in sorted order by ``gather_act_quant``, ``align_m`` 64, or 128 for its wide
     form); down on Triton, or on Gluon with ``GluonTile(block_m=128, promote="serial")`` (128 x 256
-    tiles, align_m 128; opt-in, never chosen by ``KernelConfig.moe_plan``)."""
+    tiles, align_m 128; ``KernelConfig.moe_plan`` picks it with the wide gate_up for heavy loads)."""
 
     align_m: int
     gate_up: TritonTile | GluonTile
@@ -128,15 +128,18 @@ class KernelConfig:
     # default) or "deep_gemm" (DeepGEMM when importable, kernels/deepgemm.py; bias, SwiGLU and
     # quantization stay in our neighbouring kernels).
     gemm: str = "ours"
-    # Dense GEMM on Gluon from this many rows (twice as many for N <= 3072); None: never. 3-6%
-    # faster from 2048 rows, as fast at 1024 except o_proj (0.93x) (notes/kernels_gemm.md, 7th session).
+    # Dense GEMM on Gluon from this many rows; None: never. benchmarks/gemm_sweep.py (H200,
+    # 2026-12-01, thirteenth session, one process), 1024 rows: the 128 x 128 tile with serial
+    # promotion and balanced grid 826 / 889 TFLOP/s for qkv / 5760 against 723 / 781 (pipelined
+    # loop) and 912 / 955 for cuBLAS blockwise without bias.
     dense_gluon_min_rows: int | None = 1024
-    dense_gluon_tile: GluonTile = field(default_factory=lambda: GluonTile(stages=5, group_m=8))
-    # From this many rows the wide promoted tile: 128 x 256, serial promotion (no wgmma
-    # serialization, the default's numerics), 3 stages: 8192 rows x the three gpt-oss shapes
-    # 1.21-1.26x the 128 x 128 tile, o_proj 1000 TFLOP/s beside cuBLAS blockwise 1009 (no bias)
-    # (benchmarks/gemm_sweep.py --quick, H200, 2026-12-01; fewer rows not measured: the 128 x 128 tile).
-    dense_gluon_wide_min_rows: int | None = 8192
+    dense_gluon_tile: GluonTile = field(
+        default_factory=lambda: GluonTile(stages=5, group_m=8, balance=True, promote="serial"))
+    # The wide promoted tile (128 x 256, serial promotion, 3 stages) from this many rows, and for
+    # narrow outputs (N <= 3072: o_proj) from ``dense_gluon_min_rows``: 4096 rows 990 / 1007 / 965
+    # TFLOP/s for qkv / o_proj / 5760 (cuBLAS no bias 988 / 987 / 984, DeepGEMM 960 / 863 / 1099),
+    # 1.20-1.25x the 128 x 128 tile; o_proj at 1024 rows 864 against 802 for the Triton tile.
+    dense_gluon_wide_min_rows: int | None = 4096
     dense_gluon_wide_tile: GluonTile = field(
         default_factory=lambda: GluonTile(stages=3, group_m=8, block_n=256, promote="serial"))
     # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
@@ -145,6 +148,15 @@ class KernelConfig:
     # gate_up 64 x 256 with serial promotion: the whole FFN 1.02-1.18x the pipelined loop's at 8192
     # tokens, 32 / 128 experts, same numerics (benchmarks/gemm_sweep.py --quick, H200, 2026-12-01).
     moe_gluon_gate_up: GluonTile = field(default_factory=lambda: GluonTile(promote="serial"))
+    # Heavier loads (at least this many rows per expert and ``moe_wide_min_tokens`` tokens): the
+    # wide gate_up (128 x 256 over 128-row segments) and the Gluon down, both serial: the whole
+    # FFN 1.25 / 1.10x the 64 x 256 gate_up at 8192 tokens and 1.24 / 1.14x at 32768 for 32 / 128
+    # experts; at 2048 tokens 0.97 / 0.95x, hence the limits (benchmarks/gemm_sweep.py, H200,
+    # 2026-12-01, thirteenth session). None: never.
+    moe_wide_min_rows_per_expert: int | None = 256
+    moe_wide_min_tokens: int = 4096
+    moe_gluon_wide_gate_up: GluonTile = field(default_factory=lambda: GluonTile(4, 8, block_m=128, promote="serial"))
+    moe_gluon_down: GluonTile = field(default_factory=lambda: GluonTile(4, 8, block_m=128, promote="serial"))
     # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True
@@ -177,11 +189,14 @@ class KernelConfig:
         beside blockwise ``_scaled_mm``): persistent flattened programs lead from 1024 rows on:
         64x128 tiles, 4 warps, 2 programs per SM up to 2048 rows and for narrow outputs (o_proj's
         N = 2880) up to 8192 rows; 128x128 tiles, 8 warps, 3 stages, one program per SM beyond.
-        Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays."""
+        Below 512 rows (not re-measured) the one-program-per-tile 64x128 tile stays. Where the
+        Gluon kernel can run, from ``dense_gluon_min_rows`` rows: its 128 x 128 tile, or the wide
+        128 x 256 one from ``dense_gluon_wide_min_rows`` rows and for N <= 3072 (the field comments
+        have the figures)."""
         lo = self.dense_gluon_min_rows
-        if gluon_ok and lo is not None and m >= lo * (2 if n <= 3072 else 1):
+        if gluon_ok and lo is not None and m >= lo:
             wide = self.dense_gluon_wide_min_rows
-            return self.dense_gluon_wide_tile if wide is not None and m >= wide else self.dense_gluon_tile
+            return self.dense_gluon_wide_tile if wide is not None and (m >= wide or n <= 3072) else self.dense_gluon_tile
         if m <= 16:
             return TritonTile(16, 64, group_m=1, num_warps=4, num_stages=4)
         if m <= 64:
@@ -200,11 +215,17 @@ class KernelConfig:
         """The fused MoE's tiles by load (H200 sweeps, notes/kernels_gemm.md). ALIGN_M pads each
         expert's rows (padding waste vs tile efficiency). gate_up's 256 columns: one product per K
         step at ALIGN 64 (2-5% faster whole FFN, 3rd session), two 128-column halves at 16.
-        ``gluon_ok``: the Gluon gate_up can run here (an sm_90 GPU)."""
+        ``gluon_ok``: the Gluon gate_up can run here (an sm_90 GPU); from
+        ``moe_wide_min_rows_per_expert`` rows per expert and ``moe_wide_min_tokens`` tokens the
+        wide gate_up and the Gluon down over 128-row segments."""
         rows_per_expert = num_tokens * top_k / max(num_experts, 1)
         align = 64 if rows_per_expert >= 48 else 16
         down = TritonTile(align, 128, group_m=8, num_warps=4, num_stages=4)
         if gluon_ok and align == 64 and self.moe_gluon:
+            wide = self.moe_wide_min_rows_per_expert
+            if wide is not None and rows_per_expert >= wide and num_tokens >= self.moe_wide_min_tokens:
+                # 128-row segments: the wide gate_up's rows; the Gluon down's 128 x 256 tiles
+                return MoePlan(128, self.moe_gluon_wide_gate_up, self.moe_gluon_down)
             # the wide gate_up (block_m 128) pads the experts' segments to its 128 rows
             return MoePlan(self.moe_gluon_gate_up.block_m or 64, self.moe_gluon_gate_up, down)
         gate_up = TritonTile(align, 256, group_m=8, num_warps=8 if align == 64 else 4, num_stages=4,

@@ -86,7 +86,8 @@ def test_fp8_gemm_variants_small(tile, n):
 
 def test_default_tiles_are_the_measured_ones():
     """KernelConfig.dense_tile by size (the shipped launches), and the Gluon kernel from
-    dense_gluon_min_rows rows (twice as many for N <= 3072) where it can run."""
+    dense_gluon_min_rows rows where it can run: 128 x 128, or 128 x 256 from
+    dense_gluon_wide_min_rows rows and for N <= 3072."""
     cfg = KernelConfig()
     assert cfg.dense_tile(8, 5120, 2880) == TritonTile(16, 64, group_m=1, num_warps=4, num_stages=4)
     assert cfg.dense_tile(64, 5120, 2880) == TritonTile(64, 64, group_m=1, num_warps=4, num_stages=4)
@@ -94,9 +95,13 @@ def test_default_tiles_are_the_measured_ones():
     assert cfg.dense_tile(1024, 2880, 4096) == TritonTile(64, 128, group_m=8, num_warps=4, num_stages=3)
     assert cfg.dense_tile(4096, 2880, 4096) == TritonTile(64, 128, 8, 4, 4, persistent=2, flatten=True)
     assert cfg.dense_tile(8192, 5120, 2880) == TritonTile(128, 128, 8, 8, 3, persistent=1, flatten=True)
-    assert cfg.dense_tile(1024, 5120, 2880, gluon_ok=True) == GluonTile(stages=5, group_m=8)
-    assert cfg.dense_tile(1024, 2880, 4096, gluon_ok=True) == TritonTile(64, 128, group_m=8, num_warps=4, num_stages=3)
-    assert cfg.dense_tile(2048, 2880, 4096, gluon_ok=True) == GluonTile(stages=5, group_m=8)
+    base = GluonTile(stages=5, group_m=8, balance=True, promote="serial")
+    wide = GluonTile(stages=3, group_m=8, block_n=256, promote="serial")
+    assert cfg.dense_tile(1024, 5120, 2880, gluon_ok=True) == base
+    assert cfg.dense_tile(2048, 5760, 2880, gluon_ok=True) == base
+    assert cfg.dense_tile(4096, 5120, 2880, gluon_ok=True) == wide
+    assert cfg.dense_tile(1024, 2880, 4096, gluon_ok=True) == wide  # N <= 3072
+    assert cfg.dense_tile(512, 2880, 4096, gluon_ok=True) == cfg.dense_tile(512, 2880, 4096)
     off = KernelConfig(dense_gluon_min_rows=None)
     assert off.dense_tile(8192, 5120, 2880, gluon_ok=True) == cfg.dense_tile(8192, 5120, 2880)
 

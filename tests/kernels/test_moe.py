@@ -128,8 +128,15 @@ def test_default_plans_are_the_measured_ones():
     heavy = cfg.moe_plan(8192, 4, 32)
     assert heavy == MoePlan(64, TritonTile(64, 256, 8, 8, 4, split_n=False), TritonTile(64, 128, 8, 4, 4))
     # the 64 x 256 Gluon gate_up on the serial promotion loop (KernelConfig.moe_gluon_gate_up)
-    assert cfg.moe_plan(8192, 4, 32, gluon_ok=True) == MoePlan(64, GluonTile(4, 8, promote="serial"),
+    # below 4096 tokens or 256 rows per expert, the wide gate_up and the Gluon down from there
+    assert cfg.moe_plan(2048, 4, 32, gluon_ok=True) == MoePlan(64, GluonTile(4, 8, promote="serial"),
                                                                TritonTile(64, 128, 8, 4, 4))
+    assert cfg.moe_plan(4096, 4, 128, gluon_ok=True) == cfg.moe_plan(2048, 4, 32, gluon_ok=True)  # 128 rows / expert
+    wide = GluonTile(4, 8, block_m=128, promote="serial")
+    assert cfg.moe_plan(8192, 4, 32, gluon_ok=True) == MoePlan(128, wide, wide)
+    assert cfg.moe_plan(8192, 4, 128, gluon_ok=True) == MoePlan(128, wide, wide)
+    assert KernelConfig(moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True) == \
+        cfg.moe_plan(2048, 4, 32, gluon_ok=True)
     assert cfg.moe_plan(8, 4, 32, gluon_ok=True) == light  # 16-row segments: no Gluon
     assert KernelConfig(moe_gluon=False).moe_plan(8192, 4, 32, gluon_ok=True) == heavy
 
@@ -248,7 +255,7 @@ def test_moe_combine_matches_einsum():
 # (The Gluon down GEMM, measured 5-10% slower than the Triton one, was removed with its cases.)
 def _ws_plan(stages=4, group_m=8, balance=False):
     """The 64 x 256 Gluon gate_up on the pipelined promotion loop (the serial one: _serial_plan)."""
-    plan = KernelConfig().moe_plan(8192, 4, 32, gluon_ok=True)
+    plan = KernelConfig().moe_plan(2048, 4, 32, gluon_ok=True)
     assert plan.align_m == 64 and isinstance(plan.gate_up, GluonTile), plan
     return MoePlan(64, GluonTile(stages, group_m, balance=balance), plan.down)
 
@@ -274,7 +281,7 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None):
     """The wide gate_up (128 x 256 tiles over 128-row segments, the serial promotion: its only loop)
     with the default down tile, or ``down``."""
     gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial")
-    plan = KernelConfig(moe_gluon_gate_up=gu).moe_plan(8192, 4, 32, gluon_ok=True)
+    plan = KernelConfig(moe_gluon_gate_up=gu, moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
 
