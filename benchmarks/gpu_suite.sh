@@ -13,6 +13,7 @@
 #            its example, deepgemm_peer.py, the deep_gemm backend's GPU tests, bench kernels --only gemm
 #            with deep_gemm importable, and verify-logits --mode kernels --gemm deep_gemm on a tiny
 #            checkpoint and a synthetic 20b cut to 2 layers
+#   skinny   the decode-sized kernels: their GPU tests, quick sweeps, a profile of 20b decode steps
 # The device machine has no network: OpenAI's reference (for the tests and verify that run it) comes
 # from .whl/gpt_oss (the installed package copied there, git-ignored, carried with the call), and
 # DeepGEMM from .peers/ (carried too).
@@ -110,6 +111,21 @@ if has sweep; then
     if [[ -f .peers/deepgemm_setup.sh ]]; then source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz; fi
     python3 benchmarks/gemm_sweep.py --json "$OUT/gemm_sweep.json" 2>&1 | tee "$OUT/gemm_sweep.log"
   )
+fi
+
+if has skinny; then
+  # the decode-sized kernels (fp8_gemv, moe_gemv, the split router, rope_append): GPU tests, sweeps
+  # (quick forms, time-limited), and where a decode step's time goes (profile_decode.py)
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8_gemv.py tests/kernels/test_moe_gemv.py \
+    tests/kernels/test_router.py tests/kernels/test_rope.py 2>&1 | tail -15 | tee "$OUT/skinny_tests.log"
+  timeout 80 python3 benchmarks/profile_decode.py --model 20b --batch 1,8 --context 8192 --rows 22 2>&1 \
+    | tee "$OUT/profile_decode.log"
+  timeout 90 python3 benchmarks/skinny_sweep.py --quick --json "$OUT/skinny_sweep.json" 2>&1 | tail -30 \
+    | tee "$OUT/skinny_sweep.log"
+  timeout 100 python3 benchmarks/moe_gemv_sweep.py --quick --budget 85 --json "$OUT/moe_gemv_sweep.json" 2>&1 \
+    | tail -30 | tee "$OUT/moe_gemv_sweep.log"
+  timeout 50 python3 benchmarks/router_sweep.py --tokens 1,16 --splits 8,16,32 --block-k 64,128 --warps 4 \
+    --json "$OUT/router_sweep.json" 2>&1 | tail -20 | tee "$OUT/router_sweep.log"
 fi
 
 if has sharded; then

@@ -142,6 +142,12 @@ class KernelConfig:
     dense_gluon_wide_min_rows: int | None = 4096
     dense_gluon_wide_tile: GluonTile = field(
         default_factory=lambda: GluonTile(stages=3, group_m=8, block_n=256, promote="serial"))
+    # Decode-sized calls: the dense GEMM up to this many rows on kernels/fp8_gemv.py (weights as the
+    # MMA's M side, split-K with an in-kernel fixed-order reduction), the routed experts up to this
+    # many (token, slot) pairs on kernels/moe_gemv.py (no alignment; each routed expert's weights
+    # read once). None: never. Figures: BENCHMARKS.md "Decode".
+    dense_skinny_max_rows: int | None = 16
+    moe_skinny_max_slots: int | None = 16
     # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
     # session); ring depth / tile order within 0.6% of each other (10th session): 4 stages, GROUP_M 8.
     moe_gluon: bool = True

@@ -19,7 +19,8 @@ loads go through tensor descriptors (TMA).
 
 Tiles: BLOCK_N <= 128 here (one weight-scale block per tile; 256-wide dense tiles ran at 0.70-0.92x
 of the 128-wide ones, notes/kernels_gemm.md, fourth session). The launch is
-``KernelConfig.dense_tile`` (kernels/config.py) unless a ``tile`` is given; on sm_90, from
+``KernelConfig.dense_tile`` (kernels/config.py) unless a ``tile`` is given; up to
+``KernelConfig.dense_skinny_max_rows`` rows (decode) the skinny split-K kernel of fp8_gemv.py; on sm_90, from
 ``KernelConfig.dense_gluon_min_rows`` rows, that is the warp-specialized Gluon kernel of
 fp8_gemm_ws.py (same contract and numerics). ``fp8_block_mainloop`` is shared with the grouped
 expert GEMMs in moe_gemm.py. Not done here: fp8 output, per-tensor scales, transposed operands.
@@ -207,6 +208,11 @@ def fp8_gemm(
     if m == 0:
         return out.reshape(*lead, n)
     cfg = config or DEFAULT
+    if tile is None and cfg.dense_skinny_max_rows is not None and m <= cfg.dense_skinny_max_rows:
+        from gptoss_fp8.kernels.fp8_gemv import fp8_gemm_skinny, skinny_tile
+
+        fp8_gemm_skinny(a, a_s, w_fp8, w_scale_inv, bias, out, skinny_tile(m, n, k, sm_count(x_fp8.device)))
+        return out.reshape(*lead, n)
     ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
           and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases
           and cfg.gluon_on(x_fp8.device))

@@ -15,7 +15,9 @@ Pipeline for x [T, H] bf16, top-k routing, a rank holding experts [e0, e0 + E_lo
 
 Layouts: W13 fp8 [E, 2I, H] (gate/up rows interleaved) with scale_inv [E, ceil(2I/128),
 ceil(H/128)] and bias [E, 2I]; W2 fp8 [E, H, I] with scale_inv [E, ceil(H/128), ceil(I/128)] and
-bias [E, H]; H and I multiples of 16. Tiles: ``KernelConfig.moe_plan`` (kernels/config.py).
+bias [E, H]; H and I multiples of 16. Tiles: ``KernelConfig.moe_plan`` (kernels/config.py); up to
+``KernelConfig.moe_skinny_max_slots`` (token, slot) pairs (decode) steps 2-4 are moe_gemv.py's two
+launches instead.
 Not done here: the expert-parallel all-reduce, token dropping / capacity limits.
 Reference: ``spec.moe_w8a8`` (``spec.moe_experts_w8a8`` for the per-slot outputs).
 """
@@ -229,9 +231,16 @@ def moe_expert_slots(
     if t == 0:
         return y
     topk_ids = topk_ids.contiguous()
+    cfg = config or DEFAULT
+    if plan is None and cfg.moe_skinny_max_slots is not None and n_slots <= cfg.moe_skinny_max_slots:
+        # decode-sized: kernels/moe_gemv.py, two launches, no alignment (foreign rows zeroed there)
+        from gptoss_fp8.kernels.moe_gemv import moe_slots_skinny
+
+        x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
+        return moe_slots_skinny(x_fp8, x_scale, topk_ids, w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, expert_start,
+                                swiglu_limit, y, zero_foreign)
     if zero_foreign:  # only rows of slots routed to other ranks' experts are written (none with one rank)
         zero_foreign_rows(topk_ids, y, expert_start, e)
-    cfg = config or DEFAULT
     gluon_ok = cfg.gluon_on(x.device)
     plan = plan or cfg.moe_plan(t, k, e, gluon_ok)
     align = plan.align_m
