@@ -93,15 +93,13 @@ class MoeSkinnyTile:
 
 
 def moe_skinny_tile(num_slots: int, two_i: int, h: int, sms: int) -> MoeSkinnyTile:
-    """The tiles for num_slots = T*k slots of experts with 2I gate_up rows and H hidden: per kernel
-    the widest block of 128 / 64 that still gives two programs per SM (HBM needs loads in flight
-    on every SM), else 64 (fp8 wgmma needs 64 weight rows; narrower tiles widen fp8 to f16 on CUDA
-    cores). Provisional: the H200 sweep (benchmarks/moe_gemv_sweep.py) decides."""
-
-    def widest(n: int) -> int:
-        return 128 if num_slots * cdiv(n, 128) >= 2 * sms else 64
-
-    return MoeSkinnyTile(widest(two_i), widest(h), num_warps=4, num_stages=4)
+    """The tiles for num_slots = T*k slots of experts with 2I gate_up rows and H hidden: 64 weight
+    rows per program in both kernels (fp8 wgmma needs 64; narrower tiles widen fp8 to f16 on CUDA
+    cores), 6 K blocks in flight. H200 (benchmarks/moe_gemv_sweep.py --quick, thirteenth session,
+    H = I = 2880, L2-cold experts): 36.0 / 101.7 us at 4 / 16 slots (20b), 1.02-1.07x the 128-row
+    tiles and the 64-row ones with 4 stages; 120b the same within 1%. (num_slots, two_i, h, sms)
+    kept for a shape-dependent choice.)"""
+    return MoeSkinnyTile(64, 64, num_warps=4, num_stages=6)
 
 
 @triton.jit

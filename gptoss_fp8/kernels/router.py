@@ -259,14 +259,16 @@ def router_config(num_tokens: int, num_experts: int, on_gpu: bool, split: bool =
     At 1 token (64, 4, 5) took 10.6 us a call (a decode step's profile, 32 experts): one program
     walking H.
 
-    Split (decode): RouterSplit(16, 64, 4, 3) at 32 experts (15 programs of 3 blocks at H = 2880),
-    (32, 64, 4, 3) at 128 (23 programs of 2 blocks, 16 KB of weight a block): first choices, to be
-    measured (benchmarks/router_sweep.py), as is SPLIT_MAX_TOKENS. Off the GPU (the interpreter)
-    4 splits, so that the tests run the reduction over several."""
+    Split (decode): RouterSplit(16, 64, 4, 3) (15 programs of 3 blocks at H = 2880). H200
+    (benchmarks/router_sweep.py, CUDA graphs, "cold" = L2 flushed before each replay, thirteenth
+    session): 32 experts 4.8 / 5.0 us at 1 / 16 tokens (the tiled form 10.8 / 18.5, torch 18.9 /
+    21.1), within 0.3 us of the best of 36 variants; 128 experts 6.3 / 7.3 us, against 6.7 / 7.9
+    for 32 splits. SPLIT_MAX_TOKENS (16) not swept. Off the GPU (the interpreter) 4 splits, so
+    that the tests run the reduction over several."""
     if split and num_tokens <= SPLIT_MAX_TOKENS:
         if not on_gpu:
             return RouterSplit(4, 64, 4, 1)
-        return RouterSplit(32 if num_experts > 64 else 16, 64, 4, 3)
+        return RouterSplit(16, 64, 4, 3)
     if not on_gpu:
         return 16, 4, 1
     if num_experts > 64 and num_tokens > 16384:
