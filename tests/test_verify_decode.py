@@ -327,6 +327,17 @@ def test_injected_decode_bug_fails_on_cuda(golden, monkeypatch, bug):
                         sm_scale, window)
 
         monkeypatch.setattr(TritonOps, "attention_cached", twice)
+    if bug == "stale_cache_entry":  # the kernels' fused rotate-and-store too (it writes the cache itself)
+        real_append = TritonOps.rope_append
+
+        def stale(self, q, k, v, cos, sin, cache, i, step):
+            s = step.slot(cache.rows(i), not cache.is_ring(i))
+            old = cache.k[i][step.seq, s].clone(), cache.v[i][step.seq, s].clone()
+            q = real_append(self, q, k, v, cos, sin, cache, i, step)
+            cache.k[i][step.seq, s], cache.v[i][step.seq, s] = old
+            return q
+
+        monkeypatch.setattr(TritonOps, "rope_append", stale)
     tokens = reference_for(ref_file, None).tokens
     decode = tokens.numel() - 1 if bug == "sink_every_split" else 32  # as on the CPU (the sink weighs most there)
     modes = ["weights", "w8a8", "kernels"]

@@ -93,13 +93,18 @@ class MoeSkinnyTile:
 
 
 def moe_skinny_tile(num_slots: int, two_i: int, h: int, sms: int) -> MoeSkinnyTile:
-    """The tiles for num_slots = T*k slots of experts with 2I gate_up rows and H hidden: 64 weight
-    rows per program in both kernels (fp8 wgmma needs 64; narrower tiles widen fp8 to f16 on CUDA
-    cores), 6 K blocks in flight. H200 (benchmarks/moe_gemv_sweep.py --quick, thirteenth session,
-    H = I = 2880, L2-cold experts): 36.0 / 101.7 us at 4 / 16 slots (20b), 1.02-1.07x the 128-row
-    tiles and the 64-row ones with 4 stages; 120b the same within 1%. (num_slots, two_i, h, sms)
-    kept for a shape-dependent choice.)"""
-    return MoeSkinnyTile(64, 64, num_warps=4, num_stages=6)
+    """The tiles for num_slots = T*k slots of experts with 2I gate_up rows and H hidden: 32 weight
+    rows per program in both kernels, i.e. mma.sync on fp8 widened to f16 with fp32 accumulation,
+    which is exact to fp32 summation order, instead of fp8 wgmma (64+ rows), whose reduced-precision
+    accumulation inside a K block flips e4m3 roundings of the intermediate. H200, 20b shapes, on
+    the same inputs: against the w8a8 spec ||.|| / ||ref|| 3.3e-3 to 5.2e-3 for 64-row tiles
+    (the prefill kernels' MoE FFN class, 4.2e-3) and 1e-5 to 7e-5 for the grouped 16-row path
+    (tests/kernels/test_moe_gemv.py METRIC lines). The price (benchmarks/moe_gemv_sweep.py --quick,
+    L2-cold experts, thirteenth session): 39.5 / 105.0 / 164.3 us at 4 / 16 / 32 slots against
+    35.8 / 102.4 / 158.9 for 64 rows with 6 stages (the fastest), and 54.0 / 119.6 / 165.6 for the
+    grouped path; 120b the same within 1%. (num_slots, two_i, h, sms) are kept for a shape-dependent
+    choice.)"""
+    return MoeSkinnyTile(32, 32, num_warps=4, num_stages=4)
 
 
 @triton.jit

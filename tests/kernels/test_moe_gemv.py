@@ -13,8 +13,10 @@ differs, and with it, rarely, one e4m3 rounding of the intermediate):
   bf16 out adds one bf16 ulp (2^-8 relative: both round the same fp32 value, which may differ in
   its last bits): ||.|| <= 4e-3, max <= 2^-8 max|ref|.
 - GPU: the tiles of 64+ weight rows run fp8 wgmma, whose accumulation inside a K block is coarser
-  than the grouped path's (16-row tiles: fp8 widened to f16 mma.sync), which flips the e4m3 rounding
-  of ~1e-3 of the intermediate: ||.|| <= 2e-3 and max <= 2e-2 max|ref|.
+  than the grouped path's (16-row tiles: fp8 widened to f16 mma.sync), which flips e4m3 roundings
+  of the intermediate: small shapes ||.|| <= 2e-3 and max <= 2e-2 max|ref|; at 20b shapes 3.3e-3 ..
+  5.2e-3 were measured against both the grouped path and the spec (H200), so TOL_WGMMA there. The
+  default 32-row tiles (mma.sync, like the grouped path) are held to TOL_EXACT at 20b shapes.
 Against the specification: test_moe.py's tolerances (GPU ||.|| <= 5e-3, max <= 2e-2 max|ref|;
 CPU 1.2e-2 / 3e-2).
 """
@@ -42,6 +44,11 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 GROUPED = KernelConfig(moe_skinny_max_slots=None)
 TOL_GROUPED = {torch.float32: (2e-3, 2e-2) if HAS_CUDA else (1e-5, 1e-4), torch.bfloat16: (4e-3, 2e-2 if HAS_CUDA else 2**-8)}
 TOL_SPEC = (5e-3, 2e-2) if HAS_CUDA else (1.2e-2, 3e-2)
+# GPU, tiles of 64+ weight rows (fp8 wgmma): measured 3.3e-3 .. 5.2e-3 / <= 7.8e-3 against both the
+# grouped path and the spec at 20b shapes (H200), the prefill kernels' class (4.2e-3)
+TOL_WGMMA = (8e-3, 2e-2)
+# GPU, the default 32-row tiles (mma.sync, exact accumulation): against the grouped path and the spec
+TOL_EXACT = (5e-4, 1e-2)
 
 
 def _experts(e, h, i, seed, bias_dtype=torch.bfloat16):
@@ -175,9 +182,9 @@ def test_all_slots_foreign():
 
 
 def test_default_tiles():
-    """The measured choice: 64 rows per program, 6 stages, at every decode size (132 SMs, 20b shapes)."""
+    """The measured choice: 32 rows per program (mma.sync, exact accumulation) at every decode size."""
     for slots in (4, 8, 32):
-        assert moe_skinny_tile(slots, 5760, 2880, 132) == MoeSkinnyTile(64, 64, num_warps=4, num_stages=6)
+        assert moe_skinny_tile(slots, 5760, 2880, 132) == MoeSkinnyTile(32, 32, num_warps=4, num_stages=4)
 
 
 def test_refuses_bad_arguments():
@@ -266,7 +273,15 @@ def _run_20b(t, e0, n_local, tile):
     ref = moe_expert_slots(x, ids, *experts, e0, 7.0, GROUPED, x_quant=xq)
     assert not torch.isnan(out).any()
     rel, mx = _rel(out, ref)
-    assert rel <= TOL_GROUPED[torch.bfloat16][0] and mx <= TOL_GROUPED[torch.bfloat16][1], (rel, mx)
+    want, _ = spec.moe_experts_w8a8(x, ids, *experts, e0, 7.0, xq=xq)
+    srel, smx = _rel(out, want.reshape(t * 4, 2880))
+    grel, gmx = _rel(ref, want.reshape(t * 4, 2880))
+    print(f"METRIC moe_gemv 20b t={t} e0={e0}: against grouped {rel:.2e} / {mx:.2e}; against the spec {srel:.2e} / "
+          f"{smx:.2e} (the grouped path {grel:.2e} / {gmx:.2e})")
+    picked = tile or moe_skinny_tile(t * 4, 5760, 2880, 132)
+    tol = TOL_WGMMA if picked.block_n1 >= 64 or picked.block_n2 >= 64 else TOL_EXACT
+    assert srel <= tol[0] and smx <= tol[1], (srel, smx)
+    assert rel <= tol[0] and mx <= tol[1], (rel, mx)
 
 
 @pytest.mark.gpu
