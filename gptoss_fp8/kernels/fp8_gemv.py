@@ -61,7 +61,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gptoss_fp8.kernels import arrival_counters, sm_count
-from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, next_pow2, scale_grid
+from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, cdiv, next_pow2, scale_grid
 
 MAX_BLOCK_M = 64  # rows per tile (x^T is the MMA's N side: 16 .. 64)
 
@@ -317,15 +317,3 @@ def fp8_gemm_skinny(
         num_stages=tile.num_stages,
     )
     return out
-
-
-def fp8_gemm_skinny_reference(
-    x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_fp8: torch.Tensor,
-    w_scale_inv: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The plain-torch specification (quant/fp8.block_gemm_reference): [M, N] ``out_dtype``."""
-    return block_gemm_reference(x_fp8, x_scale, w_fp8, w_scale_inv, bias, out_dtype)

@@ -33,7 +33,7 @@ from gptoss_fp8.kernels import moe_ws
 from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_group_rows
 from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, MoePlan
 from gptoss_fp8.kernels.moe_align import moe_align, moe_align_reference  # noqa: F401 - re-exported
-from gptoss_fp8.kernels.moe_gemm import SWIGLU_ALPHA, down_triton, gate_up_triton
+from gptoss_fp8.kernels.moe_gemm import SWIGLU_ALPHA, check_expert_weights, down_triton, gate_up_triton
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
 
@@ -174,15 +174,6 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
     return q, s
 
 
-def _check_expert_weights(name, w, s, b, n, k, e):
-    assert w.dtype == FP8_DTYPE and w.shape == (e, n, k), f"{name} {tuple(w.shape)} {w.dtype}, expected fp8 [{e}, {n}, {k}]"
-    assert s.dtype == torch.float32 and s.shape == (e, cdiv(n, BLOCK), cdiv(k, BLOCK)), (
-        f"{name} scale_inv {tuple(s.shape)} {s.dtype} does not fit {tuple(w.shape)}"
-    )
-    assert b.shape == (e, n) and b.dtype in (torch.bfloat16, torch.float32), f"{name} bias {tuple(b.shape)} {b.dtype}"
-    assert w.is_contiguous() and s.is_contiguous() and b.is_contiguous(), f"{name} tensors must be contiguous"
-
-
 def moe_expert_slots(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -214,8 +205,8 @@ def moe_expert_slots(
     e, two_i = w13.shape[0], w13.shape[1]
     assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
     i = two_i // 2
-    _check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
-    _check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
+    check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
+    check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
     assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == t, f"topk ids {tuple(topk_ids.shape)} do not fit x {tuple(x.shape)}"
     assert topk_ids.dtype == torch.int32, f"topk_ids must be int32, got {topk_ids.dtype}"

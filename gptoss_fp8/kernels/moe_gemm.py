@@ -29,8 +29,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from gptoss_fp8.kernels.act_quant import group_scale, quantize_with_scale
 from gptoss_fp8.kernels.config import TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_block_mainloop, store_rows
-from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_MAX, cdiv
+from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
 from gptoss_fp8.spec import SWIGLU_ALPHA
+
+
+def check_expert_weights(name, w, s, b, n, k, e):
+    """One expert tensor triple's shapes, dtypes and layout: w fp8 [e, n, k], scale_inv float32
+    [e, ceil(n/128), ceil(k/128)], bias [e, n] bf16 / fp32, all contiguous (one assert each)."""
+    assert w.dtype == FP8_DTYPE and w.shape == (e, n, k), f"{name} {tuple(w.shape)} {w.dtype}, expected fp8 [{e}, {n}, {k}]"
+    assert s.dtype == torch.float32 and s.shape == (e, cdiv(n, BLOCK), cdiv(k, BLOCK)), (
+        f"{name} scale_inv {tuple(s.shape)} {s.dtype} does not fit {tuple(w.shape)}"
+    )
+    assert b.shape == (e, n) and b.dtype in (torch.bfloat16, torch.float32), f"{name} bias {tuple(b.shape)} {b.dtype}"
+    assert w.is_contiguous() and s.is_contiguous() and b.is_contiguous(), f"{name} tensors must be contiguous"
+
 
 
 @triton.jit

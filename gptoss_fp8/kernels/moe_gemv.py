@@ -75,7 +75,7 @@ import triton.language as tl
 
 from gptoss_fp8.kernels import arrival_counters, sm_count
 from gptoss_fp8.kernels.act_quant import group_scale, quantize_with_scale
-from gptoss_fp8.kernels.moe_gemm import _bias_swiglu  # the fused epilogue's SwiGLU: one definition
+from gptoss_fp8.kernels.moe_gemm import _bias_swiglu, check_expert_weights  # the fused epilogue's SwiGLU: one definition
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 from gptoss_fp8.spec import SWIGLU_ALPHA
 
@@ -239,15 +239,6 @@ def _skinny_down_kernel(
         tl.store(dst, y, mask=here[:, None] & n_ok[None, :])
 
 
-def _check_experts(name: str, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor, e: int, n: int, k: int) -> None:
-    assert w.dtype == FP8_DTYPE and w.shape == (e, n, k), f"{name} {tuple(w.shape)} {w.dtype}, expected fp8 [{e}, {n}, {k}]"
-    assert s.dtype == torch.float32 and s.shape == (e, cdiv(n, BLOCK), cdiv(k, BLOCK)), (
-        f"{name} scale_inv {tuple(s.shape)} {s.dtype} does not fit {tuple(w.shape)}"
-    )
-    assert b.shape == (e, n) and b.dtype in (torch.bfloat16, torch.float32), f"{name} bias {tuple(b.shape)} {b.dtype}"
-    assert w.is_contiguous() and s.is_contiguous() and b.is_contiguous(), f"{name} tensors must be contiguous"
-
-
 def moe_slots_skinny(
     x_fp8: torch.Tensor,
     x_scale: torch.Tensor,
@@ -283,8 +274,8 @@ def moe_slots_skinny(
     e, two_i = w13.shape[0], w13.shape[1]
     assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
     i = two_i // 2
-    _check_experts("gate_up", w13, w13_scale_inv, b13, e, two_i, h)
-    _check_experts("down", w2, w2_scale_inv, b2, e, h, i)
+    check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
+    check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
     assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == t and topk_ids.dtype == torch.int32, (
         f"topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype}: int32 [{t}, k] expected"

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gptoss_fp8.kernels import arrival_counters
-from gptoss_fp8.kernels.fp8_gemv import SkinnyTile, fp8_gemm_skinny, fp8_gemm_skinny_reference, skinny_tile
+from gptoss_fp8.kernels.fp8_gemm import fp8_gemm_reference
+from gptoss_fp8.kernels.fp8_gemv import SkinnyTile, fp8_gemm_skinny, skinny_tile
 from gptoss_fp8.quant.fp8 import cdiv, quantize_act, quantize_weight_blocks
 
 HAS_CUDA = torch.cuda.is_available()
@@ -47,7 +48,7 @@ def _run(m, n, k, seed, bias=torch.bfloat16, out_dtype=torch.bfloat16, tile=None
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
     y = fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out, tile=tile)
     assert y is out
-    _check(out, fp8_gemm_skinny_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    _check(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
     return out
 
 
@@ -98,7 +99,7 @@ def test_skinny_deterministic_and_counters_zeroed():
         outs.append(fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out, tile=tile))
         assert not arrival_counters(torch.device(DEV), tiles).any(), "arrival counters left non-zero"
     assert torch.equal(outs[0], outs[1])
-    _check(outs[0], fp8_gemm_skinny_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    _check(outs[0], fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
 
 
 def test_skinny_strided_rows():
@@ -111,7 +112,7 @@ def test_skinny_strided_rows():
     sw[:, : x_scale.shape[1]] = x_scale
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     fp8_gemm_skinny(xw[:, :k], sw[:, : x_scale.shape[1]], w_fp8, w_scale, b, out, tile=SkinnyTile(32, 2))
-    _check(out, fp8_gemm_skinny_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    _check(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
 
 
 def test_skinny_tile_heuristic():
@@ -216,7 +217,7 @@ def test_skinny_cuda_graph():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, fp8_gemm_skinny_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    _check(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
     eager = torch.empty_like(out)
     fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, eager)
     assert torch.equal(out, eager)
