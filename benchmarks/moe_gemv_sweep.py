@@ -27,9 +27,9 @@ On the GPU machine, from the repository root:
 
     PYTHONPATH=$(pwd) python3 benchmarks/moe_gemv_sweep.py --json $OUT/moe_gemv_sweep.json
 
-(``--quick``: T = 1, 4, 8 and six variants.) Not yet run: expected ~3-5 minutes on the H200, mostly
-Triton compiles (one gate_up per variant and token-count class, one down per variant); the JSON is
-rewritten after every case, and cases past ``--budget`` seconds are skipped (and listed).
+(``--quick``: T = 1, 4, 8 and six variants.) On the H200 the quick form takes ~10 s once
+compiled (thirteenth session; figures in BENCHMARKS.md "Decode"); the JSON is rewritten after
+every case, and cases past ``--budget`` seconds are skipped (and listed).
 """
 
 from __future__ import annotations

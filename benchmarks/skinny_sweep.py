@@ -24,8 +24,10 @@ On the GPU machine, from the repository root:
 
     PYTHONPATH=$(pwd) python3 benchmarks/skinny_sweep.py --json $OUT/skinny_sweep.json
 
-(``--quick``: M 1 and 16 and a smaller coarse grid, no second pass.) Not yet run: expected run time
-on the H200 ~3-6 minutes (mostly Triton compiles, ~1 s per variant and row class), ~1 minute quick.
+(``--quick``: M 1 and 16 and a smaller coarse grid, no second pass.) On the H200 the quick form
+takes ~20 s (thirteenth session; figures in BENCHMARKS.md "Decode"). Note: its cuBLAS column
+(``torch._scaled_mm`` blockwise, K padded to the 128 grid) gave WRONG outputs for K = 2880 there,
+as in benchmarks/gemm_sweep.py.
 """
 
 from __future__ import annotations

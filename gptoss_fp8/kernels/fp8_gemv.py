@@ -43,8 +43,12 @@ per column); e.g. qkv 5120 x 2880: 80 tiles of 64 x split 4 (320 programs), o_pr
 ``SkinnyTile.tma``, a tensor descriptor (TMA); the scales are loaded one K block ahead. Compiled
 for sm_90 offline (ptxas): BLOCK_N 64 / 128 tiles run wgmma (m64n16k32 at BLOCK_M 16), 16 / 32 run
 mma.sync; 40-54 registers a thread at BLOCK_M 16, ~180 at BLOCK_M 64 (4 warps: 2 programs per SM).
-These choices are from the arithmetic above, not yet measured: benchmarks/skinny_sweep.py times
-the variants on the H200.
+Measured (H200, benchmarks/skinny_sweep.py --quick, thirteenth session): the heuristic's pick
+within 4% of the best of 16 variants at 1 and 16 rows for qkv / o_proj / 5760 (qkv 7.3 us at one
+row, 2.0 TB/s of weights; 32-row tiles 15-40% slower); in a 20b decode step the 48 calls take
+6.9 us each against 12.3 for fp8_gemm's 16 x 64 Triton tile (BENCHMARKS.md "Decode"). The bytes
+take 3-3.5 us: launch, ramp-up and the reduction are the rest. TP shard shapes and 32-64 rows not
+swept.
 
 Not done here: fp8 output, per-tensor scales, transposed operands, [..., K] activations (the
 caller reshapes), a persistent grid, stream-K (whole K blocks per split only), tiles wider than
@@ -85,8 +89,8 @@ def block_m_for(m: int) -> int:
 
 
 def skinny_tile(m: int, n: int, k: int, sms: int) -> SkinnyTile:
-    """The launch for an [m, k] x [n, k]^T problem on ``sms`` SMs (not yet H200-measured; see the
-    module docstring). Splits: as many as keep the grid at <= 3 programs per SM, each split >= 3 K
+    """The launch for an [m, k] x [n, k]^T problem on ``sms`` SMs (measured at 1 and 16 rows on
+    the gpt-oss shapes: the module docstring). Splits: as many as keep the grid at <= 3 programs per SM, each split >= 3 K
     blocks, and the fp32 partials' traffic (8 * split * m bytes per output column) <= half the
     weight's (k bytes per column). Narrow outputs (TP shards) take 32-row tiles when 64-row ones
     cannot fill 2 programs per SM even at the most splits."""
