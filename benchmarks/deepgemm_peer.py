@@ -32,6 +32,7 @@ import deep_gemm  # noqa: E402
 from deep_gemm.jit_kernels.utils import get_m_alignment_for_contiguous_layout  # noqa: E402
 from test_core import per_block_cast_to_fp8, per_token_cast_to_fp8  # noqa: E402  (DeepGEMM's own casts)
 
+from gptoss_fp8.bench.kernels_gemm import cublas_blockwise  # noqa: E402
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm  # noqa: E402
 from gptoss_fp8.kernels.moe import moe_experts  # noqa: E402
 from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks  # noqa: E402
@@ -122,9 +123,8 @@ def dense_row(name: str, m: int, n: int, k: int, g: torch.Generator) -> dict:
     x_fp8, x_s = quantize_act(x)
     w_fp8, w_s = quantize_weight_blocks(w)
     ours_ms = _ms(lambda: fp8_gemm(x_fp8, x_s, w_fp8, w_s, bias))
-    # cuBLAS blockwise, no bias: x scales [M, K/128] column-major, weight scales [N/128, K/128] transposed.
-    a_s = x_s.t().contiguous().t()
-    cublas_ms = _ms(lambda: torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=a_s, scale_b=w_s.t(), out_dtype=torch.bfloat16))
+    # cuBLAS blockwise, no bias, K padded to the 128 grid (the unpadded K = 2880 gives wrong values)
+    cublas_ms = _ms(cublas_blockwise(x_fp8, x_s, w_fp8, w_s))
     dx = per_token_cast_to_fp8(_pad_k(x.bfloat16()))
     dx = (dx[0], deep_gemm.get_col_major_tma_aligned_tensor(dx[1]))
     dw = per_block_cast_to_fp8(_pad_k(w.bfloat16()))

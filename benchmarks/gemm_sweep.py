@@ -47,6 +47,7 @@ import torch
 import triton
 
 from gptoss_fp8 import spec
+from gptoss_fp8.bench.kernels_gemm import cublas_blockwise, pad_k
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig, MoePlan, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from gptoss_fp8.kernels.moe import moe_experts
@@ -144,34 +145,18 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
-def _pad_k(t: torch.Tensor) -> torch.Tensor:
-    k = t.shape[-1]
-    return torch.nn.functional.pad(t, (0, (k + 127) // 128 * 128 - k))
-
-
 def _cublas(x_fp8, x_s, w_fp8, w_s):
-    """cuBLAS blockwise FP8 (no bias), K padded to 128 where it refuses the unpadded K."""
-    a_s = x_s.t().contiguous().t()  # [M, K/128] column-major, made once outside the timing
-
-    def mm(xq, wq):
-        return lambda: torch._scaled_mm(xq, wq.t(), scale_a=a_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)
-    try:
-        f = mm(x_fp8, w_fp8)
-        f()
-        return f
-    except RuntimeError:
-        def pad(t):
-            return _pad_k(t.view(torch.uint8)).view(torch.float8_e4m3fn)
-
-        f = mm(pad(x_fp8), pad(w_fp8))
-        f()
-        return f
+    """cuBLAS blockwise FP8 (no bias), K padded to the 128 grid (bench/kernels_gemm.py
+    ``cublas_blockwise``: the unpadded K = 2880 gives wrong values)."""
+    f = cublas_blockwise(x_fp8, x_s, w_fp8, w_s)
+    f()
+    return f
 
 
 def _deepgemm_dense(x: torch.Tensor, w: torch.Tensor, m: int, n: int):
     """DeepGEMM's dense call on K padded to 128 (our 1x128 / 128x128 codecs: its operand format)."""
-    xq, xs = quantize_act(_pad_k(x))
-    wq, ws = quantize_weight_blocks(_pad_k(w))
+    xq, xs = quantize_act(pad_k(x))
+    wq, ws = quantize_weight_blocks(pad_k(w))
     xs = deep_gemm.get_col_major_tma_aligned_tensor(xs)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
@@ -282,11 +267,11 @@ def _deepgemm_moe(ids: torch.Tensor, e: int, g: torch.Generator) -> float:
     for i, (c, p) in enumerate(zip(counts, padded, strict=True)):
         m_indices[start:start + c] = i
         start += p
-    a, a_s = quantize_act(_pad_k(torch.randn(m, HIDDEN, device="cuda", generator=g)))
+    a, a_s = quantize_act(pad_k(torch.randn(m, HIDDEN, device="cuda", generator=g)))
     a_s = deep_gemm.get_col_major_tma_aligned_tensor(a_s)
     total = 0.0
     for n in (2 * INTER, HIDDEN):
-        w, w_s = quantize_weight_blocks(_pad_k(torch.randn(e, n, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5))
+        w, w_s = quantize_weight_blocks(pad_k(torch.randn(e, n, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5))
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         total += _ms(lambda w=w, w_s=w_s, out=out: deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
             (a, a_s), (w, w_s), out, m_indices))

@@ -25,9 +25,9 @@ On the GPU machine, from the repository root:
     PYTHONPATH=$(pwd) python3 benchmarks/skinny_sweep.py --json $OUT/skinny_sweep.json
 
 (``--quick``: M 1 and 16 and a smaller coarse grid, no second pass.) On the H200 the quick form
-takes ~20 s (thirteenth session; figures in BENCHMARKS.md "Decode"). Note: its cuBLAS column
-(``torch._scaled_mm`` blockwise, K padded to the 128 grid) gave WRONG outputs for K = 2880 there,
-as in benchmarks/gemm_sweep.py.
+takes ~20 s (thirteenth session; figures in BENCHMARKS.md "Decode"). Its cuBLAS column
+gave WRONG outputs for K = 2880 there (unpadded K, as in benchmarks/gemm_sweep.py); both now pad
+K (bench/kernels_gemm.py ``cublas_blockwise``), not yet re-run.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ import statistics
 
 import torch
 
+from gptoss_fp8.bench.kernels_gemm import cublas_blockwise
 from gptoss_fp8.kernels import sm_count
+from gptoss_fp8.kernels.config import KernelConfig
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 from gptoss_fp8.kernels.fp8_gemv import SkinnyTile, fp8_gemm_skinny, skinny_tile
 from gptoss_fp8.quant.fp8 import block_gemm_reference, cdiv, quantize_act, quantize_weight_blocks
@@ -52,6 +54,8 @@ QUICK_MS = [1, 16]
 L2_BYTES = 50 * 2**20
 MIN_CALLS = 20
 DEV = "cuda"
+
+NO_SKINNY = KernelConfig(dense_skinny_max_rows=None)  # fp8_gemm's Triton tiles at every M
 
 
 def coarse_variants(quick: bool) -> list[SkinnyTile]:
@@ -143,33 +147,16 @@ def measure(case: Case, fn, ref: torch.Tensor, reps: int) -> dict:
 
 
 def cublas_fn(case: Case):
-    """cuBLAS blockwise FP8 (no bias) as ``fn(copy index)``, on K-padded copies when it refuses the
-    unpadded K; None (the reason printed) when it refuses both."""
-    a_s = case.x_s.t().contiguous().t()  # [M, K/128], M-major as cuBLAS wants its row scales
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        k = t.shape[-1]
-        return torch.nn.functional.pad(t.view(torch.uint8), (0, cdiv(k, 128) * 128 - k)).view(t.dtype)
-
-    def mm(x: torch.Tensor, ws: list):
-        return lambda i: torch._scaled_mm(x, ws[i][0].t(), scale_a=a_s, scale_b=ws[i][1].t(), out_dtype=torch.bfloat16)
-
-    f = mm(case.x, case.w)
+    """cuBLAS blockwise FP8 (no bias) as ``fn(copy index)`` (bench/kernels_gemm.py
+    ``cublas_blockwise``: K padded to the 128 grid, the unpadded K = 2880 gives wrong values); None
+    (the reason printed) when torch refuses it."""
+    fns = [cublas_blockwise(case.x, case.x_s, w, s) for w, s in case.w]
     try:
-        f(0)
-        return f
+        fns[0]()
     except (RuntimeError, ValueError, NotImplementedError) as ex:
-        why = first_line(ex)
-    if case.k % 128 == 0:
-        print(f"  cuBLAS blockwise refused: {why}", flush=True)
+        print(f"  cuBLAS blockwise refused: {first_line(ex)}", flush=True)
         return None
-    f = mm(pad(case.x), [(pad(w), s) for w, s in case.w])
-    try:
-        f(0)
-    except (RuntimeError, ValueError, NotImplementedError) as ex:
-        print(f"  cuBLAS blockwise refused ({why}; K-padded: {first_line(ex)})", flush=True)
-        return None
-    return f
+    return lambda i: fns[i]()
 
 
 def run_case(name: str, m: int, n: int, k: int, quick: bool, reps: int, with_cublas: bool) -> list[dict]:
@@ -190,7 +177,9 @@ def run_case(name: str, m: int, n: int, k: int, quick: bool, reps: int, with_cub
         return r
 
     print(f"{name} M={m} N={n} K={k} ({case.copies} weight copies, {case.ncalls} calls per graph)", flush=True)
-    add("fp8_gemm", "fp8_gemm", lambda i: fp8_gemm(case.x, case.x_s, *case.w[i], case.bias, out=case.out), case.ref)
+    # fp8_gemm without its skinny dispatch: the Triton small-M tile decode used before fp8_gemv
+    add("fp8_gemm", "fp8_gemm", lambda i: fp8_gemm(case.x, case.x_s, *case.w[i], case.bias, out=case.out,
+                                                   config=NO_SKINNY), case.ref)
     if with_cublas:
         f = cublas_fn(case)
         if f is not None:

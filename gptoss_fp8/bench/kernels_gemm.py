@@ -2,9 +2,10 @@
 
 Peers, measured in the same run on the same inputs (median of ``triton.testing.do_bench``):
 - dense: cuBLAS blockwise ``torch._scaled_mm`` without bias (x scales 1x128 [M, K/128]
-  column-major, weight scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 128
-  only if torch refuses the unpadded call): an unfused ``out += bias`` would understate it by
-  ~25%. Ours includes the bias in the kernel; both start from already-quantized activations.
+  column-major, weight scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 128:
+  the unpadded K = 2880 is accepted and gives wrong values, ``cublas_blockwise``): an unfused
+  ``out += bias`` would understate it by ~25%. Ours includes the bias in the kernel; both start
+  from already-quantized activations.
 - MoE FFN (route + sort + both grouped GEMMs + SwiGLU + weighted combine, everything from bf16 x
   to bf16 out): ours (FP8, activation quantization included) against the same FFN in bf16 with
   ``torch._grouped_mm``.
@@ -35,7 +36,7 @@ from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.config import DEFAULT, GluonTile, MoePlan, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm
 from gptoss_fp8.kernels.moe import fused_moe, moe_align, moe_experts
-from gptoss_fp8.quant.fp8 import BLOCK, cdiv, quantize_act, quantize_weight_blocks
+from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, cdiv, quantize_act, quantize_weight_blocks
 
 HIDDEN = 2880
 INTER = 2880
@@ -78,28 +79,36 @@ def _row(case, flops, ms, peer, peer_ms) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale):
-    """torch blockwise FP8 GEMM: returns a callable computing bf16 x @ W^T (no bias)."""
+def pad_k(t: torch.Tensor) -> torch.Tensor:
+    """A [..., K] tensor (fp8 or float) zero-padded along K to the 128 grid (itself when K % 128 == 0)."""
+    k = t.shape[-1]
+    kp = cdiv(k, BLOCK) * BLOCK
+    if kp == k:
+        return t
+    if t.dtype == FP8_DTYPE:  # no pad kernel for fp8: pad the bytes
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, kp - k)).view(t.dtype)
+    return torch.nn.functional.pad(t, (0, kp - k))
+
+
+def cublas_blockwise(x_fp8, x_scale, w_fp8, w_scale):
+    """torch blockwise FP8 GEMM (cuBLAS), no bias: a callable computing bf16 x @ W^T. K is always
+    padded to the 128 grid (zeros: the result is the same): torch 2.11's ``_scaled_mm`` accepts the
+    unpadded K = 2880 and returns wrong values (rel. err. 4 to 3000 on the H200, thirteenth
+    session's benchmarks/gemm_sweep.py, which checks every output), where K = 4096 is right. x
+    scales 1x128 [M, K/128] column-major, weight scales 128x128 [N/128, K/128] transposed."""
     a_scale = x_scale.t().contiguous().t()  # [M, K/128] column-major
-    b = w_fp8.t()  # [K, N] column-major
+    b = pad_k(w_fp8).t()  # [K, N] column-major
     b_scale = w_scale.t()  # [K/128, N/128]
-    return lambda: torch._scaled_mm(x_fp8, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+    xp = pad_k(x_fp8)
+    return lambda: torch._scaled_mm(xp, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
 
 
 def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias=None):
-    """(callable peer GEMM (+ bias add when given), note) trying unpadded K first, then K padded to 128."""
-    try:
-        mm = _scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale)
-        mm()
-        note = ""
-    except RuntimeError:
-        k = x_fp8.shape[1]
-        kp = cdiv(k, BLOCK) * BLOCK
-        xp = torch.nn.functional.pad(x_fp8.view(torch.uint8), (0, kp - k)).view(torch.float8_e4m3fn)
-        wp = torch.nn.functional.pad(w_fp8.view(torch.uint8), (0, kp - k)).view(torch.float8_e4m3fn)
-        mm = _scaled_mm_blockwise(xp, x_scale, wp, w_scale)
-        mm()
-        note = f" (K padded to {kp})"
+    """(callable peer GEMM (+ bias add when given), note): ``cublas_blockwise``."""
+    mm = cublas_blockwise(x_fp8, x_scale, w_fp8, w_scale)
+    mm()
+    k = x_fp8.shape[-1]
+    note = "" if k % BLOCK == 0 else f" (K padded to {cdiv(k, BLOCK) * BLOCK})"
 
     def peer():
         y = mm()
