@@ -383,3 +383,21 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90():
             assert not k["wgmma_serialized"], ("ptxas serialized the serial promotion's wgmmas (C7514)", bm, bn, k)
             if bm == 128:
                 assert k["spill_stores"] == 0 and k["stack"] == 0, (bm, bn, k)
+
+
+@pytest.mark.parametrize("m,skinny", [(16, True), (17, False)])
+def test_decode_sized_calls_take_the_skinny_kernel(monkeypatch, m, skinny):
+    """Up to KernelConfig.dense_skinny_max_rows (16) rows fp8_gemm runs kernels/fp8_gemv.py (unless
+    a tile is given), above it its own tiles; the same results either way."""
+    from gptoss_fp8.kernels import fp8_gemv
+
+    calls = []
+    real = fp8_gemv.fp8_gemm_skinny
+    monkeypatch.setattr(fp8_gemv, "fp8_gemm_skinny", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, 200, 288, seed=60 + m)
+    ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
+    _check(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b), ref)
+    assert len(calls) == (1 if skinny else 0)
+    _check(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=KernelConfig(dense_skinny_max_rows=None)), ref)
+    _check(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=TritonTile(16, 64, group_m=1)), ref)
+    assert len(calls) == (1 if skinny else 0)

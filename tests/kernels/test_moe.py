@@ -507,3 +507,22 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
                    GluonTile(block_m=128))
     with pytest.raises(ValueError, match="Gluon MoE down runs only the serial promotion"):
         moe_experts(m["x"], w, ids, *m["experts"], plan=plan)
+
+
+@pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
+def test_decode_sized_calls_take_the_skinny_path(monkeypatch, t, skinny):
+    """Up to KernelConfig.moe_skinny_max_slots (16) (token, slot) pairs the experts run on
+    kernels/moe_gemv.py, above it on the grouped kernels; both within the spec's tolerance, and
+    moe_skinny_max_slots=None keeps every size on the grouped path."""
+    from gptoss_fp8.kernels import moe_gemv
+
+    calls = []
+    real = moe_gemv.moe_slots_skinny
+    monkeypatch.setattr(moe_gemv, "moe_slots_skinny", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = _model(t, 160, 96, 8, seed=40 + t)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    want = moe_experts_reference(m["x"], w, ids, *m["experts"])
+    _check(moe_experts(m["x"], w, ids, *m["experts"]), want)
+    assert len(calls) == (1 if skinny else 0)
+    _check(moe_experts(m["x"], w, ids, *m["experts"], config=KernelConfig(moe_skinny_max_slots=None)), want)
+    assert len(calls) == (1 if skinny else 0)
