@@ -148,6 +148,10 @@ class KernelConfig:
     # read once). None: never. Figures: BENCHMARKS.md "Decode".
     dense_skinny_max_rows: int | None = 16
     moe_skinny_max_slots: int | None = 16
+    # The decode MoE on 64-row fp8 wgmma tiles (moe_gemv.WGMMA_TILE) instead of its exact 32-row
+    # mma.sync default: 35.8 against 39.5 us a layer at one token, 3.3e-3 .. 5.2e-3 from the w8a8
+    # spec against 1e-5 .. 7e-5 (H200, moe_gemv.moe_skinny_tile's docstring).
+    moe_skinny_wgmma: bool = False
     # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
     # session); ring depth / tile order within 0.6% of each other (10th session): 4 stages, GROUP_M 8.
     moe_gluon: bool = True

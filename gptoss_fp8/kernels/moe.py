@@ -225,11 +225,11 @@ def moe_expert_slots(
     cfg = config or DEFAULT
     if plan is None and cfg.moe_skinny_max_slots is not None and n_slots <= cfg.moe_skinny_max_slots:
         # decode-sized: kernels/moe_gemv.py, two launches, no alignment (foreign rows zeroed there)
-        from gptoss_fp8.kernels.moe_gemv import moe_slots_skinny
+        from gptoss_fp8.kernels.moe_gemv import WGMMA_TILE, moe_slots_skinny
 
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         return moe_slots_skinny(x_fp8, x_scale, topk_ids, w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, expert_start,
-                                swiglu_limit, y, zero_foreign)
+                                swiglu_limit, y, zero_foreign, WGMMA_TILE if cfg.moe_skinny_wgmma else None)
     if zero_foreign:  # only rows of slots routed to other ranks' experts are written (none with one rank)
         zero_foreign_rows(topk_ids, y, expert_start, e)
     gluon_ok = cfg.gluon_on(x.device)

@@ -92,6 +92,10 @@ class MoeSkinnyTile:
     num_stages: int = 4  # K blocks in flight per program (the cp.async ring)
 
 
+# 64-row tiles (fp8 wgmma), 6 stages: the fastest measured, not the default (KernelConfig.moe_skinny_wgmma)
+WGMMA_TILE = MoeSkinnyTile(64, 64, num_warps=4, num_stages=6)
+
+
 def moe_skinny_tile(num_slots: int, two_i: int, h: int, sms: int) -> MoeSkinnyTile:
     """The tiles for num_slots = T*k slots of experts with 2I gate_up rows and H hidden: 32 weight
     rows per program in both kernels, i.e. mma.sync on fp8 widened to f16 with fp32 accumulation,

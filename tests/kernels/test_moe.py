@@ -526,3 +526,19 @@ def test_decode_sized_calls_take_the_skinny_path(monkeypatch, t, skinny):
     assert len(calls) == (1 if skinny else 0)
     _check(moe_experts(m["x"], w, ids, *m["experts"], config=KernelConfig(moe_skinny_max_slots=None)), want)
     assert len(calls) == (1 if skinny else 0)
+
+
+def test_decode_moe_wgmma_switch(monkeypatch):
+    """KernelConfig.moe_skinny_wgmma hands the decode MoE moe_gemv's 64-row tile; the default none
+    (its exact 32-row heuristic)."""
+    from gptoss_fp8.kernels import moe_gemv
+
+    tiles = []
+    real = moe_gemv.moe_slots_skinny
+    monkeypatch.setattr(moe_gemv, "moe_slots_skinny", lambda *a, **k: tiles.append(a[13]) or real(*a, **k))
+    m = _model(2, 160, 96, 8, seed=47)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    want = moe_experts_reference(m["x"], w, ids, *m["experts"])
+    _check(moe_experts(m["x"], w, ids, *m["experts"]), want)
+    _check(moe_experts(m["x"], w, ids, *m["experts"], config=KernelConfig(moe_skinny_wgmma=True)), want)
+    assert tiles == [None, moe_gemv.WGMMA_TILE]
