@@ -461,3 +461,39 @@ def test_kernel_config_is_held_and_passed(monkeypatch):
     w, s = (t.to(dev) for t in quantize_weight_blocks(torch.randn(64, 32)))
     ops.linear(torch.randn(3, 32).bfloat16().to(dev), w, s, None)
     assert seen == [cfg]
+
+
+def test_rope_append_fused_and_unfused_agree_and_follow_an_overridden_rope():
+    """The fused decode store (kernels/rope.py rope_append) leaves q and the cache as the unfused
+    rope + KVCache.append does, bit for bit; a subclass overriding ``rope`` (tests/mutations.py's
+    hooks do) gets the unfused form, so its rope acts in decode too."""
+    from gptoss_fp8.model.cache import KVCache
+    from gptoss_fp8.model.ops import ReferenceOps
+    from gptoss_fp8.model.triton_ops import TritonOps
+
+    class NoRope(TritonOps):
+        def rope(self, x, cos, sin):
+            return x
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    from gptoss_fp8.spec import rope_table
+
+    cos, sin = (t.to(dev) for t in rope_table(64, 64))
+    q, k, v = (torch.randn(3, h, 64, generator=g).to(dev, torch.bfloat16) for h in (8, 2, 2))
+    results = []
+    fused_ops = TritonOps()
+    for ops, unfused in ((fused_ops, False), (TritonOps(), True), (NoRope(), False)):
+        cache = KVCache.empty([0, 16], 2, 64, 40, (cos, sin), device=dev, batch=3)
+        for b, n in enumerate((5, 20, 33)):
+            cache.set_length(b, n)
+        step = cache.step()
+        rows_cos, rows_sin = cos[step.pos], sin[step.pos]
+        call = ReferenceOps.rope_append.__get__(ops) if unfused else ops.rope_append
+        qo = torch.cat([call(q, k, v, rows_cos, rows_sin, cache, i, step) for i in (0, 1)])
+        results.append((qo, cache.k[0].clone(), cache.k[1].clone(), cache.v[1].clone()))
+    assert fused_ops.spec_fallbacks["rope"] == 0  # the kernel ran (no fallback)
+    fused, unfused, no_rope = results
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused, strict=True))
+    assert torch.equal(no_rope[0], torch.cat([q, q]))  # the override's rope (identity) acted
+    assert not torch.equal(fused[0], no_rope[0])

@@ -337,9 +337,11 @@ class TritonOps(W8A8CpuOps):
     def rope_append(self, q, k, v, cos, sin, cache, i, step):
         """kernels/rope.py ``rope_append``: q and k rotated, k and v written to the layer's cache
         rows in one launch (rope_qk's fp32 arithmetic, so the cache holds what ``rope`` + ``KVCache.append``
-        would write)."""
+        would write). A subclass overriding ``rope`` gets the unfused form, so its rope acts in decode too."""
         d = q.shape[-1]
         kc, vc = cache.k[i], cache.v[i]
+        if type(self).rope is not TritonOps.rope:  # a subclass's own rope (the verify mutation hooks): unfused
+            return super().rope_append(q, k, v, cos, sin, cache, i, step)
         if (not self.rope_kernel or not _kernel_device(q) or q.dtype != BF16 or k.dtype != BF16 or v.dtype != BF16
                 or kc.dtype != BF16 or vc.dtype != BF16 or triton.next_power_of_2(d // 2) != d // 2
                 or cos.shape != (q.shape[0], d // 2) or kc.stride(-1) != 1 or vc.stride(-1) != 1):
