@@ -48,6 +48,7 @@ import triton
 
 from gptoss_fp8 import spec
 from gptoss_fp8.bench.kernels_gemm import cublas_blockwise, pad_k
+from gptoss_fp8.bench.kernels_gemm import rel_errors as _rel
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig, MoePlan, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from gptoss_fp8.kernels.moe import moe_experts
@@ -134,15 +135,6 @@ def _ms(fn) -> float:
 
 def _tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms and math.isfinite(ms) else float("nan")
-
-
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(||y - ref|| / ||ref||, max |y - ref| / max |ref|); inf where y has NaNs."""
-    y, ref = y.float(), ref.float()
-    if torch.isnan(y).any():
-        return float("inf"), float("inf")
-    d = y - ref
-    return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
 def _cublas(x_fp8, x_s, w_fp8, w_s):

@@ -43,6 +43,7 @@ import time
 import torch
 
 from gptoss_fp8 import spec
+from gptoss_fp8.bench.kernels_gemm import rel_errors as _rel
 from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.config import KernelConfig
 from gptoss_fp8.kernels.moe import moe_expert_slots
@@ -95,15 +96,6 @@ def _experts(e: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
 def _routing(t: int, e: int, g: torch.Generator) -> torch.Tensor:
     """int32 [t, TOP_K]: distinct experts per token, uniformly at random."""
     return torch.argsort(torch.rand(t, e, device="cuda", generator=g), dim=1)[:, :TOP_K].to(torch.int32).contiguous()
-
-
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(||y - ref|| / ||ref||, max |y - ref| / max |ref|); inf where y has NaNs."""
-    y, ref = y.float(), ref.float()
-    if torch.isnan(y).any():
-        return float("inf"), float("inf")
-    d = y - ref
-    return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
 def _us_graph(fns: list, reps: int) -> tuple[float, bool]:

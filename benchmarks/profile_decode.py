@@ -56,8 +56,7 @@ def main() -> None:
                 graphs.step(cache, tokens)
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        # set_context's copy kernels are outside the step: drop the ones that ran once per step
-        # and are not in the model (the fill of lengths)
+        # per step, the lengths reset (set_context's fill, outside the graph) included: ~1 us
         per_step = [(e.self_device_time_total / a.steps, e.count / a.steps, e.key) for e in events]
         total = sum(t for t, _, _ in per_step)
         floor_us = floor_bytes(cfg, batch, a.context)["total"] / HBM_BPS * 1e6

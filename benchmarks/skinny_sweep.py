@@ -36,10 +36,10 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 
 import torch
 
+from gptoss_fp8.bench.kernels_attention import _ms_graph
 from gptoss_fp8.bench.kernels_gemm import cublas_blockwise
 from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels.config import KernelConfig
@@ -83,26 +83,9 @@ def check(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
 
 
 def time_calls(calls: list, reps: int) -> float:
-    """us per call: a CUDA graph of ``calls`` in order, median of ``reps`` event-timed replays."""
-    for f in calls:  # warm: compiled, workspaces and counters allocated outside the capture
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
+    """us per call: a CUDA graph of ``calls`` in order, median of ``reps`` event-timed replays
+    (bench/kernels_attention.py ``_ms_graph``: warm-up on a side stream, then the capture)."""
+    return _ms_graph(calls, reps) * 1e3
 
 
 class Case:

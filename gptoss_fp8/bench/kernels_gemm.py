@@ -90,6 +90,16 @@ def pad_k(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, kp - k))
 
 
+def rel_errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(||y - ref|| / ||ref||, max |y - ref| / max |ref|) in float32; inf where y has NaNs (unwritten
+    outputs of a NaN-poisoned buffer): the sweeps' check of a variant before it is timed."""
+    y, ref = y.float(), ref.float()
+    if torch.isnan(y).any():
+        return float("inf"), float("inf")
+    d = y - ref
+    return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
+
+
 def cublas_blockwise(x_fp8, x_scale, w_fp8, w_scale):
     """torch blockwise FP8 GEMM (cuBLAS), no bias: a callable computing bf16 x @ W^T. K is always
     padded to the 128 grid (zeros: the result is the same): torch 2.11's ``_scaled_mm`` accepts the
