@@ -55,8 +55,21 @@ class _Root(typer.core.TyperGroup):
                 raise
             code = report_failure(e)
         if standalone_mode:
+            _hold_ctrl_c()
             sys.exit(code)
         return code
+
+
+def _hold_ctrl_c() -> None:
+    """The command has finished and its status is decided: a Ctrl-C from here on stays pending
+    (blocked) and dies with the process, so the exit status is the command's. Without this, a
+    SIGINT in the last moments of interpreter shutdown, after Python has put the default handler
+    back, killed a finished conversion by the signal with nothing on stderr
+    (tests/test_cli_faults.py, one run in five on the CPU box)."""
+    import signal
+
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 class _App(typer.Typer):
