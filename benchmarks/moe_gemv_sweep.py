@@ -74,6 +74,14 @@ VARIANTS: dict[str, MoeSkinnyTile | None] = {
     "64/64 w8": MoeSkinnyTile(64, 64, num_warps=8),
     "128/128 w8 s3": MoeSkinnyTile(128, 128, num_warps=8, num_stages=3),
     "128/128 s6": MoeSkinnyTile(128, 128, num_stages=6),
+    # exact (mma.sync) tiles with more programs: an even spread over the SMs (fourteenth session)
+    "16/16": MoeSkinnyTile(16, 16),
+    "16/32": MoeSkinnyTile(16, 32),
+    "32/16": MoeSkinnyTile(32, 16),
+    "16/16 s6": MoeSkinnyTile(16, 16, num_stages=6),
+    "16/16 w2": MoeSkinnyTile(16, 16, num_warps=2),
+    "32/32 s6": MoeSkinnyTile(32, 32, num_stages=6),
+    "32/32 w2": MoeSkinnyTile(32, 32, num_warps=2),
 }
 QUICK = ["heuristic", "64/64", "128/128", "64/128", "32/32", "64/64 s6"]
 
@@ -216,16 +224,24 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here (rewritten after every case)")
     ap.add_argument("--reps", type=int, default=30, help="graph replays per measurement (median)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; later cases are skipped")
+    ap.add_argument("--variants", help="comma-separated variant names (default: all, or --quick's)")
+    ap.add_argument("--tokens", help="comma-separated token counts (default: 1,2,4,8,16, or --quick's)")
+    ap.add_argument("--models", default="20b,120b")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_gemv_sweep needs a CUDA GPU (the H200)")
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    tokens = [1, 4, 8] if args.quick else TOKENS
-    variants = QUICK if args.quick else list(VARIANTS)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else [1, 4, 8] if args.quick else TOKENS
+    variants = args.variants.split(",") if args.variants else QUICK if args.quick else list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     rows: list[dict] = []
     skipped: list[str] = []
     for model, e in MODELS.items():
+        if model not in args.models.split(","):
+            continue
         copies = [_experts(e, g) for _ in range(COPIES)]
         for t in tokens:
             if time.time() - t0 > args.budget:

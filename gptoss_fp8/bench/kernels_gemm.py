@@ -100,15 +100,25 @@ def rel_errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
+def _aligned_cols(t: torch.Tensor) -> torch.Tensor:
+    """t [R, C] float32 as a column-major view whose column stride is R rounded up to 4 (16 bytes)."""
+    r, c = t.shape
+    buf = torch.zeros((c, cdiv(r, 4) * 4), dtype=t.dtype, device=t.device)
+    buf[:, :r] = t.t()
+    return buf[:, :r].t()
+
+
 def cublas_blockwise(x_fp8, x_scale, w_fp8, w_scale):
-    """torch blockwise FP8 GEMM (cuBLAS), no bias: a callable computing bf16 x @ W^T. K is always
-    padded to the 128 grid (zeros: the result is the same): torch 2.11's ``_scaled_mm`` accepts the
-    unpadded K = 2880 and returns wrong values (rel. err. 4 to 3000 on the H200, thirteenth
-    session's benchmarks/gemm_sweep.py, which checks every output), where K = 4096 is right. x
-    scales 1x128 [M, K/128] column-major, weight scales 128x128 [N/128, K/128] transposed."""
-    a_scale = x_scale.t().contiguous().t()  # [M, K/128] column-major
+    """torch blockwise FP8 GEMM (cuBLAS), no bias: a callable computing bf16 x @ W^T. K is padded
+    to the 128 grid (zeros: the result is the same), and both scale tensors are laid out with
+    16-byte aligned leading dimensions: torch 2.11's ``_scaled_mm`` accepts K = 2880 (23 K blocks)
+    with the weight scales' leading dimension 23 and returns wrong values (rel. err. 4 to 3000 on
+    the H200, padded K or not, fourteenth session's benchmarks/gemm_sweep.py, which checks every
+    output), where K = 4096 (32 blocks) is right. x scales 1x128 [M, K/128] column-major, weight
+    scales 128x128 as [K/128, N/128] column-major."""
+    a_scale = _aligned_cols(x_scale)  # [M, K/128], column stride M rounded up to 4
     b = pad_k(w_fp8).t()  # [K, N] column-major
-    b_scale = w_scale.t()  # [K/128, N/128]
+    b_scale = _aligned_cols(w_scale.t().contiguous())  # [K/128, N/128], column stride K/128 rounded up to 4
     xp = pad_k(x_fp8)
     return lambda: torch._scaled_mm(xp, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
 

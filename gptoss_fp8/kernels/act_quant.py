@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, quantize_act
 
 
@@ -72,7 +73,7 @@ def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, K_OUT, stride_xm, stride_qm, stride_sm, stride_sg,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -80,6 +81,7 @@ def _act_quant_kernel(
     offs_k = pid_g * GROUP + tl.arange(0, GROUP)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     rows = offs_m.to(tl.int64)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     q, scale = quantize_group_rows(x, FP8_MAX_C, EPS)
     # columns K..K_OUT (a K-padded output) get the zeros loaded there
@@ -89,7 +91,7 @@ def _act_quant_kernel(
 
 
 def act_quant(x: torch.Tensor, group: int = ACT_GROUP, *, pad_k: bool = False,
-              col_major_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              col_major_scale: bool = False, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations per token in groups of 128 along the last dimension.
 
     x: [..., K] bf16 / fp16 / fp32, last dimension contiguous. Returns (x_fp8 float8_e4m3fn
@@ -101,7 +103,8 @@ def act_quant(x: torch.Tensor, group: int = ACT_GROUP, *, pad_k: bool = False,
     with zeros in columns K.. (same bits before them, same scales: the padding is in the last
     group, whose amax it does not change); ``col_major_scale`` writes the scales [M, ceil(K/128)]
     column-major with the column stride M rounded up to 4 (16-byte TMA alignment), the layout
-    DeepGEMM reads without a transposing copy (``scale_layout``).
+    DeepGEMM reads without a transposing copy (``scale_layout``). ``pdl``: launch with programmatic
+    dependent launch (kernels/pdl.py).
     """
     assert group == ACT_GROUP, f"only groups of {ACT_GROUP} are supported, got {group}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x dtype {x.dtype}"
@@ -121,7 +124,8 @@ def act_quant(x: torch.Tensor, group: int = ACT_GROUP, *, pad_k: bool = False,
         grid = (cdiv(m, block_m), g)
         _act_quant_kernel[grid](
             x2, q, s, m, k, k_out, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
+            BLOCK_M=block_m, GROUP=group, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, PDL=pdl, num_warps=4,
+            **launch_kwargs(pdl),
         )
     if pad_k or col_major_scale:
         return q, s

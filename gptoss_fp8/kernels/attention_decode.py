@@ -47,6 +47,7 @@ from gptoss_fp8 import spec
 from gptoss_fp8.kernels import arrival_counters, sm_count
 from gptoss_fp8.kernels.attention import LOG2E
 from gptoss_fp8.kernels.config import CPU_DECODE_TILE, DEFAULT, DecodeTile, KernelConfig
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_launch, pdl_wait
 from gptoss_fp8.quant.fp8 import cdiv, next_pow2
 
 
@@ -105,6 +106,7 @@ def _attn_decode_kernel(
     FUSED_MERGE: tl.constexpr,  # True: the last split of each tile merges; False: _attn_merge_kernel
     MERGE_CHUNK: tl.constexpr,  # 2 splits x 16 rows: larger merge tiles cost the main loop registers
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_s = tl.program_id(0)
     pid_hm = tl.program_id(1)
@@ -112,12 +114,13 @@ def _attn_decode_kernel(
     b64 = pid_b.to(tl.int64)  # B * L_max * Hkv * D can pass 2^31
     kv_h = pid_hm // NUM_M
     pid_m = pid_hm % NUM_M
-    kv_len = tl.minimum(tl.load(KvLens + pid_b), kv_cap)  # kv_cap: a ring's rows (else 2^30)
-
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < NQ * GROUP
     t = rows // GROUP
     h = kv_h * GROUP + rows % GROUP
+    sink = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # a weight: before the wait
+    pdl_wait(PDL)
+    kv_len = tl.minimum(tl.load(KvLens + pid_b), kv_cap)  # kv_cap: a ring's rows (else 2^30)
     qpos = kv_len - NQ + t  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -136,7 +139,6 @@ def _attn_decode_kernel(
     s_lo = lo + pid_s * chunk
     s_hi = tl.minimum(s_lo + chunk, hi)
 
-    sink = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     m_i = sink
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + (pid_s == 0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -198,7 +200,9 @@ def _attn_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     out = _merge_rows(Part, PartM, PartL, rows, row_ok, R, NUM_SPLITS, HEAD_DIM, BLOCK_R, MERGE_CHUNK)
@@ -258,7 +262,8 @@ def attention_decode(
     ring: the cache is a ring of L_max rows (module doc): NQ must be 1 and sliding_window 0 or
     >= L_max (every held row is visible); kv_lens are the sequences' lengths, capped at L_max here.
     No host synchronisation (graph-capturable): every launch parameter follows from shapes.
-    Returns out [B, NQ, Hq, D] bf16.
+    Launched with programmatic dependent launch (kernels/pdl.py) when ``config.pdl_max_rows`` admits
+    B * NQ query rows. Returns out [B, NQ, Hq, D] bf16.
     """
     assert q.dim() == 4, f"q {q.shape}: want [B, NQ, Hq, D]"
     B, NQ, Hq, D = q.shape
@@ -289,6 +294,7 @@ def attention_decode(
             f"a ring cache takes one new query (got {NQ}) and a window >= its {L_max} rows (got {sliding_window})")
     kv_cap = L_max if ring else _NO_WINDOW
     cfg = config or DEFAULT
+    pdl = pdl_launch(cfg, B * NQ, q.device)
     if on_gpu and tile is None and num_splits is None and fused_merge is None:
         splits = one_wave_splits(B * Hkv * num_m, L_max, window != _NO_WINDOW, sm_count(q.device), cfg)
         if splits:
@@ -331,8 +337,8 @@ def attention_decode(
         sm_scale * LOG2E, window, chunk, kv_cap,
         NQ, Hq, B,
         NUM_M=num_m, GROUP=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
-        FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, UPCAST=not on_gpu,
-        num_warps=num_warps, num_stages=num_stages,
+        FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, UPCAST=not on_gpu, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )
     if split and not fused:
         R = B * NQ * Hq
@@ -340,7 +346,8 @@ def attention_decode(
         BLOCK_R = min(16, max(2, next_pow2(cdiv(R, sm_count(q.device)))))
         _attn_merge_kernel[(cdiv(R, BLOCK_R),)](
             part, part_m, part_l, out, R, num_splits,
-            HEAD_DIM=D, BLOCK_R=BLOCK_R, MERGE_CHUNK=_merge_chunk(BLOCK_R, D, 8192), num_warps=4,
+            HEAD_DIM=D, BLOCK_R=BLOCK_R, MERGE_CHUNK=_merge_chunk(BLOCK_R, D, 8192), PDL=pdl, num_warps=4,
+            **launch_kwargs(pdl),
         )
     return out
 

@@ -152,6 +152,10 @@ class KernelConfig:
     # mma.sync default: 35.8 against 39.5 us a layer at one token, 3.3e-3 .. 5.2e-3 from the w8a8
     # spec against 1e-5 .. 7e-5 (H200, moe_gemv.moe_skinny_tile's docstring).
     moe_skinny_wgmma: bool = False
+    # Programmatic dependent launch (kernels/pdl.py) for the kernels of calls of at most this many
+    # token rows (decode steps): each may start while its predecessor drains, weights prefetched
+    # into L2 before its wait. None: never.
+    pdl_max_rows: int | None = None
     # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
     # session); ring depth / tile order within 0.6% of each other (10th session): 4 stages, GROUP_M 8.
     moe_gluon: bool = True

@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from gptoss_fp8.kernels import fp8_gemm_ws, sm_count
 from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, TritonTile
+from gptoss_fp8.kernels.pdl import pdl_launch
 from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, block_gemm_reference, cdiv, scale_grid
 
 
@@ -211,7 +212,8 @@ def fp8_gemm(
     if tile is None and cfg.dense_skinny_max_rows is not None and m <= cfg.dense_skinny_max_rows:
         from gptoss_fp8.kernels.fp8_gemv import fp8_gemm_skinny, skinny_tile
 
-        fp8_gemm_skinny(a, a_s, w_fp8, w_scale_inv, bias, out, skinny_tile(m, n, k, sm_count(x_fp8.device)))
+        fp8_gemm_skinny(a, a_s, w_fp8, w_scale_inv, bias, out, skinny_tile(m, n, k, sm_count(x_fp8.device)),
+                        pdl=pdl_launch(cfg, m, x_fp8.device))
         return out.reshape(*lead, n)
     ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
           and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases

@@ -65,6 +65,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gptoss_fp8.kernels import arrival_counters, sm_count
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait, prefetch_l2
 from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, cdiv, next_pow2, scale_grid
 
 MAX_BLOCK_M = 64  # rows per tile (x^T is the MMA's N side: 16 .. 64)
@@ -172,6 +173,8 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     RED_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PF_STEPS: tl.constexpr = 0,  # with PDL: 64-byte steps of each weight row's split prefetched before the wait
 ):
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -196,8 +199,13 @@ def _fp8_gemv_kernel(
     # The scales are loaded one K block ahead (the pipeliner stages only the MMA operands; a scale
     # load in its own iteration delayed that iteration's next cp.async issue by an L2 round trip).
     # (carried as loaded: a product taken in the loading iteration waited there)
-    s_x = tl.load(xs_ptrs + kb_lo, mask=m_ok, other=0.0)  # [BLOCK_M]
     s_w = tl.load(ws_row + kb_lo)
+    if PF_STEPS > 0:  # PDL: this split's weight bytes stream into L2 while the predecessor drains
+        offs_p = kb_lo * BLOCK_K + tl.arange(0, PF_STEPS) * 64
+        p_ok = offs_p < tl.minimum(kb_hi * BLOCK_K, K)
+        prefetch_l2(w_src + w_rows[:, None] * stride_wn + offs_p[None, :], p_ok[None, :] & (offs_n < N)[:, None])
+    pdl_wait(PDL)
+    s_x = tl.load(xs_ptrs + kb_lo, mask=m_ok, other=0.0)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         k0 = kb * BLOCK_K
@@ -242,6 +250,7 @@ def fp8_gemm_skinny(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     tile: SkinnyTile | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """FP8 block GEMM with fused bias for few rows, written into ``out``; returns ``out``.
 
@@ -249,7 +258,8 @@ def fp8_gemm_skinny(
     contiguous); w_fp8 float8_e4m3fn [N, K] contiguous with w_scale_inv float32
     [ceil(N/128), ceil(K/128)] contiguous; bias [N] bf16/fp32 or None; out contiguous [M, N] bf16 or
     float32. ``tile``: this launch instead of ``skinny_tile``'s choice (split_k is clamped to
-    ceil(K/128)). Agrees with ``block_gemm_reference`` up to fp32 summation order.
+    ceil(K/128)). Agrees with ``block_gemm_reference`` up to fp32 summation order. ``pdl``: launch
+    with programmatic dependent launch (kernels/pdl.py), the weights prefetched into L2 before the wait.
     """
     assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert x_fp8.dim() == 2 and w_fp8.dim() == 2, (
@@ -317,7 +327,10 @@ def fp8_gemm_skinny(
         BLOCK_K=BLOCK,
         SPLIT_K=split,
         RED_CHUNK=red_chunk(split, tile.num_warps),
+        PDL=pdl,
+        PF_STEPS=next_pow2(2 * cdiv(cdiv(k, BLOCK), split)) if pdl and not tma else 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **launch_kwargs(pdl),
     )
     return out

@@ -34,6 +34,7 @@ from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_group_
 from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, MoePlan
 from gptoss_fp8.kernels.moe_align import moe_align, moe_align_reference  # noqa: F401 - re-exported
 from gptoss_fp8.kernels.moe_gemm import SWIGLU_ALPHA, check_expert_weights, down_triton, gate_up_triton
+from gptoss_fp8.kernels.pdl import pdl_launch
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
 
@@ -229,7 +230,8 @@ def moe_expert_slots(
 
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         return moe_slots_skinny(x_fp8, x_scale, topk_ids, w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, expert_start,
-                                swiglu_limit, y, zero_foreign, WGMMA_TILE if cfg.moe_skinny_wgmma else None)
+                                swiglu_limit, y, zero_foreign, WGMMA_TILE if cfg.moe_skinny_wgmma else None,
+                                pdl=pdl_launch(cfg, t, x.device))
     if zero_foreign:  # only rows of slots routed to other ranks' experts are written (none with one rank)
         zero_foreign_rows(topk_ids, y, expert_start, e)
     gluon_ok = cfg.gluon_on(x.device)

@@ -76,10 +76,15 @@ import triton.language as tl
 from gptoss_fp8.kernels import arrival_counters, sm_count
 from gptoss_fp8.kernels.act_quant import group_scale, quantize_with_scale
 from gptoss_fp8.kernels.moe_gemm import _bias_swiglu, check_expert_weights  # the fused epilogue's SwiGLU: one definition
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 from gptoss_fp8.spec import SWIGLU_ALPHA
 
 MAX_TOKENS = 64  # the MMA's N side (tokens per program) at most
+# The down launch with PDL too (benchmarks/ab_decode.py's "pdl-down" switches it on to measure it):
+# launched early, its programs take the SM slots gate_up's first-finished programs free, so they
+# may crowd onto part of the GPU instead of spreading over all of it.
+PDL_DOWN = False
 
 
 @dataclass(frozen=True)
@@ -155,11 +160,12 @@ def _skinny_gate_up_kernel(
     stride_asm, limit,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, MMA_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ALPHA: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    EPS: tl.constexpr,
+    EPS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Owner program (slot, n block) of expert e: inter[first slot of t, n0/2 : (n0 + BLOCK_N)/2] =
     SwiGLU(x[t] @ W13[e, n0 : n0 + BLOCK_N]^T + b13[e]) in fp32 for every token t routed to e; the
     last program of each 128-column group quantizes the group (act, act_scale)."""
+    pdl_wait(PDL)  # the routed ids are the predecessor's: no weight address is known before the wait
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot)
     e = expert - expert_start
@@ -207,11 +213,12 @@ def _skinny_down_kernel(
     T, N, K, expert_start, num_experts,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, MMA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_FOREIGN: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_FOREIGN: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Owner program (slot, n block) of expert e: out[every slot of token t routed to e, n0 : n0 +
     BLOCK_N] = act[first slot of t] @ W2[e, n0 : n0 + BLOCK_N]^T + b2[e]; a foreign slot's program
     writes its zeros (ZERO_FOREIGN)."""
+    pdl_wait(PDL)
     slot = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -258,6 +265,7 @@ def moe_slots_skinny(
     out: torch.Tensor,
     zero_foreign: bool,
     tile: MoeSkinnyTile | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Per-(token, slot) expert outputs into ``out`` [T*k, H] (bf16 / float32, contiguous), returned.
 
@@ -265,7 +273,8 @@ def moe_slots_skinny(
     int32 [T, k] global ids; the experts' tensors as in ``moe.moe_expert_slots``. Row t*k + j =
     expert(x[t]) + bias for slot j of token t; slots routed outside [expert_start, expert_start + E)
     are zero rows (``zero_foreign``) or left unwritten. ``tile``: the launches (None:
-    ``moe_skinny_tile``).
+    ``moe_skinny_tile``). ``pdl``: gate_up launches with programmatic dependent launch
+    (kernels/pdl.py); down only with ``PDL_DOWN``.
     """
     assert x_fp8.dim() == 2 and x_fp8.dtype == FP8_DTYPE and x_fp8.stride(-1) == 1, (
         f"x_fp8 {tuple(x_fp8.shape)} {x_fp8.dtype}: fp8 [T, H] with a contiguous last dim expected"
@@ -308,14 +317,16 @@ def moe_slots_skinny(
         x_fp8.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_scale_inv.stride(0),
         w13_scale_inv.stride(1), b13.stride(0), inter.stride(0), act.stride(0), act_scale.stride(0),
         float(swiglu_limit),
-        ROWS=rows, BLOCK_N=tile.block_n1, ALPHA=SWIGLU_ALPHA, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS,
-        num_warps=tile.num_warps, **meta,
+        ROWS=rows, BLOCK_N=tile.block_n1, ALPHA=SWIGLU_ALPHA, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, PDL=pdl,
+        num_warps=tile.num_warps, **meta, **launch_kwargs(pdl),
     )  # fmt: skip
+    pdl_down = pdl and PDL_DOWN
     _skinny_down_kernel[(n_slots, cdiv(h, tile.block_n2))](
         act, act_scale, ids, w2, w2_scale_inv, b2, out,
         t, h, i, expert_start, e,
         act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), w2_scale_inv.stride(0),
         w2_scale_inv.stride(1), b2.stride(0), out.stride(0),
-        BLOCK_N=tile.block_n2, ZERO_FOREIGN=zero_foreign, num_warps=tile.num_warps, **meta,
+        BLOCK_N=tile.block_n2, ZERO_FOREIGN=zero_foreign, PDL=pdl_down, num_warps=tile.num_warps, **meta,
+        **launch_kwargs(pdl_down),
     )  # fmt: skip
     return out

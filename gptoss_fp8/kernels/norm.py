@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
 
@@ -41,11 +42,13 @@ def _rms_norm_kernel(
     M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
     HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
-    TOP_K: tl.constexpr = 0,
+    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < M) & (cols[None, :] < H)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)  # the norm's weight: before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_DELTA:
         if TOP_K > 0:
@@ -64,7 +67,6 @@ def _rms_norm_kernel(
         tl.store(xo_ptr + rows[:, None] * stride_xo + cols[None, :], x, mask=mask)
     t = x.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(t * t, axis=1) / H + eps)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     y = ((t * r[:, None]) * w[None, :]).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     if QUANT:
@@ -81,7 +83,7 @@ def _rms_norm_kernel(
 
 
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
-            combine: torch.Tensor | None = None):
+            combine: torch.Tensor | None = None, pdl: bool = False):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
@@ -112,7 +114,7 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
-        num_warps=8 if block_h >= 4096 else 4,
+        PDL=pdl, num_warps=8 if block_h >= 4096 else 4, **launch_kwargs(pdl),
     )
     return xo, y, (q, s) if quant else None
 
@@ -130,11 +132,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rms_norm_quant(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    combine: torch.Tensor | None = None,
+    combine: torch.Tensor | None = None, pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
     returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass.
     ``combine`` (weights [T, k]): delta is the MoE's per-slot rows [T, k, H] (or [T * k, H]) and the
     residual delta is their weighted combine, ``moe.moe_combine(delta, combine)`` bit for bit,
-    computed in the same pass (the [T, H] combine is never written)."""
-    return _launch(x, delta, weight, eps, quant=True, combine=combine)
+    computed in the same pass (the [T, H] combine is never written). ``pdl``: launch with
+    programmatic dependent launch (kernels/pdl.py; the norm's weight is read before the wait)."""
+    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl)

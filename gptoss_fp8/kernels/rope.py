@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import cdiv, next_pow2
 
 
@@ -124,9 +125,11 @@ def _rope_append_kernel(
     stride_kcb, stride_kcr, stride_kch, stride_vcb, stride_vcr, stride_vch,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per (token, block of heads); heads 0 .. HQ + 2 HKV - 1 number q, then k, then v
     # (v copied unrotated). Token t is sequence t of the cache: k and v go to row Slot[t].
+    pdl_wait(PDL)  # everything read here is the step's own (positions, slots, cos / sin rows, q / k / v)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, HALF)
@@ -165,6 +168,7 @@ def rope_append(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One decode step's q / k / v in one launch: q [B, Hq, D] rotated into a new tensor (returned),
     k [B, Hkv, D] rotated and v [B, Hkv, D] as it is written to row ``slots[b]`` of sequence b of
@@ -173,7 +177,7 @@ def rope_append(
     Same arithmetic as ``rope_qk`` (fp32, one rounding at the store); v's bits are copied. So the
     cache holds exactly what ``rope_qk`` then an indexed store would put there (model/cache.py
     ``KVCache.append``). positions int [B] index cos / sin fp32 [max_pos, D/2]; slots int [B]
-    (< rows; not checked on the device)."""
+    (< rows; not checked on the device). ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     _check("q", q, B, D)
@@ -203,6 +207,6 @@ def rope_append(
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=4,
+        HALF=D // 2, BLOCK_H=BLOCK_H, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
     )
     return q_out

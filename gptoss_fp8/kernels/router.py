@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels import arrival_counters
+from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait, prefetch_l2
 from gptoss_fp8.quant.fp8 import cdiv, next_pow2
 
 SPLIT_MAX_TOKENS = 16  # router_config takes the split form up to here
@@ -188,6 +189,8 @@ def _router_split_kernel(
     EVEN_K: tl.constexpr,
     CHUNK: tl.constexpr,  # H per split: whole BLOCK_K blocks
     NUM_SPLITS: tl.constexpr,  # the grid's second dimension: cdiv(H, CHUNK)
+    PDL: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 1,  # with PDL: 64-element lines of the split's weight rows prefetched before the wait
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -198,6 +201,10 @@ def _router_split_kernel(
     rows64 = rows.to(tl.int64)
     k_lo = pid_s * CHUNK
     k_hi = tl.minimum(k_lo + CHUNK, H)
+    if PDL:  # the router weight is the step's constant: its slice streams into L2 during the wait
+        offs_l = k_lo + tl.arange(0, PF_LINES) * 64
+        prefetch_l2(w_ptr + cols[:, None] * stride_w + offs_l[None, :], col_ok[:, None] & (offs_l < k_hi)[None, :])
+    pdl_wait(PDL)
     acc = _partial_logits(
         x_ptr, w_ptr, rows64, row_ok, cols, col_ok, k_lo, k_hi, H, stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_K, UPCAST, EVEN_K
     )
@@ -282,11 +289,13 @@ def router(
     bias: torch.Tensor | None,
     top_k: int,
     config: tuple[int, int, int] | RouterSplit | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x bf16 [T, H], weight bf16 [E, H], bias bf16 [E] (or None), top_k <= E ->
     (logits bf16 [T, E], ids int32 [T, k] sorted by logit, weights bf16 [T, k] = softmax over them).
     ``config``: instead of ``router_config``'s, a ``RouterSplit`` (the split form, at any T) or a
-    (BLOCK_T, num_warps, num_stages) tile (the tiled form, at any T)."""
+    (BLOCK_T, num_warps, num_stages) tile (the tiled form, at any T). ``pdl``: the split form
+    launches with programmatic dependent launch (kernels/pdl.py; the tiled form never)."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     t, h = x.shape
     assert weight.dim() == 2 and weight.shape[1] == h and weight.is_contiguous(), f"router weight {tuple(weight.shape)} for H={h}"
@@ -324,8 +333,11 @@ def router(
             EVEN_K=h % cfg.block_k == 0,
             CHUNK=per_split * cfg.block_k,
             NUM_SPLITS=splits,
+            PDL=pdl,
+            PF_LINES=next_pow2(cdiv(per_split * cfg.block_k, 64)),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            **launch_kwargs(pdl),
         )
         return logits, ids, wts
     assert len(cfg) == 3, f"config {cfg}: want a RouterSplit or (BLOCK_T, num_warps, num_stages)"

@@ -120,14 +120,20 @@ class TritonOps(W8A8CpuOps):
         self.spec_fallbacks[op] += 1
         self.fallback_shapes[op].add(_shapes(*tensors))
 
-    @staticmethod
-    def _quant(x, xq):
+    def _pdl(self, x) -> bool:
+        """Whether kernels on x's rows launch with programmatic dependent launch (kernels/pdl.py:
+        a CUDA device and at most ``config.pdl_max_rows`` token rows)."""
+        from gptoss_fp8.kernels.pdl import pdl_launch
+
+        return pdl_launch(self.config, x.numel() // max(x.shape[-1], 1), x.device)
+
+    def _quant(self, x, xq):
         """x's activation quantization: the caller's ``xq`` (the norm's pass) or ``act_quant(x)``."""
         if xq is not None:
             return xq
         from gptoss_fp8.kernels.act_quant import act_quant
 
-        return act_quant(x)
+        return act_quant(x, pdl=self._pdl(x))
 
     # --- dense ---------------------------------------------------------------------------------
     def linear(self, x, w, scale_inv, bias, out_dtype=BF16, *, xq=None):
@@ -196,7 +202,7 @@ class TritonOps(W8A8CpuOps):
             return super().route(x, weight, bias, top_k)
         from gptoss_fp8.kernels.router import router
 
-        return router(x, weight, None if bias is None else bias.contiguous(), top_k)
+        return router(x, weight, None if bias is None else bias.contiguous(), top_k, pdl=self._pdl(x))
 
     # --- expert FFN ----------------------------------------------------------------------------
     def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False, *, xq=None):
@@ -277,7 +283,7 @@ class TritonOps(W8A8CpuOps):
         """The norm kernel with the output's FP8 quantization in the same pass: (new x, Normed)."""
         from gptoss_fp8.kernels.norm import rms_norm_quant
 
-        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine)
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x))
         return xo, Normed(y, quant)
 
     # --- attention -----------------------------------------------------------------------------
@@ -351,7 +357,7 @@ class TritonOps(W8A8CpuOps):
 
         pos = self._arange(q.shape[0], q.device)
         return rope_append(_rows(q), _rows(k), _rows(v), pos, cos.float().contiguous(), sin.float().contiguous(), kc, vc,
-                           step.slot(cache.rows(i), not cache.is_ring(i)))
+                           step.slot(cache.rows(i), not cache.is_ring(i)), pdl=self._pdl(q[:, 0]))
 
     def _arange(self, n: int, device) -> torch.Tensor:
         """int32 0..n - 1 on ``device``, cached (the rope kernels' positions for per-token cos / sin rows)."""
