@@ -3,7 +3,10 @@
 A probe, not a benchmark: for the gpt-oss dense shapes at M = 1024 it runs ``_scaled_mm`` with
 1x128 activation scales and 128x128 weight scales in several layouts and prints each one's
 relative error against ``quant.fp8.block_gemm_reference`` (fp32 math on the same FP8 operands),
-or the error torch raises. The bench's peer (bench/kernels_gemm.cublas_blockwise) is the first.
+or the error torch raises. The bench's peer (bench/kernels_gemm.cublas_blockwise: K padded to a
+multiple of 512, zero scale columns) is the first; fourteenth session, H200: it alone is right for
+K = 2880 (6.9e-4), K to the 128 grid gives rel. err. 2.4 / 1100, a 16-byte aligned scale leading
+dimension is refused ("Invalid scaling configuration").
 
 Run on the GPU machine: ``PYTHONPATH=$(pwd) python3 benchmarks/cublas_layout_probe.py``
 """
@@ -12,12 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_fp8.bench.kernels_gemm import _aligned_cols, cublas_blockwise, pad_k, rel_errors
+from gptoss_fp8.bench.kernels_gemm import cublas_blockwise, pad_k, rel_errors
 from gptoss_fp8.quant.fp8 import block_gemm_reference, quantize_act, quantize_weight_blocks
-
-
-def _pad_to(t: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t.view(torch.uint8), (0, k - t.shape[-1])).view(t.dtype)
 
 
 def main() -> None:
@@ -26,26 +25,15 @@ def main() -> None:
         x_fp8, x_s = quantize_act(torch.randn(1024, k, device="cuda", generator=g))
         w_fp8, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.05)
         ref = block_gemm_reference(x_fp8, x_s, w_fp8, w_s, None)
-        kb = w_s.shape[1]
         layouts = {
-            "bench peer (K to 128, aligned scales)": cublas_blockwise(x_fp8, x_s, w_fp8, w_s),
-            "K to 128, b_scale w_s.t() (old)": lambda: torch._scaled_mm(
+            "bench peer (K to 512, zero scale columns)": cublas_blockwise(x_fp8, x_s, w_fp8, w_s),
+            "K to 128, b_scale w_s.t()": lambda: torch._scaled_mm(
                 pad_k(x_fp8), pad_k(w_fp8).t(), scale_a=x_s.t().contiguous().t(), scale_b=w_s.t(),
                 out_dtype=torch.bfloat16),
             "K to 128, b_scale row-major [K/128, N/128]": lambda: torch._scaled_mm(
                 pad_k(x_fp8), pad_k(w_fp8).t(), scale_a=x_s.t().contiguous().t(), scale_b=w_s.t().contiguous(),
                 out_dtype=torch.bfloat16),
         }
-        kb4 = -(-kb // 4) * 4
-        if kb4 != kb:  # K padded to a multiple of 512: 4 K blocks a scale row, zero scales in the pad
-            def padded512(kb4=kb4):
-                xs = torch.zeros(x_s.shape[0], kb4, device="cuda")
-                xs[:, :kb] = x_s
-                ws = torch.zeros(w_s.shape[0], kb4, device="cuda")
-                ws[:, :kb] = w_s
-                return torch._scaled_mm(_pad_to(x_fp8, kb4 * 128), _pad_to(w_fp8, kb4 * 128).t(),
-                                        scale_a=_aligned_cols(xs), scale_b=ws.t(), out_dtype=torch.bfloat16)
-            layouts["K to 512, scales zero-padded"] = padded512
         for label, fn in layouts.items():
             try:
                 rel, mx = rel_errors(fn(), ref)

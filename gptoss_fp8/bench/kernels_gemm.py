@@ -2,8 +2,8 @@
 
 Peers, measured in the same run on the same inputs (median of ``triton.testing.do_bench``):
 - dense: cuBLAS blockwise ``torch._scaled_mm`` without bias (x scales 1x128 [M, K/128]
-  column-major, weight scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 128:
-  the unpadded K = 2880 is accepted and gives wrong values, ``cublas_blockwise``): an unfused
+  column-major, weight scales 128x128 [N/128, K/128] transposed; K padded to a multiple of 512:
+  with 23 K blocks it gives wrong values or refuses, ``cublas_blockwise``): an unfused
   ``out += bias`` would understate it by ~25%. Ours includes the bias in the kernel; both start
   from already-quantized activations.
 - MoE FFN (route + sort + both grouped GEMMs + SwiGLU + weighted combine, everything from bf16 x
@@ -79,10 +79,11 @@ def _row(case, flops, ms, peer, peer_ms) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def pad_k(t: torch.Tensor) -> torch.Tensor:
-    """A [..., K] tensor (fp8 or float) zero-padded along K to the 128 grid (itself when K % 128 == 0)."""
+def pad_k(t: torch.Tensor, multiple: int = BLOCK) -> torch.Tensor:
+    """A [..., K] tensor (fp8 or float) zero-padded along K to a multiple of ``multiple`` (itself
+    when K is one already)."""
     k = t.shape[-1]
-    kp = cdiv(k, BLOCK) * BLOCK
+    kp = cdiv(k, multiple) * multiple
     if kp == k:
         return t
     if t.dtype == FP8_DTYPE:  # no pad kernel for fp8: pad the bytes
@@ -100,26 +101,29 @@ def rel_errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
-def _aligned_cols(t: torch.Tensor) -> torch.Tensor:
-    """t [R, C] float32 as a column-major view whose column stride is R rounded up to 4 (16 bytes)."""
-    r, c = t.shape
-    buf = torch.zeros((c, cdiv(r, 4) * 4), dtype=t.dtype, device=t.device)
-    buf[:, :r] = t.t()
-    return buf[:, :r].t()
+# cuBLAS's blockwise scaling takes K in whole groups of 4 scale blocks (512): see cublas_blockwise
+CUBLAS_K_MULTIPLE = 4 * BLOCK
 
 
 def cublas_blockwise(x_fp8, x_scale, w_fp8, w_scale):
-    """torch blockwise FP8 GEMM (cuBLAS), no bias: a callable computing bf16 x @ W^T. K is padded
-    to the 128 grid (zeros: the result is the same), and both scale tensors are laid out with
-    16-byte aligned leading dimensions: torch 2.11's ``_scaled_mm`` accepts K = 2880 (23 K blocks)
-    with the weight scales' leading dimension 23 and returns wrong values (rel. err. 4 to 3000 on
-    the H200, padded K or not, fourteenth session's benchmarks/gemm_sweep.py, which checks every
-    output), where K = 4096 (32 blocks) is right. x scales 1x128 [M, K/128] column-major, weight
-    scales 128x128 as [K/128, N/128] column-major."""
-    a_scale = _aligned_cols(x_scale)  # [M, K/128], column stride M rounded up to 4
-    b = pad_k(w_fp8).t()  # [K, N] column-major
-    b_scale = _aligned_cols(w_scale.t().contiguous())  # [K/128, N/128], column stride K/128 rounded up to 4
-    xp = pad_k(x_fp8)
+    """torch blockwise FP8 GEMM (cuBLAS), no bias: a callable computing bf16 x @ W^T, as a user
+    must call it for gpt-oss. K is zero-padded to a multiple of 512 and both scale tensors with
+    zero columns to match (the result is the same; cuBLAS multiplies 3072 for K = 2880, 6.7% more
+    than our kernels, which take 2880 as it is). Fourteenth session, H200, torch 2.11
+    (benchmarks/cublas_layout_probe.py, against the fp32 reference): with K padded only to the 128
+    grid (23 K blocks) ``_scaled_mm`` accepts the call and returns wrong values (rel. err. 2.4 to
+    1100), and weight scales whose leading dimension is padded to 24 are refused ("Invalid scaling
+    configuration"); K = 4096 (32 blocks) needs no padding. x scales 1x128 [M, K/128] column-major,
+    weight scales 128x128 [K/128, N/128] (the transposed [N/128, K/128])."""
+    k = x_fp8.shape[-1]
+    kp = cdiv(k, CUBLAS_K_MULTIPLE) * CUBLAS_K_MULTIPLE
+    kb = kp // BLOCK
+    xs = torch.nn.functional.pad(x_scale, (0, kb - x_scale.shape[-1]))
+    ws = torch.nn.functional.pad(w_scale, (0, kb - w_scale.shape[-1]))
+    a_scale = xs.t().contiguous().t()  # [M, K/128] column-major
+    b = pad_k(w_fp8, CUBLAS_K_MULTIPLE).t()  # [K, N] column-major
+    b_scale = ws.t()  # [K/128, N/128]
+    xp = pad_k(x_fp8, CUBLAS_K_MULTIPLE)
     return lambda: torch._scaled_mm(xp, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
 
 
@@ -128,7 +132,8 @@ def _dense_peer(x_fp8, x_scale, w_fp8, w_scale, bias=None):
     mm = cublas_blockwise(x_fp8, x_scale, w_fp8, w_scale)
     mm()
     k = x_fp8.shape[-1]
-    note = "" if k % BLOCK == 0 else f" (K padded to {cdiv(k, BLOCK) * BLOCK})"
+    kp = cdiv(k, CUBLAS_K_MULTIPLE) * CUBLAS_K_MULTIPLE
+    note = "" if kp == k else f" (K padded to {kp})"
 
     def peer():
         y = mm()

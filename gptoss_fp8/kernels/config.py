@@ -154,8 +154,10 @@ class KernelConfig:
     moe_skinny_wgmma: bool = False
     # Programmatic dependent launch (kernels/pdl.py) for the kernels of calls of at most this many
     # token rows (decode steps): each may start while its predecessor drains, weights prefetched
-    # into L2 before its wait. None: never.
-    pdl_max_rows: int | None = None
+    # into L2 before its wait. 20b decode at 8192 cached tokens, one process (benchmarks/ab_decode.py,
+    # H200, fourteenth session): batch 1 2194 -> 2151 us, batch 4 3997 -> 3882, batch 8 and 64
+    # within 0.1%; logits bit-identical. None: never.
+    pdl_max_rows: int | None = 64
     # MoE gate_up on Gluon where segments are 64-row aligned: 3-11% faster (BENCHMARKS.md, 7th
     # session); ring depth / tile order within 0.6% of each other (10th session): 4 stages, GROUP_M 8.
     moe_gluon: bool = True

@@ -111,9 +111,12 @@ def moe_skinny_tile(num_slots: int, two_i: int, h: int, sms: int) -> MoeSkinnyTi
     (tests/kernels/test_moe_gemv.py METRIC lines). The price (benchmarks/moe_gemv_sweep.py --quick,
     L2-cold experts, thirteenth session): 39.5 / 105.0 / 164.3 us at 4 / 16 / 32 slots against
     35.8 / 102.4 / 158.9 for 64 rows with 6 stages (the fastest), and 54.0 / 119.6 / 165.6 for the
-    grouped path; 120b the same within 1%. (num_slots, two_i, h, sms) are kept for a shape-dependent
-    choice.)"""
-    return MoeSkinnyTile(32, 32, num_warps=4, num_stages=4)
+    grouped path; 120b the same within 1%. At one token (up to 4 slots) 2 warps a program: 38.5 /
+    38.8 us (20b / 120b) against 39.8 for 4 warps (120b; the 20b's 4-warp row was not kept, 39.5 in
+    the thirteenth session), at 4 tokens 111.1 / 121.1 against 105.7 / 119.3 (the same sweep with
+    --tokens 1,4, fourteenth session; 16-row tiles 1.5x slower). (two_i, h, sms) are kept for a
+    shape-dependent choice.)"""
+    return MoeSkinnyTile(32, 32, num_warps=2 if num_slots <= 4 else 4, num_stages=4)
 
 
 @triton.jit

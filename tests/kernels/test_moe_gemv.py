@@ -182,8 +182,11 @@ def test_all_slots_foreign():
 
 
 def test_default_tiles():
-    """The measured choice: 32 rows per program (mma.sync, exact accumulation) at every decode size."""
-    for slots in (4, 8, 32):
+    """The measured choice: 32 rows per program (mma.sync, exact accumulation) at every decode size,
+    2 warps a program for one token's slots."""
+    for slots in (1, 4):
+        assert moe_skinny_tile(slots, 5760, 2880, 132) == MoeSkinnyTile(32, 32, num_warps=2, num_stages=4)
+    for slots in (5, 8, 32):
         assert moe_skinny_tile(slots, 5760, 2880, 132) == MoeSkinnyTile(32, 32, num_warps=4, num_stages=4)
 
 
