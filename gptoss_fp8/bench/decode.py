@@ -25,11 +25,26 @@ Activations are ignored (a few MB). ``floor_ratio`` = floor / ours (1 = at the f
 
 Cost: $ per 1M output tokens at ``GPU_HOUR_USD`` per GPU-hour = step seconds / B tokens.
 A case whose cache does not fit beside the weights is skipped with a line saying so.
-The transformers peer (issue 24's 53 ms at batch 1) is not run here yet.
+
+The transformers peer (issue 24: "transformers bf16 decode in the same run where it fits"; its
+53 ms at batch 1): after our rows, our model and graphs are freed and transformers' bf16
+``GptOssForCausalLM`` is built at the same shapes (same layers) with random weights
+(bench/decode_peer.py, whose docstring has the details): per case its own chunked prefill of random
+prompts of ``context`` tokens fills its own ``DynamicCache`` (untimed; up to 16384 tokens of whole
+prompts, their K / V rows copied over the rest of the batch), then single-token decode steps with
+``eager`` attention are timed as its generate loop runs them (no CUDA graph; ``torch.cuda.
+synchronize`` around each step, ``time.perf_counter``), median of ``peer_steps`` after 5 untimed
+ones. Unlike ours, its cache grows by one token a step (context -> context + 5 + peer_steps;
+~25 tokens against 8192: negligible). Each of our rows gets ``peer_ms_per_step``,
+``peer_tok_s_per_user`` and ``speedup_vs_peer`` (peer ms / ours ms, same layers on both sides) or
+``peer_failed`` (out of memory, estimated before the prefill or met, or a failure inside
+transformers). Only for 20b on a GPU with transformers importable (it is not a dependency; a line
+says why not): the 120b does not fit one GPU in bf16 (234 GB of weights), so it has no peer.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -179,12 +194,13 @@ def _breakdown(model, cache, tokens, ops, reset, num_experts: int, cuda: bool) -
 
 def bench(preset: str, batches: list[int], contexts: list[int], layers: int | None = None, runs: int = 20,
           warmup: int = 3, seed: int = 0, echo=print, device: str = "cuda", ops=None,
-          kernel_config=None) -> list[dict]:
-    """One row per (context, batch): ms per step (median), tokens/s, $/1M, floor, cache bytes.
+          kernel_config=None, peer: bool = True, peer_steps: int = 20) -> list[dict]:
+    """One row per (context, batch): ms per step (median), tokens/s, $/1M, floor, cache bytes;
+    with ``peer`` (20b on a GPU) the transformers peer's step beside it (module docstring).
 
     On ``cuda`` (the bench): the ``triton`` backend and CUDA-graph replay. ``device="cpu"`` with
     a CPU ``ops`` backend runs eager steps: the command path and the arithmetic (timings then
-    mean nothing), for tests."""
+    mean nothing), for tests; no peer there."""
     cfg = preset_config(preset, layers)
     full_layers = preset_config(preset).num_hidden_layers
     cuda = device == "cuda"
@@ -232,8 +248,54 @@ def bench(preset: str, batches: list[int], contexts: list[int], layers: int | No
                    **_breakdown(model, cache, tokens, ops, reset, cfg.num_local_experts, cuda)}
             rows.append(row)
             echo(format_row(row))
-            del cache
+            del cache, reset, tokens  # ``reset`` holds the cache too: free it before the next case's check
             if cuda:
                 graphs = DecodeGraphs(model, ops)  # drop the case's graph and its pool
                 torch.cuda.empty_cache()
+    if peer and cuda:
+        model = ops = graphs = None  # free our weights and graph pools before the peer builds its own
+        gc.collect()
+        torch.cuda.empty_cache()
+        _add_peer(rows, preset, layers, batches, contexts, peer_steps, seed, echo)
     return rows
+
+
+def _add_peer(rows: list[dict], preset: str, layers: int | None, batches: list[int], contexts: list[int],
+              steps: int, seed: int, echo) -> None:
+    """transformers' bf16 decode step on the same cases (bench/decode_peer.py), beside ours."""
+    if preset != "20b":
+        why = "does not fit one GPU in bf16 (no peer)" if preset == "120b" else "the peer runs for 20b only"
+        echo(f"# transformers peer not run: {preset} {why}")
+        return
+    from gptoss_fp8.bench import decode_peer, prefill_peer
+
+    why = prefill_peer.transformers_available()
+    if why is not None:
+        echo(f"# transformers peer not run: {why}")
+        return
+    res = decode_peer.bench_decode_peer(preset, batches, contexts, layers=layers, steps=steps, seed=seed, echo=echo)
+    for r in rows:
+        got = res.get((r["batch"], r["context"])) or {"failed": "not measured"}
+        if got.get("failed"):
+            r["peer_failed"] = got["failed"]
+        else:
+            r["peer_ms_per_step"] = got["ms_per_step"]
+            r["peer_tok_s_per_user"] = 1e3 / got["ms_per_step"]
+            r["peer_attn_implementation"] = got["attn_implementation"]
+            r["peer_runs_s"] = got["runs_s"]
+            if r.get("ms_per_step"):
+                r["speedup_vs_peer"] = got["ms_per_step"] / r["ms_per_step"]  # same layers on both sides
+        echo(format_peer(r))
+
+
+def format_peer(r: dict) -> str:
+    head = f"{r['model']} L{r['layers']} b={r['batch']} ctx={r['context']}: transformers bf16 "
+    if r.get("peer_failed"):
+        return head + f"failed ({r['peer_failed']})"
+    line = (head + f"({r['peer_attn_implementation']}, eager loop) {r['peer_ms_per_step']:.3f} ms/step, "
+            f"{r['peer_tok_s_per_user']:.1f} tok/s/user")
+    if r.get("speedup_vs_peer") is not None:
+        line += f" vs ours {r['ms_per_step']:.3f} ms/step: x{r['speedup_vs_peer']:.1f}"
+    else:
+        line += f" (ours skipped: {r.get('skipped')})"
+    return line

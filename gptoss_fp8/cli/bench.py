@@ -165,12 +165,18 @@ def decode(
     context: Annotated[str, typer.Option(help="Comma-separated cached tokens per sequence.")] = "8192,32768",
     layers: Annotated[int | None, typer.Option(min=1, help="Build only the first N layers (floor likewise).")] = None,
     runs: Annotated[int, typer.Option(min=1, help="Timed graph replays per case (median reported).")] = 20,
+    peer: Annotated[bool, typer.Option(
+        help="Also time transformers' bf16 GptOss (eager attention, its own cache) decode steps on the same cases, "
+             "when importable (20b only).")] = True,
+    peer_steps: Annotated[int, typer.Option(
+        min=1, help="Timed decode steps of the transformers peer per case (median reported).")] = 20,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Decode step latency per (batch, context) on our kernels as a replayed CUDA graph, random FP8
     weights at real shapes and a synthetic bf16 KV cache: ms/step, tokens/s per user and total,
-    $ per 1M output tokens, the HBM floor and floor/ours, cache bytes (bench/decode.py)."""
+    $ per 1M output tokens, the HBM floor and floor/ours, cache bytes; beside it transformers'
+    bf16 GptOss decode in the same run (20b; bench/decode.py)."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
     if json_out is not None:
@@ -184,7 +190,7 @@ def decode(
         raise GptOssFp8Error("bench decode needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     from gptoss_fp8.bench.decode import bench as run_decode
 
-    rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo)
+    rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo, peer=peer, peer_steps=peer_steps)
     if json_out is not None:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
