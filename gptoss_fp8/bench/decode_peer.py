@@ -38,7 +38,9 @@ of whole prompts, 5 + 10 steps): eager 42.9 ms/step at batch 1 / 8192 tokens (11
 ms at 1 / 32768, 373 ms at 32 / 32768); flex_attention 99.1 ms/step at batch 1 / 8192, and it
 compiles (prefill and decode shapes; torch.compile's caches are reset before the first step, so the
 second recompiles with a dynamic KV length) for minutes per case: its batch-32 case did not end
-within a 10-minute run. So eager is the peer; ``compiles_in_timed_steps`` counts graphs compiled
+within a 10-minute run; and after this module's chunked prefill its decode step raised an
+InductorError compiling FlexAttention (H200, torch 2.11, transformers 5.17, tests/test_decode_peer.py,
+fourteenth session). So eager is the peer; ``compiles_in_timed_steps`` counts graphs compiled
 while timing (0 unless a flex warmup was too short).
 
 A case whose cache cannot fit beside the weights (an estimate from the shapes, before any
