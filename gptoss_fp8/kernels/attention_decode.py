@@ -216,12 +216,16 @@ _NO_WINDOW = 1 << 30
 def one_wave_splits(tiles: int, l_max: int, windowed: bool, sms: int, config: KernelConfig | None = None) -> int | None:
     """Splits per row tile for a one-wave call (16+ SMs per row tile) against a long full-causal
     cache, ~``decode_one_wave_programs_per_sm`` programs per SM with at least 4 key blocks of
-    ``decode_one_wave`` each; None when the call is not one (then the ``decode`` tile runs)."""
+    ``decode_one_wave`` each: fewer splits where the cache is too short for that many, down to
+    3/4 of them; None when the call is not one (then the ``decode`` tile runs). At 8192 cached
+    tokens (129 blocks of 64: 32 of 33 splits) the 20b's batch-1 step took 2035.5 against 2056.3 us
+    on the ``decode`` tile (benchmarks/ab_decode.py "one-wave-8k", H200, fourteenth session)."""
     cfg = config or DEFAULT
     want = cdiv(cfg.decode_one_wave_programs_per_sm * sms, tiles)
-    if windowed or tiles * 16 > sms or cdiv(l_max, cfg.decode_one_wave.block_n) < 4 * want:
+    splits = min(want, cdiv(l_max, cfg.decode_one_wave.block_n) // 4)
+    if windowed or tiles * 16 > sms or 4 * splits < 3 * want:
         return None
-    return want
+    return splits
 
 
 def _merge_chunk(rows: int, head_dim: int, values: int) -> int:

@@ -252,7 +252,10 @@ def test_one_wave_plan():
     assert one_wave_splits(8, 32768, True, 132) is None  # sliding window: a few blocks, one split
     assert one_wave_splits(64, 32768, False, 132) is None  # batch 8: several programs per SM already
     short = 4 * 33 * cfg.decode_one_wave.block_n
-    assert one_wave_splits(8, short, False, 132) == 33 and one_wave_splits(8, short - 64, False, 132) is None
+    assert one_wave_splits(8, short, False, 132) == 33 and one_wave_splits(8, short - 64, False, 132) == 32
+    assert one_wave_splits(8, 8193, False, 132) == 32  # 8192 cached tokens + the new one: 129 blocks
+    assert one_wave_splits(8, 4 * 25 * 64, False, 132) == 25  # 3/4 of 33, rounded up
+    assert one_wave_splits(8, 4 * 25 * 64 - 64, False, 132) is None
     assert one_wave_splits(1, 1 << 20, False, 16) == cfg.decode_one_wave_programs_per_sm * 16
     three = KernelConfig(decode_one_wave_programs_per_sm=3)
     assert one_wave_splits(8, 1 << 20, False, 132, three) == 50  # ceil(3 * 132 / 8)
@@ -389,11 +392,12 @@ def test_decode_gpu(nq, window, splits, fused, chunk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq", [1, 3])
 @pytest.mark.parametrize("window", [0, 128])
-def test_decode_one_wave_gpu(nq, window):
+@pytest.mark.parametrize("L", [20011, 8193])  # 8193: 8192 cached + 1, the one-wave plan at 32 of its 33 splits
+def test_decode_one_wave_gpu(nq, window, L):
     """Batch 1 against a long cache (one wave of programs): the fused merge loading all splits in
     one step gives the values of two splits per step, and of the reference."""
-    gen = torch.Generator().manual_seed(nq * 31 + window)
-    L, hq, hkv = 20011, 64, 8
+    gen = torch.Generator().manual_seed(nq * 31 + window + L)
+    hq, hkv = 64, 8
     q = _rand(1, nq, hq, D, gen=gen)
     kc, vc = _rand(1, L, hkv, D, gen=gen), _rand(1, L, hkv, D, gen=gen)
     sinks = _sinks(hq, gen)
