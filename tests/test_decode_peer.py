@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from peer_models import ours_with_sinks
 
 from gptoss_fp8.bench import decode as bd
 from gptoss_fp8.bench import decode_peer as dp
@@ -35,19 +36,6 @@ def _rel(got, want):
     got, want = got.float(), want.float()
     assert got.shape == want.shape, (got.shape, want.shape)
     return ((got - want).norm() / want.norm()).item()
-
-
-def _ours(cfg, device, seed=0):
-    """Our model with random weights, sinks ~N(0, 1) (as trained ones) so that a wrong sink
-    treatment shows in the logits (as tests/test_prefill_peer.py builds it)."""
-    from gptoss_fp8.bench.prefill import random_model
-
-    ours = random_model(cfg, device, seed)
-    gen = torch.Generator(device=device).manual_seed(seed + 7)
-    for layer in ours.model.layers:
-        a = layer.self_attn
-        a.sinks = torch.randn(a.sinks.shape, generator=gen, device=device).to(torch.bfloat16)
-    return ours
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,7 +139,7 @@ def test_peer_decode_step_agrees_with_ours(transformers):
     sequence 0, as the tiling makes it), past the sliding window (8) so the rings and the peer's
     window cache both matter."""
     cfg = preset_config("tiny")
-    ours = _ours(cfg, "cpu")
+    ours = ours_with_sinks(cfg, "cpu")
     peer = pp.build_peer(cfg, "cpu", seed=5, attn_implementation="eager")
     pp.load_from_ours(peer, ours)
     distinct, batch, context = 2, 3, 11
@@ -206,7 +194,7 @@ def test_gpu_peer_decode_agrees_with_ours(transformers, attn):
     far off; so most rows must agree within TOL and none may be wildly off (dropped sinks move
     every row by 8-57% on CPU)."""
     cfg = preset_config("20b", 2)
-    ours = _ours(cfg, "cuda")
+    ours = ours_with_sinks(cfg, "cuda")
     peer = pp.build_peer(cfg, "cuda", seed=5, attn_implementation=attn)
     pp.load_from_ours(peer, ours)
     batch, context = 4, 300

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from peer_models import ours_with_sinks
 
 from gptoss_fp8.bench import prefill_peer as pp
 from gptoss_fp8.config import preset_config
@@ -23,19 +24,6 @@ from gptoss_fp8.model.ops import ReferenceOps
 @pytest.fixture(scope="module")
 def transformers():
     return pytest.importorskip("transformers")
-
-
-def _ours(cfg, device, seed=0):
-    """Our model with random weights (FP8 attention and experts), sinks at the scale of trained
-    ones (~N(0, 1)) so that a wrong sink treatment shows in the logits."""
-    from gptoss_fp8.bench.prefill import random_model
-
-    ours = random_model(cfg, device, seed)
-    gen = torch.Generator(device=device).manual_seed(seed + 7)
-    for layer in ours.model.layers:
-        a = layer.self_attn
-        a.sinks = torch.randn(a.sinks.shape, generator=gen, device=device).to(torch.bfloat16)
-    return ours
 
 
 def _tokens(cfg, n, device="cpu", seed=1):
@@ -170,7 +158,7 @@ def test_peer_agrees_with_our_reference(transformers, experts):
     attention on CPU, its grouped_mm / eager experts) against our ReferenceOps forward, over
     several sliding windows."""
     cfg = preset_config("tiny", swiglu_limit=2.0)  # a limit that binds, so it must reach the peer
-    ours = _ours(cfg, "cpu")
+    ours = ours_with_sinks(cfg, "cpu")
     peer = pp.build_peer(cfg, "cpu", seed=5, attn_implementation="eager", experts_implementation=experts)
     pp.load_from_ours(peer, ours)
     tokens = _tokens(cfg, 37)  # > 4 sliding windows of 8
@@ -217,7 +205,7 @@ def test_main_prints_and_fails_cleanly(transformers, tmp_path, capsys):
 @pytest.mark.parametrize("preset,layers,n", [("tiny", None, 300), ("20b", 1, 1024)])
 def test_gpu_peer_agrees_with_our_reference(transformers, preset, layers, n):
     cfg = preset_config(preset, layers)
-    ours = _ours(cfg, "cuda")
+    ours = ours_with_sinks(cfg, "cuda")
     peer = pp.build_peer(cfg, "cuda", seed=5)
     assert peer.config._attn_implementation == "flex_attention"
     assert peer.config._experts_implementation == "grouped_mm"

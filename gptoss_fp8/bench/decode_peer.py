@@ -56,14 +56,7 @@ import time
 
 import torch
 
-from gptoss_fp8.bench.prefill_peer import (
-    _free,
-    _one_line,
-    _sync,
-    build_peer,
-    peer_weight_bytes,
-    transformers_available,
-)
+from gptoss_fp8.bench.prefill_peer import _free, _one_line, _sync, start_peer
 from gptoss_fp8.config import GptOssConfig
 
 DECODE_ATTN = "eager"
@@ -226,31 +219,12 @@ def bench_decode_peer(preset: str, batches: list[int], contexts: list[int], laye
         echo(f"# transformers decode peer: {reason}")
         return {k: {"failed": reason} for k in cases}
 
-    reason = transformers_available()
+    t0 = time.perf_counter()
+    model, reason = start_peer(preset, cfg, dev, seed, attn_implementation)
     if reason:
         return fail_all(reason)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return fail_all("needs a CUDA GPU; none is visible")
-        free, _ = torch.cuda.mem_get_info(dev)
-        need = peer_weight_bytes(cfg)
-        if need > free:
-            return fail_all(f"{preset} with {cfg.num_hidden_layers} layers needs {need / 1e9:.0f} GB of bf16 weights, "
-                            f"{free / 1e9:.0f} GB free on the GPU; pass --layers")
     import transformers
 
-    t0 = time.perf_counter()
-    error = None
-    try:
-        model = build_peer(cfg, dev, seed, attn_implementation)
-    except torch.cuda.OutOfMemoryError:
-        error = "out of memory building the model"
-    except Exception as e:  # noqa: BLE001 - e.g. an attn_implementation transformers refuses for gpt-oss
-        error = _one_line(e)
-    if error:
-        _free(dev)
-        return fail_all(error)
-    _sync(dev)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     distinct = "every sequence" if prefill_tokens is None else f"up to {prefill_tokens} tokens of whole sequences"
     echo(f"# transformers {transformers.__version__} GptOssForCausalLM bf16 decode ({attn_implementation} attention, "

@@ -216,6 +216,34 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}"
 
 
+def start_peer(preset: str, cfg: GptOssConfig, dev: torch.device, seed: int, attn_implementation: str):
+    """(the peer built on ``dev``, None), or (None, why not in one line): transformers missing, no
+    GPU, bf16 weights that do not fit, out of memory or a failure inside transformers while
+    building (memory freed then). The prefill and decode peers' common start."""
+    reason = transformers_available()
+    if reason:
+        return None, reason
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None, "needs a CUDA GPU; none is visible"
+        free, _ = torch.cuda.mem_get_info(dev)
+        need = peer_weight_bytes(cfg)
+        if need > free:
+            return None, (f"{preset} with {cfg.num_hidden_layers} layers needs {need / 1e9:.0f} GB of bf16 weights, "
+                          f"{free / 1e9:.0f} GB free on the GPU; pass --layers")
+    try:
+        model = build_peer(cfg, dev, seed, attn_implementation)
+    except torch.cuda.OutOfMemoryError:
+        reason = "out of memory building the model"
+    except Exception as e:  # noqa: BLE001 - e.g. an attn_implementation transformers refuses for gpt-oss
+        reason = _one_line(e)
+    if reason:
+        _free(dev)
+        return None, reason
+    _sync(dev)
+    return model, None
+
+
 def bench_peer(preset: str, token_list: list[int], layers: int | None = None, runs: int = 3, warmup: int = 2,
                seed: int = 0, echo=print, device: str = "cuda",
                attn_implementation: str = DEFAULT_ATTN) -> dict[int, dict]:
@@ -237,31 +265,12 @@ def bench_peer(preset: str, token_list: list[int], layers: int | None = None, ru
             r["error"] = reason
         return out
 
-    reason = transformers_available()
+    t0 = time.perf_counter()
+    model, reason = start_peer(preset, cfg, dev, seed, attn_implementation)
     if reason:
         return fail_all(reason)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return fail_all("needs a CUDA GPU; none is visible")
-        free, _ = torch.cuda.mem_get_info(dev)
-        need = peer_weight_bytes(cfg)
-        if need > free:
-            return fail_all(f"{preset} with {cfg.num_hidden_layers} layers needs {need / 1e9:.0f} GB of bf16 weights, "
-                            f"{free / 1e9:.0f} GB free on the GPU; pass --layers")
     import transformers
 
-    t0 = time.perf_counter()
-    error = None
-    try:
-        model = build_peer(cfg, dev, seed, attn_implementation)
-    except torch.cuda.OutOfMemoryError:
-        error = "out of memory building the model"
-    except Exception as e:  # noqa: BLE001 - e.g. an attn_implementation transformers refuses for gpt-oss
-        error = _one_line(e)
-    if error:
-        _free(dev)
-        return fail_all(error)
-    _sync(dev)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     echo(f"# transformers {transformers.__version__} GptOssForCausalLM bf16 ({attn_implementation}, "
          f"{model.config._experts_implementation} experts): {preset}, {cfg.num_hidden_layers} of {full_layers} layers "
