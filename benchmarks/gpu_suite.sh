@@ -14,6 +14,8 @@
 #            with deep_gemm importable, and verify-logits --mode kernels --gemm deep_gemm on a tiny
 #            checkpoint and a synthetic 20b cut to 2 layers
 #   skinny   the decode-sized kernels: their GPU tests, quick sweeps, a profile of 20b decode steps
+#   decode-ab  one-process decode A/Bs of the kernel choices (benchmarks/ab_decode.py: PDL, the MoE
+#            tiles, the grouped path), and the cuBLAS scale-layout probe
 # The device machine has no network: OpenAI's reference (for the tests and verify that run it) comes
 # from .whl/gpt_oss (the installed package copied there, git-ignored, carried with the call), and
 # DeepGEMM from .peers/ (carried too).
@@ -126,6 +128,14 @@ if has skinny; then
     | tail -30 | tee "$OUT/moe_gemv_sweep.log"
   timeout 50 python3 benchmarks/router_sweep.py --tokens 1,16 --splits 8,16,32 --block-k 64,128 --warps 4 \
     --json "$OUT/router_sweep.json" 2>&1 | tail -20 | tee "$OUT/router_sweep.log"
+fi
+
+if has decode-ab; then
+  timeout 240 python3 benchmarks/ab_decode.py --model 20b --batch 1,4,8,64 --context 8192 \
+    --variants default,no-pdl,pdl-down,wgmma,grouped --replays 150 2>&1 | tee "$OUT/ab_decode_20b.log"
+  timeout 120 python3 benchmarks/ab_decode.py --model 120b --batch 1 --context 8192 \
+    --variants default,no-pdl,wgmma --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
+  timeout 60 python3 benchmarks/cublas_layout_probe.py 2>&1 | tee "$OUT/cublas_layout_probe.log"
 fi
 
 if has sharded; then
