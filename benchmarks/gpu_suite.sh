@@ -120,7 +120,7 @@ if has skinny; then
   # (quick forms, time-limited), and where a decode step's time goes (profile_decode.py)
   timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8_gemv.py tests/kernels/test_moe_gemv.py \
     tests/kernels/test_router.py tests/kernels/test_rope.py 2>&1 | tail -15 | tee "$OUT/skinny_tests.log"
-  timeout 80 python3 benchmarks/profile_decode.py --model 20b --batch 1,8 --context 8192 --rows 22 2>&1 \
+  timeout 80 python3 benchmarks/profile_decode.py --model 20b --batch 1,8 --context 8192 --rows 22 --no-pdl 2>&1 \
     | tee "$OUT/profile_decode.log"
   timeout 90 python3 benchmarks/skinny_sweep.py --quick --json "$OUT/skinny_sweep.json" 2>&1 | tail -30 \
     | tee "$OUT/skinny_sweep.log"

@@ -5,6 +5,8 @@ Usage (on the GPU machine): python3 benchmarks/profile_decode.py --model 20b --b
 Prints, per case, the graph step (median of replays, CUDA events), the sum of kernel times per
 step, and the top kernels by GPU time per step (count per step, microseconds per step, and per
 launch). The gap between the step and the kernel sum is idle time between kernels in the graph.
+With PDL (the default for decode) a kernel's time includes its wait for the one before, so the
+kernel sum can exceed the step: ``--no-pdl`` gives per-kernel figures that add up.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from gptoss_fp8.bench.decode import HBM_BPS, floor_bytes, set_context, synthetic_cache
 from gptoss_fp8.bench.prefill import random_model
 from gptoss_fp8.config import preset_config
+from gptoss_fp8.kernels.config import KernelConfig
 from gptoss_fp8.model.graph import DecodeGraphs
 from gptoss_fp8.model.triton_ops import TritonOps
 
@@ -29,10 +32,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch without programmatic dependent launch: under PDL a kernel's profiled time includes "
+                        "its wait for the one before, so per-kernel times overlap and do not add up to the step")
     a = p.parse_args()
     cfg = preset_config(a.model, a.layers)
     model = random_model(cfg, "cuda")
-    ops = TritonOps()
+    ops = TritonOps(config=KernelConfig(pdl_max_rows=None) if a.no_pdl else None)
     from torch.profiler import ProfilerActivity, profile
 
     for batch in [int(b) for b in a.batch.split(",")]:
