@@ -12,8 +12,7 @@ off / on), "grouped" (the routed experts on the grouped prefill path: moe_skinny
 and the decode MoE's down launch with it too: moe_gemv.PDL_DOWN set while that variant's graph is
 captured, which is when launches are decided); "one-wave-8k" (batch-1 decode attention on the
 one-wave split form also where ~2 programs per SM would get just under 4 key blocks each, as at
-8192 cached tokens: the split count clamped instead; now the default); "no-quant-x" (o_proj's
-input quantized by act_quant's launch instead of inside the skinny GEMM: dense_skinny_quant_x=False).
+8192 cached tokens: the split count clamped instead).
 Prints per case and variant the median replay time (CUDA events, us) and the logits' relative
 difference from the first variant's.
 """
@@ -44,7 +43,6 @@ VARIANTS = {
     "tiled-dense": {"dense_skinny_max_rows": None},
     "pdl-down": {"pdl_max_rows": 64},
     "one-wave-8k": {},
-    "no-quant-x": {"dense_skinny_quant_x": False},
 }
 
 

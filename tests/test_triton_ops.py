@@ -423,14 +423,12 @@ def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch)
     want_moe = ops.expert_ffn(y, idx, ex, 0, 7.0)[0]
 
     import gptoss_fp8.kernels.act_quant as aq
-    import gptoss_fp8.kernels.fp8_gemm as fg
     import gptoss_fp8.kernels.moe as moe
 
     def no_requantization(*a, **k):
         raise AssertionError("act_quant called on a normed tensor")
 
     monkeypatch.setattr(aq, "act_quant", no_requantization)
-    monkeypatch.setattr(fg, "act_quant", no_requantization)
     monkeypatch.setattr(moe, "act_quant", no_requantization)
     assert torch.equal(ops.linear(y, w, s, b, xq=n.quant), want)
     assert torch.equal(ops.linears(y, [(w, s, b), (w, s, b)], xq=n.quant)[1], want)
@@ -440,34 +438,6 @@ def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch)
     with pytest.raises(AssertionError, match="act_quant called"):
         ops.linear(y, w, s, b)  # no xq: quantized again, whatever tensor it is
     assert set(ops.spec_fallbacks.values()) == {0}
-
-
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_decode_sized_linear_quantizes_inside_the_kernel(monkeypatch, rows):
-    """A linear of at most ``dense_skinny_max_rows`` rows without ``xq`` (o_proj's input at decode)
-    runs no act_quant launch: the skinny GEMM quantizes x per K block itself, to the same bits, so
-    the output equals act_quant + the GEMM exactly (and the switch off gives that composition)."""
-    import dataclasses
-
-    import gptoss_fp8.kernels.fp8_gemm as fg
-    from gptoss_fp8.kernels.act_quant import act_quant
-    from gptoss_fp8.kernels.config import KernelConfig
-    from gptoss_fp8.model.triton_ops import TritonOps
-
-    dev = "cuda" if HAS_CUDA else "cpu"
-    g = torch.Generator().manual_seed(rows)
-    k, n = 384, 256
-    x = (torch.randn(rows, k, generator=g) * torch.linspace(0.1, 8, k)).bfloat16().to(dev)  # groups of unlike scale
-    w, s = quantize_weight_blocks(torch.randn(n, k, generator=g) / 20)
-    w, s, b = w.to(dev), s.to(dev), (0.1 * torch.randn(n, generator=g)).bfloat16().to(dev)
-    want = fg.fp8_gemm(*act_quant(x), w, s, b)
-    calls = []
-    real = fg.act_quant
-    monkeypatch.setattr(fg, "act_quant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    ops = TritonOps(config=KernelConfig())
-    assert torch.equal(ops.linear(x, w, s, b), want) and not calls
-    off = TritonOps(config=dataclasses.replace(KernelConfig(), dense_skinny_quant_x=False))
-    assert torch.equal(off.linear(x, w, s, b), want) and calls == [1]
 
 
 def test_kernel_config_is_held_and_passed(monkeypatch):

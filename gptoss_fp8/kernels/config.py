@@ -147,9 +147,6 @@ class KernelConfig:
     # many (token, slot) pairs on kernels/moe_gemv.py (no alignment; each routed expert's weights
     # read once). None: never. Figures: BENCHMARKS.md "Decode".
     dense_skinny_max_rows: int | None = 16
-    # The skinny GEMM quantizes an unquantized x itself (fp8_gemm with x_scale=None: o_proj's input
-    # at decode), instead of an act_quant launch before it; the same bits.
-    dense_skinny_quant_x: bool = True
     moe_skinny_max_slots: int | None = 16
     # The decode MoE on 64-row fp8 wgmma tiles (moe_gemv.WGMMA_TILE) instead of its exact 32-row
     # mma.sync default: 35.8 against 39.5 us a layer at one token, 3.3e-3 .. 5.2e-3 from the w8a8

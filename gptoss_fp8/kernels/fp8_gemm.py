@@ -162,7 +162,7 @@ def _fp8_gemm_kernel(
 
 def fp8_gemm(
     x_fp8: torch.Tensor,
-    x_scale: torch.Tensor | None,
+    x_scale: torch.Tensor,
     w_fp8: torch.Tensor,
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -180,20 +180,8 @@ def fp8_gemm(
     ``gptoss_fp8.quant.fp8.block_gemm_reference`` up to fp32 summation order.
     ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this launch instead of
     ``config.dense_tile``'s choice (a ``GluonTile`` forces the Gluon kernel).
-    ``x_scale=None``: x_fp8 is the activation unquantized (bf16 / fp16 / fp32), quantized here as
-    ``act_quant`` does: inside the skinny kernel at decode sizes (``config.dense_skinny_quant_x``:
-    one launch fewer, the same bits), else by ``act_quant`` first.
     """
-    cfg = config or DEFAULT
-    fused_quant = False
-    if x_scale is None:
-        rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
-        fused_quant = (tile is None and cfg.dense_skinny_quant_x and cfg.dense_skinny_max_rows is not None
-                       and rows <= cfg.dense_skinny_max_rows and x_fp8.stride(-1) == 1)
-        if not fused_quant:
-            x_fp8, x_scale = act_quant(x_fp8, pdl=pdl_launch(cfg, rows, x_fp8.device))
-    assert (fused_quant or x_fp8.dtype == FP8_DTYPE) and w_fp8.dtype == FP8_DTYPE, (
-        f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}")
+    assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
     n, k = w_fp8.shape
     assert x_fp8.shape[-1] == k, f"x {tuple(x_fp8.shape)} does not match weight {tuple(w_fp8.shape)}"
@@ -201,10 +189,9 @@ def fp8_gemm(
     lead = x_fp8.shape[:-1]
     a = x_fp8.reshape(-1, k)
     m = a.shape[0]
-    a_s = a if fused_quant else x_scale.reshape(-1, x_scale.shape[-1])  # (unused with fused_quant)
-    assert fused_quant or a_s.shape == (m, cdiv(k, BLOCK)), (
-        f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}")
-    assert (fused_quant or a_s.dtype == torch.float32) and w_scale_inv.dtype == torch.float32, "scales must be float32"
+    a_s = x_scale.reshape(-1, x_scale.shape[-1])
+    assert a_s.shape == (m, cdiv(k, BLOCK)), f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}"
+    assert a_s.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32"
     assert w_scale_inv.shape == scale_grid(n, k), \
         f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
     assert a.stride(-1) == 1 and a_s.stride(-1) == 1, "x and x_scale need a contiguous last dimension"
@@ -221,11 +208,12 @@ def fp8_gemm(
         out = out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
+    cfg = config or DEFAULT
     if tile is None and cfg.dense_skinny_max_rows is not None and m <= cfg.dense_skinny_max_rows:
         from gptoss_fp8.kernels.fp8_gemv import fp8_gemm_skinny, skinny_tile
 
-        fp8_gemm_skinny(a, None if fused_quant else a_s, w_fp8, w_scale_inv, bias, out,
-                        skinny_tile(m, n, k, sm_count(x_fp8.device)), pdl=pdl_launch(cfg, m, x_fp8.device))
+        fp8_gemm_skinny(a, a_s, w_fp8, w_scale_inv, bias, out, skinny_tile(m, n, k, sm_count(x_fp8.device)),
+                        pdl=pdl_launch(cfg, m, x_fp8.device))
         return out.reshape(*lead, n)
     ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
           and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases

@@ -65,9 +65,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gptoss_fp8.kernels import arrival_counters, sm_count
-from gptoss_fp8.kernels.act_quant import quantize_group_rows
 from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait, prefetch_l2
-from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2, scale_grid
+from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, cdiv, next_pow2, scale_grid
 
 MAX_BLOCK_M = 64  # rows per tile (x^T is the MMA's N side: 16 .. 64)
 
@@ -176,9 +175,6 @@ def _fp8_gemv_kernel(
     RED_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
     PF_STEPS: tl.constexpr = 0,  # with PDL: 64-byte steps of each weight row's split prefetched before the wait
-    QUANT_X: tl.constexpr = False,  # x is bf16 / fp16 / fp32: quantized here per K block (act_quant's arithmetic)
-    FP8_MAX_C: tl.constexpr = 448.0,
-    EPS: tl.constexpr = 1e-10,
 ):
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -209,10 +205,7 @@ def _fp8_gemv_kernel(
         p_ok = offs_p < tl.minimum(kb_hi * BLOCK_K, K)
         prefetch_l2(w_src + w_rows[:, None] * stride_wn + offs_p[None, :], p_ok[None, :] & (offs_n < N)[:, None])
     pdl_wait(PDL)
-    if QUANT_X:
-        s_x = tl.zeros((BLOCK_M,), dtype=tl.float32)  # computed per K block below
-    else:
-        s_x = tl.load(xs_ptrs + kb_lo, mask=m_ok, other=0.0)  # [BLOCK_M]
+    s_x = tl.load(xs_ptrs + kb_lo, mask=m_ok, other=0.0)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         k0 = kb * BLOCK_K
@@ -223,14 +216,7 @@ def _fp8_gemv_kernel(
             w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         kn = tl.minimum(kb + 1, kb_hi - 1)  # the last iteration reloads its own block (unused)
-        if QUANT_X:
-            # this K block is one 1x128 group of every row: act_quant's scale and rounding (masked
-            # entries are zeros, as there), the same bits as act_quant's output
-            xq, s_x = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
-            x = xq.to(w.dtype)
-            s_x_next = s_x
-        else:
-            s_x_next = tl.load(xs_ptrs + kn, mask=m_ok, other=0.0)
+        s_x_next = tl.load(xs_ptrs + kn, mask=m_ok, other=0.0)
         s_w_next = tl.load(ws_row + kn)
         # one K block per MMA chain, promoted to fp32 with both scales (promotion every 128)
         acc += tl.dot(w, tl.trans(x)) * (s_x * s_w)[None, :]
@@ -258,7 +244,7 @@ def _fp8_gemv_kernel(
 
 def fp8_gemm_skinny(
     x_fp8: torch.Tensor,
-    x_scale: torch.Tensor | None,
+    x_scale: torch.Tensor,
     w_fp8: torch.Tensor,
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None,
@@ -274,14 +260,8 @@ def fp8_gemm_skinny(
     float32. ``tile``: this launch instead of ``skinny_tile``'s choice (split_k is clamped to
     ceil(K/128)). Agrees with ``block_gemm_reference`` up to fp32 summation order. ``pdl``: launch
     with programmatic dependent launch (kernels/pdl.py), the weights prefetched into L2 before the wait.
-    ``x_scale=None``: x_fp8 is the activation in bf16 / fp16 / fp32, quantized inside the kernel with
-    act_quant's arithmetic (each program quantizes the 1x128 groups of its K blocks), so the result
-    is that of ``act_quant`` then this GEMM, without act_quant's launch.
     """
-    quant_x = x_scale is None
-    x_ok = x_fp8.dtype in (torch.bfloat16, torch.float16, torch.float32) if quant_x else x_fp8.dtype == FP8_DTYPE
-    assert x_ok and w_fp8.dtype == FP8_DTYPE, (
-        f"operands {x_fp8.dtype} (x_scale {'absent' if quant_x else 'given'}), {w_fp8.dtype}")
+    assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert x_fp8.dim() == 2 and w_fp8.dim() == 2, (
         f"x must be [M, K] and weight [N, K], got {tuple(x_fp8.shape)}, {tuple(w_fp8.shape)}"
     )
@@ -289,11 +269,8 @@ def fp8_gemm_skinny(
     n = w_fp8.shape[0]
     assert w_fp8.shape[1] == k, f"x {tuple(x_fp8.shape)} does not match weight {tuple(w_fp8.shape)}"
     assert k % 16 == 0, f"K={k} must be a multiple of 16 (16-byte rows)"
-    if quant_x:
-        x_scale = x_fp8  # unused by the kernel (QUANT_X)
-    assert (quant_x or x_scale.dtype == torch.float32) and w_scale_inv.dtype == torch.float32, "scales must be float32"
-    assert quant_x or x_scale.shape == (m, cdiv(k, BLOCK)), (
-        f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}")
+    assert x_scale.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32"
+    assert x_scale.shape == (m, cdiv(k, BLOCK)), f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}"
     assert w_scale_inv.shape == scale_grid(n, k), (
         f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
     )
@@ -352,9 +329,6 @@ def fp8_gemm_skinny(
         RED_CHUNK=red_chunk(split, tile.num_warps),
         PDL=pdl,
         PF_STEPS=next_pow2(2 * cdiv(cdiv(k, BLOCK), split)) if pdl and not tma else 0,
-        QUANT_X=quant_x,
-        FP8_MAX_C=FP8_MAX,
-        EPS=ACT_EPS,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **launch_kwargs(pdl),

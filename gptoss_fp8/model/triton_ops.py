@@ -127,11 +127,13 @@ class TritonOps(W8A8CpuOps):
 
         return pdl_launch(self.config, x.numel() // max(x.shape[-1], 1), x.device)
 
-    @staticmethod
-    def _quant(x, xq):
-        """x's activation quantization as fp8_gemm takes it: the caller's ``xq`` (the norm's pass), or
-        (x, None): fp8_gemm quantizes x itself (inside the decode-sized kernel, else ``act_quant``)."""
-        return xq if xq is not None else (x, None)
+    def _quant(self, x, xq):
+        """x's activation quantization: the caller's ``xq`` (the norm's pass) or ``act_quant(x)``."""
+        if xq is not None:
+            return xq
+        from gptoss_fp8.kernels.act_quant import act_quant
+
+        return act_quant(x, pdl=self._pdl(x))
 
     # --- dense ---------------------------------------------------------------------------------
     def linear(self, x, w, scale_inv, bias, out_dtype=BF16, *, xq=None):

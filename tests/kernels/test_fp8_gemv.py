@@ -221,21 +221,3 @@ def test_skinny_cuda_graph():
     eager = torch.empty_like(out)
     fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, eager)
     assert torch.equal(out, eager)
-
-
-@pytest.mark.parametrize("m,n,k,x_dtype,split", [(1, 256, 320, torch.bfloat16, 2), (5, 192, 384, torch.float32, 3),
-                                                 (16, 128, 2880, torch.bfloat16, 1)])
-def test_quantizes_x_inside_like_act_quant(m, n, k, x_dtype, split):
-    """x_scale=None: the kernel quantizes each K block's 1x128 group of x itself (a partial last
-    group included) and gives exactly act_quant + the fp8 path, with one split or several."""
-    from gptoss_fp8.kernels.act_quant import act_quant
-
-    g = torch.Generator().manual_seed(m * 7 + k)
-    x = (torch.randn(m, k, generator=g) * torch.linspace(0.05, 6, k)).to(x_dtype).to(DEV)
-    w, s = quantize_weight_blocks(torch.randn(n, k, generator=g) / 16)
-    w, s, b = w.to(DEV), s.to(DEV), (0.1 * torch.randn(n, generator=g)).bfloat16().to(DEV)
-    tile = SkinnyTile(block_n=64, split_k=split)
-    want = fp8_gemm_skinny(*act_quant(x), w, s, b, torch.empty(m, n, dtype=torch.bfloat16, device=DEV), tile)
-    got = fp8_gemm_skinny(x, None, w, s, b, torch.empty(m, n, dtype=torch.bfloat16, device=DEV), tile)
-    assert torch.equal(got, want)
-    _check(got, fp8_gemm_reference(*quantize_act(x.float()), w, s, b))

@@ -55,9 +55,6 @@ SPECS = {
     "fp8_gemv": (fp8_gemv._fp8_gemv_kernel, dict(x_ptr=F8, xs_ptr=F32, w_src=F8, ws_ptr=F32, bias_ptr=BF,
                  out_ptr=BF, part_ptr=F32, counter_ptr=I32), dict(HAS_BIAS=True, TMA=False, BLOCK_M=16, BLOCK_N=64,
                  BLOCK_K=128, SPLIT_K=4, RED_CHUNK=1024, PF_STEPS=16)),
-    "fp8_gemv_quant_x": (fp8_gemv._fp8_gemv_kernel, dict(x_ptr=BF, xs_ptr=BF, w_src=F8, ws_ptr=F32, bias_ptr=BF,
-                         out_ptr=BF, part_ptr=F32, counter_ptr=I32), dict(HAS_BIAS=True, TMA=False, BLOCK_M=16,
-                         BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, RED_CHUNK=512, PF_STEPS=8, QUANT_X=True)),
     "moe_gate_up": (moe_gemv._skinny_gate_up_kernel, dict(x_ptr=F8, xs_ptr=F32, ids_ptr=I32, w_ptr=F8, ws_ptr=F32,
                     b_ptr=BF, inter_ptr=F32, act_ptr=F8, acts_ptr=F32, counter_ptr=I32, limit="fp32"),
                     dict(TOP_K=4, K_PAD=4, ROWS=1, MMA_M=16, BLOCK_N=32, BLOCK_K=128, NUM_STAGES=4, ALPHA=1.702,
@@ -92,14 +89,14 @@ def test_decode_kernels_wait_before_any_store_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(res) == {"norm", "act_quant", "rope_append", "router", "fp8_gemv", "fp8_gemv_quant_x", "moe_gate_up",
-                        "moe_down", "attention_decode", "attention_merge"}
+    assert set(res) == {"norm", "act_quant", "rope_append", "router", "fp8_gemv", "moe_gate_up", "moe_down",
+                        "attention_decode", "attention_merge"}
     for name, k in res.items():
         assert k["waits"] == 1 and k["wait"] >= 0, (name, k)
         assert k["wait"] < k["launch"], (name, k)
         assert k["store"] > k["wait"], (name, k)  # nothing written before the predecessor is done
         assert k["cp_async"] == -1 or k["cp_async"] > k["wait"], (name, k)  # the pipelined loops start after it
-    for name in ("router", "fp8_gemv", "fp8_gemv_quant_x"):  # the weights' prefetch streams before the wait
+    for name in ("router", "fp8_gemv"):  # the weights' prefetch streams before the wait
         assert 0 <= res[name]["prefetch"] < res[name]["wait"], (name, res[name])
 
 
