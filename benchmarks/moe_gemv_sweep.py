@@ -4,9 +4,9 @@ x already quantized (``x_quant``), both bf16 [T*k, H] per-slot outputs with zero
 
 Cases: gpt-oss 20b (E = 32) and 120b (E = 128) expert shapes, H = I = 2880, top-4, T = 1, 2, 4, 8,
 16 tokens; random routing with distinct experts per token, a fresh routing per call. Variants:
-``moe_skinny_tile``'s pick ("heuristic") and fixed tiles over BLOCK_N1 / BLOCK_N2 32 / 64 / 128,
-4 / 8 warps, 3 / 4 / 6 stages (``MoeSkinnyTile``; BLOCK_N 32 runs mma.sync on fp8 widened to f16,
-64+ fp8 wgmma).
+``moe_skinny_tile``'s pick ("heuristic") and fixed tiles over BLOCK_N1 / BLOCK_N2 16 / 32 / 64 /
+128, 2 / 4 / 8 warps, 2 / 3 / 4 / 6 stages, 1 / 2 / 4 K blocks a step (``MoeSkinnyTile``; BLOCK_N
+16 / 32 runs mma.sync on fp8 widened to f16, 64+ fp8 wgmma).
 
 Every variant's output (and the current path's) is checked before it is timed against the w8a8
 specification ``spec.moe_experts_w8a8`` on the same inputs with tests/kernels/test_moe.py's GPU
@@ -82,6 +82,12 @@ VARIANTS: dict[str, MoeSkinnyTile | None] = {
     "16/16 w2": MoeSkinnyTile(16, 16, num_warps=2),
     "32/32 s6": MoeSkinnyTile(32, 32, num_stages=6),
     "32/32 w2": MoeSkinnyTile(32, 32, num_warps=2),
+    # two / four 128-wide K blocks a step: 256 / 512 contiguous bytes of each weight row together
+    "32/32 k2": MoeSkinnyTile(32, 32, k_step=2),
+    "32/32 s2 k2": MoeSkinnyTile(32, 32, num_stages=2, k_step=2),
+    "32/32 k4": MoeSkinnyTile(32, 32, num_stages=2, k_step=4),
+    "32/32 w2 k2": MoeSkinnyTile(32, 32, num_warps=2, k_step=2),
+    "64/64 s3 k2": MoeSkinnyTile(64, 64, num_stages=3, k_step=2),
 }
 QUICK = ["heuristic", "64/64", "128/128", "64/128", "32/32", "64/64 s6"]
 

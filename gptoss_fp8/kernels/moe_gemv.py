@@ -94,7 +94,8 @@ class MoeSkinnyTile:
     block_n1: int  # W13 rows per gate_up program: 16, 32, 64 or 128 (one weight-scale block)
     block_n2: int  # W2 rows per down program: 16, 32, 64 or 128
     num_warps: int = 4
-    num_stages: int = 4  # K blocks in flight per program (the cp.async ring)
+    num_stages: int = 4  # K steps in flight per program (the cp.async ring)
+    k_step: int = 1  # 128-wide K blocks per step: k_step * 128 contiguous bytes of every weight row a step
 
 
 # 64-row tiles (fp8 wgmma), 6 stages: the fastest measured, not the default (KernelConfig.moe_skinny_wgmma)
@@ -135,23 +136,28 @@ def _routed_rows(ids_ptr, expert, T, TOP_K: tl.constexpr, K_PAD: tl.constexpr, R
 @triton.jit
 def _skinny_mainloop(
     a_ptr, a_rows, rows_ok, stride_am, as_ptr, stride_asm, w_ptrs, ws_ptrs, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, K_STEP: tl.constexpr = 1,
 ):  # fmt: skip
     """acc^T [BLOCK_N, M] = sum over 128-wide K blocks kb of (W[n, kb] . A[row, kb]) * s_a[row, kb]
     * s_w[kb] in fp32. A fp8 rows ``a_rows`` [M] (int64; rows_ok False: read as zeros) with scales
     at as_ptr + row * stride_asm + kb; w_ptrs [BLOCK_N, BLOCK_K]: the fp8 W tile (rows clamped to
-    valid ones); ws_ptrs: its weight-scale row (+ kb)."""
+    valid ones); ws_ptrs: its weight-scale row (+ kb). K_STEP blocks per pipelined step (their
+    loads issued together: K_STEP * 128 contiguous bytes of each weight row), added in kb order
+    as with one: the same sums."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     as_ptrs = as_ptr + a_rows * stride_asm
+    n_kb = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, a_rows.shape[0]), dtype=tl.float32)
-    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
-        k0 = kb * BLOCK_K
-        k_ok = offs_k < K - k0
-        w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        a = tl.load(a_ptrs + k0, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BLOCK_K]
-        s_a = tl.load(as_ptrs + kb, mask=rows_ok, other=0.0)
-        acc += tl.dot(w, tl.trans(a)) * (s_a * tl.load(ws_ptrs + kb))[None, :]
+    for step in tl.range(0, tl.cdiv(n_kb, K_STEP), num_stages=NUM_STAGES):
+        for j in tl.static_range(K_STEP):
+            kb = step * K_STEP + j
+            k0 = kb * BLOCK_K
+            k_ok = offs_k < K - k0  # all False past the last block: zeros, and zero scales below
+            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            a = tl.load(a_ptrs + k0, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BLOCK_K]
+            s_a = tl.load(as_ptrs + kb, mask=rows_ok & (kb < n_kb), other=0.0)
+            acc += tl.dot(w, tl.trans(a)) * (s_a * tl.load(ws_ptrs + kb, mask=kb < n_kb, other=0.0))[None, :]
     return acc
 
 
@@ -163,7 +169,7 @@ def _skinny_gate_up_kernel(
     stride_asm, limit,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, MMA_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ALPHA: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    EPS: tl.constexpr, PDL: tl.constexpr = False,
+    EPS: tl.constexpr, PDL: tl.constexpr = False, K_STEP: tl.constexpr = 1,
 ):  # fmt: skip
     """Owner program (slot, n block) of expert e: inter[first slot of t, n0/2 : (n0 + BLOCK_N)/2] =
     SwiGLU(x[t] @ W13[e, n0 : n0 + BLOCK_N]^T + b13[e]) in fp32 for every token t routed to e; the
@@ -184,7 +190,7 @@ def _skinny_gate_up_kernel(
     acc = _skinny_mainloop(
         x_ptr, tl.arange(0, MMA_M).to(tl.int64), routed, stride_xm, xs_ptr, stride_xsm,
         w_ptr + e64 * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :],
-        ws_ptr + e64 * stride_wse + (n0 // BLOCK_K) * stride_wsn, K, BLOCK_N, BLOCK_K, NUM_STAGES,
+        ws_ptr + e64 * stride_wse + (n0 // BLOCK_K) * stride_wsn, K, BLOCK_N, BLOCK_K, NUM_STAGES, K_STEP,
     )  # fmt: skip
     h = _bias_swiglu(tl.trans(acc), b_ptr + e64 * stride_be, n0, N, limit, ALPHA, BLOCK_N)  # [MMA_M, BLOCK_N // 2]
     rows = tl.where(routed, first, 0).to(tl.int64)
@@ -217,6 +223,7 @@ def _skinny_down_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, MMA_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_FOREIGN: tl.constexpr, PDL: tl.constexpr = False,
+    K_STEP: tl.constexpr = 1,
 ):  # fmt: skip
     """Owner program (slot, n block) of expert e: out[every slot of token t routed to e, n0 : n0 +
     BLOCK_N] = act[first slot of t] @ W2[e, n0 : n0 + BLOCK_N]^T + b2[e]; a foreign slot's program
@@ -242,7 +249,7 @@ def _skinny_down_kernel(
     acc = _skinny_mainloop(
         act_ptr, tl.where(routed, first, 0).to(tl.int64), routed, stride_am, acts_ptr, stride_asm,
         w_ptr + e64 * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :],
-        ws_ptr + e64 * stride_wse + (n0 // BLOCK_K) * stride_wsn, K, BLOCK_N, BLOCK_K, NUM_STAGES,
+        ws_ptr + e64 * stride_wse + (n0 // BLOCK_K) * stride_wsn, K, BLOCK_N, BLOCK_K, NUM_STAGES, K_STEP,
     )  # fmt: skip
     y = tl.trans(acc) + tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y.to(out_ptr.dtype.element_ty)  # [MMA_M, BLOCK_N], row t: token t
@@ -306,6 +313,7 @@ def moe_slots_skinny(
     tile = tile or moe_skinny_tile(n_slots, two_i, h, sm_count(x_fp8.device))
     for bn in (tile.block_n1, tile.block_n2):
         assert bn in (16, 32, 64, 128), f"block_n {bn}: 16, 32, 64 or 128 (inside one 128-row weight-scale block)"
+    assert tile.k_step in (1, 2, 4), f"k_step {tile.k_step}: 1, 2 or 4 K blocks a step"
     dev = x_fp8.device
     groups = cdiv(i, BLOCK)
     ids = topk_ids.contiguous()
@@ -313,7 +321,8 @@ def moe_slots_skinny(
     act = torch.empty((n_slots, i), dtype=FP8_DTYPE, device=dev)  # their 1x128 quantization
     act_scale = torch.empty((n_slots, groups), dtype=torch.float32, device=dev)
     rows = next_pow2(t)
-    meta = dict(TOP_K=k, K_PAD=next_pow2(k), MMA_M=max(rows, 16), BLOCK_K=BLOCK, NUM_STAGES=tile.num_stages)
+    meta = dict(TOP_K=k, K_PAD=next_pow2(k), MMA_M=max(rows, 16), BLOCK_K=BLOCK, NUM_STAGES=tile.num_stages,
+                K_STEP=tile.k_step)
     _skinny_gate_up_kernel[(n_slots, cdiv(two_i, tile.block_n1))](
         x_fp8, x_scale, ids, w13, w13_scale_inv, b13, inter, act, act_scale, arrival_counters(dev, n_slots * groups),
         t, two_i, h, expert_start, e,

@@ -135,6 +135,9 @@ CASES = [
     (3, 288, 160, 5, 4, 2, 10, torch.bfloat16, torch.bfloat16, False, MoeSkinnyTile(16, 64)),
     (5, 160, 96, 8, 4, 0, None, torch.float32, torch.bfloat16, True, None),
     (17, 160, 96, 8, 2, 0, None, torch.bfloat16, torch.float32, True, MoeSkinnyTile(128, 128)),  # 32 MMA columns
+    # two / four K blocks a step; H = 288 and I = 160 are not whole steps: the last step's blocks past K are empty
+    (2, 288, 160, 6, 4, 0, None, torch.bfloat16, torch.bfloat16, True, MoeSkinnyTile(32, 32, k_step=2)),
+    (3, 288, 160, 5, 4, 2, 10, torch.float32, torch.bfloat16, True, MoeSkinnyTile(64, 16, num_stages=2, k_step=4)),
 ]
 
 
@@ -190,6 +193,12 @@ def test_default_tiles():
         assert moe_skinny_tile(slots, 5760, 2880, 132) == MoeSkinnyTile(32, 32, num_warps=4, num_stages=4)
 
 
+def test_k_step_sums_the_same():
+    """Two or four K blocks a step add the same products in the same order: bit-identical output."""
+    outs = [_run(2, 288, 160, 6, 4, tile=MoeSkinnyTile(32, 32, k_step=ks), seed=3)[0] for ks in (1, 2, 4)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_refuses_bad_arguments():
     experts = _experts(4, 160, 96, seed=7)
     x, ids = _tokens(2, 160, 2, 4, seed=8)
@@ -217,7 +226,7 @@ from gptoss_fp8.kernels._gluon import ptxas_resources
 ptrs = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr="*bf16",
             inter_ptr="*fp32", act_ptr="*fp8e4nv", acts_ptr="*fp32", counter_ptr="*i32", out_ptr="*bf16", limit="fp32")
 rows, block_n = json.loads(sys.argv[1])
-common = dict(TOP_K=4, K_PAD=4, MMA_M=max(16, rows), BLOCK_K=128, NUM_STAGES=4, BLOCK_N=block_n)
+common = dict(TOP_K=4, K_PAD=4, MMA_M=max(16, rows), BLOCK_K=128, NUM_STAGES=4, BLOCK_N=block_n, K_STEP=1)
 res = {}
 for fn, extra in ((m._skinny_gate_up_kernel, dict(ROWS=rows, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)),
                   (m._skinny_down_kernel, dict(ZERO_FOREIGN=True))):
