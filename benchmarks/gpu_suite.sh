@@ -15,7 +15,7 @@
 #            checkpoint and a synthetic 20b cut to 2 layers
 #   skinny   the decode-sized kernels: their GPU tests, quick sweeps, a profile of 20b decode steps
 #   decode-ab  one-process decode A/Bs of the kernel choices (benchmarks/ab_decode.py: PDL, the MoE
-#            tiles, the grouped path), and the cuBLAS scale-layout probe
+#            tiles, the grouped path), the cuBLAS scale-layout probe, the decode MoE's k_step sweep
 # The device machine has no network: OpenAI's reference (for the tests and verify that run it) comes
 # from .whl/gpt_oss (the installed package copied there, git-ignored, carried with the call), and
 # DeepGEMM from .peers/ (carried too).
@@ -136,6 +136,10 @@ if has decode-ab; then
   timeout 120 python3 benchmarks/ab_decode.py --model 120b --batch 1 --context 8192 \
     --variants default,no-pdl,wgmma --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
   timeout 60 python3 benchmarks/cublas_layout_probe.py 2>&1 | tee "$OUT/cublas_layout_probe.log"
+  # the decode MoE's K blocks a step (DRAM locality: 256-512 contiguous bytes of each weight row)
+  timeout 120 python3 benchmarks/moe_gemv_sweep.py --tokens 1,4 --budget 100 --variants \
+    "heuristic,32/32,32/32 k2,32/32 s2 k2,32/32 k4,32/32 w2,32/32 w2 k2,64/64 s6,64/64 s3 k2" 2>&1 \
+    | tee "$OUT/moe_gemv_k_step.log"
 fi
 
 if has sharded; then
