@@ -33,7 +33,7 @@ from gptoss_fp8.kernels import moe_ws
 from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_group_rows
 from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, MoePlan
 from gptoss_fp8.kernels.moe_align import moe_align, moe_align_reference  # noqa: F401 - re-exported
-from gptoss_fp8.kernels.moe_gemm import SWIGLU_ALPHA, check_expert_weights, down_triton, gate_up_triton
+from gptoss_fp8.kernels.moe_gemm import SWIGLU_ALPHA, check_experts, down_triton, gate_up_triton
 from gptoss_fp8.kernels.pdl import pdl_launch
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
@@ -203,12 +203,7 @@ def moe_expert_slots(
     """
     assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x {tuple(x.shape)} {x.dtype}"
     t, h = x.shape
-    e, two_i = w13.shape[0], w13.shape[1]
-    assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
-    i = two_i // 2
-    check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
-    check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
-    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
+    e, i = check_experts(w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, h)
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == t, f"topk ids {tuple(topk_ids.shape)} do not fit x {tuple(x.shape)}"
     assert topk_ids.dtype == torch.int32, f"topk_ids must be int32, got {topk_ids.dtype}"
     if x_quant is not None:

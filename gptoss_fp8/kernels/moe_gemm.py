@@ -44,6 +44,19 @@ def check_expert_weights(name, w, s, b, n, k, e):
     assert w.is_contiguous() and s.is_contiguous() and b.is_contiguous(), f"{name} tensors must be contiguous"
 
 
+def check_experts(w13, s13, b13, w2, s2, b2, h: int) -> tuple[int, int]:
+    """The MoE launchers' expert tensors for hidden size h: gate_up [E, 2I, H] (rows interleaved,
+    so 2I even) and down [E, H, I] (``check_expert_weights`` each), H and I multiples of 16.
+    Returns (E, I)."""
+    e, two_i = w13.shape[0], w13.shape[1]
+    assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
+    i = two_i // 2
+    check_expert_weights("gate_up", w13, s13, b13, two_i, h, e)
+    check_expert_weights("down", w2, s2, b2, h, i, e)
+    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
+    return e, i
+
+
 
 @triton.jit
 def _moe_gemm_kernel(

@@ -75,7 +75,7 @@ import triton.language as tl
 
 from gptoss_fp8.kernels import arrival_counters, sm_count
 from gptoss_fp8.kernels.act_quant import group_scale, quantize_with_scale
-from gptoss_fp8.kernels.moe_gemm import _bias_swiglu, check_expert_weights  # the fused epilogue's SwiGLU: one definition
+from gptoss_fp8.kernels.moe_gemm import _bias_swiglu, check_experts  # the fused epilogue's SwiGLU: one definition
 from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 from gptoss_fp8.spec import SWIGLU_ALPHA
@@ -294,12 +294,8 @@ def moe_slots_skinny(
     assert x_scale.dtype == torch.float32 and x_scale.shape == (t, cdiv(h, BLOCK)) and x_scale.stride(-1) == 1, (
         f"x_scale {tuple(x_scale.shape)} {x_scale.dtype} does not fit x_fp8 {tuple(x_fp8.shape)}"
     )
-    e, two_i = w13.shape[0], w13.shape[1]
-    assert two_i % 2 == 0, f"gate_up rows {two_i} must be even (interleaved gate/up)"
-    i = two_i // 2
-    check_expert_weights("gate_up", w13, w13_scale_inv, b13, two_i, h, e)
-    check_expert_weights("down", w2, w2_scale_inv, b2, h, i, e)
-    assert h % 16 == 0 and i % 16 == 0, f"H={h} and I={i} must be multiples of 16"
+    e, i = check_experts(w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, h)
+    two_i = 2 * i
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == t and topk_ids.dtype == torch.int32, (
         f"topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype}: int32 [{t}, k] expected"
     )
