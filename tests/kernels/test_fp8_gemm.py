@@ -11,37 +11,15 @@ The output is poisoned with NaN first, so every element must be written.
 
 import pytest
 import torch
+from gemm_cases import DEV, check_close, dense_problem
 
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference, fp8_linear
 from gptoss_fp8.quant.fp8 import quantize_act, quantize_weight_blocks
 
-HAS_CUDA = torch.cuda.is_available()
-DEV = "cuda" if HAS_CUDA else "cpu"
-REL_ELEM, REL_NORM = (2.0**-8, 2e-3) if HAS_CUDA else (2.0**-7, 6e-3)
-
 
 def _problem(m, n, k, seed, bias=True, lead=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * (1 + 3 * torch.rand(m, 1, generator=g))
-    w = torch.randn(n, k, generator=g) * 0.05
-    b = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16) if bias else None
-    x, w = x.to(DEV), w.to(DEV)
-    x_fp8, x_scale = quantize_act(x)
-    w_fp8, w_scale = quantize_weight_blocks(w)
-    if lead is not None:
-        x_fp8, x_scale = x_fp8.reshape(*lead, k), x_scale.reshape(*lead, -1)
-    return x_fp8, x_scale, w_fp8, w_scale, (b.to(DEV) if b is not None else None)
-
-
-def _check(y, ref):
-    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) or NaN outputs"
-    y, ref = y.float(), ref.float()
-    err = (y - ref).abs()
-    bound = REL_ELEM * ref.abs() + 1e-3 * ref.abs().max()
-    assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst excess {(err - bound).max().item():.3e}"
-    rel = ((y - ref).norm() / ref.norm()).item()
-    assert rel <= REL_NORM, f"relative error {rel:.2e} > {REL_NORM:.0e}"
+    return dense_problem(m, n, k, seed, torch.bfloat16 if bias else None, lead)
 
 
 def _run(m, n, k, seed, bias=True, lead=None, tile=None):
@@ -50,7 +28,7 @@ def _run(m, n, k, seed, bias=True, lead=None, tile=None):
     y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, tile=tile)
     assert y.data_ptr() == out.data_ptr() and y.shape == (*x_fp8.shape[:-1], n)
     ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
-    _check(y, ref)
+    check_close(y, ref)
 
 
 # Small shapes through the interpreter on CPU: partial M/N/K tiles, K = 2880 and 160 (half groups),
@@ -116,7 +94,7 @@ def test_fp8_linear_quantizes_like_the_spec():
     w_fp8, w_scale = quantize_weight_blocks((torch.randn(72, 160, generator=g) * 0.05).to(DEV))
     b = torch.randn(72, generator=g).to(torch.bfloat16).to(DEV)
     x_fp8, x_scale = quantize_act(x)
-    _check(fp8_linear(x, w_fp8, w_scale, b), fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    check_close(fp8_linear(x, w_fp8, w_scale, b), fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
 
 
 def test_fp8_gemm_rejects_bad_scales():
@@ -175,7 +153,7 @@ def test_fp8_gemm_ws_gpu(m, n, k, bias):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, tile=GluonTile(stages=5))
     assert y.data_ptr() == out.data_ptr()
-    _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
+    check_close(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
 
 
 @pytest.mark.gpu
@@ -183,7 +161,7 @@ def test_fp8_gemm_ws_3d_and_stages():
     for stages in (3, 5):
         x_fp8, x_scale, w_fp8, w_scale, b = _problem(6000, 512, 2880, seed=stages, lead=(2, 3000))
         y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=GluonTile(stages=stages, group_m=4))
-        _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
+        check_close(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
 
 
 def test_fp8_gemm_ws_refused_where_it_cannot_run():
@@ -230,7 +208,7 @@ def test_fp8_gemm_ws_balanced_gpu(m, n, k, bias):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out=out, tile=GluonTile(stages=5, balance=True))
     assert y.data_ptr() == out.data_ptr()
-    _check(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
+    check_close(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
 
 
 def test_num_programs_keeps_waves():
@@ -328,7 +306,7 @@ def test_fp8_gemm_ws_serial_gpu(m, n, k, bias, tile):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile)
     ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
-    _check(y, ref)
+    check_close(y, ref)
     y0 = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=GluonTile(stages=5)).float()  # the shipped loop
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     rel0 = ((y0 - ref).norm() / ref.norm()).item()
@@ -347,7 +325,7 @@ def test_fp8_gemm_ws_serial_extreme_scales():
     ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
     for tile in SERIAL_TILES[::2]:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=DEV)
-        _check(_ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile), ref)
+        check_close(_ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile), ref)
 
 
 def test_fp8_gemm_ws_serial_compiles_for_sm90():
@@ -396,8 +374,8 @@ def test_decode_sized_calls_take_the_skinny_kernel(monkeypatch, m, skinny):
     monkeypatch.setattr(fp8_gemv, "fp8_gemm_skinny", lambda *a, **k: calls.append(1) or real(*a, **k))
     x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, 200, 288, seed=60 + m)
     ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
-    _check(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b), ref)
+    check_close(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b), ref)
     assert len(calls) == (1 if skinny else 0)
-    _check(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=KernelConfig(dense_skinny_max_rows=None)), ref)
-    _check(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=TritonTile(16, 64, group_m=1)), ref)
+    check_close(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=KernelConfig(dense_skinny_max_rows=None)), ref)
+    check_close(fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=TritonTile(16, 64, group_m=1)), ref)
     assert len(calls) == (1 if skinny else 0)

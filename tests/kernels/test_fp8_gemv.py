@@ -12,43 +12,20 @@ Outputs are poisoned with NaN first, so every element must be written.
 
 import pytest
 import torch
+from gemm_cases import DEV, check_close, dense_problem
 
 from gptoss_fp8.kernels import arrival_counters
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm_reference
 from gptoss_fp8.kernels.fp8_gemv import SkinnyTile, fp8_gemm_skinny, skinny_tile
-from gptoss_fp8.quant.fp8 import cdiv, quantize_act, quantize_weight_blocks
-
-HAS_CUDA = torch.cuda.is_available()
-DEV = "cuda" if HAS_CUDA else "cpu"
-REL_ELEM, REL_NORM = (2.0**-8, 2e-3) if HAS_CUDA else (2.0**-7, 6e-3)
-
-
-def _problem(m, n, k, seed, bias=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * (1 + 3 * torch.rand(m, 1, generator=g))
-    w = torch.randn(n, k, generator=g) * 0.05
-    b = (torch.randn(n, generator=g) * 0.5).to(bias).to(DEV) if bias is not None else None
-    x_fp8, x_scale = quantize_act(x.to(DEV))
-    w_fp8, w_scale = quantize_weight_blocks(w.to(DEV))
-    return x_fp8, x_scale, w_fp8, w_scale, b
-
-
-def _check(y, ref):
-    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) or NaN outputs"
-    y, ref = y.float(), ref.float()
-    err = (y - ref).abs()
-    bound = REL_ELEM * ref.abs() + 1e-3 * ref.abs().max()
-    assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst excess {(err - bound).max().item():.3e}"
-    rel = ((y - ref).norm() / ref.norm()).item()
-    assert rel <= REL_NORM, f"relative error {rel:.2e} > {REL_NORM:.0e}"
+from gptoss_fp8.quant.fp8 import cdiv
 
 
 def _run(m, n, k, seed, bias=torch.bfloat16, out_dtype=torch.bfloat16, tile=None):
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed, bias)
+    x_fp8, x_scale, w_fp8, w_scale, b = dense_problem(m, n, k, seed, bias)
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
     y = fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out, tile=tile)
     assert y is out
-    _check(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    check_close(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
     return out
 
 
@@ -89,7 +66,7 @@ def test_skinny_deterministic_and_counters_zeroed():
     every tile's arrival counter is back at 0 afterwards (the next launch relies on it)."""
     m, n, k = 4, 200, 2880
     tile = SkinnyTile(32, 5)
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=21)
+    x_fp8, x_scale, w_fp8, w_scale, b = dense_problem(m, n, k, seed=21)
     tiles = cdiv(n, tile.block_n)
     counters = arrival_counters(torch.device(DEV), tiles)
     assert not counters.any(), "counters must start zeroed"
@@ -99,20 +76,20 @@ def test_skinny_deterministic_and_counters_zeroed():
         outs.append(fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out, tile=tile))
         assert not arrival_counters(torch.device(DEV), tiles).any(), "arrival counters left non-zero"
     assert torch.equal(outs[0], outs[1])
-    _check(outs[0], fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    check_close(outs[0], fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
 
 
 def test_skinny_strided_rows():
     """x and x_scale with a row stride larger than their width (slices of wider buffers)."""
     m, n, k = 6, 136, 288
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=8)
+    x_fp8, x_scale, w_fp8, w_scale, b = dense_problem(m, n, k, seed=8)
     xw = torch.zeros(m, k + 24, dtype=torch.uint8, device=DEV).view(x_fp8.dtype)  # 8-byte aligned rows
     xw[:, :k] = x_fp8
     sw = torch.zeros(m, x_scale.shape[1] + 3, dtype=torch.float32, device=DEV)
     sw[:, : x_scale.shape[1]] = x_scale
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     fp8_gemm_skinny(xw[:, :k], sw[:, : x_scale.shape[1]], w_fp8, w_scale, b, out, tile=SkinnyTile(32, 2))
-    _check(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    check_close(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
 
 
 def test_skinny_tile_heuristic():
@@ -132,7 +109,7 @@ def test_skinny_tile_heuristic():
 
 
 def test_skinny_rejects_bad_inputs():
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(4, 64, 160, seed=1)
+    x_fp8, x_scale, w_fp8, w_scale, b = dense_problem(4, 64, 160, seed=1)
     out = torch.empty(4, 64, dtype=torch.bfloat16, device=DEV)
     bad = [
         dict(x_scale=x_scale[:, :1]),  # scale grid of a different K
@@ -191,7 +168,7 @@ def test_skinny_variants_gpu(m, out_dtype, tile):
 @pytest.mark.gpu
 def test_skinny_deterministic_gpu():
     """Many splits racing on the GPU: ten calls, bit-identical."""
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(8, 2880, 4096, seed=5)
+    x_fp8, x_scale, w_fp8, w_scale, b = dense_problem(8, 2880, 4096, seed=5)
     outs = [torch.empty(8, 2880, dtype=torch.float32, device=DEV) for _ in range(10)]
     for out in outs:
         fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out, tile=SkinnyTile(64, 16))
@@ -204,20 +181,20 @@ def test_skinny_cuda_graph():
     """Captured once, replayed on new activations: the same result as an eager call (workspace from
     the graph's pool, counters reset inside the kernel)."""
     m, n, k = 4, 5120, 2880
-    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=9)
+    x_fp8, x_scale, w_fp8, w_scale, b = dense_problem(m, n, k, seed=9)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
     fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, out)
-    x2, s2, _, _, _ = _problem(m, n, k, seed=10)
+    x2, s2, _, _, _ = dense_problem(m, n, k, seed=10)
     x_fp8.copy_(x2)
     x_scale.copy_(s2)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
+    check_close(out, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, torch.float32))
     eager = torch.empty_like(out)
     fp8_gemm_skinny(x_fp8, x_scale, w_fp8, w_scale, b, eager)
     assert torch.equal(out, eager)
