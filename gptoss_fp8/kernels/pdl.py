@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def pdl_launch(config, rows: int, device: torch.device) -> bool:
     """Whether a call of ``rows`` token rows on ``device`` launches with PDL under ``config``
     (a ``KernelConfig``): on a CUDA device, not under the interpreter, rows <= pdl_max_rows."""
-    limit = getattr(config, "pdl_max_rows", None)
+    limit = config.pdl_max_rows
     return (limit is not None and rows <= limit and device.type == "cuda"
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
