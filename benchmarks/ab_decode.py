@@ -13,7 +13,10 @@ and the decode MoE's down launch with it too: moe_gemv.PDL_DOWN set while that v
 captured, which is when launches are decided); "strict-one-wave" (batch-1 decode attention on the
 one-wave split form only where every one of its ~2 programs per SM gets 4 key blocks, as before the
 fourteenth session: at 8192 cached tokens the ``decode`` tile then runs; measured 2056.3 against
-2035.5 us for the shipped rule, which takes down to 3/4 of the splits).
+2035.5 us for the shipped rule, which takes down to 3/4 of the splits); "moe-k2" / "moe-k4" (the
+decode MoE's tiles as shipped but 2 / 4 128-wide K blocks a pipelined step, ``MoeSkinnyTile.k_step``:
+256 / 512 contiguous bytes of every weight row a step instead of 128; bit-identical logits, CPU
+test; the DRAM-locality hypothesis of BENCHMARKS.md, not measured end to end yet).
 Prints per case and variant the median replay time (CUDA events, us) and the logits' relative
 difference from the first variant's.
 """
@@ -44,6 +47,8 @@ VARIANTS = {
     "tiled-dense": {"dense_skinny_max_rows": None},
     "pdl-down": {"pdl_max_rows": 64},
     "strict-one-wave": {},
+    "moe-k2": {},
+    "moe-k4": {},
 }
 
 
@@ -59,18 +64,33 @@ def _one_wave_strict(tiles: int, l_max: int, windowed: bool, sms: int, config=No
     return want
 
 
-# module attributes set while a variant's graph is captured: (module, name) -> value
-PATCHES = {"pdl-down": {("gptoss_fp8.kernels.moe_gemv", "PDL_DOWN"): True},
-           "strict-one-wave": {("gptoss_fp8.kernels.attention_decode", "one_wave_splits"): _one_wave_strict}}
+def _moe_tile_k_step(k_step: int):
+    """moe_gemv.moe_skinny_tile as shipped, with ``k_step`` K blocks a pipelined step."""
+    from gptoss_fp8.kernels import moe_gemv
+
+    shipped = moe_gemv.moe_skinny_tile
+
+    def tile(num_slots: int, two_i: int, h: int, sms: int):
+        return replace(shipped(num_slots, two_i, h, sms), k_step=k_step)
+
+    return tile
+
+
+# module attributes set while a variant's graph is captured: (module, name) -> a function giving the
+# value (called when the variant is patched, so a value may wrap what the module holds then)
+PATCHES = {"pdl-down": {("gptoss_fp8.kernels.moe_gemv", "PDL_DOWN"): lambda: True},
+           "strict-one-wave": {("gptoss_fp8.kernels.attention_decode", "one_wave_splits"): lambda: _one_wave_strict},
+           "moe-k2": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile_k_step(2)},
+           "moe-k4": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile_k_step(4)}}
 
 
 @contextlib.contextmanager
 def _patched(name: str):
     saved = []
-    for (mod, attr), value in PATCHES.get(name, {}).items():
+    for (mod, attr), make in PATCHES.get(name, {}).items():
         m = importlib.import_module(mod)
         saved.append((m, attr, getattr(m, attr)))
-        setattr(m, attr, value)
+        setattr(m, attr, make())
     try:
         yield
     finally:

@@ -14,8 +14,9 @@
 #            with deep_gemm importable, and verify-logits --mode kernels --gemm deep_gemm on a tiny
 #            checkpoint and a synthetic 20b cut to 2 layers
 #   skinny   the decode-sized kernels: their GPU tests, quick sweeps, a profile of 20b decode steps
-#   decode-ab  one-process decode A/Bs of the kernel choices (benchmarks/ab_decode.py: PDL, the MoE
-#            tiles, the grouped path), the cuBLAS scale-layout probe, the decode MoE's k_step sweep
+#   decode-ab  one-process decode A/Bs of the kernel choices (benchmarks/ab_decode.py: the MoE's K
+#            blocks a step end to end, the wgmma tile), the cuBLAS scale-layout probe, the decode
+#            MoE's k_step sweep
 # The device machine has no network: OpenAI's reference (for the tests and verify that run it) comes
 # from .whl/gpt_oss (the installed package copied there, git-ignored, carried with the call), and
 # DeepGEMM from .peers/ (carried too).
@@ -132,9 +133,9 @@ fi
 
 if has decode-ab; then
   timeout 240 python3 benchmarks/ab_decode.py --model 20b --batch 1,4,8,64 --context 8192 \
-    --variants default,no-pdl,pdl-down,wgmma,grouped --replays 150 2>&1 | tee "$OUT/ab_decode_20b.log"
+    --variants default,moe-k2,moe-k4,wgmma --replays 150 2>&1 | tee "$OUT/ab_decode_20b.log"
   timeout 120 python3 benchmarks/ab_decode.py --model 120b --batch 1 --context 8192 \
-    --variants default,no-pdl,wgmma --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
+    --variants default,moe-k2,moe-k4 --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
   timeout 60 python3 benchmarks/cublas_layout_probe.py 2>&1 | tee "$OUT/cublas_layout_probe.log"
   # the decode MoE's K blocks a step (DRAM locality: 256-512 contiguous bytes of each weight row)
   timeout 120 python3 benchmarks/moe_gemv_sweep.py --tokens 1,4 --budget 100 --variants \
