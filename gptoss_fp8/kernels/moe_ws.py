@@ -220,15 +220,27 @@ if HAS_GLUON:
 if HAS_GLUON:
 
     @gluon.jit
-    def _moe_consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
-                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                          stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                          ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
-        """Wide form, consumer warpgroup W: rows W*64 .. W*64 + 64 of every 128 x 256 tile, all 256
-        columns as two 128-column products sharing each A stage (``block_scaled_mainloop_serial``), so
-        the tile's 128 SwiGLU outputs (one FP8 group) sit in one warpgroup: no row-max exchange.
-        A warpgroup whose first row is padding (a segment's padding rows come last, so all its rows
-        are) skips its products; the right half is skipped where it lies wholly past N."""
+    def _wide_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, out_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
+                      block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
+                      stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out):
+        """Consumer warpgroup W of the two 128 x 256 kernels, the wide gate_up and (DOWN) the down:
+        rows W*64 .. W*64 + 64 of every tile, all 256 columns as two 128-column products sharing each
+        A stage (``block_scaled_mainloop_halves``; the right half is skipped where it lies wholly past
+        N). A warpgroup whose first row is padding (a segment's padding rows come last, so all its
+        rows are) skips its products and only keeps the stage ring in step. Then + bias and
+
+        - gate_up (``out`` = (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS)): the
+          clamped SwiGLU; the tile's 128 SwiGLU outputs (one FP8 group) sit in one warpgroup, so no
+          row-max exchange; FP8 out through out_bufs[2W], out_bufs[2W + 1] and TMA stores, the row
+          scales at out_s_ptr. Padding rows are written too (their outputs: the bias's SwiGLU).
+        - down (``out`` = (y_ptr, stride_ym)): each 64 x 128 piece goes through this warpgroup's
+          shared-memory buffer out_bufs[W] into 16-byte row stores at its tokens' slots (padding
+          rows not written).
+
+        Both epilogues are written inline, not as functions the walk calls: an inlined function's
+        scope puts debug-info labels ($L__tmpN) into the PTX, which ptxas takes as block boundaries;
+        with the down's epilogue a function of its own the PTX instructions were the same but the
+        down's SASS was not."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -236,6 +248,13 @@ if HAS_GLUON:
         R: gl.constexpr = TM // 2
         HN: gl.constexpr = TN // 2
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
+        if DOWN:
+            y_ptr, stride_ym = out
+            # 8 bf16 (16 bytes) per thread, a warp on 2 rows x 128 columns: coalesced row stores
+            store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+            c_smem = out_bufs.index(W)
+        else:
+            out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS = out
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
         c = 0
@@ -255,47 +274,72 @@ if HAS_GLUON:
                                                                  HN, as_ptr, a_offs, 0, rows < num_slots,
                                                                  rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
                                                                  layout, False, col0 + HN < N)
-                else:  # padding rows only: keep the stage ring in step (their outputs: the bias's SwiGLU)
-                    acc0 = gl.zeros((R, HN), gl.float32, layout)
-                    acc1 = gl.zeros((R, HN), gl.float32, layout)
+                    if DOWN:
+                        srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
+                        slot = gl.load(slots_ptr + srows)
+                        smask = gl.expand_dims(slot < num_slots, 1)
+                        y_rows = y_ptr + gl.expand_dims(slot.to(gl.int64) * stride_ym, 1)
+                        bias_row = bias_ptr + expert * stride_biase
+                        cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                        acc0 = acc0 + gl.expand_dims(
+                            gl.load(bias_row + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
+                        c_smem.store(acc0.to(gl.bfloat16))
+                        vals = c_smem.load(store_layout)
+                        scols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, store_layout))
+                        gl.store(y_rows + gl.expand_dims(scols, 0), vals, mask=smask & gl.expand_dims(scols < N, 0))
+                        if col0 + HN < N:
+                            cols1 = cols0 + HN
+                            acc1 = acc1 + gl.expand_dims(
+                                gl.load(bias_row + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
+                            c_smem.store(acc1.to(gl.bfloat16))
+                            vals = c_smem.load(store_layout)
+                            scols = scols + HN
+                            gl.store(y_rows + gl.expand_dims(scols, 0), vals,
+                                     mask=smask & gl.expand_dims(scols < N, 0))
+                else:  # padding rows only: keep the stage ring in step
+                    if not DOWN:  # (the gate_up writes them: the bias's SwiGLU)
+                        acc0 = gl.zeros((R, HN), gl.float32, layout)
+                        acc1 = gl.zeros((R, HN), gl.float32, layout)
                     for _kk in range(n_k):
                         mbarrier.wait(ready.index(c % S), (c // S) & 1)
                         mbarrier.arrive(empty.index(c % S), count=1)
                         c += 1
-                # the column indices after the main loop: 32 registers each in the wgmma layout, not
-                # held through it
-                cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
-                cols1 = cols0 + HN
-                nmask0 = cols0 < N
-                nmask1 = cols1 < N
-                bias_row = bias_ptr + expert * stride_biase
-                acc0 = acc0 + gl.expand_dims(gl.load(bias_row + cols0, mask=nmask0, other=0.0).to(gl.float32), 0)
-                acc1 = acc1 + gl.expand_dims(gl.load(bias_row + cols1, mask=nmask1, other=0.0).to(gl.float32), 0)
-                h0 = swiglu_columns(acc0, nmask0, limit, ALPHA)
-                h1 = swiglu_columns(acc1, nmask1, limit, ALPHA)
-                amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
-                scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
-                inv = gl.expand_dims(scale_o, 1)
-                q0 = gl.minimum(gl.maximum(h0 / inv, -FP8_MAX_C), FP8_MAX_C)
-                q1 = gl.minimum(gl.maximum(h1 / inv, -FP8_MAX_C), FP8_MAX_C)
-                tma.store_wait(0)  # the previous tile's stores have left o_bufs
-                o_bufs.index(2 * W).store(q0.to(gl.float8e4nv))
-                o_bufs.index(2 * W + 1).store(q1.to(gl.float8e4nv))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN], o_bufs.index(2 * W))
-                tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN + HN // 2], o_bufs.index(2 * W + 1))
-                srows = row0 + gl.arange(0, R, layout=amax.type.layout)
-                gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
-        tma.store_wait(0)
+                if not DOWN:
+                    # the column indices after the main loop: 32 registers each in the wgmma layout,
+                    # not held through it
+                    cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                    cols1 = cols0 + HN
+                    nmask0 = cols0 < N
+                    nmask1 = cols1 < N
+                    bias_row = bias_ptr + expert * stride_biase
+                    acc0 = acc0 + gl.expand_dims(gl.load(bias_row + cols0, mask=nmask0, other=0.0).to(gl.float32), 0)
+                    acc1 = acc1 + gl.expand_dims(gl.load(bias_row + cols1, mask=nmask1, other=0.0).to(gl.float32), 0)
+                    h0 = swiglu_columns(acc0, nmask0, limit, ALPHA)
+                    h1 = swiglu_columns(acc1, nmask1, limit, ALPHA)
+                    amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
+                    scale_o = gl.maximum(amax, EPS) / FP8_MAX_C
+                    inv = gl.expand_dims(scale_o, 1)
+                    q0 = gl.minimum(gl.maximum(h0 / inv, -FP8_MAX_C), FP8_MAX_C)
+                    q1 = gl.minimum(gl.maximum(h1 / inv, -FP8_MAX_C), FP8_MAX_C)
+                    tma.store_wait(0)  # the previous tile's stores have left out_bufs
+                    out_bufs.index(2 * W).store(q0.to(gl.float8e4nv))
+                    out_bufs.index(2 * W + 1).store(q1.to(gl.float8e4nv))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN], out_bufs.index(2 * W))
+                    tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN + HN // 2], out_bufs.index(2 * W + 1))
+                    srows = row0 + gl.arange(0, R, layout=amax.type.layout)
+                    gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
+        if not DOWN:
+            tma.store_wait(0)
 
     @gluon.jit
     def _moe_wide_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                          stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
                          ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
-        _moe_consume_wide(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr,
-                          slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                          stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)
+        _wide_consume(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
+                      num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
+                      GROUP_M, False, (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS))
 
     @gluon.jit
     def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
@@ -326,10 +370,10 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
         gl.warp_specialize([
-            (_moe_consume_wide, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr,
-                                 slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                                 stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M, ALPHA,
-                                 FP8_MAX_C, EPS)),
+            (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
+                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
+                             stride_biase, num_progs, GROUP_M, False,
+                             (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS))),
             (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                 out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                                 stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs,
@@ -343,75 +387,14 @@ if HAS_GLUON:
 
 if HAS_GLUON:
 
-    @gluon.jit
-    def _down_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
-                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
-        """Down, consumer warpgroup W: rows W*64 .. W*64 + 64 of every 128 x 256 tile as the wide
-        gate_up's two 128-column products; + bias; each 64 x 128 piece goes through this
-        warpgroup's shared-memory buffer into 16-byte row stores at its tokens' slots (padding rows
-        not written)."""
-        S: gl.constexpr = a_bufs.type.shape[0]
-        TM: gl.constexpr = a_bufs.type.shape[1]
-        TK: gl.constexpr = a_bufs.type.shape[2]
-        TN: gl.constexpr = b_bufs.type.shape[1]
-        R: gl.constexpr = TM // 2
-        HN: gl.constexpr = TN // 2
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 32])
-        # 8 bf16 (16 bytes) per thread, a warp on 2 rows x 128 columns: coalesced row stores
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        c_smem = c_bufs.index(W)
-        num_n = gl.cdiv(N, TN)
-        n_k = gl.cdiv(K, TK)
-        c = 0
-        for tile in range(gl.program_id(0), num_m * num_n, num_progs):
-            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-            expert32 = gl.load(block_expert_ptr + pid_m)
-            if expert32 < num_experts:
-                expert = expert32.to(gl.int64)
-                row0 = pid_m * TM + W * R
-                col0 = pid_n * TN
-                rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-                a_offs = rows * stride_asm
-                b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
-                live = gl.load(slots_ptr + row0) < num_slots
-                if live:
-                    acc0, acc1, c = block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0, HN,
-                                                                 HN, as_ptr, a_offs, 0, rows < num_slots,
-                                                                 rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                 layout, False, col0 + HN < N)
-                    srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
-                    slot = gl.load(slots_ptr + srows)
-                    smask = gl.expand_dims(slot < num_slots, 1)
-                    y_rows = y_ptr + gl.expand_dims(slot.to(gl.int64) * stride_ym, 1)
-                    bias_row = bias_ptr + expert * stride_biase
-                    cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
-                    acc0 = acc0 + gl.expand_dims(gl.load(bias_row + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
-                    c_smem.store(acc0.to(gl.bfloat16))
-                    vals = c_smem.load(store_layout)
-                    scols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, store_layout))
-                    gl.store(y_rows + gl.expand_dims(scols, 0), vals, mask=smask & gl.expand_dims(scols < N, 0))
-                    if col0 + HN < N:
-                        cols1 = cols0 + HN
-                        acc1 = acc1 + gl.expand_dims(
-                            gl.load(bias_row + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
-                        c_smem.store(acc1.to(gl.bfloat16))
-                        vals = c_smem.load(store_layout)
-                        scols = scols + HN
-                        gl.store(y_rows + gl.expand_dims(scols, 0), vals, mask=smask & gl.expand_dims(scols < N, 0))
-                else:  # padding rows only: nothing to write; keep the stage ring in step
-                    for _kk in range(n_k):
-                        mbarrier.wait(ready.index(c % S), (c // S) & 1)
-                        mbarrier.arrive(empty.index(c % S), count=1)
-                        c += 1
-
+    # the down's consumer partitions: _wide_consume(..., DOWN=True) (above)
     @gluon.jit
     def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
-        _down_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr,
-                      block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
-                      stride_biase, stride_ym, num_progs, GROUP_M)
+        _wide_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
+                      num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
+                      GROUP_M, True, (y_ptr, stride_ym))
 
     @gluon.jit
     def _down_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
@@ -441,9 +424,9 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
         gl.warp_specialize([
-            (_down_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr,
-                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                             stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
+            (_wide_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
+                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
+                             stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym))),
             (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                             slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                             stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
