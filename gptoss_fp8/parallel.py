@@ -5,9 +5,14 @@ Layout (the shard plan in checkpoint/plan.py decides which tensors each rank loa
   tp > kv heads), o_proj split by input columns, so its output is a partial sum;
 * experts: ``ep`` expert groups of ``tp // ep`` ranks each; rank r holds the experts of group
   ``r // (tp // ep)`` and, within them, part ``r % (tp // ep)`` of the intermediate dimension.
-  Every rank's down projection is a partial sum over (expert, intermediate part).
+  Every rank's down projection is a partial sum over (expert, intermediate part);
+* the embedding and lm_head: replicated, or with ``vocab_parallel`` (tp > 1) split by vocabulary
+  rows, rank r holding rows ``[V * r // tp, V * (r + 1) // tp)`` of both (``vocab_rows``:
+  contiguous, sizes differing by at most one when tp does not divide V).
 The model all-reduces exactly where OpenAI's reference does: after o_proj and after the MoE down
-projection (biases added once, by their owner rank, before the sum).
+projection (biases added once, by their owner rank, before the sum); vocab-parallel adds an
+all-reduce of the embedding rows (each row nonzero on one rank only: exact) and an all-gather of
+the logits' vocabulary slices.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,17 +36,22 @@ from gptoss_fp8.errors import GptOssFp8Error
 @dataclass(frozen=True)
 class Parallel:
     """Where a rank sits (passed in, never a global): rank r of a world of ``tp`` ranks, ``ep``
-    expert groups, and the process group to reduce over (None: the default group)."""
+    expert groups, the process group to reduce over (None: the default group), and whether the
+    embedding and lm_head are split by vocabulary rows (``vocab_parallel``; at tp 1 one rank holds
+    the whole vocabulary, so the flag is normalized to False there)."""
 
     rank: int = 0
     tp: int = 1
     ep: int = 1
     group: Any = None
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         assert self.tp >= 1 and self.ep >= 1, f"tp {self.tp} / ep {self.ep} must be >= 1"
         assert 0 <= self.rank < self.tp, f"rank {self.rank} outside world {self.tp}"
         assert self.tp % self.ep == 0, f"tp {self.tp} not a multiple of ep {self.ep}"
+        if self.tp == 1 and self.vocab_parallel:  # one slice is the whole vocabulary: the plain layout
+            object.__setattr__(self, "vocab_parallel", False)
 
     @property
     def world(self) -> int:
@@ -71,6 +82,19 @@ class Parallel:
         """Whether this rank adds down_proj_bias for its experts (part 0 of its expert group)."""
         return self.expert_part == 0
 
+    def vocab_rows(self, vocab_size: int, rank: int | None = None) -> tuple[int, int]:
+        """[start, stop) of the embedding / lm_head rows rank ``rank`` (default: this one) holds:
+        all of them when replicated; with ``vocab_parallel``, contiguous near-equal slices
+        ``[V * r // tp, V * (r + 1) // tp)`` (the shard plan slices the files by this too)."""
+        r = self.rank if rank is None else rank
+        if not self.vocab_parallel:
+            return 0, vocab_size
+        return vocab_size * r // self.tp, vocab_size * (r + 1) // self.tp
+
+    def vocab_sizes(self, vocab_size: int) -> list[int]:
+        """Rows of the vocabulary each rank holds, in rank order (``all_gather``'s ``sizes``)."""
+        return [b - a for a, b in (self.vocab_rows(vocab_size, r) for r in range(self.world))]
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in float32 (gloo has no bf16, and fp32 sums keep partials exact
         enough); returns a tensor of t's dtype. Identity when world == 1."""
@@ -85,12 +109,45 @@ class Parallel:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         return buf.to(t.dtype)
 
+    def all_gather(self, t: torch.Tensor, sizes: Sequence[int] | None = None, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``t`` concatenated along ``dim`` in rank order (t's dtype, exact: a copy).
+        ``sizes``: each rank's extent along ``dim`` when they differ (default: all t's); the other
+        dims must agree. Identity when world == 1. Shapes depend on ``sizes`` only, never on
+        data, and NCCL needs no host sync, so a CUDA graph can capture it."""
+        if self.world == 1:
+            return t
+        dim = dim % t.dim()
+        sizes = [t.shape[dim]] * self.world if sizes is None else list(sizes)
+        assert len(sizes) == self.world and t.shape[dim] == sizes[self.rank], \
+            f"rank {self.rank}: extent {t.shape[dim]} along dim {dim}, sizes {sizes}"
+        n = max(sizes)
+        if t.shape[dim] == n:
+            buf = t.contiguous()
+        else:  # collectives want equal pieces: pad to the largest, cut the padding off below
+            shape = list(t.shape)
+            shape[dim] = n
+            buf = t.new_zeros(shape)
+            buf.narrow(dim, 0, t.shape[dim]).copy_(t)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name since torch 2.13
+        if buf.is_cuda and dist.get_backend(self.group) == "gloo":
+            # Several ranks sharing one GPU (NCCL refuses that): gather through host memory.
+            host = buf.cpu()
+            out = host.new_empty((self.world * host.shape[0], *host.shape[1:]))
+            gather(out, host, group=self.group)
+            out = out.to(t.device)
+        else:
+            out = buf.new_empty((self.world * buf.shape[0], *buf.shape[1:]))
+            gather(out, buf, group=self.group)
+        parts = out.view(self.world, *buf.shape).unbind(0)  # [world, *buf.shape]: rank r's piece at r
+        return torch.cat([p.narrow(dim, 0, k) for p, k in zip(parts, sizes, strict=True)], dim)
+
 
 SINGLE = Parallel()
 
 
-def check_layout(cfg, tp: int, ep: int) -> None:
-    """One-line error for a (tp, ep) this model cannot be split into (cfg: a GptOssConfig)."""
+def check_layout(cfg, tp: int, ep: int, vocab_parallel: bool = False) -> None:
+    """One-line error for a (tp, ep) this model cannot be split into (cfg: a GptOssConfig), and,
+    with ``vocab_parallel``, for a vocabulary too small to give every rank a row."""
     def bad(msg: str) -> GptOssFp8Error:
         return GptOssFp8Error(f"--tp {tp} --ep {ep}: {msg}; choose another --tp/--ep")
 
@@ -108,6 +165,9 @@ def check_layout(cfg, tp: int, ep: int) -> None:
     parts = tp // ep
     if cfg.intermediate_size % parts:
         raise bad(f"intermediate_size {cfg.intermediate_size} cannot be split into tp/ep={parts} parts")
+    if vocab_parallel and tp > 1 and cfg.vocab_size < tp:
+        raise GptOssFp8Error(f"--tp {tp} --vocab-parallel: vocab_size {cfg.vocab_size} gives some rank no "
+                             "vocabulary rows; drop --vocab-parallel or use a smaller --tp")
 
 
 # ------------------------------------------------------------------------------------------------

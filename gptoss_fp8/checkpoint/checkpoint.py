@@ -33,6 +33,9 @@ class Checkpoint:
     ep: int
     manifest: dict | None  # layout.json, None for an FP8 checkpoint not written by gptoss-fp8
     conversion: dict | None  # conversion.json, None when absent
+    # embedding and lm_head split by vocabulary rows over the tp ranks (layout.json's
+    # "vocab_parallel"; False for a manifest without the field, written before the option existed)
+    vocab_parallel: bool = False
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -48,13 +51,17 @@ class Checkpoint:
         raw = read_config_json(cfg_path)
         cfg = GptOssConfig.from_dict(raw, str(cfg_path))
         manifest = read_manifest(root) if (root / LAYOUT_NAME).is_file() else None
-        tp, ep = (1, 1)
+        tp, ep, vocab_parallel = (1, 1, False)
         if manifest is not None:
             try:
                 tp, ep = int(manifest["tp"]), int(manifest["ep"])
             except (KeyError, TypeError, ValueError):
                 raise GptOssFp8Error(f"{root / LAYOUT_NAME}: not a valid layout manifest (no tp/ep); "
                                      "re-run the conversion") from None
+            vocab_parallel = manifest.get("vocab_parallel", False)
+            if not isinstance(vocab_parallel, bool):
+                raise GptOssFp8Error(f"{root / LAYOUT_NAME}: not a valid layout manifest (vocab_parallel is "
+                                     f"{vocab_parallel!r}, not true or false); re-run the conversion")
         conversion = None
         if (root / REPORT_NAME).is_file():
             try:
@@ -63,7 +70,7 @@ class Checkpoint:
                 conversion = None  # a record only: unreadable means unknown, not fatal
             if not isinstance(conversion, dict):
                 conversion = None
-        return cls(root, raw, cfg, tp, ep, manifest, conversion)
+        return cls(root, raw, cfg, tp, ep, manifest, conversion, vocab_parallel and tp > 1)
 
     @classmethod
     def of(cls, ckpt: Checkpoint | str | Path) -> Checkpoint:

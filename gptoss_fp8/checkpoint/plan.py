@@ -13,8 +13,13 @@ Parallel layout (world size = tp; ranks r = 0 .. tp-1):
   intermediate dimension over the tp/ep ranks of a group (part r % (tp/ep)): gate_up rows
   contiguous (rows 2j, 2j+1 are gate/up j, so pairs stay together), gate_up bias alike,
   down_proj columns; down_proj bias only on the part-0 rank of each group (applied once);
-* router, norms, embeddings and lm_head replicated (vocab-parallel would save 2 x 1.16 GB per
-  rank at tp 8; the replicated choice keeps the logits path free of a gather; see ``plan`` totals).
+* router and norms replicated; embeddings and lm_head replicated by default, or, with the
+  ``vocab_parallel`` layout option (``convert --vocab-parallel``, recorded in ``layout.json``;
+  older manifests without it are replicated), split by vocabulary rows over the tp ranks:
+  rank r holds rows ``[V * r // tp, V * (r + 1) // tp)`` of both (``Parallel.vocab_rows``;
+  contiguous, sizes differing by at most one when tp does not divide V). At tp 8 that saves
+  (7/8) x 2 x 1.16 GB = 2.03 GB per rank at the released shapes (see ``plan`` totals), for an
+  all-reduce of the embedding rows and an all-gather of the logits.
 
 128x128 blocks: shards get their own block grid with partial edge blocks, not padding. Expert
 shards are requantized from the MXFP4 source itself, so pow2 exactness is the same as unsharded.
@@ -47,6 +52,7 @@ class Split(str, enum.Enum):
     experts_rows = "experts_rows"  # dim 0 experts by ep group, dim 1 by intermediate part (gate_up)
     experts_cols = "experts_cols"  # dim 0 experts by ep group, dim 2 by intermediate part (down_proj)
     experts_once = "experts_once"  # dim 0 experts by ep group, on part 0 only (down_proj bias)
+    vocab = "vocab"  # dim 0 by vocabulary rows with the vocab_parallel layout, else replicated
 
 
 _L = r"model\.layers\.\d+\."
@@ -59,6 +65,7 @@ SHARD_RULES: tuple[tuple[re.Pattern, Split], ...] = tuple((re.compile(p), s) for
     (_L + r"mlp\.experts\.gate_up_proj(_bias)?", Split.experts_rows),
     (_L + r"mlp\.experts\.down_proj", Split.experts_cols),
     (_L + r"mlp\.experts\.down_proj_bias", Split.experts_once),
+    (r"model\.embed_tokens\.weight|lm_head\.weight", Split.vocab),
     (r".*", Split.replicate),
 ))
 
@@ -110,6 +117,10 @@ def rank_slice(name: str, full_shape: tuple[int, ...], cfg: GptOssConfig, par: P
         return Slice(name, full_shape, ())
     if s is Split.rank0:
         return Slice(name, full_shape, ()) if par.rank == 0 else None
+    if s is Split.vocab:
+        if not par.vocab_parallel:
+            return Slice(name, full_shape, ())
+        return Slice(name, full_shape, ((0, *par.vocab_rows(full_shape[0])),))
     if s is Split.q_heads:
         per = full_shape[0] // cfg.num_attention_heads  # head_dim rows per head, or 1 for sinks
         h0, h1 = _even(cfg.num_attention_heads, tp, par.rank)
@@ -190,8 +201,9 @@ def plan_rank(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], cfg: GptO
     return out
 
 
-def plan(cfg: GptOssConfig, tp: int, ep: int, keep_attention_bf16: bool = False) -> list[list[PlannedTensor]]:
+def plan(cfg: GptOssConfig, tp: int, ep: int, keep_attention_bf16: bool = False,
+         vocab_parallel: bool = False) -> list[list[PlannedTensor]]:
     """Per rank, the tensors it holds, in file order. Pure: reads no weights."""
-    check_layout(cfg, tp, ep)
+    check_layout(cfg, tp, ep, vocab_parallel)
     full = fp8_checkpoint_tensors(cfg, keep_attention_bf16)
-    return [plan_rank(full, cfg, Parallel(r, tp, ep)) for r in range(tp)]
+    return [plan_rank(full, cfg, Parallel(r, tp, ep, vocab_parallel=vocab_parallel)) for r in range(tp)]

@@ -48,6 +48,8 @@ def convert(
     keep_attention_bf16: Annotated[bool, typer.Option(help="Leave attention q/k/v/o projections in bf16.")] = False,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size: one folder per rank when > 1.")] = 1,
     ep: Annotated[int, typer.Option(min=1, help="Expert-parallel size (divides tp).")] = 1,
+    vocab_parallel: Annotated[bool, typer.Option(
+        help="Split the embedding and lm_head by vocabulary rows over the tp ranks (default: replicated).")] = False,
     device: Annotated[str, typer.Option(callback=check_device, help="Where the math runs: cpu, cuda, cuda:N.")] = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing checkpoint in DST.")] = False,
     resume: Annotated[bool, typer.Option(help="Finish an interrupted conversion into DST (same source and options).")] = False,
@@ -82,7 +84,8 @@ def convert(
 
     try:
         result = convert_checkpoint(
-            resolved.path, dst, scale_mode=scale_mode.value, keep_attention_bf16=keep_attention_bf16, tp=tp, ep=ep, device=device,
+            resolved.path, dst, scale_mode=scale_mode.value, keep_attention_bf16=keep_attention_bf16, tp=tp, ep=ep,
+            vocab_parallel=vocab_parallel, device=device,
             overwrite=overwrite, resume=resume, source=source, shard_bytes=int(max_shard_size * 1e9),
             progress=lambda n: bar.update(n) if bar is not None else None, on_plan=on_plan,
         )

@@ -31,6 +31,8 @@ def plan(
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (world size).")] = 1,
     ep: Annotated[int, typer.Option(min=1, help="Expert-parallel size (divides tp).")] = 1,
     keep_attention_bf16: Annotated[bool, typer.Option(help="Plan with attention kept in bf16.")] = False,
+    vocab_parallel: Annotated[bool, typer.Option(
+        help="Plan with the embedding and lm_head split by vocabulary rows (default: replicated).")] = False,
     summary: Annotated[bool, typer.Option(help="Only per-rank totals, not every tensor.")] = False,
 ) -> None:
     """Print what each rank holds (tensors, shapes, bytes) and the totals; no weights are read."""
@@ -45,7 +47,9 @@ def plan(
     from gptoss_fp8.config import GptOssConfig, preset_config
 
     cfg = preset_config(preset.value) if preset else GptOssConfig.from_file(src / "config.json")
-    ranks = make_plan(cfg, tp, ep, keep_attention_bf16)
+    ranks = make_plan(cfg, tp, ep, keep_attention_bf16, vocab_parallel)
+    vocab = "vocab-parallel" if vocab_parallel and tp > 1 else "replicated"
+    typer.echo(f"layout: tp {tp}, ep {ep}, embedding and lm_head {vocab}")
     grand = 0
     for r, tensors in enumerate(ranks):
         total = sum(t.nbytes for t in tensors)

@@ -103,6 +103,7 @@ def convert_checkpoint(
     keep_attention_bf16: bool = False,
     tp: int = 1,
     ep: int = 1,
+    vocab_parallel: bool = False,
     device: str = "cpu",
     overwrite: bool = False,
     resume: bool = False,
@@ -115,7 +116,9 @@ def convert_checkpoint(
     """Convert a local HF-layout gpt-oss MXFP4 checkpoint to FP8. Returns the report dict.
 
     tp/ep > 1 write one folder per rank (``rank-0000r/``) holding only that rank's slices, plus
-    ``layout.json``; tp = 1 writes the plain HF layout (and ``layout.json`` too). ``source`` is
+    ``layout.json``; tp = 1 writes the plain HF layout (and ``layout.json`` too).
+    ``vocab_parallel`` (tp > 1) splits the embedding and lm_head by vocabulary rows over the ranks
+    instead of replicating them (recorded in ``layout.json``; at tp 1 it changes nothing). ``source`` is
     provenance to record (e.g. {"repo_id": ..., "revision": sha}); the path is always recorded.
     ``progress(n)`` is called with source bytes done; ``on_plan(total, done)`` once before work.
 
@@ -130,15 +133,20 @@ def convert_checkpoint(
     opts = _options(scale_mode, keep_attention_bf16, device, shard_bytes, chunk_bytes, tp, ep)
     dev_is_cpu = torch.device(device).type == "cpu"
     src = SourceCheckpoint.open(src_path)
-    check_layout(src.config, tp, ep)
+    check_layout(src.config, tp, ep, vocab_parallel)
+    vocab_parallel = bool(vocab_parallel) and tp > 1  # tp 1: one rank holds the whole vocabulary
     if dst.resolve() == src.root.resolve():
         raise GptOssFp8Error(f"{dst}: DST is the source directory; choose a new directory for the FP8 checkpoint")
     jobs = plan_jobs(src, opts)
     full = [(o.name, o.dtype, o.shape) for j in jobs for o in j.outputs]
-    plans = [{t.name: t for t in plan_rank(full, src.config, Parallel(r, tp, ep))} for r in range(tp)]
+    plans = [{t.name: t for t in plan_rank(full, src.config, Parallel(r, tp, ep, vocab_parallel=vocab_parallel))}
+             for r in range(tp)]
     files = layout_files([[o.name for o in j.outputs] for j in jobs], plans, tp, opts.shard_bytes)
     all_files = [f for fs in files for f in fs]
-    state = {"tool": "gptoss-fp8", "version": __version__, "options": opts.identity(), "tp": tp, "ep": ep,
+    # the vocab_parallel key only when set: a replicated conversion's record is what it was before
+    # the option existed, so --resume of one made then still matches
+    vocab = {"vocab_parallel": True} if vocab_parallel else {}
+    state = {"tool": "gptoss-fp8", "version": __version__, "options": opts.identity(), "tp": tp, "ep": ep, **vocab,
              "source": src.fingerprint(), "files": [f.rel for f in all_files]}
     total_in = sum(j.in_bytes for j in jobs)
 
@@ -191,12 +199,13 @@ def convert_checkpoint(
             "version": __version__,
             "source": {"path": str(src.root.resolve()), **(source or {})},
             "options": opts.identity(),
-            "layout": {"tp": tp, "ep": ep},
+            "layout": {"tp": tp, "ep": ep, **vocab},
             "exactness": {"overall": report.overall(), "tensors": report.tensors},
             RESUME_KEY: state,
         }
         write_metadata_files(dst, files, {name: shape for name, _, shape in full}, finished, tp, ep,
-                             {"scale_mode": opts.scale_mode.value, "weight_block_size": [BLOCK, BLOCK]},
+                             {"vocab_parallel": vocab_parallel, "scale_mode": opts.scale_mode.value,
+                              "weight_block_size": [BLOCK, BLOCK]},
                              src.root, conversion, output_config(src.config_raw, opts))
         out.remove_partial()
     return json.loads((dst / REPORT_NAME).read_text())

@@ -186,15 +186,20 @@ def run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], o
     info = src.tensors[job.source]
     wname = job.outputs[0].name
     if job.kind is Kind.copy:
-        if all(not sl.ranges for _, sl in holders):  # replicated: stream row chunks to every holder
+        if all(d == 0 for _, sl in holders for d, _, _ in sl.ranges):
+            # whole, or cut along rows only (vocab-parallel embedding / lm_head): stream row chunks,
+            # each holder getting the rows of the chunk inside its own range
             rows = info.shape[0] if info.shape else 1
             row_bytes = max(1, info.nbytes // max(rows, 1))
             step = max(1, opts.chunk_bytes // row_bytes)
             ranges = [(a, min(rows, a + step)) for a in range(0, rows, step)]
             reads = (lambda a=a, b=b: src.read(job.source, a, b) if info.shape else src.read(job.source) for a, b in ranges)
+            own = [(r, _dim_range(sl, 0, rows)) for r, sl in holders]
             for (a, b), t in zip(ranges, _read_ahead(reads), strict=True):
-                for r, _ in holders:
-                    write(r, wname, t)
+                for r, (r0, r1) in own:
+                    lo, hi = max(a, r0), min(b, r1)
+                    if lo < hi:
+                        write(r, wname, t if (lo, hi) == (a, b) else t[lo - a : hi - a])
                 progress(row_bytes * (b - a))
             return
         full = src.read(job.source)  # sliced copies are small (biases, sinks)

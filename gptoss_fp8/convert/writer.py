@@ -166,6 +166,10 @@ def describe_difference(recorded: object, now: dict) -> tuple[str, str]:
         if recorded.get(k) != now[k]:
             kind = kind or "other options"
             out.append(f"{k} {recorded.get(k)!r} there, {now[k]!r} now")
+    if recorded.get("vocab_parallel", False) != now.get("vocab_parallel", False):  # absent: replicated
+        kind = kind or "other options"
+        out.append(f"vocab_parallel {recorded.get('vocab_parallel', False)!r} there, "
+                   f"{now.get('vocab_parallel', False)!r} now")
     rs, ns = recorded.get("source") if isinstance(recorded.get("source"), dict) else {}, now["source"]
     headers = []
     for name in sorted(set(rs) | set(ns)):

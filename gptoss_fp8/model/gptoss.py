@@ -98,7 +98,7 @@ class Embedding(nn.Module):
 class Body(nn.Module):
     def __init__(self, cfg: GptOssConfig, par: Parallel, attn_fp8: bool):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(local_vocab(cfg, par), cfg.hidden_size)
         self.layers = nn.ModuleList([Layer(cfg, par, i, attn_fp8) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size)
 
@@ -108,20 +108,30 @@ def local_heads(cfg: GptOssConfig, par: Parallel) -> tuple[int, int]:
     return cfg.num_attention_heads // par.tp, max(1, cfg.num_key_value_heads // par.tp)
 
 
+def local_vocab(cfg: GptOssConfig, par: Parallel) -> int:
+    """Embedding / lm_head rows held by one rank: all of them, or its vocab-parallel slice."""
+    a, b = par.vocab_rows(cfg.vocab_size)
+    return b - a
+
+
 def local_experts(cfg: GptOssConfig, par: Parallel) -> tuple[int, int, int]:
     """(experts, intermediate size, hidden) held by one rank."""
     return cfg.num_local_experts // par.ep, cfg.intermediate_size // par.parts, cfg.hidden_size
 
 
 class GptOss(nn.Module):
-    """gpt-oss causal LM for one rank. ``forward(tokens) -> logits`` (bf16 [T, V], replicated)."""
+    """gpt-oss causal LM for one rank. ``forward(tokens) -> logits`` (bf16 [T, V], replicated).
+
+    With ``par.vocab_parallel`` the rank holds rows ``par.vocab_rows(V)`` of the embedding and of
+    lm_head: ``embed`` looks up the tokens in its slice and all-reduces the rows, the logits of
+    each slice are all-gathered; every rank returns the full [T, V]."""
 
     def __init__(self, cfg: GptOssConfig, par: Parallel = SINGLE, *, attn_fp8: bool = True):
         super().__init__()
-        check_layout(cfg, par.tp, par.ep)
+        check_layout(cfg, par.tp, par.ep, par.vocab_parallel)
         self.cfg, self.par, self.attn_fp8 = cfg, par, attn_fp8
         self.model = Body(cfg, par, attn_fp8)
-        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, fp8=False, bias=False)
+        self.lm_head = Linear(local_vocab(cfg, par), cfg.hidden_size, fp8=False, bias=False)
 
     # ------------------------------------------------------------------------------------------
     def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -236,7 +246,7 @@ class GptOss(nn.Module):
         decode ``step``: tokens [B], one per sequence of the cache at the step's positions, their
         K / V appended and the attention reading the cached keys."""
         eps = self.cfg.rms_norm_eps
-        x = self.model.embed_tokens.weight[tokens.long()]  # [T, H] bf16
+        x = self.embed(tokens, ops)  # [T, H] bf16
         layers = self.model.layers
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
@@ -251,7 +261,34 @@ class GptOss(nn.Module):
                 x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
-        return ops.linear(h.y[-1:] if last_only else h.y, self.lm_head.weight, None, None)
+        return self._logits(h.y[-1:] if last_only else h.y, ops)
+
+    def embed(self, tokens: torch.Tensor, ops: ReferenceOps | None = None) -> torch.Tensor:
+        """tokens int [T] (ids in 0..V-1, checked by the callers) -> their embedding rows, bf16
+        [T, H], the same on every rank. Vocab-parallel: each rank takes the rows of the tokens in
+        its slice and -0.0 for the others, and the rows are all-reduced; x + (-0.0) == x for every
+        x (signed zeros included) in any summation order, so the sum is the row bit for bit.
+        Masking, not indexing by a mask: no data-dependent shape, no host sync (decode is captured
+        as a CUDA graph)."""
+        w = self.model.embed_tokens.weight
+        if not self.par.vocab_parallel:
+            return w[tokens.long()]
+        ops = ops or ReferenceOps()
+        v0, v1 = self.par.vocab_rows(self.cfg.vocab_size)
+        local = tokens.long() - v0
+        mine = (local >= 0) & (local < v1 - v0)
+        rows = w[local.clamp(0, v1 - v0 - 1)]  # [T, H]
+        rows = torch.where(mine[:, None], rows, -0.0)
+        return ops.all_reduce(rows, self.par)
+
+    def _logits(self, h: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        """The lm_head on the final normed rows h bf16 [T, H] -> logits bf16 [T, V] (vocab-parallel:
+        this rank's vocabulary columns, then all-gathered; each column is the same GEMM row as
+        unsharded)."""
+        logits = ops.linear(h, self.lm_head.weight, None, None)  # [T, V] or [T, V_rank]
+        if not self.par.vocab_parallel:
+            return logits
+        return ops.all_gather(logits, self.par, self.par.vocab_sizes(self.cfg.vocab_size))
 
     def _moe_chunked(self, layer: Layer, t: Normed, ops: ReferenceOps, capture: dict | None,
                      chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -117,6 +117,12 @@ class ReferenceOps:
         """Sum a partial result over the ranks of ``par`` (fp32 on the wire; identity on one rank)."""
         return par.all_reduce(t)
 
+    def all_gather(self, t: torch.Tensor, par: Parallel, sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along its last dim in rank order (``sizes``: each rank's
+        width when they differ): the vocab-parallel logits [T, V_rank] -> [T, V]. A copy, exact;
+        identity on one rank."""
+        return par.all_gather(t, sizes, dim=-1)
+
     def add_bias_after_sum(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Combine all-reduced fp32 partial products y and bias b of a split expert down projection.
         The reference rounds the product, then adds the bias in bf16 (its mlp2 bias comes after

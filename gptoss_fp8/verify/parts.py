@@ -45,7 +45,7 @@ def run_parts(model, tokens: torch.Tensor, ops, target: dict[str, torch.Tensor])
     dev = next(iter(model.buffers())).device
     k = model.cfg.num_experts_per_tok
     out: dict[str, torch.Tensor] = {}
-    x_in = model.model.embed_tokens.weight[tokens.to(dev).long()]
+    x_in = model.embed(tokens.to(dev), ops)  # (all-reduced over the ranks when vocab-parallel)
     out["0.in"] = x_in.cpu()  # layer 0's input: the embedding (a copy, the same in every mode)
     for i in range(model.cfg.num_hidden_layers):
         if i > 0:
