@@ -14,6 +14,12 @@
 #            with deep_gemm importable, and verify-logits --mode kernels --gemm deep_gemm on a tiny
 #            checkpoint and a synthetic 20b cut to 2 layers
 #   skinny   the decode-sized kernels: their GPU tests, quick sweeps, a profile of 20b decode steps
+#   decode   gptoss-fp8 bench decode: 20b and 120b, batch 1-128, context 8192 / 32768
+#   sweep    benchmarks/gemm_sweep.py: the GEMM variants beside DeepGEMM and cuBLAS
+#   sharded  the sharded benches' GPU tests; with several GPUs, bench prefill at the seed's layouts
+#            (tp = ep = 2 / 4 / 8, 8192 and 128000 tokens) and bench decode --tp (issue 25)
+#   peer-decode  transformers' decode peer at its best (static cache, torch.compile, CUDA graph) beside
+#            ours at batch 1, and its GPU tests
 #   decode-ab  one-process decode A/Bs of the kernel choices (benchmarks/ab_decode.py: the MoE's K
 #            blocks a step end to end, the wgmma tile), the cuBLAS scale-layout probe, the decode
 #            MoE's k_step sweep
@@ -109,6 +115,14 @@ if has decode; then
     --json "$OUT/decode_120b.json" 2>&1 | tee "$OUT/decode_120b.log"
 fi
 
+if has peer-decode; then
+  # transformers' decode at its best beside ours: a StaticCache, the step torch.compile'd and replayed
+  # as a CUDA graph (bench/decode_peer.py "compiled"; each case compiles, 1-2.5 min guessed), and eager
+  timeout 280 python3 -m pytest -q -s -m gpu tests/test_decode_peer.py 2>&1 | tail -15 | tee "$OUT/peer_decode_tests.log"
+  timeout 420 python3 -m gptoss_fp8.cli.main bench decode --model 20b --batch 1 --context 8192 \
+    --peer-mode eager,compiled --peer-steps 10 --json "$OUT/peer_decode_b1.json" 2>&1 | tee "$OUT/peer_decode_b1.log"
+fi
+
 if has sweep; then
   (
     if [[ -f .peers/deepgemm_setup.sh ]]; then source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz; fi
@@ -144,7 +158,25 @@ if has decode-ab; then
 fi
 
 if has sharded; then
+  # on one GPU the ranks share it over gloo (mechanics only); on an nvidia-h200-x2 / x4 / x8 machine
+  # one GPU per rank over NCCL, the decode steps CUDA graphs: the figures of issue 25
+  gpus=$(nvidia-smi -L | wc -l)
+  python3 -m pytest -q -m gpu tests/test_bench_sharded.py tests/test_decode_sharded.py tests/test_vocab_parallel.py \
+    2>&1 | tail -15 | tee "$OUT/sharded_tests.log"
   m bench prefill --model 20b --layers 2 --tokens 8192 --tp 2 --ep 2 --runs 3 \
     --json "$OUT/prefill_sharded.json" 2>&1 | tee "$OUT/prefill_sharded.log"
+  if (( gpus >= 2 )); then
+    for t in 2 4 8; do
+      (( gpus >= t )) || continue
+      m bench prefill --model 20b --tokens 8192,128000 --tp $t --ep $t --runs 3 \
+        --json "$OUT/prefill_20b_tp$t.json" 2>&1 | tee "$OUT/prefill_20b_tp$t.log"
+      m bench prefill --model 120b --tokens 8192,128000 --tp $t --ep $t --runs 3 \
+        --json "$OUT/prefill_120b_tp$t.json" 2>&1 | tee "$OUT/prefill_120b_tp$t.log"
+      m bench decode --model 20b --batch 1,8,64 --context 8192 --tp $t --ep $t --vocab-parallel \
+        --json "$OUT/decode_20b_tp$t.json" 2>&1 | tee "$OUT/decode_20b_tp$t.log"
+      m bench decode --model 120b --batch 1,8,64 --context 8192 --tp $t --ep $t \
+        --json "$OUT/decode_120b_tp$t.json" 2>&1 | tee "$OUT/decode_120b_tp$t.log"
+    done
+  fi
 fi
 

@@ -15,14 +15,17 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.parallel import Parallel
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)])
-def test_sharded_bench_runs_every_rank_and_times_the_all_reduces(tp, ep):
+@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), (2, 2, False), (2, 2, True)])
+def test_sharded_bench_runs_every_rank_and_times_the_all_reduces(tp, ep, vocab):
     lines = []
-    rows = bench_sharded("tiny", [24, 40], tp, ep, runs=2, warmup=1, device="cpu", echo=lines.append)
+    rows = bench_sharded("tiny", [24, 40], tp, ep, runs=2, warmup=1, device="cpu", echo=lines.append,
+                         vocab_parallel=vocab)
     assert [r["tokens"] for r in rows] == [24, 40] and len(lines) == 2
     cfg = preset_config("tiny")
     for r in rows:
-        assert (r["tp"], r["ep"], r["gpus"], r["collective"]) == (tp, ep, tp, "gloo")
+        assert (r["tp"], r["ep"], r["gpus"], r["collective"], r["vocab_parallel"]) == (tp, ep, tp, "gloo", vocab)
+        # the logits' vocabulary slices gathered (vocab-parallel) are a part of their own
+        assert ("allgather" in r["parts_s"]) == vocab and ("vocab-parallel" in format_sharded_row(r)) == vocab
         assert r["layers"] == r["full_layers"] == cfg.num_hidden_layers
         assert r["latency_s"] > 0 and r["slowest_rank_median_s"] >= r["latency_s"] * 0.5
         assert r["parts_s"]["allreduce"] > 0 and r["parts_s"]["moe"] > 0 and r["parts_s"]["attention"] > 0

@@ -29,17 +29,22 @@ A case whose cache does not fit beside the weights is skipped with a line saying
 The transformers peer (issue 24: "transformers bf16 decode in the same run where it fits"; its
 53 ms at batch 1): after our rows, our model and graphs are freed and transformers' bf16
 ``GptOssForCausalLM`` is built at the same shapes (same layers) with random weights
-(bench/decode_peer.py, whose docstring has the details): per case its own chunked prefill of random
-prompts of ``context`` tokens fills its own ``DynamicCache`` (untimed; up to 16384 tokens of whole
-prompts, their K / V rows copied over the rest of the batch), then single-token decode steps with
-``eager`` attention are timed as its generate loop runs them (no CUDA graph; ``torch.cuda.
-synchronize`` around each step, ``time.perf_counter``), median of ``peer_steps`` after 5 untimed
-ones. Unlike ours, its cache grows by one token a step (context -> context + 5 + peer_steps;
-~25 tokens against 8192: negligible). Each of our rows gets ``peer_ms_per_step``,
-``peer_tok_s_per_user`` and ``speedup_vs_peer`` (peer ms / ours ms, same layers on both sides) or
-``peer_failed`` (out of memory, estimated before the prefill or met, or a failure inside
-transformers). Only for 20b on a GPU with transformers importable (it is not a dependency; a line
-says why not): the 120b does not fit one GPU in bf16 (234 GB of weights), so it has no peer.
+(bench/decode_peer.py, whose docstring has the details), then timed per case in each peer mode
+(``peer_modes``, default both): ``eager``, its generate loop as it runs for gpt-oss's default cache
+(its own chunked prefill of random prompts of ``context`` tokens into its own ``DynamicCache``,
+untimed; up to 16384 tokens of whole prompts, their K / V rows copied over the rest of the batch;
+single-token steps with ``eager`` attention, no CUDA graph), and ``compiled``, the peer at its best
+(the same prefill into a ``StaticCache``, the one-token forward torch.compile'd with
+``fullgraph=True`` and replayed as a CUDA graph; its compile, untimed, reported as ``compile_s``).
+``torch.cuda.synchronize`` around each step, ``time.perf_counter``, median of ``peer_steps`` after 5
+untimed ones (compiled: at least 3). Unlike ours, its cache grows by one token a step (context ->
+context + 5 + peer_steps; ~25 tokens against 8192: negligible). Each of our rows gets
+``peer_modes`` (per mode: its figures and ``speedup``, peer ms / ours ms, or ``failed``: out of
+memory, estimated before the prefill or met, or a failure inside transformers or torch.compile)
+and, from the faster mode that ran, ``peer_mode``, ``peer_ms_per_step``, ``peer_tok_s_per_user``
+and ``speedup_vs_peer`` (same layers on both sides), or ``peer_failed`` when no mode ran. Only for
+20b on a GPU with transformers importable (it is not a dependency; a line says why not): the 120b
+does not fit one GPU in bf16 (234 GB of weights), so it has no peer.
 """
 
 from __future__ import annotations
@@ -54,8 +59,8 @@ import torch
 from gptoss_fp8.bench.prefill import GPU_HOUR_USD, random_model, usd_per_million_tokens
 from gptoss_fp8.config import GptOssConfig, preset_config
 from gptoss_fp8.model.cache import KVCache
-from gptoss_fp8.model.gptoss import GptOss
-from gptoss_fp8.parallel import SINGLE
+from gptoss_fp8.model.gptoss import GptOss, local_heads
+from gptoss_fp8.parallel import SINGLE, Parallel
 
 HBM_BPS = 4.26e12  # H200 HBM3e, bytes/s (issue 24's floor)
 WARMUP_S = 1.0
@@ -68,24 +73,33 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def floor_bytes(cfg: GptOssConfig, batch: int, context: int) -> dict[str, float]:
+def floor_bytes(cfg: GptOssConfig, batch: int, context: int, par: Parallel = SINGLE) -> dict[str, float]:
     """Bytes one decode step of ``batch`` sequences at ``context`` cached tokens must read, by part
-    (module docstring), from the model's own tensor list (tp = 1), and their sum as ``total``."""
+    (module docstring), from the model's own tensor list, and their sum as ``total``.
+
+    ``par``: what one rank of a sharded model must read (bench/decode_sharded.py), from that rank's
+    own tensors (``GptOss(cfg, par).expected()``): its heads' attention shard; its expert group's
+    experts, of which the batch touches ``touched / ep`` on average (each of the E experts is
+    touched with the same probability), each at its own intermediate part; the replicated router,
+    norms and lm_head (or its vocabulary rows, and its share of the batch's embedding rows); its kv
+    heads' keys and values. The default (one GPU) is the whole model."""
     parts = dict.fromkeys(("experts", "attention", "router_norms", "lm_head", "embedding", "kv"), 0.0)
     touched = expected_experts(cfg.num_local_experts, cfg.num_experts_per_tok, batch)
-    for name, (shape, dtype) in GptOss(cfg, SINGLE, attn_fp8=True).expected().items():
+    for name, (shape, dtype) in GptOss(cfg, par, attn_fp8=True).expected().items():
         n = math.prod(shape) * dtype.itemsize
-        if ".mlp.experts." in name:
+        if ".mlp.experts." in name:  # a rank's E / ep experts, touched / ep of them: n / (E / ep) * touched / ep
             parts["experts"] += n / cfg.num_local_experts * touched
         elif ".self_attn." in name:
             parts["attention"] += n
         elif name == "lm_head.weight":
             parts["lm_head"] += n
         elif name == "model.embed_tokens.weight":
-            parts["embedding"] += batch * shape[-1] * dtype.itemsize
+            # the batch's rows; a vocab-parallel rank reads those in its slice (its share on average)
+            rows = batch if shape[0] == cfg.vocab_size else batch * shape[0] / cfg.vocab_size
+            parts["embedding"] += rows * shape[-1] * dtype.itemsize
         else:  # router, norms
             parts["router_norms"] += n
-    per_key = 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    per_key = 2 * local_heads(cfg, par)[1] * cfg.head_dim * 2  # K and V of the rank's kv heads, bf16
     for kind in cfg.layer_types:
         keys = context + 1
         if kind == "sliding_attention" and cfg.sliding_window > 0:
@@ -194,9 +208,11 @@ def _breakdown(model, cache, tokens, ops, reset, num_experts: int, cuda: bool) -
 
 def bench(preset: str, batches: list[int], contexts: list[int], layers: int | None = None, runs: int = 20,
           warmup: int = 3, seed: int = 0, echo=print, device: str = "cuda", ops=None,
-          kernel_config=None, peer: bool = True, peer_steps: int = 20) -> list[dict]:
+          kernel_config=None, peer: bool = True, peer_steps: int = 20,
+          peer_modes: tuple[str, ...] | None = None) -> list[dict]:
     """One row per (context, batch): ms per step (median), tokens/s, $/1M, floor, cache bytes;
-    with ``peer`` (20b on a GPU) the transformers peer's step beside it (module docstring).
+    with ``peer`` (20b on a GPU) the transformers peer's step beside it, in ``peer_modes`` (None:
+    both; module docstring).
 
     On ``cuda`` (the bench): the ``triton`` backend and CUDA-graph replay. ``device="cpu"`` with
     a CPU ``ops`` backend runs eager steps: the command path and the arithmetic (timings then
@@ -256,13 +272,16 @@ def bench(preset: str, batches: list[int], contexts: list[int], layers: int | No
         model = ops = graphs = None  # free our weights and graph pools before the peer builds its own
         gc.collect()
         torch.cuda.empty_cache()
-        _add_peer(rows, preset, layers, batches, contexts, peer_steps, seed, echo)
+        _add_peer(rows, preset, layers, batches, contexts, peer_steps, seed, echo, peer_modes)
     return rows
 
 
 def _add_peer(rows: list[dict], preset: str, layers: int | None, batches: list[int], contexts: list[int],
-              steps: int, seed: int, echo) -> None:
-    """transformers' bf16 decode step on the same cases (bench/decode_peer.py), beside ours."""
+              steps: int, seed: int, echo, modes: tuple[str, ...] | None = None) -> None:
+    """transformers' bf16 decode step on the same cases (bench/decode_peer.py) in each peer mode
+    (``modes``; None: all of ``decode_peer.PEER_MODES``), beside ours: per row ``peer_modes`` (each
+    mode's figures, ``speedup`` ours against it, or ``failed``) and the fastest mode that ran as
+    ``peer_mode``, ``peer_ms_per_step``, ``speedup_vs_peer``, ...; ``peer_failed`` when none ran."""
     if preset != "20b":
         why = "does not fit one GPU in bf16 (no peer)" if preset == "120b" else "the peer runs for 20b only"
         echo(f"# transformers peer not run: {preset} {why}")
@@ -273,29 +292,52 @@ def _add_peer(rows: list[dict], preset: str, layers: int | None, batches: list[i
     if why is not None:
         echo(f"# transformers peer not run: {why}")
         return
-    res = decode_peer.bench_decode_peer(preset, batches, contexts, layers=layers, steps=steps, seed=seed, echo=echo)
+    modes = tuple(modes or decode_peer.PEER_MODES)
+    res = decode_peer.bench_decode_peer(preset, batches, contexts, layers=layers, steps=steps, seed=seed, echo=echo,
+                                        modes=modes)
     for r in rows:
-        got = res.get((r["batch"], r["context"])) or {"failed": "not measured"}
-        if got.get("failed"):
-            r["peer_failed"] = got["failed"]
+        got = res.get((r["batch"], r["context"])) or {}
+        r["peer_modes"] = {}
+        for mode in modes:
+            m = dict(got.get(mode) or {"failed": "not measured"})
+            if not m.get("failed"):
+                m["tok_s_per_user"] = 1e3 / m["ms_per_step"]
+                if r.get("ms_per_step"):
+                    m["speedup"] = m["ms_per_step"] / r["ms_per_step"]  # same layers on both sides
+            r["peer_modes"][mode] = m
+        ran = {mode: m for mode, m in r["peer_modes"].items() if not m.get("failed")}
+        if not ran:
+            r["peer_failed"] = "; ".join(f"{mode}: {m['failed']}" for mode, m in r["peer_modes"].items())
         else:
-            r["peer_ms_per_step"] = got["ms_per_step"]
-            r["peer_tok_s_per_user"] = 1e3 / got["ms_per_step"]
-            r["peer_attn_implementation"] = got["attn_implementation"]
-            r["peer_runs_s"] = got["runs_s"]
-            if r.get("ms_per_step"):
-                r["speedup_vs_peer"] = got["ms_per_step"] / r["ms_per_step"]  # same layers on both sides
+            mode = min(ran, key=lambda k: ran[k]["ms_per_step"])  # the peer at its best: the faster mode
+            best = ran[mode]
+            r["peer_mode"] = mode
+            r["peer_ms_per_step"] = best["ms_per_step"]
+            r["peer_tok_s_per_user"] = best["tok_s_per_user"]
+            r["peer_attn_implementation"] = best["attn_implementation"]
+            r["peer_runs_s"] = best["runs_s"]
+            if "speedup" in best:
+                r["speedup_vs_peer"] = best["speedup"]
         echo(format_peer(r))
 
 
 def format_peer(r: dict) -> str:
     head = f"{r['model']} L{r['layers']} b={r['batch']} ctx={r['context']}: transformers bf16 "
+    parts = []
+    for mode, m in r.get("peer_modes", {}).items():
+        if m.get("failed"):
+            parts.append(f"{mode} failed ({m['failed']})")
+            continue
+        how = f"{m['attn_implementation']}, {m.get('cache', '?')}" + (", CUDA graph" if m.get("cuda_graph") else "")
+        if m.get("compile_s") is not None:
+            how += f"; compile {m['compile_s']:.0f} s"
+        parts.append(f"{mode} {m['ms_per_step']:.3f} ms/step ({how})")
+    line = head + " | ".join(parts)
     if r.get("peer_failed"):
-        return head + f"failed ({r['peer_failed']})"
-    line = (head + f"({r['peer_attn_implementation']}, eager loop) {r['peer_ms_per_step']:.3f} ms/step, "
-            f"{r['peer_tok_s_per_user']:.1f} tok/s/user")
+        return line if parts else head + f"failed ({r['peer_failed']})"
     if r.get("speedup_vs_peer") is not None:
-        line += f" vs ours {r['ms_per_step']:.3f} ms/step: x{r['speedup_vs_peer']:.1f}"
+        line += (f"; vs ours {r['ms_per_step']:.3f} ms/step: x{r['speedup_vs_peer']:.1f} against the faster mode "
+                 f"that ran ({r['peer_mode']}, {r['peer_tok_s_per_user']:.1f} tok/s/user)")
     else:
         line += f" (ours skipped: {r.get('skipped')})"
     return line

@@ -190,6 +190,12 @@ class TimedOps:
             return self.ops.all_reduce(t, par)
         return self._timed("allreduce", self.ops.all_reduce, t, par)
 
+    def all_gather(self, t, par, sizes=None):
+        """Timed as "allgather" (the vocab-parallel logits) on a sharded model."""
+        if par.world == 1:
+            return self.ops.all_gather(t, par, sizes)
+        return self._timed("allgather", self.ops.all_gather, t, par, sizes)
+
     def seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for part, s, e in self.events:
@@ -418,5 +424,6 @@ def format_row(r: dict) -> str:
         f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%"
         + (f", {r['parts_tflops'][p]:.0f} TFLOP/s, floor {r['parts_floor_s'][p] * 1e3:.2f} ms" if p in r["parts_tflops"] else "")
         + ")"
-        for p in ("attention", "moe", "dense", "norm", "allreduce", "other") if p != "allreduce" or p in r["parts_s"])
+        for p in ("attention", "moe", "dense", "norm", "allreduce", "allgather", "other")
+        if p not in ("allreduce", "allgather") or p in r["parts_s"])
     return head + "\n  breakdown (one run with events, " + f"{tot * 1e3:.2f} ms): " + parts

@@ -40,13 +40,14 @@ TARGET_VS_SEED = 1.5  # issue 25: at least 1.5x faster than the seed's row
 
 def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: int | None = None, runs: int = 5,
                   warmup: int = 2, moe_chunk: int = 32768, seed: int = 0, echo=print, checkpoint: Path | None = None,
-                  device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0) -> list[dict]:
+                  device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0,
+                  vocab_parallel: bool = False) -> list[dict]:
     """One row per prompt length (rank 0's). Under torchrun this process is one rank (the other
     ranks get ``[]``); otherwise ``tp`` rank processes are started and their rows returned."""
     if checkpoint is None:
-        check_layout(preset_config(preset, layers), tp, ep)
-    job = {"preset": preset, "tokens": token_list, "tp": tp, "ep": ep, "layers": layers, "runs": runs,
-           "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
+        check_layout(preset_config(preset, layers), tp, ep, vocab_parallel)
+    job = {"preset": preset, "tokens": token_list, "tp": tp, "ep": ep, "vocab_parallel": vocab_parallel,
+           "layers": layers, "runs": runs, "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
            "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
            # the ranks build TritonOps' default config; of a given one, its GEMM library is passed on
            "gemm": None if kernel_config is None else kernel_config.gemm}
@@ -54,8 +55,10 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
         if int(os.environ["WORLD_SIZE"]) != tp:
             raise GptOssFp8Error(f"--tp {tp} under torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']}; "
                                  "give --nproc-per-node equal to --tp")
-        rows = run_rank(job, echo=echo)
-        return rows or []
+        rows = run_rank(job, echo=echo) or []
+        for r in rows:  # rank 0's (the other ranks have none)
+            echo(format_sharded_row(r))
+        return rows
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-bench-") as tmp:
         job["result"] = str(Path(tmp) / "rows.json")
         path = Path(tmp) / "job.json"
@@ -67,7 +70,8 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
     return rows
 
 
-def _ops(dev: str, gemm: str | None):
+def rank_ops(dev: str, gemm: str | None):
+    """A rank's ops backend: ``triton`` (with ``gemm``'s library when given) on a GPU, the w8a8 spec on CPU."""
     if dev.startswith("cuda"):
         from dataclasses import replace
 
@@ -104,7 +108,8 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
     try:
         collective = dist.get_backend()
         shared_gpu = cuda and torch.cuda.device_count() < tp
-        par = Parallel(rank=rank, tp=tp, ep=ep)
+        # random weights: the asked layout; a checkpoint's own layout decides (load_model)
+        par = Parallel(rank=rank, tp=tp, ep=ep, vocab_parallel=bool(job.get("vocab_parallel")))
         t0 = time.perf_counter()
         if job["checkpoint"]:
             from gptoss_fp8.checkpoint.checkpoint import Checkpoint
@@ -123,7 +128,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
-        ops = _ops(dev, job["gemm"])
+        ops = rank_ops(dev, job["gemm"])
         if job["gemm"] == "deep_gemm":
             from gptoss_fp8.kernels.deepgemm import adopt_padded
 
@@ -154,8 +159,9 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             for _ in range(max(job["warmup"], 1)):
                 once()
             times = [once() for _ in range(job["runs"])]
-            slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # gloo and NCCL both reduce float64
+            # NCCL reduces device tensors only (gloo takes either); both reduce float64
+            slowest = torch.tensor(times, dtype=torch.float64, device=dev if collective == "nccl" else "cpu")
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             timed = TimedOps(ops, cfg.num_local_experts, cuda=cuda)  # the router: all experts
             total = once(timed)
             parts = timed.seconds()
@@ -165,7 +171,8 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             seed_s = SEED_SHARDED_S.get(preset, {}).get((tp, ep), {}).get(n)
             flops = part_flops(cfg, n)
             rows.append({
-                "model": preset, "tokens": n, "tp": tp, "ep": ep, "gpus": tp, "collective": collective,
+                "model": preset, "tokens": n, "tp": tp, "ep": ep, "vocab_parallel": model.par.vocab_parallel,
+                "gpus": tp, "collective": collective,
                 "shared_gpu": shared_gpu, "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "layers": cfg.num_hidden_layers, "full_layers": full_layers,
                 "latency_s": lat, "runs_s": times, "slowest_rank_median_s": statistics.median(slowest.tolist()),
@@ -189,7 +196,8 @@ def format_sharded_row(r: dict) -> str:
         return "-" if v is None else fmt.format(v)
 
     full = r["layers"] == r["full_layers"]
-    head = (f"{r['model']} | tp {r['tp']} ep {r['ep']} ({r['collective']}) | {r['tokens']} tok | "
+    vp = " vocab-parallel" if r.get("vocab_parallel") else ""
+    head = (f"{r['model']} | tp {r['tp']} ep {r['ep']}{vp} ({r['collective']}) | {r['tokens']} tok | "
             f"layers {r['layers']}/{r['full_layers']} | latency {r['latency_s']:.4f} s (slowest rank "
             f"{r['slowest_rank_median_s']:.4f})" + ("" if full else f" | full-model est {r['est_full_s']:.4f} s")
             + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok on {r['gpus']} GPUs | seed {f(r['seed_s'])} s "
@@ -197,7 +205,8 @@ def format_sharded_row(r: dict) -> str:
             + (" | RANKS SHARE ONE GPU: not a measurement" if r["shared_gpu"] else ""))
     tot = r["parts_total_s"]
     parts = " | ".join(f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%)"
-                       for p in ("attention", "moe", "dense", "norm", "allreduce", "other"))
+                       for p in ("attention", "moe", "dense", "norm", "allreduce", "allgather", "other")
+                       if p != "allgather" or p in r["parts_s"])
     return head + f"\n  breakdown, rank 0 ({tot * 1e3:.2f} ms): " + parts
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import Gemm, GemmOption, OverwriteOutputs
+from gptoss_fp8.cli.common import BenchVocabParallel, EpOption, Gemm, GemmOption, OverwriteOutputs, TpOption
 from gptoss_fp8.errors import GptOssFp8Error
 
 app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)
@@ -113,10 +113,9 @@ def prefill(
              "eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     gemm: GemmOption = Gemm.ours,
-    tp: Annotated[int, typer.Option(min=1, max=64, help=(
-        "Tensor-parallel ranks, one process per GPU (started here, or run under torchrun "
-        "--nproc-per-node TP); NCCL all-reduces."))] = 1,
-    ep: Annotated[int, typer.Option(min=1, max=64, help="Expert-parallel groups (must divide --tp).")] = 1,
+    tp: TpOption = 1,
+    ep: EpOption = 1,
+    vocab_parallel: BenchVocabParallel = False,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
@@ -128,6 +127,8 @@ def prefill(
 
     if json_out is not None:
         check_output_path(json_out, overwrite=overwrite_outputs, forbidden=[checkpoint] if checkpoint else [], option="--json")
+    if vocab_parallel and tp < 2:
+        raise GptOssFp8Error("--vocab-parallel splits the vocabulary over --tp ranks; give --tp 2 or more")
     import torch
 
     if not torch.cuda.is_available():
@@ -149,7 +150,8 @@ def prefill(
             typer.echo(f"# {torch.cuda.device_count()} GPU(s) for {tp} ranks: ranks share a GPU over gloo "
                        "(the mechanics run; the figures are not a measurement)")
         rows = bench_sharded(model, token_list, tp, ep, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk,
-                             echo=typer.echo, checkpoint=checkpoint, kernel_config=kernel_config)
+                             echo=typer.echo, checkpoint=checkpoint, kernel_config=kernel_config,
+                             vocab_parallel=vocab_parallel)
     else:
         rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                            peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,
@@ -170,13 +172,22 @@ def decode(
              "when importable (20b only).")] = True,
     peer_steps: Annotated[int, typer.Option(
         min=1, help="Timed decode steps of the transformers peer per case (median reported).")] = 20,
+    peer_mode: Annotated[str, typer.Option(
+        help="Comma-separated peer modes: eager (its generate loop on a DynamicCache) and/or compiled (a StaticCache, "
+             "the step torch.compile'd and replayed as a CUDA graph; compile time reported apart). Speedups are "
+             "against the faster.")] = "eager,compiled",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    tp: TpOption = 1,
+    ep: EpOption = 1,
+    vocab_parallel: BenchVocabParallel = False,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Decode step latency per (batch, context) on our kernels as a replayed CUDA graph, random FP8
     weights at real shapes and a synthetic bf16 KV cache: ms/step, tokens/s per user and total,
     $ per 1M output tokens, the HBM floor and floor/ours, cache bytes; beside it transformers'
-    bf16 GptOss decode in the same run (20b; bench/decode.py)."""
+    bf16 GptOss decode in the same run (20b; bench/decode.py). With --tp the sharded model
+    (bench/decode_sharded.py): one process per GPU, each case's step a CUDA graph on every rank,
+    rank 0's step time, the per-rank floor, the all-reduces in the breakdown (no peer)."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
     if json_out is not None:
@@ -184,14 +195,31 @@ def decode(
     if model not in ("20b", "120b"):
         raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
     batches, contexts = _counts("--batch", batch, 1 << 12), _counts("--context", context, 1 << 20)
+    from gptoss_fp8.bench.decode_peer import PEER_MODES
+
+    peer_modes = tuple(dict.fromkeys(m.strip() for m in peer_mode.split(",") if m.strip()))
+    if not peer_modes or any(m not in PEER_MODES for m in peer_modes):
+        raise GptOssFp8Error(f"--peer-mode {peer_mode!r}: give one or more of {', '.join(PEER_MODES)}, comma-separated")
+    if vocab_parallel and tp < 2:
+        raise GptOssFp8Error("--vocab-parallel splits the vocabulary over --tp ranks; give --tp 2 or more")
     import torch
 
     if not torch.cuda.is_available():
         raise GptOssFp8Error("bench decode needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
-    from gptoss_fp8.bench.decode import bench as run_decode
+    if tp > 1 or ep > 1:
+        from gptoss_fp8.bench.decode_sharded import bench_decode_sharded
 
-    rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo, peer=peer, peer_steps=peer_steps)
-    if json_out is not None:
+        if torch.cuda.device_count() < tp:
+            typer.echo(f"# {torch.cuda.device_count()} GPU(s) for {tp} ranks: ranks share a GPU over gloo, eager "
+                       "steps (the mechanics run; the figures are not a measurement)")
+        rows = bench_decode_sharded(model, batches, contexts, tp, ep, layers, runs=runs, echo=typer.echo,
+                                    vocab_parallel=vocab_parallel)
+    else:
+        from gptoss_fp8.bench.decode import bench as run_decode
+
+        rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo, peer=peer,
+                          peer_steps=peer_steps, peer_modes=peer_modes)
+    if json_out is not None and rows:  # under torchrun only rank 0 has rows
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
 

@@ -110,6 +110,15 @@ class Preset(str, enum.Enum):
     b120 = "120b"
 
 
+# bench prefill / bench decode --tp / --ep / --vocab-parallel (random weights at a layout of these)
+TpOption = Annotated[int, typer.Option(min=1, max=64, help=(
+    "Tensor-parallel ranks, one process per GPU (started here, or run under torchrun --nproc-per-node TP); "
+    "NCCL all-reduces."))]
+EpOption = Annotated[int, typer.Option(min=1, max=64, help="Expert-parallel groups (must divide --tp).")]
+BenchVocabParallel = Annotated[bool, typer.Option(
+    help="With --tp: the embedding and lm_head split by vocabulary rows over the ranks (of random weights; "
+         "a bench prefill --checkpoint's own layout decides for it).")]
+
 OverwriteOutputs = Annotated[bool, typer.Option(
     "--overwrite-outputs",
     help="Replace existing files named by the output options (--report, --json, ...); never a checkpoint's files.")]

@@ -16,6 +16,14 @@ next query no longer sees) and the device lengths are restored after each, so th
 was. A graph holds its cache's addresses: keep the cache alive while the graph is used (the runner
 keys graphs by the cache object and drops a graph with its cache). Each graph has its own memory
 pool (one step's activations: a few MB, plus the logits [B, V]), so graphs replay in any order.
+
+A sharded model (``model.par.world > 1``, one process per rank): the all-reduces are NCCL calls,
+which a graph captures (one GPU per rank; gloo, used when ranks share a GPU, reduces through host
+memory and cannot be captured: refused). Every rank captures the same step: the warm-up steps run
+their collectives eagerly, then all ranks wait for their GPU and meet at a barrier before the
+capture, and the capture is ``thread_local`` so that the process group's watchdog thread, which
+queries the events of the eager collectives, cannot invalidate it. Replays must then be issued
+by every rank in the same order (each replay's all-reduces wait for the other ranks').
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import KVCache, decode_tokens
@@ -47,6 +56,10 @@ class DecodeGraphs:
     def __init__(self, model, ops, warmup: int = 2):
         if model.model.embed_tokens.weight.device.type != "cuda":
             raise GptOssFp8Error("CUDA-graph decode needs the model on a CUDA device")
+        par = model.par
+        if par.world > 1 and dist.get_backend(par.group) != "nccl":
+            raise GptOssFp8Error(f"CUDA-graph decode of a sharded model needs NCCL, one GPU per rank; this one "
+                                 f"reduces over {dist.get_backend(par.group)} (ranks sharing a GPU): run eager steps")
         self.model, self.ops, self.warmup = model, ops, warmup
         self._graphs: weakref.WeakKeyDictionary[KVCache, _Captured] = weakref.WeakKeyDictionary()
         self.captured = 0  # graphs captured so far
@@ -65,8 +78,12 @@ class DecodeGraphs:
                 self.model.decode_step(cache, tokens, self.ops)
                 cache.lengths.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(side)
+        sharded = self.model.par.world > 1
+        if sharded:  # every rank's eager collectives done, then all capture together (module docstring)
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=self.model.par.group)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local" if sharded else "global"):
             logits = self.model.decode_step(cache, tokens, self.ops)
         cache.lengths.copy_(saved)
         self.captured += 1
