@@ -308,9 +308,12 @@ def test_prompt_renders_harmony_offline():
     assert ids[0] == 200006 and ids[-1] == 173781 and 200008 in ids and 200007 in ids
 
 
-def test_cli_under_torchrun_tp2(tiny, tmp_path):
+@pytest.mark.parametrize("case", ["forward", "decode-vocab-parallel"])
+def test_cli_under_torchrun_tp2(tiny, tmp_path, case):
     """`torchrun --nproc-per-node 2 gptoss-fp8 verify-logits` on a tp 2 conversion: rank 0 runs the
-    reference, both ranks their shard, rank 0 reports; every rank exits with the verdict."""
+    reference, both ranks their shard, rank 0 reports; every rank exits with the verdict. The second
+    case: a vocab-parallel conversion, and ``--decode 3`` (the last 3 tokens decoded one at a time on
+    the ranks' KV caches, each step checked against the same mode's forward)."""
     import os
     import shutil as sh
     import subprocess
@@ -319,16 +322,21 @@ def test_cli_under_torchrun_tp2(tiny, tmp_path):
     from gptoss_fp8.parallel import free_port as _free_port
 
     root = tiny[0]
-    convert_checkpoint(root / "src", tmp_path / "tp2", tp=2, ep=1, keep_attention_bf16=True)
+    vocab = case == "decode-vocab-parallel"
+    convert_checkpoint(root / "src", tmp_path / "tp2", tp=2, ep=1, keep_attention_bf16=True, vocab_parallel=vocab)
     torchrun = sh.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "gptoss_fp8.cli.main",
            "verify-logits", str(tmp_path / "tp2"), "--reference", str(root / "src"), "--tokens", str(root / "tokens.json"),
-           "--json", str(tmp_path / "r.json")]
+           "--json", str(tmp_path / "r.json")] + (["--decode", "3"] if vocab else [])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["passed"] is True and rep["parallel"] == {"tp": 2, "ep": 1, "collective": "gloo"}
     assert rep["weights"]["summary"]["top1_agreement"] == 1.0
+    if vocab:
+        assert json.loads((tmp_path / "tp2" / "layout.json").read_text())["vocab_parallel"] is True
+        dec = rep["weights"]["decode"]
+        assert dec["steps"] == 3 and dec["passed"] is True, dec
 
 
 def test_cli_prompt_end_to_end(tmp_path):
