@@ -199,6 +199,46 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def start_rank(device: str, world: int, threads: int | None = None) -> tuple[int, str]:
+    """In a rank process (RANK / WORLD_SIZE / MASTER_* set by ``launch_ranks`` or torchrun): pick
+    its device (``device_for``), set its CPU threads (``threads``; default on CPU a 1/world share
+    of the cores) and join the process group (``backend_for``) -> (rank, device). The caller
+    destroys the group when done."""
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dev = device_for(device, int(os.environ.get("LOCAL_RANK", rank)))
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(dev)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif not dev.startswith("cuda"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend_for(dev, world), init_method="env://", rank=rank, world_size=world)
+    return rank, dev
+
+
+def check_torchrun_world(tp: int) -> None:
+    """Under torchrun: one line unless its WORLD_SIZE is ``tp`` (one process per rank)."""
+    if int(os.environ["WORLD_SIZE"]) != tp:
+        raise GptOssFp8Error(f"--tp {tp} under torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']}; "
+                             "give --nproc-per-node equal to --tp")
+
+
+def run_job(module: str, job: dict, world: int, what: str, timeout_s: float = 3600.0):
+    """``launch_ranks`` on ``job`` (written as JSON to a temporary folder, with ``job["result"]`` the
+    path rank 0 writes its JSON result to) -> that result, parsed."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gptoss-fp8-ranks-") as tmp:
+        job = dict(job, result=str(Path(tmp) / "result.json"))
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps(job))
+        launch_ranks(module, path, world, what, timeout_s)
+        return json.loads(Path(job["result"]).read_text())
+
+
 def launch_ranks(module: str, job: Path, world: int, what: str, timeout_s: float = 3600.0) -> None:
     """Run ``python -m module job`` once per rank (RANK / WORLD_SIZE / MASTER_* set, as torchrun
     does) and wait; the first rank to fail stops the others. A rank's GptOssFp8Error comes back as

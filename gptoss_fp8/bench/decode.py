@@ -174,18 +174,23 @@ def _time_steps(step, reset, runs: int, warmup: int, cuda: bool) -> list[float]:
     times = []
     for _ in range(runs):
         reset()
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        times.append(time_once(step, cuda))
     return times
+
+
+def time_once(step, cuda: bool) -> float:
+    """Seconds of one call of ``step``: CUDA events around it on a GPU (device time, the host not
+    waited for before), the host clock on CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    step()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / 1e3
 
 
 def _breakdown(model, cache, tokens, ops, reset, num_experts: int, cuda: bool) -> dict:

@@ -43,18 +43,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from gptoss_fp8.bench.decode import HBM_BPS, HEADROOM, WARMUP_S, floor_bytes
+from gptoss_fp8.bench.decode import HBM_BPS, HEADROOM, WARMUP_S, floor_bytes, time_once
 from gptoss_fp8.config import GptOssConfig, preset_config
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.parallel import Parallel, backend_for, check_layout, device_for, launch_ranks, under_torchrun
+from gptoss_fp8.parallel import (
+    Parallel,
+    check_layout,
+    check_torchrun_world,
+    device_for,
+    run_job,
+    start_rank,
+    under_torchrun,
+)
 
 MAX_WARMUP_STEPS = 2000
 
@@ -87,16 +93,9 @@ def bench_decode_sharded(preset: str, batches: list[int], contexts: list[int], t
            "layers": layers, "runs": runs, "warmup": warmup, "seed": seed, "device": device,
            "gemm": None if kernel_config is None else kernel_config.gemm, "vocab_parallel": vocab_parallel}
     if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != tp:
-            raise GptOssFp8Error(f"--tp {tp} under torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']}; "
-                                 "give --nproc-per-node equal to --tp")
+        check_torchrun_world(tp)
         return run_rank(job, echo=echo) or []
-    with tempfile.TemporaryDirectory(prefix="gptoss-fp8-bench-decode-") as tmp:
-        job["result"] = str(Path(tmp) / "rows.json")
-        path = Path(tmp) / "job.json"
-        path.write_text(json.dumps(job))
-        launch_ranks("gptoss_fp8.bench.decode_sharded", path, tp, "sharded decode bench", timeout_s)
-        out = json.loads(Path(job["result"]).read_text())
+    out = run_job("gptoss_fp8.bench.decode_sharded", job, tp, "sharded decode bench", timeout_s)
     for line in out["lines"]:
         echo(line)
     return out["rows"]
@@ -111,14 +110,9 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
     from gptoss_fp8.bench.prefill_sharded import rank_ops
     from gptoss_fp8.model.cache import KVCache
 
-    rank, tp, ep = int(os.environ["RANK"]), int(job["tp"]), int(job["ep"])
-    dev = device_for(job["device"], int(os.environ.get("LOCAL_RANK", rank)))
+    tp, ep = int(job["tp"]), int(job["ep"])
+    rank, dev = start_rank(job["device"], tp)
     cuda = dev.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    dist.init_process_group(backend_for(dev, tp), init_method="env://", rank=rank, world_size=tp)
     try:
         collective = dist.get_backend()
         shared_gpu = cuda and torch.cuda.device_count() < tp
@@ -147,11 +141,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             _check_rank_fits(cfg, par, sharers, preset)
         t0 = time.perf_counter()
         model = random_model(cfg, dev, job["seed"], par)
-        ops = rank_ops(dev, job["gemm"])
-        if job["gemm"] == "deep_gemm":
-            from gptoss_fp8.kernels.deepgemm import adopt_padded
-
-            adopt_padded(model)
+        ops = rank_ops(dev, job["gemm"], model)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         dist.barrier()
@@ -261,17 +251,7 @@ def _time_ranks(step, reset, runs: int, warmup: int, cuda: bool, slowest) -> lis
     times = []
     for _ in range(runs):
         reset()
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
+        times.append(time_once(step, cuda))
     return times
 
 

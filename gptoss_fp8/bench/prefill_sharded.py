@@ -16,9 +16,7 @@ adds the all-reduces as their own part. $ per 1M input tokens counts all T GPUs 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 
 from gptoss_fp8.config import preset_config
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.parallel import Parallel, backend_for, check_layout, device_for, launch_ranks, under_torchrun
+from gptoss_fp8.parallel import Parallel, check_layout, check_torchrun_world, run_job, start_rank, under_torchrun
 
 # The seed's batch-1 prefill on one node (issue 25), seconds, by (tp, ep) and prompt length.
 SEED_SHARDED_S = {
@@ -52,26 +50,23 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
            # the ranks build TritonOps' default config; of a given one, its GEMM library is passed on
            "gemm": None if kernel_config is None else kernel_config.gemm}
     if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != tp:
-            raise GptOssFp8Error(f"--tp {tp} under torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']}; "
-                                 "give --nproc-per-node equal to --tp")
-        rows = run_rank(job, echo=echo) or []
-        for r in rows:  # rank 0's (the other ranks have none)
-            echo(format_sharded_row(r))
-        return rows
-    with tempfile.TemporaryDirectory(prefix="gptoss-fp8-bench-") as tmp:
-        job["result"] = str(Path(tmp) / "rows.json")
-        path = Path(tmp) / "job.json"
-        path.write_text(json.dumps(job))
-        launch_ranks("gptoss_fp8.bench.prefill_sharded", path, tp, "sharded prefill bench", timeout_s)
-        rows = json.loads(Path(job["result"]).read_text())
+        check_torchrun_world(tp)
+        rows = run_rank(job, echo=echo) or []  # rank 0's (the other ranks have none)
+    else:
+        rows = run_job("gptoss_fp8.bench.prefill_sharded", job, tp, "sharded prefill bench", timeout_s)
     for r in rows:
         echo(format_sharded_row(r))
     return rows
 
 
-def rank_ops(dev: str, gemm: str | None):
-    """A rank's ops backend: ``triton`` (with ``gemm``'s library when given) on a GPU, the w8a8 spec on CPU."""
+def rank_ops(dev: str, gemm: str | None, model):
+    """A rank's ops backend: ``triton`` (with ``gemm``'s library when given) on a GPU, the w8a8 spec
+    on CPU. For ``gemm="deep_gemm"`` the model's weights become their K-padded copies first
+    (kernels/deepgemm.py ``adopt_padded``)."""
+    if gemm == "deep_gemm":
+        from gptoss_fp8.kernels.deepgemm import adopt_padded
+
+        adopt_padded(model)
     if dev.startswith("cuda"):
         from dataclasses import replace
 
@@ -97,14 +92,9 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
         usd_per_million_tokens,
     )
 
-    rank, tp, ep = int(os.environ["RANK"]), int(job["tp"]), int(job["ep"])
-    dev = device_for(job["device"], int(os.environ.get("LOCAL_RANK", rank)))
+    tp, ep = int(job["tp"]), int(job["ep"])
+    rank, dev = start_rank(job["device"], tp)
     cuda = dev.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    dist.init_process_group(backend_for(dev, tp), init_method="env://", rank=rank, world_size=tp)
     try:
         collective = dist.get_backend()
         shared_gpu = cuda and torch.cuda.device_count() < tp
@@ -128,11 +118,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
-        ops = rank_ops(dev, job["gemm"])
-        if job["gemm"] == "deep_gemm":
-            from gptoss_fp8.kernels.deepgemm import adopt_padded
-
-            adopt_padded(model)
+        ops = rank_ops(dev, job["gemm"], model)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         dist.barrier()

@@ -14,7 +14,7 @@ import torch
 from gptoss_fp8.checkpoint.checkpoint import Checkpoint
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.load import load_model
-from gptoss_fp8.parallel import Parallel, backend_for, device_for, launch_ranks, under_torchrun  # noqa: F401 (re-exported)
+from gptoss_fp8.parallel import Parallel, backend_for, device_for, launch_ranks, start_rank, under_torchrun  # noqa: F401 (re-exported)
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
 from gptoss_fp8.verify.decode import check_decode_steps, run_decode
 from gptoss_fp8.verify.parts import forced_inputs_needed, run_parts
@@ -129,12 +129,8 @@ def run_rank(job: dict) -> None:
     tensors, run the modes; rank 0 writes the outputs (replicated after the all-reduces)."""
     import torch.distributed as dist
 
-    rank, tp, ep = int(os.environ["RANK"]), int(job["tp"]), int(job["ep"])
-    torch.set_num_threads(int(job.get("threads", 1)))
-    dev = device_for(job["device"], rank)
-    if dev.startswith("cuda"):
-        torch.cuda.set_device(dev)
-    dist.init_process_group(backend_for(dev, tp), init_method="env://", rank=rank, world_size=tp)
+    tp, ep = int(job["tp"]), int(job["ep"])
+    rank, dev = start_rank(job["device"], tp, threads=int(job.get("threads", 1)))
     try:
         model = load_model(Checkpoint.open(job["ckpt"]), Parallel(rank=rank, tp=tp, ep=ep), dev)
         forced = None
