@@ -168,9 +168,9 @@ if has sharded; then
   if (( gpus >= 2 )); then
     for t in 2 4 8; do
       (( gpus >= t )) || continue
-      m bench prefill --model 20b --tokens 8192,128000 --tp $t --ep $t --runs 3 \
+      m bench prefill --model 20b --tokens 8192,128000 --tp $t --ep $t --runs 3 --cuda-graph \
         --json "$OUT/prefill_20b_tp$t.json" 2>&1 | tee "$OUT/prefill_20b_tp$t.log"
-      m bench prefill --model 120b --tokens 8192,128000 --tp $t --ep $t --runs 3 \
+      m bench prefill --model 120b --tokens 8192,128000 --tp $t --ep $t --runs 3 --cuda-graph \
         --json "$OUT/prefill_120b_tp$t.json" 2>&1 | tee "$OUT/prefill_120b_tp$t.log"
       m bench decode --model 20b --batch 1,8,64 --context 8192 --tp $t --ep $t --vocab-parallel \
         --json "$OUT/decode_20b_tp$t.json" 2>&1 | tee "$OUT/decode_20b_tp$t.log"

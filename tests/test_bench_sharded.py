@@ -60,3 +60,12 @@ def test_sharded_bench_on_the_gpu_kernels():
     assert r["shared_gpu"] == (torch.cuda.device_count() < 2)
     assert r["collective"] == ("gloo" if r["shared_gpu"] else "nccl")
     assert r["latency_s"] > 0 and r["parts_s"]["allreduce"] > 0 and r["parts_s"]["moe"] > 0
+
+
+def test_cuda_graph_over_gloo_is_a_note_not_a_figure():
+    """--cuda-graph with --tp: captured on every rank over NCCL only; over gloo (CPU, ranks sharing
+    a GPU) the row says why not instead of a figure."""
+    rows = bench_sharded("tiny", [16], 2, 2, runs=1, warmup=1, device="cpu", echo=lambda _: None, cuda_graph=True)
+    (r,) = rows
+    assert "graph_latency_s" not in r and "gloo" in r["graph_note"] and "cannot capture" in r["graph_note"]
+    assert "CUDA graph not run" in format_sharded_row(r)

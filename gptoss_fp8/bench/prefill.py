@@ -123,17 +123,22 @@ class GraphedPrefill:
     the ``triton`` backend (the MoE sizes its buffers by upper bounds), so the routing of the
     replayed tokens is computed on the GPU as in an eager call. Capture on a warm ``ops`` (kernels
     compiled); the graph keeps its own activation memory (one forward's) until it is dropped.
+    A sharded model (``bench prefill --tp --cuda-graph``): every rank captures together, its
+    all-reduces NCCL calls inside the graph (model/graph.py ``capture_args``), and every rank
+    replays in the same order.
     """
 
     def __init__(self, model: GptOss, n: int, ops, moe_chunk: int = 32768):
-        self.tokens = torch.zeros(n, dtype=torch.long, device="cuda")
+        from gptoss_fp8.model.graph import capture_args
+
+        self.tokens = torch.zeros(n, dtype=torch.long, device=model.model.embed_tokens.weight.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # torch's recipe: one forward on a side stream before capture
             prefill_logits(model, self.tokens, ops, moe_chunk)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, **capture_args(model, self.tokens.device)):
             self.logits = prefill_logits(model, self.tokens, ops, moe_chunk)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -39,12 +39,14 @@ TARGET_VS_SEED = 1.5  # issue 25: at least 1.5x faster than the seed's row
 def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: int | None = None, runs: int = 5,
                   warmup: int = 2, moe_chunk: int = 32768, seed: int = 0, echo=print, checkpoint: Path | None = None,
                   device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0,
-                  vocab_parallel: bool = False) -> list[dict]:
+                  vocab_parallel: bool = False, cuda_graph: bool = False) -> list[dict]:
     """One row per prompt length (rank 0's). Under torchrun this process is one rank (the other
-    ranks get ``[]``); otherwise ``tp`` rank processes are started and their rows returned."""
+    ranks get ``[]``); otherwise ``tp`` rank processes are started and their rows returned.
+    ``cuda_graph``: also the same prefill as a CUDA graph on every rank (NCCL only)."""
     if checkpoint is None:
         check_layout(preset_config(preset, layers), tp, ep, vocab_parallel)
     job = {"preset": preset, "tokens": token_list, "tp": tp, "ep": ep, "vocab_parallel": vocab_parallel,
+           "cuda_graph": cuda_graph,
            "layers": layers, "runs": runs, "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
            "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
            # the ranks build TritonOps' default config; of a given one, its GEMM library is passed on
@@ -154,6 +156,9 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             parts["other"] = max(total - sum(parts.values()), 0.0)
             lat = statistics.median(times)
             est = lat * full_layers / cfg.num_hidden_layers
+            graph = _graph_timing(model, tokens, ops, job, collective, sync, dist) if job.get("cuda_graph") else {}
+            if graph.get("graph_latency_s"):
+                graph["graph_est_full_s"] = graph["graph_latency_s"] * full_layers / cfg.num_hidden_layers
             seed_s = SEED_SHARDED_S.get(preset, {}).get((tp, ep), {}).get(n)
             flops = part_flops(cfg, n)
             rows.append({
@@ -167,7 +172,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
                 "target_s": seed_s / TARGET_VS_SEED if seed_s else None,
                 "one_gpu_seed_s": SEED_S.get(preset, {}).get(n),
                 "parts_s": parts, "parts_total_s": total, "flops": flops,
-                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **graph,
             })
         if rank == 0 and job.get("result"):
             Path(job["result"]).write_text(json.dumps(rows, indent=1))
@@ -175,6 +180,34 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
         return rows if rank == 0 else None
     finally:
         dist.destroy_process_group()
+
+
+def _graph_timing(model, tokens, ops, job: dict, collective: str, sync, dist) -> dict:
+    """``--cuda-graph``: the same prefill captured as a CUDA graph on every rank (bench/prefill.py
+    ``GraphedPrefill``; its all-reduces NCCL calls inside the graph) and replayed behind a barrier
+    as the eager runs are -> rank 0's median and runs; with gloo (CPU, ranks sharing a GPU) a note:
+    a reduction through host memory cannot be captured."""
+    if collective != "nccl":
+        return {"graph_note": f"not run: {collective} reduces through host memory, which a CUDA graph cannot capture"}
+    from gptoss_fp8.bench.prefill import GraphedPrefill
+
+    torch.cuda.empty_cache()  # the graph allocates its own pool
+    graphed = GraphedPrefill(model, tokens.shape[0], ops, job["moe_chunk"])
+
+    def replay(g=graphed) -> float:
+        sync()
+        dist.barrier()
+        s = time.perf_counter()
+        g(tokens)
+        sync()
+        return time.perf_counter() - s
+
+    for _ in range(max(job["warmup"], 1)):
+        replay()
+    times = [replay() for _ in range(job["runs"])]
+    del graphed, replay  # the graph's pool goes with them
+    torch.cuda.empty_cache()
+    return {"graph_latency_s": statistics.median(times), "graph_runs_s": times}
 
 
 def format_sharded_row(r: dict) -> str:
@@ -188,7 +221,9 @@ def format_sharded_row(r: dict) -> str:
             f"{r['slowest_rank_median_s']:.4f})" + ("" if full else f" | full-model est {r['est_full_s']:.4f} s")
             + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok on {r['gpus']} GPUs | seed {f(r['seed_s'])} s "
             f"(x{f(r['vs_seed'], '{:.2f}')}; target {f(r['target_s'])} s)"
-            + (" | RANKS SHARE ONE GPU: not a measurement" if r["shared_gpu"] else ""))
+            + (" | RANKS SHARE ONE GPU: not a measurement" if r["shared_gpu"] else "")
+            + (f" | CUDA graph {r['graph_latency_s']:.4f} s (full-model est {r['graph_est_full_s']:.4f} s)"
+               if r.get("graph_latency_s") else f" | CUDA graph {r['graph_note']}" if r.get("graph_note") else ""))
     tot = r["parts_total_s"]
     parts = " | ".join(f"{p} {r['parts_s'].get(p, 0) * 1e3:.2f} ms ({100 * r['parts_s'].get(p, 0) / tot:.0f}%)"
                        for p in ("attention", "moe", "dense", "norm", "allreduce", "allgather", "other")

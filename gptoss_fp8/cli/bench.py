@@ -144,14 +144,12 @@ def prefill(
     if tp > 1 or ep > 1:
         from gptoss_fp8.bench.prefill_sharded import bench_sharded
 
-        if cuda_graph:
-            raise GptOssFp8Error("--cuda-graph is not implemented for --tp > 1; leave it out")
         if torch.cuda.device_count() < tp:
             typer.echo(f"# {torch.cuda.device_count()} GPU(s) for {tp} ranks: ranks share a GPU over gloo "
                        "(the mechanics run; the figures are not a measurement)")
         rows = bench_sharded(model, token_list, tp, ep, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk,
                              echo=typer.echo, checkpoint=checkpoint, kernel_config=kernel_config,
-                             vocab_parallel=vocab_parallel)
+                             vocab_parallel=vocab_parallel, cuda_graph=cuda_graph)
     else:
         rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                            peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,

@@ -38,6 +38,24 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import KVCache, decode_tokens
 
 
+def capture_args(model, device) -> dict:
+    """Ready a capture of ``model``'s step: one rank's model needs nothing (``{}``); a sharded one
+    (``par.world > 1``) needs NCCL (one GPU per rank: gloo reduces through host memory, which a
+    graph cannot capture; one line otherwise), every rank's eager work done (device synchronized,
+    then a barrier, so all ranks capture together) and a ``thread_local`` capture (the process
+    group's watchdog thread queries the eager collectives' events, which a global capture would
+    refuse) -> ``torch.cuda.graph``'s keyword arguments."""
+    par = model.par
+    if par.world == 1:
+        return {}
+    if dist.get_backend(par.group) != "nccl":
+        raise GptOssFp8Error(f"CUDA graphs of a sharded model need NCCL, one GPU per rank; this one reduces over "
+                             f"{dist.get_backend(par.group)} (ranks sharing a GPU): run eager")
+    torch.cuda.synchronize(device)
+    dist.barrier(group=par.group)
+    return {"capture_error_mode": "thread_local"}
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -58,8 +76,8 @@ class DecodeGraphs:
             raise GptOssFp8Error("CUDA-graph decode needs the model on a CUDA device")
         par = model.par
         if par.world > 1 and dist.get_backend(par.group) != "nccl":
-            raise GptOssFp8Error(f"CUDA-graph decode of a sharded model needs NCCL, one GPU per rank; this one "
-                                 f"reduces over {dist.get_backend(par.group)} (ranks sharing a GPU): run eager steps")
+            raise GptOssFp8Error(f"CUDA graphs of a sharded model need NCCL, one GPU per rank; this one reduces over "
+                                 f"{dist.get_backend(par.group)} (ranks sharing a GPU): run eager")
         self.model, self.ops, self.warmup = model, ops, warmup
         self._graphs: weakref.WeakKeyDictionary[KVCache, _Captured] = weakref.WeakKeyDictionary()
         self.captured = 0  # graphs captured so far
@@ -78,12 +96,8 @@ class DecodeGraphs:
                 self.model.decode_step(cache, tokens, self.ops)
                 cache.lengths.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(side)
-        sharded = self.model.par.world > 1
-        if sharded:  # every rank's eager collectives done, then all capture together (module docstring)
-            torch.cuda.synchronize(dev)
-            dist.barrier(group=self.model.par.group)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local" if sharded else "global"):
+        with torch.cuda.graph(graph, **capture_args(self.model, dev)):
             logits = self.model.decode_step(cache, tokens, self.ops)
         cache.lengths.copy_(saved)
         self.captured += 1
