@@ -3,6 +3,7 @@
 # Usage (GPU machine, from the repository root): bash benchmarks/gpu_suite.sh [TARGET ...]   (default: all)
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
+#   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
 #   prefill  gptoss-fp8 bench prefill: 20b at 8192 / 32768 tokens (transformers bf16 beside it when
 #            importable), 120b at 8192; CUDA-graph timing too
@@ -41,6 +42,17 @@ if has tests; then
   # The kernels' CPU tests pick CUDA when it is there: run them on the GPU too (CPU-tensor
   # interpreter cases skip themselves there).
   python3 -m pytest -q -m "not gpu" tests/kernels tests/test_triton_ops.py 2>&1 | tee "$OUT/tests_cpu_on_gpu.log"
+fi
+
+if has pending-tests; then
+  # the GPU tests of what changed since the last GPU run (fourteenth session's end): the decode
+  # kernels (k_step, the fused o_proj + norm), moe_ws's refolded partitions, the sharded benches on
+  # one shared GPU, vocab-parallel, the compiled transformers peer, verify --decode after the
+  # one-wave attention change
+  timeout 420 python3 -m pytest -q -m gpu tests/kernels/test_moe_gemv.py tests/kernels/test_fp8_gemv.py \
+    tests/kernels/test_gemv_norm.py tests/kernels/test_fp8_gemm.py tests/kernels/test_moe.py tests/kernels/test_pdl.py \
+    tests/test_decode_sharded.py tests/test_bench_sharded.py tests/test_vocab_parallel.py tests/test_verify_decode.py \
+    2>&1 | tail -25 | tee "$OUT/pending_tests.log"
 fi
 
 if has kernels; then

@@ -230,22 +230,26 @@ def test_vocab_smaller_than_tp_is_one_clear_error(tmp_path):
 # Parallel.all_gather and the embedding's all-reduce, on 2 gloo ranks
 
 
-def _collectives(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _collectives(rank: int, world: int, port: int, device: str = "cpu", backend: str = "gloo") -> None:
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         par = Parallel(rank, world, 1, vocab_parallel=True)
         sizes = par.vocab_sizes(7)  # [3, 4]
         for dtype in (torch.bfloat16, torch.float32):
-            full = torch.arange(5 * 7, dtype=torch.float32).view(5, 7).to(dtype) - 11
+            full = (torch.arange(5 * 7, dtype=torch.float32).view(5, 7).to(dtype) - 11).to(device)
             a, b = par.vocab_rows(7)
             got = par.all_gather(full[:, a:b].clone(), sizes)  # last dim, uneven
             assert got.dtype == dtype and torch.equal(got, full), (rank, dtype)
             got = par.all_gather(full.T[a:b].clone(), sizes, dim=0)
             assert torch.equal(got, full.T), (rank, dtype)
-        even = torch.full((2, 3), float(rank), dtype=torch.bfloat16)
-        assert torch.equal(par.all_gather(even), torch.tensor([[0.0] * 3 + [1.0] * 3] * 2, dtype=torch.bfloat16))
+        even = torch.full((2, 3), float(rank), dtype=torch.bfloat16, device=device)
+        want = torch.tensor([[0.0] * 3 + [1.0] * 3] * 2, dtype=torch.bfloat16, device=device)
+        assert torch.equal(par.all_gather(even), want)
         # the embedding's sum: the owner's row plus -0.0 from the others is the row, signed zeros too
-        row = torch.tensor([-0.0, 0.0, 1.5, -2.0, float("inf")], dtype=torch.bfloat16)
+        row = torch.tensor([-0.0, 0.0, 1.5, -2.0, float("inf")], dtype=torch.bfloat16, device=device)
         mine = row if rank == 0 else torch.full_like(row, -0.0)
         got = par.all_reduce(mine)
         assert torch.equal(got.view(torch.int16), row.view(torch.int16)), got
@@ -255,3 +259,10 @@ def _collectives(rank: int, world: int, port: int) -> None:
 
 def test_all_gather_and_embedding_sum_over_gloo():
     mp.spawn(_collectives, args=(2, free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+def test_all_gather_and_embedding_sum_on_the_gpu():
+    """On CUDA tensors: NCCL with a GPU per rank, else gloo through host memory (ranks sharing one GPU)."""
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    mp.spawn(_collectives, args=(2, free_port(), "cuda", backend), nprocs=2, join=True)
