@@ -266,3 +266,15 @@ def test_all_gather_and_embedding_sum_on_the_gpu():
     """On CUDA tensors: NCCL with a GPU per rank, else gloo through host memory (ranks sharing one GPU)."""
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     mp.spawn(_collectives, args=(2, free_port(), "cuda", backend), nprocs=2, join=True)
+
+
+def test_vocab_parallel_at_tp_1_is_one_clear_error(tiny, tmp_path):
+    """At --tp 1 one rank holds the whole vocabulary: convert and plan refuse the option with one
+    line, before anything is written."""
+    root, *_ = tiny
+    for args in (["convert", str(root / "src"), str(tmp_path / "out"), "--vocab-parallel"],
+                 ["plan", "--preset", "tiny", "--vocab-parallel"]):
+        r = runner.invoke(app, args)
+        err = [line for line in r.output.splitlines() if line.strip()]
+        assert r.exit_code != 0 and len(err) == 1 and "give --tp 2 or more" in err[0], (args, r.output)
+    assert not (tmp_path / "out").exists()

@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import BenchVocabParallel, EpOption, Gemm, GemmOption, OverwriteOutputs, TpOption
+from gptoss_fp8.cli.common import (
+    BenchVocabParallel,
+    EpOption,
+    Gemm,
+    GemmOption,
+    OverwriteOutputs,
+    TpOption,
+    check_vocab_parallel,
+)
 from gptoss_fp8.errors import GptOssFp8Error
 
 app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)
@@ -127,8 +135,7 @@ def prefill(
 
     if json_out is not None:
         check_output_path(json_out, overwrite=overwrite_outputs, forbidden=[checkpoint] if checkpoint else [], option="--json")
-    if vocab_parallel and tp < 2:
-        raise GptOssFp8Error("--vocab-parallel splits the vocabulary over --tp ranks; give --tp 2 or more")
+    check_vocab_parallel(vocab_parallel, tp)
     import torch
 
     if not torch.cuda.is_available():
@@ -198,8 +205,7 @@ def decode(
     peer_modes = tuple(dict.fromkeys(m.strip() for m in peer_mode.split(",") if m.strip()))
     if not peer_modes or any(m not in PEER_MODES for m in peer_modes):
         raise GptOssFp8Error(f"--peer-mode {peer_mode!r}: give one or more of {', '.join(PEER_MODES)}, comma-separated")
-    if vocab_parallel and tp < 2:
-        raise GptOssFp8Error("--vocab-parallel splits the vocabulary over --tp ranks; give --tp 2 or more")
+    check_vocab_parallel(vocab_parallel, tp)
     import torch
 
     if not torch.cuda.is_available():

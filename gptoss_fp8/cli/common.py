@@ -119,6 +119,13 @@ BenchVocabParallel = Annotated[bool, typer.Option(
     help="With --tp: the embedding and lm_head split by vocabulary rows over the ranks (of random weights; "
          "a bench prefill --checkpoint's own layout decides for it).")]
 
+def check_vocab_parallel(vocab_parallel: bool, tp: int) -> None:
+    """--vocab-parallel asks for a split over --tp ranks: one line, before any work, at tp 1 (where
+    it would mean nothing)."""
+    if vocab_parallel and tp < 2:
+        raise GptOssFp8Error("--vocab-parallel splits the vocabulary over --tp ranks; give --tp 2 or more")
+
+
 OverwriteOutputs = Annotated[bool, typer.Option(
     "--overwrite-outputs",
     help="Replace existing files named by the output options (--report, --json, ...); never a checkpoint's files.")]

@@ -14,6 +14,7 @@ from gptoss_fp8.cli.common import (
     check_device,
     check_new_dir,
     check_shard_size,
+    check_vocab_parallel,
     progress_bar,
 )
 
@@ -64,6 +65,7 @@ def convert(
     from gptoss_fp8.checkpoint.hub import resolve_source
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
+    check_vocab_parallel(vocab_parallel, tp)
     check_new_dir(dst, "DST")
 
     def check_report(*inputs: Path) -> None:  # before the conversion (and any download), not after it

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import Preset
+from gptoss_fp8.cli.common import Preset, check_vocab_parallel
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -38,6 +38,7 @@ def plan(
     """Print what each rank holds (tensors, shapes, bytes) and the totals; no weights are read."""
     if (src is None) == (preset is None):
         raise GptOssFp8Error("give either a checkpoint directory SRC or --preset, not both or neither")
+    check_vocab_parallel(vocab_parallel, tp)
     if src is not None and not src.is_dir():
         raise GptOssFp8Error(f"{src}: {'is not a directory' if src.exists() else 'no such directory'}; "
                              "give the checkpoint directory (the folder holding config.json)")
