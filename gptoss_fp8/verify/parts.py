@@ -76,19 +76,18 @@ def part_rel_err(x_in: torch.Tensor, target_out: torch.Tensor, ours_out: torch.T
 
 
 def routing_flips(target_logits: torch.Tensor, ours_logits: torch.Tensor, k: int) -> dict:
-    """Tokens whose top-k expert set differs, and how many of those noise cannot explain: the
-    target's k-th / (k+1)-th gap exceeds twice our largest logit error on that token (a noise-level
-    error can swap two experts only when they are that close)."""
+    """Tokens whose top-k expert set differs (information, not a verdict): our router picks other
+    experts for them. A flip is never more than the logits' own error shows: expert i in the
+    target's top-k and j outside it swap only if o_j >= o_i, i.e. t_i - t_j <= 2 max |o - t| on
+    that token, so the target's k-th / (k+1)-th gap is at most twice our largest logit error there.
+    The router's verdict is its logits' relative error (``compare_parts``); the MoE part runs on
+    the target's routing, so a flip can neither hide nor fake an FFN error."""
     t, o = target_logits.double(), ours_logits.double()
     a = torch.topk(t, k, dim=-1).indices.sort(-1).values
     b = torch.topk(o, k, dim=-1).indices.sort(-1).values
     differ = (a != b).any(-1)
-    srt = t.sort(-1, descending=True).values
-    gap = srt[:, k - 1] - srt[:, k] if k < t.shape[-1] else torch.full_like(srt[:, 0], float("inf"))
-    noise = (o - t).abs().amax(-1)
-    real = differ & (gap > 2 * noise)
-    return {"tokens": int(t.shape[0]), "flipped": int(differ.sum()), "unexplained": int(real.sum()),
-            "first_unexplained_token": int(real.nonzero()[0, 0]) if bool(real.any()) else None}
+    return {"tokens": int(t.shape[0]), "flipped": int(differ.sum()),
+            "first_flipped_token": int(differ.nonzero()[0, 0]) if bool(differ.any()) else None}
 
 
 def compare_parts(target: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], n_layers: int, k: int,
@@ -112,13 +111,10 @@ def compare_parts(target: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]
             t, o = target[rk].double(), ours[rk].double()
             e = float((o - t).norm() / t.norm().clamp(min=1e-30))
             flips = routing_flips(target[rk], ours[rk], k)
-            ok = e <= limits["router"] and flips["unexplained"] == 0
+            ok = e <= limits["router"]
             rows.append({"layer": i, "part": "router", "rel_err": e, "limit": limits["router"], "passed": ok, **flips})
-            if e > limits["router"]:
+            if not ok:
                 failures.append(f"layer {i} router: logits rel. err {e:.3g} > {limits['router']:.3g}")
-            elif flips["unexplained"]:
-                failures.append(f"layer {i} router: {flips['unexplained']} token(s) routed to other experts by more "
-                                f"than noise explains (first: token {flips['first_unexplained_token']})")
     first = next((r for r in rows if not r["passed"]), None)
     return {"passed": not failures, "failures": failures, "parts": rows,
             "first_failing": None if first is None else {"layer": first["layer"], "part": first["part"]}}
