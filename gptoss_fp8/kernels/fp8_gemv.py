@@ -50,6 +50,26 @@ row, 2.0 TB/s of weights; 32-row tiles 15-40% slower); in a 20b decode step the 
 take 3-3.5 us: launch, ramp-up and the reduction are the rest. TP shard shapes and 32-64 rows not
 swept.
 
+Fused residual add + RMSNorm + FP8 quantization (an experiment, not wired into the model;
+benchmarks/gemv_norm_ab.py measures it): ``fp8_gemm_skinny_add_rms_norm`` computes delta = the GEMM
+(bf16 [M, N]) and then, in the same launch, what ``norm.rms_norm_quant(resid, delta, norm_weight,
+eps)`` computes: xo = bf16(resid + delta), y = rmsnorm(xo) bf16 and its 1x128 FP8 groups (q, s),
+for N = H (the hidden size: whole rows; BLOCK_H = next_pow2(N)). Protocol: once a tile's delta is
+stored (by its last split, or by the tile itself with one split), a CTA barrier and one acq_rel
+gpu-scope ``atomic_add`` on its row block's arrival counter (the shared buffer, after the split-K
+tiles' counters); the last of the row block's cdiv(N, BLOCK_N) tiles resets it to 0 and runs
+norm.py's row arithmetic (``add_rms_norm_rows``, the same helper ``_rms_norm_kernel`` calls) on
+the block's rows, norm.py's rows per step, the delta read back through L2 (.cg); with PDL, split 0
+of every tile first hints its columns of the norm weight and residual into L2. With norm.py's
+warp count (``norm_tile``; the launcher's default: 8 warps at H = 2880) the sums of squares reduce
+in the same layout, so all five outputs equal the unfused pair's bit for bit; with other warps
+they do in the interpreter, and on the GPU delta and xo do, y within the norm's one bf16 ulp. The
+default kernel (``_fp8_gemv_kernel``, no norm) compiles to the same sm_90 PTX as before the norm
+went in (the body is ``_fp8_gemv_program`` with NORM off). ptxas sm_90 (o_proj, BLOCK_N 64, split 8):
+58 registers at 8 warps (the GEMM alone: 48), 96 at 4 warps (44) at M = 1 (a launch specializes
+it), 80 / 148 for M > 1 (3 programs per SM by registers), no spills; the norm's rows are done one
+step after another by that one program (loading a step ahead: 95 registers at 8 warps, 2 per SM).
+
 Not done here: fp8 output, per-tensor scales, transposed operands, [..., K] activations (the
 caller reshapes), a persistent grid, stream-K (whole K blocks per split only), tiles wider than
 one 128-row weight-scale block.
@@ -57,7 +77,7 @@ one 128-row weight-scale block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -65,10 +85,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gptoss_fp8.kernels import arrival_counters, sm_count
+from gptoss_fp8.kernels.norm import add_rms_norm_rows, norm_tile
 from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait, prefetch_l2
-from gptoss_fp8.quant.fp8 import BLOCK, FP8_DTYPE, cdiv, next_pow2, scale_grid
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2, scale_grid
 
 MAX_BLOCK_M = 64  # rows per tile (x^T is the MMA's N side: 16 .. 64)
+# the fused norm's quantization: act_quant's groups, range and scale floor (norm.py passes the same)
+_GROUP, _FP8_MAX, _ACT_EPS = tl.constexpr(ACT_GROUP), tl.constexpr(FP8_MAX), tl.constexpr(ACT_EPS)
 
 
 @dataclass(frozen=True)
@@ -150,7 +173,47 @@ def _reduce_splits(
 
 
 @triton.jit
-def _fp8_gemv_kernel(
+def _norm_rows_when_done(
+    counter_ptr,
+    out_ptr,
+    resid_ptr,
+    nw_ptr,
+    xo_ptr,
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    pid_m,
+    M,
+    N,
+    stride_r,
+    eps,
+    BLOCK_M: tl.constexpr,
+    NORM_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Called by a tile once its out tile is stored: counts it on the row block's arrival counter
+    (after the split-K tiles' counters); the last of the row block's N tiles resets that counter
+    and runs norm.py's row arithmetic (``add_rms_norm_rows``, HAS_DELTA and QUANT) over the block's
+    rows, NORM_ROWS at a time, the delta (out, every tile's) read back through L2."""
+    ctr = counter_ptr + tl.num_programs(1) * tl.num_programs(2) + pid_m
+    tl.debug_barrier()  # every thread's out stores before the one acq_rel count
+    arrived = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        tl.store(ctr, 0)  # zero again for the next launch
+        cols = tl.arange(0, BLOCK_H)
+        w = tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        m0 = pid_m * BLOCK_M
+        for r0 in range(m0, tl.minimum(M, m0 + BLOCK_M), NORM_ROWS):  # NORM_ROWS divides BLOCK_M
+            rows = (r0 + tl.arange(0, NORM_ROWS)).to(tl.int64)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            x = tl.load(resid_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            d = tl.load(out_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            add_rms_norm_rows(x, d, w, rows, cols, mask, M, N, eps, xo_ptr, y_ptr, q_ptr, s_ptr, N, N, N,
+                              tl.cdiv(N, _GROUP), True, True, NORM_ROWS, BLOCK_H, _GROUP, _FP8_MAX, _ACT_EPS)
+
+
+@triton.jit
+def _fp8_gemv_program(
     x_ptr,
     xs_ptr,
     w_src,
@@ -173,9 +236,23 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     RED_CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,
-    PF_STEPS: tl.constexpr = 0,  # with PDL: 64-byte steps of each weight row's split prefetched before the wait
+    PDL: tl.constexpr,
+    PF_STEPS: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    resid_ptr,
+    stride_r,
+    nw_ptr,
+    xo_ptr,
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    eps,
 ):
+    """One program of the skinny GEMM (the kernels below): split pid_s of output tile (pid_n, pid_m);
+    with NORM, the fused residual add + RMSNorm + FP8 quantization of whole rows (N = H) once the
+    row block's every tile is stored (``_norm_rows_when_done``)."""
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -204,6 +281,10 @@ def _fp8_gemv_kernel(
         offs_p = kb_lo * BLOCK_K + tl.arange(0, PF_STEPS) * 64
         p_ok = offs_p < tl.minimum(kb_hi * BLOCK_K, K)
         prefetch_l2(w_src + w_rows[:, None] * stride_wn + offs_p[None, :], p_ok[None, :] & (offs_n < N)[:, None])
+    if NORM and PDL:  # split 0 hints its columns of the norm weight and residual rows into L2 for the norm's tail
+        c_ok = (offs_n < N) & (pid_s == 0)
+        prefetch_l2(nw_ptr + offs_n, c_ok)
+        prefetch_l2(resid_ptr + rows[:, None] * stride_r + offs_n[None, :], m_ok[:, None] & c_ok[None, :])
     pdl_wait(PDL)
     s_x = tl.load(xs_ptrs + kb_lo, mask=m_ok, other=0.0)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -229,6 +310,9 @@ def _fp8_gemv_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + (rows[None, :] * N + offs_n[:, None])  # [BLOCK_N, BLOCK_M] into [M, N]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if NORM:
+            _norm_rows_when_done(counter_ptr, out_ptr, resid_ptr, nw_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, pid_m, M, N,
+                                 stride_r, eps, BLOCK_M, NORM_ROWS, BLOCK_H)
     else:
         # partials [SPLIT_K, M, N]: split s's tile at (s * M + rows) * N + offs_n (int64: rows)
         tl.store(part_ptr + ((pid_s * M + rows[None, :]) * N + offs_n[:, None]), acc, mask=mask)
@@ -240,6 +324,87 @@ def _fp8_gemv_kernel(
         if arrived == SPLIT_K - 1:
             tl.store(counter_ptr + tile, 0)  # zero again for the next launch
             _reduce_splits(part_ptr, bias_ptr, out_ptr, pid_m * BLOCK_M, n0, M, N, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K, RED_CHUNK)
+            if NORM:
+                _norm_rows_when_done(counter_ptr, out_ptr, resid_ptr, nw_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, pid_m, M, N,
+                                     stride_r, eps, BLOCK_M, NORM_ROWS, BLOCK_H)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    xs_ptr,
+    w_src,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    RED_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PF_STEPS: tl.constexpr = 0,  # with PDL: 64-byte steps of each weight row's split prefetched before the wait
+):
+    _fp8_gemv_program(
+        x_ptr, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
+        stride_wsn, HAS_BIAS, TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, RED_CHUNK, PDL, PF_STEPS,
+        False, 1, 1, None, None, None, None, None, None, None, None,  # no norm
+    )
+
+
+@triton.jit
+def _fp8_gemv_norm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_src,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    RED_CHUNK: tl.constexpr,
+    resid_ptr,  # the residual [M, N] bf16 (row stride stride_r) and its norm weight fp32 [N]
+    stride_r,
+    nw_ptr,
+    xo_ptr,  # outputs, contiguous: x + delta and the normed rows bf16 [M, N], q fp8 [M, N], s fp32 [M, ceil(N/128)]
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    eps,
+    NORM_ROWS: tl.constexpr,  # norm.py's tile (norm_tile): rows per step (divides BLOCK_M), the row's width
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PF_STEPS: tl.constexpr = 0,
+):
+    _fp8_gemv_program(
+        x_ptr, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
+        stride_wsn, HAS_BIAS, TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, RED_CHUNK, PDL, PF_STEPS,
+        True, NORM_ROWS, BLOCK_H, resid_ptr, stride_r, nw_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, eps,
+    )
 
 
 def fp8_gemm_skinny(
@@ -261,6 +426,62 @@ def fp8_gemm_skinny(
     ceil(K/128)). Agrees with ``block_gemm_reference`` up to fp32 summation order. ``pdl``: launch
     with programmatic dependent launch (kernels/pdl.py), the weights prefetched into L2 before the wait.
     """
+    return _launch(x_fp8, x_scale, w_fp8, w_scale_inv, bias, out, tile, pdl)
+
+
+def fp8_gemm_skinny_add_rms_norm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    resid: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    tile: SkinnyTile | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_gemm_skinny`` then ``norm.rms_norm_quant(resid, delta, norm_weight, eps)`` in one launch:
+    returns (delta bf16 [M, N], xo = resid + delta bf16 [M, N], y = the normed xo bf16 [M, N],
+    q fp8 [M, N], s float32 [M, ceil(N/128)]), all new and contiguous. An experiment, not wired in.
+
+    The GEMM operands as for ``fp8_gemm_skinny``; resid bf16 [M, N] (last dim contiguous) is the
+    residual stream, N its width H (whole rows: the last of a row block's N tiles to store its
+    delta normalises the block's rows, norm.py's ``add_rms_norm_rows``), norm_weight float32 [N].
+    ``tile``: the GEMM's launch; by default ``skinny_tile``'s with norm.py's warp count for this H
+    (``norm_tile``), so the sum of squares runs in the unfused norm's order and the outputs equal
+    the unfused pair's bit for bit (the same ``tile`` for the GEMM alone). With other warps: bit for
+    bit in the interpreter; on the GPU delta and xo bit for bit, y within the norm's one bf16 ulp.
+    """
+    m, n = resid.shape if resid.dim() == 2 else (-1, -1)
+    assert resid.dim() == 2 and resid.dtype == torch.bfloat16 and resid.stride(-1) == 1, (
+        f"resid {tuple(resid.shape)} {resid.dtype}: want a bf16 [M, N] with a contiguous last dim"
+    )
+    assert x_fp8.dim() == 2 and x_fp8.shape[0] == m and w_fp8.dim() == 2 and w_fp8.shape[0] == n, (
+        f"resid {tuple(resid.shape)} is not the output [M, N] of x {tuple(x_fp8.shape)} and weight {tuple(w_fp8.shape)}"
+    )
+    assert norm_weight.shape == (n,) and norm_weight.dtype == torch.float32 and norm_weight.is_contiguous(), (
+        f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}: want a contiguous float32 [{n}]"
+    )
+    dev = resid.device
+    assert norm_weight.device == dev, "all tensors must be on one device"
+    delta = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+    xo, y = torch.empty_like(delta), torch.empty_like(delta)
+    q = torch.empty((m, n), dtype=FP8_DTYPE, device=dev)
+    s = torch.empty((m, cdiv(n, ACT_GROUP)), dtype=torch.float32, device=dev)
+    if m == 0:
+        return delta, xo, y, q, s
+    block_h, norm_rows, norm_warps = norm_tile(n, quant=True)
+    if tile is None:
+        tile = replace(skinny_tile(m, n, x_fp8.shape[1], sm_count(dev)), num_warps=norm_warps)
+    norm = (resid, norm_weight, float(eps), xo, y, q, s, norm_rows, block_h)
+    _launch(x_fp8, x_scale, w_fp8, w_scale_inv, bias, delta, tile, pdl, norm)
+    return delta, xo, y, q, s
+
+
+def _launch(x_fp8, x_scale, w_fp8, w_scale_inv, bias, out, tile, pdl, norm=None) -> torch.Tensor:
+    """Checks the GEMM's operands and launches it (``_fp8_gemv_kernel``; with ``norm``, the tuple
+    of ``fp8_gemm_skinny_add_rms_norm``, ``_fp8_gemv_norm_kernel``)."""
     assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert x_fp8.dim() == 2 and w_fp8.dim() == 2, (
         f"x must be [M, K] and weight [N, K], got {tuple(x_fp8.shape)}, {tuple(w_fp8.shape)}"
@@ -296,15 +517,23 @@ def fp8_gemm_skinny(
     bm = block_m_for(m)
     split = min(tile.split_k, cdiv(k, BLOCK))
     num_n, num_m = cdiv(n, bn), cdiv(m, bm)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=dev)
-        counter = arrival_counters(dev, num_n * num_m)
+    if split > 1 or norm is not None:
+        # split-K tiles' counters, then (norm) one per row block
+        counter = arrival_counters(dev, num_n * num_m + (num_m if norm is not None else 0))
     else:
-        part = counter = out  # unused
+        counter = out  # unused
+    part = torch.empty((split, m, n), dtype=torch.float32, device=dev) if split > 1 else out  # (else unused)
     # TMA needs a 16-byte aligned base (the row stride K is a multiple of 16)
     tma = tile.tma and w_fp8.data_ptr() % 16 == 0
     w_src = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK]) if tma else w_fp8
-    _fp8_gemv_kernel[(split, num_n, num_m)](
+    kernel, extra = _fp8_gemv_kernel, {}
+    if norm is not None:
+        resid, nw, eps, xo, y, q, s, norm_rows, block_h = norm
+        assert bm % norm_rows == 0 and block_h >= n, (bm, norm_rows, block_h, n)
+        kernel = _fp8_gemv_norm_kernel
+        extra = dict(resid_ptr=resid, stride_r=resid.stride(0), nw_ptr=nw, xo_ptr=xo, y_ptr=y, q_ptr=q, s_ptr=s, eps=eps,
+                     NORM_ROWS=norm_rows, BLOCK_H=block_h)
+    kernel[(split, num_n, num_m)](
         x_fp8,
         x_scale,
         w_src,
@@ -331,6 +560,7 @@ def fp8_gemm_skinny(
         PF_STEPS=next_pow2(2 * cdiv(cdiv(k, BLOCK), split)) if pdl and not tma else 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **extra,
         **launch_kwargs(pdl),
     )
     return out

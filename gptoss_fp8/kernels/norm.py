@@ -16,6 +16,8 @@ ulp.
 ``quant=True`` also returns the normed rows' FP8 quantization (1x128 groups, kernels/act_quant.py's
 contract and arithmetic, on the bf16-rounded output): the same bits as ``act_quant`` of the normed
 tensor, without reading it back. The linears and the MoE that follow a norm take it from there.
+The row arithmetic (add, norm, quantization, stores) is ``add_rms_norm_rows``, shared with the
+norm fused into the skinny GEMM's epilogue (fp8_gemv.py ``fp8_gemm_skinny_add_rms_norm``).
 
 ``rms_norm_quant(..., combine=weights)`` takes the MoE's per-slot outputs [T, k, H] as the delta and
 combines them in the same pass (``moe.moe_combine``'s arithmetic, bit for bit): the combined
@@ -37,31 +39,18 @@ from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, n
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, cw_ptr,
-    M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
-    HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
-    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+def add_rms_norm_rows(
+    x, d, w, rows, cols, mask, M, H, eps, xo_ptr, y_ptr, q_ptr, s_ptr, stride_xo, stride_y, stride_q, stride_s,
+    HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = (rows[:, None] < M) & (cols[None, :] < H)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)  # the norm's weight: before the wait
-    pdl_wait(PDL)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    """The row arithmetic of the norm on loaded rows: x [BLOCK_M, BLOCK_H] (x's dtype; masked
+    entries 0), d the delta's rows (any dtype; unused without HAS_DELTA), w float32 [BLOCK_H] the
+    norm weight; ``rows`` (int64) / ``cols`` / ``mask`` address the tile in [M, H]. Stores x + d
+    (HAS_DELTA) into xo, the normed rows into y and (QUANT) their 1x128 FP8 groups into q, s.
+    Shared by ``_rms_norm_kernel`` and the fused epilogue of fp8_gemv.py, so both compute the same
+    bits from the same rows (the sum of squares' order is the layout's: same tile and warps)."""
     if HAS_DELTA:
-        if TOP_K > 0:
-            # delta = the MoE's weighted combine of TOP_K per-slot rows (kernels/moe.py's
-            # _moe_combine_kernel: fp32 products and sum in slot order, one rounding to bf16)
-            acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-            for j in tl.static_range(TOP_K):
-                wj = tl.load(cw_ptr + rows * TOP_K + j, mask=rows < M, other=0.0).to(tl.float32)
-                yj = tl.load(d_ptr + (rows[:, None] * TOP_K + j) * stride_d + cols[None, :], mask=mask, other=0.0)
-                acc += wj[:, None] * yj.to(tl.float32)
-            d = acc.to(tl.bfloat16)
-        else:
-            d = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
         # torch: x + delta.to(x.dtype), an fp32 sum rounded once to x's dtype
         x = (x.to(tl.float32) + d.to(x.dtype).to(tl.float32)).to(x.dtype)
         tl.store(xo_ptr + rows[:, None] * stride_xo + cols[None, :], x, mask=mask)
@@ -80,6 +69,46 @@ def _rms_norm_kernel(
         g = tl.arange(0, NG)
         tl.store(s_ptr + rows[:, None] * stride_s + g[None, :], scale,
                  mask=(rows[:, None] < M) & (g[None, :] < tl.cdiv(H, GROUP)))
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, cw_ptr,
+    M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
+    HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
+    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < M) & (cols[None, :] < H)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)  # the norm's weight: before the wait
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    d = x  # no delta: unused
+    if HAS_DELTA:
+        if TOP_K > 0:
+            # delta = the MoE's weighted combine of TOP_K per-slot rows (kernels/moe.py's
+            # _moe_combine_kernel: fp32 products and sum in slot order, one rounding to bf16)
+            acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                wj = tl.load(cw_ptr + rows * TOP_K + j, mask=rows < M, other=0.0).to(tl.float32)
+                yj = tl.load(d_ptr + (rows[:, None] * TOP_K + j) * stride_d + cols[None, :], mask=mask, other=0.0)
+                acc += wj[:, None] * yj.to(tl.float32)
+            d = acc.to(tl.bfloat16)
+        else:
+            d = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
+    add_rms_norm_rows(x, d, w, rows, cols, mask, M, H, eps, xo_ptr, y_ptr, q_ptr, s_ptr, stride_xo, stride_y, stride_q,
+                      stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS)
+
+
+def norm_tile(h: int, quant: bool) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_M, num_warps) of a norm over rows of ``h``: the whole row in one tile, ~2048
+    elements per program for small H. A kernel calling ``add_rms_norm_rows`` on the same tile with
+    the same warps gets the same layout, hence the same sum-of-squares order and the same bits."""
+    block_h = max(next_pow2(h), ACT_GROUP if quant else 1)
+    block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
+    return block_h, block_m, 8 if block_h >= 4096 else 4
 
 
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
@@ -106,15 +135,14 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
         return xo, y, (q, s) if quant else None
-    block_h = max(next_pow2(h), ACT_GROUP if quant else 1)
-    block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
+    block_h, block_m, num_warps = norm_tile(h, quant)
     d = delta if delta is not None else x
     _rms_norm_kernel[(cdiv(m, block_m),)](
         x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h,
         x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
-        PDL=pdl, num_warps=8 if block_h >= 4096 else 4, **launch_kwargs(pdl),
+        PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
     )
     return xo, y, (q, s) if quant else None
 
