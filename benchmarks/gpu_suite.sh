@@ -22,8 +22,8 @@
 #   peer-decode  transformers' decode peer at its best (static cache, torch.compile, CUDA graph) beside
 #            ours at batch 1, and its GPU tests
 #   decode-ab  one-process decode A/Bs of the kernel choices (benchmarks/ab_decode.py: the MoE's K
-#            blocks a step end to end, the wgmma tile), the cuBLAS scale-layout probe, the decode
-#            MoE's k_step sweep
+#            blocks a step end to end, the wgmma tile), the cuBLAS scale-layout probe, the fused
+#            o_proj + norm kernel against the two launches, the decode MoE's k_step sweep
 # The device machine has no network: OpenAI's reference (for the tests and verify that run it) comes
 # from .whl/gpt_oss (the installed package copied there, git-ignored, carried with the call), and
 # DeepGEMM from .peers/ (carried too).
@@ -163,6 +163,9 @@ if has decode-ab; then
   timeout 120 python3 benchmarks/ab_decode.py --model 120b --batch 1 --context 8192 \
     --variants default,moe-k2,moe-k4 --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
   timeout 60 python3 benchmarks/cublas_layout_probe.py 2>&1 | tee "$OUT/cublas_layout_probe.log"
+  # o_proj + residual add + RMSNorm + quantization in one kernel against the two launches (24-layer
+  # graphs, PDL off / on, 1 / 4 / 8 rows; kernels/fp8_gemv.py fp8_gemm_skinny_add_rms_norm)
+  timeout 120 python3 benchmarks/gemv_norm_ab.py 2>&1 | tee "$OUT/gemv_norm_ab.log"
   # the decode MoE's K blocks a step (DRAM locality: 256-512 contiguous bytes of each weight row)
   timeout 120 python3 benchmarks/moe_gemv_sweep.py --tokens 1,4 --budget 100 --variants \
     "heuristic,32/32,32/32 k2,32/32 s2 k2,32/32 k4,32/32 w2,32/32 w2 k2,64/64 s6,64/64 s3 k2" 2>&1 \
