@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,9 +225,10 @@ def check_torchrun_world(tp: int) -> None:
                              "give --nproc-per-node equal to --tp")
 
 
-def run_job(module: str, job: dict, world: int, what: str, timeout_s: float = 3600.0):
+def run_job(module: str, job: dict, world: int, what: str, timeout_s: float = 3600.0,
+            output: Callable[[str], None] | None = None):
     """``launch_ranks`` on ``job`` (written as JSON to a temporary folder, with ``job["result"]`` the
-    path rank 0 writes its JSON result to) -> that result, parsed."""
+    path rank 0 writes its JSON result to) -> that result, parsed. ``output``: see ``launch_ranks``."""
     import json
     import tempfile
 
@@ -235,23 +236,50 @@ def run_job(module: str, job: dict, world: int, what: str, timeout_s: float = 36
         job = dict(job, result=str(Path(tmp) / "result.json"))
         path = Path(tmp) / "job.json"
         path.write_text(json.dumps(job))
-        launch_ranks(module, path, world, what, timeout_s)
+        launch_ranks(module, path, world, what, timeout_s, output)
         return json.loads(Path(job["result"]).read_text())
 
 
-def launch_ranks(module: str, job: Path, world: int, what: str, timeout_s: float = 3600.0) -> None:
+def _forward(pipe, output: Callable[[str], None]) -> None:
+    """Hand rank 0's stdout to ``output`` as it arrives (UTF-8 text, in the chunks the pipe gives),
+    until the pipe closes (the rank exits, or is killed)."""
+    import codecs
+
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split across reads waits
+    with pipe:
+        while chunk := os.read(pipe.fileno(), 65536):
+            if text := utf8.decode(chunk):
+                output(text)
+    if text := utf8.decode(b"", final=True):
+        output(text)
+
+
+def launch_ranks(module: str, job: Path, world: int, what: str, timeout_s: float = 3600.0,
+                 output: Callable[[str], None] | None = None) -> None:
     """Run ``python -m module job`` once per rank (RANK / WORLD_SIZE / MASTER_* set, as torchrun
     does) and wait; the first rank to fail stops the others. A rank's GptOssFp8Error comes back as
     one; any other failure as a RuntimeError with that rank's stderr tail. Ranks' stderr is kept
-    beside ``job`` (rank<r>.err)."""
+    beside ``job`` (rank<r>.err). Their stdout is dropped, except, given ``output``, rank 0's: read
+    through a pipe by a thread of this process and handed to ``output`` (text, as it arrives) while
+    the ranks run, so what rank 0 prints reaches the caller's own stdout (or whatever ``output``
+    writes to) as it would from this process."""
+    import threading
+
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     errs = [job.parent / f"rank{r}.err" for r in range(world)]
     procs = []
+    reader = None
     for r in range(world):
+        piped = r == 0 and output is not None
+        rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        if piped:  # text as it is printed, in UTF-8 whatever the locale
+            rank_env |= {"PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}
         with open(errs[r], "w") as err:  # the child holds its own descriptor
-            procs.append(subprocess.Popen([sys.executable, "-m", module, str(job)],
-                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                          stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(subprocess.Popen([sys.executable, "-m", module, str(job)], env=rank_env,
+                                          stdout=subprocess.PIPE if piped else subprocess.DEVNULL, stderr=err))
+        if piped:
+            reader = threading.Thread(target=_forward, args=(procs[0].stdout, output), daemon=True)
+            reader.start()
     deadline = time.monotonic() + timeout_s
     failed = None
     while any(p.poll() is None for p in procs):
@@ -265,6 +293,8 @@ def launch_ranks(module: str, job: Path, world: int, what: str, timeout_s: float
         time.sleep(0.05)
     for p in procs:
         p.wait()
+    if reader is not None:
+        reader.join()  # rank 0 has exited: its pipe is at its end
     if failed is None:
         failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
     if failed is None:

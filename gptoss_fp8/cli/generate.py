@@ -41,12 +41,14 @@ def generate(
     ] = GenMode.auto,
 ) -> None:
     """Prefill the prompt, then decode token by token (streamed), until a Harmony stop token or
-    --max-new-tokens; prints the reply's channels and tokens/s of prefill and decode."""
+    --max-new-tokens; prints the reply's channels and tokens/s of prefill and decode. A checkpoint
+    converted with --tp T runs one process per rank: started for you, or each process of
+    torchrun --nproc-per-node T is one."""
     if (prompt is None) == (tokens is None):
         raise GptOssFp8Error("pass exactly one of --prompt TEXT or --tokens FILE")
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
     from gptoss_fp8.cli.verify_logits import check_vocab
-    from gptoss_fp8.verify import generate as gen
+    from gptoss_fp8.verify.generate_sharded import run
 
     opened = Checkpoint.open(ckpt)
     cfg = opened.config
@@ -57,5 +59,5 @@ def generate(
 
         ids = render_prompt(prompt)
         check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
-    gen.run(opened, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device.value,
-            mode=mode.value, echo=typer.echo)
+    run(opened, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device.value,
+        mode=mode.value, echo=typer.echo)

@@ -12,6 +12,10 @@ smaller vocabulary has ``config.special_token_ids``' stand-ins for ``<|return|>`
 Text: the offline o200k_harmony tokenizer that ``--prompt`` uses (verify/prompt.py), streamed as
 tokens arrive (held back while a UTF-8 character is incomplete); at the end the reply is parsed
 into its Harmony messages (channel ``analysis`` / ``final`` / ``commentary``, and their text).
+
+A checkpoint converted for tp > 1 runs the same loop on every rank (verify/generate_sharded.py
+starts the ranks, or is one of torchrun's): ``chooser`` has rank 0 pick each token and decide the
+stop, and broadcasts both.
 """
 
 from __future__ import annotations
@@ -117,26 +121,74 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+# The token choice of one step: (that step's logits [1, V], the tokens generated so far) -> appends
+# the next token to the list, returns why the reply ends after it (a stop token's name,
+# "max-new-tokens") or None.
+Choose = Callable[[torch.Tensor, list[int]], str | None]
+
+
+def chooser(model, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> Choose:
+    """``generate``'s token choice for ``model``: ``pick`` (the seeded sampler at temperature > 0),
+    then ``stops_here`` and the ``max_new_tokens`` limit. A sharded model (``model.par.world > 1``,
+    one process per rank; the model's all-reduces and all-gather leave the logits replicated on
+    every rank): rank 0 chooses, its generator the only one, and broadcasts the token and the
+    verdict, so every rank feeds the same token and runs the same number of steps (each holds
+    collectives)."""
+    dev = model.model.embed_tokens.weight.device
+    stops = stop_tokens(model.cfg.vocab_size)
+    gen = None
+    par = model.par
+    if temperature > 0 and par.rank == 0:
+        gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def choose(logits: torch.Tensor, tokens: list[int]) -> str | None:
+        tokens.append(pick(logits, temperature, gen))
+        name = stops_here(tokens, stops)
+        return name if name is not None or len(tokens) < max_new_tokens else "max-new-tokens"
+
+    if par.world == 1:
+        return choose
+    import torch.distributed as dist
+
+    verdicts = [None, "max-new-tokens", *stops.values()]  # the same list on every rank: sent as an index
+    where = dev if dist.get_backend(par.group) == "nccl" else torch.device("cpu")  # gloo: host tensors
+
+    def shared(logits: torch.Tensor, tokens: list[int]) -> str | None:
+        if par.rank == 0:
+            name = choose(logits, tokens)
+            msg = torch.tensor([tokens[-1], verdicts.index(name)], dtype=torch.long, device=where)
+        else:  # the logits are rank 0's too; nothing of them is read here
+            msg = torch.empty(2, dtype=torch.long, device=where)
+        dist.broadcast(msg, 0, group=par.group)
+        tok, verdict = msg.tolist()
+        if par.rank != 0:
+            tokens.append(tok)
+        return verdicts[verdict]
+
+    return shared
+
+
 def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              on_token: Callable[[int], None] | None = None, cuda_graph: bool | None = None) -> Generation:
     """Prefill ``prompt`` (token ids) with ``ops``, then decode one token at a time until a stop
     token (``stops_here``) or ``max_new_tokens``; ``on_token`` is called with each new id as it
     comes. The cache holds exactly prompt + max_new_tokens positions. ``cuda_graph``: each decode
     step as a replayed CUDA graph (model/graph.py; the same logits bit for bit); None: on a GPU
-    with the triton backend, whose step has no host synchronisation."""
+    with the triton backend, whose step has no host synchronisation (sharded: over NCCL, one GPU
+    per rank; gloo steps run eager). A sharded model runs this on every rank, together
+    (``chooser``: rank 0 chooses each token); every rank returns the same tokens."""
     cfg = model.cfg
     check_request(cfg, prompt, max_new_tokens, temperature)
     dev = model.model.embed_tokens.weight.device
-    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    stops = stop_tokens(cfg.vocab_size)
+    choose = chooser(model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out = Generation(list(prompt))
     t0 = time.perf_counter()
     cache, logits = model.prefill(torch.tensor(prompt, dtype=torch.long, device=dev), ops,
                                   max_len=len(prompt) + max_new_tokens)
-    tok = pick(logits, temperature, gen)  # a host read: the prefill is done
+    stop = choose(logits, out.tokens)  # a host read: the prefill is done
     out.prefill_seconds = time.perf_counter() - t0
     if cuda_graph is None:
-        cuda_graph = dev.type == "cuda" and getattr(ops, "name", "") == "triton"
+        cuda_graph = dev.type == "cuda" and getattr(ops, "name", "") == "triton" and _graphable(model.par)
     if cuda_graph:
         from gptoss_fp8.model.graph import DecodeGraphs
 
@@ -146,19 +198,24 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
             return model.decode(c, t, ops)
     t1 = time.perf_counter()
     while True:
-        out.tokens.append(tok)
         if on_token is not None:
-            on_token(tok)
-        name = stops_here(out.tokens, stops)
-        if name is not None:
-            out.stop = name
+            on_token(out.tokens[-1])
+        if stop is not None:
+            out.stop = stop
             break
-        if len(out.tokens) == max_new_tokens:
-            break
-        tok = pick(step(cache, tok), temperature, gen)
+        stop = choose(step(cache, out.tokens[-1]), out.tokens)
     _sync(dev)
     out.decode_seconds = time.perf_counter() - t1
     return out
+
+
+def _graphable(par) -> bool:
+    """Whether a decode step of this rank can be captured: one process, or ranks over NCCL."""
+    if par.world == 1:
+        return True
+    import torch.distributed as dist
+
+    return dist.get_backend(par.group) == "nccl"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,35 +291,54 @@ def parse_reply(tokens: list[int]) -> tuple[list[tuple[str, str]], str | None]:
 
 def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
         device: str = "cpu", mode: str = "auto", echo: Callable[..., None] = print) -> Generation:
-    """Load ``ckpt`` (an opened Checkpoint, unsharded), generate from the prompt ids with the
-    ``mode``'s ops backend (verify-logits' modes; auto: kernels on cuda, weights on cpu), stream
-    the reply through ``echo`` (text, or ids for a vocabulary that is not the tokenizer's), then
-    its Harmony channels and the prefill / decode tokens per second."""
+    """Load ``ckpt`` (an opened Checkpoint), generate from the prompt ids with the ``mode``'s ops
+    backend (verify-logits' modes; auto: kernels on cuda, weights on cpu), stream the reply through
+    ``echo`` (text, or ids for a vocabulary that is not the tokenizer's), then its Harmony channels
+    and the prefill / decode tokens per second. One process: a checkpoint converted for tp > 1 runs
+    through verify/generate_sharded.py ``run`` (which calls this one for tp 1)."""
     from gptoss_fp8.model.load import load_model
     from gptoss_fp8.parallel import Parallel, device_for
-    from gptoss_fp8.verify.backends import ops_for, resolve_modes
+    from gptoss_fp8.verify.backends import ops_for
 
     cfg = ckpt.config
     check_request(cfg, prompt, max_new_tokens, temperature)
-    if ckpt.tp > 1:
-        raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}; generate runs in one process: "
-                             "convert again with --tp 1 (the default)")
+    mode = resolve_mode(mode, device)
+    model = load_model(ckpt, Parallel(), device_for(device, 0))
+    return stream_reply(model, prompt, ops_for(mode), f"mode {mode}, {device}", max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed, echo=echo)
+
+
+def resolve_mode(mode: str, device: str) -> str:
+    """``--mode`` -> the one mode that runs (auto: kernels on cuda, else weights); one line if it
+    cannot run on ``device``."""
+    from gptoss_fp8.verify.backends import resolve_modes
+
     auto = "kernels" if device.startswith("cuda") else "weights"
     (mode,) = resolve_modes([auto if mode == "auto" else mode], device)
-    model = load_model(ckpt, Parallel(), device_for(device, 0))
-    ops = ops_for(mode)
-    text = has_text(cfg.vocab_size)
-    if text:
-        stream = TextStream()
-        on_token = lambda t: echo(stream.push(t), nl=False)  # noqa: E731
-    else:
-        echo(f"vocab_size {cfg.vocab_size} is not the o200k_harmony tokenizer's {HARMONY_VOCAB} (a synthetic "
-             "checkpoint?): the reply is shown as token ids, without text or channels")
-        on_token = lambda t: echo(f"{t} ", nl=False)  # noqa: E731
-    echo(f"[{len(prompt)} prompt tokens, mode {mode}, {device}, "
-         + ("greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}") + "]")
+    return mode
+
+
+def stream_reply(model, prompt: list[int], ops, where: str, *, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, echo: Callable[..., None] | None = print) -> Generation:
+    """``generate`` with its output: a header (``where``: the mode and the device), the reply
+    streamed through ``echo`` as it comes, then why it stopped, its Harmony channels and the
+    speeds. ``echo`` None: nothing is printed (the ranks of a sharded run but rank 0)."""
+    text = has_text(model.cfg.vocab_size)
+    on_token = None
+    if echo is not None:
+        if text:
+            stream = TextStream()
+            on_token = lambda t: echo(stream.push(t), nl=False)  # noqa: E731
+        else:
+            echo(f"vocab_size {model.cfg.vocab_size} is not the o200k_harmony tokenizer's {HARMONY_VOCAB} (a "
+                 "synthetic checkpoint?): the reply is shown as token ids, without text or channels")
+            on_token = lambda t: echo(f"{t} ", nl=False)  # noqa: E731
+        echo(f"[{len(prompt)} prompt tokens, {where}, "
+             + ("greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}") + "]")
     g = generate(model, prompt, ops, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                  on_token=on_token)
+    if echo is None:
+        return g
     if text:
         echo(stream.flush(), nl=False)
     echo("")
