@@ -13,10 +13,12 @@ and the decode MoE's down launch with it too: moe_gemv.PDL_DOWN set while that v
 captured, which is when launches are decided); "strict-one-wave" (batch-1 decode attention on the
 one-wave split form only where every one of its ~2 programs per SM gets 4 key blocks, as before the
 fourteenth session: at 8192 cached tokens the ``decode`` tile then runs; measured 2056.3 against
-2035.5 us for the shipped rule, which takes down to 3/4 of the splits); "moe-k2" / "moe-k4" (the
-decode MoE's tiles as shipped but 2 / 4 128-wide K blocks a pipelined step, ``MoeSkinnyTile.k_step``:
-256 / 512 contiguous bytes of every weight row a step instead of 128; bit-identical logits, CPU
-test; the DRAM-locality hypothesis of BENCHMARKS.md, not measured end to end yet).
+2035.5 us for the shipped rule, which takes down to 3/4 of the splits); "moe-s5" / "moe-k2" /
+"moe-k4" (the decode MoE's tiles as shipped, 4 stages of one 128-wide K block = 3 blocks in flight,
+against 4 blocks in flight three ways: 5 stages of one block, 3 stages of 2 blocks a step, 2 stages
+of 4 (``MoeSkinnyTile.k_step``: 128 / 256 / 512 contiguous bytes of every weight row a step; the
+three share their bytes in flight, so they tell contiguity from depth: the DRAM-locality
+hypothesis of BENCHMARKS.md; bit-identical logits, CPU test; not measured yet).
 Prints per case and variant the median replay time (CUDA events, us) and the logits' relative
 difference from the first variant's.
 """
@@ -47,6 +49,7 @@ VARIANTS = {
     "tiled-dense": {"dense_skinny_max_rows": None},
     "pdl-down": {"pdl_max_rows": 64},
     "strict-one-wave": {},
+    "moe-s5": {},
     "moe-k2": {},
     "moe-k4": {},
 }
@@ -64,14 +67,15 @@ def _one_wave_strict(tiles: int, l_max: int, windowed: bool, sms: int, config=No
     return want
 
 
-def _moe_tile_k_step(k_step: int):
-    """moe_gemv.moe_skinny_tile as shipped, with ``k_step`` K blocks a pipelined step."""
+def _moe_tile(k_step: int, num_stages: int):
+    """moe_gemv.moe_skinny_tile as shipped, with ``k_step`` K blocks a pipelined step and
+    ``num_stages`` pipeline stages (Triton keeps num_stages - 1 steps in flight)."""
     from gptoss_fp8.kernels import moe_gemv
 
     shipped = moe_gemv.moe_skinny_tile
 
     def tile(num_slots: int, two_i: int, h: int, sms: int):
-        return replace(shipped(num_slots, two_i, h, sms), k_step=k_step)
+        return replace(shipped(num_slots, two_i, h, sms), k_step=k_step, num_stages=num_stages)
 
     return tile
 
@@ -80,8 +84,9 @@ def _moe_tile_k_step(k_step: int):
 # value (called when the variant is patched, so a value may wrap what the module holds then)
 PATCHES = {"pdl-down": {("gptoss_fp8.kernels.moe_gemv", "PDL_DOWN"): lambda: True},
            "strict-one-wave": {("gptoss_fp8.kernels.attention_decode", "one_wave_splits"): lambda: _one_wave_strict},
-           "moe-k2": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile_k_step(2)},
-           "moe-k4": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile_k_step(4)}}
+           "moe-s5": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile(1, 5)},
+           "moe-k2": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile(2, 3)},
+           "moe-k4": {("gptoss_fp8.kernels.moe_gemv", "moe_skinny_tile"): lambda: _moe_tile(4, 2)}}
 
 
 @contextlib.contextmanager

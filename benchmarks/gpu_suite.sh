@@ -159,16 +159,16 @@ fi
 
 if has decode-ab; then
   timeout 240 python3 benchmarks/ab_decode.py --model 20b --batch 1,4,8,64 --context 8192 \
-    --variants default,moe-k2,moe-k4,wgmma --replays 150 2>&1 | tee "$OUT/ab_decode_20b.log"
-  timeout 120 python3 benchmarks/ab_decode.py --model 120b --batch 1 --context 8192 \
-    --variants default,moe-k2,moe-k4 --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
+    --variants default,moe-s5,moe-k2,moe-k4,wgmma --replays 150 2>&1 | tee "$OUT/ab_decode_20b.log"
+  timeout 150 python3 benchmarks/ab_decode.py --model 120b --batch 1 --context 8192 \
+    --variants default,moe-s5,moe-k2,moe-k4 --replays 100 2>&1 | tee "$OUT/ab_decode_120b.log"
   timeout 60 python3 benchmarks/cublas_layout_probe.py 2>&1 | tee "$OUT/cublas_layout_probe.log"
   # o_proj + residual add + RMSNorm + quantization in one kernel against the two launches (24-layer
   # graphs, PDL off / on, 1 / 4 / 8 rows; kernels/fp8_gemv.py fp8_gemm_skinny_add_rms_norm)
   timeout 120 python3 benchmarks/gemv_norm_ab.py 2>&1 | tee "$OUT/gemv_norm_ab.log"
   # the decode MoE's K blocks a step (DRAM locality: 256-512 contiguous bytes of each weight row)
   timeout 120 python3 benchmarks/moe_gemv_sweep.py --tokens 1,4 --budget 100 --variants \
-    "heuristic,32/32,32/32 k2,32/32 s2 k2,32/32 k4,32/32 w2,32/32 w2 k2,64/64 s6,64/64 s3 k2" 2>&1 \
+    "heuristic,32/32 w2,32/32 w2 s5,32/32 w2 s3 k2,32/32 w2 s2 k4,32/32 k2,32/32 s2 k2,64/64 s6" 2>&1 \
     | tee "$OUT/moe_gemv_k_step.log"
 fi
 

@@ -87,6 +87,11 @@ VARIANTS: dict[str, MoeSkinnyTile | None] = {
     "32/32 s2 k2": MoeSkinnyTile(32, 32, num_stages=2, k_step=2),
     "32/32 k4": MoeSkinnyTile(32, 32, num_stages=2, k_step=4),
     "32/32 w2 k2": MoeSkinnyTile(32, 32, num_warps=2, k_step=2),
+    # the shipped one-token tile (2 warps, 4 stages: 3 K blocks in flight) against 4 blocks in
+    # flight three ways: contiguity (128 / 256 / 512 bytes of a row a step) at equal depth
+    "32/32 w2 s5": MoeSkinnyTile(32, 32, num_warps=2, num_stages=5),
+    "32/32 w2 s3 k2": MoeSkinnyTile(32, 32, num_warps=2, num_stages=3, k_step=2),
+    "32/32 w2 s2 k4": MoeSkinnyTile(32, 32, num_warps=2, num_stages=2, k_step=4),
     "64/64 s3 k2": MoeSkinnyTile(64, 64, num_stages=3, k_step=2),
 }
 QUICK = ["heuristic", "64/64", "128/128", "64/128", "32/32", "64/64 s6"]
