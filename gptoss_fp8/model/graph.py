@@ -38,6 +38,19 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import KVCache, decode_tokens
 
 
+def capturable(par) -> bool:
+    """Whether a step of this rank can be captured as a CUDA graph: one process, or ranks over
+    NCCL (gloo, used when ranks share a GPU, reduces through host memory, which a graph cannot)."""
+    return par.world == 1 or dist.get_backend(par.group) == "nccl"
+
+
+def check_capturable(par) -> None:
+    """One line where ``capturable`` is False."""
+    if not capturable(par):
+        raise GptOssFp8Error(f"CUDA graphs of a sharded model need NCCL, one GPU per rank; this one reduces over "
+                             f"{dist.get_backend(par.group)} (ranks sharing a GPU): run eager")
+
+
 def capture_args(model, device) -> dict:
     """Ready a capture of ``model``'s step: one rank's model needs nothing (``{}``); a sharded one
     (``par.world > 1``) needs NCCL (one GPU per rank: gloo reduces through host memory, which a
@@ -48,9 +61,7 @@ def capture_args(model, device) -> dict:
     par = model.par
     if par.world == 1:
         return {}
-    if dist.get_backend(par.group) != "nccl":
-        raise GptOssFp8Error(f"CUDA graphs of a sharded model need NCCL, one GPU per rank; this one reduces over "
-                             f"{dist.get_backend(par.group)} (ranks sharing a GPU): run eager")
+    check_capturable(par)
     torch.cuda.synchronize(device)
     dist.barrier(group=par.group)
     return {"capture_error_mode": "thread_local"}
@@ -74,10 +85,7 @@ class DecodeGraphs:
     def __init__(self, model, ops, warmup: int = 2):
         if model.model.embed_tokens.weight.device.type != "cuda":
             raise GptOssFp8Error("CUDA-graph decode needs the model on a CUDA device")
-        par = model.par
-        if par.world > 1 and dist.get_backend(par.group) != "nccl":
-            raise GptOssFp8Error(f"CUDA graphs of a sharded model need NCCL, one GPU per rank; this one reduces over "
-                                 f"{dist.get_backend(par.group)} (ranks sharing a GPU): run eager")
+        check_capturable(model.par)
         self.model, self.ops, self.warmup = model, ops, warmup
         self._graphs: weakref.WeakKeyDictionary[KVCache, _Captured] = weakref.WeakKeyDictionary()
         self.captured = 0  # graphs captured so far

@@ -187,10 +187,11 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
                                   max_len=len(prompt) + max_new_tokens)
     stop = choose(logits, out.tokens)  # a host read: the prefill is done
     out.prefill_seconds = time.perf_counter() - t0
+    from gptoss_fp8.model.graph import DecodeGraphs, capturable
+
     if cuda_graph is None:
-        cuda_graph = dev.type == "cuda" and getattr(ops, "name", "") == "triton" and _graphable(model.par)
+        cuda_graph = dev.type == "cuda" and getattr(ops, "name", "") == "triton" and capturable(model.par)
     if cuda_graph:
-        from gptoss_fp8.model.graph import DecodeGraphs
 
         step = DecodeGraphs(model, ops).step  # captured at the first step (counted in decode time)
     else:
@@ -207,15 +208,6 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
     _sync(dev)
     out.decode_seconds = time.perf_counter() - t1
     return out
-
-
-def _graphable(par) -> bool:
-    """Whether a decode step of this rank can be captured: one process, or ranks over NCCL."""
-    if par.world == 1:
-        return True
-    import torch.distributed as dist
-
-    return dist.get_backend(par.group) == "nccl"
 
 
 # ----------------------------------------------------------------------------------------------
