@@ -106,7 +106,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
     import torch.distributed as dist
 
     from gptoss_fp8.bench.decode import _breakdown, set_context, synthetic_cache
-    from gptoss_fp8.bench.prefill import GPU_HOUR_USD, random_model, usd_per_million_tokens
+    from gptoss_fp8.bench.prefill import GPU_HOUR_USD, check_fits, random_model, usd_per_million_tokens
     from gptoss_fp8.bench.prefill_sharded import rank_ops
     from gptoss_fp8.model.cache import KVCache
 
@@ -138,7 +138,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
         cfg = preset_config(preset, job["layers"])
         full_layers = preset_config(preset).num_hidden_layers
         if cuda:
-            _check_rank_fits(cfg, par, sharers, preset)
+            check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers", dev, par, sharers)
         t0 = time.perf_counter()
         model = random_model(cfg, dev, job["seed"], par)
         ops = rank_ops(dev, job["gemm"], model)
@@ -215,19 +215,6 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
         return rows if rank == 0 else None
     finally:
         dist.destroy_process_group()
-
-
-def _check_rank_fits(cfg: GptOssConfig, par: Parallel, sharers: int, preset: str) -> None:
-    """One-line error when a rank's weights (times the ranks sharing its GPU) cannot fit."""
-    from gptoss_fp8.model.gptoss import GptOss
-
-    need = sum(math.prod(s) * d.itemsize for s, d in GptOss(cfg, par, attn_fp8=True).expected().values()) * sharers
-    free, _ = torch.cuda.mem_get_info()
-    if need > free:
-        on = f" ({sharers} ranks on one GPU)" if sharers > 1 else ""
-        raise GptOssFp8Error(f"{preset} with {cfg.num_hidden_layers} layers at tp {par.tp} ep {par.ep}: rank "
-                             f"{par.rank} needs {need / 2**30:.1f} GiB of weights{on}, {free / 2**30:.1f} GiB are free "
-                             "on its GPU; pass --layers N to build fewer layers, or a larger --tp")
 
 
 def _time_ranks(step, reset, runs: int, warmup: int, cuda: bool, slowest) -> list[float]:

@@ -353,18 +353,24 @@ def matching_preset(cfg: GptOssConfig) -> str | None:
     return None
 
 
-def weight_bytes(cfg: GptOssConfig) -> int:
-    """Bytes of a tp=1 model's tensors (FP8 experts and attention, bf16 embeddings and lm_head)."""
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in GptOss(cfg, SINGLE, attn_fp8=True).expected().values())
+def weight_bytes(cfg: GptOssConfig, par: Parallel = SINGLE) -> int:
+    """Bytes of one rank's tensors (FP8 experts and attention, bf16 embeddings and lm_head; the
+    whole model at tp 1)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in GptOss(cfg, par, attn_fp8=True).expected().values())
 
 
-def check_fits(cfg: GptOssConfig, what: str, device: str = "cuda") -> None:
-    """One-line error when the weights alone cannot fit the GPU's free memory."""
-    need = weight_bytes(cfg)
+def check_fits(cfg: GptOssConfig, what: str, device: str = "cuda", par: Parallel = SINGLE, sharers: int = 1) -> None:
+    """One-line error when the weights alone (of rank ``par``, times the ``sharers`` ranks on its
+    GPU) cannot fit the GPU's free memory."""
+    need = weight_bytes(cfg, par) * sharers
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     if need > free:
-        raise GptOssFp8Error(f"{what} needs {need / 2**30:.1f} GiB of weights, {free / 2**30:.1f} GiB are free on the GPU; "
-                             "pass --layers N to build fewer layers")
+        who, more = "", ""
+        if par.world > 1:
+            who = f" at tp {par.tp} ep {par.ep}: rank {par.rank}" + (f" ({sharers} ranks on one GPU)" if sharers > 1 else "")
+            more = ", or a larger --tp"
+        raise GptOssFp8Error(f"{what}{who} needs {need / 2**30:.1f} GiB of weights, {free / 2**30:.1f} GiB are free on "
+                             f"the GPU; pass --layers N to build fewer layers{more}")
 
 
 def load_checkpoint(checkpoint: Path, layers: int | None) -> GptOss:
