@@ -251,3 +251,38 @@ def _mxfp4_to_fp8_piece(
     w_fp8 = out.view(FP8_DTYPE).reshape(*lead, n, g * VALUES_PER_GROUP)
     scale_inv = torch.ldexp(torch.ones(k_exp.shape, dtype=torch.float32, device=blocks.device), k_exp)
     return w_fp8, scale_inv, stats
+
+
+# e2m1 magnitudes (codes 0..7) and the midpoints between neighbours, for encoding.
+_E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_MAX = 6.0
+
+
+def encode_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode w float [..., K] (K a multiple of 32) as MXFP4: (blocks uint8 [..., K / 32, 16],
+    scales uint8 [..., K / 32]), the layout ``decode_mxfp4`` reads.
+
+    Each group of 32 gets the smallest power-of-two scale 2^e with amax / 2^e <= 6 (so nothing
+    saturates); every value is rounded to the nearest e2m1 value, ties to the even code (as a float
+    cast rounds). A group of zeros gets scale 2^-127. ``decode_mxfp4(*encode_mxfp4(w))`` is the
+    nearest MXFP4 tensor under that scale choice; for w already on an MXFP4 grid whose group amax
+    is 4 or 6 times its scale (every nonzero group of a real checkpoint has one of those), it is w.
+    """
+    assert w.shape[-1] % VALUES_PER_GROUP == 0, f"last dim {w.shape[-1]} is not a multiple of {VALUES_PER_GROUP}"
+    x = w.float().reshape(*w.shape[:-1], -1, VALUES_PER_GROUP)  # [..., G, 32]
+    amax = x.abs().amax(-1)  # [..., G]
+    # smallest e with amax <= 6 * 2^e: frexp gives amax / 6 = m * 2^q with m in [0.5, 1)
+    m, q = torch.frexp(amax / E2M1_MAX)
+    e = torch.where(m == 0.5, q - 1, q)  # an exact power of two needs no extra binade
+    e = torch.where(amax > 0, e, torch.full_like(e, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_NAN - 1 - E8M0_BIAS)
+    y = torch.ldexp(x, -e.unsqueeze(-1))  # exact: a power-of-two rescale
+    mag = y.abs()
+    mids = torch.tensor(_E2M1_MIDS, dtype=torch.float32, device=w.device)
+    code = torch.bucketize(mag, mids)  # lower code on an exact midpoint
+    tie = (code < len(_E2M1_MIDS)) & (mag == mids[code.clamp(max=len(_E2M1_MIDS) - 1)])
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)  # ties to the even code
+    code = code | (torch.signbit(y).long() << 3)
+    code = code.to(torch.uint8).reshape(*x.shape[:-1], BYTES_PER_GROUP, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    return blocks.contiguous(), (e + E8M0_BIAS).to(torch.uint8)
