@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.quant.fp8 import FP8_DTYPE, block_gemm_reference, dequantize_weight_blocks, quantize_act
+from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_reference, dequantize_weight_blocks, quantize_act
 
 SWIGLU_ALPHA = 1.702
 
@@ -272,7 +272,7 @@ def moe_experts_w8a8(
     w13: torch.Tensor, w13_scale_inv: torch.Tensor, b13: torch.Tensor | None,
     w2: torch.Tensor, w2_scale_inv: torch.Tensor, b2: torch.Tensor | None,
     expert_start: int = 0, limit: float = 7.0, partial: bool = False,
-    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None, act_max: float = FP8_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The w8a8 expert FFN (design.md section 1) of routed tokens, per (token, slot), on a rank
     holding experts [expert_start, expert_start + E_l) (and, with ``partial``, a part of each
@@ -282,6 +282,7 @@ def moe_experts_w8a8(
     interleaved) with scale_inv [E_l, ceil(2I_l/128), ceil(H/128)] and bias b13 [E_l, 2I_l];
     w2 fp8 [E_l, H, I_l] with scale_inv [E_l, ceil(H/128), ceil(I_l/128)] and bias b2 [E_l, H]
     (None: another rank owns it). xq: x's ``quantize_act`` when the caller has it (same bits).
+    act_max: ``quantize_act``'s fp8_max (448; another grid only for the verdict's noise estimate).
 
     Per slot routed here: x quantized per token (1x128), gate_up block GEMM + bias in fp32, the
     clamped SwiGLU in fp32, its output quantized per token (1x128), down block GEMM.
@@ -294,10 +295,10 @@ def moe_experts_w8a8(
     t, k = ids.shape
     out = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
     bias_out = torch.zeros_like(out) if partial else None
-    x_fp8, x_scale = xq if xq is not None else quantize_act(x)
+    x_fp8, x_scale = xq if xq is not None else quantize_act(x, fp8_max=act_max)
     for e, tok, slot in _local_slots(ids, expert_start, w13.shape[0]):
         h = block_gemm_reference(x_fp8[tok], x_scale[tok], w13[e], w13_scale_inv[e], _at(b13, e), torch.float32)
-        a_fp8, a_scale = quantize_act(swiglu(h, limit))
+        a_fp8, a_scale = quantize_act(swiglu(h, limit), fp8_max=act_max)
         b = _at(b2, e)
         if partial:
             out[tok, slot] = block_gemm_reference(a_fp8, a_scale, w2[e], w2_scale_inv[e], None, torch.float32)

@@ -197,23 +197,26 @@ class GptOss(nn.Module):
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token: torch.Tensor | int, ops: ReferenceOps | None = None, *,
-               capture: dict | None = None) -> torch.Tensor:
+               capture: dict | None = None, force: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One new token per sequence: ``token`` an int or one-element tensor (batch-1 cache), or
         int [B] (a cache of B sequences), sequence b's at position ``cache.lengths[b]``. Its K and
         V are appended to the cache, its attention reads the cached keys (the layer's window, the
         sinks once) -> bf16 logits [B, V]; every length advances by one. ``capture`` (if given)
         receives the step's per-layer states as ``forward``'s does, one row per sequence ([B, H],
-        [B, E])."""
+        [B, E]). ``force`` (teacher forcing, verify/decode.py) replaces the stream entering each
+        layer's attention (``"{i}.in"``) and its MoE (``"{i}.attn"``) by the given rows [B, H] and
+        the MoE's routing by (``"{i}.ids"``, ``"{i}.weights"``), so each part runs on given inputs;
+        the captures then also hold each layer's own routing (``"{i}.ids"``, ``"{i}.weights"``)."""
         ops = ops or ReferenceOps()
         t = decode_tokens(cache, token, self.model.embed_tokens.weight.device)
         cache.check_room(1)
-        logits = self.decode_step(cache, t, ops, capture=capture)
+        logits = self.decode_step(cache, t, ops, capture=capture, force=force)
         cache.advance_host()
         return logits
 
     @torch.inference_mode()
     def decode_step(self, cache: KVCache, tokens: torch.Tensor, ops: ReferenceOps, *,
-                    capture: dict | None = None) -> torch.Tensor:
+                    capture: dict | None = None, force: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``decode``'s device work: tokens int [B] on the cache's device -> logits bf16 [B, V];
         the device lengths advance by one, the host mirror does not (the caller's: ``decode``, or
         model/graph.py after a replay). Positions come from ``cache.lengths`` as tensors (RoPE rows
@@ -222,7 +225,7 @@ class GptOss(nn.Module):
         room (``cache.check_room``)."""
         step = cache.step()
         cos, sin = self._rope_at(cache, step.pos)
-        logits = self._run(tokens, ops, cos, sin, capture, last_only=False, cache=cache, step=step)
+        logits = self._run(tokens, ops, cos, sin, capture, last_only=False, cache=cache, step=step, force=force)
         cache.lengths.add_(1)
         return logits
 
@@ -240,21 +243,30 @@ class GptOss(nn.Module):
 
     def _run(self, tokens: torch.Tensor, ops: ReferenceOps, cos, sin, capture: dict | None, *,
              last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
-             row: int = 0, step: DecodeStep | None = None) -> torch.Tensor:
+             row: int = 0, step: DecodeStep | None = None,
+             force: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The one forward pass (cos / sin: the tokens' RoPE rows). Without ``step``: tokens [T] of
         one sequence at positions 0..T - 1, with a cache written to its sequence ``row``. With a
         decode ``step``: tokens [B], one per sequence of the cache at the step's positions, their
-        K / V appended and the attention reading the cached keys."""
+        K / V appended and the attention reading the cached keys. ``force``: see ``decode``."""
         eps = self.cfg.rms_norm_eps
         x = self.embed(tokens, ops)  # [T, H] bf16
         layers = self.model.layers
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
+            if force is not None and i > 0:  # teacher forcing: the given stream enters the layer
+                x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
+                h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
             x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step),
                                     layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
-            y, weights = self._moe_chunked(layer, h, ops, capture, moe_chunk)
+            routing = None
+            if force is not None:
+                x = force[f"{i}.attn"].to(device=x.device, dtype=x.dtype)
+                h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+                routing = (force[f"{i}.ids"], force[f"{i}.weights"])
+            y, weights = self._moe_chunked(layer, h, ops, capture, moe_chunk, routing)
             if weights is None:  # already combined (chunked)
                 x, h = ops.add_rms_norm(x, y, self._next_norm(i), eps)
             else:
@@ -291,13 +303,14 @@ class GptOss(nn.Module):
         return ops.all_gather(logits, self.par, self.par.vocab_sizes(self.cfg.vocab_size))
 
     def _moe_chunked(self, layer: Layer, t: Normed, ops: ReferenceOps, capture: dict | None,
-                     chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunk: int | None, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MoE block on the normed stream t (rows [T, H]): (per-slot outputs [T, k, H], their
         weights [T, k]) for the caller to combine with the residual add, or (combined delta [T, H],
-        None) when run in chunks."""
+        None) when run in chunks. ``routing``: given (ids, weights), see ``_moe`` (not chunked)."""
         n = t.y.shape[0]
-        if not chunk or n <= chunk:
-            return self._moe(layer, t, ops, capture)
+        if not chunk or n <= chunk or routing is not None:
+            return self._moe(layer, t, ops, capture, routing)
         if chunk < 1:
             raise GptOssFp8Error(f"moe_chunk must be a positive number of tokens, got {chunk}")
         out = torch.empty_like(t.y)
@@ -362,26 +375,34 @@ class GptOss(nn.Module):
 
     @torch.inference_mode()
     def moe_part(self, i: int, x: torch.Tensor, ops: ReferenceOps,
-                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Layer i's MoE block on the residual stream after its attention, x (bf16 [T, H]): norm,
-        router, experts, combine and residual add -> (bf16 [T, H], our router logits bf16 [T, E]).
-        ``routing`` (expert ids [T, k], weights [T, k]) replaces our own top-k choice, so the expert
-        FFN is compared on the reference's routing; the router logits are ours either way."""
+        router, experts, combine and residual add -> {"out": bf16 [T, H], "router": our router
+        logits bf16 [T, E], "ids" [T, k] / "weights" bf16 [T, k]: our own top-k choice and combine
+        weights on those logits}. ``routing`` (expert ids [T, k], weights [T, k]) replaces our
+        choice in the experts and the combine, so the expert FFN is compared on the reference's
+        routing; the router logits and our own choice are returned either way."""
         layer, eps = self.model.layers[i], self.cfg.rms_norm_eps
         h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
         cap: dict[str, torch.Tensor] = {}
-        y, weights = self._moe(layer, h, ops, cap, routing)
+        y, weights = self._moe(layer, h, ops, cap, routing, route_keys=True)
         out, _ = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
-        return out, cap[f"{layer.idx}.router"]
+        j = layer.idx
+        return {"out": out, "router": cap[f"{j}.router"], "ids": cap[f"{j}.ids"], "weights": cap[f"{j}.weights"]}
 
     def _moe(self, layer: Layer, t: Normed, ops: ReferenceOps, capture: dict | None = None,
-             routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+             route_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """MoE block on the normed stream t (rows [T, H]) -> (per-slot expert outputs [T, k, H],
         routing weights bf16 [T, k]); their weighted combine (``ops.moe_combine``) is the residual
-        delta. ``routing``: (ids, weights) to use instead of the router's own top-k."""
+        delta. ``routing``: (ids, weights) to use instead of the router's own top-k. ``capture``
+        gets the router logits, and our own (ids, weights) too when ``routing`` is given or
+        ``route_keys`` (the verdict's combine check)."""
         m = layer.mlp
         # logits [T, E] bf16 (replicated), top-k expert ids [T, k], their softmax weights [T, k] bf16
         g, ids, weights = ops.route(t.y, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
+        if capture is not None and (routing is not None or route_keys):
+            capture[f"{layer.idx}.ids"], capture[f"{layer.idx}.weights"] = ids, weights
         if routing is not None:
             ids, weights = routing[0].to(device=ids.device, dtype=ids.dtype), routing[1].to(device=weights.device,
                                                                                            dtype=weights.dtype)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from gptoss_fp8 import spec
 from gptoss_fp8.parallel import Parallel
-from gptoss_fp8.quant.fp8 import FP8_DTYPE, block_gemm_reference, quantize_act
+from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_reference, quantize_act
 
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
 
@@ -202,12 +202,17 @@ class W8A8CpuOps(ReferenceOps):
     """FP8 weights x FP8 activations (per-token 1x128 groups), fp32 accumulation: the ``w8a8`` mode."""
 
     name = "w8a8-cpu"
+    act_max = FP8_MAX
+
+    def __init__(self, act_max: float = FP8_MAX):
+        # quantize_act's fp8_max: 448, or another grid for the verdict's noise estimate (verify/noise.py)
+        self.act_max = act_max
 
     def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
         if w.dtype != FP8_DTYPE:
             return super().linear(x, w, scale_inv, bias, out_dtype)
         assert scale_inv is not None, f"fp8 weight {tuple(w.shape)} without scale_inv"
-        x_fp8, x_scale = quantize_act(x)
+        x_fp8, x_scale = quantize_act(x, fp8_max=self.act_max)
         return block_gemm_reference(x_fp8, x_scale, w, scale_inv, bias, out_dtype=out_dtype)
 
     def add_bias_after_sum(self, y, b):
@@ -217,7 +222,8 @@ class W8A8CpuOps(ReferenceOps):
     def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False, *, xq=None):
         """``spec.moe_experts_w8a8``: the gate_up accumulator (+ bias) and the SwiGLU stay in fp32
         and only the SwiGLU output is quantized for the down GEMM, as the fused MoE kernel does."""
-        return spec.moe_experts_w8a8(x, idx, *_expert_tensors(experts), first_expert, limit, partial)
+        return spec.moe_experts_w8a8(x, idx, *_expert_tensors(experts), first_expert, limit, partial,
+                                     act_max=self.act_max)
 
 
 def _expert_tensors(experts: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:

@@ -28,10 +28,10 @@ import time
 import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.verify.metrics import logit_metrics, point_order
-from gptoss_fp8.verify.parts import routing_flips
+from gptoss_fp8.verify.metrics import logit_metrics
+from gptoss_fp8.verify.parts import COMBINE_LIMIT, combine_error, target_routing
 
-PART_NAMES = {"attn": "attention", "mlp": "MoE", "router": "router"}
+PART_NAMES = {"attn": "attention", "mlp": "MoE", "router": "router", "combine": "combine (top-k + softmax)"}
 
 
 def check_decode_steps(n: int, n_tokens: int) -> None:
@@ -46,13 +46,31 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_decode(model, tokens: torch.Tensor, ops, n: int) -> dict[str, torch.Tensor]:
+def forced_row(forward: dict[str, torch.Tensor], p: int, n_layers: int, k: int, dev) -> dict[str, torch.Tensor]:
+    """Teacher forcing for the decode step at position p: the full forward's own stream entering
+    each layer i > 0 (``"{i}.in"``) and its MoE (``"{i}.attn"``), and the forward's routing at p
+    (``target_routing`` of its router logits: ``"{i}.ids"`` / ``"{i}.weights"``), rows [1, ...]."""
+    f = {}
+    for i in range(n_layers):
+        if i > 0:
+            f[f"{i}.in"] = forward[f"{i - 1}.mlp"][p:p + 1].to(dev)
+        f[f"{i}.attn"] = forward[f"{i}.attn"][p:p + 1].to(dev)
+        f[f"{i}.ids"], f[f"{i}.weights"] = target_routing(forward[f"{i}.router"][p:p + 1].to(dev), k)
+    return f
+
+
+def run_decode(model, tokens: torch.Tensor, ops, n: int,
+               forward: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Prefill ``tokens[:T - n]`` (int [T]) then decode the last ``n`` one at a time with ``ops``;
-    the logits and per-layer captures of every step (module docstring), on CPU."""
+    the logits and per-layer captures of every step (module docstring), on CPU. ``forward`` (the
+    same mode's full-forward captures): every step teacher-forced on them (``forced_row``), so each
+    part of each step runs on the forward's own inputs at that position and noise cannot carry
+    from one part or step to the next; then also ``"0.in"`` (the steps' embedding rows)."""
     n_tokens = int(tokens.shape[0])
     check_decode_steps(n, n_tokens)
     dev = next(iter(model.buffers())).device
     toks = tokens.to(dev)
+    cfg = model.cfg
     t0 = time.perf_counter()
     cache, last = model.prefill(toks[:n_tokens - n], ops, max_len=n_tokens)
     _sync(dev)
@@ -60,13 +78,16 @@ def run_decode(model, tokens: torch.Tensor, ops, n: int) -> dict[str, torch.Tens
     rows, caps = [last], []
     for p in range(n_tokens - n, n_tokens):
         cap: dict[str, torch.Tensor] = {}
-        rows.append(model.decode(cache, toks[p], ops, capture=cap))
+        force = None if forward is None else forced_row(forward, p, cfg.num_hidden_layers, cfg.num_experts_per_tok, dev)
+        rows.append(model.decode(cache, toks[p], ops, capture=cap, force=force))
         caps.append(cap)
     _sync(dev)
     t2 = time.perf_counter()
     out = {"logits": torch.cat(rows).float().cpu(), "seconds": torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64)}
     for key in caps[0]:
         out[key] = torch.cat([c[key] for c in caps]).cpu()
+    if forward is not None:
+        out["0.in"] = model.embed(toks[n_tokens - n:], ops).cpu()
     return out
 
 
@@ -76,69 +97,84 @@ def _row_rel_err(want: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     return (g - w).norm(dim=-1) / w.norm(dim=-1).clamp(min=1e-30)
 
 
+def _row_part_err(x_in: torch.Tensor, want: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Per row: ||got - want|| / ||want - x_in||, the error relative to what the part adds (float64 [n])."""
+    w = want.double()
+    return (got.double() - w).norm(dim=-1) / (w - x_in.double()).norm(dim=-1).clamp(min=1e-30)
+
+
+def step_points(n_layers: int) -> list[str]:
+    """A step's checked points in forward order: each layer's attention, router, combine, MoE."""
+    return [f"{i}.{p}" for i in range(n_layers) for p in ("attn", "router", "combine", "mlp")]
+
+
 def compare_decode(dec: dict[str, torch.Tensor], fwd_logits: torch.Tensor, fwd_hidden: dict[str, torch.Tensor],
                    n_layers: int, limits: dict[str, float], experts_per_token: int | None = None,
                    ref_logits: torch.Tensor | None = None, limits_profile: str = "",
-                   spec_fallbacks: dict[str, int] | None = None, allow_fallback: bool = False) -> dict:
-    """The ``decode`` section of a mode in the report: each decode step against the forward's row at
-    its position, the first failing step and layer, and the steps' logits against the reference's
-    (``ref_logits`` [T, V]), for information. ``limits`` (relative L2 errors of one step's rows):
-    "logits"; "hidden", each layer's residual stream after its attention and after its MoE; "added",
-    the growth of that error across one part (what the part itself adds: a decode bug acts in one
-    part, while upstream noise carried along grows slowly); "router", a layer's router logits.
-
-    Routing near-ties: a one-row GEMM rounds otherwise than a T-row one, and on random routers
-    that can swap two nearly tied experts; the token's MoE output then changes wholesale (measured:
-    rel. err up to 0.2 at that step, correct code). So each layer's router logits are checked too
-    (relative error against the "hidden" limit), and a step whose layer-i router, within that limit,
-    picks another expert set than the forward's is checked up to that router and not past it
-    (``routing_near_tie``: the layer; ``routing_near_ties``: how many steps).
+                   spec_fallbacks: dict[str, int] | None = None, allow_fallback: bool = False,
+                   part_limits: dict[str, float] | None = None) -> dict:
+    """The ``decode`` section of a mode in the report: each teacher-forced decode step (``run_decode``
+    with ``forward``) against the forward's row at its position, part by part, the first failing
+    step and part, and the steps' logits against the reference's (``ref_logits`` [T, V]), for
+    information. ``limits``: "part", a part's error relative to what it adds on that row (the
+    attention of layer i on the forward's stream entering layer i, its MoE on the forward's stream
+    after attention and routing: noise cannot carry from one part or step to the next); "router",
+    the relative error of a step's router logits; "logits", of the step's logits row (the last
+    layer's output, itself forced, through the final norm and lm_head). ``part_limits``
+    ("{i}.attn" / "{i}.mlp" -> limit) replace "part" where given (the FP8 modes' limits follow
+    this run's noise, verify/noise.py). Each step's own expert choice and combine weights are
+    checked against the top-k and softmax of its own router logits (``parts.combine_error``).
     ``spec_fallbacks`` (kernels mode): the decode's own hand-overs to the torch spec, failing the
     section unless ``allow_fallback``."""
     n = int(dec["logits"].shape[0]) - 1
     t = int(fwd_logits.shape[0])
     p0 = t - n  # position of decode step 0
     logit_err = _row_rel_err(fwd_logits[p0 - 1:], dec["logits"])  # [n + 1]: the prefill's, then the steps'
-    points = [p for p in point_order(n_layers) if p in dec and p in fwd_hidden]
-    hidden_err = {p: _row_rel_err(fwd_hidden[p][p0:], dec[p]) for p in points}  # each [n]
+    errs: dict[str, torch.Tensor] = {}
+    for i in range(n_layers):
+        a, m, r = f"{i}.attn", f"{i}.mlp", f"{i}.router"
+        x0 = dec["0.in"] if i == 0 else fwd_hidden[f"{i - 1}.mlp"][p0:]
+        if a in dec:
+            errs[a] = _row_part_err(x0, fwd_hidden[a][p0:], dec[a])
+        if m in dec:
+            errs[m] = _row_part_err(fwd_hidden[a][p0:], fwd_hidden[m][p0:], dec[m])
+        if r in dec and r in fwd_hidden:
+            errs[r] = _row_rel_err(fwd_hidden[r][p0:], dec[r])
+    points = [p for p in step_points(n_layers) if p in errs or (p.endswith(".combine") and experts_per_token)]
 
-    steps, failing, near_ties = [], [], 0
+    def limit_of(p: str) -> float:
+        if p.endswith(".router"):
+            return limits["router"]
+        if p.endswith(".combine"):
+            return COMBINE_LIMIT
+        return (part_limits or {}).get(p, limits["part"])
+
+    steps, failing = [], []
     for s in range(n):
-        # in forward order: each layer's attention stream, its router, its MoE stream; then the logits
-        # prev: the error entering a part (layer 0's input, the embedding, is exact)
-        checked, bad, tie, prev, router_max = [], [], None, 0.0, 0.0
+        bad, worst, router_max = [], None, 0.0
         for p in points:
             layer, part = p.split(".")
-            r = f"{layer}.router"
-            if part == "mlp" and experts_per_token and r in dec and r in fwd_hidden:
-                want, got = fwd_hidden[r][p0 + s:p0 + s + 1], dec[r][s:s + 1]
-                e = float(_row_rel_err(want, got)[0])
+            if part == "combine":
+                ck = (f"{layer}.router", f"{layer}.ids", f"{layer}.weights")
+                if not all(c in dec for c in ck):
+                    continue
+                c = combine_error(*(dec[x][s:s + 1] for x in ck), experts_per_token)
+                e = c["rel_err"] + (1.0 if c["choice_differs"] else 0.0)  # another choice: fails outright
+            else:
+                e = float(errs[p][s])
+            if part == "router":
                 router_max = max(router_max, e)
-                if not e <= limits["router"]:
-                    bad.append((r, e, limits["router"], None))
-                    break
-                if routing_flips(want, got, experts_per_token)["flipped"]:
-                    tie = int(layer)
-                    break
-            e = float(hidden_err[p][s])
-            checked.append((p, e, e - prev))
-            if not e <= limits["hidden"]:  # NaN fails
-                bad.append((p, e, limits["hidden"], None))
-                break
-            if not e - prev <= limits["added"]:
-                bad.append((p, e, limits["added"], e - prev))
-                break
-            prev = e
+            elif part != "combine" and (worst is None or e > worst[1]):
+                worst = (p, e)
+            if not e <= limit_of(p):  # NaN fails
+                bad.append((p, e, limit_of(p)))
         le = float(logit_err[s + 1])
-        if not bad and tie is None and not le <= limits["logits"]:
-            bad.append(("logits", le, limits["logits"], None))
-        worst = max(checked, key=lambda r: r[1], default=None)
+        if not le <= limits["logits"]:
+            bad.append(("logits", le, limits["logits"]))
         steps.append({"step": s, "position": p0 + s, "logits_rel_err": le,
-                      "hidden_rel_err_max": worst[1] if worst else None,
+                      "part_rel_err_max": worst[1] if worst else None,
                       "worst_point": _point(worst[0]) if worst else None,
-                      "added_max": max((c[2] for c in checked), default=None), "router_rel_err_max": router_max,
-                      "routing_near_tie": tie, "passed": not bad})
-        near_ties += tie is not None
+                      "router_rel_err_max": router_max, "passed": not bad})
         if bad:
             failing.append((s, bad[0]))
     failures = []
@@ -149,30 +185,30 @@ def compare_decode(dec: dict[str, torch.Tensor], fwd_logits: torch.Tensor, fwd_h
                         f"{limits['logits']:.3g} against the full forward")
     first = None
     if failing:
-        s, (p, e, lim, added) = failing[0]
+        s, (p, e, lim) = failing[0]
         first = {"step": s, "position": p0 + s, **_point(p)}
-        what = f"rel. err {e:.3g} > {lim:.3g}" if added is None else f"rel. err {e:.3g}, {added:.3g} of it added here > {lim:.3g}"
-        failures.append(f"decode step {s} (position {p0 + s}) {_where(p)}: {what} against the full forward")
+        failures.append(f"decode step {s} (position {p0 + s}) {_where(p)}: rel. err {e:.3g} > {lim:.3g} "
+                        "against the full forward")
         if len(failing) > 1:
             failures.append(f"decode: {len(failing)} of {n} steps fail (first {failing[0][0]}, last {failing[-1][0]})")
     fb = {op: c for op, c in (spec_fallbacks or {}).items() if c}
     if fb and not allow_fallback:
         failures += [f"decode {op}: {c} call(s) ran the torch spec instead of a kernel; pass --allow-fallback to accept"
                      for op, c in fb.items()]
-    layers = []  # every step's error at each point (near-tie steps included), for information
-    for p in points:
-        e = hidden_err[p]
-        layers.append({**_point(p), "rel_err_max": float(e.max()), "worst_step": int(e.argmax())})
+    layers = []  # every step's error at each part, for information
+    for p, e in errs.items():
+        layers.append({**_point(p), "rel_err_max": float(e.max()), "worst_step": int(e.argmax()),
+                       "limit": limit_of(p)})
     sec = {"steps": n, "prefill_tokens": p0, "passed": not failures, "failures": failures, "limits": dict(limits),
-           "limits_profile": limits_profile, "compared_with": "the same mode's full forward",
+           "limits_profile": limits_profile, "teacher_forced": True,
+           "compared_with": "the same mode's full forward, each part on the forward's own inputs at that position",
            "prefill": prefill, "per_step": steps, "layers": layers, "first_failing": first,
-           # the binding errors: steps with a routing near-tie count up to their router only
-           "logits_rel_err_max": max((r["logits_rel_err"] for r in steps if r["routing_near_tie"] is None), default=0.0),
-           "hidden_rel_err_max": max((r["hidden_rel_err_max"] for r in steps if r["hidden_rel_err_max"] is not None),
-                                     default=None),
-           "added_max": max((r["added_max"] for r in steps if r["added_max"] is not None), default=None),
-           "router_rel_err_max": max(r["router_rel_err_max"] for r in steps),
-           "routing_near_ties": near_ties}
+           "logits_rel_err_max": max((r["logits_rel_err"] for r in steps), default=0.0),
+           "part_rel_err_max": max((r["part_rel_err_max"] for r in steps if r["part_rel_err_max"] is not None),
+                                   default=None),
+           "router_rel_err_max": max(r["router_rel_err_max"] for r in steps)}
+    if part_limits:
+        sec["part_limits"] = {k: v for k, v in part_limits.items() if k in errs}
     if spec_fallbacks is not None:
         sec["spec_fallbacks"] = dict(spec_fallbacks)
     secs = dec.get("seconds")
@@ -203,12 +239,12 @@ def _where(p: str) -> str:
 def summary_line(sec: dict) -> str:
     """One console line for a mode's decode section."""
     line = (f"        decode {sec['steps']} steps after a {sec['prefill_tokens']}-token prefill "
-            f"{'PASS' if sec['passed'] else 'FAIL'} (vs the full forward, {sec['limits_profile']}): "
+            f"{'PASS' if sec['passed'] else 'FAIL'} (teacher-forced, vs the full forward, {sec['limits_profile']}): "
             f"logits rel. err max {sec['logits_rel_err_max']:.3g} (limit {sec['limits']['logits']:.3g})")
-    if sec["hidden_rel_err_max"] is not None:
-        line += f", layers max {sec['hidden_rel_err_max']:.3g} (limit {sec['limits']['hidden']:.3g})"
-    if sec["routing_near_ties"]:
-        line += f"; {sec['routing_near_ties']} step(s) with a routing near-tie (checked up to that router)"
+    worst = max(sec["layers"], key=lambda r: r["rel_err_max"] / max(r["limit"], 1e-30), default=None)
+    if worst is not None:
+        line += (f", worst part L{worst['layer']} {PART_NAMES[worst['part']]} {worst['rel_err_max']:.3g} "
+                 f"(limit {worst['limit']:.3g})")
     f = sec["first_failing"]
     if f:
         where = "logits" if f["layer"] is None else f"layer {f['layer']} {PART_NAMES[f['part']]}"

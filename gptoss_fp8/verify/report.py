@@ -16,16 +16,21 @@ from gptoss_fp8.verify.backends import MODES, backend_device
 from gptoss_fp8.verify.decode import compare_decode
 from gptoss_fp8.verify.decode import summary_line as decode_summary_line
 from gptoss_fp8.verify.metrics import layer_errors, logit_metrics
+from gptoss_fp8.verify.noise import part_noise, store_floors
 from gptoss_fp8.verify.parts import compare_parts
 from gptoss_fp8.verify.reference import Reference, Rounding
 from gptoss_fp8.verify.thresholds import (
     CROSS_DEVICE_FACTOR,
+    DECODE_NOISE,
     DEFAULTS,
+    KERNELS_VS_SPEC_STORE,
+    NOISE_RULES,
     PART_LIMITS,
     SMOKE,
     Thresholds,
     decode_limits,
     decode_profile,
+    noise_rule_key,
     with_overrides,
 )
 
@@ -61,6 +66,9 @@ class ModeOutput(NamedTuple):
     # for the kernels mode the decode's own hand-overs to the spec
     decode: dict[str, torch.Tensor] | None = None
     decode_fallbacks: dict[str, int] | None = None
+    # FP8 modes with teacher-forced parts: the w8a8 spec's parts on two other activation grids
+    # (verify/noise.py ``dither_parts``), whose difference is this run's FP8 noise per part
+    dither: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
 
 Outputs = dict[str, ModeOutput]  # mode -> its output
@@ -201,6 +209,11 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
                     f"{op}: {n} call(s) ran the torch spec instead of a kernel (shapes "
                     f"{', '.join((out.fallback_shapes or {}).get(op, [])) or '?'}); pass --allow-fallback to accept"
                     for op, n in fb.items()]
+        noise = floors = None
+        if out.dither is not None and out.parts is not None and (ref.expected is not None or exact_conversion):
+            # this run's FP8 noise per part (verify/noise.py): the FP8 modes' limits follow it
+            noise = part_noise(*out.dither, target.hidden, n_layers)
+            floors = store_floors(target.hidden, out.parts["0.in"], n_layers)
         if out.parts is not None and experts_per_token:
             # The verdict: the teacher-forced parts (+ fallbacks + a loose smoke check of the
             # free-running logits); the free-running comparison under the profile's thresholds
@@ -213,10 +226,18 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             if cross:  # the reference's own bf16 GEMMs rounded on another device type
                 floor = PART_LIMITS["exact-cross-device"]
                 limits = {k: max(v * CROSS_DEVICE_FACTOR, floor[k]) for k, v in limits.items()}
+            part_limits = None
+            if noise is not None:
+                rule = NOISE_RULES[noise_rule_key(mode, device)]
+                part_limits = {k: rule.limit(k.split(".")[1], v, floors[k]) for k, v in noise.items()}
+                if cross:
+                    part_limits = {k: max(v, PART_LIMITS["exact-cross-device"][k.split(".")[1]]) for k, v in part_limits.items()}
             if part_override is not None:
-                limits = dict.fromkeys(limits, part_override)
-            tf = compare_parts(target.hidden, out.parts, n_layers, experts_per_token, limits)
-            tf["limits_profile"] = part_profile + (" x cross-device" if cross else "")
+                limits, part_limits = dict.fromkeys(limits, part_override), None
+            tf = compare_parts(target.hidden, out.parts, n_layers, experts_per_token, limits, part_limits, noise)
+            tf["limits_profile"] = (f"{noise_rule_key(mode, device)} (this run's FP8 noise x k + floors)"
+                                    if part_limits else part_profile)
+            tf["limits_profile"] += " x cross-device" if cross else ""
             sec["teacher_forced"] = tf
             sec["free_running"] = {"passed": sec["passed"], "failures": sec["failures"], "binding": free_binding}
             smoke = smoke_failures(sec["summary"])
@@ -232,9 +253,14 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
         if not target.hidden:
             sec["layers_note"] = "the reference file holds no hidden states: no per-layer errors"
         if out.decode is not None:  # --decode N: the cached decode against this mode's full forward
+            dprof = decode_profile(mode, device)
+            dec_limits = None
+            if noise is not None and dprof in DECODE_NOISE:
+                rule = DECODE_NOISE[dprof]
+                dec_limits = {k: rule.limit(k.split(".")[1], v, floors[k]) for k, v in noise.items()}
             dec = compare_decode(out.decode, out.logits, out.hidden, n_layers, decode_limits(mode, device),
-                                 experts_per_token, target.logits, decode_profile(mode, device),
-                                 out.decode_fallbacks, allow_fallback)
+                                 experts_per_token, target.logits, dprof, out.decode_fallbacks, allow_fallback,
+                                 part_limits=dec_limits)
             sec["decode"] = dec
             sec["failures"] = sec["failures"] + dec["failures"]
             sec["passed"] = sec["passed"] and dec["passed"]
@@ -250,7 +276,9 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             agree["failures"] = smoke_failures(agree["summary"])
             agree["passed"] = not agree["failures"]
             key = "kernels_vs_w8a8" if device.startswith("cuda") else "kernels_vs_w8a8-interpreter"
-            tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key])
+            spec_floors = store_floors(outputs["w8a8"].hidden, vs["0.in"], n_layers)
+            vs_limits = {k: PART_LIMITS[key][k.split(".")[1]] + KERNELS_VS_SPEC_STORE[key] * f for k, f in spec_floors.items()}
+            tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key], vs_limits)
             tf["limits_profile"] = key
             agree["teacher_forced"] = tf
             agree["failures"] = agree["failures"] + tf["failures"]
@@ -325,7 +353,7 @@ def _parts_lines(sec: dict) -> list[str]:
     if not tf:
         return []
     worst = []
-    for part, label in (("attn", "attention"), ("mlp", "MoE"), ("router", "router")):
+    for part, label in (("attn", "attention"), ("mlp", "MoE"), ("router", "router"), ("combine", "combine")):
         rows = [r for r in tf["parts"] if r["part"] == part]
         if rows:
             r = max(rows, key=lambda r: r["rel_err"] / max(r["limit"], 1e-30))
