@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-MUTATIONS = ("no_gate_up_bias", "no_clamp", "double_down_bias", "no_sinks", "no_window", "no_rope")
+MUTATIONS = ("no_gate_up_bias", "no_clamp", "double_down_bias", "no_sinks", "no_window", "no_rope",
+             "double_sinks", "softmax_all_experts", "no_softmax")
 # which part of a layer each bug shows up in first
 PART_OF = {"no_gate_up_bias": "mlp", "no_clamp": "mlp", "double_down_bias": "mlp",
-           "no_sinks": "attn", "no_window": "attn", "no_rope": "attn"}
+           "no_sinks": "attn", "no_window": "attn", "no_rope": "attn", "double_sinks": "attn",
+           "softmax_all_experts": "combine", "no_softmax": "combine"}
 TARGET_MODES = ("w8a8", "kernels")  # the backends a bug can go into
 
 
@@ -35,13 +37,25 @@ def _mutated(ops, name: str):
             return base.expert_ffn(self, x, idx, ex, first_expert, limit, partial, xq=xq)
 
         Mutated.expert_ffn = expert_ffn
-    elif name in ("no_sinks", "no_window"):
+    elif name in ("no_sinks", "no_window", "double_sinks"):
         def attention(self, q, k, v, sinks, sm_scale, window):
             if name == "no_sinks":
                 sinks = torch.full_like(sinks, -1e4)  # exp(sink - max) = 0: the extra column is gone
+            if name == "double_sinks":  # the sink's column counted twice: exp(s + ln 2) = 2 exp(s)
+                sinks = (sinks.float() + 0.6931471805599453).to(sinks.dtype)
             return base.attention(self, q, k, v, sinks, sm_scale, 0 if name == "no_window" else window)
 
         Mutated.attention = attention
+    elif name in ("softmax_all_experts", "no_softmax"):
+        def route(self, x, weight, bias, top_k):
+            g, ids, w = base.route(self, x, weight, bias, top_k)
+            if name == "softmax_all_experts":  # the softmax over all E experts, then the top-k of it
+                top = torch.topk(torch.softmax(g.float(), dim=-1), top_k, dim=-1, sorted=True)
+                return g, top.indices.to(ids.dtype), top.values.to(w.dtype)
+            top = torch.topk(g, top_k, dim=-1, sorted=True)  # no softmax: the raw logits as weights
+            return g, top.indices.to(ids.dtype), top.values.to(w.dtype)
+
+        Mutated.route = route
     elif name == "no_rope":
         Mutated.rope = lambda self, x, cos, sin: x
     else:

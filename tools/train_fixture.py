@@ -36,6 +36,7 @@ CFG = GptOssConfig(num_hidden_layers=4, num_local_experts=16, num_experts_per_to
                    intermediate_size=256, head_dim=64, num_attention_heads=8, num_key_value_heads=2,
                    vocab_size=ByteTokenizer.vocab_size, sliding_window=64)
 SEQ, BATCH = 512, 48
+AUX_LOSS = 0.02  # transformers' router load-balancing loss coefficient
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +66,7 @@ def build_model(device: str):
     d = hf_config_dict(CFG)
     d.pop("quantization_config")
     d |= {"eos_token_id": BYT5_IDS["eos"], "pad_token_id": BYT5_IDS["pad"], "bos_token_id": None,
-          "output_router_logits": True, "router_aux_loss_coef": 0.02}
+          "output_router_logits": True, "router_aux_loss_coef": AUX_LOSS}
     hf = HfConfig(**d)
     last = None
     for kw in ({"attn_implementation": "eager", "experts_implementation": "grouped_mm"},
@@ -99,7 +100,7 @@ def held_out_loss(model, held: torch.Tensor, device: str, n: int = 64) -> float:
 def export(model, out: Path) -> None:
     tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     write_hf_mxfp4(out, CFG, tensors, config_extra={"eos_token_id": BYT5_IDS["eos"], "pad_token_id": BYT5_IDS["pad"],
-                                                     "bos_token_id": None},
+                                                     "bos_token_id": None, "router_aux_loss_coef": AUX_LOSS},
                    files=BYT5_FILES | {"generation_config.json": {"eos_token_id": BYT5_IDS["eos"],
                                                                   "pad_token_id": BYT5_IDS["pad"]}})
 
@@ -156,7 +157,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0:
-            print(f"step {step} loss {float(loss):.3f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
+            print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
         step += 1
     seconds = time.time() - t0
     model.eval()

@@ -159,6 +159,9 @@ def verify_logits(
     opened = Checkpoint.open(ckpt)  # config, layout and conversion record, read once
     cfg = opened.config
     tp, ep = opened.resolve_layout(tp, ep)
+    from gptoss_fp8.verify.reference import check_reference_matches
+
+    check_reference_matches(reference, cfg, ckpt)  # another model's reference: one line, before anything runs
     ids, tokens_from = None, "reference file"
     if tokens is not None:
         ids, tokens_from = read_tokens(tokens, cfg.vocab_size), f"--tokens {tokens}"

@@ -320,3 +320,56 @@ def reference_for(reference: Path, tokens: torch.Tensor | None, device: str = "c
     del model
     gc.collect()  # free the reference's weights before our model loads
     return ref
+
+
+# The fields of OpenAI's ModelConfig that must agree between a checkpoint and its reference (the
+# rest, RoPE scaling and the SwiGLU limit, are compared too: see check_reference_matches).
+_SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_experts", "experts_per_token",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "sliding_window")
+
+
+def _reference_config(reference: Path) -> dict | None:
+    """The reference's model config as OpenAI's ModelConfig fields, or, for a reference file, what
+    its tensors show (layers, vocab); None when it is neither (reference_for says so later)."""
+    from gptoss_fp8.config import GptOssConfig, original_config_dict
+
+    if reference.is_dir():
+        if is_hf_mxfp4(reference):
+            return original_config_dict(GptOssConfig.from_file(reference / "config.json"))
+        for p in (reference, reference / "original"):
+            if is_original(p):
+                return _config_or_none(p)
+        return None
+    if not reference.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(reference), framework="pt") as f:
+            keys = set(f.keys())
+            vocab = f.get_slice("logits").get_shape()[-1] if "logits" in keys else None
+    except Exception:
+        return None  # not a safetensors file: load_reference_file gives the one-line error
+    layers = {int(k.split(".")[1]) for k in keys if k.startswith("hidden.") and k.endswith(".attn")}
+    d = {"vocab_size": vocab}
+    if layers:
+        d["num_hidden_layers"] = max(layers) + 1
+    return d
+
+
+def check_reference_matches(reference: Path, cfg, ckpt: Path) -> None:
+    """One line, before any model runs, when ``reference`` is another model than the checkpoint's
+    config (``cfg``, a GptOssConfig): every field that differs, named."""
+    from gptoss_fp8.config import original_config_dict
+
+    theirs = _reference_config(Path(reference))
+    if not theirs:
+        return
+    ours = original_config_dict(cfg)
+    keys = [k for k in ours if k in theirs and theirs[k] is not None]
+    diff = [k for k in keys if (k in _SHAPE_KEYS and theirs[k] != ours[k])
+            or (k not in _SHAPE_KEYS and isinstance(ours[k], (int, float)) and abs(float(theirs[k]) - float(ours[k])) > 1e-9)]
+    if diff:
+        what = ", ".join(f"{k} {theirs[k]} (reference) vs {ours[k]} (checkpoint)" for k in diff)
+        raise GptOssFp8Error(f"--reference {reference} is another model than {ckpt}: {what}; "
+                             "pass the source checkpoint this one was converted from (or its reference file)")

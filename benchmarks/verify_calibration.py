@@ -1,0 +1,149 @@
+"""The verdict's noise model, measured: correct code and injected bugs, per part, against this run's noise.
+
+    python benchmarks/verify_calibration.py [--device cpu|cuda] [--random 20] [--modes weights,w8a8]
+        [--decode 16] [--mutations] [--json out.json]
+
+Runs verify-logits (the library: verify.run.verify_checkpoint) on the trained fixture (golden/trained,
+a Python-source sample) and on ``--random`` fresh synthetic checkpoints of shapes no test uses (seeds
+7000 + i; hidden, heads, head_dim, window, layers, experts varied), each converted twice (FP8
+attention, attention kept bf16). For every teacher-forced part it records the error, this run's FP8
+noise (verify/noise.py), the store floor and the limit, and prints per mode and part: the worst
+error / limit of correct code, and the largest (error - floors) / noise ratio (what k must exceed).
+With ``--mutations`` every bug of tests/mutations.py is injected into each FP8 mode in turn on the
+trained fixture and the first random checkpoints, and the weakest catch (error / limit at the
+part the bug is in) is printed. The kernels mode on CPU runs Triton's interpreter (slow: set
+TRITON_INTERPRET=1 and expect minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from gptoss_fp8.convert.convert import convert_checkpoint  # noqa: E402
+from gptoss_fp8.convert.synth import write_synthetic  # noqa: E402
+from gptoss_fp8.tokenizer import ByteTokenizer  # noqa: E402
+from gptoss_fp8.verify.reference import reference_for  # noqa: E402
+from gptoss_fp8.verify.report import rounding_for  # noqa: E402
+from gptoss_fp8.verify.run import verify_checkpoint  # noqa: E402
+
+
+def random_shape(i: int) -> tuple[int, dict, int]:
+    r = random.Random(7000 + i)
+    kvh, grp = r.choice([(1, 2), (2, 3), (1, 6), (4, 1), (2, 1), (1, 4), (3, 2)])
+    experts = r.choice([3, 6, 7, 10, 16, 20])
+    ov = dict(hidden_size=r.choice([64, 128, 256, 352, 384, 416]), intermediate_size=r.choice([64, 128, 192, 320]),
+              head_dim=r.choice([16, 32, 64]), num_attention_heads=kvh * grp, num_key_value_heads=kvh,
+              num_local_experts=experts, num_experts_per_tok=min(r.choice([1, 2, 4]), experts),
+              sliding_window=r.choice([3, 6, 12, 24, 32]), vocab_size=r.choice([131, 389, 600]))
+    return r.choice([1, 2, 3, 4]), ov, r.choice([40, 56, 72])
+
+
+def cases(tmp: Path, n_random: int, device: str):
+    trained = ROOT / "golden" / "trained"
+    text = (ROOT / "gptoss_fp8" / "tokenizer.py").read_text()[:160]
+    toks = torch.tensor(ByteTokenizer().encode(text))
+    for keep in (False, True):
+        dst = tmp / f"trained-{keep}"
+        convert_checkpoint(trained, dst, keep_attention_bf16=keep)
+        rounding, exact = rounding_for(dst)
+        yield f"trained bf16-attn={keep}", dst, reference_for(trained, toks, device, None if exact else rounding)
+    for i in range(n_random):
+        layers, ov, n = random_shape(i)
+        src = tmp / f"r{i}-src"
+        write_synthetic(src, "tiny", layers=layers, seed=7000 + i, **ov)
+        toks = torch.randint(0, ov["vocab_size"], (n,), generator=torch.Generator().manual_seed(i))
+        for keep in (False, True):
+            dst = tmp / f"r{i}-{keep}"
+            convert_checkpoint(src, dst, keep_attention_bf16=keep)
+            rounding, exact = rounding_for(dst)
+            yield (f"random {i} L{layers} h{ov['hidden_size']} d{ov['head_dim']} {ov['num_attention_heads']}/"
+                   f"{ov['num_key_value_heads']} E{ov['num_local_experts']}k{ov['num_experts_per_tok']} "
+                   f"w{ov['sliding_window']} T{n} bf16-attn={keep}"), dst, reference_for(src, toks, device,
+                                                                                     None if exact else rounding)
+
+
+def rows_of(report: dict, modes: list[str]):
+    for m in [*modes, "kernels_vs_w8a8"]:
+        sec = report.get(m)
+        if not sec or "teacher_forced" not in sec:
+            continue
+        for r in sec["teacher_forced"]["parts"]:
+            yield m, "prefill", r
+        for r in (sec.get("decode") or {}).get("layers", []):
+            yield m, "decode", r | {"rel_err": r["rel_err_max"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--random", type=int, default=20)
+    ap.add_argument("--modes", default="weights,w8a8")
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--mutations", action="store_true")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    modes = a.modes.split(",")
+    import mutations
+
+    worst: dict = {}
+    catches: list = []
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for j, (name, dst, ref) in enumerate(cases(Path(tmp), a.random, a.device)):
+            report, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device, decode=a.decode)
+            fails = {m: report[m]["failures"] for m in modes if not report[m]["passed"]}
+            print(f"{name}: {'PASS' if report['passed'] else 'FAIL'} {fails if fails else ''}", flush=True)
+            for m, where, r in rows_of(report, modes):
+                key = (m, where, r["part"])
+                ratio = r["rel_err"] / r["limit"] if r["limit"] else 0.0
+                if key not in worst or ratio > worst[key][0]:
+                    worst[key] = (ratio, r["rel_err"], r["limit"], name, r["layer"])
+                records.append({"case": name, "mode": m, "where": where, **{k: r.get(k) for k in
+                                ("layer", "part", "rel_err", "limit", "noise")}})
+            if a.mutations and j < 4:
+                for target in [m for m in modes if m in mutations.TARGET_MODES]:
+                    for mut in mutations.MUTATIONS:
+                        rep, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device,
+                                                   ops_hook=f"mutations:{target}__{mut}")
+                        sec = rep[target]["teacher_forced"]
+                        part = mutations.PART_OF[mut]
+                        rows = [r for r in sec["parts"] if r["part"] == part]
+                        best = max(rows, key=lambda r: r["rel_err"] / r["limit"]) if rows else None
+                        margin = None if best is None else best["rel_err"] / best["limit"]
+                        catches.append({"case": name, "target": target, "mutation": mut, "caught": not rep[target]["passed"],
+                                        "first_failing": sec["first_failing"], "margin": margin})
+                        print(f"   {target} {mut}: {'caught' if not rep[target]['passed'] else 'MISSED'} "
+                              f"first {sec['first_failing']} margin {margin if margin is None else round(margin, 2)}",
+                              flush=True)
+    print("\nworst error / limit of correct code (mode, where, part): ratio, error, limit, case, layer")
+    for key, v in sorted(worst.items()):
+        print(f"  {key}: {v[0]:.3f}  {v[1]:.4g} / {v[2]:.4g}  {v[3]} L{v[4]}")
+    fx = [r for r in records if r.get("noise")]
+    if fx:
+        print("largest error / noise (FP8 parts, prefill):",
+              {p: round(max(r["rel_err"] / r["noise"] for r in fx if r["part"] == p and r["where"] == "prefill"), 3)
+               for p in ("attn", "mlp")})
+    if catches:
+        missed = [c for c in catches if not c["caught"]]
+        weakest = min((c for c in catches if c["margin"]), key=lambda c: c["margin"], default=None)
+        print(f"mutations: {len(catches) - len(missed)} of {len(catches)} caught; weakest catch {weakest}")
+        for c in missed:
+            print("  MISSED", c)
+    if a.json:
+        a.json.write_text(json.dumps({"worst": {str(k): v for k, v in worst.items()}, "records": records,
+                                      "catches": catches}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
