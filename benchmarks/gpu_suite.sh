@@ -4,6 +4,8 @@
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
+#   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
+#            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
 #   prefill  gptoss-fp8 bench prefill: 20b at 8192 / 32768 tokens (transformers bf16 beside it when
 #            importable), 120b at 8192; CUDA-graph timing too
@@ -53,6 +55,13 @@ if has pending-tests; then
     tests/kernels/test_gemv_norm.py tests/kernels/test_fp8_gemm.py tests/kernels/test_moe.py tests/kernels/test_pdl.py \
     tests/test_decode_sharded.py tests/test_bench_sharded.py tests/test_vocab_parallel.py tests/test_verify_decode.py \
     2>&1 | tail -25 | tee "$OUT/pending_tests.log"
+fi
+
+if has verdict; then
+  # issue 32: the noise-following verdict on the trained fixture and 20 unseen random shapes, every mode,
+  # prefill and --decode 16; every bug of tests/mutations.py injected on the trained fixture (both conversions)
+  timeout 500 python3 benchmarks/verify_calibration.py --device cuda --random 20 --modes weights,w8a8,kernels \
+    --decode 16 --mutations 2 --json "$OUT/verdict_cuda.json" 2>&1 | tee "$OUT/verdict_cuda.log"
 fi
 
 if has kernels; then

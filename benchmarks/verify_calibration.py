@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=20)
     ap.add_argument("--modes", default="weights,w8a8")
     ap.add_argument("--decode", type=int, default=16)
-    ap.add_argument("--mutations", action="store_true")
+    ap.add_argument("--mutations", type=int, default=0, help="inject every bug on the first N cases")
+    ap.add_argument("--only-mutations", action="store_true", help="skip the correct-code runs")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     modes = a.modes.split(",")
@@ -101,29 +102,39 @@ def main() -> None:
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for j, (name, dst, ref) in enumerate(cases(Path(tmp), a.random, a.device)):
-            report, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device, decode=a.decode)
-            fails = {m: report[m]["failures"] for m in modes if not report[m]["passed"]}
-            print(f"{name}: {'PASS' if report['passed'] else 'FAIL'} {fails if fails else ''}", flush=True)
+            if a.only_mutations and j >= a.mutations:
+                break
+            report = {"passed": True}
+            if not a.only_mutations:
+                report, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device, decode=a.decode)
+                fails = {m: report[m]["failures"] for m in modes if not report[m]["passed"]}
+                print(f"{name}: {'PASS' if report['passed'] else 'FAIL'} {fails if fails else ''}", flush=True)
             for m, where, r in rows_of(report, modes):
                 key = (m, where, r["part"])
                 ratio = r["rel_err"] / r["limit"] if r["limit"] else 0.0
                 if key not in worst or ratio > worst[key][0]:
                     worst[key] = (ratio, r["rel_err"], r["limit"], name, r["layer"])
                 records.append({"case": name, "mode": m, "where": where, **{k: r.get(k) for k in
-                                ("layer", "part", "rel_err", "limit", "noise")}})
-            if a.mutations and j < 4:
+                                ("layer", "part", "rel_err", "limit", "noise", "store_floor")}})
+            save(a.json, worst, records, catches)
+            if j < a.mutations:
                 for target in [m for m in modes if m in mutations.TARGET_MODES]:
                     for mut in mutations.MUTATIONS:
-                        rep, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device,
+                        # the spec alone, or the kernels with the spec (their verdict against it too)
+                        mm = [target] if target == "w8a8" else ["w8a8", target]
+                        rep, _ = verify_checkpoint(dst, ref, modes=mm, device=a.device,
                                                    ops_hook=f"mutations:{target}__{mut}")
                         sec = rep[target]["teacher_forced"]
+                        if target == "kernels" and rep[target]["passed"] and rep.get("kernels_vs_w8a8"):
+                            sec = rep["kernels_vs_w8a8"]["teacher_forced"]
                         part = mutations.PART_OF[mut]
                         rows = [r for r in sec["parts"] if r["part"] == part]
                         best = max(rows, key=lambda r: r["rel_err"] / r["limit"]) if rows else None
                         margin = None if best is None else best["rel_err"] / best["limit"]
-                        catches.append({"case": name, "target": target, "mutation": mut, "caught": not rep[target]["passed"],
+                        catches.append({"case": name, "target": target, "mutation": mut, "caught": not rep["passed"],
                                         "first_failing": sec["first_failing"], "margin": margin})
-                        print(f"   {target} {mut}: {'caught' if not rep[target]['passed'] else 'MISSED'} "
+                        save(a.json, worst, records, catches)  # as it goes: a run cut short keeps what it measured
+                        print(f"   {target} {mut}: {'caught' if not rep['passed'] else 'MISSED'} "
                               f"first {sec['first_failing']} margin {margin if margin is None else round(margin, 2)}",
                               flush=True)
     print("\nworst error / limit of correct code (mode, where, part): ratio, error, limit, case, layer")
@@ -140,9 +151,13 @@ def main() -> None:
         print(f"mutations: {len(catches) - len(missed)} of {len(catches)} caught; weakest catch {weakest}")
         for c in missed:
             print("  MISSED", c)
-    if a.json:
-        a.json.write_text(json.dumps({"worst": {str(k): v for k, v in worst.items()}, "records": records,
-                                      "catches": catches}, indent=1))
+    save(a.json, worst, records, catches)
+
+
+def save(path: Path | None, worst: dict, records: list, catches: list) -> None:
+    if path:
+        path.write_text(json.dumps({"worst": {str(k): v for k, v in worst.items()}, "records": records,
+                                    "catches": catches}, indent=1))
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def verify_logits(
     ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
     reference: Annotated[Path, typer.Option(
         help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
-    tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run.")] = None,
+    tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run (default: a built-in sample).")] = None,
     prompt: Annotated[str | None, typer.Option(help="Text, rendered as a Harmony chat (openai-harmony, offline).")] = None,
     mode: Annotated[list[Mode] | None, typer.Option(
         metavar="auto|weights|w8a8|kernels|both|all",
@@ -170,6 +170,11 @@ def verify_logits(
 
         ids, tokens_from = render_prompt(prompt), "--prompt (Harmony)"
         check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
+    elif not Path(reference).is_file():  # nothing given and no reference file to take them from
+        from gptoss_fp8.verify.samples import default_tokens
+
+        ids, tokens_from = default_tokens(ckpt, cfg.vocab_size)
+        typer.echo(f"tokens: {tokens_from}")
     if ids is not None:
         ids = torch.tensor(ids, dtype=torch.long)
         if decode:

@@ -374,6 +374,12 @@ class GptOss(nn.Module):
         return out
 
     @torch.inference_mode()
+    def logits_part(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        """The final norm and lm_head on the residual stream after the last layer, x (bf16 [T, H])
+        -> bf16 logits [T, V], as the forward computes them."""
+        return self._logits(ops.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps).y, ops)
+
+    @torch.inference_mode()
     def moe_part(self, i: int, x: torch.Tensor, ops: ReferenceOps,
                  routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Layer i's MoE block on the residual stream after its attention, x (bf16 [T, H]): norm,

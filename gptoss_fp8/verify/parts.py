@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 PARTS = ("attn", "mlp")
-FORWARD_ORDER = {"attn": 0, "router": 1, "combine": 2, "mlp": 3}
+FORWARD_ORDER = {"attn": 0, "router": 1, "combine": 2, "mlp": 3, "logits": 4}
 # The combine weights are a softmax of bf16 logits rounded to bf16: two faithful implementations
 # differ by a few bf16 ulps (2^-8 relative) of a weight; a kernel that takes the softmax from the
 # fp32 logits before rounding them differs by the logits' own rounding (|logit| 2^-9) too. The
@@ -101,6 +101,8 @@ def run_parts(model, tokens: torch.Tensor, ops, target: dict[str, torch.Tensor])
         moe = model.moe_part(i, x_attn, ops, routing=target_routing(target[f"{i}.router"].to(dev), k))
         for what in ("mlp", "router", "ids", "weights"):
             out[f"{i}.{what}"] = moe["out" if what == "mlp" else what].cpu()
+    last = f"{model.cfg.num_hidden_layers - 1}.mlp"
+    out["logits"] = model.logits_part(target[last].to(dev), ops).cpu()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return out
@@ -138,14 +140,16 @@ def routing_flips(target_logits: torch.Tensor, ours_logits: torch.Tensor, k: int
 
 def compare_parts(target: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], n_layers: int, k: int,
                   limits: dict[str, float], part_limits: dict[str, float] | None = None,
-                  noise: dict[str, float] | None = None) -> dict:
+                  noise: dict[str, float] | None = None, target_logits: torch.Tensor | None = None) -> dict:
     """Per layer and part: the relative error against its limit, routing flips, pass/fail, and the
     first failing part in forward order. ``limits`` ({"attn", "mlp", "router"}: the largest
     relative error that noise explains for this mode); ``part_limits`` ("{i}.attn" / "{i}.mlp" ->
     limit: this run's noise-following limits, verify/noise.py) replace the attn / mlp ones, and
     ``noise`` (the same keys) is reported beside them. Each layer's combine (our expert choice and
     weights from our router logits, when ``ours`` holds "{i}.ids" / "{i}.weights") is checked
-    against ``target_routing`` of those logits (``combine_error``, limit ``COMBINE_LIMIT``)."""
+    against ``target_routing`` of those logits (``combine_error``, limit ``COMBINE_LIMIT``). With
+    ``target_logits`` [T, V] and ``ours["logits"]`` (our final norm and lm_head on the target's
+    last stream), a last row ``part: "logits"`` (layer = n_layers) against ``limits["logits"]``."""
     rows, failures = [], []
     for i in range(n_layers):
         for part in PARTS:
@@ -181,6 +185,13 @@ def compare_parts(target: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]
             rows.append({"layer": i, "part": "router", "rel_err": e, "limit": limits["router"], "passed": ok, **flips})
             if not ok:
                 failures.append(f"layer {i} router: logits rel. err {e:.3g} > {limits['router']:.3g}")
+    if target_logits is not None and "logits" in ours:
+        t, o = target_logits.double(), ours["logits"].double()
+        e = float((o - t).norm() / t.norm().clamp(min=1e-30))
+        ok = e <= limits["logits"]
+        rows.append({"layer": n_layers, "part": "logits", "rel_err": e, "limit": limits["logits"], "passed": ok})
+        if not ok:
+            failures.append(f"final norm + lm_head: logits rel. err {e:.3g} > {limits['logits']:.3g}")
     rows.sort(key=lambda r: (r["layer"], FORWARD_ORDER[r["part"]]))
     first = next((r for r in rows if not r["passed"]), None)
     return {"passed": not failures, "failures": failures, "parts": rows,

@@ -16,7 +16,7 @@ from gptoss_fp8.verify.backends import MODES, backend_device
 from gptoss_fp8.verify.decode import compare_decode
 from gptoss_fp8.verify.decode import summary_line as decode_summary_line
 from gptoss_fp8.verify.metrics import layer_errors, logit_metrics
-from gptoss_fp8.verify.noise import part_noise, store_floors
+from gptoss_fp8.verify.noise import grid_noise, part_noise, store_floors
 from gptoss_fp8.verify.parts import compare_parts
 from gptoss_fp8.verify.reference import Reference, Rounding
 from gptoss_fp8.verify.thresholds import (
@@ -69,6 +69,9 @@ class ModeOutput(NamedTuple):
     # FP8 modes with teacher-forced parts: the w8a8 spec's parts on two other activation grids
     # (verify/noise.py ``dither_parts``), whose difference is this run's FP8 noise per part
     dither: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+    # the w8a8 mode: its parts on the other activation grids (verify/noise.py GRIDS[1:]), through
+    # the same ops hook: the verdict takes their mean (FP8 noise / sqrt(K), a bug stays whole)
+    grids: list[dict[str, torch.Tensor]] | None = None
 
 
 Outputs = dict[str, ModeOutput]  # mode -> its output
@@ -210,10 +213,19 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
                     f"{', '.join((out.fallback_shapes or {}).get(op, [])) or '?'}); pass --allow-fallback to accept"
                     for op, n in fb.items()]
         noise = floors = None
-        if out.dither is not None and out.parts is not None and (ref.expected is not None or exact_conversion):
+        ours_parts = out.parts
+        one_grid = None  # the part noise of one activation grid (the decode limits follow it)
+        if out.parts is not None and (ref.expected is not None or exact_conversion):
             # this run's FP8 noise per part (verify/noise.py): the FP8 modes' limits follow it
-            noise = part_noise(*out.dither, target.hidden, n_layers)
-            floors = store_floors(target.hidden, out.parts["0.in"], n_layers)
+            if out.grids:  # w8a8: the mean over the grids is judged, against the noise of a mean
+                mean, one_grid = grid_noise([out.parts, *out.grids], target.hidden, n_layers)
+                ours_parts = out.parts | mean
+                k = 1 + len(out.grids)
+                noise = {key: v / math.sqrt(k) for key, v in one_grid.items()}
+            elif out.dither is not None:
+                noise = one_grid = part_noise(*out.dither, target.hidden, n_layers)
+            if noise is not None:
+                floors = store_floors(target.hidden, out.parts["0.in"], n_layers)
         if out.parts is not None and experts_per_token:
             # The verdict: the teacher-forced parts (+ fallbacks + a loose smoke check of the
             # free-running logits); the free-running comparison under the profile's thresholds
@@ -234,7 +246,13 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
                     part_limits = {k: max(v, PART_LIMITS["exact-cross-device"][k.split(".")[1]]) for k, v in part_limits.items()}
             if part_override is not None:
                 limits, part_limits = dict.fromkeys(limits, part_override), None
-            tf = compare_parts(target.hidden, out.parts, n_layers, experts_per_token, limits, part_limits, noise)
+            tf = compare_parts(target.hidden, ours_parts, n_layers, experts_per_token, limits, part_limits, noise,
+                               target.logits)
+            if out.grids and part_limits:
+                tf["grids"] = 1 + len(out.grids)  # the attention / MoE rows: the mean over this many grids
+            for r in tf["parts"]:
+                if floors and f"{r['layer']}.{r['part']}" in floors:
+                    r["store_floor"] = floors[f"{r['layer']}.{r['part']}"]
             tf["limits_profile"] = (f"{noise_rule_key(mode, device)} (this run's FP8 noise x k + floors)"
                                     if part_limits else part_profile)
             tf["limits_profile"] += " x cross-device" if cross else ""
@@ -255,9 +273,9 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
         if out.decode is not None:  # --decode N: the cached decode against this mode's full forward
             dprof = decode_profile(mode, device)
             dec_limits = None
-            if noise is not None and dprof in DECODE_NOISE:
+            if one_grid is not None and dprof in DECODE_NOISE:
                 rule = DECODE_NOISE[dprof]
-                dec_limits = {k: rule.limit(k.split(".")[1], v, floors[k]) for k, v in noise.items()}
+                dec_limits = {k: rule.limit(k.split(".")[1], v, floors[k]) for k, v in one_grid.items()}
             dec = compare_decode(out.decode, out.logits, out.hidden, n_layers, decode_limits(mode, device),
                                  experts_per_token, target.logits, dprof, out.decode_fallbacks, allow_fallback,
                                  part_limits=dec_limits)
@@ -278,7 +296,8 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             key = "kernels_vs_w8a8" if device.startswith("cuda") else "kernels_vs_w8a8-interpreter"
             spec_floors = store_floors(outputs["w8a8"].hidden, vs["0.in"], n_layers)
             vs_limits = {k: PART_LIMITS[key][k.split(".")[1]] + KERNELS_VS_SPEC_STORE[key] * f for k, f in spec_floors.items()}
-            tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key], vs_limits)
+            tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key], vs_limits,
+                               target_logits=outputs["w8a8"].logits)
             tf["limits_profile"] = key
             agree["teacher_forced"] = tf
             agree["failures"] = agree["failures"] + tf["failures"]
@@ -353,7 +372,8 @@ def _parts_lines(sec: dict) -> list[str]:
     if not tf:
         return []
     worst = []
-    for part, label in (("attn", "attention"), ("mlp", "MoE"), ("router", "router"), ("combine", "combine")):
+    for part, label in (("attn", "attention"), ("mlp", "MoE"), ("router", "router"), ("combine", "combine"),
+                        ("logits", "logits")):
         rows = [r for r in tf["parts"] if r["part"] == part]
         if rows:
             r = max(rows, key=lambda r: r["rel_err"] / max(r["limit"], 1e-30))

@@ -17,7 +17,7 @@ from gptoss_fp8.model.load import load_model
 from gptoss_fp8.parallel import Parallel, backend_for, device_for, launch_ranks, start_rank, under_torchrun  # noqa: F401 (re-exported)
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
 from gptoss_fp8.verify.decode import check_decode_steps, run_decode
-from gptoss_fp8.verify.noise import dither_parts
+from gptoss_fp8.verify.noise import dither_parts, grid_ops
 from gptoss_fp8.verify.parts import has_forced_inputs, run_parts
 from gptoss_fp8.verify.reference import Reference
 from gptoss_fp8.verify.report import ModeOutput, Outputs, build_report, rounding_for
@@ -52,8 +52,8 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
     dev = next(iter(model.buffers())).device
     hook = resolve_ops_hook(ops_hook)
     has_parts = has_forced_inputs(forced, model.cfg.num_hidden_layers)
-    # this run's FP8 noise per part (verify/noise.py): the clean spec on two other grids, once
-    dither = dither_parts(model, tokens, forced) if has_parts and {"w8a8", "kernels"} & set(modes) else None
+    # this run's FP8 noise per part for the kernels (verify/noise.py): the clean spec on two other grids
+    dither = dither_parts(model, tokens, forced) if has_parts and "kernels" in modes else None
     for mode in modes:
         cap: dict[str, torch.Tensor] = {}
         if mode == "kernels" and gemm == "deep_gemm":  # the last mode: the padded weights become the model's
@@ -68,6 +68,10 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         seconds = time.perf_counter() - t0
         hidden = {k: v.cpu() for k, v in cap.items()}
         parts = run_parts(model, tokens, ops, forced) if has_parts else None
+        grids = None
+        if has_parts and mode == "w8a8":  # the spec (as this mode runs it, hook included) on the other grids
+            grids = [run_parts(model, tokens, ops if hook is None else hook(mode, ops), forced)
+                     for ops in grid_ops()]
         vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None
         shapes = getattr(ops, "fallback_shapes", None)
         dec = dec_fallbacks = None
@@ -79,7 +83,7 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
                                parts=parts, parts_vs_spec=vs_spec,
                                fallback_shapes=None if shapes is None else {k: sorted(v) for k, v in shapes.items() if v},
                                decode=dec, decode_fallbacks=None if dec_fallbacks is None else dict(dec_fallbacks),
-                               dither=dither if mode in ("w8a8", "kernels") else None)
+                               dither=dither if mode == "kernels" else None, grids=grids)
     return out
 
 
@@ -98,6 +102,8 @@ def _save_outputs(out: Outputs, path: Path, collective: str) -> None:
         t |= {f"{mode}/decode_fallbacks.{k}": torch.tensor([n]) for k, n in (o.decode_fallbacks or {}).items()}
         for j, d in enumerate(o.dither or ()):
             t |= {f"{mode}/dither{j}.{k}": v.contiguous() for k, v in d.items()}
+        for j, d in enumerate(o.grids or ()):
+            t |= {f"{mode}/grid{j}.{k}": v.contiguous() for k, v in d.items()}
     shapes = {mode: o.fallback_shapes for mode, o in out.items() if o.fallback_shapes is not None}
     save_file(t, str(path), metadata={"collective": collective, "fallback_shapes": json.dumps(shapes)})
 
@@ -126,8 +132,16 @@ def _load_outputs(path: Path, modes: list[str]) -> Outputs:
                                parts=sub(f"{mode}/parts."), parts_vs_spec=sub(f"{mode}/parts_vs_spec."),
                                fallback_shapes=shapes.get(mode), decode=sub(f"{mode}/decode."),
                                decode_fallbacks=dec_fallbacks if MODES[mode] == "triton" else None,
-                               dither=_pair(sub(f"{mode}/dither0."), sub(f"{mode}/dither1.")))
+                               dither=_pair(sub(f"{mode}/dither0."), sub(f"{mode}/dither1.")),
+                               grids=_grids(sub, mode))
     return out
+
+
+def _grids(sub, mode: str) -> list[dict] | None:
+    out = []
+    while (d := sub(f"{mode}/grid{len(out)}.")) is not None:
+        out.append(d)
+    return out or None
 
 
 def _pair(a: dict | None, b: dict | None) -> tuple[dict, dict] | None:
