@@ -23,7 +23,6 @@ from gptoss_fp8.verify.thresholds import (
     CROSS_DEVICE_FACTOR,
     DECODE_NOISE,
     DEFAULTS,
-    KERNELS_VS_SPEC_STORE,
     NOISE_RULES,
     PART_LIMITS,
     SMOKE,
@@ -295,7 +294,10 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             agree["passed"] = not agree["failures"]
             key = "kernels_vs_w8a8" if device.startswith("cuda") else "kernels_vs_w8a8-interpreter"
             spec_floors = store_floors(outputs["w8a8"].hidden, vs["0.in"], n_layers)
-            vs_limits = {k: PART_LIMITS[key][k.split(".")[1]] + KERNELS_VS_SPEC_STORE[key] * f for k, f in spec_floors.items()}
+            kd = outputs["kernels"].dither
+            n1 = part_noise(*kd, target_of(ref).hidden, n_layers) if kd is not None else {}
+            rule = NOISE_RULES[key]
+            vs_limits = {k: rule.limit(k.split(".")[1], n1.get(k, 0.0), f) for k, f in spec_floors.items()}
             tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key], vs_limits,
                                target_logits=outputs["w8a8"].logits)
             tf["limits_profile"] = key
@@ -305,6 +307,10 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
         report["kernels_vs_w8a8"] = agree
         report["passed"] = report["passed"] and agree["passed"]
     return report
+
+
+def target_of(ref: Reference) -> Reference:
+    return ref.expected if ref.expected is not None else ref
 
 
 def kernels_vs_spec(spec: ModeOutput, kernels: ModeOutput, n_layers: int, experts_per_token: int | None = None) -> dict:

@@ -122,7 +122,9 @@ PART_LIMITS: dict[str, dict[str, float]] = {
     "kernels": {"attn": 0.083, "mlp": 0.06, "router": 0.02, "logits": 0.02},
     # the kernels against the w8a8 spec on the spec's own inputs, H200: worst attn 0.0244 (default
     # conversion; 0.0114 exact), MoE 0.0049 (median 0: mostly bit-identical), router 1.1e-4
-    "kernels_vs_w8a8": {"attn": 0.05, "mlp": 0.01, "router": 5e-4, "logits": 5e-4},
+    # router / logits: 1.1e-4 on the golden shapes, up to 2.9e-3 on hidden 384 / 416 (the norm
+    # kernel's fp32 rows round to other bf16 values): 0.01
+    "kernels_vs_w8a8": {"attn": 0.05, "mlp": 0.01, "router": 0.01, "logits": 0.01},
     # the same through Triton's interpreter on CPU (6 checkpoints: it is slow): attn 0.052, MoE
     # 0.040, router 0.0070 (its fp32 -> bf16 stores truncate, and the FP8 casts round otherwise):
     # about 8x the GPU's MoE noise, so MoE bugs smaller than ~8% of the block's output can hide here
@@ -150,23 +152,38 @@ SMOKE = Thresholds(kl_mean=5.0, kl_max=float("inf"), top1_min=0.2, layer_rel_err
 # (the kernels keep attention, RoPE and the norms in fp32 where the spec rounds to bf16).
 @dataclass(frozen=True)
 class NoiseRule:
-    k: float  # x the part's FP8 noise on this run
-    store: float  # x one bf16 ulp of the output (a truncating store: the interpreter)
-    floor: dict[str, float]  # + an absolute floor per part ("attn", "mlp")
+    k: dict[str, float]  # per part ("attn", "mlp"): x the part's FP8 noise on this run
+    store: float | dict[str, float]  # x one bf16 ulp of the output, relative (a truncating store: the interpreter)
+    floor: dict[str, float]  # + an absolute floor per part
 
     def limit(self, part: str, noise: float, store_floor: float) -> float:
-        return self.k * noise + self.store * store_floor + self.floor[part]
+        store = self.store[part] if isinstance(self.store, dict) else self.store
+        return self.k[part] * noise + store * store_floor + self.floor[part]
 
 
+def _both(v: float) -> dict[str, float]:
+    return {"attn": v, "mlp": v}
+
+
+# Measured 2026-12-03 (benchmarks/verify_calibration.py, docs/verify.md "Noise model"): the trained
+# fixture and 20 random shapes no test uses, both conversions, H200 (weights, w8a8, kernels,
+# prefill and --decode 16) and CPU (weights, w8a8). Correct code's worst error / limit under these
+# rules: w8a8 0.57, kernels 0.68-0.72, kernels vs the spec 0.52 (attn) and 0.23 (mlp); the weakest
+# catch of an injected bug: 1.84 (w8a8), 1.14 (kernels, on the kernels-vs-spec part).
 NOISE_RULES: dict[str, NoiseRule] = {
     # the mean over the activation grids (noise: that of the mean)
-    "w8a8": NoiseRule(k=2.0, store=0.5, floor={"attn": 0.002, "mlp": 0.002}),
+    "w8a8": NoiseRule(k=_both(2.0), store=0.5, floor=_both(0.002)),
     # one grid (448), as the kernels compute
-    "kernels": NoiseRule(k=1.5, store=0.5, floor={"attn": 0.02, "mlp": 0.01}),
-    "kernels-interpreter": NoiseRule(k=1.5, store=0.75, floor={"attn": 0.02, "mlp": 0.01}),
+    "kernels": NoiseRule(k=_both(1.3), store=0.5, floor={"attn": 0.01, "mlp": 0.005}),
+    "kernels-interpreter": NoiseRule(k=_both(1.3), store=0.75, floor={"attn": 0.02, "mlp": 0.01}),
+    # the kernels against the spec on the spec's inputs: attention differs by fp32-vs-bf16
+    # intermediates that then round to other FP8 values (a part of one grid's noise: worst 0.52 of
+    # it); the MoE is near bit-exact (worst 0.11 of it), so its limit stays an absolute one
+    "kernels_vs_w8a8": NoiseRule(k={"attn": 0.7, "mlp": 0.0}, store={"attn": 0.75, "mlp": 0.25}, floor=_both(0.01)),
+    # through the interpreter (its stores truncate, its FP8 casts round otherwise): the table's
+    # limits plus its store floor
+    "kernels_vs_w8a8-interpreter": NoiseRule(k=_both(0.0), store=0.75, floor={"attn": 0.105, "mlp": 0.08}),
 }
-# the kernels against their spec: the table (PART_LIMITS) plus this x the output's bf16 ulp floor
-KERNELS_VS_SPEC_STORE = {"kernels_vs_w8a8": 0.5, "kernels_vs_w8a8-interpreter": 0.75}
 
 
 def noise_rule_key(mode: str, device: str) -> str:
@@ -194,7 +211,7 @@ DECODE_LIMITS: dict[str, dict[str, float]] = {
 # FP8 decode profiles: a part's limit = k x the part's FP8 noise (verify/noise.py) + store x the
 # row's bf16 ulp floor + DECODE_LIMITS[profile]["part"]
 DECODE_NOISE: dict[str, NoiseRule] = {
-    p: NoiseRule(k=1.0, store=0.5, floor={"attn": DECODE_LIMITS[p]["part"], "mlp": DECODE_LIMITS[p]["part"]})
+    p: NoiseRule(k=_both(1.0), store=0.5, floor=_both(DECODE_LIMITS[p]["part"]))
     for p in ("w8a8", "w8a8-cuda", "kernels", "kernels-interpreter")
 }
 
