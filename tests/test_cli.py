@@ -113,3 +113,30 @@ def test_cli_scale_modes_match_the_codec():
     from gptoss_fp8.quant.fp8 import ScaleMode
 
     assert [m.value for m in ScaleModeChoice] == [m.value for m in ScaleMode]
+
+
+def _option_names(path) -> list[str]:
+    import typer.main
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return [o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+
+
+@pytest.mark.parametrize("path", _commands(app), ids=lambda p: " ".join(p) or "root")
+def test_help_fits_80_columns(path):
+    """--help in an 80-column terminal, output not a terminal (a pipe, CI logs): every option
+    name whole (not cut to ``--keep-attention…``), no ``<bool>`` for flags, no line wider than 80."""
+    import os
+
+    env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"}
+    p = subprocess.run([sys.executable, "-m", "gptoss_fp8.cli.main", *path, "--help"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    words = set(text.replace("/", " ").replace(",", " ").split())
+    for opt in _option_names(path):
+        assert opt in words, f"{' '.join(path)} --help: option {opt} is not shown whole:\n{text}"
+    assert "<bool>" not in text and "…" not in text, text
+    assert max(map(len, text.splitlines())) <= 80, text

@@ -19,7 +19,8 @@ from gptoss_fp8.cli.common import (
 )
 from gptoss_fp8.errors import GptOssFp8Error
 
-app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True,
+                  rich_markup_mode=None)
 
 KERNEL_SUITES = ("gemm", "attention")
 

@@ -27,7 +27,7 @@ def _check_temperature(value: float) -> float:
 
 
 def generate(
-    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
+    ckpt: Annotated[Path, typer.Argument(metavar="DST", help="Converted FP8 checkpoint directory.")],
     prompt: Annotated[str | None, typer.Option(help="User message, rendered as a Harmony chat (offline tokenizer).")] = None,
     tokens: Annotated[Path | None, typer.Option(help="JSON list of prompt token ids, used as they are.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Stop after this many new tokens.")] = 128,

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="Golden checks: deterministic synthetic checkpoints and reference logits.", no_args_is_help=True)
+app = typer.Typer(help="Golden checks: deterministic synthetic checkpoints and reference logits.", no_args_is_help=True,
+                  rich_markup_mode=None)
 
 DirOption = Annotated[Path | None, typer.Option("--dir", help="Golden folder (default: golden/ of this source tree).")]
 

@@ -87,6 +87,7 @@ app = _App(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: option names whole and flags without <bool> at 80 columns
 )
 
 

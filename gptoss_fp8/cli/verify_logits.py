@@ -79,7 +79,7 @@ def _plot_ready(plot: Path) -> None:
 
 
 def verify_logits(
-    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
+    ckpt: Annotated[Path, typer.Argument(metavar="DST", help="Converted FP8 checkpoint directory.")],
     reference: Annotated[Path, typer.Option(
         help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
     tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run.")] = None,
