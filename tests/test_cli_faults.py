@@ -235,6 +235,28 @@ def test_dst_that_cannot_be_a_directory(tmp_path, tiny, command, shape):
     assert f.read_text() == "keep"
 
 
+@pytest.mark.parametrize("command", ["generate", "verify-logits"])
+def test_source_checkpoint_where_a_converted_one_is_needed(tiny, command):
+    """The MXFP4 source given as the converted checkpoint: one line saying what it is and the
+    command that makes the converted one, not "tensor ... is missing; re-run the conversion"."""
+    src, _, tokens = tiny
+    args = {"generate": ["generate", str(src), "--tokens", str(tokens)],
+            "verify-logits": ["verify-logits", str(src), "--reference", str(src), "--tokens", str(tokens)]}[command]
+    one_line(runner.invoke(app, args), 1, f"{src} is an MXFP4 source checkpoint, not a converted FP8 one",
+             f"convert it first: gptoss-fp8 convert {src} DST")
+
+
+def test_source_checkpoint_is_refused_where_checkpoints_are_opened(tmp_path):
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+
+    write_synthetic(tmp_path / "s", "tiny", layout="both")
+    with pytest.raises(GptOssFp8Error, match="is an MXFP4 source checkpoint.*gptoss-fp8 convert"):
+        Checkpoint.open(tmp_path / "s")
+    with pytest.raises(GptOssFp8Error, match="original/ layout, not a converted FP8 one"):
+        Checkpoint.open(tmp_path / "s" / "original")
+
+
 @pytest.mark.skipif(ROOT_IS_ROOT, reason="root writes anywhere")
 @pytest.mark.parametrize("command", ["synth", "convert"])
 def test_dst_not_writable(tmp_path, tiny, command):
