@@ -150,6 +150,47 @@ def test_ctrl_c_at_any_moment_is_one_line_exit_130(tmp_path, tiny, delay):
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
+# The child says "N" when numpy starts to be imported: torch's C start-up imports it, and clears an
+# exception raised meanwhile, so a KeyboardInterrupt landing there was lost (the conversion then ran
+# to the end and exited 0). The CLI holds Ctrl-C while torch is imported and raises it after.
+_CHILD_NUMPY = """
+import os, sys
+sys.argv = ["gptoss-fp8", *sys.argv[1:]]
+
+class Tell:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            os.write(1, b"N")
+        return None
+
+sys.meta_path.insert(0, Tell())
+from gptoss_fp8.cli.main import app
+app()
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_ctrl_c_while_torch_imports_numpy_is_not_lost(tmp_path, tiny, delay):
+    dst = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", _CHILD_NUMPY, "convert", str(tiny[0]), str(dst)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(1) == b"N"
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err.decode()) == (130, "interrupted\n"), (p.returncode, err.decode(), out.decode())
+    assert not dst.exists()  # stopped before the conversion began
+
+
+def test_in_process_run_leaves_ctrl_c_deliverable(tiny):
+    """The CLI blocks SIGINT only where the process exits: an in-process run (CliRunner, a library
+    caller) must not leave it blocked, since child processes inherit the mask (every Ctrl-C test
+    after the first in-process run then ran children that could not be interrupted)."""
+    assert runner.invoke(app, ["plan", str(tiny[0]), "--summary"]).exit_code == 0
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. argument validation: one line each, before any work
 

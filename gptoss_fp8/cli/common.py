@@ -11,11 +11,15 @@ import errno
 import math
 import os
 import re
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -70,6 +74,64 @@ def report_failure(e: BaseException) -> int:
         return INTERRUPTED
     _stderr_line(f"error: {failure_line(e)}")
     return 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Ctrl-C: raised where it lands, except inside ``ctrl_c_deferred`` (importing torch), where it waits
+# for the block's end. torch's C start-up imports numpy and clears any exception raised meanwhile,
+# so a KeyboardInterrupt raised there (a Ctrl-C about 1 s into convert on a small machine) was
+# lost and the command ran to the end with exit 0.
+
+
+class _CtrlC:
+    received = False  # a SIGINT came while deferred, not raised yet
+    deferred = 0  # depth of ctrl_c_deferred blocks
+
+
+def _on_sigint(signum, frame) -> None:
+    if _CtrlC.deferred:
+        _CtrlC.received = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def ctrl_c_handler() -> Iterator[None]:
+    """Python's SIGINT behaviour (KeyboardInterrupt where the main thread is), plus deferral in
+    ``ctrl_c_deferred`` blocks, while the command runs; the previous handler put back after."""
+    try:
+        previous = signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread (an embedding caller): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """A Ctrl-C inside the block is raised as KeyboardInterrupt when the block ends (so code that
+    swallows exceptions, like torch's C start-up, cannot lose it)."""
+    _CtrlC.deferred += 1
+    try:
+        yield
+    finally:
+        _CtrlC.deferred -= 1
+    if _CtrlC.received and not _CtrlC.deferred:
+        _CtrlC.received = False
+        raise KeyboardInterrupt
+
+
+class TorchCommand(typer.core.TyperCommand):
+    """A command that runs torch: torch is imported once its arguments are parsed (never for
+    --help or a usage error), with Ctrl-C deferred until the import is over."""
+
+    def invoke(self, ctx):
+        with ctrl_c_deferred():
+            import torch  # noqa: F401
+        return super().invoke(ctx)
 
 
 def _stderr_line(line: str) -> None:
