@@ -298,6 +298,20 @@ def test_source_checkpoint_is_refused_where_checkpoints_are_opened(tmp_path):
         Checkpoint.open(tmp_path / "s" / "original")
 
 
+@pytest.mark.parametrize("command", ["generate", "verify-logits"])
+def test_prompt_on_a_vocabulary_harmony_cannot_encode_says_so_first(tmp_path, tiny, monkeypatch, command):
+    """--prompt on a model whose vocabulary is not Harmony's: that is the one line, before any
+    tokenizer is imported or asked to be installed (not "pip install openai-harmony bpe-openai" first)."""
+    src, fp8, _ = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no unpacked o200k file either
+    for name in ("openai_harmony", "bpe_openai"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing them fails, as when not installed
+    args = {"generate": ["generate", str(fp8), "--prompt", "hi"],
+            "verify-logits": ["verify-logits", str(fp8), "--reference", str(src), "--prompt", "hi"]}[command]
+    line = one_line(runner.invoke(app, args), 1, "vocabulary has 503 tokens", "--tokens FILE")
+    assert "pip install" not in line
+
+
 @pytest.mark.skipif(ROOT_IS_ROOT, reason="root writes anywhere")
 @pytest.mark.parametrize("command", ["synth", "convert"])
 def test_dst_not_writable(tmp_path, tiny, command):

@@ -163,10 +163,9 @@ def verify_logits(
     if tokens is not None:
         ids, tokens_from = read_tokens(tokens, cfg.vocab_size), f"--tokens {tokens}"
     elif prompt is not None:
-        from gptoss_fp8.verify.prompt import render_prompt
+        from gptoss_fp8.verify.prompt import encode_prompt
 
-        ids, tokens_from = render_prompt(prompt), "--prompt (Harmony)"
-        check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
+        ids, tokens_from = encode_prompt(prompt, cfg, f"--prompt of {ckpt}"), "--prompt (Harmony)"
     if ids is not None:
         ids = torch.tensor(ids, dtype=torch.long)
         if decode:
