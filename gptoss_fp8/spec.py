@@ -28,18 +28,26 @@ Experts (the MoE after routing)
     ``moe_combine(y, weights)``          weighted sum of per-slot outputs -> bf16 [T, H].
     ``moe_w8a8(...)``                    ``moe_combine(moe_experts_w8a8(...))``: the combined w8a8 MoE [T, H].
     ``bf16_weight(w, scale_inv)``        a weight as bf16 (dequantized when FP8): the ``weights`` mode's GEMM operand.
+    ``expert_weight_f32`` / ``_bf16``    expert e of a stack, dequantized: how the expert FFNs get their operands.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_reference, dequantize_weight_blocks, quantize_act
+from gptoss_fp8.quant.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    block_gemm_dequantized,
+    dequantize_weight_blocks,
+    quantize_act,
+)
 
 SWIGLU_ALPHA = 1.702
 
@@ -267,12 +275,29 @@ def _at(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if t is None else t[e]
 
 
+# Expert e's weight from a stack: (w [E, N, K], its scale_inv [E, ceil(N/128), ceil(K/128)] or None,
+# e) -> [N, K] dequantized. The expert FFNs below take one; a backend may pass one that returns a
+# copy prepared earlier (model/ops.py PreparedWeights), which must be these same bits.
+ExpertWeight = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+
+def expert_weight_f32(w: torch.Tensor, scale_inv: torch.Tensor | None, e: int) -> torch.Tensor:
+    """Expert e of an FP8 stack as float32 [N, K] (``dequantize_weight_blocks``): the w8a8 GEMM operand."""
+    return dequantize_weight_blocks(w[e], scale_inv[e])
+
+
+def expert_weight_bf16(w: torch.Tensor, scale_inv: torch.Tensor | None, e: int) -> torch.Tensor:
+    """Expert e of a stack as bf16 [N, K] (``bf16_weight``): the ``weights`` mode's GEMM operand."""
+    return bf16_weight(w[e], _at(scale_inv, e))
+
+
 def moe_experts_w8a8(
     x: torch.Tensor, ids: torch.Tensor,
     w13: torch.Tensor, w13_scale_inv: torch.Tensor, b13: torch.Tensor | None,
     w2: torch.Tensor, w2_scale_inv: torch.Tensor, b2: torch.Tensor | None,
     expert_start: int = 0, limit: float = 7.0, partial: bool = False,
-    xq: tuple[torch.Tensor, torch.Tensor] | None = None, act_max: float = FP8_MAX,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None, weight: ExpertWeight = expert_weight_f32,
+    act_max: float = FP8_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The w8a8 expert FFN (design.md section 1) of routed tokens, per (token, slot), on a rank
     holding experts [expert_start, expert_start + E_l) (and, with ``partial``, a part of each
@@ -282,6 +307,7 @@ def moe_experts_w8a8(
     interleaved) with scale_inv [E_l, ceil(2I_l/128), ceil(H/128)] and bias b13 [E_l, 2I_l];
     w2 fp8 [E_l, H, I_l] with scale_inv [E_l, ceil(H/128), ceil(I_l/128)] and bias b2 [E_l, H]
     (None: another rank owns it). xq: x's ``quantize_act`` when the caller has it (same bits).
+    weight: how expert e's float32 operand is made (``expert_weight_f32``, or a prepared copy of it).
     act_max: ``quantize_act``'s fp8_max (448; another grid only for the verdict's noise estimate).
 
     Per slot routed here: x quantized per token (1x128), gate_up block GEMM + bias in fp32, the
@@ -297,15 +323,16 @@ def moe_experts_w8a8(
     bias_out = torch.zeros_like(out) if partial else None
     x_fp8, x_scale = xq if xq is not None else quantize_act(x, fp8_max=act_max)
     for e, tok, slot in _local_slots(ids, expert_start, w13.shape[0]):
-        h = block_gemm_reference(x_fp8[tok], x_scale[tok], w13[e], w13_scale_inv[e], _at(b13, e), torch.float32)
+        h = block_gemm_dequantized(x_fp8[tok], x_scale[tok], weight(w13, w13_scale_inv, e), _at(b13, e), torch.float32)
         a_fp8, a_scale = quantize_act(swiglu(h, limit), fp8_max=act_max)
         b = _at(b2, e)
+        wd = weight(w2, w2_scale_inv, e)
         if partial:
-            out[tok, slot] = block_gemm_reference(a_fp8, a_scale, w2[e], w2_scale_inv[e], None, torch.float32)
+            out[tok, slot] = block_gemm_dequantized(a_fp8, a_scale, wd, None, torch.float32)
             if b is not None:
                 bias_out[tok, slot] = b.float()
         else:
-            out[tok, slot] = block_gemm_reference(a_fp8, a_scale, w2[e], w2_scale_inv[e], b, torch.bfloat16).float()
+            out[tok, slot] = block_gemm_dequantized(a_fp8, a_scale, wd, b, torch.bfloat16).float()
     return out, bias_out
 
 
@@ -313,21 +340,22 @@ def moe_experts_bf16(
     x: torch.Tensor, ids: torch.Tensor,
     w13: torch.Tensor, w13_scale_inv: torch.Tensor | None, b13: torch.Tensor | None,
     w2: torch.Tensor, w2_scale_inv: torch.Tensor | None, b2: torch.Tensor | None,
-    expert_start: int = 0, limit: float = 7.0, partial: bool = False,
+    expert_start: int = 0, limit: float = 7.0, partial: bool = False, weight: ExpertWeight = expert_weight_bf16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``moe_experts_w8a8``'s contract in the ``weights`` mode: FP8 weights dequantized to bf16
     (bf16 weights as they are), bf16 activations, OpenAI's op order: each GEMM rounded to bf16,
     then its bias added in bf16; the SwiGLU in bf16. ``partial``: the down products in fp32
-    (one rounding after the sum over ranks, then the bias, as the reference's all-reduce)."""
+    (one rounding after the sum over ranks, then the bias, as the reference's all-reduce).
+    weight: how expert e's bf16 operand is made (``expert_weight_bf16``, or a prepared copy of it)."""
     t, k = ids.shape
     out = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
     bias_out = torch.zeros_like(out) if partial else None
     for e, tok, slot in _local_slots(ids, expert_start, w13.shape[0]):
-        h = F.linear(x[tok], bf16_weight(w13[e], _at(w13_scale_inv, e)))
+        h = F.linear(x[tok], weight(w13, w13_scale_inv, e))
         if b13 is not None:
             h = h + b13[e]
         a = swiglu(h, limit)
-        wd = bf16_weight(w2[e], _at(w2_scale_inv, e))
+        wd = weight(w2, w2_scale_inv, e)
         b = _at(b2, e)
         if partial:
             out[tok, slot] = F.linear(a.float(), wd.float())

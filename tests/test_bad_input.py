@@ -399,6 +399,27 @@ def test_planted_directory_symlinks_are_not_written_into(tiny_src, tmp_path):
     no_lock(half)
 
 
+def test_dst_may_be_a_symlink_to_a_directory(tiny_src, tmp_path):
+    """DST a symlink to a directory (an empty one, then one holding a conversion): written inside
+    it; the link stays a link; --overwrite replaces only our outputs there."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    dst = tmp_path / "dst"
+    dst.symlink_to(disk, target_is_directory=True)
+    convert_checkpoint(tiny_src, dst, shard_bytes=SHARD)
+    assert dst.is_symlink() and json.loads((disk / "config.json").read_text())["quantization_config"]
+    first = sorted(p.name for p in disk.glob("*.safetensors"))
+    (disk / "notes.txt").write_text("mine")
+    with pytest.raises(GptOssFp8Error) as ei:
+        convert_checkpoint(tiny_src, dst, shard_bytes=SHARD)
+    one_line_error(ei, "not empty", "--overwrite")
+    assert convert_checkpoint(tiny_src, dst, shard_bytes=SHARD, resume=True)["status"].startswith("already complete")
+    convert_checkpoint(tiny_src, dst, tp=2, overwrite=True)
+    assert dst.is_symlink() and (disk / "rank-00001").is_dir() and (disk / "notes.txt").read_text() == "mine"
+    assert first and not list(disk.glob("*.safetensors"))  # the tp 1 shards were ours: replaced
+    no_lock(disk)
+
+
 def test_planted_lock_symlink_is_refused(tiny_src, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")

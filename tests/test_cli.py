@@ -113,3 +113,65 @@ def test_cli_scale_modes_match_the_codec():
     from gptoss_fp8.quant.fp8 import ScaleMode
 
     assert [m.value for m in ScaleModeChoice] == [m.value for m in ScaleMode]
+
+
+def _option_names(path) -> list[str]:
+    import typer.main
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return [o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+
+
+@pytest.mark.parametrize("path", _commands(app), ids=lambda p: " ".join(p) or "root")
+def test_help_fits_80_columns(path):
+    """--help in an 80-column terminal, output not a terminal (a pipe, CI logs): every option
+    name whole (not cut to ``--keep-attention…``), no ``<bool>`` for flags, no line wider than 80."""
+    import os
+
+    env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"}
+    p = subprocess.run([sys.executable, "-m", "gptoss_fp8.cli.main", *path, "--help"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    words = set(text.replace("/", " ").replace(",", " ").split())
+    for opt in _option_names(path):
+        assert opt in words, f"{' '.join(path)} --help: option {opt} is not shown whole:\n{text}"
+    assert "<bool>" not in text and "…" not in text, text
+    assert max(map(len, text.splitlines())) <= 80, text
+
+
+def test_progress_lines_when_stderr_is_a_pipe(tmp_path):
+    """synth and convert piped (CI logs, ``| tee``): plain progress lines on stderr, not silence
+    (tqdm hides itself there) and not a bar's carriage returns."""
+    base = [sys.executable, "-m", "gptoss_fp8.cli.main"]
+    for args, desc in ((["synth", str(tmp_path / "s")], "synth"),
+                       (["convert", str(tmp_path / "s"), str(tmp_path / "o")], "convert")):
+        p = subprocess.run([*base, *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        lines = p.stderr.splitlines()
+        assert lines and lines[-1].startswith(f"{desc}: 100% ("), p.stderr
+        assert "\r" not in p.stderr
+
+
+def test_line_progress_every_few_seconds():
+    """LineProgress: a line at most every ``every`` seconds while work is reported, a last one when
+    the work is complete, none at the end of a run that failed part-way."""
+    from gptoss_fp8.cli.common import LineProgress
+
+    now = [0.0]
+    out: list[str] = []
+    bar = LineProgress(1000, "convert", every=3.0, clock=lambda: now[0], write=out.append)
+    for _ in range(10):  # 100 bytes a second
+        now[0] += 1.0
+        bar.update(100)
+    assert [line.split(" (")[0] for line in out] == ["convert:  30%", "convert:  60%", "convert:  90%"]
+    assert out[0] == "convert:  30% (300 B of 1.0 KB, 100 B/s, 7s left)"
+    bar.close()
+    bar.close()
+    assert out[-1] == "convert: 100% (1.0 KB of 1.0 KB, 10s)" and len(out) == 4
+    failed = LineProgress(1000, "synth", every=3.0, clock=lambda: now[0], write=out.append)
+    failed.update(10)
+    failed.close()
+    assert len(out) == 4

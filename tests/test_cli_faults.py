@@ -150,6 +150,47 @@ def test_ctrl_c_at_any_moment_is_one_line_exit_130(tmp_path, tiny, delay):
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
+# The child says "N" when numpy starts to be imported: torch's C start-up imports it, and clears an
+# exception raised meanwhile, so a KeyboardInterrupt landing there was lost (the conversion then ran
+# to the end and exited 0). The CLI holds Ctrl-C while torch is imported and raises it after.
+_CHILD_NUMPY = """
+import os, sys
+sys.argv = ["gptoss-fp8", *sys.argv[1:]]
+
+class Tell:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            os.write(1, b"N")
+        return None
+
+sys.meta_path.insert(0, Tell())
+from gptoss_fp8.cli.main import app
+app()
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_ctrl_c_while_torch_imports_numpy_is_not_lost(tmp_path, tiny, delay):
+    dst = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", _CHILD_NUMPY, "convert", str(tiny[0]), str(dst)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(1) == b"N"
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err.decode()) == (130, "interrupted\n"), (p.returncode, err.decode(), out.decode())
+    assert not dst.exists()  # stopped before the conversion began
+
+
+def test_in_process_run_leaves_ctrl_c_deliverable(tiny):
+    """The CLI blocks SIGINT only where the process exits: an in-process run (CliRunner, a library
+    caller) must not leave it blocked, since child processes inherit the mask (every Ctrl-C test
+    after the first in-process run then ran children that could not be interrupted)."""
+    assert runner.invoke(app, ["plan", str(tiny[0]), "--summary"]).exit_code == 0
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. argument validation: one line each, before any work
 
@@ -233,6 +274,42 @@ def test_dst_that_cannot_be_a_directory(tmp_path, tiny, command, shape):
     args = ["synth", str(dst)] if command == "synth" else ["convert", str(tiny[0]), str(dst)]
     one_line(runner.invoke(app, args), 1, "DST", str(f), "directory")
     assert f.read_text() == "keep"
+
+
+@pytest.mark.parametrize("command", ["generate", "verify-logits"])
+def test_source_checkpoint_where_a_converted_one_is_needed(tiny, command):
+    """The MXFP4 source given as the converted checkpoint: one line saying what it is and the
+    command that makes the converted one, not "tensor ... is missing; re-run the conversion"."""
+    src, _, tokens = tiny
+    args = {"generate": ["generate", str(src), "--tokens", str(tokens)],
+            "verify-logits": ["verify-logits", str(src), "--reference", str(src), "--tokens", str(tokens)]}[command]
+    one_line(runner.invoke(app, args), 1, f"{src} is an MXFP4 source checkpoint, not a converted FP8 one",
+             f"convert it first: gptoss-fp8 convert {src} DST")
+
+
+def test_source_checkpoint_is_refused_where_checkpoints_are_opened(tmp_path):
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+
+    write_synthetic(tmp_path / "s", "tiny", layout="both")
+    with pytest.raises(GptOssFp8Error, match="is an MXFP4 source checkpoint.*gptoss-fp8 convert"):
+        Checkpoint.open(tmp_path / "s")
+    with pytest.raises(GptOssFp8Error, match="original/ layout, not a converted FP8 one"):
+        Checkpoint.open(tmp_path / "s" / "original")
+
+
+@pytest.mark.parametrize("command", ["generate", "verify-logits"])
+def test_prompt_on_a_vocabulary_harmony_cannot_encode_says_so_first(tmp_path, tiny, monkeypatch, command):
+    """--prompt on a model whose vocabulary is not Harmony's: that is the one line, before any
+    tokenizer is imported or asked to be installed (not "pip install openai-harmony bpe-openai" first)."""
+    src, fp8, _ = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no unpacked o200k file either
+    for name in ("openai_harmony", "bpe_openai"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing them fails, as when not installed
+    args = {"generate": ["generate", str(fp8), "--prompt", "hi"],
+            "verify-logits": ["verify-logits", str(fp8), "--reference", str(src), "--prompt", "hi"]}[command]
+    line = one_line(runner.invoke(app, args), 1, "vocabulary has 503 tokens", "--tokens FILE")
+    assert "pip install" not in line
 
 
 @pytest.mark.skipif(ROOT_IS_ROOT, reason="root writes anywhere")

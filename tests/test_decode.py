@@ -417,3 +417,73 @@ def test_graph_runner_needs_a_cuda_model(tiny):
 
     with pytest.raises(GptOssFp8Error, match="CUDA device"):
         DecodeGraphs(tiny[1], get_ops("weights"))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU decode: FP8 weights dequantized once per model (model/ops.py PreparedWeights), not per step
+
+
+def _count_dequantize(monkeypatch) -> list[int]:
+    """Count every dequantize_weight_blocks call, wherever the CPU backends and the spec reach it."""
+    import gptoss_fp8.model.ops
+    import gptoss_fp8.quant.fp8
+    import gptoss_fp8.spec
+    from gptoss_fp8.quant.fp8 import dequantize_weight_blocks
+
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return dequantize_weight_blocks(*a, **k)
+
+    for mod in (gptoss_fp8.quant.fp8, gptoss_fp8.spec, gptoss_fp8.model.ops):
+        monkeypatch.setattr(mod, "dequantize_weight_blocks", counted, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["weights", "w8a8"])
+def test_cpu_decode_steps_do_not_dequantize_again(tiny, monkeypatch, mode):
+    """Once a prefill and its decode steps have run (every expert they pick prepared), the same
+    run again dequantizes nothing, and gives the same logits bit for bit as a backend that
+    dequantizes in every call."""
+    cfg, model, tokens, full = tiny
+    calls = _count_dequantize(monkeypatch)
+    ops = get_ops(mode)
+    plain = get_ops(mode)
+    plain.keep_prepared = False  # dequantizes in every call, as before
+
+    def run(o) -> list[torch.Tensor]:
+        cache, last = model.prefill(tokens[:T - N], o, max_len=T)
+        return [last, *(model.decode(cache, tokens[p], o) for p in range(T - N, T - N + 6))]
+
+    run(ops)
+    calls[0] = 0
+    prepared = run(ops)
+    assert calls[0] == 0, f"{mode}: {calls[0]} dequantizations in the prefill and decode steps of a prepared backend"
+    per_call = run(plain)
+    assert calls[0] > 0  # the counter sees the plain backend's
+    for i, (a, b) in enumerate(zip(prepared, per_call, strict=True)):
+        assert torch.equal(a, b), f"{mode}: row {i} differs from the per-call dequantization"
+
+
+def test_prepared_weights_follow_in_place_changes_and_the_expert_budget(tiny):
+    from gptoss_fp8.model.ops import ReferenceOps
+
+    cfg, model, tokens, full = tiny
+    q = model.model.layers[0].self_attn.q_proj
+    ops = ReferenceOps(expert_cache_bytes=0)  # dense weights only
+    first = model(tokens, ops)
+    n_dense = sum(1 for n, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn and ".experts." not in n)
+    assert len(ops.prepared) == n_dense and ops.prepared.expert_bytes_kept == 0
+    saved = q.weight.clone()
+    try:
+        q.weight.copy_(torch.flip(saved, dims=[0]))  # in place: the prepared copy is stale
+        changed = model(tokens, ops)
+        assert torch.equal(changed, model(tokens, ReferenceOps()))
+        assert not torch.equal(changed, first)
+    finally:
+        q.weight.copy_(saved)
+    assert torch.equal(model(tokens, ops), first)
+    every = ReferenceOps()
+    model(tokens, every)
+    assert every.prepared.expert_bytes_kept > 0 and len(every.prepared) > n_dense

@@ -49,6 +49,7 @@ class Checkpoint:
         if not cfg_path.is_file():
             raise GptOssFp8Error(f"{root}: no config.json; point at a converted checkpoint directory")
         raw = read_config_json(cfg_path)
+        check_converted(root, raw)
         cfg = GptOssConfig.from_dict(raw, str(cfg_path))
         manifest = read_manifest(root) if (root / LAYOUT_NAME).is_file() else None
         tp, ep, vocab_parallel = (1, 1, False)
@@ -126,6 +127,20 @@ class Checkpoint:
 
         infos = check_rank_files(self.path, self.manifest, rank)
         return {name: read_tensor(info) for name, info in infos.items()}
+
+
+def check_converted(root: Path, raw_config: dict) -> None:
+    """A source checkpoint given where a converted one is needed (generate, verify-logits' DST,
+    bench --checkpoint: everything that opens one for the model) is one line saying so and what to
+    run, before any tensor is looked for."""
+    q = raw_config.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "mxfp4":
+        raise GptOssFp8Error(f"{root} is an MXFP4 source checkpoint, not a converted FP8 one; "
+                             f"convert it first: gptoss-fp8 convert {root} DST")
+    if "num_experts" in raw_config and "model_type" not in raw_config:  # OpenAI's original/ config.json
+        raise GptOssFp8Error(f"{root} is a source checkpoint in OpenAI's original/ layout, not a converted FP8 one; "
+                             "convert the Hugging Face layout beside it first: gptoss-fp8 convert SRC DST")
 
 
 def read_tensors(ckpt: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:

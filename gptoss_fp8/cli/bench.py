@@ -14,12 +14,14 @@ from gptoss_fp8.cli.common import (
     Gemm,
     GemmOption,
     OverwriteOutputs,
+    TorchCommand,
     TpOption,
     check_vocab_parallel,
 )
 from gptoss_fp8.errors import GptOssFp8Error
 
-app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks (print figures; record them in BENCHMARKS.md).", no_args_is_help=True,
+                  rich_markup_mode=None)
 
 KERNEL_SUITES = ("gemm", "attention")
 
@@ -59,7 +61,7 @@ def _print_rows(rows: list[dict]) -> None:
         typer.echo(" | ".join(cells))
 
 
-@app.command("kernels")
+@app.command("kernels", cls=TorchCommand)
 def kernels(
     tokens: Annotated[str, typer.Option(help="Comma-separated token counts.")] = "1024,2048,4096,8192,16384,32768",
     only: Annotated[str, typer.Option(
@@ -101,7 +103,7 @@ def kernels(
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
 
-@app.command("prefill")
+@app.command("prefill", cls=TorchCommand)
 def prefill(
     model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
     tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "8192,32768",
@@ -165,7 +167,7 @@ def prefill(
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
 
-@app.command("decode")
+@app.command("decode", cls=TorchCommand)
 def decode(
     model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (sequences per step).")] = "1,8,32,64,128",

@@ -11,11 +11,15 @@ import errno
 import math
 import os
 import re
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -70,6 +74,64 @@ def report_failure(e: BaseException) -> int:
         return INTERRUPTED
     _stderr_line(f"error: {failure_line(e)}")
     return 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Ctrl-C: raised where it lands, except inside ``ctrl_c_deferred`` (importing torch), where it waits
+# for the block's end. torch's C start-up imports numpy and clears any exception raised meanwhile,
+# so a KeyboardInterrupt raised there (a Ctrl-C about 1 s into convert on a small machine) was
+# lost and the command ran to the end with exit 0.
+
+
+class _CtrlC:
+    received = False  # a SIGINT came while deferred, not raised yet
+    deferred = 0  # depth of ctrl_c_deferred blocks
+
+
+def _on_sigint(signum, frame) -> None:
+    if _CtrlC.deferred:
+        _CtrlC.received = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def ctrl_c_handler() -> Iterator[None]:
+    """Python's SIGINT behaviour (KeyboardInterrupt where the main thread is), plus deferral in
+    ``ctrl_c_deferred`` blocks, while the command runs; the previous handler put back after."""
+    try:
+        previous = signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread (an embedding caller): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """A Ctrl-C inside the block is raised as KeyboardInterrupt when the block ends (so code that
+    swallows exceptions, like torch's C start-up, cannot lose it)."""
+    _CtrlC.deferred += 1
+    try:
+        yield
+    finally:
+        _CtrlC.deferred -= 1
+    if _CtrlC.received and not _CtrlC.deferred:
+        _CtrlC.received = False
+        raise KeyboardInterrupt
+
+
+class TorchCommand(typer.core.TyperCommand):
+    """A command that runs torch: torch is imported once its arguments are parsed (never for
+    --help or a usage error), with Ctrl-C deferred until the import is over."""
+
+    def invoke(self, ctx):
+        with ctrl_c_deferred():
+            import torch  # noqa: F401
+        return super().invoke(ctx)
 
 
 def _stderr_line(line: str) -> None:
@@ -189,8 +251,79 @@ def check_distinct(outputs: dict[str, Path | None]) -> None:
 
 
 def progress_bar(total: int, desc: str, initial: int = 0):
-    """A bytes progress bar with rate and ETA on stderr (hidden when stderr is not a terminal)."""
+    """Bytes progress on stderr: a tqdm bar with rate and ETA in a terminal; when stderr is not a
+    terminal (a pipe, ``| tee``, CI logs), ``LineProgress``'s plain lines instead."""
+    if not _stderr_is_terminal():
+        return LineProgress(total, desc, initial)
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=None, dynamic_ncols=True)
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class LineProgress:
+    """Progress for a stderr that is not a terminal: one plain line, ``convert: 37% (4.8 GB of
+    12.9 GB, 85.2 MB/s, 1m35s left)``, at most every ``every`` seconds while work is reported
+    (``update``), and one at the end of a run that completed (``close``); a run shorter than
+    ``every`` prints only that last line, a failed one prints no last line (its error says why).
+    The tqdm bar's interface (update, close, a context manager), so the commands use either."""
+
+    def __init__(self, total: int, desc: str, initial: int = 0, every: float = 3.0, clock=None, write=None):
+        import time
+
+        self.total, self.desc, self.done, self.every = max(int(total), 0), desc, int(initial), every
+        self.clock = clock or time.monotonic
+        self.write = write or _stderr_line
+        self.start = self.last = self.clock()
+        self.start_done = self.done
+        self.closed = False
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = self.clock()
+        if now - self.last >= self.every:
+            self.last = now
+            self.write(self.line(now))
+
+    def line(self, now: float) -> str:
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        elapsed = now - self.start
+        rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        text = f"{self.desc}: {pct:3.0f}% ({_bytes(self.done)} of {_bytes(self.total)}"
+        if self.done >= self.total:
+            return text + f", {_duration(elapsed)})"
+        left = f", {_duration((self.total - self.done) / rate)} left" if rate > 0 else ""
+        return text + f", {_bytes(rate)}/s{left})"
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.done >= self.total:
+            self.write(self.line(self.clock()))
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -42,8 +42,9 @@ def print_report(report: dict, dst: Path, worst: int = 5) -> None:
 
 
 def convert(
-    src: Annotated[str, typer.Argument(help="Local HF-layout gpt-oss directory, or a hub repo id ORG/NAME[@REVISION].")],
-    dst: Annotated[Path, typer.Argument(help="Output directory for the FP8 checkpoint.")],
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", help="Local HF-layout gpt-oss directory, or a hub repo id ORG/NAME[@REVISION].")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output directory for the FP8 checkpoint.")],
     scale_mode: Annotated[ScaleModeChoice, typer.Option(
         help="pow2: power-of-two block scales (lossless for MXFP4); amax: amax/448 (DeepSeek).")] = ScaleModeChoice.pow2,
     keep_attention_bf16: Annotated[bool, typer.Option(help="Leave attention q/k/v/o projections in bf16.")] = False,

@@ -20,7 +20,8 @@ def _human(n: int) -> str:
 
 
 def download(
-    repo_id: Annotated[str, typer.Argument(help="Hub model repo, ORG/NAME or ORG/NAME@REVISION (e.g. openai/gpt-oss-20b).")],
+    repo_id: Annotated[str, typer.Argument(
+        metavar="REPO_ID", help="Hub model repo, ORG/NAME or ORG/NAME@REVISION (e.g. openai/gpt-oss-20b).")],
     revision: Annotated[str | None, typer.Option(help="Branch, tag or commit (default: main).")] = None,
     local_dir: Annotated[
         Path | None, typer.Option(help="Put the files here instead of the Hugging Face cache (HF_HOME).")

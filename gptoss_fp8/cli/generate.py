@@ -27,7 +27,7 @@ def _check_temperature(value: float) -> float:
 
 
 def generate(
-    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
+    ckpt: Annotated[Path, typer.Argument(metavar="DST", help="Converted FP8 checkpoint directory.")],
     prompt: Annotated[str | None, typer.Option(help="User message, rendered as a Harmony chat (offline tokenizer).")] = None,
     tokens: Annotated[Path | None, typer.Option(help="JSON list of prompt token ids, used as they are.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Stop after this many new tokens.")] = 128,
@@ -47,17 +47,11 @@ def generate(
     if (prompt is None) == (tokens is None):
         raise GptOssFp8Error("pass exactly one of --prompt TEXT or --tokens FILE")
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
-    from gptoss_fp8.cli.verify_logits import check_vocab
     from gptoss_fp8.verify.generate_sharded import run
+    from gptoss_fp8.verify.prompt import encode_prompt
 
     opened = Checkpoint.open(ckpt)
     cfg = opened.config
-    if tokens is not None:
-        ids = read_tokens(tokens, cfg.vocab_size)
-    else:
-        from gptoss_fp8.verify.prompt import render_prompt
-
-        ids = render_prompt(prompt)
-        check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
+    ids = read_tokens(tokens, cfg.vocab_size) if tokens is not None else encode_prompt(prompt, cfg, f"--prompt of {ckpt}")
     run(opened, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device.value,
         mode=mode.value, echo=typer.echo)

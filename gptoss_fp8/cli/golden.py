@@ -7,12 +7,15 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="Golden checks: deterministic synthetic checkpoints and reference logits.", no_args_is_help=True)
+from gptoss_fp8.cli.common import TorchCommand
+
+app = typer.Typer(help="Golden checks: deterministic synthetic checkpoints and reference logits.", no_args_is_help=True,
+                  rich_markup_mode=None)
 
 DirOption = Annotated[Path | None, typer.Option("--dir", help="Golden folder (default: golden/ of this source tree).")]
 
 
-@app.command("regen")
+@app.command("regen", cls=TorchCommand)
 def regen(golden_dir: DirOption = None) -> None:
     """Regenerate golden/: synthetic sources (hashes), OpenAI's reference logits, expected metrics."""
     from gptoss_fp8.verify.golden import default_dir
@@ -22,7 +25,7 @@ def regen(golden_dir: DirOption = None) -> None:
     typer.echo(f"golden written to {golden_dir or default_dir()}")
 
 
-@app.command("check")
+@app.command("check", cls=TorchCommand)
 def check(golden_dir: DirOption = None) -> None:
     """Convert the golden sources, run verify-logits (tp 1, 2; ep 1, 2), fail on drift."""
     from gptoss_fp8.verify.golden import check as do_check

@@ -22,7 +22,7 @@ try:  # Ctrl-C while starting up is one line too, not a traceback through the im
 
     from gptoss_fp8 import __version__
     from gptoss_fp8.cli import bench, convert, download, generate, golden, plan, synth, verify_logits
-    from gptoss_fp8.cli.common import DEBUG_ENV, INTERRUPTED, debug_enabled, report_failure
+    from gptoss_fp8.cli.common import DEBUG_ENV, INTERRUPTED, TorchCommand, ctrl_c_handler, debug_enabled, report_failure
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(130) from None
@@ -34,7 +34,8 @@ class _Root(typer.core.TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with ctrl_c_handler():
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             # typer returns the exit status of typer.Exit, and turns Ctrl-C into Exit(130)
             code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
             if code == INTERRUPTED:
@@ -55,17 +56,19 @@ class _Root(typer.core.TyperGroup):
                 raise
             code = report_failure(e)
         if standalone_mode:
-            _hold_ctrl_c()
             sys.exit(code)
         return code
 
 
 def _hold_ctrl_c() -> None:
-    """The command has finished and its status is decided: a Ctrl-C from here on stays pending
+    """The program has finished and its status is decided: a Ctrl-C from here on stays pending
     (blocked) and dies with the process, so the exit status is the command's. Without this, a
     SIGINT in the last moments of interpreter shutdown, after Python has put the default handler
     back, killed a finished conversion by the signal with nothing on stderr
-    (tests/test_cli_faults.py, one run in five on the CPU box)."""
+    (tests/test_cli_faults.py, one run in five on the CPU box). Only where the process exits
+    (``_App.__call__``, the console script): a blocked signal mask outlives the call and is
+    inherited by every child process, so an in-process caller (typer's CliRunner calls
+    ``_Root.main``) would go on with Ctrl-C blocked and start children that cannot be interrupted."""
     import signal
 
     if hasattr(signal, "pthread_sigmask"):
@@ -78,6 +81,9 @@ class _App(typer.Typer):
             return super().__call__(*args, **kwargs)
         except KeyboardInterrupt:
             sys.exit(report_failure(KeyboardInterrupt()))
+        except SystemExit:  # _Root.main's status: the process ends with it
+            _hold_ctrl_c()
+            raise
 
 
 app = _App(
@@ -87,6 +93,7 @@ app = _App(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: option names whole and flags without <bool> at 80 columns
 )
 
 
@@ -105,12 +112,13 @@ def _root(
         os.environ[DEBUG_ENV] = "1"
 
 
-app.command("synth", no_args_is_help=True)(synth.synth)
-app.command("convert", no_args_is_help=True)(convert.convert)
+# TorchCommand: the commands that run torch import it before their function, Ctrl-C held meanwhile
+app.command("synth", no_args_is_help=True, cls=TorchCommand)(synth.synth)
+app.command("convert", no_args_is_help=True, cls=TorchCommand)(convert.convert)
 app.command("download", no_args_is_help=True)(download.download)
-app.command("plan", no_args_is_help=True)(plan.plan)
-app.command("verify-logits", no_args_is_help=True)(verify_logits.verify_logits)
-app.command("generate", no_args_is_help=True)(generate.generate)
+app.command("plan", no_args_is_help=True, cls=TorchCommand)(plan.plan)
+app.command("verify-logits", no_args_is_help=True, cls=TorchCommand)(verify_logits.verify_logits)
+app.command("generate", no_args_is_help=True, cls=TorchCommand)(generate.generate)
 app.add_typer(golden.app, name="golden")
 app.add_typer(bench.app, name="bench")
 

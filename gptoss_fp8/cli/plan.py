@@ -26,7 +26,8 @@ def _group(name: str) -> str:
 
 
 def plan(
-    src: Annotated[Path | None, typer.Argument(help="Checkpoint directory (only its config.json is read).")] = None,
+    src: Annotated[Path | None, typer.Argument(
+        metavar="SRC", help="Checkpoint directory (only its config.json is read).")] = None,
     preset: Annotated[Preset | None, typer.Option(help="Plan for a preset's shapes instead.")] = None,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (world size).")] = 1,
     ep: Annotated[int, typer.Option(min=1, help="Expert-parallel size (divides tp).")] = 1,

@@ -18,7 +18,7 @@ class Layout(str, enum.Enum):
 
 
 def synth(
-    dst: Annotated[Path, typer.Argument(help="Directory to create (must be empty or new).")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Directory to create (must be empty or new).")],
     preset: Annotated[Preset, typer.Option(
         help="Shapes: tiny (tests), 20b or 120b (real shapes, streamed to disk).")] = Preset.tiny,
     layers: Annotated[int | None, typer.Option(min=1, help="Number of layers (default: the preset's).")] = None,

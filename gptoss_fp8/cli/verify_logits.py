@@ -79,7 +79,7 @@ def _plot_ready(plot: Path) -> None:
 
 
 def verify_logits(
-    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
+    ckpt: Annotated[Path, typer.Argument(metavar="DST", help="Converted FP8 checkpoint directory.")],
     reference: Annotated[Path, typer.Option(
         help="The SOURCE MXFP4 checkpoint (HF layout or original/), or a saved reference logits file (.safetensors).")],
     tokens: Annotated[Path | None, typer.Option(help="JSON list of token ids to run (default: a built-in sample).")] = None,
@@ -166,10 +166,9 @@ def verify_logits(
     if tokens is not None:
         ids, tokens_from = read_tokens(tokens, cfg.vocab_size), f"--tokens {tokens}"
     elif prompt is not None:
-        from gptoss_fp8.verify.prompt import render_prompt
+        from gptoss_fp8.verify.prompt import encode_prompt
 
-        ids, tokens_from = render_prompt(prompt), "--prompt (Harmony)"
-        check_vocab(ids, cfg.vocab_size, f"--prompt of {ckpt}")
+        ids, tokens_from = encode_prompt(prompt, cfg, f"--prompt of {ckpt}", ckpt=ckpt), "--prompt"
     elif not Path(reference).is_file():  # nothing given and no reference file to take them from
         from gptoss_fp8.verify.samples import default_tokens
 

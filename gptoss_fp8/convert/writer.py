@@ -422,8 +422,12 @@ class OutputDir:
 
     def prepare_dirs(self, files: list[RankFile]) -> None:
         """The partial dir and rank folders, real directories (never a symlink into elsewhere),
-        and no stale temporary files of ours."""
+        and no stale temporary files of ours. DST itself may be a symlink to a directory (the
+        user's choice of where the checkpoint goes, checked by ``check_target``): the output is
+        written inside it, and --overwrite removes only our outputs there."""
         for d in [self.partial, *sorted({(self.root / f.rel).parent for f in files})]:
+            if d == self.root:
+                continue
             if d.is_symlink() or (d.exists() and not d.is_dir()):
                 raise GptOssFp8Error(f"{d}: is a symlink or a file, not a directory; remove it (or use --overwrite)")
             if not d.exists():

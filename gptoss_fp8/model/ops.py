@@ -16,6 +16,12 @@ classes here only pick which spec function each op of a mode is. A GPU backend
 (model/triton_ops.py; model/backends.py picks a backend by name) overrides what it accelerates and
 must agree with ``w8a8-cpu`` to fp32-accumulation noise. Nothing here imports Triton.
 
+FP8 weights are dequantized once per model, not once per call: each CPU backend keeps its
+dequantized copies (``PreparedWeights``; bf16 in ``reference``, float32 in ``w8a8-cpu``, the exact
+tensors a call would make), so a decode step does not redo the model's dequantization. Every
+dense FP8 weight is kept; experts are kept up to ``expert_cache_bytes`` (then dequantized per
+selected expert per call, as the spec does), so a large model's experts are not doubled in memory.
+
 Quantized activations travel explicitly: a norm returns ``Normed`` (the normed rows and, when a
 backend computed it in the same pass, their ``quantize_act``), and the linears and the expert FFN
 that read those rows take it as ``xq``. The CPU backends return ``quant=None`` and ignore ``xq``
@@ -24,14 +30,18 @@ that read those rows take it as ``xq``. The CPU backends return ``quant=None`` a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8 import spec
 from gptoss_fp8.parallel import Parallel
-from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_reference, quantize_act
+from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_dequantized, dequantize_weight_blocks, quantize_act
+
+EXPERT_CACHE_BYTES = 512 * 1024**2  # the default of ReferenceOps.expert_cache_bytes
 
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
 
@@ -51,19 +61,86 @@ class Normed(NamedTuple):
         return Normed(self.y[a:b], q)
 
 
+class PreparedWeights:
+    """Dequantized copies of FP8 weights, made on first use and returned by every later call with
+    the same weight: bit for bit what the call would have made (``make()``), without making it
+    again. Keyed on the weight tensor (weakly: a freed model's copies go with it) and, per entry,
+    an expert index (None: a dense weight) and a dtype; checked against the scale tensor and both
+    tensors' version counters, so an in-place change of either is seen (tensors made under
+    inference mode have no version counter: never kept). Dense weights are always kept, experts
+    while the experts kept total at most ``expert_bytes``, first come first kept."""
+
+    def __init__(self, expert_bytes: int = EXPERT_CACHE_BYTES):
+        self.expert_bytes = expert_bytes
+        self.expert_bytes_kept = 0
+        self._kept = WeakIdKeyDictionary()  # weight -> {(expert, dtype): (scale_inv, versions, copy)}
+
+    def get(self, w: torch.Tensor, scale_inv: torch.Tensor | None, dtype: torch.dtype,
+            make: Callable[[], torch.Tensor], expert: int | None = None) -> torch.Tensor:
+        try:
+            versions = (w._version, None if scale_inv is None else scale_inv._version)
+        except RuntimeError:  # an inference tensor: a change could not be seen
+            return make()
+        entries = self._kept.get(w)
+        if entries is None:
+            entries = self._kept[w] = {}
+        key = (expert, dtype)
+        old = entries.get(key)
+        if old is not None and old[0] is scale_inv and old[1] == versions:
+            return old[2]
+        t = make()
+        if expert is None or old is not None or self.expert_bytes_kept + t.nbytes <= self.expert_bytes:
+            if expert is not None and old is None:
+                self.expert_bytes_kept += t.nbytes
+            entries[key] = (scale_inv, versions, t)
+        return t
+
+    def __len__(self) -> int:
+        """How many copies are kept."""
+        return sum(len(v) for v in self._kept.values())
+
+
 class ReferenceOps:
-    """bf16 activations, FP8 weights dequantized (the ``weights`` mode)."""
+    """bf16 activations, FP8 weights dequantized (the ``weights`` mode).
+
+    ``expert_cache_bytes``: how many bytes of dequantized experts to keep for reuse
+    (``PreparedWeights``; dense FP8 weights are always kept); 0 keeps none."""
 
     name = "reference"
     # Ops handed to the spec instead of a kernel (op -> calls) and the shapes that caused them: a
     # GPU backend fills these (verify reports them); None in the CPU backends, which are the spec.
     spec_fallbacks: dict[str, int] | None = None
     fallback_shapes: dict[str, set[str]] | None = None
+    # Whether dequantized weights are kept for reuse (the CPU backends); a GPU backend whose
+    # kernels read FP8 weights directly sets False (its rare spec fallbacks then hold no second copy).
+    keep_prepared = True
+
+    def __init__(self, expert_cache_bytes: int = EXPERT_CACHE_BYTES):
+        self.prepared = PreparedWeights(expert_cache_bytes)
+
+    def _prepared(self, w: torch.Tensor, scale_inv: torch.Tensor | None, dtype: torch.dtype,
+                  make: Callable[[], torch.Tensor], expert: int | None = None) -> torch.Tensor:
+        prepared = getattr(self, "prepared", None) if self.keep_prepared else None
+        return make() if prepared is None else prepared.get(w, scale_inv, dtype, make, expert)
+
+    def _expert_weight(self, dtype: torch.dtype) -> spec.ExpertWeight:
+        """The expert FFN's operand maker for ``dtype`` (spec.expert_weight_bf16 / _f32), through
+        the prepared copies."""
+        make = spec.expert_weight_bf16 if dtype == torch.bfloat16 else spec.expert_weight_f32
+
+        def weight(w: torch.Tensor, scale_inv: torch.Tensor | None, e: int) -> torch.Tensor:
+            if w.dtype != FP8_DTYPE:
+                return make(w, scale_inv, e)
+            return self._prepared(w, scale_inv, dtype, lambda: make(w, scale_inv, e), expert=e)
+
+        return weight
 
     # --- GEMMs -------------------------------------------------------------------------------
     def weight(self, w: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
-        """A weight as bf16 [N, K] (dequantized when FP8)."""
-        return spec.bf16_weight(w, scale_inv)
+        """A weight as bf16 [N, K] (dequantized when FP8; prepared once, ``PreparedWeights``)."""
+        if w.dtype != FP8_DTYPE:
+            return w
+        return self._prepared(w, scale_inv, torch.bfloat16, lambda: spec.bf16_weight(w, scale_inv))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
                bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16, *,
@@ -105,7 +182,8 @@ class ReferenceOps:
         rounds the sum to bf16 and then adds the bias (``add_bias_after_sum``), as the reference.
         This backend: ``spec.moe_experts_bf16`` (OpenAI's bf16 order).
         """
-        return spec.moe_experts_bf16(x, idx, *_expert_tensors(experts), first_expert, limit, partial)
+        return spec.moe_experts_bf16(x, idx, *_expert_tensors(experts), first_expert, limit, partial,
+                                     weight=self._expert_weight(torch.bfloat16))
 
     def moe_combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16
@@ -204,7 +282,11 @@ class W8A8CpuOps(ReferenceOps):
     name = "w8a8-cpu"
     act_max = FP8_MAX
 
-    def __init__(self, act_max: float = FP8_MAX):
+    def __init__(self, act_max: float = FP8_MAX, expert_cache_bytes: int = EXPERT_CACHE_BYTES,
+                 prepared: PreparedWeights | None = None):
+        super().__init__(expert_cache_bytes)
+        if prepared is not None:  # share another backend's copies (the verdict's grids: one set)
+            self.prepared = prepared
         # quantize_act's fp8_max: 448, or another grid for the verdict's noise estimate (verify/noise.py)
         self.act_max = act_max
 
@@ -213,7 +295,8 @@ class W8A8CpuOps(ReferenceOps):
             return super().linear(x, w, scale_inv, bias, out_dtype)
         assert scale_inv is not None, f"fp8 weight {tuple(w.shape)} without scale_inv"
         x_fp8, x_scale = quantize_act(x, fp8_max=self.act_max)
-        return block_gemm_reference(x_fp8, x_scale, w, scale_inv, bias, out_dtype=out_dtype)
+        wd = self._prepared(w, scale_inv, torch.float32, lambda: dequantize_weight_blocks(w, scale_inv))
+        return block_gemm_dequantized(x_fp8, x_scale, wd, bias, out_dtype=out_dtype)  # = block_gemm_reference
 
     def add_bias_after_sum(self, y, b):
         """The w8a8 spec adds the bias in fp32 and rounds once (as block_gemm_reference)."""
@@ -223,7 +306,7 @@ class W8A8CpuOps(ReferenceOps):
         """``spec.moe_experts_w8a8``: the gate_up accumulator (+ bias) and the SwiGLU stay in fp32
         and only the SwiGLU output is quantized for the down GEMM, as the fused MoE kernel does."""
         return spec.moe_experts_w8a8(x, idx, *_expert_tensors(experts), first_expert, limit, partial,
-                                     act_max=self.act_max)
+                                     weight=self._expert_weight(torch.float32), act_max=self.act_max)
 
 
 def _expert_tensors(experts: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:

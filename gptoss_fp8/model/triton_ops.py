@@ -100,6 +100,7 @@ class TritonOps(W8A8CpuOps):
     """GPU kernels for FP8 linears, the expert FFN, attention and rope; the rest as ``W8A8CpuOps``."""
 
     name = "triton"
+    keep_prepared = False  # the kernels read FP8 weights; a spec fallback dequantizes per call
 
     def __init__(self, rope_kernel: bool = True, config: KernelConfig | None = None):
         if not torch.cuda.is_available() and not interpreter_on():

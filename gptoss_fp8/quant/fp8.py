@@ -208,8 +208,20 @@ def block_gemm_reference(
     [ceil(N/128), ceil(K/128)]; bias [N] or None. fp32 accumulation (exact products of the
     dequantized operands), bias added in fp32, cast to ``out_dtype`` once.
     """
+    return block_gemm_dequantized(x_fp8, x_scale, dequantize_weight_blocks(w_fp8, w_scale_inv), bias, out_dtype)
+
+
+def block_gemm_dequantized(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``block_gemm_reference`` with the weight already dequantized: w float32 [N, K] =
+    ``dequantize_weight_blocks(w_fp8, w_scale_inv)`` (a weight prepared once and reused gives the
+    same bits as dequantizing it in every call)."""
     x = dequantize_act(x_fp8, x_scale)
-    w = dequantize_weight_blocks(w_fp8, w_scale_inv)
     y = x @ w.t()
     if bias is not None:
         y = y + bias.float()

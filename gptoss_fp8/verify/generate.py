@@ -30,9 +30,9 @@ import torch
 
 from gptoss_fp8.config import GptOssConfig, special_token_ids
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.verify.prompt import HARMONY_VOCAB
 
 # o200k_harmony's special tokens (openai_harmony; the released checkpoints' vocabulary)
-HARMONY_VOCAB = 201088
 CHANNEL, START, END, MESSAGE, RETURN, CALL = 200005, 200006, 200007, 200008, 200002, 200012
 ANALYSIS = (35644,)  # "analysis", the channel name's tokens
 

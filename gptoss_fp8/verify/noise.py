@@ -41,14 +41,17 @@ GRIDS = (FP8_MAX, 416.0, 384.0, 352.0, 320.0, 288.0)
 DITHER_MAX = (416.0, 384.0)
 
 
-def grid_ops() -> list[W8A8CpuOps]:
-    """The w8a8 spec on every grid but the first (448, the mode's own)."""
-    return [W8A8CpuOps(act_max=m) for m in GRIDS[1:]]
+def grid_ops(prepared=None) -> list[W8A8CpuOps]:
+    """The w8a8 spec on every grid but the first (448, the mode's own); ``prepared``: the
+    dequantized weights to share (model/ops.py PreparedWeights)."""
+    return [W8A8CpuOps(act_max=m, prepared=prepared) for m in GRIDS[1:]]
 
 
 def dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """The clean w8a8 spec's parts on the target's inputs on two other activation grids."""
-    return tuple(run_parts(model, tokens, W8A8CpuOps(act_max=m), target) for m in DITHER_MAX)
+    first = W8A8CpuOps(act_max=DITHER_MAX[0])
+    ops = [first, W8A8CpuOps(act_max=DITHER_MAX[1], prepared=first.prepared)]
+    return tuple(run_parts(model, tokens, o, target) for o in ops)
 
 
 def grid_noise(runs: list[dict[str, torch.Tensor]], target: dict[str, torch.Tensor],

@@ -70,8 +70,8 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         parts = run_parts(model, tokens, ops, forced) if has_parts else None
         grids = None
         if has_parts and mode == "w8a8":  # the spec (as this mode runs it, hook included) on the other grids
-            grids = [run_parts(model, tokens, ops if hook is None else hook(mode, ops), forced)
-                     for ops in grid_ops()]
+            grids = [run_parts(model, tokens, g if hook is None else hook(mode, g), forced)
+                     for g in grid_ops(getattr(ops, "prepared", None))]
         vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None
         shapes = getattr(ops, "fallback_shapes", None)
         dec = dec_fallbacks = None
