@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -20,24 +21,33 @@ from gptoss_fp8.cli.common import (
 
 
 def print_report(report: dict, dst: Path, worst: int = 5) -> None:
+    """The exactness summary: what is exact first (the experts: MXFP4 -> FP8 is lossless in the
+    default pow2 mode), then what FP8 rounds and the error it adds (RMS relative, per group)."""
     ex = report["exactness"]
-    o = ex["overall"]
-    typer.echo(f"exactness: {o['exact']}/{o['total']} converted weights exact ({100 * o['exact_fraction']:.4f}%), "
-               f"max relative error {o['max_rel_err']:.3g}")
     groups: dict[str, list] = {}
     for name, t in ex["tensors"].items():
-        key = "experts" if ".experts." in name else "attention" if ".self_attn." in name else "other"
-        groups.setdefault(key, []).append(t)
-    for key, ts in groups.items():
-        tot, exa = sum(t["total"] for t in ts), sum(t["exact"] for t in ts)
-        mre = max(t["max_rel_err"] for t in ts)
-        typer.echo(f"  {key:9s}: {len(ts)} tensors, {100 * exa / tot:.4f}% exact, max relative error {mre:.3g}")
-    lossy = sorted(ex["tensors"].items(), key=lambda kv: kv[1]["exact_fraction"])[:worst]
-    lossy = [(n, t) for n, t in lossy if t["exact_fraction"] < 1.0]
+        key = "experts" if ".experts." in name else "attention projections" if ".self_attn." in name else "other weights"
+        groups.setdefault(key, []).append((name, t))
+    exact = {k: v for k, v in groups.items() if all(t["exact"] == t["total"] for _, t in v)}
+    rounded = {k: v for k, v in groups.items() if k not in exact}
+    for key, ts in exact.items():
+        n = sum(t["total"] for _, t in ts)
+        typer.echo(f"exact: the {key}, {len(ts)} tensors, all {n:,} values bit for bit")
+    for key, ts in rounded.items():
+        tot, exa = sum(t["total"] for _, t in ts), sum(t["exact"] for _, t in ts)
+        err, ref = sum(t.get("err_sq", 0.0) for _, t in ts), sum(t.get("ref_sq", 0.0) for _, t in ts)
+        rms = f"RMS relative error {math.sqrt(err / ref):.2%}" if ref > 0 else "error not recorded"
+        hint = " (--keep-attention-bf16 keeps them exact)" if key == "attention projections" else ""
+        typer.echo(f"rounded to FP8: the {key}, {len(ts)} tensors, {rms}; {100 * exa / tot:.1f}% of values "
+                   f"unchanged{hint}")
+    lossy = sorted(((n, t) for n, t in ex["tensors"].items() if t["exact"] < t["total"]),
+                   key=lambda nt: -(nt[1].get("err_sq", 0.0) / max(nt[1].get("ref_sq", 0.0), 1e-300)))[:worst]
     if lossy:
-        typer.echo("  least exact tensors:")
+        typer.echo("  largest rounding:")
         for n, t in lossy:
-            typer.echo(f"    {n}: {100 * t['exact_fraction']:.4f}% exact, max relative error {t['max_rel_err']:.3g}")
+            ref = t.get("ref_sq", 0.0)
+            rms = f"RMS relative error {math.sqrt(t['err_sq'] / ref):.2%}" if ref > 0 else ""
+            typer.echo(f"    {n}: {rms}, {100 * t['exact_fraction']:.1f}% of values unchanged")
     typer.echo(f"report: {dst / 'conversion.json'}")
 
 

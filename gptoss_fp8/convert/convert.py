@@ -303,4 +303,6 @@ def _merge_stats(records: list[dict]) -> Report:
             cur["exact"] += t["exact"]
             cur["exact_fraction"] = cur["exact"] / cur["total"] if cur["total"] else 1.0
             cur["max_rel_err"] = max(cur["max_rel_err"], t["max_rel_err"])
+            for k in ("err_sq", "ref_sq"):
+                cur[k] = cur.get(k, 0.0) + t.get(k, 0.0)
     return rep

@@ -29,6 +29,7 @@ from gptoss_fp8.quant.fp8 import (
     fp8_exact_fraction,
     quantize_weight_blocks,
     quantize_weight_blocks_banded,
+    round_trip_sq,
     scale_grid,
     to_fp8_saturating,
 )
@@ -83,7 +84,7 @@ class Report:
 
     def add(self, name: str, st: ExactStats) -> None:
         self.tensors[name] = {"total": st.total, "exact": st.exact, "exact_fraction": st.exact_fraction,
-                              "max_rel_err": st.max_rel_err}
+                              "max_rel_err": st.max_rel_err, "err_sq": st.err_sq, "ref_sq": st.ref_sq}
 
     def overall(self) -> dict:
         tot = sum(t["total"] for t in self.tensors.values())
@@ -154,7 +155,9 @@ def reslice_blocks(q: torch.Tensor, s: torch.Tensor, index: tuple[slice, ...]) -
 
 def _exactness(q: torch.Tensor, s: torch.Tensor, ref: torch.Tensor) -> ExactStats:
     st = ExactStats(total=ref.numel())
-    st.exact, st.max_rel_err = fp8_exact_fraction(dequantize_weight_blocks(q, s), ref)
+    deq = dequantize_weight_blocks(q, s)
+    st.exact, st.max_rel_err = fp8_exact_fraction(deq, ref)
+    st.err_sq, st.ref_sq = round_trip_sq(deq, ref)
     return st
 
 

@@ -228,6 +228,13 @@ def block_gemm_dequantized(
     return y.to(out_dtype)
 
 
+def round_trip_sq(reconstructed: torch.Tensor, original: torch.Tensor) -> tuple[float, float]:
+    """(sum of squared errors, sum of squared original values) of a round trip, in float64: the
+    tensor's RMS relative error is the root of their ratio."""
+    r, o = reconstructed.double(), original.double()
+    return float((r - o).square().sum()), float(o.square().sum())
+
+
 def fp8_exact_fraction(reconstructed: torch.Tensor, original: torch.Tensor) -> tuple[int, float]:
     """(count of elements reconstructed bit-exactly, max relative error) of a round trip.
 

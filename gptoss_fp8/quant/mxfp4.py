@@ -115,11 +115,17 @@ class ExactStats:
     total: int = 0
     exact: int = 0
     max_rel_err: float = 0.0
+    # sum of squared errors and of squared source values (their ratio's root: the tensor's RMS
+    # relative error); 0 / 0 where every value is exact
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
 
     def add(self, other: ExactStats) -> None:
         self.total += other.total
         self.exact += other.exact
         self.max_rel_err = max(self.max_rel_err, other.max_rel_err)
+        self.err_sq += other.err_sq
+        self.ref_sq += other.ref_sq
 
     @property
     def exact_fraction(self) -> float:
