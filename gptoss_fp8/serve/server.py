@@ -1,0 +1,121 @@
+"""Build the served engine from a checkpoint and run the HTTP server (``gptoss-fp8 serve``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.serve.app import Served, create_app
+
+HARMONY_VOCAB = 201088
+INSTALL = "pip install 'gptoss-fp8[serve]'"
+
+
+def build(ckpt_path: str | Path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
+          max_context: int | None = None, chunk: int | None = None, max_waiting: int | None = None,
+          api_key: str | None = None, model_name: str | None = None,
+          echo: Callable[[str], None] = print) -> Served:
+    """Load ``ckpt_path`` (tp 1) and start its engine thread -> what ``create_app`` serves.
+
+    ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
+    ``max_batch``: KV slots at most (on CUDA fewer when free memory holds fewer; printed);
+    ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: the GPU has no
+    offset attention kernel yet, runtime/ notes); ``max_waiting``: the queue bound (default
+    4 x slots)."""
+    import torch
+
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.parallel import Parallel, device_for
+    from gptoss_fp8.runtime.engine import Engine, EngineThread
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.slots import slots_for_memory
+    from gptoss_fp8.verify.backends import ops_for
+    from gptoss_fp8.verify.generate import context_of, resolve_mode
+
+    ckpt = Checkpoint.open(ckpt_path)
+    cfg = ckpt.config
+    if ckpt.tp != 1 or ckpt.ep != 1:
+        raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}; serve runs one-rank checkpoints "
+                             "only so far (convert without --tp/--ep)")
+    if cfg.vocab_size != HARMONY_VOCAB:
+        raise GptOssFp8Error(f"{ckpt.path}: vocab_size {cfg.vocab_size} is not the o200k_harmony tokenizer's "
+                             f"{HARMONY_VOCAB}; serve speaks text (a synthetic checkpoint needs --vocab-size {HARMONY_VOCAB})")
+    if max_batch < 1:
+        raise GptOssFp8Error(f"--max-batch {max_batch}: give at least 1")
+    ctx = context_of(cfg)
+    max_context = max_context or min(ctx, 8192)
+    if not 2 <= max_context <= ctx:
+        raise GptOssFp8Error(f"--max-context {max_context}: give 2..{ctx} (the model's context)")
+    from gptoss_fp8.serve.harmony import encoding
+
+    encoding()  # the tokenizer now: a missing package is one line before the weights load
+    mode = resolve_mode(mode, device)
+    dev = torch.device(device_for(device, 0))
+    t0 = time.perf_counter()
+    model = load_model(ckpt, Parallel(), dev)
+    echo(f"loaded {ckpt.path} ({cfg.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, mode {mode}")
+    slots, line = slots_for_memory(model, max_context, max_batch, dev)
+    echo(line)
+    runner = ModelRunner(model, ops_for(mode), slots, max_context)
+    if runner.graphs is not None:
+        t0 = time.perf_counter()
+        runner.capture_all()
+        echo(f"captured {len(runner.buckets)} decode CUDA graphs (batch {', '.join(map(str, runner.buckets))}) "
+             f"in {time.perf_counter() - t0:.1f} s")
+    chunk = chunk or (8192 if dev.type == "cuda" else 256)
+    engine = Engine(runner, chunk=chunk, max_waiting=max_waiting if max_waiting is not None else 4 * slots)
+    return Served(engine, EngineThread(engine).start(), model_name or Path(ckpt.path).name, api_key)
+
+
+class Server:
+    """uvicorn serving ``served`` in a background thread (tests, ``bench serve --launch``):
+    ``start`` returns once it listens; ``stop`` shuts it down and stops the engine."""
+
+    def __init__(self, served: Served, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.served = served
+        config = uvicorn.Config(create_app(served), host=host, port=port, log_level="warning", lifespan="off")
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, name="gptoss-fp8-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> Server:
+        self.thread.start()
+        t0 = time.perf_counter()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.perf_counter() - t0 > timeout:
+                raise GptOssFp8Error("the HTTP server did not start (is the port taken?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        sock = self.uvicorn.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.served.thread.stop()
+
+
+def serve(ckpt_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
+          **kw) -> None:
+    """``gptoss-fp8 serve``: build (``build``'s options), then serve until Ctrl-C."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise GptOssFp8Error(f"serve needs fastapi and uvicorn; run: {INSTALL}") from None
+    served = build(ckpt_path, echo=echo, **kw)
+    echo(f"serving {served.model_name!r} on http://{host}:{port} (OpenAI API under /v1"
+         + (", bearer key required" if served.api_key else "") + ")")
+    try:
+        uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
+    finally:
+        served.thread.stop()
