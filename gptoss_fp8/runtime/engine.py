@@ -129,7 +129,8 @@ class Engine:
         return list(touched)
 
     def _run(self, work: Step, touched: dict[Sequence, list[int]]) -> None:
-        ready: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, its logits [1, V]) to sample from
+        seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
+        rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
         for seq, start, end in work.prefills:
             try:
                 logits = self.runner.prefill(seq.slot, seq.prompt[start:end], start)
@@ -140,7 +141,8 @@ class Engine:
             self.metrics.prompt_tokens += end - start
             if end == len(seq.prompt):
                 seq.state = State.DECODE
-                ready.append((seq, logits))
+                seqs.append(seq)
+                rows.append(logits)
         if work.decodes:
             try:
                 logits = self.runner.decode([s.slot for s in work.decodes], [s.tokens[-1] for s in work.decodes])
@@ -148,12 +150,12 @@ class Engine:
                 for seq in work.decodes:
                     self._fail(seq, e, touched)
             else:
-                ready.extend((s, logits[i:i + 1]) for i, s in enumerate(work.decodes))
-        if not ready:
+                seqs.extend(work.decodes)
+                rows.append(logits)
+        if not seqs:
             return
-        seqs = [s for s, _ in ready]
         try:
-            toks, lps = self.sampler(torch.cat([lg for _, lg in ready]), seqs)
+            toks, lps = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), seqs)
         except Exception as e:  # noqa: BLE001
             for seq in seqs:
                 self._fail(seq, e, touched)

@@ -12,19 +12,26 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 
 
 @dataclass
 class Histogram:
-    """Cumulative-bucket histogram (Prometheus' shape): counts[i] = observations <= bounds[i]."""
+    """Latency histogram: ``hits[i]`` observations in (bounds[i-1], bounds[i]] (the last: above
+    every bound); ``cumulative()`` is Prometheus' shape, counts <= each bound."""
 
     bounds: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    hits: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     total: int = 0
     sum: float = 0.0
 
     def observe(self, x: float) -> None:
-        i = bisect.bisect_left(self.bounds, x)
-        for j in range(i, len(self.bounds)):
-            self.counts[j] += 1
+        self.hits[bisect.bisect_left(self.bounds, x)] += 1
         self.total += 1
         self.sum += x
+
+    def cumulative(self) -> list[int]:
+        """Observations <= bounds[i], for each i."""
+        out, n = [], 0
+        for h in self.hits[:-1]:
+            n += h
+            out.append(n)
+        return out
 
 
 @dataclass

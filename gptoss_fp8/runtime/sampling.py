@@ -69,14 +69,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i]; and,
     if any row asked for them, every row's chosen-token log-probability (else None)."""
     rows = logits.float()
-    out = []
+    toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
     for i, p in enumerate(params):
-        if p.temperature == 0:
-            out.append(rows[i].argmax().reshape(1))
-        else:
+        if p.temperature > 0:
             probs = nucleus(torch.softmax(rows[i] / p.temperature, dim=-1), p.top_p)
-            out.append(torch.multinomial(probs, 1, generator=gens[i]))
-    toks = torch.cat(out)
+            toks[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
     if not any(p.logprobs for p in params):
         return toks.tolist(), None
     lp = torch.log_softmax(rows, dim=-1).gather(1, toks[:, None])[:, 0]

@@ -411,7 +411,7 @@ def prometheus(engine: Engine) -> str:
     for name, h, help_ in (("gptoss_time_to_first_token_seconds", m.ttft, "Arrival to first token."),
                            ("gptoss_inter_token_latency_seconds", m.itl, "Between a request's successive tokens.")):
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
-        for b, c in zip(h.bounds, list(h.counts), strict=True):
+        for b, c in zip(h.bounds, h.cumulative(), strict=True):
             lines.append(f'{name}_bucket{{le="{b}"}} {c}')
         lines.extend([f'{name}_bucket{{le="+Inf"}} {h.total}', f"{name}_sum {h.sum}", f"{name}_count {h.total}"])
     return "\n".join(lines) + "\n"
