@@ -202,9 +202,17 @@ def test_bad_requests_are_one_line_400s(server):
 
 
 def test_queue_full_is_429_with_retry_after(server, monkeypatch):
-    monkeypatch.setattr(server.served.engine.scheduler, "max_waiting", 0)
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
-    assert r.status_code == 429 and r.headers["retry-after"] == "1" and "waiting" in r.json()["error"]["message"]
+    import contextlib
+
+    monkeypatch.setattr(server.served.engine.scheduler, "max_waiting", 0)  # no queue beyond the 4 slots
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, contextlib.ExitStack() as streams:
+        for _ in range(4):  # each stream's headers come with its first token: it holds a slot
+            assert streams.enter_context(c.stream("POST", "/v1/completions", json=body)).status_code == 200
+        r = c.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert "all 4 KV slots are taken" in r.json()["error"]["message"]
+    _wait_idle(server)  # the 4 streams closed: cancelled, their slots free
 
 
 def test_a_request_that_raises_fails_alone(server, monkeypatch):

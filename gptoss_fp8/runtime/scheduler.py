@@ -49,8 +49,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (the bound); try again shortly")
+        """Queue a request; QueueFull when ``max_waiting`` requests already wait beyond the free slots."""
+        if len(self.waiting) >= self.max_waiting + self.slots.available:
+            raise QueueFull(f"all {self.slots.total} KV slots are taken and {len(self.waiting) - self.slots.available} "
+                            "requests are waiting (the bound); try again shortly")
         seq.state = State.WAITING
         self.waiting.append(seq)
 
