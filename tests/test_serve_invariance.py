@@ -3,11 +3,11 @@ requests (prompt lengths 3..200, so prompts go in 16-token chunks between other 
 steps, and joining at different steps) equal each one run alone with ``generate``, token for token.
 
 Why this holds bit for bit: the scheduler cuts prompts at fixed multiples of the chunk whatever
-else runs; a chunk's attention is computed one query at a time over exactly its visible keys (the
-decode step's arithmetic, ops.attention_chunk), which gives the whole prefill's bits; every other
-op is row-wise, and torch's CPU bf16 GEMMs give each row the same bits whatever the number of rows
-(the MoE's expert GEMMs see a different set of rows in a batch: tests/test_model_chunks.py pins
-the prefix-decode case down, this test the whole engine)."""
+else runs, and a prompt prefilled in chunks gives the whole prefill's bits (tests/test_model_chunks.py);
+every other op is row-wise, and torch's CPU bf16 GEMMs give each row the same bits whatever the
+number of rows (the MoE's expert GEMMs see a different set of rows in a batch; a decode over a
+prefix of the slots equals the whole step's rows: test_model_chunks.py again; this test the whole
+engine, slots freed and reused in between)."""
 
 import asyncio
 

@@ -175,18 +175,12 @@ class ReferenceOps:
                         sm_scale: float, window: int, q_offset: int) -> torch.Tensor:
         """``attention`` of a prompt chunk after cached keys: q [T, KV, M, D] at key positions
         q_offset..q_offset + T - 1 of k / v [q_offset + T, KV, D] (the cached keys, then the
-        chunk's); the same masks and sinks -> [T, KV * M * D].
-
-        Here one query at a time over exactly the keys it may see (``spec.attention``, one row,
-        q_offset), which is a decode step's arithmetic (``attention_cached``): on CPU a prompt
-        prefilled in chunks then gives the whole prefill's bits (tests/test_model_chunks.py), where
-        one [T, q_offset + T] product would round its reductions differently. A GPU backend runs
-        the chunk at once (model/triton_ops.py)."""
+        chunk's); the same masks and sinks -> [T, KV * M * D] (``spec.attention`` with q_offset).
+        On CPU a prompt prefilled in chunks gives the whole prefill's bits (tests/test_model_chunks.py).
+        No GPU kernel takes a query offset yet: every backend runs this spec."""
         n, kvh, m, d = q.shape
-        q = q.reshape(n, kvh * m, d)
-        out = [spec.attention(q[t:t + 1], k[:q_offset + t + 1], v[:q_offset + t + 1], sinks.reshape(-1), sm_scale,
-                              window, q_offset=q_offset + t) for t in range(n)]
-        return torch.cat(out).reshape(n, -1)
+        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
+                              q_offset=q_offset).reshape(n, -1)
 
     def attention_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          lengths: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int) -> torch.Tensor:

@@ -324,16 +324,6 @@ class TritonOps(W8A8CpuOps):
                               sliding_window=window, sm_scale=sm_scale, config=self.config)
         return o.reshape(n, -1)
 
-    def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
-        """A prompt chunk after cached keys: no kernel takes a query offset yet, so the spec in
-        one call (not the CPU backends' row-at-a-time loop, which is there for bit-exactness)."""
-        n, kvh, m, d = q.shape
-        self._fallback("attention", q, k)
-        from gptoss_fp8 import spec
-
-        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
-                              q_offset=q_offset).reshape(n, -1)
-
     # --- rope ----------------------------------------------------------------------------------
     def rope(self, x, cos, sin):
         d = x.shape[-1]
