@@ -1,6 +1,7 @@
 """gptoss-fp8 serve as a command: it starts, prints its KV cache, binds loopback, answers, and
 stops on Ctrl-C; what it refuses is one line."""
 
+import asyncio
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from serve_util import running_server
 
 pytest.importorskip("openai_harmony")
 
@@ -20,30 +22,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_command_starts_answers_and_stops(harmony_ckpt):
-    port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.cli.main", "serve", str(harmony_ckpt), "--port", str(port),
-                          "--max-batch", "2", "--max-context", "64", "--model-name", "m"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        url, t0 = f"http://127.0.0.1:{port}", time.time()
+class _Command:
+    """``gptoss-fp8 serve ...`` in a session of its own (Ctrl-C reaches all its processes, as from a terminal)."""
+
+    def __init__(self, args, port):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.url = f"http://127.0.0.1:{port}"
+        self.p = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.cli.main", "serve", *args, "--port", str(port)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                  start_new_session=True)
+
+    def wait_healthy(self, timeout=120):
+        t0 = time.time()
         while True:
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
-            assert p.poll() is None and time.time() - t0 < 90, p.stderr.read() if p.poll() is not None else "slow"
+            assert self.p.poll() is None, self.p.communicate()
+            assert time.time() - t0 < timeout, "the server did not start"
             time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 3,
-                                                     "ignore_eos": True}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+    def ctrl_c(self):
+        os.killpg(self.p.pid, signal.SIGINT)
+        return self.p.communicate(timeout=60)
+
+
+def _greedy(url, prompts, n=6):
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={"model": "m", "prompt": p, "max_tokens": n,
+                                                                        "temperature": 0, "ignore_eos": True,
+                                                                        "logprobs": 0}) for p in prompts))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [(r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"]) for r in rs]
+
+    return asyncio.run(main())
+
+
+PROMPTS = [[1, 2, 3], list(range(100, 130)), list(range(5000, 5011))]
+
+
+def test_serve_command_starts_answers_and_stops(harmony_ckpt):
+    port = _free_port()
+    cmd = _Command([str(harmony_ckpt), "--max-batch", "2", "--max-context", "64", "--model-name", "m"], port)
+    try:
+        cmd.wait_healthy()
+        replies = _greedy(cmd.url, PROMPTS)
     finally:
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
+        out, err = cmd.ctrl_c()
     assert "KV cache: 2 slots x 64 tokens" in out and f"serving 'm' on http://127.0.0.1:{port}" in out, out + err
     assert "Traceback" not in err, err
+    assert len({r[0] for r in replies}) == 3
+
+
+def test_serve_a_sharded_checkpoint_gives_the_unsharded_replies(harmony_ckpt, tmp_path):
+    """tp 2 (one process per rank over gloo, rank 0 leading the steps) in the weights mode: the
+    same greedy tokens, and log-probabilities, as the one-rank checkpoint."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+
+    convert_checkpoint(harmony_ckpt.parent / "src", tmp_path / "tp2", tp=2)
+    port = _free_port()
+    cmd = _Command([str(tmp_path / "tp2"), "--max-batch", "2", "--max-context", "64", "--model-name", "m",
+                    "--prefill-chunk", "8"], port)
+    try:
+        cmd.wait_healthy()
+        sharded = _greedy(cmd.url, PROMPTS)
+    finally:
+        out, err = cmd.ctrl_c()
+    assert "KV cache: 2 slots per rank x 64 tokens" in out and "tp 2 ep 1 over gloo" in out, out + err
+    with running_server(harmony_ckpt, max_batch=2, max_context=64, chunk=8, model_name="m") as s:
+        assert _greedy(s.url, PROMPTS) == sharded
 
 
 def _one_line_error(args):
@@ -58,10 +108,7 @@ def test_what_serve_refuses(tmp_path, harmony_ckpt):
     from gptoss_fp8.convert.synth import write_synthetic
 
     write_synthetic(tmp_path / "src", "tiny", layers=1, seed=1, layout="hf")
-    convert_checkpoint(tmp_path / "src", tmp_path / "tp2", tp=2)
     convert_checkpoint(tmp_path / "src", tmp_path / "small")
-    assert "converted for tp 2 / ep 1; serve runs one-rank checkpoints only" in _one_line_error(
-        ["serve", str(tmp_path / "tp2")])
     assert "vocab_size 503 is not the o200k_harmony tokenizer's 201088" in _one_line_error(
         ["serve", str(tmp_path / "small")])
     assert "--max-context 1000000: give 2..131072" in _one_line_error(

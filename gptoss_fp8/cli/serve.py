@@ -12,7 +12,7 @@ from gptoss_fp8.cli.verify_logits import Device
 
 
 def serve(
-    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory (tp 1).")],
+    ckpt: Annotated[Path, typer.Argument(help="Converted FP8 checkpoint directory.")],
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless told otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
     device: Annotated[Device, typer.Option(help="Where the model runs.")] = Device.cpu,
@@ -30,7 +30,8 @@ def serve(
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the directory name).")] = None,
 ) -> None:
     """Serve the OpenAI chat / completions API with continuous batching: /v1/chat/completions,
-    /v1/completions, /v1/models, /health, /metrics."""
+    /v1/completions, /v1/models, /health, /metrics. A checkpoint converted with --tp T runs one
+    process per rank: started for you, or each process of torchrun --nproc-per-node T is one."""
     from gptoss_fp8.serve.server import serve as run
 
     run(ckpt, host=host, port=port, device=device.value, mode=mode.value, max_batch=max_batch, max_context=max_context,

@@ -14,33 +14,13 @@ HARMONY_VOCAB = 201088
 INSTALL = "pip install 'gptoss-fp8[serve]'"
 
 
-def build(ckpt_path: str | Path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
-          max_context: int | None = None, chunk: int | None = None, max_waiting: int | None = None,
-          api_key: str | None = None, model_name: str | None = None,
-          echo: Callable[[str], None] = print) -> Served:
-    """Load ``ckpt_path`` (tp 1) and start its engine thread -> what ``create_app`` serves.
-
-    ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
-    ``max_batch``: KV slots at most (on CUDA fewer when free memory holds fewer; printed);
-    ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: the GPU has no
-    offset attention kernel yet, runtime/ notes); ``max_waiting``: the queue bound (default
-    4 x slots)."""
-    import torch
-
-    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
-    from gptoss_fp8.model.load import load_model
-    from gptoss_fp8.parallel import Parallel, device_for
-    from gptoss_fp8.runtime.engine import Engine, EngineThread
-    from gptoss_fp8.runtime.runner import ModelRunner
-    from gptoss_fp8.runtime.slots import slots_for_memory
-    from gptoss_fp8.verify.backends import ops_for
+def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
+                  chunk: int | None) -> dict:
+    """serve's options on an opened checkpoint, checked (one line each) and resolved -> the job
+    dict every rank builds from (mode, max_context, chunk, max_batch, device)."""
     from gptoss_fp8.verify.generate import context_of, resolve_mode
 
-    ckpt = Checkpoint.open(ckpt_path)
     cfg = ckpt.config
-    if ckpt.tp != 1 or ckpt.ep != 1:
-        raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}; serve runs one-rank checkpoints "
-                             "only so far (convert without --tp/--ep)")
     if cfg.vocab_size != HARMONY_VOCAB:
         raise GptOssFp8Error(f"{ckpt.path}: vocab_size {cfg.vocab_size} is not the o200k_harmony tokenizer's "
                              f"{HARMONY_VOCAB}; serve speaks text (a synthetic checkpoint needs --vocab-size {HARMONY_VOCAB})")
@@ -53,22 +33,84 @@ def build(ckpt_path: str | Path, *, device: str = "cpu", mode: str = "auto", max
     from gptoss_fp8.serve.harmony import encoding
 
     encoding()  # the tokenizer now: a missing package is one line before the weights load
-    mode = resolve_mode(mode, device)
+    chunk = chunk or (8192 if device.startswith("cuda") else 256)
+    return {"device": device, "mode": resolve_mode(mode, device), "max_batch": max_batch, "max_context": max_context,
+            "chunk": chunk}
+
+
+def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
+          max_context: int | None = None, chunk: int | None = None, max_waiting: int | None = None,
+          api_key: str | None = None, model_name: str | None = None,
+          echo: Callable[[str], None] = print) -> Served:
+    """Load ``ckpt_path`` (tp 1) and start its engine thread -> what ``create_app`` serves.
+
+    ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
+    ``max_batch``: KV slots at most (on CUDA fewer when free memory holds fewer; printed);
+    ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: the GPU has no
+    offset attention kernel yet, docs/serve.md); ``max_waiting``: requests queued beyond the free
+    slots before 429 (default 4 x slots). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
+    import torch
+
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.parallel import Parallel, device_for
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.slots import slots_for_memory
+    from gptoss_fp8.verify.backends import ops_for
+
+    ckpt = Checkpoint.of(ckpt_path)
+    if ckpt.tp != 1 or ckpt.ep != 1:
+        raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}: serve it with `gptoss-fp8 serve` "
+                             "(one process per rank); build() runs one-rank checkpoints in this process")
+    opts = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk)
     dev = torch.device(device_for(device, 0))
     t0 = time.perf_counter()
     model = load_model(ckpt, Parallel(), dev)
-    echo(f"loaded {ckpt.path} ({cfg.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, mode {mode}")
-    slots, line = slots_for_memory(model, max_context, max_batch, dev)
+    echo(f"loaded {ckpt.path} ({ckpt.config.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, "
+         f"mode {opts['mode']}")
+    slots, line = slots_for_memory(model, opts["max_context"], max_batch, dev)
     echo(line)
-    runner = ModelRunner(model, ops_for(mode), slots, max_context)
+    runner = ModelRunner(model, ops_for(opts["mode"]), slots, opts["max_context"])
+    return _served(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
+
+
+def _served(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
+            echo: Callable[[str], None]) -> Served:
+    """Capture the decode graphs (if any), start the engine thread -> Served."""
+    from gptoss_fp8.runtime.engine import Engine, EngineThread
+
     if runner.graphs is not None:
         t0 = time.perf_counter()
         runner.capture_all()
         echo(f"captured {len(runner.buckets)} decode CUDA graphs (batch {', '.join(map(str, runner.buckets))}) "
              f"in {time.perf_counter() - t0:.1f} s")
-    chunk = chunk or (8192 if dev.type == "cuda" else 256)
+    slots = runner.slots
     engine = Engine(runner, chunk=chunk, max_waiting=max_waiting if max_waiting is not None else 4 * slots)
-    return Served(engine, EngineThread(engine).start(), model_name or Path(ckpt.path).name, api_key)
+    return Served(engine, EngineThread(engine).start(), name, api_key)
+
+
+def run_leader(runner, par, job: dict, line: str) -> None:
+    """Rank 0 of a sharded serve (serve/sharded.py): the engine over a ``Leader`` and the HTTP
+    server, until Ctrl-C; then the other ranks are told to stop."""
+    import uvicorn
+
+    from gptoss_fp8.runtime.ranks import Leader
+
+    leader = Leader(runner, par)
+    print(line, flush=True)
+    served = _served(leader, job["chunk"], job.get("max_waiting"), job.get("api_key"), job["model_name"],
+                     lambda t: print(t, flush=True))
+    _say_serving(served, job["host"], job["port"], lambda t: print(t, flush=True))
+    try:
+        uvicorn.run(create_app(served), host=job["host"], port=job["port"], log_level="warning")
+    finally:
+        served.thread.stop()
+        leader.stop()
+
+
+def _say_serving(served: Served, host: str, port: int, echo: Callable[[str], None]) -> None:
+    echo(f"serving {served.model_name!r} on http://{host}:{port} (OpenAI API under /v1"
+         + (", bearer key required" if served.api_key else "") + ")")
 
 
 class Server:
@@ -105,16 +147,30 @@ class Server:
 
 
 def serve(ckpt_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
-          **kw) -> None:
-    """``gptoss-fp8 serve``: build (``build``'s options), then serve until Ctrl-C."""
+          device: str = "cpu", mode: str = "auto", max_batch: int = 8, max_context: int | None = None,
+          chunk: int | None = None, max_waiting: int | None = None, api_key: str | None = None,
+          model_name: str | None = None) -> None:
+    """``gptoss-fp8 serve``: build (``build``'s options), then serve until Ctrl-C. A checkpoint
+    converted for tp / ep > 1 (or a run under torchrun): one process per rank (serve/sharded.py)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
         raise GptOssFp8Error(f"serve needs fastapi and uvicorn; run: {INSTALL}") from None
-    served = build(ckpt_path, echo=echo, **kw)
-    echo(f"serving {served.model_name!r} on http://{host}:{port} (OpenAI API under /v1"
-         + (", bearer key required" if served.api_key else "") + ")")
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.parallel import under_torchrun
+
+    ckpt = Checkpoint.open(ckpt_path)
+    if ckpt.tp > 1 or ckpt.ep > 1 or under_torchrun():
+        from gptoss_fp8.serve.sharded import run_sharded
+
+        job = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk)
+        run_sharded(ckpt, {**job, "host": host, "port": port, "max_waiting": max_waiting, "api_key": api_key,
+                           "model_name": model_name or Path(ckpt.path).name})
+        return
+    served = build(ckpt, echo=echo, device=device, mode=mode, max_batch=max_batch, max_context=max_context,
+                   chunk=chunk, max_waiting=max_waiting, api_key=api_key, model_name=model_name)
+    _say_serving(served, host, port, echo)
     try:
         uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
     finally:
