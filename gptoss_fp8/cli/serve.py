@@ -32,7 +32,7 @@ def serve(
     """Serve the OpenAI chat / completions API with continuous batching: /v1/chat/completions,
     /v1/completions, /v1/models, /health, /metrics. A checkpoint converted with --tp T runs one
     process per rank: started for you, or each process of torchrun --nproc-per-node T is one."""
-    from gptoss_fp8.serve.server import serve as run
+    from gptoss_fp8.serve.launch import serve as run
 
     run(ckpt, host=host, port=port, device=device.value, mode=mode.value, max_batch=max_batch, max_context=max_context,
         chunk=prefill_chunk, max_waiting=max_waiting, api_key=api_key, model_name=model_name, echo=typer.echo)

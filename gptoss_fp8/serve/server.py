@@ -1,4 +1,5 @@
-"""Build the served engine from a checkpoint and run the HTTP server (``gptoss-fp8 serve``)."""
+"""Build the served engine from a one-rank checkpoint and run the HTTP server (uvicorn): in the
+foreground (``serve``), or in a thread (``Server``: tests, ``bench serve --launch``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve.app import Served, create_app
 
 HARMONY_VOCAB = 201088
-INSTALL = "pip install 'gptoss-fp8[serve]'"
 
 
 def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
@@ -71,10 +71,10 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     slots, line = slots_for_memory(model, opts["max_context"], max_batch, dev)
     echo(line)
     runner = ModelRunner(model, ops_for(opts["mode"]), slots, opts["max_context"])
-    return _served(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
+    return start_engine(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
 
 
-def _served(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
+def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
             echo: Callable[[str], None]) -> Served:
     """Capture the decode graphs (if any), start the engine thread -> Served."""
     from gptoss_fp8.runtime.engine import Engine, EngineThread
@@ -89,26 +89,7 @@ def _served(runner, chunk: int, max_waiting: int | None, api_key: str | None, na
     return Served(engine, EngineThread(engine).start(), name, api_key)
 
 
-def run_leader(runner, par, job: dict, line: str) -> None:
-    """Rank 0 of a sharded serve (serve/sharded.py): the engine over a ``Leader`` and the HTTP
-    server, until Ctrl-C; then the other ranks are told to stop."""
-    import uvicorn
-
-    from gptoss_fp8.runtime.ranks import Leader
-
-    leader = Leader(runner, par)
-    print(line, flush=True)
-    served = _served(leader, job["chunk"], job.get("max_waiting"), job.get("api_key"), job["model_name"],
-                     lambda t: print(t, flush=True))
-    _say_serving(served, job["host"], job["port"], lambda t: print(t, flush=True))
-    try:
-        uvicorn.run(create_app(served), host=job["host"], port=job["port"], log_level="warning")
-    finally:
-        served.thread.stop()
-        leader.stop()
-
-
-def _say_serving(served: Served, host: str, port: int, echo: Callable[[str], None]) -> None:
+def say_serving(served: Served, host: str, port: int, echo: Callable[[str], None]) -> None:
     echo(f"serving {served.model_name!r} on http://{host}:{port} (OpenAI API under /v1"
          + (", bearer key required" if served.api_key else "") + ")")
 
@@ -146,31 +127,14 @@ class Server:
         self.served.thread.stop()
 
 
-def serve(ckpt_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
-          device: str = "cpu", mode: str = "auto", max_batch: int = 8, max_context: int | None = None,
-          chunk: int | None = None, max_waiting: int | None = None, api_key: str | None = None,
-          model_name: str | None = None) -> None:
-    """``gptoss-fp8 serve``: build (``build``'s options), then serve until Ctrl-C. A checkpoint
-    converted for tp / ep > 1 (or a run under torchrun): one process per rank (serve/sharded.py)."""
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn
-    except ImportError:
-        raise GptOssFp8Error(f"serve needs fastapi and uvicorn; run: {INSTALL}") from None
-    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
-    from gptoss_fp8.parallel import under_torchrun
+def serve(ckpt_path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
+          **kw) -> None:
+    """One process: ``build`` (its options), then serve until Ctrl-C (serve/launch.py picks this or
+    the ranks)."""
+    import uvicorn
 
-    ckpt = Checkpoint.open(ckpt_path)
-    if ckpt.tp > 1 or ckpt.ep > 1 or under_torchrun():
-        from gptoss_fp8.serve.sharded import run_sharded
-
-        job = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk)
-        run_sharded(ckpt, {**job, "host": host, "port": port, "max_waiting": max_waiting, "api_key": api_key,
-                           "model_name": model_name or Path(ckpt.path).name})
-        return
-    served = build(ckpt, echo=echo, device=device, mode=mode, max_batch=max_batch, max_context=max_context,
-                   chunk=chunk, max_waiting=max_waiting, api_key=api_key, model_name=model_name)
-    _say_serving(served, host, port, echo)
+    served = build(ckpt_path, echo=echo, **kw)
+    say_serving(served, host, port, echo)
     try:
         uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
     finally:

@@ -70,12 +70,31 @@ def run_rank(job: dict) -> None:
         if rank != 0:
             follow(runner, par)
             return
-        from gptoss_fp8.serve.server import run_leader
-
         layout = f"tp {ckpt.tp} ep {ckpt.ep} over {dist.get_backend()}"
         run_leader(runner, par, job, f"{line.replace(f'{slots} slots', f'{slots} slots per rank', 1)}; {layout}")
     finally:
         dist.destroy_process_group()
+
+
+def run_leader(runner, par, job: dict, line: str) -> None:
+    """Rank 0: the engine over a ``Leader`` and the HTTP server, until Ctrl-C; then the other
+    ranks are told to stop."""
+    import uvicorn
+
+    from gptoss_fp8.runtime.ranks import Leader
+    from gptoss_fp8.serve.app import create_app
+    from gptoss_fp8.serve.server import say_serving, start_engine
+
+    leader = Leader(runner, par)
+    print(line, flush=True)
+    served = start_engine(leader, job["chunk"], job.get("max_waiting"), job.get("api_key"), job["model_name"],
+                          lambda t: print(t, flush=True))
+    say_serving(served, job["host"], job["port"], lambda t: print(t, flush=True))
+    try:
+        uvicorn.run(create_app(served), host=job["host"], port=job["port"], log_level="warning")
+    finally:
+        served.thread.stop()
+        leader.stop()
 
 
 if __name__ == "__main__":  # a rank started by run_sharded
