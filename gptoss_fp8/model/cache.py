@@ -97,19 +97,11 @@ class KVCache:
         ``lengths`` are views, no copy): a decode step over it steps sequences 0..b-1 only. The
         runtime decodes its running slots this way (runtime/runner.py: one view per batch bucket,
         each its own CUDA graph). The view's host mirror is a copy: whoever steps the view
-        updates this cache's mirror too (``sync_host``)."""
+        updates this cache's mirror too."""
         if not 1 <= b <= self.batch:
             raise GptOssFp8Error(f"a prefix of {b} sequences of a cache of {self.batch}")
         return KVCache([t[:b] for t in self.k], [t[:b] for t in self.v], self.windows, self.max_len, self.cos,
                        self.sin, self.lengths[:b], self.host_lengths[:b])
-
-    def sync_host(self, lengths: list[int]) -> None:
-        """Set the host mirror and the device lengths of sequences 0..len(lengths)-1 (one copy)."""
-        n = len(lengths)
-        if any(not 0 <= x <= self.max_len for x in lengths) or n > self.batch:
-            raise GptOssFp8Error(f"KV cache lengths {lengths} outside 0..{self.max_len} or more than {self.batch}")
-        self.lengths[:n].copy_(torch.tensor(lengths, dtype=self.lengths.dtype), non_blocking=True)
-        self.host_lengths[:n] = list(lengths)
 
     # --- shape and bookkeeping ------------------------------------------------------------------
     @property
