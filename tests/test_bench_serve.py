@@ -13,13 +13,16 @@ pytest.importorskip("openai_harmony")
 
 
 def test_bench_against_a_running_server(harmony_ckpt, tmp_path):
+    decode = [{"model": "20b", "batch": b, "context": 1024, "ms_per_step": 2.0 + b / 8, "tok_s_per_user": 1e3 / (2 + b / 8),
+               "usd_per_1m_tokens": 1.0 / b} for b in (1, 2, 4)]
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
     with running_server(harmony_ckpt, max_batch=4, max_context=64, chunk=8) as s:
         lines = []
         rows = bs.bench(s.url, model=None, concurrency=[1, 4], prompt_lens=[12], output_len=5, requests=4,
                         echo=lines.append)
         r = CliRunner().invoke(app, ["bench", "serve", s.url, "--concurrency", "2", "--prompt-len", "6",
                                      "--output-len", "3", "--requests", "2", "--json", str(tmp_path / "r.json"),
-                                     "--plot", str(tmp_path / "r.png")])
+                                     "--plot", str(tmp_path / "r.png"), "--decode-json", str(tmp_path / "decode.json")])
     assert r.exit_code == 0, r.output
     assert lines[0].startswith("prompt_len | concurrency") and len(lines) == 3
     for row in rows:

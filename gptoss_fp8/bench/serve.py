@@ -144,9 +144,11 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     return rows
 
 
-def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve") -> None:
+def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: list[dict] | None = None) -> None:
     """PNG: output tokens/s per user against $ per 1M output tokens (one line per prompt length,
-    points labelled by concurrency), and inter-token latency p50 / p99 against concurrency."""
+    points labelled by concurrency), and inter-token latency p50 / p99 against concurrency.
+    ``decode_rows`` (``bench decode --json``'s rows): its step times beside them, per context
+    (dashed: tokens/s per user and $ per 1M tokens of one replayed step per batch; ms per step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,6 +162,12 @@ def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve") -> None:
             a.annotate(str(r["concurrency"]), (r["tokens_per_s_per_user"], r["usd_per_1m_tokens"]), fontsize=7)
         b.plot([r["concurrency"] for r in rs], [r["itl_p50_ms"] for r in rs], "o-", label=f"prompt {p} p50")
         b.plot([r["concurrency"] for r in rs], [r["itl_p99_ms"] for r in rs], "x--", label=f"prompt {p} p99")
+    for ctx in sorted({r["context"] for r in decode_rows or [] if not r.get("skipped")}):
+        ds = sorted((r for r in decode_rows if r["context"] == ctx and not r.get("skipped")), key=lambda r: r["batch"])
+        a.plot([r["tok_s_per_user"] for r in ds], [r["usd_per_1m_tokens"] for r in ds], "s:", alpha=0.6,
+               label=f"bench decode, context {ctx}")
+        b.plot([r["batch"] for r in ds], [r["ms_per_step"] for r in ds], "s:", alpha=0.6,
+               label=f"bench decode step, context {ctx}")
     a.set(xlabel="output tokens/s per user", ylabel="$ per 1M output tokens", yscale="log", title=title)
     b.set(xlabel="concurrency", ylabel="inter-token latency (ms)", xscale="log", title="inter-token latency")
     a.legend(fontsize=7)

@@ -243,6 +243,8 @@ def serve(
     gpus: Annotated[int, typer.Option(min=1, help="GPUs the server uses ($ per 1M tokens).")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the curves here.")] = None,
+    decode_json: Annotated[Path | None, typer.Option(
+        help="`bench decode --json` rows to draw beside the curves (--plot).")] = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Stream requests at each concurrency and print output tokens/s (total, per user), TTFT and
@@ -254,6 +256,13 @@ def serve(
     for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
         if out is not None:
             check_output_path(out, overwrite=overwrite_outputs, option=opt)
+    decode_rows = None
+    if decode_json is not None:
+        try:
+            decode_rows = json.loads(decode_json.read_text())
+            assert isinstance(decode_rows, list) and all("batch" in r and "context" in r for r in decode_rows)
+        except (OSError, ValueError, AssertionError):
+            raise GptOssFp8Error(f"--decode-json {decode_json}: not a `bench decode --json` file") from None
     conc = _counts("--concurrency", concurrency, 1 << 12)
     lens = _counts("--prompt-len", prompt_len, 1 << 20)
     from gptoss_fp8.bench.serve import bench as run_bench
@@ -276,7 +285,7 @@ def serve(
     if json_out is not None:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
     if plot_out is not None:
-        plot(rows, plot_out)
+        plot(rows, plot_out, decode_rows=decode_rows)
         typer.echo(f"plot: {plot_out}")
 
 
