@@ -50,7 +50,7 @@ def script(server, monkeypatch):
                     going[s.id] = iter(ids)
                     prompts.append(list(s.prompt))
                 out.append(next(going[s.id], 0))
-            return out, None
+            return out, ([-0.5] * len(seqs) if any(s.params.logprobs for s in seqs) else None)
 
         monkeypatch.setattr(engine, "sampler", sampler)
         return prompts
@@ -85,6 +85,9 @@ def test_chat_reasoning_content_plain_and_streamed(client, script):
     assert content == "2 + 2 = 4." and reasoning == "User asks 2+2. Answer 4."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True)
+    lps = r.choices[0].logprobs.content  # one per token of the final answer
+    assert "".join(lp.token for lp in lps) == "2 + 2 = 4." and {lp.logprob for lp in lps} == {-0.5}
 
 
 def test_chat_length_limit(client, script):
