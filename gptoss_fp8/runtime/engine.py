@@ -117,13 +117,11 @@ class Engine:
             self._run(work, touched)
             self.metrics.steps += 1
         with self.lock:
-            for seq in self._cancel:  # cancelled during the step: no more tokens for it
-                touched.pop(seq, None)
-                self._finish(seq, "cancelled")
+            for seq in self._cancel:  # cancelled during the step (unless it finished in it): no more tokens for it
+                if not seq.finished:
+                    touched.pop(seq, None)
+                    self._finish(seq, "cancelled")
             self._cancel.clear()
-            for seq in list(touched):
-                if seq.finished and seq.finish == "cancelled":
-                    touched.pop(seq)
         for seq, new in touched.items():
             self._emit(seq, new)
         return list(touched)
