@@ -46,7 +46,12 @@ class _Command:
 
     def ctrl_c(self):
         os.killpg(self.p.pid, signal.SIGINT)
-        return self.p.communicate(timeout=60)
+        try:
+            return self.p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            out, err = self.p.communicate()
+            raise AssertionError(f"no exit 120 s after Ctrl-C:\n{out}\n{err}") from None
 
 
 def _greedy(url, prompts, n=6):

@@ -12,6 +12,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve.app import Served, create_app
 
 HARMONY_VOCAB = 201088
+GRACE_S = 5  # on Ctrl-C, open streams get this long before the server closes them
 
 
 def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
@@ -102,7 +103,8 @@ class Server:
         import uvicorn
 
         self.served = served
-        config = uvicorn.Config(create_app(served), host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(create_app(served), host=host, port=port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=GRACE_S)
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, name="gptoss-fp8-http", daemon=True)
 
@@ -136,6 +138,7 @@ def serve(ckpt_path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callabl
     served = build(ckpt_path, echo=echo, **kw)
     say_serving(served, host, port, echo)
     try:
-        uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(served), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=GRACE_S)
     finally:
         served.thread.stop()

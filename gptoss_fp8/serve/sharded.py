@@ -83,7 +83,7 @@ def run_leader(runner, par, job: dict, line: str) -> None:
 
     from gptoss_fp8.runtime.ranks import Leader
     from gptoss_fp8.serve.app import create_app
-    from gptoss_fp8.serve.server import say_serving, start_engine
+    from gptoss_fp8.serve.server import GRACE_S, say_serving, start_engine
 
     leader = Leader(runner, par)
     print(line, flush=True)
@@ -91,7 +91,8 @@ def run_leader(runner, par, job: dict, line: str) -> None:
                           lambda t: print(t, flush=True))
     say_serving(served, job["host"], job["port"], lambda t: print(t, flush=True))
     try:
-        uvicorn.run(create_app(served), host=job["host"], port=job["port"], log_level="warning")
+        uvicorn.run(create_app(served), host=job["host"], port=job["port"], log_level="warning",
+                    timeout_graceful_shutdown=GRACE_S)
     finally:
         served.thread.stop()
         leader.stop()
