@@ -63,3 +63,11 @@ def fail_writes_with_enospc(monkeypatch, on_write: int) -> None:
         self._f = FullDisk(self._f)
 
     monkeypatch.setattr(st_io.StreamingWriter, "__init__", init)
+
+
+@pytest.fixture(scope="session")
+def harmony_ckpt(tmp_path_factory):
+    """A tiny converted checkpoint with the tokenizer's 201088-token vocabulary (serve tests)."""
+    from serve_util import make_harmony_checkpoint
+
+    return make_harmony_checkpoint(tmp_path_factory.mktemp("harmony"))

@@ -27,11 +27,17 @@ ALLOWED: dict[str, set[str]] = {
     # kernels know nothing about files, checkpoints or the model
     "kernels": _BASE | {"config", "quant", "spec"},
     "model": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels"},
+    # the engine loop: token ids, never JSON (design.md section 6)
+    "runtime": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model"},
     "convert": _BASE | {"config", "quant", "parallel", "checkpoint"},
-    "verify": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "__init__"},
-    "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "__init__"},
+    "verify": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "runtime",
+                       "__init__"},
+    # HTTP, the OpenAI schema and Harmony over the runtime; reuses verify's tokenizer setup
+    "serve": _BASE | {"config", "parallel", "checkpoint", "model", "runtime", "verify"},
+    "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "runtime",
+                      "serve", "__init__"},
     "cli": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "verify",
-                    "bench", "__init__"},
+                    "bench", "runtime", "serve", "__init__"},
 }
 
 

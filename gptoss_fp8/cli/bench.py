@@ -229,6 +229,68 @@ def decode(
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
 
+@app.command("serve")
+def serve(
+    url: Annotated[str | None, typer.Argument(help="Base URL of a running OpenAI-compatible server.")] = None,
+    launch: Annotated[Path | None, typer.Option(help="Start `gptoss-fp8 serve` on this checkpoint (in this process) "
+                                                     "and measure it instead of URL.")] = None,
+    concurrency: Annotated[str, typer.Option(help="Comma-separated requests in flight.")] = "1,8,32,64,128",
+    prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens).")] = "1024,8192",
+    output_len: Annotated[int, typer.Option(min=1, help="Output tokens per request (ignore_eos).")] = 256,
+    requests: Annotated[int | None, typer.Option(min=1, help="Requests per case (default 2 x concurrency, >= 8).")] = None,
+    model_name: Annotated[str | None, typer.Option(help="Model id to send (default: the server's first).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer key of the server.")] = None,
+    device: Annotated[str, typer.Option(help="--launch: cpu or cuda.")] = "cuda",
+    mode: Annotated[str, typer.Option(help="--launch: weights, w8a8, kernels or auto.")] = "auto",
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs the server uses ($ per 1M tokens).")] = 1,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the curves here.")] = None,
+    decode_json: Annotated[Path | None, typer.Option(
+        help="`bench decode --json` rows to draw beside the curves (--plot).")] = None,
+    overwrite_outputs: OverwriteOutputs = False,
+) -> None:
+    """Stream requests at each concurrency and print output tokens/s (total, per user), TTFT and
+    inter-token latency p50 / p99 and $ per 1M output tokens at $3 per GPU-hour (bench/serve.py)."""
+    from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
+
+    if (url is None) == (launch is None):
+        raise GptOssFp8Error("give exactly one of URL or --launch DST")
+    for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
+        if out is not None:
+            check_output_path(out, overwrite=overwrite_outputs, option=opt)
+    decode_rows = None
+    if decode_json is not None:
+        try:
+            decode_rows = json.loads(decode_json.read_text())
+            assert isinstance(decode_rows, list) and all("batch" in r and "context" in r for r in decode_rows)
+        except (OSError, ValueError, AssertionError):
+            raise GptOssFp8Error(f"--decode-json {decode_json}: not a `bench decode --json` file") from None
+    conc = _counts("--concurrency", concurrency, 1 << 12)
+    lens = _counts("--prompt-len", prompt_len, 1 << 20)
+    from gptoss_fp8.bench.serve import bench as run_bench
+    from gptoss_fp8.bench.serve import plot
+
+    server = None
+    if launch is not None:
+        from gptoss_fp8.serve.server import Server, build
+
+        served = build(launch, device=device, mode=mode, max_batch=max(conc), max_context=max(lens) + output_len + 1,
+                       api_key=api_key, model_name=model_name, echo=typer.echo)
+        server = Server(served).start()
+        url = server.url
+    try:
+        rows = run_bench(url.rstrip("/"), model=model_name, concurrency=conc, prompt_lens=lens, output_len=output_len,
+                         requests=requests, api_key=api_key, gpus=gpus, echo=typer.echo)
+    finally:
+        if server is not None:
+            server.stop()
+    if json_out is not None:
+        write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
+    if plot_out is not None:
+        plot(rows, plot_out, decode_rows=decode_rows)
+        typer.echo(f"plot: {plot_out}")
+
+
 def _counts(option: str, text: str, top: int) -> list[int]:
     """``--batch "1,8"``: positive comma-separated integers up to ``top``."""
     parts = [t.strip() for t in text.split(",") if t.strip()]

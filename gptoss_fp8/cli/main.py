@@ -21,7 +21,7 @@ try:  # Ctrl-C while starting up is one line too, not a traceback through the im
         from click.exceptions import ClickException, NoArgsIsHelpError
 
     from gptoss_fp8 import __version__
-    from gptoss_fp8.cli import bench, convert, download, generate, golden, plan, synth, verify_logits
+    from gptoss_fp8.cli import bench, convert, download, generate, golden, plan, serve, synth, verify_logits
     from gptoss_fp8.cli.common import DEBUG_ENV, INTERRUPTED, TorchCommand, ctrl_c_handler, debug_enabled, report_failure
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
@@ -119,6 +119,7 @@ app.command("download", no_args_is_help=True)(download.download)
 app.command("plan", no_args_is_help=True, cls=TorchCommand)(plan.plan)
 app.command("verify-logits", no_args_is_help=True, cls=TorchCommand)(verify_logits.verify_logits)
 app.command("generate", no_args_is_help=True, cls=TorchCommand)(generate.generate)
+app.command("serve", no_args_is_help=True, cls=TorchCommand)(serve.serve)
 app.add_typer(golden.app, name="golden")
 app.add_typer(bench.app, name="bench")
 

@@ -92,6 +92,17 @@ class KVCache:
         rows = sum(min(KVCache.ring_size(w), max_len) if w > 0 else max_len for w in windows)
         return 2 * batch * rows * n_kv * head_dim * elem
 
+    def prefix(self, b: int) -> KVCache:
+        """A cache of this one's first ``b`` sequences sharing its memory (K / V and the device
+        ``lengths`` are views, no copy): a decode step over it steps sequences 0..b-1 only. The
+        runtime decodes its running slots this way (runtime/runner.py: one view per batch bucket,
+        each its own CUDA graph). The view's host mirror is a copy: whoever steps the view
+        updates this cache's mirror too."""
+        if not 1 <= b <= self.batch:
+            raise GptOssFp8Error(f"a prefix of {b} sequences of a cache of {self.batch}")
+        return KVCache([t[:b] for t in self.k], [t[:b] for t in self.v], self.windows, self.max_len, self.cos,
+                       self.sin, self.lengths[:b], self.host_lengths[:b])
+
     # --- shape and bookkeeping ------------------------------------------------------------------
     @property
     def batch(self) -> int:

@@ -173,26 +173,37 @@ class GptOss(nn.Module):
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, ops: ReferenceOps | None = None, *, max_len: int | None = None,
                 moe_chunk: int | None = None, cache: KVCache | None = None,
-                row: int = 0) -> tuple[KVCache, torch.Tensor]:
+                row: int = 0, start: int = 0) -> tuple[KVCache, torch.Tensor]:
         """Run the prompt tokens int [T] (positions 0..T-1) as ``forward`` does, keeping every
         layer's K and V -> (a cache for up to ``max_len`` tokens, default T + 1024, holding T;
         bf16 logits [1, V] of the last position: the first generated token's).
 
         A batch of prompts: B prefills into the rows of one cache, ``cache = model.new_cache(L,
         batch=B)``, then ``model.prefill(prompt_b, ops, cache=cache, row=b)`` for each b (the
-        sequence's old contents are replaced; max_len is the cache's)."""
+        sequence's old contents are replaced; max_len is the cache's).
+
+        A prompt in chunks (runtime/: a long prompt interleaved with other sequences' decode
+        steps): ``start`` > 0 continues sequence ``row``, which holds exactly ``start`` tokens: the
+        chunk sits at positions start..start + T - 1, its queries attend to the cached keys and to
+        the chunk's own (``ops.attention_chunk``), and the sequence then holds start + T tokens."""
         ops = ops or ReferenceOps()
         n = tokens.shape[0]
         if cache is None:
+            if start:
+                raise GptOssFp8Error(f"prefill at start {start} continues a sequence: pass its cache")
             cache = self.new_cache(max_len or n + 1024)
         if not 0 <= row < cache.batch:
             raise GptOssFp8Error(f"prefill row {row}: the cache holds sequences 0..{cache.batch - 1}")
-        if not 1 <= n <= cache.max_len:
-            raise GptOssFp8Error(f"prefill of {n} tokens into a KV cache of max_len {cache.max_len}; "
+        if not (n >= 1 and start + n <= cache.max_len):
+            raise GptOssFp8Error(f"prefill of {n} tokens at position {start} into a KV cache of max_len {cache.max_len}; "
                                  "give 1..max_len prompt tokens (or a larger max_len)")
-        cos, sin = cache.rope_rows(0, n)
-        logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache, row=row)
-        cache.set_length(row, n)
+        if start and cache.host_lengths[row] != start:
+            raise GptOssFp8Error(f"prefill at start {start}: sequence {row} holds {cache.host_lengths[row]} tokens; "
+                                 "a chunk continues where the sequence ends")
+        cos, sin = cache.rope_rows(start, n)
+        logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache, row=row,
+                           start=start)
+        cache.set_length(row, start + n)
         return cache, logits
 
     @torch.inference_mode()
@@ -243,10 +254,11 @@ class GptOss(nn.Module):
 
     def _run(self, tokens: torch.Tensor, ops: ReferenceOps, cos, sin, capture: dict | None, *,
              last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
-             row: int = 0, step: DecodeStep | None = None,
+             row: int = 0, step: DecodeStep | None = None, start: int = 0,
              force: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The one forward pass (cos / sin: the tokens' RoPE rows). Without ``step``: tokens [T] of
-        one sequence at positions 0..T - 1, with a cache written to its sequence ``row``. With a
+        one sequence at positions start..start + T - 1 (start > 0: a prompt chunk after the
+        cached ones), with a cache written to its sequence ``row``. With a
         decode ``step``: tokens [B], one per sequence of the cache at the step's positions, their
         K / V appended and the attention reading the cached keys. ``force``: see ``decode``."""
         eps = self.cfg.rms_norm_eps
@@ -257,7 +269,7 @@ class GptOss(nn.Module):
             if force is not None and i > 0:  # teacher forcing: the given stream enters the layer
                 x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
-            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step),
+            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step, start),
                                     layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
@@ -330,13 +342,15 @@ class GptOss(nn.Module):
         return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
 
     def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps, cache: KVCache | None = None,
-                   row: int = 0, step: DecodeStep | None = None) -> torch.Tensor:
+                   row: int = 0, step: DecodeStep | None = None, start: int = 0) -> torch.Tensor:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
         once). Without ``step`` the rows are one sequence at positions 0..T - 1 (written to the
         cache's sequence ``row`` if a cache is given) and the attention is the prefill's over them;
         with a decode ``step`` row b is sequence b's new token: its K / V are appended to the cache
-        and it attends to the cached keys (``ops.attention_cached``)."""
+        and it attends to the cached keys (``ops.attention_cached``). ``start`` > 0: the rows are a
+        prompt chunk at positions start.., attending to the sequence's cached keys before them and
+        to their own (``ops.attention_chunk``)."""
         a, d = layer.self_attn, self.cfg.head_dim
         q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
                               xq=t.quant)
@@ -350,9 +364,15 @@ class GptOss(nn.Module):
         else:
             q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
             k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
-            if cache is not None:
-                cache.write(layer.idx, row, 0, k, v)
-            o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+            if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
+                pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
+                ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
+                cache.write(layer.idx, row, start, k, v)
+                o = ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, start - first)
+            else:
+                if cache is not None:
+                    cache.write(layer.idx, row, 0, k, v)
+                o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
         return ops.all_reduce(o, self.par)

@@ -111,6 +111,12 @@ class DecodeGraphs:
         self.captured += 1
         return _Captured(graph, tokens, logits)
 
+    def capture_into(self, cache: KVCache) -> None:
+        """Capture this cache's graph now unless it has one (a server captures every batch bucket
+        at start, so no request waits for a capture)."""
+        if cache not in self._graphs:
+            self._graphs[cache] = self.capture(cache)
+
     @torch.inference_mode()
     def step(self, cache: KVCache, tokens: torch.Tensor | int) -> torch.Tensor:
         """One decode step of every sequence of ``cache`` (tokens int [B], or an int / one-element

@@ -249,6 +249,17 @@ class ReferenceOps:
         n, kvh, m, d = q.shape
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window).reshape(n, -1)
 
+    def attention_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                        sm_scale: float, window: int, q_offset: int) -> torch.Tensor:
+        """``attention`` of a prompt chunk after cached keys: q [T, KV, M, D] at key positions
+        q_offset..q_offset + T - 1 of k / v [q_offset + T, KV, D] (the cached keys, then the
+        chunk's); the same masks and sinks -> [T, KV * M * D] (``spec.attention`` with q_offset).
+        On CPU a prompt prefilled in chunks gives the whole prefill's bits (tests/test_model_chunks.py).
+        No GPU kernel takes a query offset yet: every backend runs this spec."""
+        n, kvh, m, d = q.shape
+        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
+                              q_offset=q_offset).reshape(n, -1)
+
     def attention_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          lengths: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int) -> torch.Tensor:
         """Decode attention over a KV cache (model/cache.py's layout), one new token per sequence.

@@ -172,41 +172,49 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
              on_token: Callable[[int], None] | None = None, cuda_graph: bool | None = None) -> Generation:
     """Prefill ``prompt`` (token ids) with ``ops``, then decode one token at a time until a stop
     token (``stops_here``) or ``max_new_tokens``; ``on_token`` is called with each new id as it
-    comes. The cache holds exactly prompt + max_new_tokens positions. ``cuda_graph``: each decode
-    step as a replayed CUDA graph (model/graph.py; the same logits bit for bit); None: on a GPU
-    with the triton backend, whose step has no host synchronisation (sharded: over NCCL, one GPU
-    per rank; gloo steps run eager). A sharded model runs this on every rank, together
-    (``chooser``: rank 0 chooses each token); every rank returns the same tokens."""
+    comes. One request through the serving runtime's engine (runtime/: the one decode loop), on a
+    one-slot KV cache of exactly prompt + max_new_tokens positions, the prompt in one chunk.
+    ``cuda_graph``: each decode step as a replayed CUDA graph (model/graph.py; the same logits bit
+    for bit); None: on a GPU with the triton backend, whose step has no host synchronisation
+    (sharded: over NCCL, one GPU per rank; gloo steps run eager). A sharded model runs this on
+    every rank, together (``chooser``: rank 0 chooses each token); every rank returns the same
+    tokens."""
+    from gptoss_fp8.runtime.engine import Engine
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.sampling import SamplingParams
+
     cfg = model.cfg
     check_request(cfg, prompt, max_new_tokens, temperature)
     dev = model.model.embed_tokens.weight.device
     choose = chooser(model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    out = Generation(list(prompt))
-    t0 = time.perf_counter()
-    cache, logits = model.prefill(torch.tensor(prompt, dtype=torch.long, device=dev), ops,
-                                  max_len=len(prompt) + max_new_tokens)
-    stop = choose(logits, out.tokens)  # a host read: the prefill is done
-    out.prefill_seconds = time.perf_counter() - t0
-    from gptoss_fp8.model.graph import DecodeGraphs, capturable
 
-    if cuda_graph is None:
-        cuda_graph = dev.type == "cuda" and getattr(ops, "name", "") == "triton" and capturable(model.par)
-    if cuda_graph:
+    def sampler(logits: torch.Tensor, seqs: list) -> tuple[list[int], None]:
+        (seq,) = seqs
+        tokens = list(seq.tokens)
+        choose(logits, tokens)  # its verdict is the engine's stop rule and max_tokens, on every rank alike
+        return [tokens[-1]], None
 
-        step = DecodeGraphs(model, ops).step  # captured at the first step (counted in decode time)
-    else:
-        def step(c, t):
-            return model.decode(c, t, ops)
-    t1 = time.perf_counter()
-    while True:
+    stops = stop_tokens(cfg.vocab_size)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                            stop_rule=lambda tokens: stops_here(tokens, stops))
+    runner = ModelRunner(model, ops, 1, len(prompt) + max_new_tokens, cuda_graph=cuda_graph)
+    engine = Engine(runner, chunk=len(prompt), max_waiting=1, sampler=sampler, log_errors=False)
+
+    def on_event(seq, new: list[int]) -> None:
         if on_token is not None:
-            on_token(out.tokens[-1])
-        if stop is not None:
-            out.stop = stop
-            break
-        stop = choose(step(cache, out.tokens[-1]), out.tokens)
+            for t in new:
+                on_token(t)
+
+    t0 = time.perf_counter()
+    seq = engine.add(list(prompt), params, on_event)
+    engine.run_until_done()
     _sync(dev)
-    out.decode_seconds = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    if seq.exception is not None:
+        raise seq.exception
+    out = Generation(list(prompt), list(seq.tokens), seq.stop if seq.finish == "stop" else "max-new-tokens")
+    out.prefill_seconds = seq.first_token_at - t0
+    out.decode_seconds = t1 - seq.first_token_at
     return out
 
 

@@ -1,0 +1,177 @@
+"""``gptoss-fp8 bench serve``: a load generator against an OpenAI-compatible server.
+
+For each (prompt length, concurrency) case, ``requests`` streamed ``/v1/completions`` requests
+(random token-id prompts of exactly that length, seeded; ``max_tokens`` = the output length with
+``ignore_eos``, greedy), at most ``concurrency`` in flight (asyncio + httpx). Per request: the time
+to its first token (TTFT) and the gaps between its next tokens (inter-token latency, ITL; our
+server sends one SSE chunk per token). Per case: output tokens/s in total (all output tokens over
+the case's wall time) and per user (median over requests of tokens after the first / time after
+the first), TTFT and ITL p50 / p99, and $ per 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``.
+Against another server (``URL``) the same requests run; a server that batches several tokens
+into one chunk shows fewer, longer gaps (tokens are counted from ``usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+USD_PER_GPU_HOUR = 3.0
+
+
+@dataclass
+class Timing:
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def _one(client, url: str, model: str, prompt: list[int], output_len: int, headers: dict) -> Timing:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t = Timing(time.perf_counter())
+    chunks = 0
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            return t
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                t.error = msg["error"].get("message", "error")
+                return t
+            if msg.get("usage"):
+                t.tokens = msg["usage"]["completion_tokens"]
+            if not msg.get("choices") or msg["choices"][0].get("finish_reason") is not None:
+                continue
+            now = time.perf_counter()
+            if t.first is None:
+                t.first = now
+            else:
+                t.gaps.append(now - t.last)
+            t.last = now
+            chunks += 1
+    t.tokens = t.tokens or chunks
+    return t
+
+
+async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
+                seed: int, api_key: str | None) -> tuple[list[Timing], float]:
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in range(n)]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+
+        async def go(p):
+            async with sem:
+                return await _one(client, url, model, p, output_len, headers)
+
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(go(p) for p in prompts))
+        return out, time.perf_counter() - t0
+
+
+def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrency: int, gpus: int = 1,
+              usd_per_gpu_hour: float = USD_PER_GPU_HOUR) -> dict:
+    """One case's row (module docstring)."""
+    ok = [t for t in timings if t.error is None and t.first is not None]
+    tokens = sum(t.tokens for t in ok)
+    total = tokens / wall if wall > 0 else 0.0
+    per_user = [(t.tokens - 1) / (t.last - t.first) for t in ok if t.tokens > 1 and t.last > t.first]
+    gaps = [g for t in ok for g in t.gaps]
+    ttft = [t.first - t.sent for t in ok]
+    usd = usd_per_gpu_hour * gpus / 3600 / total * 1e6 if total > 0 else float("nan")
+    return {"prompt_len": prompt_len, "concurrency": concurrency, "requests": len(timings),
+            "failed": len(timings) - len(ok), "output_tokens": tokens, "seconds": wall,
+            "tokens_per_s": total, "tokens_per_s_per_user": statistics.median(per_user) if per_user else float("nan"),
+            "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
+            "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99),
+            "usd_per_1m_tokens": usd,
+            "errors": sorted({t.error for t in timings if t.error})[:3]}
+
+
+COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "tokens_per_s", "tokens_per_s_per_user", "ttft_p50_ms",
+           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens")
+
+
+def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
+          requests: int | None, api_key: str | None = None, vocab: int = 201088, gpus: int = 1, seed: int = 0,
+          echo: Callable[[str], None] = print) -> list[dict]:
+    """Every (prompt length, concurrency) case against the server at ``url`` -> rows (printed as
+    they come). ``model``: the id to send (None: the server's first /v1/models entry);
+    ``requests``: per case (None: 2 x concurrency, at least 8)."""
+    import httpx
+
+    from gptoss_fp8.errors import GptOssFp8Error
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        listed = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e})") from None
+    model = model or listed[0]["id"]
+    rows = []
+    echo(" | ".join(COLUMNS))
+    for p in prompt_lens:
+        for c in concurrency:
+            n = requests or max(8, 2 * c)
+            timings, wall = asyncio.run(_case(url, model, p, c, n, output_len, vocab, seed, api_key))
+            row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
+            rows.append(row)
+            echo(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS)
+                 + (f"  errors: {row['errors']}" if row["errors"] else ""))
+    return rows
+
+
+def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: list[dict] | None = None) -> None:
+    """PNG: output tokens/s per user against $ per 1M output tokens (one line per prompt length,
+    points labelled by concurrency), and inter-token latency p50 / p99 against concurrency.
+    ``decode_rows`` (``bench decode --json``'s rows): its step times beside them, per context
+    (dashed: tokens/s per user and $ per 1M tokens of one replayed step per batch; ms per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for p in sorted({r["prompt_len"] for r in rows}):
+        rs = sorted((r for r in rows if r["prompt_len"] == p), key=lambda r: r["concurrency"])
+        a.plot([r["tokens_per_s_per_user"] for r in rs], [r["usd_per_1m_tokens"] for r in rs], "o-", label=f"prompt {p}")
+        for r in rs:
+            a.annotate(str(r["concurrency"]), (r["tokens_per_s_per_user"], r["usd_per_1m_tokens"]), fontsize=7)
+        b.plot([r["concurrency"] for r in rs], [r["itl_p50_ms"] for r in rs], "o-", label=f"prompt {p} p50")
+        b.plot([r["concurrency"] for r in rs], [r["itl_p99_ms"] for r in rs], "x--", label=f"prompt {p} p99")
+    for ctx in sorted({r["context"] for r in decode_rows or [] if not r.get("skipped")}):
+        ds = sorted((r for r in decode_rows if r["context"] == ctx and not r.get("skipped")), key=lambda r: r["batch"])
+        a.plot([r["tok_s_per_user"] for r in ds], [r["usd_per_1m_tokens"] for r in ds], "s:", alpha=0.6,
+               label=f"bench decode, context {ctx}")
+        b.plot([r["batch"] for r in ds], [r["ms_per_step"] for r in ds], "s:", alpha=0.6,
+               label=f"bench decode step, context {ctx}")
+    a.set(xlabel="output tokens/s per user", ylabel="$ per 1M output tokens", yscale="log", title=title)
+    b.set(xlabel="concurrency", ylabel="inter-token latency (ms)", xscale="log", title="inter-token latency")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,266 @@
+"""The engine loop: schedule -> run -> postprocess, one step at a time.
+
+``Engine.step`` asks the scheduler for this step's work, runs the prompt chunks (each alone:
+one that raises fails its request only) and one decode step over every decoding sequence, then
+samples each sequence's next token with its own parameters, applies the stops and hands new
+tokens to the request's ``on_event``. Requests come and go between steps: ``add`` queues one
+(checked at once against the context and the queue bound), ``cancel`` marks one and the next step
+boundary removes it and frees its slot. ``Engine`` is safe to call from other threads;
+``EngineThread`` runs the loop in a thread of its own so that an HTTP server never blocks a step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.runtime.metrics import Metrics
+from gptoss_fp8.runtime.runner import ModelRunner
+from gptoss_fp8.runtime.sampling import SamplingParams, sample
+from gptoss_fp8.runtime.scheduler import Scheduler, Step
+from gptoss_fp8.runtime.sequence import Sequence, State
+from gptoss_fp8.runtime.slots import SlotManager
+
+# The batched token choice: (logits [n, V], the n sequences) -> (tokens, log-probabilities or None).
+Sampler = Callable[[torch.Tensor, list[Sequence]], tuple[list[int], list[float] | None]]
+
+
+def default_sampler(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
+    return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+
+class Engine:
+    """Continuous batching over ``runner``'s slots (module docstring).
+
+    ``chunk``: prompt tokens per prefill chunk (chunks cut at multiples of it); ``token_budget``:
+    tokens per step (decodes + prompt chunks; default slots + chunk); ``max_waiting``: the waiting
+    queue's bound; ``sampler``: the token choice (default: each request's SamplingParams)."""
+
+    def __init__(self, runner: ModelRunner, *, chunk: int = 512, token_budget: int | None = None,
+                 max_waiting: int = 256, sampler: Sampler | None = None, log_errors: bool = True):
+        self.runner = runner
+        self.vocab = runner.model.cfg.vocab_size
+        self.slots = SlotManager(runner.slots)
+        self.scheduler = Scheduler(self.slots, chunk=chunk, token_budget=token_budget or runner.slots + chunk,
+                                   max_waiting=max_waiting)
+        self.sampler = sampler or default_sampler
+        self.log_errors = log_errors  # print the traceback of a failed request (a server's log)
+        self.metrics = Metrics()
+        self.lock = threading.RLock()  # a listener may cancel from inside on_event
+        self.wake = threading.Condition(self.lock)
+        self._cancel: set[Sequence] = set()
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    # --- requests (any thread) -------------------------------------------------------------------
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """A request that can never run, as one line naming the limit."""
+        params.check()
+        if not prompt:
+            raise GptOssFp8Error("the prompt is empty; give at least one token")
+        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab)), None)
+        if bad is not None:
+            raise GptOssFp8Error(f"prompt token id {bad} is outside the vocabulary (vocab_size {self.vocab})")
+        ctx = self.max_context
+        if len(prompt) >= ctx:
+            raise GptOssFp8Error(f"the prompt has {len(prompt)} tokens; the context is {ctx} tokens "
+                                 f"(--max-context): give at most {ctx - 1}")
+        if len(prompt) + params.max_tokens > ctx:
+            raise GptOssFp8Error(f"max_tokens {params.max_tokens}: the {len(prompt)}-token prompt plus that many exceed "
+                                 f"the context of {ctx} tokens (--max-context); ask for at most {ctx - len(prompt)}")
+
+    def add(self, prompt: list[int], params: SamplingParams,
+            on_event: Callable[[Sequence, list[int]], None] | None = None) -> Sequence:
+        """Queue a request -> its Sequence. One line (GptOssFp8Error) if it cannot fit; QueueFull
+        when the waiting queue is at its bound."""
+        self.check(prompt, params)
+        seq = Sequence(list(prompt), params, on_event)
+        seq.generator = params.generator(self.runner.device)
+        with self.lock:
+            self.scheduler.add(seq)
+            self.wake.notify_all()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a request: removed, and its slot freed, at the next step boundary (at once if idle)."""
+        with self.lock:
+            if not seq.finished:
+                self._cancel.add(seq)
+                self.wake.notify_all()
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancel)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            s = self.scheduler
+            return {"running": len(s.running), "waiting": len(s.waiting), "slots_used": self.slots.used,
+                    "slots_total": self.slots.total}
+
+    # --- the loop (one thread) -------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One step -> the sequences it gave tokens or finished (their on_event already called)."""
+        with self.lock:
+            for seq in self._cancel:
+                self._finish(seq, "cancelled")
+            self._cancel.clear()
+            work = self.scheduler.schedule()
+        touched: dict[Sequence, list[int]] = {}
+        if not work.empty:
+            self._run(work, touched)
+            self.metrics.steps += 1
+        with self.lock:
+            for seq in self._cancel:  # cancelled during the step (unless it finished in it): no more tokens for it
+                if not seq.finished:
+                    touched.pop(seq, None)
+                    self._finish(seq, "cancelled")
+            self._cancel.clear()
+        for seq, new in touched.items():
+            self._emit(seq, new)
+        return list(touched)
+
+    def _run(self, work: Step, touched: dict[Sequence, list[int]]) -> None:
+        seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
+        rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
+        for seq, start, end in work.prefills:
+            try:
+                logits = self.runner.prefill(seq.slot, seq.prompt[start:end], start)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail(seq, e, touched)
+                continue
+            seq.prefilled = end
+            self.metrics.prompt_tokens += end - start
+            if end == len(seq.prompt):
+                seq.state = State.DECODE
+                seqs.append(seq)
+                rows.append(logits)
+        if work.decodes:
+            try:
+                logits = self.runner.decode([s.slot for s in work.decodes], [s.tokens[-1] for s in work.decodes])
+            except Exception as e:  # noqa: BLE001 - a decode step is shared: its sequences fail, the server goes on
+                for seq in work.decodes:
+                    self._fail(seq, e, touched)
+            else:
+                seqs.extend(work.decodes)
+                rows.append(logits)
+        if not seqs:
+            return
+        try:
+            toks, lps = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), seqs)
+        except Exception as e:  # noqa: BLE001
+            for seq in seqs:
+                self._fail(seq, e, touched)
+            return
+        now = time.perf_counter()
+        for i, seq in enumerate(seqs):
+            self._append(seq, toks[i], None if lps is None else lps[i], now)
+            touched.setdefault(seq, []).append(toks[i])
+
+    def _append(self, seq: Sequence, tok: int, lp: float | None, now: float) -> None:
+        seq.tokens.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.metrics.generated_tokens += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.observe(now - seq.arrived)
+        else:
+            self.metrics.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        p = seq.params
+        if tok in p.stop_token_ids:
+            seq.stop = str(tok)
+            reason = "stop"
+        elif p.stop_rule is not None and (why := p.stop_rule(seq.tokens)) is not None:
+            seq.stop = why
+            reason = "stop"
+        elif len(seq.tokens) >= p.max_tokens:
+            reason = "length"
+        else:
+            return
+        with self.lock:
+            self._finish(seq, reason)
+
+    def _fail(self, seq: Sequence, e: BaseException, touched: dict) -> None:
+        seq.error = f"{type(e).__name__}: {e}" if not isinstance(e, GptOssFp8Error) else str(e)
+        seq.exception = e
+        if self.log_errors and not isinstance(e, GptOssFp8Error):
+            traceback.print_exception(e)
+        with self.lock:
+            self._finish(seq, "error")
+        touched.setdefault(seq, [])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Under the lock: the request leaves, its slot freed now."""
+        if seq.finished:
+            return
+        slot = seq.slot
+        self.scheduler.remove(seq)
+        if slot is not None:
+            self.runner.release(slot)
+        seq.state, seq.finish = State.FINISHED, reason
+        self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
+        if reason == "cancelled" and seq.on_event is not None:
+            self._emit(seq, [])
+
+    def _emit(self, seq: Sequence, new: list[int]) -> None:
+        if seq.on_event is None:
+            return
+        try:
+            seq.on_event(seq, new)
+        except Exception:  # noqa: BLE001 - a listener's failure is its request's, not the engine's
+            traceback.print_exc()
+            if not seq.finished:
+                self.cancel(seq)
+
+    def run_until_done(self) -> None:
+        """Step until no request is left (one thread: generate, tests)."""
+        while self.has_work():
+            self.step()
+
+
+class EngineThread:
+    """``engine``'s loop in a daemon thread: steps while there is work, sleeps on the engine's
+    condition otherwise (``add`` / ``cancel`` wake it). ``stop`` ends it after the current step."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._stop = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="gptoss-fp8-engine", daemon=True)
+
+    def start(self) -> EngineThread:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self.engine.lock:
+            self._stop = True
+            self.engine.wake.notify_all()
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        e = self.engine
+        try:
+            while True:
+                with e.lock:
+                    while not self._stop and not e.has_work():
+                        e.wake.wait()
+                    if self._stop:
+                        return
+                with torch.inference_mode():
+                    e.step()
+        except BaseException as err:  # noqa: BLE001 - recorded for /health; the requests are failed
+            self.error = err
+            traceback.print_exc()
+            with e.lock:
+                for seq in [*e.scheduler.running, *e.scheduler.waiting]:
+                    seq.error = f"the engine stopped: {err}"
+                    e._finish(seq, "error")

@@ -1,0 +1,107 @@
+"""The model side of a step: the KV cache of all slots, prompt chunks, decode steps by bucket.
+
+One ``KVCache`` of ``slots`` rows x ``max_context`` positions holds every sequence (slot = row).
+A decode step runs over rows 0..b-1, a prefix view of the cache (``KVCache.prefix``), where b is
+the smallest batch bucket covering the highest decoding slot; rows in the prefix that are free or
+still prefilling ride along with token 0 (their K / V at their current length is overwritten by
+their next chunk, and their lengths are put back after the step; a free slot holds length 0). On CUDA with the triton backend
+each bucket's step is a CUDA graph (model/graph.py), captured once per bucket (``capture_all`` at
+start, or at its first use); buckets are the powers of two up to the slot count, and the slot
+count. Without graphs (CPU) a bucket is exactly the highest slot + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptoss_fp8.model.cache import KVCache
+
+
+class ModelRunner:
+    """``model`` (one rank's GptOss) with ``ops``, ``slots`` sequences of up to ``max_context`` tokens."""
+
+    def __init__(self, model, ops, slots: int, max_context: int, *, cuda_graph: bool | None = None):
+        from gptoss_fp8.model.graph import DecodeGraphs, capturable
+
+        self.model, self.ops, self.slots, self.max_context = model, ops, slots, max_context
+        self.device = model.model.embed_tokens.weight.device
+        self.cache: KVCache = model.new_cache(max_context, batch=slots)
+        if cuda_graph is None:
+            cuda_graph = self.device.type == "cuda" and getattr(ops, "name", "") == "triton" and capturable(model.par)
+        self.graphs = DecodeGraphs(model, ops) if cuda_graph else None
+        if self.graphs is not None:
+            b, self.buckets = 1, []
+            while b < slots:
+                self.buckets.append(b)
+                b *= 2
+            self.buckets.append(slots)
+        else:
+            self.buckets = list(range(1, slots + 1))
+        self._views: dict[int, KVCache] = {}
+        self._pinned: dict[int, torch.Tensor] = {}
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def view(self, b: int) -> KVCache:
+        v = self._views.get(b)
+        if v is None:
+            v = self._views[b] = self.cache.prefix(b)
+        v.host_lengths = self.cache.host_lengths[:b]
+        return v
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph now (each leaves the cache as it was)."""
+        if self.graphs is not None:
+            for b in self.buckets:
+                self.graphs.capture_into(self.view(b))
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Prompt tokens at positions start.. of sequence ``slot`` -> logits bf16 [1, V] of the last."""
+        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        _, logits = self.model.prefill(t, self.ops, cache=self.cache, row=slot, start=start)
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token per listed slot (each slot's next position) -> logits bf16 [len(slots), V], in
+        the order given. The step's host data (token per row, which rows ride along, the rows to
+        return) goes to the device in one copy before the step (pinned and asynchronous on CUDA),
+        and the riders' lengths are put back on the device after it: no host synchronisation here
+        (the sampler's one read of the tokens is the step's)."""
+        host = self.cache.host_lengths
+        b = self.bucket(max(slots) + 1)
+        ids, ride = [0] * b, [1] * b
+        for s, t in zip(slots, tokens, strict=True):
+            ids[s], ride[s] = t, 0
+        staged = self._stage(b, [ids, ride, slots + [0] * (b - len(slots))])  # [3, b] int64 on the device
+        view = self.view(b)
+        if self.graphs is not None:
+            logits = self.graphs.step(view, staged[0])
+        else:
+            logits = self.model.decode(view, staged[0], self.ops)
+        lengths = self.cache.lengths[:b]
+        lengths.sub_(staged[1].to(lengths.dtype))  # the step advanced every row; riders go back
+        for s in slots:
+            host[s] += 1
+        if slots == list(range(b)):
+            return logits
+        return logits.index_select(0, staged[2, :len(slots)])
+
+    def _stage(self, b: int, rows: list[list[int]]) -> torch.Tensor:
+        """rows (equal lengths b) as an int64 tensor on the device. On CUDA through a pinned buffer
+        per bucket, copied asynchronously; the buffer is rewritten at the next step of its bucket,
+        after the sampler's host read has waited for this step (and so for this copy)."""
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        pin = self._pinned.get(b)
+        if pin is None:
+            pin = self._pinned[b] = torch.empty((len(rows), b), dtype=torch.long, pin_memory=True)
+        pin.copy_(t)
+        return pin.to(self.device, non_blocking=True)
+
+    def release(self, slot: int) -> None:
+        """A slot's sequence left: its length back to 0 (it may ride along in decode steps)."""
+        self.cache.set_length(slot, 0)

@@ -1,0 +1,61 @@
+"""A request inside the runtime: its prompt and generated token ids, its slot, where it is."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from gptoss_fp8.runtime.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    PREFILL = "prefill"  # holds a slot, its prompt going in chunk by chunk
+    DECODE = "decode"  # prompt in, one token per step
+    FINISHED = "finished"
+
+
+# Finish reasons: "stop" (a stop token or rule), "length" (max_tokens), "cancelled", "error".
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. ``tokens``: generated ids (the last one is not in the KV cache yet while
+    decoding); ``prefilled``: prompt tokens in the cache; ``stop``: the stop token's name or rule's
+    verdict; ``finish``: one of FINISH_REASONS once finished; ``error``: the message of a failure.
+    ``on_event(seq, new_tokens)`` is called by the engine (its thread) after each step that gave
+    the request tokens or finished it (then ``seq.finished``)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[Sequence, list[int]], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    state: State = State.WAITING
+    slot: int | None = None
+    prefilled: int = 0
+    finish: str | None = None
+    stop: str | None = None
+    error: str | None = None
+    exception: BaseException | None = None
+    generator: torch.Generator | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.prompt) - self.prefilled

@@ -1,0 +1,208 @@
+"""Harmony for the chat API: OpenAI messages and tools -> prompt token ids, reply ids -> deltas.
+
+Rendering (``render_chat``): the system message carries ``reasoning_effort``; the request's
+system / developer messages become the developer message's instructions, and ``tools`` (function
+definitions) its ``functions`` namespace; user turns as they are; an assistant turn's content on
+the ``final`` channel, its reasoning (``reasoning_content``) on ``analysis``, each of its tool
+calls a ``commentary`` message to ``functions.NAME`` (JSON arguments); a ``tool`` message is the
+function's reply (author ``functions.NAME``, found from the call id), addressed to the assistant.
+
+Parsing (``ReplyStream``): the generated ids through harmony's ``StreamableParser``, one at a
+time, into deltas: text on the ``final`` channel (or no channel) is ``content``, the ``analysis``
+channel is ``reasoning_content``, a message to ``functions.NAME`` is a tool call (its name, then
+its arguments as they come). Ids that are not well-formed Harmony (synthetic weights give noise)
+switch the stream to plain text: the rest is ``content`` as decoded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from gptoss_fp8.errors import GptOssFp8Error
+
+RETURN, CALL, ENDOFTEXT = 200002, 200012, 199999
+STOP_IDS = (RETURN, CALL)  # harmony's stop_tokens_for_assistant_actions
+EFFORTS = ("low", "medium", "high")
+
+
+@lru_cache(maxsize=1)
+def encoding():
+    """The o200k_harmony encoding, offline (verify/prompt.py unpacks o200k from bpe-openai)."""
+    from gptoss_fp8.verify.prompt import INSTALL, ensure_o200k
+
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(ensure_o200k())
+    try:
+        from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    except ImportError:
+        raise GptOssFp8Error(f"serve needs openai-harmony; run: {INSTALL}") from None
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _text(content) -> str:
+    """An OpenAI message content: a string, None, or a list of parts (text parts only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part.get("type") != "text":
+            raise GptOssFp8Error(f"message content part of type {part.get('type')!r}: only text is supported")
+        out.append(part.get("text", ""))
+    return "".join(out)
+
+
+def render_chat(messages: list[dict], tools: list[dict] | None = None, reasoning_effort: str | None = None) -> list[int]:
+    """OpenAI chat messages (dicts) -> prompt token ids ending with ``<|start|>assistant``."""
+    from openai_harmony import (
+        Author,
+        Conversation,
+        DeveloperContent,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
+
+    enc = encoding()
+    system = SystemContent.new()
+    if reasoning_effort is not None:
+        system = system.with_reasoning_effort({"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM,
+                                               "high": ReasoningEffort.HIGH}[reasoning_effort])
+    instructions = [_text(m.get("content")) for m in messages if m["role"] in ("system", "developer")]
+    out = [Message.from_role_and_content(Role.SYSTEM, system)]
+    if instructions or tools:
+        dev = DeveloperContent.new()
+        if instructions:
+            dev = dev.with_instructions("\n\n".join(instructions))
+        if tools:
+            dev = dev.with_function_tools([ToolDescription.new(t["function"]["name"], t["function"].get("description", ""),
+                                                               parameters=t["function"].get("parameters"))
+                                           for t in tools])
+        out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
+    call_names: dict[str, str] = {}
+    for m in messages:
+        role = m["role"]
+        if role in ("system", "developer"):
+            continue
+        if role == "user":
+            out.append(Message.from_role_and_content(Role.USER, _text(m.get("content"))))
+        elif role == "assistant":
+            if m.get("reasoning_content"):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, m["reasoning_content"]).with_channel("analysis"))
+            for call in m.get("tool_calls") or []:
+                name = call["function"]["name"]
+                call_names[call.get("id", "")] = name
+                out.append(Message.from_role_and_content(Role.ASSISTANT, call["function"].get("arguments", ""))
+                           .with_channel("commentary").with_recipient(f"functions.{name}")
+                           .with_content_type("<|constrain|>json"))
+            if _text(m.get("content")):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, _text(m.get("content"))).with_channel("final"))
+        elif role == "tool":
+            name = m.get("name") or call_names.get(m.get("tool_call_id", ""))
+            if name is None:
+                raise GptOssFp8Error(f"tool message with tool_call_id {m.get('tool_call_id')!r}: no assistant tool call "
+                                     "with that id precedes it")
+            out.append(Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"), _text(m.get("content")))
+                       .with_channel("commentary").with_recipient("assistant"))
+        else:
+            raise GptOssFp8Error(f"message role {role!r}: use system, developer, user, assistant or tool")
+    return list(enc.render_conversation_for_completion(Conversation.from_messages(out), Role.ASSISTANT))
+
+
+@dataclass
+class Delta:
+    """One piece of a reply: ``kind`` content / reasoning / tool_call (a new call: ``name``) /
+    tool_args (more of call ``index``'s arguments)."""
+
+    kind: str
+    text: str = ""
+    index: int = 0
+    name: str = ""
+
+
+@dataclass
+class ReplyStream:
+    """Reply ids -> Deltas, one id at a time (module docstring)."""
+
+    parser: object = None
+    raw: list[int] | None = None  # not Harmony: the ids since the switch, decoded as plain text
+    shown: int = 0
+    calls: int = 0
+    _in_call: bool = False
+    _recipient: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments"} in order
+
+    def __post_init__(self):
+        from openai_harmony import Role, StreamableParser
+
+        self.parser = StreamableParser(encoding(), Role.ASSISTANT)
+
+    def push(self, tok: int) -> list[Delta]:
+        if self.raw is not None:
+            return self._raw(tok)
+        from openai_harmony import HarmonyError
+
+        try:
+            self.parser.process(tok)
+        except HarmonyError:
+            self.raw = []
+            return self._raw(tok)
+        out: list[Delta] = []
+        rec = self.parser.current_recipient
+        if rec != self._recipient:  # a new message, or the header's recipient appeared
+            self._recipient = rec
+            self._in_call = bool(rec and rec.startswith("functions."))
+            if self._in_call:
+                name = rec.removeprefix("functions.")
+                self.tool_calls.append({"name": name, "arguments": ""})
+                out.append(Delta("tool_call", index=len(self.tool_calls) - 1, name=name))
+        piece = self.parser.last_content_delta
+        if piece:
+            if self._in_call:
+                self.tool_calls[-1]["arguments"] += piece
+                out.append(Delta("tool_args", piece, index=len(self.tool_calls) - 1))
+            elif self.parser.current_channel == "analysis":
+                out.append(Delta("reasoning", piece))
+            elif rec is None or rec == "assistant" or rec == "user":
+                out.append(Delta("content", piece))
+        return out
+
+    def _raw(self, tok: int) -> list[Delta]:
+        if tok in (RETURN, CALL, ENDOFTEXT):
+            return []
+        self.raw.append(tok)
+        text = encoding().decode(self.raw)
+        if text.endswith("\ufffd"):
+            return []
+        piece, self.shown = text[self.shown:], len(text)
+        return [Delta("content", piece)] if piece else []
+
+
+class StopText:
+    """Stop sequences on streamed text: ``push`` returns what may be shown now (holding back a
+    tail that could start a stop sequence) and whether a stop sequence ended it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buf = self.buf[:min(hits)], ""
+            return out, True
+        cut = max(0, len(self.buf) - self.keep)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out

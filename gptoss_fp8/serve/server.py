@@ -1,0 +1,144 @@
+"""Build the served engine from a one-rank checkpoint and run the HTTP server (uvicorn): in the
+foreground (``serve``), or in a thread (``Server``: tests, ``bench serve --launch``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.serve.app import Served, create_app
+
+HARMONY_VOCAB = 201088
+GRACE_S = 5  # on Ctrl-C, open streams get this long before the server closes them
+
+
+def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
+                  chunk: int | None) -> dict:
+    """serve's options on an opened checkpoint, checked (one line each) and resolved -> the job
+    dict every rank builds from (mode, max_context, chunk, max_batch, device)."""
+    from gptoss_fp8.verify.generate import context_of, resolve_mode
+
+    cfg = ckpt.config
+    if cfg.vocab_size != HARMONY_VOCAB:
+        raise GptOssFp8Error(f"{ckpt.path}: vocab_size {cfg.vocab_size} is not the o200k_harmony tokenizer's "
+                             f"{HARMONY_VOCAB}; serve speaks text (a synthetic checkpoint needs --vocab-size {HARMONY_VOCAB})")
+    if max_batch < 1:
+        raise GptOssFp8Error(f"--max-batch {max_batch}: give at least 1")
+    ctx = context_of(cfg)
+    max_context = max_context or min(ctx, 8192)
+    if not 2 <= max_context <= ctx:
+        raise GptOssFp8Error(f"--max-context {max_context}: give 2..{ctx} (the model's context)")
+    from gptoss_fp8.serve.harmony import encoding
+
+    encoding()  # the tokenizer now: a missing package is one line before the weights load
+    chunk = chunk or (8192 if device.startswith("cuda") else 256)
+    return {"device": device, "mode": resolve_mode(mode, device), "max_batch": max_batch, "max_context": max_context,
+            "chunk": chunk}
+
+
+def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
+          max_context: int | None = None, chunk: int | None = None, max_waiting: int | None = None,
+          api_key: str | None = None, model_name: str | None = None,
+          echo: Callable[[str], None] = print) -> Served:
+    """Load ``ckpt_path`` (tp 1) and start its engine thread -> what ``create_app`` serves.
+
+    ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
+    ``max_batch``: KV slots at most (on CUDA fewer when free memory holds fewer; printed);
+    ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: the GPU has no
+    offset attention kernel yet, docs/serve.md); ``max_waiting``: requests queued beyond the free
+    slots before 429 (default 4 x slots). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
+    import torch
+
+    from gptoss_fp8.checkpoint.checkpoint import Checkpoint
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.parallel import Parallel, device_for
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.slots import slots_for_memory
+    from gptoss_fp8.verify.backends import ops_for
+
+    ckpt = Checkpoint.of(ckpt_path)
+    if ckpt.tp != 1 or ckpt.ep != 1:
+        raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}: serve it with `gptoss-fp8 serve` "
+                             "(one process per rank); build() runs one-rank checkpoints in this process")
+    opts = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk)
+    dev = torch.device(device_for(device, 0))
+    t0 = time.perf_counter()
+    model = load_model(ckpt, Parallel(), dev)
+    echo(f"loaded {ckpt.path} ({ckpt.config.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, "
+         f"mode {opts['mode']}")
+    slots, line = slots_for_memory(model, opts["max_context"], max_batch, dev)
+    echo(line)
+    runner = ModelRunner(model, ops_for(opts["mode"]), slots, opts["max_context"])
+    return start_engine(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
+
+
+def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
+            echo: Callable[[str], None]) -> Served:
+    """Capture the decode graphs (if any), start the engine thread -> Served."""
+    from gptoss_fp8.runtime.engine import Engine, EngineThread
+
+    if runner.graphs is not None:
+        t0 = time.perf_counter()
+        runner.capture_all()
+        echo(f"captured {len(runner.buckets)} decode CUDA graphs (batch {', '.join(map(str, runner.buckets))}) "
+             f"in {time.perf_counter() - t0:.1f} s")
+    slots = runner.slots
+    engine = Engine(runner, chunk=chunk, max_waiting=max_waiting if max_waiting is not None else 4 * slots)
+    return Served(engine, EngineThread(engine).start(), name, api_key)
+
+
+def say_serving(served: Served, host: str, port: int, echo: Callable[[str], None]) -> None:
+    echo(f"serving {served.model_name!r} on http://{host}:{port} (OpenAI API under /v1"
+         + (", bearer key required" if served.api_key else "") + ")")
+
+
+class Server:
+    """uvicorn serving ``served`` in a background thread (tests, ``bench serve --launch``):
+    ``start`` returns once it listens; ``stop`` shuts it down and stops the engine."""
+
+    def __init__(self, served: Served, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.served = served
+        config = uvicorn.Config(create_app(served), host=host, port=port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=GRACE_S)
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, name="gptoss-fp8-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> Server:
+        self.thread.start()
+        t0 = time.perf_counter()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.perf_counter() - t0 > timeout:
+                raise GptOssFp8Error("the HTTP server did not start (is the port taken?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        sock = self.uvicorn.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.served.thread.stop()
+
+
+def serve(ckpt_path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
+          **kw) -> None:
+    """One process: ``build`` (its options), then serve until Ctrl-C (serve/launch.py picks this or
+    the ranks)."""
+    import uvicorn
+
+    served = build(ckpt_path, echo=echo, **kw)
+    say_serving(served, host, port, echo)
+    try:
+        uvicorn.run(create_app(served), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=GRACE_S)
+    finally:
+        served.thread.stop()

@@ -1,0 +1,46 @@
+"""gptoss-fp8 bench serve, briefly on CPU: against the test server by URL and with --launch."""
+
+import json
+
+import pytest
+from serve_util import running_server
+from typer.testing import CliRunner
+
+from gptoss_fp8.bench import serve as bs
+from gptoss_fp8.cli.main import app
+
+pytest.importorskip("openai_harmony")
+
+
+def test_bench_against_a_running_server(harmony_ckpt, tmp_path):
+    decode = [{"model": "20b", "batch": b, "context": 1024, "ms_per_step": 2.0 + b / 8, "tok_s_per_user": 1e3 / (2 + b / 8),
+               "usd_per_1m_tokens": 1.0 / b} for b in (1, 2, 4)]
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    with running_server(harmony_ckpt, max_batch=4, max_context=64, chunk=8) as s:
+        lines = []
+        rows = bs.bench(s.url, model=None, concurrency=[1, 4], prompt_lens=[12], output_len=5, requests=4,
+                        echo=lines.append)
+        r = CliRunner().invoke(app, ["bench", "serve", s.url, "--concurrency", "2", "--prompt-len", "6",
+                                     "--output-len", "3", "--requests", "2", "--json", str(tmp_path / "r.json"),
+                                     "--plot", str(tmp_path / "r.png"), "--decode-json", str(tmp_path / "decode.json")])
+    assert r.exit_code == 0, r.output
+    assert lines[0].startswith("prompt_len | concurrency") and len(lines) == 3
+    for row in rows:
+        assert row["failed"] == 0 and row["output_tokens"] == 4 * 5, row
+        assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_user"] > 0 and row["usd_per_1m_tokens"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+    # $ per 1M output tokens at $3 per GPU-hour from the total rate
+    assert rows[0]["usd_per_1m_tokens"] == pytest.approx(3 / 3600 / rows[0]["tokens_per_s"] * 1e6)
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["concurrency"] == 2 and row["output_tokens"] == 6 and (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_bench_launch_and_bad_arguments(harmony_ckpt):
+    r = CliRunner().invoke(app, ["bench", "serve", "--launch", str(harmony_ckpt), "--device", "cpu", "--mode", "weights",
+                                 "--concurrency", "2", "--prompt-len", "5", "--output-len", "2", "--requests", "2"])
+    assert r.exit_code == 0, r.output
+    assert "KV cache: 2 slots x 8 tokens" in r.output and "\n5 | 2 | 2 | 0 | " in r.output
+    r = CliRunner().invoke(app, ["bench", "serve"])
+    assert r.exit_code != 0
+    summary = bs.summarize([bs.Timing(0.0, error="HTTP 429")], 1.0, prompt_len=1, concurrency=1)
+    assert summary["failed"] == 1 and summary["tokens_per_s"] == 0

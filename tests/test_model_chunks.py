@@ -1,0 +1,71 @@
+"""The model API the runtime needs, against the existing paths bit for bit on CPU (weights mode):
+a prompt prefilled in chunks (``prefill(start=)``) equals it prefilled at once, and a decode step
+over a prefix of a cache's sequences (``KVCache.prefix``) equals the step over the whole cache."""
+
+import pytest
+import torch
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.backends import get_ops
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+    from gptoss_fp8.model.load import load_model
+
+    root = tmp_path_factory.mktemp("chunks")
+    # a short sliding window so that chunks cross a wrapped ring
+    write_synthetic(root / "src", "tiny", seed=5, layout="hf", sliding_window=8)
+    convert_checkpoint(root / "src", root / "fp8")
+    return load_model(root / "fp8")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16])
+def test_chunked_prefill_equals_whole_prefill(model, chunk):
+    ops = get_ops("weights")
+    torch.manual_seed(chunk)
+    prompt = torch.randint(0, model.cfg.vocab_size - 8, (29,))
+    whole, want = model.prefill(prompt, ops, max_len=40)
+    cache = model.new_cache(40, batch=2)
+    model.prefill(torch.randint(0, 100, (5,)), ops, cache=cache, row=0)  # another sequence in row 0
+    for s in range(0, 29, chunk):
+        _, got = model.prefill(prompt[s:s + chunk], ops, cache=cache, row=1, start=s)
+    assert cache.host_lengths == [5, 29] and cache.lengths.tolist() == [5, 29]
+    assert torch.equal(got, want)
+    for i in range(len(cache.k)):  # every layer's K / V, rings included
+        assert torch.equal(cache.k[i][1], whole.k[i][0]) and torch.equal(cache.v[i][1], whole.v[i][0])
+    # and the decode after it
+    assert torch.equal(model.decode(cache.prefix(2), torch.tensor([3, 4]), ops)[1], model.decode(whole, 4, ops)[0])
+
+
+def test_a_chunk_continues_where_the_sequence_ends(model):
+    ops = get_ops("weights")
+    cache = model.new_cache(16)
+    model.prefill(torch.arange(4), ops, cache=cache)
+    with pytest.raises(GptOssFp8Error, match="sequence 0 holds 4 tokens"):
+        model.prefill(torch.arange(4), ops, cache=cache, start=5)
+    with pytest.raises(GptOssFp8Error, match="max_len 16"):
+        model.prefill(torch.arange(14), ops, cache=cache, start=4)
+
+
+@pytest.mark.parametrize("mode", ["weights", "w8a8"])
+def test_decode_of_a_prefix_is_the_whole_caches_rows(model, mode):
+    """Rows 0..b-1 of a step over b sequences equal the same rows of a step over all of them:
+    the runtime's decode batches are prefixes of its slots."""
+    ops = get_ops(mode)
+    torch.manual_seed(1)
+    a, b = model.new_cache(32, batch=4), model.new_cache(32, batch=4)
+    for r, n in enumerate([5, 9, 3, 12]):
+        p = torch.randint(0, 400, (n,))
+        model.prefill(p, ops, cache=a, row=r)
+        model.prefill(p, ops, cache=b, row=r)
+    tok = torch.tensor([7, 8, 9, 10])
+    full = model.decode(a, tok, ops)
+    view = b.prefix(2)
+    part = model.decode(view, tok[:2], ops)
+    assert torch.equal(part, full[:2])
+    assert b.lengths.tolist() == [6, 10, 3, 12] and view.host_lengths == [6, 10]  # the rest untouched
+    for i in range(len(a.k)):
+        assert torch.equal(a.k[i][:2], b.k[i][:2])

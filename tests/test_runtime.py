@@ -1,0 +1,118 @@
+"""The runtime without HTTP: the scheduler's chunks and token budget, slots lowest first and freed
+at once on cancellation, decode riders' lengths put back, requests checked against the context,
+and a long prompt never stalling the running decodes."""
+
+import pytest
+import torch
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.runtime.engine import Engine
+from gptoss_fp8.runtime.runner import ModelRunner
+from gptoss_fp8.runtime.sampling import SamplingParams, nucleus
+from gptoss_fp8.runtime.scheduler import QueueFull, Scheduler
+from gptoss_fp8.runtime.sequence import Sequence, State
+from gptoss_fp8.runtime.slots import SlotManager
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+    from gptoss_fp8.model.load import load_model
+
+    root = tmp_path_factory.mktemp("runtime")
+    write_synthetic(root / "src", "tiny", layers=2, seed=2, layout="hf", sliding_window=8)
+    convert_checkpoint(root / "src", root / "fp8")
+    return load_model(root / "fp8")
+
+
+def _engine(model, slots=3, ctx=64, **kw):
+    return Engine(ModelRunner(model, get_ops("weights"), slots, ctx), **kw)
+
+
+def test_scheduler_cuts_prompts_at_fixed_points_under_the_budget():
+    sched = Scheduler(SlotManager(2), chunk=4, token_budget=6, max_waiting=1)
+    a, b, c = (Sequence(list(range(n)), SamplingParams()) for n in (10, 3, 5))
+    for s in (a, b, c):
+        sched.add(s)
+    with pytest.raises(QueueFull):
+        sched.add(Sequence([1], SamplingParams()))  # a and b will take the 2 slots, c is the 1 waiting allowed
+    step = sched.schedule()  # a and b take the slots; c waits
+    assert [(s.slot, x, y) for s, x, y in step.prefills] == [(0, 0, 4)] and list(sched.waiting) == [c]
+    a.prefilled = 4
+    step = sched.schedule()  # 4 tokens of budget left after a's chunk: b's 3-token prompt does not fit in 2
+    assert [(x, y) for _, x, y in step.prefills] == [(4, 8)]
+    a.prefilled, a.state = 10, State.DECODE
+    step = sched.schedule()
+    assert step.decodes == [a] and [(s.slot, x, y) for s, x, y in step.prefills] == [(1, 0, 3)]
+    sched.remove(a)
+    assert a.slot is None and sched.slots.available == 1
+    step = sched.schedule()
+    assert c.slot == 0  # the lowest free slot
+
+
+def test_a_long_prompt_does_not_stall_the_running_decodes(model):
+    eng = _engine(model, slots=2, ctx=64, chunk=4, token_budget=5)
+    short = eng.add([1, 2, 3], SamplingParams(max_tokens=20))
+    eng.step()  # its prompt in, first token
+    long = eng.add(list(range(40, 80)), SamplingParams(max_tokens=2))
+    steps = 0
+    while long.state is not State.DECODE:
+        before = len(short.tokens)
+        eng.step()
+        steps += 1
+        assert len(short.tokens) == before + 1  # one token every step while the long prompt goes in
+    assert steps == 10 and long.prefilled == 40  # 40 tokens in chunks of 4
+
+
+def test_cancel_frees_the_slot_at_the_next_step_and_riders_keep_their_lengths(model):
+    eng = _engine(model, slots=3, ctx=64, chunk=64)
+    seqs = [eng.add(list(range(5, 5 + n)), SamplingParams(max_tokens=12)) for n in (4, 6, 8)]
+    eng.step()
+    eng.step()
+    assert [s.slot for s in seqs] == [0, 1, 2] and eng.runner.cache.host_lengths == [5, 7, 9]
+    eng.cancel(seqs[1])
+    eng.step()  # the cancel is taken at the step boundary: slot 1 free, a rider of this step at length 0
+    assert seqs[1].finish == "cancelled" and eng.slots.available == 1
+    assert eng.runner.cache.host_lengths == [6, 0, 10] and eng.runner.cache.lengths.tolist() == [6, 0, 10]
+    again = eng.add([9, 9], SamplingParams(max_tokens=1))
+    eng.step()
+    assert again.slot is None and again.finish == "length" and len(again.tokens) == 1  # ran in slot 1, left
+    assert eng.runner.cache.host_lengths == [7, 0, 11]
+    eng.run_until_done()
+    assert eng.slots.available == 3 and eng.runner.cache.lengths.tolist() == [0, 0, 0]
+    assert [len(s.tokens) for s in (seqs[0], seqs[2])] == [12, 12]
+
+
+def test_requests_are_checked_against_the_context(model):
+    eng = _engine(model, slots=1, ctx=16)
+    with pytest.raises(GptOssFp8Error, match=r"the context is 16 tokens \(--max-context\): give at most 15"):
+        eng.add(list(range(16)), SamplingParams(max_tokens=1))
+    with pytest.raises(GptOssFp8Error, match="ask for at most 6"):
+        eng.add(list(range(10)), SamplingParams(max_tokens=7))
+    with pytest.raises(GptOssFp8Error, match="outside the vocabulary"):
+        eng.add([1, 10**6], SamplingParams())
+    with pytest.raises(GptOssFp8Error, match="top_p 0"):
+        eng.add([1], SamplingParams(top_p=0))
+    seq = eng.add(list(range(10)), SamplingParams(max_tokens=6))
+    eng.run_until_done()
+    assert len(seq.tokens) == 6 and eng.runner.cache.host_lengths == [0]
+
+
+def test_stop_tokens_and_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert torch.equal(nucleus(probs, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.equal(nucleus(probs, 0.5), torch.tensor([1.0, 0, 0, 0]))
+    assert torch.equal(nucleus(probs, 1.0), probs)
+
+
+def test_stop_token_ends_the_reply(model):
+    eng = _engine(model, slots=1, ctx=32)
+    greedy = eng.add([3, 4, 5], SamplingParams(max_tokens=8))
+    eng.run_until_done()
+    stop_at = greedy.tokens[2]
+    seq = eng.add([3, 4, 5], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,)))
+    eng.run_until_done()
+    first = greedy.tokens.index(stop_at)
+    assert seq.tokens == greedy.tokens[:first + 1] and seq.finish == "stop" and seq.stop == str(stop_at)

@@ -1,0 +1,254 @@
+"""gptoss-fp8 serve through the official openai client against a real uvicorn server on loopback:
+chat (plain and streamed), reasoning content, a tool-call round trip, stop sequences, seeds,
+completions from token ids equal to generate, logprobs, and what bad requests get.
+
+The synthetic weights give noise, so the Harmony tests script the model's choices (the engine's
+sampler replaced by a list of ids): the mechanics (rendering, parsing, streaming, stops) are real."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from serve_util import MODEL, metric, running_server
+
+from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.verify import generate as gen
+
+pytest.importorskip("openai_harmony")
+
+CTX = 384
+
+
+@pytest.fixture(scope="module")
+def server(harmony_ckpt):
+    with running_server(harmony_ckpt, max_batch=4, max_context=CTX, chunk=16) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def script(server, monkeypatch):
+    """script(text) -> the prompts the engine saw; every request then gets text's ids as its reply."""
+    from gptoss_fp8.serve.harmony import encoding
+
+    engine = server.served.engine
+
+    def set_script(text: str) -> list[list[int]]:
+        ids = encoding().encode(text, allowed_special="all")
+        going, prompts = {}, []
+
+        def sampler(logits, seqs):
+            out = []
+            for s in seqs:
+                if s.id not in going:
+                    going[s.id] = iter(ids)
+                    prompts.append(list(s.prompt))
+                out.append(next(going[s.id], 0))
+            return out, ([-0.5] * len(seqs) if any(s.params.logprobs for s in seqs) else None)
+
+        monkeypatch.setattr(engine, "sampler", sampler)
+        return prompts
+
+    return set_script
+
+
+def _user(text):
+    return [{"role": "user", "content": text}]
+
+
+REASONED = ("<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>2 + 2 = 4.<|return|>")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_reasoning_content_plain_and_streamed(client, script):
+    script(REASONED)
+    r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), max_tokens=64, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content == "2 + 2 = 4." and msg.reasoning_content == "User asks 2+2. Answer 4."
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(gen._encoding().encode(
+        REASONED, allowed_special="all"))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), max_tokens=64,
+                                                 stream=True, stream_options={"include_usage": True}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert content == "2 + 2 = 4." and reasoning == "User asks 2+2. Answer 4."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True)
+    lps = r.choices[0].logprobs.content  # one per token of the final answer
+    assert "".join(lp.token for lp in lps) == "2 + 2 = 4." and {lp.logprob for lp in lps} == {-0.5}
+
+
+def test_chat_length_limit(client, script):
+    script(REASONED)
+    r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_tool_call_round_trip(client, script):
+    seen = script('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                  'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    messages = [{"role": "system", "content": "Answer in Celsius."}, *_user("Weather in Paris?")]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, reasoning_effort="low", max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Need the weather."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    prompt = gen._encoding().decode(seen[0])  # tools in the developer message, effort in the system one
+    assert "type get_weather = (_: {" in prompt and "Reasoning: low" in prompt and "Answer in Celsius." in prompt
+
+    seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=64)
+    assert r.choices[0].message.content == "It is 21 C in Paris." and r.choices[0].finish_reason == "stop"
+    prompt = gen._encoding().decode(seen[0])
+    assert ('to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}' in prompt
+            or 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}' in prompt), prompt
+    assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"celsius": 21}' in prompt
+
+    script('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>')
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("Rome?"), tools=TOOLS, stream=True))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Rome"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_stop_sequences_cut_the_reply_and_free_the_slot(server, client, script):
+    script("<|channel|>final<|message|>Hello world. STOP and more text<|return|>")
+    r = client.chat.completions.create(model=MODEL, messages=_user("hi"), stop=["STOP", "never"], max_tokens=64)
+    assert r.choices[0].message.content == "Hello world. " and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("hi"), stop="STOP", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world. "
+    r = client.completions.create(model=MODEL, prompt="Say hello", stop=[" world"], max_tokens=64)
+    assert r.choices[0].text == "<|channel|>final<|message|>Hello" and r.choices[0].finish_reason == "stop"
+    _wait_idle(server)
+
+
+def _wait_idle(server, timeout=10.0):
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        m = httpx.get(server.url + "/metrics").text
+        if metric(m, "gptoss_kv_slots_used") == 0 and metric(m, "gptoss_requests_running") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("KV slots still in use:\n" + m)
+
+
+def test_completions_from_token_ids_equal_generate(server, client):
+    model = server.served.engine.runner.model
+    prompt = list(range(1000, 1037))  # 37 tokens: three prefill chunks of 16 on the server
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    alone = gen.generate(model, prompt, get_ops("weights"), max_new_tokens=12)
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 37
+    assert r.choices[0].text == gen._encoding().decode(alone.tokens)
+    assert len(r.choices[0].logprobs.token_logprobs) == 12 and all(lp <= 0 for lp in r.choices[0].logprobs.token_logprobs)
+
+
+def test_seeds(client):
+    def run(seed, **kw):
+        r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=1.0, seed=seed,
+                                      logprobs=0, extra_body={"ignore_eos": True}, **kw)
+        return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+    a, b, c = run(11), run(11), run(12)
+    assert a == b and a != c
+    top = run(11, top_p=0.05)  # a nucleus this small keeps the argmax only: the greedy reply
+    greedy = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert top[0] == greedy.choices[0].text
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.url + path, content=body if isinstance(body, (bytes, str)) else json.dumps(body), **kw)
+
+
+def test_bad_requests_are_one_line_400s(server):
+    cases = [
+        (b"{not json", "not valid JSON"),
+        ({"model": MODEL, "messages": _user("hi"), "temprature": 0.5}, "temprature: unknown field"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": _user("hi"), "n": 2}, "n:"),
+        ({"model": MODEL, "messages": _user("hi"), "max_tokens": CTX}, f"exceed the context of {CTX} tokens"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "message role 'robot'"),
+    ]
+    for body, want in cases:
+        r = _post(server, "/v1/chat/completions", body)
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 400 and want in msg and "\n" not in msg, (body, r.status_code, msg)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": list(range(CTX + 5))})
+    assert r.status_code == 400 and f"the context is {CTX} tokens" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 10**7]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": "gpt-4", "prompt": [1]})
+    assert r.status_code == 404 and MODEL in r.json()["error"]["message"]
+
+
+def test_queue_full_is_429_with_retry_after(server, monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(server.served.engine.scheduler, "max_waiting", 0)  # no queue beyond the 4 slots
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, contextlib.ExitStack() as streams:
+        for _ in range(4):  # each stream's headers come with its first token: it holds a slot
+            assert streams.enter_context(c.stream("POST", "/v1/completions", json=body)).status_code == 200
+        r = c.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert "all 4 KV slots are taken" in r.json()["error"]["message"]
+    _wait_idle(server)  # the 4 streams closed: cancelled, their slots free
+
+
+def test_a_request_that_raises_fails_alone(server, monkeypatch):
+    runner = server.served.engine.runner
+    real = runner.prefill
+
+    def prefill(slot, tokens, start):
+        if 999 in tokens:
+            raise RuntimeError("injected fault")
+        return real(slot, tokens, start)
+
+    monkeypatch.setattr(runner, "prefill", prefill)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            good = c.post("/v1/completions", json={"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 20,
+                                                   "ignore_eos": True, "temperature": 0})
+            bad = c.post("/v1/completions", json={"model": MODEL, "prompt": [5, 999, 7], "max_tokens": 20})
+            return await asyncio.gather(good, bad)
+
+    good, bad = asyncio.run(main())
+    assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 20
+    assert 'reason="error"' in _wait_idle(server)
+
+
+def test_api_key_guards_every_route_but_health(harmony_ckpt):
+    with running_server(harmony_ckpt, max_batch=1, max_context=128, api_key="sekrit") as s:
+        assert httpx.get(s.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            assert httpx.get(s.url + path).status_code == 401
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2).usage.completion_tokens >= 1
