@@ -6,6 +6,7 @@
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
+#   serve    gptoss-fp8 serve + bench serve on a synthetic 20b cut to 2 layers, generate on the trained fixture
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
 #   prefill  gptoss-fp8 bench prefill: 20b at 8192 / 32768 tokens (transformers bf16 beside it when
 #            importable), 120b at 8192; CUDA-graph timing too
@@ -62,6 +63,25 @@ if has verdict; then
   # prefill and --decode 16; every bug of tests/mutations.py injected on the trained fixture (both conversions)
   timeout 500 python3 benchmarks/verify_calibration.py --device cuda --random 20 --modes weights,w8a8,kernels \
     --decode 16 --mutations 2 --json "$OUT/verdict_cuda.json" 2>&1 | tee "$OUT/verdict_cuda.log"
+fi
+
+if has serve; then
+  # issue 35 on the GPU: gptoss-fp8 serve (kernels, CUDA graphs per batch bucket) on a synthetic 20b cut to
+  # 2 layers (each layer at real shapes, random weights), bench serve at 1024-token prompts; and generate
+  # on the trained fixture. The server's packages (fastapi, uvicorn, pydantic, openai-harmony) travel as
+  # wheels in .whl/w, the o200k tokenizer file in .whl/cache (XDG_CACHE_HOME).
+  if [[ -d .whl/w ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
+  d=/tmp/s20b
+  m synth $d --preset 20b --layers 2 --layout hf --overwrite > "$OUT/serve_prep.log" 2>&1
+  m convert $d $d-fp8 --device cuda --overwrite >> "$OUT/serve_prep.log" 2>&1
+  timeout 300 python3 -m gptoss_fp8.cli.main bench serve --launch $d-fp8 --concurrency 1,16,64 --prompt-len 1024 \
+    --output-len 128 --json "$OUT/bench_serve.json" --plot "$OUT/bench_serve.png" 2>&1 | tail -40 | tee "$OUT/bench_serve.log"
+  m convert golden/trained /tmp/trained-fp8 --overwrite > /dev/null 2>&1
+  m generate /tmp/trained-fp8 --prompt $'import sys\n\n\ndef main():\n' --device cuda --max-new-tokens 120 2>&1 \
+    | tee "$OUT/generate_trained.log"
 fi
 
 if has kernels; then

@@ -28,7 +28,8 @@ def _check_temperature(value: float) -> float:
 
 def generate(
     ckpt: Annotated[Path, typer.Argument(metavar="DST", help="Converted FP8 checkpoint directory.")],
-    prompt: Annotated[str | None, typer.Option(help="User message, rendered as a Harmony chat (offline tokenizer).")] = None,
+    prompt: Annotated[str | None, typer.Option(help="User message, rendered as a Harmony chat (offline tokenizer); "
+                                                 "for a byte-level model (golden/trained), text to continue.")] = None,
     tokens: Annotated[Path | None, typer.Option(help="JSON list of prompt token ids, used as they are.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Stop after this many new tokens.")] = 128,
     temperature: Annotated[float, typer.Option(
@@ -52,6 +53,9 @@ def generate(
 
     opened = Checkpoint.open(ckpt)
     cfg = opened.config
-    ids = read_tokens(tokens, cfg.vocab_size) if tokens is not None else encode_prompt(prompt, cfg, f"--prompt of {ckpt}")
+    if tokens is not None:
+        ids = read_tokens(tokens, cfg.vocab_size)
+    else:
+        ids = encode_prompt(prompt, cfg, f"--prompt of {ckpt}", ckpt=ckpt)
     run(opened, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device.value,
         mode=mode.value, echo=typer.echo)

@@ -11,6 +11,7 @@ from gptoss_fp8.checkpoint.checkpoint import Checkpoint
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.gptoss import GptOss
 from gptoss_fp8.parallel import SINGLE, Parallel
+from gptoss_fp8.tokenizer import byte_tokenizer_of
 
 
 def load_model(ckpt: Checkpoint | str | Path, par: Parallel = SINGLE, device: str | torch.device = "cpu") -> GptOss:
@@ -31,4 +32,5 @@ def load_model(ckpt: Checkpoint | str | Path, par: Parallel = SINGLE, device: st
     names = list(model.expected()) if ckpt.manifest is None else None
     where = str(ckpt.path) if ckpt.manifest is None else f"{ckpt.path} (rank {par.rank})"
     model.load_tensors(ckpt.rank_tensors(par.rank, names), where, device)
+    model.tokenizer = byte_tokenizer_of(ckpt.path)  # a small model's byte-level tokenizer, or None (Harmony's)
     return model

@@ -37,8 +37,11 @@ CHANNEL, START, END, MESSAGE, RETURN, CALL = 200005, 200006, 200007, 200008, 200
 ANALYSIS = (35644,)  # "analysis", the channel name's tokens
 
 
-def stop_tokens(vocab_size: int) -> dict[int, str]:
-    """Token id -> name of the tokens that can end a reply, for a vocabulary of ``vocab_size``."""
+def stop_tokens(vocab_size: int, tokenizer=None) -> dict[int, str]:
+    """Token id -> name of the tokens that can end a reply, for a vocabulary of ``vocab_size``
+    (``tokenizer``: a byte-level one, gptoss_fp8/tokenizer.py, whose eos ends it)."""
+    if tokenizer is not None:
+        return {tokenizer.eos: "</s>"}
     ids = special_token_ids(vocab_size)
     out = {ids["eos"]: "<|return|>", ids["call"]: "<|call|>"}
     if vocab_size >= HARMONY_VOCAB:
@@ -135,7 +138,7 @@ def chooser(model, *, max_new_tokens: int, temperature: float = 0.0, seed: int =
     verdict, so every rank feeds the same token and runs the same number of steps (each holds
     collectives)."""
     dev = model.model.embed_tokens.weight.device
-    stops = stop_tokens(model.cfg.vocab_size)
+    stops = stop_tokens(model.cfg.vocab_size, getattr(model, "tokenizer", None))
     gen = None
     par = model.par
     if temperature > 0 and par.rank == 0:
@@ -194,7 +197,7 @@ def generate(model, prompt: list[int], ops, *, max_new_tokens: int, temperature:
         choose(logits, tokens)  # its verdict is the engine's stop rule and max_tokens, on every rank alike
         return [tokens[-1]], None
 
-    stops = stop_tokens(cfg.vocab_size)
+    stops = stop_tokens(cfg.vocab_size, getattr(model, "tokenizer", None))
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
                             stop_rule=lambda tokens: stops_here(tokens, stops))
     runner = ModelRunner(model, ops, 1, len(prompt) + max_new_tokens, cuda_graph=cuda_graph)
@@ -244,10 +247,11 @@ def has_text(vocab_size: int) -> bool:
 
 class TextStream:
     """Turns generated ids into text pieces as they come: the decoded text's new suffix, held back
-    while it ends in an incomplete UTF-8 character (shown as U+FFFD until its last byte arrives)."""
+    while it ends in an incomplete UTF-8 character (shown as U+FFFD until its last byte arrives).
+    ``tokenizer``: a byte-level one (gptoss_fp8/tokenizer.py) instead of Harmony's o200k."""
 
-    def __init__(self) -> None:
-        self.enc = _encoding()
+    def __init__(self, tokenizer=None) -> None:
+        self.enc = _encoding() if tokenizer is None else tokenizer
         self.ids: list[int] = []
         self.shown = 0
 
@@ -323,11 +327,12 @@ def stream_reply(model, prompt: list[int], ops, where: str, *, max_new_tokens: i
     """``generate`` with its output: a header (``where``: the mode and the device), the reply
     streamed through ``echo`` as it comes, then why it stopped, its Harmony channels and the
     speeds. ``echo`` None: nothing is printed (the ranks of a sharded run but rank 0)."""
-    text = has_text(model.cfg.vocab_size)
+    tok = getattr(model, "tokenizer", None)
+    text = tok is not None or has_text(model.cfg.vocab_size)
     on_token = None
     if echo is not None:
         if text:
-            stream = TextStream()
+            stream = TextStream(tok)
             on_token = lambda t: echo(stream.push(t), nl=False)  # noqa: E731
         else:
             echo(f"vocab_size {model.cfg.vocab_size} is not the o200k_harmony tokenizer's {HARMONY_VOCAB} (a "
@@ -335,6 +340,8 @@ def stream_reply(model, prompt: list[int], ops, where: str, *, max_new_tokens: i
             on_token = lambda t: echo(f"{t} ", nl=False)  # noqa: E731
         echo(f"[{len(prompt)} prompt tokens, {where}, "
              + ("greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}") + "]")
+        if tok is not None:  # a byte-level model continues its prompt: the prompt, then what follows
+            echo(tok.decode(prompt), nl=False)
     g = generate(model, prompt, ops, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                  on_token=on_token)
     if echo is None:
@@ -343,7 +350,7 @@ def stream_reply(model, prompt: list[int], ops, where: str, *, max_new_tokens: i
         echo(stream.flush(), nl=False)
     echo("")
     echo(f"stopped: {g.stop} after {len(g.tokens)} new tokens")
-    if text:
+    if text and tok is None:
         msgs, why = parse_reply(g.tokens)
         for channel, body in msgs:
             echo(f"[{channel}] {body}")
