@@ -71,7 +71,7 @@ def _unseen_shape(i: int):
     return r.choice([1, 2, 3]), ov, r.choice([36, 48])
 
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", [0, 1, pytest.param(2, marks=pytest.mark.slow)])  # 0, 1: both conversions
 def test_decode_passes_on_random_unseen_shapes(tmp_path, i):
     from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.convert.synth import write_synthetic
@@ -133,7 +133,8 @@ def _expected_first(ckpt, bug: str, prefill: int) -> tuple[int, int]:
     return 0, 0
 
 
-@pytest.mark.parametrize("case", ["tiny", "odd"])
+# every bug on odd by default (~3 s each); on tiny (2 to 5 times that) under -m slow
+@pytest.mark.parametrize("case", [pytest.param("tiny", marks=pytest.mark.slow), "odd"])
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_injected_decode_bug_fails_at_its_step_and_layer(golden, monkeypatch, case, bug):
     ckpt, ref_file = golden[case]
