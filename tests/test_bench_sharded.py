@@ -15,7 +15,8 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.parallel import Parallel
 
 
-@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), (2, 2, False), (2, 2, True)])
+# (2, 2, False) under -m slow: tp 2 and ep 2 / vocab-parallel on and off are in the other two
+@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), pytest.param(2, 2, False, marks=pytest.mark.slow), (2, 2, True)])
 def test_sharded_bench_runs_every_rank_and_times_the_all_reduces(tp, ep, vocab):
     lines = []
     rows = bench_sharded("tiny", [24, 40], tp, ep, runs=2, warmup=1, device="cpu", echo=lines.append,

@@ -29,7 +29,8 @@ from gptoss_fp8.parallel import SINGLE, Parallel, free_port
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), (2, 2, False), (2, 2, True)])
+# (2, 2, False) under -m slow: tp 2 and ep 2 / vocab-parallel on and off are in the other two
+@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), pytest.param(2, 2, False, marks=pytest.mark.slow), (2, 2, True)])
 def test_sharded_decode_bench_rows(tp, ep, vocab):
     lines = []
     rows = bench_decode_sharded("tiny", [1, 3], [12], tp, ep, runs=2, warmup=1, device="cpu", echo=lines.append,
@@ -189,7 +190,8 @@ def _decode_ranks(rank: int, tp: int, ep: int, vocab: bool, port: int, out: str)
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), (2, 2, False), (2, 2, True)])
+# (2, 2, False) under -m slow: tp 2 and ep 2 / vocab-parallel on and off are in the other two
+@pytest.mark.parametrize("tp,ep,vocab", [(2, 1, False), pytest.param(2, 2, False, marks=pytest.mark.slow), (2, 2, True)])
 def test_sharded_decode_step_equals_unsharded(tp, ep, vocab, tmp_path):
     import torch.multiprocessing as mp
 

@@ -22,7 +22,8 @@ def tiny(tmp_path_factory):
     return root, tokens, base
 
 
-@pytest.mark.parametrize("tp,ep", LAYOUTS)
+# 4 x 2 (8 worker processes) under -m slow
+@pytest.mark.parametrize("tp,ep", [pytest.param(*lay, marks=pytest.mark.slow) if lay == (4, 2) else lay for lay in LAYOUTS])
 def test_sharded_equals_unsharded(tiny, tp, ep):
     root, tokens, base = tiny
     dst = root / f"tp{tp}ep{ep}"

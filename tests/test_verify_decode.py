@@ -71,7 +71,8 @@ def _unseen_shape(i: int):
     return r.choice([1, 2, 3]), ov, r.choice([36, 48])
 
 
-@pytest.mark.parametrize("i", range(3))
+# 1 and 2 under -m slow (kept bf16 attention decodes by default in test_sharded_decode_passes_and_catches_a_bug)
+@pytest.mark.parametrize("i", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_decode_passes_on_random_unseen_shapes(tmp_path, i):
     from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.convert.synth import write_synthetic
@@ -133,7 +134,8 @@ def _expected_first(ckpt, bug: str, prefill: int) -> tuple[int, int]:
     return 0, 0
 
 
-@pytest.mark.parametrize("case", ["tiny", "odd"])
+# every bug on odd by default (~3 s each); on tiny (2 to 5 times that) under -m slow
+@pytest.mark.parametrize("case", [pytest.param("tiny", marks=pytest.mark.slow), "odd"])
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_injected_decode_bug_fails_at_its_step_and_layer(golden, monkeypatch, case, bug):
     ckpt, ref_file = golden[case]

@@ -157,7 +157,7 @@ needs_interpreter = pytest.mark.skipif(HAS_CUDA, reason="the GPU tests run the k
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case,conversion", [("odd", "default"), ("tiny", "exact")])
+@pytest.mark.parametrize("case,conversion", [("odd", "default"), pytest.param("tiny", "exact", marks=pytest.mark.slow)])
 def test_kernels_mode_through_the_interpreter(golden_ckpts, tmp_path, case, conversion):
     ckpt, ref_file = golden_ckpts(case, conversion)
     r, rep = _verify(ckpt, ref_file, tmp_path, "--mode", "all", "--dump-logits", str(tmp_path / "l.safetensors"))
@@ -169,6 +169,7 @@ def test_kernels_mode_through_the_interpreter(golden_ckpts, tmp_path, case, conv
 
 
 @needs_interpreter
+@pytest.mark.slow  # the kernels unsharded: the test above; sharding: the spec modes' sharded tests
 def test_kernels_mode_sharded_through_the_interpreter(golden_ckpts):
     """tp 2 worker processes (gloo), the intermediate split over ranks: fallback counts come back
     from rank 0, and the kernels agree with the spec as unsharded."""
