@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
     "config": _BASE,
     "quant": _BASE,
+    "tokenizer": _BASE,  # byte-level ids <-> text (the trained fixture's); pure Python
     "parallel": _BASE | {"config"},
     "spec": _BASE | {"config", "quant"},
     # files and shard plans; knows nothing of kernels or the model
@@ -27,10 +28,11 @@ ALLOWED: dict[str, set[str]] = {
     # kernels know nothing about files, checkpoints or the model
     "kernels": _BASE | {"config", "quant", "spec"},
     "model": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels"},
-    "convert": _BASE | {"config", "quant", "parallel", "checkpoint"},
-    "verify": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "__init__"},
-    "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "__init__"},
-    "cli": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "verify",
+    "convert": _BASE | {"config", "quant", "parallel", "checkpoint", "tokenizer"},
+    "verify": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "tokenizer",
+                       "__init__"},
+    "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "tokenizer", "__init__"},
+    "cli": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "verify", "tokenizer",
                     "bench", "__init__"},
 }
 
