@@ -1,7 +1,10 @@
-"""verify-logits --decode N: the KV-cached decode, step by step and layer by layer, against the
-same mode's full forward. Correct code passes on both golden checkpoints and on random shapes not
-seen by the calibration (thresholds.DECODE_LIMITS); each injected decode-only bug makes the
-verdict FAIL at the step and layer it first acts in, with one line naming them."""
+"""verify-logits --decode N: the KV-cached decode, teacher-forced step by step and part by part on the
+same mode's full forward (each step's attention on the forward's stream entering that layer at its
+position, its MoE on the forward's stream after attention and the forward's routing). Correct code
+passes on both golden checkpoints and on random shapes not seen by the calibration
+(thresholds.DECODE_LIMITS; the FP8 modes' part limits follow this run's noise); each injected
+decode-only bug makes the verdict FAIL at the step and layer it first acts in, with one line naming
+them, on the golden checkpoints and on the trained fixture."""
 
 import math
 import random
