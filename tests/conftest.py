@@ -71,3 +71,35 @@ def harmony_ckpt(tmp_path_factory):
     from serve_util import make_harmony_checkpoint
 
     return make_harmony_checkpoint(tmp_path_factory.mktemp("harmony"))
+
+
+# The trained fixture (golden/trained: a 4-layer gpt-oss trained on Python source, byte-level) on a
+# fixed piece of Python, 125 bytes: longer than its sliding window (64), so the window matters.
+TRAINED_TEXT = '''def fib(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+print([fib(i) for i in range(12)])
+'''
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """(converted checkpoint (default conversion), source, tokens int64 [125], OpenAI's reference on
+    them with the conversion's expected rounding), made once per session."""
+    from pathlib import Path
+
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.tokenizer import ByteTokenizer
+    from gptoss_fp8.verify.reference import reference_for
+    from gptoss_fp8.verify.report import rounding_for
+
+    src = Path(__file__).resolve().parents[1] / "golden" / "trained"
+    dst = tmp_path_factory.mktemp("trained") / "fp8"
+    convert_checkpoint(src, dst)
+    tokens = torch.tensor(ByteTokenizer().encode(TRAINED_TEXT), dtype=torch.long)
+    rounding, exact = rounding_for(dst)
+    return dst, src, tokens, reference_for(src, tokens, "cpu", None if exact else rounding)

@@ -20,24 +20,25 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
     "config": _BASE,
     "quant": _BASE,
+    "tokenizer": _BASE,  # byte-level ids <-> text (the trained fixture's); pure Python
     "parallel": _BASE | {"config"},
     "spec": _BASE | {"config", "quant"},
     # files and shard plans; knows nothing of kernels or the model
     "checkpoint": _BASE | {"config", "quant", "parallel"},
     # kernels know nothing about files, checkpoints or the model
     "kernels": _BASE | {"config", "quant", "spec"},
-    "model": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels"},
+    "model": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "tokenizer"},
     # the engine loop: token ids, never JSON (design.md section 6)
-    "runtime": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model"},
-    "convert": _BASE | {"config", "quant", "parallel", "checkpoint"},
+    "runtime": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "tokenizer"},
+    "convert": _BASE | {"config", "quant", "parallel", "checkpoint", "tokenizer"},
     "verify": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "runtime",
-                       "__init__"},
+                       "tokenizer", "__init__"},
     # HTTP, the OpenAI schema and Harmony over the runtime; reuses verify's tokenizer setup
-    "serve": _BASE | {"config", "parallel", "checkpoint", "model", "runtime", "verify"},
+    "serve": _BASE | {"config", "parallel", "checkpoint", "model", "runtime", "verify", "tokenizer"},
     "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "runtime",
-                      "serve", "__init__"},
+                      "serve", "tokenizer", "__init__"},
     "cli": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "verify",
-                    "bench", "runtime", "serve", "__init__"},
+                    "bench", "runtime", "serve", "tokenizer", "__init__"},
 }
 
 

@@ -183,6 +183,44 @@ def test_w8a8_mode_is_close_but_not_identical(tiny):
     assert 0 < s["kl_mean"] <= 0.05 and s["top1_agreement"] >= 0.85, s
 
 
+@pytest.mark.parametrize("mode", ["weights", "w8a8"])
+def test_moe_part_is_the_forwards_moe_and_runs_on_forced_routing(tiny, mode):
+    """``moe_part`` on the forward's own stream after attention reproduces the forward's MoE block
+    (norm, router, experts, combine, residual add) and returns our router logits and our own
+    top-k choice and combine weights; forced (ids, weights) are what the experts and the combine
+    use, while the router outputs stay ours."""
+    from gptoss_fp8.verify.parts import target_routing
+
+    root, cfg, tokens, _ = tiny
+    model, ops = load_model(root / "exact"), get_ops(mode)
+    cap = {}
+    model(tokens, ops, cap)
+    k = cfg.num_experts_per_tok
+    for i in range(cfg.num_hidden_layers):
+        x = cap[f"{i}.attn"]
+        own = model.moe_part(i, x, ops)
+        assert set(own) == {"out", "router", "ids", "weights"}
+        assert own["out"].dtype == torch.bfloat16 and own["out"].shape == x.shape
+        assert own["router"].shape == (tokens.numel(), cfg.num_local_experts) and own["ids"].shape == (tokens.numel(), k)
+        assert torch.equal(own["out"], cap[f"{i}.mlp"]) and torch.equal(own["router"], cap[f"{i}.router"]), i
+        # our choice and weights: the top-k of our router logits and a softmax over those k
+        ids, w = target_routing(own["router"], k)
+        assert torch.equal(own["ids"].sort(-1).values, ids.sort(-1).values)
+        assert torch.allclose(own["weights"].float().sort(-1).values, w.float().sort(-1).values, rtol=2**-7, atol=0)
+        # forcing our own routing changes nothing
+        forced = model.moe_part(i, x, ops, routing=(own["ids"], own["weights"]))
+        assert torch.equal(forced["out"], own["out"]), i
+        # other experts: the output moves; our router, choice and weights are reported unchanged
+        other = (own["ids"] + 1) % cfg.num_local_experts
+        moved = model.moe_part(i, x, ops, routing=(other, own["weights"]))
+        assert not torch.equal(moved["out"], own["out"])
+        assert all(torch.equal(moved[key], own[key]) for key in ("router", "ids", "weights"))
+        # weights halved: the block adds half as much (bf16 rounding of the sum aside)
+        half = model.moe_part(i, x, ops, routing=(own["ids"], (own["weights"].float() / 2).bfloat16()))
+        d_own, d_half = own["out"].double() - x.double(), half["out"].double() - x.double()
+        assert (d_half - d_own / 2).norm() <= 0.02 * d_own.norm(), i
+
+
 @pytest.mark.parametrize("layers,overrides", [
     (1, dict(hidden_size=96, intermediate_size=288, num_local_experts=3, num_experts_per_tok=1)),
     (3, dict(hidden_size=416, intermediate_size=64, num_local_experts=5, head_dim=8)),

@@ -160,3 +160,108 @@ def test_banded_quantization_equals_one_shot(mode, shape):
     assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
     assert (exact, max_rel) == fp8_exact_fraction(dequantize_weight_blocks(q1, s1), w)
     assert 0 < exact < w.numel()
+
+
+# ------------------------------------------------------------------------------------------------
+# encode_mxfp4: float -> MXFP4 (the trained fixture's export), against a brute-force nearest search
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _random_groups(shape, seed):
+    """Floats [..., K] whose 32-groups span many binades (a group's own scale), zeros sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g)
+    span = torch.randint(-30, 30, (*shape[:-1], shape[-1] // 32, 1), generator=g).float()
+    w = (w.reshape(*shape[:-1], -1, 32) * torch.exp2(span)).reshape(shape)
+    w[torch.rand(shape, generator=g) < 0.05] = 0.0
+    return w
+
+
+def test_encode_mxfp4_nearest_value_under_the_smallest_scale_that_fits():
+    from gptoss_fp8.quant.mxfp4 import encode_mxfp4
+
+    seed = int(torch.randint(0, 10**6, (1,)))
+    w = _random_groups((3, 40, 256), seed)
+    blocks, scales = encode_mxfp4(w)
+    assert blocks.dtype == scales.dtype == torch.uint8
+    assert blocks.shape == (3, 40, 8, 16) and scales.shape == (3, 40, 8)
+    grp = w.reshape(3, 40, 8, 32).double()
+    e = scales.long() - 127  # [3, 40, 8]
+    amax = grp.abs().amax(-1)
+    scale = torch.exp2(e.double())
+    # the smallest power of two under which the group's largest value does not saturate (6 = e2m1's top)
+    assert (amax <= 6 * scale).all(), seed
+    assert (amax > 3 * scale).all(), seed  # 2^(e-1) would not do: amax > 6 * 2^(e-1)
+    # each value is a nearest e2m1 value x scale (brute force over the 15 signed values)
+    got = decode_mxfp4(blocks, scales, torch.float32).reshape(3, 40, 8, 32).double()
+    cand = torch.cat([E2M1_GRID, -E2M1_GRID[1:]]).double()
+    dist = (grp.unsqueeze(-1) - cand * scale[..., None, None]).abs()  # [..., 32, 15]
+    assert torch.equal((grp - got).abs(), dist.amin(-1)), seed
+    # and the sign survives, zeros included: a negative value never decodes positive
+    assert not ((grp < 0) & (got > 0)).any() and not ((grp > 0) & (got < 0)).any()
+
+
+def test_encode_mxfp4_ties_go_to_the_even_code():
+    from gptoss_fp8.quant.mxfp4 import encode_mxfp4
+
+    seed = int(torch.randint(0, 10**6, (1,)))
+    g = torch.Generator().manual_seed(seed)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    even = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # codes 0, 2, 2, 4, 4, 6, 6
+    rows = []
+    for _ in range(16):
+        e = int(torch.randint(-20, 20, (1,), generator=g))
+        sign = torch.randint(0, 2, (7,), generator=g) * 2.0 - 1
+        row = torch.cat([mids * sign, torch.tensor([6.0]), torch.zeros(24)])  # 6: the scale is 2^e
+        rows.append((torch.ldexp(row, torch.tensor(e)), e, sign))
+    w = torch.stack([r[0] for r in rows])
+    blocks, scales = encode_mxfp4(w)
+    got = decode_mxfp4(blocks, scales, torch.float32)
+    for j, (_, e, sign) in enumerate(rows):
+        assert int(scales[j, 0]) == e + 127
+        assert torch.equal(got[j, :7], torch.ldexp(even * sign, torch.tensor(e))), (seed, j)
+
+
+def test_encode_mxfp4_round_trips_mxfp4_values():
+    from gptoss_fp8.quant.mxfp4 import encode_mxfp4
+
+    seed = int(torch.randint(0, 10**6, (1,)))
+    blocks, scales = _rand_mxfp4((2, 50, 6), 100, 150, seed)
+    blocks[:, ::3] &= 0xBB  # a third of the rows: magnitude codes 0-3 only (largest value <= 1.5 x scale)
+    blocks[:, 1::3] &= 0x99  # another third: codes 0-1 (+-0, +-0.5 x scale)
+    # every group whose largest value is 4 or 6 x its scale (codes 6 / 7) encodes to the same bytes
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), -1) & 0x7
+    big = (codes >= 6).flatten(-2).any(-1)
+    w = decode_mxfp4(blocks, scales, torch.float32)
+    b2, s2 = encode_mxfp4(w)
+    assert torch.equal(b2[big], blocks[big]) and torch.equal(s2[big], scales[big]), seed
+    assert (~big).sum() > 100 and (s2[~big] < scales[~big]).any()  # the others got a smaller scale
+    # any group's values come back exactly (another scale, the same numbers; -0 stays -0)
+    back = decode_mxfp4(b2, s2, torch.float32)
+    assert torch.equal(back.view(torch.int32), w.view(torch.int32)), seed
+
+
+def test_encode_mxfp4_zero_group_and_layout():
+    from gptoss_fp8.quant.mxfp4 import E2M1_VALUES, encode_mxfp4
+
+    seed = int(torch.randint(0, 10**6, (1,)))
+    g = torch.Generator().manual_seed(seed)
+    # codes drawn at random, as values x 2^-3; the group's scale is pinned by a 6 (code 7) at element 31
+    codes = torch.randint(0, 16, (5, 64), generator=g)
+    codes[:, 31] = 7
+    codes[:, 63] = 7
+    w = torch.tensor(E2M1_VALUES)[codes] * 2.0**-3
+    w[2, 32:] = 0.0  # row 2's second group: all zeros
+    blocks, scales = encode_mxfp4(w)
+    assert scales[2, 1] == 0 and (blocks[2, 1] == 0).all()  # scale 2^-127, +0 codes
+    assert (decode_mxfp4(blocks, scales, torch.float32)[2, 32:] == 0).all()
+    keep = torch.ones(5, 2, dtype=torch.bool)
+    keep[2, 1] = False
+    assert (scales[keep] == 127 - 3).all()
+    # byte b of a group holds element 2b in its LOW nibble and element 2b + 1 in its HIGH nibble
+    c = codes.reshape(5, 2, 16, 2)
+    want = (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
+    assert torch.equal(blocks[keep], want[keep]), seed
+    with pytest.raises(AssertionError, match="multiple of 32"):
+        encode_mxfp4(torch.ones(4, 48))

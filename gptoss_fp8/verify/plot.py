@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.verify.parts import FORWARD_ORDER
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """Three panels: teacher-forced error of each part (attention at x.0, MoE at x.5, router at
-    x.25) divided by its limit (log scale; above 1 fails), the free-running hidden-state relative
-    error after each attention / MLP (layer threshold dashed), and KL(ref || ours) per position."""
+    """Three panels: teacher-forced error of each part (layer x, its parts in forward order at
+    x.00, x.25, ...: ``parts.FORWARD_ORDER``) divided by its limit (log scale; above 1 fails), the
+    free-running hidden-state relative error after each attention / MLP (layer threshold dashed),
+    and KL(ref || ours) per position."""
     try:
         import matplotlib
 
@@ -20,7 +22,8 @@ def plot_report(report: dict, path: Path) -> None:
     except ImportError:
         raise GptOssFp8Error("--plot needs matplotlib; run: pip install matplotlib (or drop --plot)") from None
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
-    offset = {"attn": 0.0, "router": 0.25, "mlp": 0.5}
+    # every part the verdict has, in forward order within its layer (attention, router, combine, MoE)
+    offset = {p: j / len(FORWARD_ORDER) for p, j in FORWARD_ORDER.items()}
     sections = [(m, report[m]) for m in report["modes"]]
     if report.get("kernels_vs_w8a8"):
         sections.append(("kernels vs w8a8", report["kernels_vs_w8a8"]))
@@ -38,7 +41,7 @@ def plot_report(report: dict, path: Path) -> None:
                          textcoords="offset points", xytext=(5, 8), fontsize=8)
     ax0.axhline(1.0, color="red", ls="--", lw=0.8)
     ax0.set_yscale("log")
-    ax0.set_xlabel("layer (x.0 attention, x.25 router, x.5 MoE)")
+    ax0.set_xlabel("layer (" + ", ".join(f"x.{round(100 * v):02d} {p}" for p, v in offset.items()) + ")")
     ax0.set_ylabel("part error / its limit (1e-4 floor)")
     ax0.set_title("teacher-forced parts (the verdict)")
     # Log axes: exact zeros (bit-identical results) are drawn at a floor a decade under the
