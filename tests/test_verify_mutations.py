@@ -96,6 +96,7 @@ GOLDEN_MISSES: dict[tuple[str, str], str] = {}
 def test_bug_in_the_spec_fails(golden_ckpts, case, mutation):
     ckpt, ref_file = golden_ckpts(case, "default")
     report = _verify(ckpt, ref_file, ["weights", "w8a8"], f"mutations:w8a8__{mutation}")
+    print(f"METRIC golden {case} w8a8 bug {mutation}: error / limit {_margins(report, 'w8a8', mutation)}")
     _check_caught(report, "w8a8", ckpt, mutation, ["weights"])
 
 
