@@ -181,8 +181,8 @@ NOISE_RULES: dict[str, NoiseRule] = {
     # it); the MoE is near bit-exact (worst 0.11 of it), so its limit stays an absolute one
     "kernels_vs_w8a8": NoiseRule(k={"attn": 0.7, "mlp": 0.0}, store={"attn": 0.75, "mlp": 0.25}, floor=_both(0.01)),
     # through the interpreter (its stores truncate, its FP8 casts round otherwise): the table's
-    # limits plus its store floor
-    "kernels_vs_w8a8-interpreter": NoiseRule(k=_both(0.0), store=0.75, floor={"attn": 0.105, "mlp": 0.08}),
+    # limits, which already hold its truncation on the calibration's shapes (worst 0.052 / 0.040)
+    "kernels_vs_w8a8-interpreter": NoiseRule(k=_both(0.0), store=0.0, floor={"attn": 0.105, "mlp": 0.08}),
 }
 
 
