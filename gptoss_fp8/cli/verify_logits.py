@@ -166,9 +166,11 @@ def verify_logits(
     if tokens is not None:
         ids, tokens_from = read_tokens(tokens, cfg.vocab_size), f"--tokens {tokens}"
     elif prompt is not None:
+        from gptoss_fp8.tokenizer import byte_tokenizer_of
         from gptoss_fp8.verify.prompt import encode_prompt
 
-        ids, tokens_from = encode_prompt(prompt, cfg, f"--prompt of {ckpt}", ckpt=ckpt), "--prompt"
+        ids = encode_prompt(prompt, cfg, f"--prompt of {ckpt}", ckpt=ckpt)
+        tokens_from = "--prompt (bytes)" if byte_tokenizer_of(ckpt) is not None else "--prompt (Harmony)"
     elif not Path(reference).is_file():  # nothing given and no reference file to take them from
         from gptoss_fp8.verify.samples import default_tokens
 
