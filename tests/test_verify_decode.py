@@ -62,7 +62,7 @@ def _check_passes(report, decode, modes=MODES):
             if r["part"] == "router":
                 assert r["limit"] == dec["limits"]["router"]
             elif rule is not None and noise.get(key) is not None:  # FP8: the limit follows the part's noise
-                assert dec["part_limits"][key] == r["limit"] >= rule.k * noise[key] + rule.floor[r["part"]], (m, key)
+                assert dec["part_limits"][key] == r["limit"] >= rule.k[r["part"]] * noise[key] + rule.floor[r["part"]], (m, key)
             else:
                 assert r["limit"] == dec["limits"]["part"] and "part_limits" not in dec, (m, key)
     assert report["passed"], {m: report[m]["failures"] for m in modes}
