@@ -1,7 +1,8 @@
 """The verdict's noise model, measured: correct code and injected bugs, per part, against this run's noise.
 
     python benchmarks/verify_calibration.py [--device cpu|cuda] [--random 20] [--modes weights,w8a8]
-        [--decode 16] [--mutations] [--json out.json]
+        [--decode 16] [--mutations N] [--json out.json] [--shard K/N]
+    python benchmarks/verify_calibration.py --merge shard*.json [--json all.json]
 
 Runs verify-logits (the library: verify.run.verify_checkpoint) on the trained fixture (golden/trained,
 a Python-source sample) and on ``--random`` fresh synthetic checkpoints of shapes no test uses (seeds
@@ -49,28 +50,35 @@ def random_shape(i: int) -> tuple[int, dict, int]:
     return r.choice([1, 2, 3, 4]), ov, r.choice([40, 56, 72])
 
 
-def cases(tmp: Path, n_random: int, device: str):
+def cases(tmp: Path, n_random: int, device: str, want=lambda j: True):
+    """(j, name, checkpoint, reference) of case j = 0, 1, ... for the j that ``want`` takes."""
     trained = ROOT / "golden" / "trained"
     text = (ROOT / "gptoss_fp8" / "tokenizer.py").read_text()[:160]
     toks = torch.tensor(ByteTokenizer().encode(text))
     for keep in (False, True):
+        if not want(int(keep)):
+            continue
         dst = tmp / f"trained-{keep}"
         convert_checkpoint(trained, dst, keep_attention_bf16=keep)
         rounding, exact = rounding_for(dst)
-        yield f"trained bf16-attn={keep}", dst, reference_for(trained, toks, device, None if exact else rounding)
+        yield int(keep), f"trained bf16-attn={keep}", dst, reference_for(trained, toks, device, None if exact else rounding)
     for i in range(n_random):
+        if not (want(2 + 2 * i) or want(3 + 2 * i)):
+            continue
         layers, ov, n = random_shape(i)
         src = tmp / f"r{i}-src"
         write_synthetic(src, "tiny", layers=layers, seed=7000 + i, **ov)
         toks = torch.randint(0, ov["vocab_size"], (n,), generator=torch.Generator().manual_seed(i))
         for keep in (False, True):
+            if not want(2 + 2 * i + int(keep)):
+                continue
             dst = tmp / f"r{i}-{keep}"
             convert_checkpoint(src, dst, keep_attention_bf16=keep)
             rounding, exact = rounding_for(dst)
-            yield (f"random {i} L{layers} h{ov['hidden_size']} d{ov['head_dim']} {ov['num_attention_heads']}/"
-                   f"{ov['num_key_value_heads']} E{ov['num_local_experts']}k{ov['num_experts_per_tok']} "
-                   f"w{ov['sliding_window']} T{n} bf16-attn={keep}"), dst, reference_for(src, toks, device,
-                                                                                     None if exact else rounding)
+            name = (f"random {i} L{layers} h{ov['hidden_size']} d{ov['head_dim']} {ov['num_attention_heads']}/"
+                    f"{ov['num_key_value_heads']} E{ov['num_local_experts']}k{ov['num_experts_per_tok']} "
+                    f"w{ov['sliding_window']} T{n} bf16-attn={keep}")
+            yield 2 + 2 * i + int(keep), name, dst, reference_for(src, toks, device, None if exact else rounding)
 
 
 def rows_of(report: dict, modes: list[str]):
@@ -93,17 +101,35 @@ def main() -> None:
     ap.add_argument("--mutations", type=int, default=0, help="inject every bug on the first N cases")
     ap.add_argument("--only-mutations", action="store_true", help="skip the correct-code runs")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--shard", default="0/1", help="K/N: only the cases j with j %% N == K (parallel runs; then --merge)")
+    ap.add_argument("--merge", type=Path, nargs="*", help="print the summary of these --json files (of the shards)")
     a = ap.parse_args()
+    if a.merge:
+        records, catches = [], []
+        for f in a.merge:
+            d = json.loads(f.read_text())
+            records += d["records"]
+            catches += d["catches"]
+        worst: dict = {}
+        for r in records:
+            key = (r["mode"], r["where"], r["part"])
+            ratio = r["rel_err"] / r["limit"] if r["limit"] else 0.0
+            if key not in worst or ratio > worst[key][0]:
+                worst[key] = (ratio, r["rel_err"], r["limit"], r["case"], r["layer"])
+        summary(worst, records, catches)
+        save(a.json, worst, records, catches)
+        return
     modes = a.modes.split(",")
+    k_shard, n_shard = map(int, a.shard.split("/"))
     import mutations
 
-    worst: dict = {}
-    catches: list = []
+    worst = {}
+    catches = []
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for j, (name, dst, ref) in enumerate(cases(Path(tmp), a.random, a.device)):
+        for j, name, dst, ref in cases(Path(tmp), a.random, a.device, lambda j: j % n_shard == k_shard):
             if a.only_mutations and j >= a.mutations:
-                break
+                continue
             report = {"passed": True}
             if not a.only_mutations:
                 report, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device, decode=a.decode)
@@ -137,6 +163,11 @@ def main() -> None:
                         print(f"   {target} {mut}: {'caught' if not rep['passed'] else 'MISSED'} "
                               f"first {sec['first_failing']} margin {margin if margin is None else round(margin, 2)}",
                               flush=True)
+    summary(worst, records, catches)
+    save(a.json, worst, records, catches)
+
+
+def summary(worst: dict, records: list, catches: list) -> None:
     print("\nworst error / limit of correct code (mode, where, part): ratio, error, limit, case, layer")
     for key, v in sorted(worst.items()):
         print(f"  {key}: {v[0]:.3f}  {v[1]:.4g} / {v[2]:.4g}  {v[3]} L{v[4]}")
@@ -151,7 +182,6 @@ def main() -> None:
         print(f"mutations: {len(catches) - len(missed)} of {len(catches)} caught; weakest catch {weakest}")
         for c in missed:
             print("  MISSED", c)
-    save(a.json, worst, records, catches)
 
 
 def save(path: Path | None, worst: dict, records: list, catches: list) -> None:

@@ -115,21 +115,8 @@ def test_bug_in_the_spec_fails_sharded(golden_ckpts, mutation, monkeypatch):
     _check_caught(report, "w8a8", ckpt, mutation, ["weights"])
 
 
-# Bugs the interpreter's kernels-vs-spec limits (the calibrated table, 0.105 for attention: its
-# truncating stores) do not catch on the golden checkpoints, measured 2026-12-03: error / limit at
-# layer 0's attention. On the H200 (limits following the run's noise) the same bug is caught on
-# the trained fixture (BENCHMARKS.md "The noise-following verdict"); under CUDA these run there and
-# are expected to pass (the mark applies to the interpreter only).
-INTERPRETER_KERNEL_MISSES = {
-    ("double_sinks", "tiny"): "interpreter, kernels vs spec layer 0 attention 0.086 / 0.105 (0.82): not caught",
-    ("double_sinks", "odd"): "interpreter, kernels vs spec layer 0 attention 0.095 / 0.105 (0.91): not caught",
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("mutation,case", [
-    pytest.param(m, c, marks=pytest.mark.xfail(strict=True, reason=INTERPRETER_KERNEL_MISSES[m, c]))
-    if (m, c) in INTERPRETER_KERNEL_MISSES and not HAS_CUDA else (m, c) for m in MUTATIONS for c in ("tiny", "odd")])
+@pytest.mark.parametrize("mutation,case", [(m, c) for m in MUTATIONS for c in ("tiny", "odd")])
 def test_bug_in_the_kernels_fails(golden_ckpts, case, mutation):
     """Through the interpreter on CPU (conftest sets TRITON_INTERPRET=1), on the GPU when there is one."""
     ckpt, ref_file = golden_ckpts(case, "default")

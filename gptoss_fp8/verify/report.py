@@ -297,7 +297,8 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             kd = outputs["kernels"].dither
             n1 = part_noise(*kd, target_of(ref).hidden, n_layers) if kd is not None else {}
             rule = NOISE_RULES[key]
-            vs_limits = {k: rule.limit(k.split(".")[1], n1.get(k, 0.0), f) for k, f in spec_floors.items()}
+            # (no noise measured: the table, PART_LIMITS[key])
+            vs_limits = {k: rule.limit(k.split(".")[1], n1[k], f) for k, f in spec_floors.items()} if n1 else None
             tf = compare_parts(outputs["w8a8"].hidden, vs, n_layers, experts_per_token, PART_LIMITS[key], vs_limits,
                                target_logits=outputs["w8a8"].logits)
             tf["limits_profile"] = key

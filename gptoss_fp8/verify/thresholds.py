@@ -180,9 +180,13 @@ NOISE_RULES: dict[str, NoiseRule] = {
     # intermediates that then round to other FP8 values (a part of one grid's noise: worst 0.52 of
     # it); the MoE is near bit-exact (worst 0.11 of it), so its limit stays an absolute one
     "kernels_vs_w8a8": NoiseRule(k={"attn": 0.7, "mlp": 0.0}, store={"attn": 0.75, "mlp": 0.25}, floor=_both(0.01)),
-    # through the interpreter (its stores truncate, its FP8 casts round otherwise): the table's
-    # limits, which already hold its truncation on the calibration's shapes (worst 0.052 / 0.040)
-    "kernels_vs_w8a8-interpreter": NoiseRule(k=_both(0.0), store=0.0, floor={"attn": 0.105, "mlp": 0.08}),
+    # through the interpreter: its fp32 -> bf16 stores truncate where the spec rounds, which moves
+    # most activations across an FP8 rounding boundary downstream, so the kernels and the spec
+    # differ like two independent grids (what one grid's noise measures: ||a - b|| / sqrt(2) of
+    # grids 416 and 384, times sqrt(2)): measured 0.93-1.05 x one grid's noise on the golden tiny /
+    # odd (attention and MoE, 2026-12-03); 1.3 x noise + 0.3 x the store floor (the truncation
+    # itself on a block that adds little) + 0.003. A doubled sink there: 1.58-1.88 x noise
+    "kernels_vs_w8a8-interpreter": NoiseRule(k=_both(1.3), store=0.3, floor=_both(0.003)),
 }
 
 
