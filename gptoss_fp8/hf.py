@@ -26,16 +26,22 @@ public ``HfQuantizer`` methods only:
   ``*_scale_inv`` float32), after checking that the model's parameters and the checkpoint's
   tensor table (layout.json, headers checked) agree one to one, so transformers' loader (its
   device_map, threads, safetensors) reads the bytes as they are: no key is UNEXPECTED or MISMATCHED;
-* ``_process_model_after_weight_loading`` converts those parameters to transformers' layout with
-  our codec (``quant.fp8.dequantize_weight_blocks``: exact block scales, partial edge blocks) into
-  the model's dtype, the experts transposed to ``[E, in, out]``; the quantization config is then
-  dropped (``dequantize``), so the result is a plain transformers GptOss (``save_pretrained`` writes
-  bf16, PEFT and ``generate`` see ordinary parameters).
+* ``_process_model_after_weight_loading`` then does one of two things, by ``device_map``:
+  - CPU (no device_map, "cpu"): converts those parameters to transformers' layout with our codec
+    (``quant.fp8.dequantize_weight_blocks``: exact block scales, partial edge blocks) into the
+    model's dtype, the experts transposed to ``[E, in, out]``; the quantization config is dropped
+    (``dequantize``), so the result is a plain transformers GptOss (``save_pretrained`` writes bf16,
+    PEFT and ``generate`` see ordinary parameters);
+  - a CUDA device_map ("cuda", "cuda:N", N, or a dict naming one): the weights stay FP8 (the 20b
+    ~21 GB resident instead of ~39 GB) and each attention projection becomes ``Fp8Linear``, each
+    experts block ``Fp8Experts``, on the same tensors, run by our ops backend of the device
+    (``fp8_ops``: ``TritonOps`` on CUDA, the ``kernels`` numerics: w8a8 block GEMMs, the fused
+    MoE); attention, norms, rope, router and lm_head stay transformers' own.
 
-Exactness: with ``--keep-attention-bf16`` (pow2 scales) every weight equals the MXFP4 source's, so
-the logits are transformers' on the source bit for bit (tests/test_hf.py). The weights stay FP8
-on no device yet: on CUDA the same dequantized bf16 model runs (transformers' kernels, ~39 GB for
-the 20b, not ~21 GB); the FP8-resident GPU path with our kernels is not built.
+Exactness (CPU): with ``--keep-attention-bf16`` (pow2 scales) every weight equals the MXFP4
+source's, so the logits are transformers' on the source bit for bit (tests/test_hf.py). The
+FP8-resident modules are tested on CPU with our CPU ops (the ``weights`` and ``w8a8`` specs) and
+with the kernels through Triton's interpreter (slow); on a GPU only by tests/test_hf_gpu.py.
 
 Not a pre-load weight converter (transformers' ``WeightConverter`` / ``ConversionOps``): their
 signatures changed between 5.17 and 5.23 (``update_weight_conversions(conversions[, model])``,
@@ -114,6 +120,7 @@ def open_for_transformers(root: str | Path) -> Checkpoint:
 class _Fp8Param:
     """One FP8 parameter re-registered on a module for the load, and what it becomes after it."""
     module: nn.Module
+    path: str  # the module's name in the model ("model.layers.0.mlp.experts")
     attr: str  # "gate_up_proj", "weight", ...
     dtype: torch.dtype  # the model's dtype for it (what transformers built)
     transposed: bool
@@ -146,7 +153,7 @@ def storage_layout(model: nn.Module, ckpt: Checkpoint) -> list[_Fp8Param]:
         setattr(module, attr, nn.Parameter(torch.empty(info.shape, dtype=FP8_DTYPE, device=dev), requires_grad=False))
         module.register_parameter(attr + SCALE_SUFFIX, nn.Parameter(
             torch.empty(scale.shape, dtype=torch.float32, device=dev), requires_grad=False))
-        out.append(_Fp8Param(module, attr, held.dtype, transposed))
+        out.append(_Fp8Param(module, mod_name, attr, held.dtype, transposed))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for name in sorted(set(shapes) | set(infos)):
         if name not in infos:
@@ -178,6 +185,92 @@ def to_transformers_layout(params: list[_Fp8Param]) -> None:
         setattr(p.module, p.attr, nn.Parameter(out, requires_grad=out.is_floating_point()))
 
 
+
+# ------------------------------------------------------------------------------------------------
+# The FP8-resident path (CUDA): the weights stay as the checkpoint holds them and run on an ops
+# backend of ours (model/ops.py: the same calls our model makes): on a GPU ``TritonOps`` (the
+# ``kernels`` numerics: w8a8 block GEMMs, the fused MoE), on CPU ``W8A8CpuOps`` (the w8a8 spec the
+# kernels are tested against). Attention, norms, rope, router and lm_head stay transformers' own.
+
+
+def fp8_ops(device: torch.device):
+    """The ops backend for FP8-resident modules on ``device``: TritonOps on CUDA, else the w8a8 spec."""
+    from gptoss_fp8.model.backends import get_ops
+
+    return get_ops("triton" if device.type == "cuda" else "w8a8")
+
+
+def wants_fp8_resident(device_map) -> bool:
+    """Whether ``from_pretrained``'s device_map puts weights on a CUDA device (then they stay FP8):
+    "cuda", "cuda:N", an int, a torch.device, "auto"-style strings with a GPU visible, or a dict
+    with any of those. None (the default: CPU) and "cpu" dequantize."""
+    if isinstance(device_map, dict):
+        return any(wants_fp8_resident(v) for v in device_map.values())
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return True
+    if isinstance(device_map, torch.device):
+        return device_map.type == "cuda"
+    if isinstance(device_map, str):
+        if device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+            return torch.cuda.is_available()
+        return device_map.startswith("cuda")
+    return False
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear``'s contract (x [..., in] -> [..., out]) on an FP8 weight [out, in] with its
+    128x128 block scales (float32 [ceil(out/128), ceil(in/128)]) and bf16 bias, by ``ops.linear``."""
+
+    def __init__(self, weight: nn.Parameter, weight_scale_inv: nn.Parameter, bias: nn.Parameter | None, ops):
+        super().__init__()
+        self.weight, self.weight_scale_inv, self.bias = weight, weight_scale_inv, bias
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.ops = ops  # not a submodule: one backend object shared by the model's FP8 modules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Fp8Experts(nn.Module):
+    """``GptOssExperts``' contract (hidden bf16 [T, H], router_indices [T, k], routing_weights [T, k]
+    -> [T, H]) on FP8 experts in the checkpoint's layout (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I], block scales, bf16 biases), by ``ops.expert_ffn`` then ``ops.moe_combine``."""
+
+    NAMES = ("gate_up_proj", "gate_up_proj_scale_inv", "gate_up_proj_bias",
+             "down_proj", "down_proj_scale_inv", "down_proj_bias")
+
+    def __init__(self, experts: nn.Module, ops):
+        super().__init__()
+        for n in self.NAMES:
+            setattr(self, n, getattr(experts, n))
+        self.num_experts, self.limit = experts.num_experts, experts.limit
+        self.ops = ops
+
+    def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        experts = {n: getattr(self, n) for n in self.NAMES}
+        y, _ = self.ops.expert_ffn(hidden_states, router_indices, experts, 0, self.limit)  # [T, k, H]
+        return self.ops.moe_combine(y, routing_weights.to(torch.bfloat16)).to(hidden_states.dtype)
+
+
+def to_fp8_modules(model: nn.Module, params: list[_Fp8Param]) -> None:
+    """After the load: each module holding FP8 parameters is replaced by ``Fp8Linear`` /
+    ``Fp8Experts`` on the same tensors (no copy), run by ``fp8_ops`` of their device."""
+    done: set[str] = set()
+    ops = {}
+    for p in params:
+        if p.path in done:
+            continue
+        done.add(p.path)
+        dev = getattr(p.module, p.attr).device
+        op = ops.setdefault(dev, fp8_ops(dev))
+        new = Fp8Experts(p.module, op) if p.transposed else Fp8Linear(
+            p.module.weight, p.module.weight_scale_inv, p.module.bias, op)
+        parent, _, child = p.path.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+
+
 class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
     """transformers' FP8 quantizer, but a pre-quantized ``gpt_oss`` checkpoint is read as
     gptoss-fp8 writes it (module docstring). Any other model (and quantizing on the fly) goes to
@@ -188,6 +281,7 @@ class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
         self._ours: bool | None = None  # decided from the model config (``_decide``)
         self._env: tuple[tuple, dict] = ((), {})
         self._fp8: list[_Fp8Param] = []
+        self.fp8_resident = False  # weights kept FP8 on our ops (a CUDA device_map) instead of dequantized
 
     # --- deciding, and checking the folder before anything is read -----------------------------
     def validate_environment(self, *args, **kwargs):
@@ -200,8 +294,9 @@ class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
                 where = Path(str(getattr(config, "name_or_path", "") or ""))
                 if where.is_dir():  # a hub repo id is checked once its files are resolved
                     open_for_transformers(where)
-                # the weights are converted to the model's dtype after the load: not quantized after it
-                self.quantization_config.dequantize = True
+                # on CPU the weights are converted to the model's dtype after the load: no longer quantized
+                self.fp8_resident = wants_fp8_resident(self._env[1].get("device_map"))
+                self.quantization_config.dequantize = not self.fp8_resident
             else:
                 super().validate_environment(*self._env[0], **self._env[1])
         return self._ours
@@ -242,16 +337,19 @@ class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self._ours:
             return super()._process_model_after_weight_loading(model, **kwargs)
-        to_transformers_layout(self._fp8)
+        if self.fp8_resident:
+            to_fp8_modules(model, self._fp8)
+        else:
+            to_transformers_layout(self._fp8)
         self._fp8 = []
         return model
 
     def is_serializable(self):
-        return True
+        return not (self._ours and self.fp8_resident)  # FP8-resident: saving it back is not built (nor tested)
 
     @property
     def is_trainable(self) -> bool:
-        return True
+        return not (self._ours and self.fp8_resident)
 
 
 def register() -> None:
