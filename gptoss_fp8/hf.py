@@ -8,7 +8,8 @@ layout: the experts are ``[E, out, in]`` FP8 with 128x128 block scales (its bf16
 size from the scale grid, wrong for a partial last block (2880 = 22 x 128 + 64). Without the
 import the load stops at once: ``Loading an FP8 quantized model requires accelerate`` when
 accelerate is absent; with it, ``gate_up_proj_scale_inv`` UNEXPECTED and ``gate_up_proj`` MISMATCH
-on CPU, ``FP8Experts`` "does not support bias" on a GPU.
+on CPU (it raises "You set `ignore_mismatched_sizes` to `False`"), ``FP8Experts`` "does not support
+bias" on a GPU. (Any ``device_map`` needs accelerate in transformers, ours included.)
 
 The hook: transformers' quantizer registry, under the ``quant_method`` our config.json writes.
 ``transformers.quantizers.auto.register_quantizer`` refuses a name that is taken ("fp8" is), so
