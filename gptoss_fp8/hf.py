@@ -292,9 +292,13 @@ class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
         if self._ours is None:
             self._ours = self.pre_quantized and getattr(config, "model_type", None) == "gpt_oss"
             if self._ours:
-                where = Path(str(getattr(config, "name_or_path", "") or ""))
-                if where.is_dir():  # a hub repo id is checked once its files are resolved
-                    open_for_transformers(where)
+                name = str(getattr(config, "name_or_path", "") or "")
+                if not Path(name).is_dir():
+                    # transformers would fetch only config and weights; our records (conversion.json,
+                    # layout.json) are what make the checks above possible
+                    raise GptOssFp8Error(f"{name}: gptoss_fp8.hf loads a converted checkpoint from a local folder; "
+                                         f"download it first (hf download {name} --local-dir DIR) and pass DIR")
+                open_for_transformers(name)
                 # on CPU the weights are converted to the model's dtype after the load: no longer quantized
                 self.fp8_resident = wants_fp8_resident(self._env[1].get("device_map"))
                 self.quantization_config.dequantize = not self.fp8_resident

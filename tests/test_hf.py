@@ -290,3 +290,14 @@ def test_fp8_resident_runs_our_kernels_through_the_interpreter(case, monkeypatch
           f"w8a8 spec vs dequantized: median {scale.median().item():.3g}")
     assert err.median() <= scale.median()
     assert (got.argmax(-1) == spec.argmax(-1)).float().mean() >= 0.85
+
+
+def test_hub_repo_id_refused_in_one_line():
+    """A repo id (not a local folder): transformers would fetch config and weights only, not our
+    conversion.json / layout.json; one line says to download the folder first."""
+    from transformers import FineGrainedFP8Config, GptOssConfig
+
+    q = ghf.GptOssFp8HfQuantizer(FineGrainedFP8Config(), pre_quantized=True)
+    with pytest.raises(GptOssFp8Error) as e:
+        q._decide(GptOssConfig(name_or_path="someone/gpt-oss-20b-fp8"))
+    assert "download it first" in _one_line(e)
