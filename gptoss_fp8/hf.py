@@ -130,8 +130,8 @@ class _Fp8Param:
 def storage_layout(model: nn.Module, ckpt: Checkpoint) -> list[_Fp8Param]:
     """Re-register every FP8 tensor of ``ckpt`` on ``model`` (a transformers GptOss on the meta
     device) as the checkpoint holds it, plus its ``*_scale_inv``; check that the model's parameters
-    and the checkpoint's tensors then match one to one in names, shapes and dtypes. Returns what
-    ``to_transformers_layout`` converts after the load."""
+    and the checkpoint's tensors then match one to one in names and shapes (the FP8 ones in dtype
+    too). Returns what ``to_transformers_layout`` / ``to_fp8_modules`` take after the load."""
     infos = check_rank_files(ckpt.path, ckpt.manifest, 0, verify=False)  # sizes and headers vs layout.json
     params = dict(model.named_parameters())
     out = []
@@ -184,7 +184,6 @@ def to_transformers_layout(params: list[_Fp8Param]) -> None:
             out = dequantize_weight_blocks(w, s, p.dtype)
         delattr(p.module, p.attr + SCALE_SUFFIX)
         setattr(p.module, p.attr, nn.Parameter(out, requires_grad=out.is_floating_point()))
-
 
 
 # ------------------------------------------------------------------------------------------------
