@@ -44,6 +44,7 @@ def test_synth_convert_cli(tmp_path):
     first = next(i for i, line in enumerate(lines) if line.startswith(("exact:", "rounded to FP8:")))
     assert lines[first] == "exact: the experts, 4 tensors, all 1,474,560 values bit for bit", lines
     assert lines[first + 1].startswith("rounded to FP8: the attention projections, 8 tensors, RMS relative error "), lines
+    assert lines[-1].startswith("transformers: import gptoss_fp8.hf first, then AutoModelForCausalLM.from_pretrained("), lines
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep == json.loads((tmp_path / "out" / "conversion.json").read_text())
     assert not (tmp_path / "out" / "original").exists()  # original/ is not an input and not copied

@@ -37,6 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "serve": _BASE | {"config", "parallel", "checkpoint", "model", "runtime", "verify", "tokenizer"},
     "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "runtime",
                       "serve", "tokenizer", "__init__"},
+    # transformers' loader for a converted checkpoint (import gptoss_fp8.hf): files and codecs; nothing imports it
+    "hf": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "__init__"},
     "cli": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "verify",
                     "bench", "runtime", "serve", "tokenizer", "__init__"},
 }

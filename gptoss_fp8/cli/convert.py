@@ -112,3 +112,9 @@ def convert(
         typer.echo(f"{dst}: {result['status']}")
     else:
         typer.echo(f"wrote FP8 checkpoint to {dst}")
+    if tp == 1:  # docs/format.md "Loading it elsewhere": plain from_pretrained routes quant_method fp8 to its own loader
+        typer.echo(f"transformers: import gptoss_fp8.hf first, then AutoModelForCausalLM.from_pretrained('{dst}'); "
+                   "without the import its fp8 loader cannot read this layout and fails ([hf] extra)")
+    else:
+        typer.echo("transformers (import gptoss_fp8.hf) loads a --tp 1 conversion only; this one is for gptoss-fp8's "
+                   "own generate / serve / verify-logits")
