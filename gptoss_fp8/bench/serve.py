@@ -6,7 +6,8 @@ For each (prompt length, concurrency) case, ``requests`` streamed ``/v1/completi
 to its first token (TTFT) and the gaps between its next tokens (inter-token latency, ITL; our
 server sends one SSE chunk per token). Per case: output tokens/s in total (all output tokens over
 the case's wall time) and per user (median over requests of tokens after the first / time after
-the first), TTFT and ITL p50 / p99, and $ per 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``.
+the first), TTFT and ITL p50 / p99, $ per 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and
+the server's engine steps per second (from our /metrics; nan against another server).
 Against another server (``URL``) the same requests run; a server that batches several tokens
 into one chunk shows fewer, longer gaps (tokens are counted from ``usage``).
 """
@@ -112,7 +113,21 @@ def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrenc
 
 
 COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "tokens_per_s", "tokens_per_s_per_user", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens")
+           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens", "steps_per_s")
+
+
+def engine_steps(url: str, headers: dict) -> float | None:
+    """The server's engine steps so far (our /metrics' gptoss_engine_steps_total; None elsewhere)."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        if line.startswith("gptoss_engine_steps_total "):
+            return float(line.split()[1])
+    return None
 
 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
@@ -136,8 +151,11 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     for p in prompt_lens:
         for c in concurrency:
             n = requests or max(8, 2 * c)
+            steps = engine_steps(url, headers)
             timings, wall = asyncio.run(_case(url, model, p, c, n, output_len, vocab, seed, api_key))
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
+            after = engine_steps(url, headers) if steps is not None else None
+            row["steps_per_s"] = (after - steps) / wall if after is not None and wall > 0 else float("nan")
             rows.append(row)
             echo(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS)
                  + (f"  errors: {row['errors']}" if row["errors"] else ""))
