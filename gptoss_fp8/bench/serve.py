@@ -15,12 +15,17 @@ into one chunk shows fewer, longer gaps (tokens are counted from ``usage``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 USD_PER_GPU_HOUR = 3.0
 
@@ -93,6 +98,33 @@ async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int,
         return out, time.perf_counter() - t0
 
 
+def run_case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
+             seed: int, api_key: str | None) -> tuple[list[Timing], float]:
+    """``_case`` in a process of its own (``python -m gptoss_fp8.bench.serve``, the job as JSON on
+    stdin, the timings as JSON on stdout): the load generator's own Python (httpx, one JSON parse
+    per SSE event) never shares a GIL with a server launched in this process, as a real client
+    never does."""
+    from gptoss_fp8.errors import GptOssFp8Error
+
+    job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency, "n": n,
+           "output_len": output_len, "vocab": vocab, "seed": seed, "api_key": api_key}
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding gptoss_fp8
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run([sys.executable, "-m", "gptoss_fp8.bench.serve"], input=json.dumps(job), capture_output=True,
+                       text=True, env=env)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GptOssFp8Error(f"bench serve: the load generator's process failed ({tail})")
+    out = json.loads(r.stdout)
+    return [Timing(**t) for t in out["timings"]], out["wall"]
+
+
+def _child() -> None:
+    job = json.loads(sys.stdin.read())
+    timings, wall = asyncio.run(_case(**job))
+    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "wall": wall}, sys.stdout)
+
+
 def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrency: int, gpus: int = 1,
               usd_per_gpu_hour: float = USD_PER_GPU_HOUR) -> dict:
     """One case's row (module docstring)."""
@@ -152,7 +184,7 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         for c in concurrency:
             n = requests or max(8, 2 * c)
             steps = engine_steps(url, headers)
-            timings, wall = asyncio.run(_case(url, model, p, c, n, output_len, vocab, seed, api_key))
+            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key)
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
             after = engine_steps(url, headers) if steps is not None else None
             row["steps_per_s"] = (after - steps) / wall if after is not None and wall > 0 else float("nan")
@@ -193,3 +225,7 @@ def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: l
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    _child()
