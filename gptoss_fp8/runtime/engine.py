@@ -54,6 +54,9 @@ class Engine:
         self.lock = threading.RLock()  # a listener may cancel from inside on_event
         self.wake = threading.Condition(self.lock)
         self._cancel: set[Sequence] = set()
+        # called (engine thread) after each step's on_event calls: a listener that batches its
+        # deliveries (serve/app.py's Outbox) sends the whole step's at once
+        self.after_step: list[Callable[[], None]] = []
 
     @property
     def max_context(self) -> int:
@@ -124,7 +127,15 @@ class Engine:
             self._cancel.clear()
         for seq, new in touched.items():
             self._emit(seq, new)
+        self._after_step()
         return list(touched)
+
+    def _after_step(self) -> None:
+        for hook in self.after_step:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a listener's failure is not the engine's
+                traceback.print_exc()
 
     def _run(self, work: Step, touched: dict[Sequence, list[int]]) -> None:
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
@@ -261,6 +272,10 @@ class EngineThread:
             self.error = err
             traceback.print_exc()
             with e.lock:
-                for seq in [*e.scheduler.running, *e.scheduler.waiting]:
+                left = [*e.scheduler.running, *e.scheduler.waiting]
+                for seq in left:
                     seq.error = f"the engine stopped: {err}"
                     e._finish(seq, "error")
+            for seq in left:  # their handlers hear it now
+                e._emit(seq, [])
+            e._after_step()
