@@ -2,14 +2,16 @@
 
 For each (prompt length, concurrency) case, ``requests`` streamed ``/v1/completions`` requests
 (random token-id prompts of exactly that length, seeded; ``max_tokens`` = the output length with
-``ignore_eos``, greedy), at most ``concurrency`` in flight (asyncio + httpx). Per request: the time
-to its first token (TTFT) and the gaps between its next tokens (inter-token latency, ITL; our
-server sends one SSE chunk per token). Per case: output tokens/s in total (all output tokens over
-the case's wall time) and per user (median over requests of tokens after the first / time after
-the first), TTFT and ITL p50 / p99, $ per 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and
-the server's engine steps per second (from our /metrics; nan against another server).
-Against another server (``URL``) the same requests run; a server that batches several tokens
-into one chunk shows fewer, longer gaps (tokens are counted from ``usage``).
+``ignore_eos``, greedy), at most ``concurrency`` in flight (asyncio + httpx), from processes of
+their own (``run_case``: one per 16 streams by default, never the server's process). Per
+request: the time to its first token (TTFT) and the gaps between its next SSE chunks
+(inter-token latency, ITL; our server sends one chunk per engine step that gave the stream
+tokens: one token each while the server keeps up, the tokens of several steps in one chunk when
+it is behind, which shows here as fewer, longer gaps; tokens are counted from ``usage``). Per
+case: output tokens/s in total (all output tokens over the case's wall time) and per user (median
+over requests of tokens after the first / time after the first), TTFT and ITL p50 / p99, $ per
+1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and the server's engine steps per second
+(from our /metrics; nan against another server).
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ async def _one(client, url: str, model: str, prompt: list[int], output_len: int,
 
 
 async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
-                seed: int, api_key: str | None) -> tuple[list[Timing], float]:
+                seed: int, api_key: str | None, go=None) -> tuple[list[Timing], float, float]:
+    """n requests, ``concurrency`` at a time -> their timings, and when the first was sent and the
+    last ended (perf_counter). ``go``: called once the requests are ready, before the clock starts."""
     import httpx
 
     rng = random.Random(seed)
@@ -89,40 +93,83 @@ async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int,
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
 
-        async def go(p):
+        async def one(p):
             async with sem:
                 return await _one(client, url, model, p, output_len, headers)
 
+        if go is not None:
+            go()
         t0 = time.perf_counter()
-        out = await asyncio.gather(*(go(p) for p in prompts))
-        return out, time.perf_counter() - t0
+        out = await asyncio.gather(*(one(p) for p in prompts))
+        return out, t0, time.perf_counter()
+
+
+def client_procs(concurrency: int) -> int:
+    """How many load-generator processes by default: one per 16 streams, at most a quarter of
+    this machine's CPUs (one process parsing 64 streams' SSE events can be the bound itself)."""
+    return max(1, min(-(-concurrency // 16), (os.cpu_count() or 1) // 4))
 
 
 def run_case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
-             seed: int, api_key: str | None) -> tuple[list[Timing], float]:
-    """``_case`` in a process of its own (``python -m gptoss_fp8.bench.serve``, the job as JSON on
-    stdin, the timings as JSON on stdout): the load generator's own Python (httpx, one JSON parse
-    per SSE event) never shares a GIL with a server launched in this process, as a real client
-    never does."""
+             seed: int, api_key: str | None, procs: int = 1) -> tuple[list[Timing], float]:
+    """``_case`` in ``procs`` processes of their own (``python -m gptoss_fp8.bench.serve``: the job
+    as a JSON line on stdin, "ready" back once loaded, then a line on stdin starts all of them
+    together; the timings as JSON on stdout), the streams and requests split between them: the
+    load generator's own Python (httpx, a JSON parse per SSE event) never shares a GIL with a
+    server launched in this process, as a real client never does. -> (timings, wall seconds from
+    the first request sent to the last one ended)."""
     from gptoss_fp8.errors import GptOssFp8Error
 
-    job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency, "n": n,
-           "output_len": output_len, "vocab": vocab, "seed": seed, "api_key": api_key}
+    k = max(1, min(procs, concurrency, n))
     root = str(Path(__file__).resolve().parents[2])  # the directory holding gptoss_fp8
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run([sys.executable, "-m", "gptoss_fp8.bench.serve"], input=json.dumps(job), capture_output=True,
-                       text=True, env=env)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise GptOssFp8Error(f"bench serve: the load generator's process failed ({tail})")
-    out = json.loads(r.stdout)
-    return [Timing(**t) for t in out["timings"]], out["wall"]
+    children = []
+    try:
+        for i in range(k):
+            job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency // k + (i < concurrency % k),
+                   "n": n // k + (i < n % k), "output_len": output_len, "vocab": vocab, "seed": seed + i,
+                   "api_key": api_key}
+            c = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.bench.serve"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            c.stdin.write(json.dumps(job) + "\n")
+            c.stdin.flush()
+            children.append(c)
+        for c in children:
+            if c.stdout.readline().strip() != "ready":
+                raise GptOssFp8Error(f"bench serve: a load generator's process failed ({_last_line(c)})")
+        for c in children:
+            c.stdin.write("go\n")
+            c.stdin.close()
+        outs = []
+        for c in children:
+            text = c.stdout.read()
+            if c.wait() != 0:
+                raise GptOssFp8Error(f"bench serve: a load generator's process failed ({_last_line(c)})")
+            outs.append(json.loads(text))
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+    timings = [Timing(**t) for o in outs for t in o["timings"]]
+    return timings, max(o["t1"] for o in outs) - min(o["t0"] for o in outs)
+
+
+def _last_line(c: subprocess.Popen) -> str:
+    if c.poll() is None:
+        c.kill()
+    return (c.stderr.read().strip().splitlines() or ["no output"])[-1]
 
 
 def _child() -> None:
-    job = json.loads(sys.stdin.read())
-    timings, wall = asyncio.run(_case(**job))
-    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "wall": wall}, sys.stdout)
+    job = json.loads(sys.stdin.readline())
+
+    def go():
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+    timings, t0, t1 = asyncio.run(_case(**job, go=go))
+    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "t0": t0, "t1": t1}, sys.stdout)
 
 
 def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrency: int, gpus: int = 1,
@@ -164,10 +211,11 @@ def engine_steps(url: str, headers: dict) -> float | None:
 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
           requests: int | None, api_key: str | None = None, vocab: int = 201088, gpus: int = 1, seed: int = 0,
-          echo: Callable[[str], None] = print) -> list[dict]:
+          procs: int | None = None, echo: Callable[[str], None] = print) -> list[dict]:
     """Every (prompt length, concurrency) case against the server at ``url`` -> rows (printed as
     they come). ``model``: the id to send (None: the server's first /v1/models entry);
-    ``requests``: per case (None: 2 x concurrency, at least 8)."""
+    ``requests``: per case (None: 2 x concurrency, at least 8); ``procs``: load-generator processes
+    (None: ``client_procs``)."""
     import httpx
 
     from gptoss_fp8.errors import GptOssFp8Error
@@ -184,7 +232,8 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         for c in concurrency:
             n = requests or max(8, 2 * c)
             steps = engine_steps(url, headers)
-            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key)
+            k = client_procs(c) if procs is None else procs
+            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key, k)
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
             after = engine_steps(url, headers) if steps is not None else None
             row["steps_per_s"] = (after - steps) / wall if after is not None and wall > 0 else float("nan")

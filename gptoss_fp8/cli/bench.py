@@ -243,6 +243,8 @@ def serve(
     device: Annotated[str, typer.Option(help="--launch: cpu or cuda.")] = "cuda",
     mode: Annotated[str, typer.Option(help="--launch: weights, w8a8, kernels or auto.")] = "auto",
     gpus: Annotated[int, typer.Option(min=1, help="GPUs the server uses ($ per 1M tokens).")] = 1,
+    client_procs: Annotated[int | None, typer.Option(
+        min=1, help="Load-generator processes (default: one per 16 streams, at most a quarter of the CPUs).")] = None,
     null_model: Annotated[bool, typer.Option(
         "--null-model", help="Launch the server over a model that costs nothing (runtime/null.py): the host "
                              "path alone.")] = False,
@@ -292,7 +294,7 @@ def serve(
         url = server.url
     try:
         rows = run_bench(url.rstrip("/"), model=model_name, concurrency=conc, prompt_lens=lens, output_len=output_len,
-                         requests=requests, api_key=api_key, gpus=gpus, echo=typer.echo)
+                         requests=requests, api_key=api_key, gpus=gpus, procs=client_procs, echo=typer.echo)
     finally:
         if server is not None:
             server.stop()

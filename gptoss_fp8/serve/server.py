@@ -75,7 +75,7 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     return start_engine(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
 
 
-def build_null(*, max_batch: int = 8, max_context: int = 2048, step_ms: float = 0.0, chunk: int = 256,
+def build_null(*, max_batch: int = 8, max_context: int = 2048, step_ms: float = 0.0, chunk: int = 8192,
                max_waiting: int | None = None, api_key: str | None = None, model_name: str = "null",
                echo: Callable[[str], None] = print) -> Served:
     """The server's engine over ``runtime.null.NullRunner`` (no weights; a decode step sleeps
