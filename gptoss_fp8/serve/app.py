@@ -75,10 +75,21 @@ class Outbox:
     ``call_soon_threadsafe`` for the whole step: one wake-up of the loop per step, not one per
     token per stream, and the engine never waits for the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, poll_s: float = POLL_S):
+        self.loop, self.poll_s = loop, poll_s
         self.lock = threading.Lock()
         self.ready: list[Listener] = []
+        self.waiting: set[Listener] = set()  # handlers waiting (loop thread only)
+        self._ticking = False
+
+    def _tick(self) -> None:
+        """Every ``poll_s`` while handlers wait: each wakes with False (time to check its client is
+        still there); one timer for all of them, not one per wait."""
+        for listener in list(self.waiting):
+            _set(listener.waiter, False)
+        self._ticking = bool(self.waiting)
+        if self._ticking:
+            self.loop.call_later(self.poll_s, self._tick)
 
     def flush(self) -> None:
         with self.lock:
@@ -91,9 +102,12 @@ class Outbox:
 
 def _wake_all(listeners: list[Listener]) -> None:
     for listener in listeners:
-        w = listener.waiter
-        if w is not None and not w.done():
-            w.set_result(True)
+        _set(listener.waiter, True)
+
+
+def _set(fut: asyncio.Future | None, value: bool) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
 
 
 class Listener:
@@ -127,21 +141,19 @@ class Listener:
             self.new, self.logprobs = [], []
             return ev
 
-    async def wait(self, timeout: float) -> bool:
-        """Until the engine gives this request something (True) or ``timeout`` seconds (False)."""
-        loop = self.outbox.loop
-        self.waiter = fut = loop.create_future()
-        timer = loop.call_later(timeout, _time_out, fut)
+    async def wait(self) -> bool:
+        """Until the engine gives this request something (True) or the Outbox's next tick (False)."""
+        ob = self.outbox
+        self.waiter = fut = ob.loop.create_future()
+        ob.waiting.add(self)
+        if not ob._ticking:
+            ob._ticking = True
+            ob.loop.call_later(ob.poll_s, ob._tick)
         try:
             return await fut
         finally:
-            timer.cancel()
+            ob.waiting.discard(self)
             self.waiter = None
-
-
-def _time_out(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(False)
 
 
 class _Auth:
@@ -228,7 +240,7 @@ def create_app(served: Served) -> FastAPI:
             while True:
                 ev = listener.take()
                 if ev is None:
-                    if not await listener.wait(POLL_S) and await request.is_disconnected():
+                    if not await listener.wait() and await request.is_disconnected():
                         return
                     continue
                 yield ev
