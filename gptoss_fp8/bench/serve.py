@@ -11,7 +11,8 @@ it is behind, which shows here as fewer, longer gaps; tokens are counted from ``
 case: output tokens/s in total (all output tokens over the case's wall time) and per user (median
 over requests of tokens after the first / time after the first), TTFT and ITL p50 / p99, $ per
 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and the server's engine steps per second
-(from our /metrics; nan against another server).
+with the model's and the host's ms per step (``step_rates``, from our /metrics; nan against
+another server).
 """
 
 from __future__ import annotations
@@ -192,21 +193,40 @@ def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrenc
 
 
 COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "tokens_per_s", "tokens_per_s_per_user", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens", "steps_per_s")
+           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens", "steps_per_s", "model_ms_per_step",
+           "host_ms_per_step")
 
 
-def engine_steps(url: str, headers: dict) -> float | None:
-    """The server's engine steps so far (our /metrics' gptoss_engine_steps_total; None elsewhere)."""
+def engine_counters(url: str, headers: dict) -> tuple[float, float] | None:
+    """The server's engine steps so far and their seconds in the model (our /metrics'
+    gptoss_engine_steps_total and gptoss_engine_model_seconds_total; None elsewhere)."""
     import httpx
 
     try:
         r = httpx.get(url + "/metrics", headers=headers, timeout=30)
     except httpx.HTTPError:
         return None
+    found = {}
     for line in r.text.splitlines() if r.status_code == 200 else ():
-        if line.startswith("gptoss_engine_steps_total "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        if name in ("gptoss_engine_steps_total", "gptoss_engine_model_seconds_total"):
+            found[name] = float(value)
+    if len(found) != 2:
+        return None
+    return found["gptoss_engine_steps_total"], found["gptoss_engine_model_seconds_total"]
+
+
+def step_rates(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float) -> dict:
+    """The engine's steps per second over a case, the model's ms per step (its calls and the
+    sampler: on a GPU the steps and their waits) and the host's (the rest of the wall time per
+    step: the engine's own work and the HTTP side's that did not overlap the model, and any idle
+    time: at a concurrency the server keeps busy, the host's cost per step); nan against a server
+    without our /metrics."""
+    if before is None or after is None or after[0] <= before[0] or wall <= 0:
+        return {"steps_per_s": float("nan"), "model_ms_per_step": float("nan"), "host_ms_per_step": float("nan")}
+    steps, model = after[0] - before[0], after[1] - before[1]
+    return {"steps_per_s": steps / wall, "model_ms_per_step": 1e3 * model / steps,
+            "host_ms_per_step": 1e3 * (wall - model) / steps}
 
 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
@@ -231,12 +251,11 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     for p in prompt_lens:
         for c in concurrency:
             n = requests or max(8, 2 * c)
-            steps = engine_steps(url, headers)
+            before = engine_counters(url, headers)
             k = client_procs(c) if procs is None else procs
             timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key, k)
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
-            after = engine_steps(url, headers) if steps is not None else None
-            row["steps_per_s"] = (after - steps) / wall if after is not None and wall > 0 else float("nan")
+            row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)
             echo(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS)
                  + (f"  errors: {row['errors']}" if row["errors"] else ""))

@@ -140,6 +140,7 @@ class Engine:
                 traceback.print_exc()
 
     def _run(self, work: Step, touched: dict[Sequence, list[int]]) -> None:
+        t0 = time.perf_counter()  # to the sampler's tokens: the model's time (metrics.model_seconds)
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
         rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
         for seq, start, end in work.prefills:
@@ -164,6 +165,7 @@ class Engine:
                 seqs.extend(work.decodes)
                 rows.append(logits)
         if not seqs:
+            self.metrics.model_seconds += time.perf_counter() - t0
             return
         try:
             toks, lps = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), seqs)
@@ -171,6 +173,8 @@ class Engine:
             for seq in seqs:
                 self._fail(seq, e, touched)
             return
+        finally:
+            self.metrics.model_seconds += time.perf_counter() - t0
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
             self._append(seq, toks[i], None if lps is None else lps[i], now)

@@ -530,6 +530,9 @@ def prometheus(engine: Engine) -> str:
     gauge("gptoss_prompt_tokens_total", m.prompt_tokens, "Prompt tokens prefilled.", "counter")
     gauge("gptoss_generation_tokens_total", m.generated_tokens, "Tokens generated.", "counter")
     gauge("gptoss_engine_steps_total", m.steps, "Engine steps run.", "counter")
+    gauge("gptoss_engine_model_seconds_total", round(m.model_seconds, 6),
+          "Seconds of engine steps in the model's calls and the sampler (the rest of a step's time is the host's).",
+          "counter")
     lines.extend(["# HELP gptoss_requests_finished_total Requests finished, by reason.",
                   "# TYPE gptoss_requests_finished_total counter"])
     for reason, n in sorted(m.requests_finished.items()):
