@@ -2,10 +2,13 @@
 
 Each request: body parsed (schema.py; one-line 400s), its prompt rendered to ids (Harmony for
 chat, the tokenizer or the ids themselves for completions), ``engine.add`` (400 when it cannot
-fit, 429 when the queue is full), then the engine's events for it read from an asyncio queue
-that the engine's thread feeds (``call_soon_threadsafe``): ids in, text / reasoning / tool-call
-deltas out. A client that goes away (a failed send, or ``is_disconnected`` polled while waiting)
-cancels its request, which frees its KV slot at the next step boundary. A request the engine
+fit, 429 when the queue is full), then the engine's events for it: the engine's thread files
+each step's new ids with the request's ``Listener`` and wakes the event loop once per step for
+all requests (``Outbox``); the handler takes every id it got since it last looked (one SSE
+write per wake-up, however many tokens), ids in, text / reasoning / tool-call deltas out
+(``_CompletionReply``, ``_ChatReply``; one SSE generator for both). A client that goes away (a
+failed send, or ``is_disconnected`` polled while waiting) cancels its request, which frees its
+KV slot at the next step boundary. A request the engine
 failed is a 500 for it alone (or an error event mid-stream).
 """
 
