@@ -79,6 +79,12 @@ if has serve; then
   m convert $d $d-fp8 --device cuda --overwrite >> "$OUT/serve_prep.log" 2>&1
   timeout 300 python3 -m gptoss_fp8.cli.main bench serve --launch $d-fp8 --concurrency 1,16,64 --prompt-len 1024 \
     --output-len 128 --json "$OUT/bench_serve.json" --plot "$OUT/bench_serve.png" 2>&1 | tail -40 | tee "$OUT/bench_serve.log"
+  # the host path alone on this machine's CPUs: the same server over a model that costs nothing, a decode
+  # step of 10 ms (the 20b's at batch 64, GIL released) and of 0 ms
+  for ms in 10 0; do
+    timeout 120 python3 -m gptoss_fp8.cli.main bench serve --null-model --null-step-ms $ms --concurrency 1,16,64 \
+      --prompt-len 1024 --output-len 128 2>&1 | tail -5 | tee -a "$OUT/bench_serve_null.log"
+  done
   m convert golden/trained /tmp/trained-fp8 --overwrite > /dev/null 2>&1
   m generate /tmp/trained-fp8 --prompt $'import sys\n\n\ndef main():\n' --device cuda --max-new-tokens 120 2>&1 \
     | tee "$OUT/generate_trained.log"

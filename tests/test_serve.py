@@ -88,6 +88,10 @@ def test_chat_reasoning_content_plain_and_streamed(client, script):
     r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True)
     lps = r.choices[0].logprobs.content  # one per token of the final answer
     assert "".join(lp.token for lp in lps) == "2 + 2 = 4." and {lp.logprob for lp in lps} == {-0.5}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True,
+                                                 stream=True))
+    lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert "".join(lp.token for lp in lps) == "2 + 2 = 4." == "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
 def test_chat_length_limit(client, script):

@@ -2,24 +2,33 @@
 
 For each (prompt length, concurrency) case, ``requests`` streamed ``/v1/completions`` requests
 (random token-id prompts of exactly that length, seeded; ``max_tokens`` = the output length with
-``ignore_eos``, greedy), at most ``concurrency`` in flight (asyncio + httpx). Per request: the time
-to its first token (TTFT) and the gaps between its next tokens (inter-token latency, ITL; our
-server sends one SSE chunk per token). Per case: output tokens/s in total (all output tokens over
-the case's wall time) and per user (median over requests of tokens after the first / time after
-the first), TTFT and ITL p50 / p99, and $ per 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``.
-Against another server (``URL``) the same requests run; a server that batches several tokens
-into one chunk shows fewer, longer gaps (tokens are counted from ``usage``).
+``ignore_eos``, greedy), at most ``concurrency`` in flight (asyncio + httpx), from processes of
+their own (``run_case``: one per 16 streams by default, never the server's process). Per
+request: the time to its first token (TTFT) and the gaps between its next SSE chunks
+(inter-token latency, ITL; our server sends one chunk per engine step that gave the stream
+tokens: one token each while the server keeps up, the tokens of several steps in one chunk when
+it is behind, which shows here as fewer, longer gaps; tokens are counted from ``usage``). Per
+case: output tokens/s in total (all output tokens over the case's wall time) and per user (median
+over requests of tokens after the first / time after the first), TTFT and ITL p50 / p99, $ per
+1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and the server's engine steps per second
+with the model's and the host's ms per step (``step_rates``, from our /metrics; nan against
+another server).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 USD_PER_GPU_HOUR = 3.0
 
@@ -73,7 +82,9 @@ async def _one(client, url: str, model: str, prompt: list[int], output_len: int,
 
 
 async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
-                seed: int, api_key: str | None) -> tuple[list[Timing], float]:
+                seed: int, api_key: str | None, go=None) -> tuple[list[Timing], float, float]:
+    """n requests, ``concurrency`` at a time -> their timings, and when the first was sent and the
+    last ended (perf_counter). ``go``: called once the requests are ready, before the clock starts."""
     import httpx
 
     rng = random.Random(seed)
@@ -83,13 +94,83 @@ async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int,
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
 
-        async def go(p):
+        async def one(p):
             async with sem:
                 return await _one(client, url, model, p, output_len, headers)
 
+        if go is not None:
+            go()
         t0 = time.perf_counter()
-        out = await asyncio.gather(*(go(p) for p in prompts))
-        return out, time.perf_counter() - t0
+        out = await asyncio.gather(*(one(p) for p in prompts))
+        return out, t0, time.perf_counter()
+
+
+def client_procs(concurrency: int) -> int:
+    """How many load-generator processes by default: one per 16 streams, at most a quarter of
+    this machine's CPUs (one process parsing 64 streams' SSE events can be the bound itself)."""
+    return max(1, min(-(-concurrency // 16), (os.cpu_count() or 1) // 4))
+
+
+def run_case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
+             seed: int, api_key: str | None, procs: int = 1) -> tuple[list[Timing], float]:
+    """``_case`` in ``procs`` processes of their own (``python -m gptoss_fp8.bench.serve``: the job
+    as a JSON line on stdin, "ready" back once loaded, then a line on stdin starts all of them
+    together; the timings as JSON on stdout), the streams and requests split between them: the
+    load generator's own Python (httpx, a JSON parse per SSE event) never shares a GIL with a
+    server launched in this process, as a real client never does. -> (timings, wall seconds from
+    the first request sent to the last one ended)."""
+    from gptoss_fp8.errors import GptOssFp8Error
+
+    k = max(1, min(procs, concurrency, n))
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding gptoss_fp8
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    children = []
+    try:
+        for i in range(k):
+            job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency // k + (i < concurrency % k),
+                   "n": n // k + (i < n % k), "output_len": output_len, "vocab": vocab, "seed": seed + i,
+                   "api_key": api_key}
+            c = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.bench.serve"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            c.stdin.write(json.dumps(job) + "\n")
+            c.stdin.flush()
+            children.append(c)
+        for c in children:
+            if c.stdout.readline().strip() != "ready":
+                raise GptOssFp8Error(f"bench serve: a load generator's process failed ({_last_line(c)})")
+        for c in children:
+            c.stdin.write("go\n")
+            c.stdin.close()
+        outs = []
+        for c in children:
+            text = c.stdout.read()
+            if c.wait() != 0:
+                raise GptOssFp8Error(f"bench serve: a load generator's process failed ({_last_line(c)})")
+            outs.append(json.loads(text))
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+    timings = [Timing(**t) for o in outs for t in o["timings"]]
+    return timings, max(o["t1"] for o in outs) - min(o["t0"] for o in outs)
+
+
+def _last_line(c: subprocess.Popen) -> str:
+    if c.poll() is None:
+        c.kill()
+    return (c.stderr.read().strip().splitlines() or ["no output"])[-1]
+
+
+def _child() -> None:
+    job = json.loads(sys.stdin.readline())
+
+    def go():
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+    timings, t0, t1 = asyncio.run(_case(**job, go=go))
+    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "t0": t0, "t1": t1}, sys.stdout)
 
 
 def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrency: int, gpus: int = 1,
@@ -112,15 +193,49 @@ def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrenc
 
 
 COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "tokens_per_s", "tokens_per_s_per_user", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens")
+           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens", "steps_per_s", "model_ms_per_step",
+           "host_ms_per_step")
+
+
+def engine_counters(url: str, headers: dict) -> tuple[float, float] | None:
+    """The server's engine steps so far and their seconds in the model (our /metrics'
+    gptoss_engine_steps_total and gptoss_engine_model_seconds_total; None elsewhere)."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        name, _, value = line.partition(" ")
+        if name in ("gptoss_engine_steps_total", "gptoss_engine_model_seconds_total"):
+            found[name] = float(value)
+    if len(found) != 2:
+        return None
+    return found["gptoss_engine_steps_total"], found["gptoss_engine_model_seconds_total"]
+
+
+def step_rates(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float) -> dict:
+    """The engine's steps per second over a case, the model's ms per step (its calls and the
+    sampler: on a GPU the steps and their waits) and the host's (the rest of the wall time per
+    step: the engine's own work and the HTTP side's that did not overlap the model, and any idle
+    time: at a concurrency the server keeps busy, the host's cost per step); nan against a server
+    without our /metrics."""
+    if before is None or after is None or after[0] <= before[0] or wall <= 0:
+        return {"steps_per_s": float("nan"), "model_ms_per_step": float("nan"), "host_ms_per_step": float("nan")}
+    steps, model = after[0] - before[0], after[1] - before[1]
+    return {"steps_per_s": steps / wall, "model_ms_per_step": 1e3 * model / steps,
+            "host_ms_per_step": 1e3 * (wall - model) / steps}
 
 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
           requests: int | None, api_key: str | None = None, vocab: int = 201088, gpus: int = 1, seed: int = 0,
-          echo: Callable[[str], None] = print) -> list[dict]:
+          procs: int | None = None, echo: Callable[[str], None] = print) -> list[dict]:
     """Every (prompt length, concurrency) case against the server at ``url`` -> rows (printed as
     they come). ``model``: the id to send (None: the server's first /v1/models entry);
-    ``requests``: per case (None: 2 x concurrency, at least 8)."""
+    ``requests``: per case (None: 2 x concurrency, at least 8); ``procs``: load-generator processes
+    (None: ``client_procs``)."""
     import httpx
 
     from gptoss_fp8.errors import GptOssFp8Error
@@ -136,8 +251,11 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     for p in prompt_lens:
         for c in concurrency:
             n = requests or max(8, 2 * c)
-            timings, wall = asyncio.run(_case(url, model, p, c, n, output_len, vocab, seed, api_key))
+            before = engine_counters(url, headers)
+            k = client_procs(c) if procs is None else procs
+            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key, k)
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
+            row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)
             echo(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS)
                  + (f"  errors: {row['errors']}" if row["errors"] else ""))
@@ -175,3 +293,7 @@ def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: l
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    _child()

@@ -243,6 +243,13 @@ def serve(
     device: Annotated[str, typer.Option(help="--launch: cpu or cuda.")] = "cuda",
     mode: Annotated[str, typer.Option(help="--launch: weights, w8a8, kernels or auto.")] = "auto",
     gpus: Annotated[int, typer.Option(min=1, help="GPUs the server uses ($ per 1M tokens).")] = 1,
+    client_procs: Annotated[int | None, typer.Option(
+        min=1, help="Load-generator processes (default: one per 16 streams, at most a quarter of the CPUs).")] = None,
+    null_model: Annotated[bool, typer.Option(
+        "--null-model", help="Launch the server over a model that costs nothing (runtime/null.py): the host "
+                             "path alone.")] = False,
+    null_step_ms: Annotated[float, typer.Option(min=0, help="--null-model: each decode step sleeps this long "
+                                                            "(GIL free, a GPU step the host waits on).")] = 0.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the curves here.")] = None,
     decode_json: Annotated[Path | None, typer.Option(
@@ -253,8 +260,8 @@ def serve(
     inter-token latency p50 / p99 and $ per 1M output tokens at $3 per GPU-hour (bench/serve.py)."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
-    if (url is None) == (launch is None):
-        raise GptOssFp8Error("give exactly one of URL or --launch DST")
+    if (url is not None) + (launch is not None) + null_model != 1:
+        raise GptOssFp8Error("give exactly one of URL, --launch DST or --null-model")
     for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
         if out is not None:
             check_output_path(out, overwrite=overwrite_outputs, option=opt)
@@ -278,9 +285,16 @@ def serve(
                        api_key=api_key, model_name=model_name, echo=typer.echo)
         server = Server(served).start()
         url = server.url
+    elif null_model:
+        from gptoss_fp8.serve.server import Server, build_null
+
+        served = build_null(max_batch=max(conc), max_context=max(lens) + output_len + 1, step_ms=null_step_ms,
+                            api_key=api_key, echo=typer.echo)
+        server = Server(served).start()
+        url = server.url
     try:
         rows = run_bench(url.rstrip("/"), model=model_name, concurrency=conc, prompt_lens=lens, output_len=output_len,
-                         requests=requests, api_key=api_key, gpus=gpus, echo=typer.echo)
+                         requests=requests, api_key=api_key, gpus=gpus, procs=client_procs, echo=typer.echo)
     finally:
         if server is not None:
             server.stop()

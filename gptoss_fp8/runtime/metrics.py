@@ -40,5 +40,6 @@ class Metrics:
     generated_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     steps: int = 0
+    model_seconds: float = 0.0  # in the runner's calls and the sampler (on a GPU: the steps and their waits)
     ttft: Histogram = field(default_factory=Histogram)  # arrival -> first token, seconds
     itl: Histogram = field(default_factory=Histogram)  # between a request's successive tokens, seconds

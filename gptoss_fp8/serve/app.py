@@ -2,10 +2,13 @@
 
 Each request: body parsed (schema.py; one-line 400s), its prompt rendered to ids (Harmony for
 chat, the tokenizer or the ids themselves for completions), ``engine.add`` (400 when it cannot
-fit, 429 when the queue is full), then the engine's events for it read from an asyncio queue
-that the engine's thread feeds (``call_soon_threadsafe``): ids in, text / reasoning / tool-call
-deltas out. A client that goes away (a failed send, or ``is_disconnected`` polled while waiting)
-cancels its request, which frees its KV slot at the next step boundary. A request the engine
+fit, 429 when the queue is full), then the engine's events for it: the engine's thread files
+each step's new ids with the request's ``Listener`` and wakes the event loop once per step for
+all requests (``Outbox``); the handler takes every id it got since it last looked (one SSE
+write per wake-up, however many tokens), ids in, text / reasoning / tool-call deltas out
+(``_CompletionReply``, ``_ChatReply``; one SSE generator for both). A client that goes away (a
+failed send, or ``is_disconnected`` polled while waiting) cancels its request, which frees its
+KV slot at the next step boundary. A request the engine
 failed is a 500 for it alone (or an error event mid-stream).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -55,6 +59,10 @@ def _error(status: int, message: str, kind: str, headers: dict | None = None) ->
 
 @dataclass
 class Event:
+    """What a request got since its handler last looked: the new token ids (several when the
+    handler was behind: they go out together), their log-probabilities (when asked), and whether
+    it finished (and how)."""
+
     new: list[int]
     finished: bool
     finish: str | None
@@ -63,28 +71,127 @@ class Event:
     logprobs: list[float]
 
 
-class Listener:
-    """The engine thread's ``on_event`` -> an asyncio queue on the app's loop."""
+class Outbox:
+    """The bridge from the engine's thread to the app's event loop. Each request's ``Listener``
+    (its ``on_event``) files its new tokens here during a step; after the step the engine calls
+    ``flush`` (its ``after_step`` hook), which wakes every listener that got something with one
+    ``call_soon_threadsafe`` for the whole step: one wake-up of the loop per step, not one per
+    token per stream, and the engine never waits for the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, poll_s: float = POLL_S):
+        self.loop, self.poll_s = loop, poll_s
+        self.lock = threading.Lock()
+        self.ready: list[Listener] = []
+        self.waiting: set[Listener] = set()  # handlers waiting (loop thread only)
+        self._ticking = False
+
+    def _tick(self) -> None:
+        """Every ``poll_s`` while handlers wait: each wakes with False (time to check its client is
+        still there); one timer for all of them, not one per wait."""
+        for listener in list(self.waiting):
+            _set(listener.waiter, False)
+        self._ticking = bool(self.waiting)
+        if self._ticking:
+            self.loop.call_later(self.poll_s, self._tick)
+
+    def flush(self) -> None:
+        with self.lock:
+            if not self.ready:
+                return
+            ready, self.ready = self.ready, []
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_wake_all, ready)
+
+
+def _wake_all(listeners: list[Listener]) -> None:
+    for listener in listeners:
+        _set(listener.waiter, True)
+
+
+def _set(fut: asyncio.Future | None, value: bool) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
+
+
+class Listener:
+    """One request's side of the Outbox: the engine's thread adds to it (``__call__``: the
+    request's ``on_event``); the handler takes everything it holds at once (``take``), or waits
+    for the next step that gives it something (``wait``)."""
+
+    def __init__(self, outbox: Outbox):
+        self.outbox = outbox
+        self.new: list[int] = []
+        self.logprobs: list[float] = []
+        self.end: tuple[str | None, str | None, str | None] | None = None  # (finish, stop, error) once finished
+        self.waiter: asyncio.Future | None = None
 
     def __call__(self, seq: Sequence, new: list[int]) -> None:
-        lp = seq.logprobs[len(seq.logprobs) - len(new):] if seq.params.logprobs and new else []
-        ev = Event(list(new), seq.finished, seq.finish, seq.stop, seq.error, list(lp))
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        ob = self.outbox
+        with ob.lock:
+            self.new.extend(new)
+            if seq.params.logprobs and new:
+                self.logprobs.extend(seq.logprobs[len(seq.logprobs) - len(new):])
+            if seq.finished:
+                self.end = (seq.finish, seq.stop, seq.error)
+            ob.ready.append(self)
+
+    def take(self) -> Event | None:
+        """Everything since the last take (None: nothing yet)."""
+        with self.outbox.lock:
+            if not self.new and self.end is None:
+                return None
+            ev = Event(self.new, self.end is not None, *(self.end or (None, None, None)), self.logprobs)
+            self.new, self.logprobs = [], []
+            return ev
+
+    async def wait(self) -> bool:
+        """Until the engine gives this request something (True) or the Outbox's next tick (False)."""
+        ob = self.outbox
+        self.waiter = fut = ob.loop.create_future()
+        ob.waiting.add(self)
+        if not ob._ticking:
+            ob._ticking = True
+            ob.loop.call_later(ob.poll_s, ob._tick)
+        try:
+            return await fut
+        finally:
+            ob.waiting.discard(self)
+            self.waiter = None
+
+
+class _Auth:
+    """Every route but /health needs ``Authorization: Bearer KEY`` (a plain ASGI middleware:
+    starlette's ``BaseHTTPMiddleware`` would put each SSE chunk through a memory stream)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if got != self.want:
+                response = _error(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                                  "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="gptoss-fp8", docs_url=None, redoc_url=None, openapi_url=None)
     engine = served.engine
+    if served.api_key is not None:
+        app.add_middleware(_Auth, key=served.api_key)
+    boxes: list[Outbox] = []  # the one of the loop serving (a new loop, e.g. a restarted server: a new one)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if served.api_key is not None and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {served.api_key}":
-                return _error(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error")
-        return await call_next(request)
+    def outbox() -> Outbox:
+        loop = asyncio.get_running_loop()
+        if not boxes or boxes[-1].loop is not loop:
+            if boxes and boxes[-1].flush in engine.after_step:
+                engine.after_step.remove(boxes[-1].flush)
+            boxes.append(Outbox(loop))
+            engine.after_step.append(boxes[-1].flush)
+        return boxes[-1]
 
     @app.exception_handler(HttpError)
     async def _http_error(request: Request, e: HttpError):
@@ -118,7 +225,7 @@ def create_app(served: Served) -> FastAPI:
             max_tokens = max(1, engine.max_context - len(prompt))
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs)
-        listener = Listener(asyncio.get_running_loop())
+        listener = Listener(outbox())
         try:
             seq = engine.add(prompt, params, listener)
         except QueueFull as e:
@@ -128,14 +235,15 @@ def create_app(served: Served) -> FastAPI:
         return seq, listener
 
     async def events(seq: Sequence, listener: Listener, request: Request):
-        """The request's events until it finishes; cancels it if the client goes away."""
+        """The request's events until it finishes, each carrying every token since the last (so a
+        handler that fell behind catches up in one event, and one that keeps up gets each step's
+        token at once); cancels the request if the client goes away."""
         done = False
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(listener.queue.get(), POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
+                ev = listener.take()
+                if ev is None:
+                    if not await listener.wait() and await request.is_disconnected():
                         return
                     continue
                 yield ev
@@ -146,14 +254,68 @@ def create_app(served: Served) -> FastAPI:
             if not done:
                 engine.cancel(seq)
 
-    async def body(request: Request) -> bytes:
-        return await request.body()
+    async def reply(request: Request, req, prompt: list[int], seq: Sequence, listener: Listener, out: _Reply,
+                    head: dict):
+        """The reply of a request (chat or completion, ``out`` renders it): streamed as SSE, one
+        write per engine event (every token it carries, one chunk per kind of delta), or whole."""
+        gen = events(seq, listener, request)
+        if not req.stream:
+            last = None
+            try:
+                async for ev in gen:
+                    last = ev
+                    out.feed(ev)
+                    if out.hit:
+                        break
+            finally:
+                await gen.aclose()
+            if last is None or (not last.finished and not out.hit):
+                return _error(499, "client closed the request", "cancelled")
+            if last.finish == "error":
+                raise HttpError(500, last.error or "the request failed", "server_error")
+            return {**head, "object": out.OBJECT, "choices": [out.whole(last)], "usage": _usage(len(prompt), out.n_out)}
 
-    # --- chat ------------------------------------------------------------------------------------
+        first = await anext(gen)  # an engine failure before any output is a plain 500
+        if first.finish == "error" and not first.new:
+            await gen.aclose()
+            raise HttpError(500, first.error or "the request failed", "server_error")
+        chunk = _Chunk({**head, "object": out.CHUNK})
+        usage = req.stream_options is not None and req.stream_options.include_usage
+
+        async def sse():
+            ev = first
+            try:
+                parts = [chunk(c) for c in out.opening()]
+                while True:
+                    out.feed(ev)
+                    parts.extend(chunk(c) for c in out.choices())
+                    if ev.finish == "error":
+                        parts.append(_sse({"error": {"message": ev.error, "type": "server_error", "code": 500}}))
+                        yield "".join(parts)
+                        return
+                    if out.hit or ev.finished:
+                        parts.extend(chunk(c) for c in out.closing(ev))
+                        if usage:
+                            parts.append(_sse({**head, "object": out.CHUNK, "choices": [],
+                                               "usage": _usage(len(prompt), out.n_out)}))
+                        parts.append("data: [DONE]\n\n")
+                        yield "".join(parts)
+                        return
+                    if parts:
+                        yield "".join(parts)
+                    parts = []
+                    ev = await anext(gen)
+            finally:
+                await gen.aclose()
+                if not seq.finished:
+                    engine.cancel(seq)
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         try:
-            req = parse(ChatRequest, await body(request))
+            req = parse(ChatRequest, await request.body())
             prompt = harmony.render_chat(req.messages, None if req.tool_choice == "none" else req.tools,
                                          req.reasoning_effort)
         except GptOssFp8Error as e:
@@ -161,228 +323,195 @@ def create_app(served: Served) -> FastAPI:
         except (KeyError, TypeError, ValueError) as e:
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
         seq, listener = submit(prompt, req, harmony.STOP_IDS, req.logprobs)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        reply, stop = harmony.ReplyStream(), harmony.StopText(req.stop or [])
-        head = {"id": rid, "created": created, "model": served.model_name}
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+        return await reply(request, req, prompt, seq, listener, _ChatReply(req.stop or [], req.logprobs), head)
 
-        def finish_reason(ev: Event, stopped: bool) -> str:
-            if stopped:
-                return "stop"
-            if ev.finish == "length":
-                return "length"
-            return "tool_calls" if reply.tool_calls and ev.stop == str(harmony.CALL) else "stop"
-
-        def token_deltas(tok: int, lp: float | None) -> tuple[list[dict], bool]:
-            out, hit = [], False
-            for d in reply.push(tok):
-                if d.kind == "content":
-                    text, hit = stop.push(d.text)
-                    if text:
-                        out.append({"content": text})
-                    if hit:
-                        break
-                elif d.kind == "reasoning":
-                    out.append({"reasoning_content": d.text})
-                elif d.kind == "tool_call":
-                    out.append({"tool_calls": [{"index": d.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                                "function": {"name": d.name, "arguments": ""}}]})
-                else:
-                    out.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
-            if lp is not None and out and "content" in out[-1]:
-                out[-1] = {**out[-1], "_logprob": {"token": harmony.encoding().decode([tok]), "logprob": lp,
-                                                   "bytes": list(harmony.encoding().decode([tok]).encode()),
-                                                   "top_logprobs": []}}
-            return out, hit
-
-        if req.stream:
-            gen = events(seq, listener, request)
-            first = await anext(gen)  # an engine failure before any output is a plain 500
-            if first.finish == "error" and not first.new:
-                raise HttpError(500, first.error or "the request failed", "server_error")
-
-            async def sse():
-                n_out, stopped = 0, False
-                yield _sse({**head, "object": "chat.completion.chunk",
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-                ev = first
-                try:
-                    while True:
-                        for i, tok in enumerate(ev.new):
-                            n_out += 1
-                            deltas, stopped = token_deltas(tok, ev.logprobs[i] if ev.logprobs else None)
-                            for d in deltas:
-                                lp = d.pop("_logprob", None)
-                                choice = {"index": 0, "delta": d, "finish_reason": None}
-                                if lp is not None:
-                                    choice["logprobs"] = {"content": [lp]}
-                                yield _sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
-                            if stopped:
-                                break
-                        if ev.finish == "error":
-                            yield _sse({"error": {"message": ev.error, "type": "server_error", "code": 500}})
-                            break
-                        if stopped or ev.finished:
-                            tail = "" if stopped else stop.flush()
-                            if tail:
-                                yield _sse({**head, "object": "chat.completion.chunk",
-                                            "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}]})
-                            yield _sse({**head, "object": "chat.completion.chunk",
-                                        "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(ev, stopped)}]})
-                            if req.stream_options and req.stream_options.include_usage:
-                                yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
-                                            "usage": _usage(len(prompt), n_out)})
-                            yield "data: [DONE]\n\n"
-                            break
-                        ev = await anext(gen)
-                finally:
-                    await gen.aclose()
-                    if not seq.finished:
-                        engine.cancel(seq)
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        content, reasoning, lps = [], [], []
-        stopped, n_out, last = False, 0, None
-        async for ev in events(seq, listener, request):
-            last = ev
-            for i, tok in enumerate(ev.new):
-                n_out += 1
-                deltas, stopped = token_deltas(tok, ev.logprobs[i] if ev.logprobs else None)
-                for d in deltas:
-                    if "_logprob" in d:
-                        lps.append(d["_logprob"])
-                    content.append(d.get("content", ""))
-                    reasoning.append(d.get("reasoning_content", ""))
-                if stopped:
-                    break
-            if stopped:
-                engine.cancel(seq)
-                break
-        if last is None or (not last.finished and not stopped):
-            return _error(499, "client closed the request", "cancelled")
-        if last.finish == "error":
-            raise HttpError(500, last.error or "the request failed", "server_error")
-        if not stopped:
-            content.append(stop.flush())
-        message = {"role": "assistant", "content": "".join(content) or None, "reasoning_content": "".join(reasoning) or None}
-        if reply.tool_calls:
-            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                     for c in reply.tool_calls]
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason(last, stopped),
-                  "logprobs": {"content": lps} if req.logprobs else None}
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(len(prompt), n_out)}
-
-    # --- completions -------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
-            req = parse(CompletionRequest, await body(request))
+            req = parse(CompletionRequest, await request.body())
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
-        seq, listener = submit(list(prompt), req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": served.model_name}
-        text = _Detok()
-        stop = harmony.StopText(req.stop or [])
-        stop_ids = {harmony.RETURN, harmony.CALL, harmony.ENDOFTEXT}
-
-        def pieces(ev: Event) -> tuple[list[tuple[str, float | None]], bool]:
-            out, hit = [], False
-            for i, tok in enumerate(ev.new):
-                piece = "" if tok in stop_ids else text.push(tok)
-                piece, hit = stop.push(piece)
-                out.append((piece, ev.logprobs[i] if ev.logprobs else None))
-                if hit:
-                    break
-            return out, hit
-
-        def reason(ev: Event, stopped: bool) -> str:
-            return "stop" if stopped or ev.finish == "stop" else "length"
-
-        if req.stream:
-            gen = events(seq, listener, request)
-            first = await anext(gen)
-            if first.finish == "error" and not first.new:
-                raise HttpError(500, first.error or "the request failed", "server_error")
-
-            async def sse():
-                n_out, ev = 0, first
-                try:
-                    while True:
-                        out, hit = pieces(ev)
-                        for piece, lp in out:  # one chunk per token (an incomplete character: empty text)
-                            n_out += 1
-                            yield _sse({**head, "choices": [{"index": 0, "text": piece, "finish_reason": None,
-                                                             "logprobs": None if lp is None else
-                                                             {"tokens": [piece], "token_logprobs": [lp]}}]})
-                        if ev.finish == "error":
-                            yield _sse({"error": {"message": ev.error, "type": "server_error", "code": 500}})
-                            break
-                        if hit or ev.finished:
-                            tail = "" if hit else text.flush() + stop.flush()
-                            yield _sse({**head, "choices": [{"index": 0, "text": tail, "finish_reason": reason(ev, hit),
-                                                             "logprobs": None}]})
-                            if req.stream_options and req.stream_options.include_usage:
-                                yield _sse({**head, "choices": [], "usage": _usage(len(prompt), n_out)})
-                            yield "data: [DONE]\n\n"
-                            break
-                        ev = await anext(gen)
-                finally:
-                    await gen.aclose()
-                    if not seq.finished:
-                        engine.cancel(seq)
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        parts, lps, hit, n_out, last = [], [], False, 0, None
-        async for ev in events(seq, listener, request):
-            last = ev
-            out, hit = pieces(ev)
-            n_out += len(out)
-            parts.extend(p for p, _ in out)
-            lps.extend(lp for _, lp in out)
-            if hit:
-                engine.cancel(seq)
-                break
-        if last is None or (not last.finished and not hit):
-            return _error(499, "client closed the request", "cancelled")
-        if last.finish == "error":
-            raise HttpError(500, last.error or "the request failed", "server_error")
-        if not hit:
-            parts.append(text.flush() + stop.flush())
-        logprobs = {"tokens": None, "token_logprobs": lps} if req.logprobs is not None else None
-        return {**head, "choices": [{"index": 0, "text": "".join(parts), "finish_reason": reason(last, hit),
-                                     "logprobs": logprobs}], "usage": _usage(len(prompt), n_out)}
+        prompt = list(prompt)
+        seq, listener = submit(prompt, req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+        return await reply(request, req, prompt, seq, listener, _CompletionReply(req.stop or [], req.logprobs is not None),
+                           head)
 
     return app
 
 
-class _Detok:
-    """Generated ids -> text pieces, holding back an incomplete UTF-8 character."""
+class _Reply:
+    """A reply under construction: ``feed`` each engine Event (sets ``hit`` when a stop sequence
+    ended it, counts ``n_out``), then either ``choices`` (the stream's chunks since the last call),
+    or at the end ``closing`` (the stream's last chunks) / ``whole`` (the one choice of a reply
+    that is not streamed)."""
 
-    def __init__(self):
-        self.ids: list[int] = []
-        self.shown = 0
+    OBJECT = CHUNK = ""
+    hit = False
+    n_out = 0
 
-    def push(self, tok: int) -> str:
-        self.ids.append(tok)
-        text = harmony.encoding().decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.shown = text[self.shown:], len(text)
-        return piece
+    def opening(self) -> list[dict]:
+        return []
 
-    def flush(self) -> str:
-        text = harmony.encoding().decode(self.ids) if self.ids else ""
-        piece, self.shown = text[self.shown:], len(text)
-        return piece
+
+class _CompletionReply(_Reply):
+    """/v1/completions: ids -> text (stop ids are not text), stop sequences applied; a chunk per
+    event with all its text and, when asked, each token's piece and log-probability."""
+
+    OBJECT = CHUNK = "text_completion"
+    STOP_IDS = frozenset((harmony.RETURN, harmony.CALL, harmony.ENDOFTEXT))
+
+    def __init__(self, stops: list[str], logprobs: bool):
+        self.text, self.stop, self.logprobs = harmony.TextStream(), harmony.StopText(stops), logprobs
+        self.pieces: list[str] = []
+        self.lps: list[float] = []
+        self.sent = 0  # pieces already in a chunk
+
+    def feed(self, ev: Event) -> None:
+        for i, tok in enumerate(ev.new):
+            piece, self.hit = self.stop.push("" if tok in self.STOP_IDS else self.text.push(tok))
+            self.pieces.append(piece)
+            if ev.logprobs:
+                self.lps.append(ev.logprobs[i])
+            self.n_out += 1
+            if self.hit:
+                break
+
+    def choices(self) -> list[dict]:
+        if self.sent == len(self.pieces):
+            return []
+        pieces, lps = self.pieces[self.sent:], self.lps[self.sent:]
+        self.sent = len(self.pieces)
+        return [{"index": 0, "text": "".join(pieces), "finish_reason": None,
+                 "logprobs": {"tokens": pieces, "token_logprobs": lps} if lps else None}]
+
+    def _tail(self) -> str:
+        return "" if self.hit else self.text.flush() + self.stop.flush()
+
+    def _reason(self, ev: Event) -> str:
+        return "stop" if self.hit or ev.finish == "stop" else "length"
+
+    def closing(self, ev: Event) -> list[dict]:
+        return [{"index": 0, "text": self._tail(), "finish_reason": self._reason(ev), "logprobs": None}]
+
+    def whole(self, ev: Event) -> dict:
+        text = "".join(self.pieces) + self._tail()
+        logprobs = {"tokens": None, "token_logprobs": self.lps} if self.logprobs else None
+        return {"index": 0, "text": text, "finish_reason": self._reason(ev), "logprobs": logprobs}
+
+
+class _ChatReply(_Reply):
+    """/v1/chat/completions: ids through Harmony (harmony.ReplyStream) into content, reasoning and
+    tool-call deltas, stop sequences on the content; consecutive deltas of one kind in one event
+    go out as one chunk (with each content token's log-probability when asked)."""
+
+    OBJECT, CHUNK = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, stops: list[str], logprobs: bool):
+        self.reply, self.stop, self.logprobs = harmony.ReplyStream(), harmony.StopText(stops), logprobs
+        self.deltas: list[dict] = []  # since the last choices(): {"content"|"reasoning_content": str, "lps": [...]}
+        self.content: list[str] = []  # the whole reply (not streamed)
+        self.reasoning: list[str] = []
+        self.lps: list[dict] = []
+
+    def _text(self, key: str, text: str, lp: dict | None) -> None:
+        last = self.deltas[-1] if self.deltas else None
+        if last is None or key not in last:
+            last = {key: "", "lps": []}
+            self.deltas.append(last)
+        last[key] += text
+        if lp is not None:
+            last["lps"].append(lp)
+            self.lps.append(lp)
+        (self.content if key == "content" else self.reasoning).append(text)
+
+    def feed(self, ev: Event) -> None:
+        for i, tok in enumerate(ev.new):
+            self.n_out += 1
+            lp = ev.logprobs[i] if ev.logprobs else None
+            for d in self.reply.push(tok):
+                if d.kind == "content":
+                    text, self.hit = self.stop.push(d.text)
+                    if text:
+                        self._text("content", text, None if lp is None else _token_logprob(tok, lp))
+                    if self.hit:
+                        break
+                elif d.kind == "reasoning":
+                    self._text("reasoning_content", d.text, None)
+                elif d.kind == "tool_call":
+                    self.deltas.append({"tool_calls": [{"index": d.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                                                        "type": "function", "function": {"name": d.name, "arguments": ""}}]})
+                else:
+                    last = self.deltas[-1]["tool_calls"][0] if self.deltas and "tool_calls" in self.deltas[-1] else None
+                    if last is not None and last["index"] == d.index and "id" not in last:
+                        last["function"]["arguments"] += d.text
+                    else:
+                        self.deltas.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
+            if self.hit:
+                break
+
+    def opening(self) -> list[dict]:
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+
+    def choices(self) -> list[dict]:
+        out = []
+        for d in self.deltas:
+            lps = d.pop("lps", None)
+            choice = {"index": 0, "delta": d, "finish_reason": None}
+            if lps:
+                choice["logprobs"] = {"content": lps}
+            out.append(choice)
+        self.deltas = []
+        return out
+
+    def _reason(self, ev: Event) -> str:
+        if self.hit:
+            return "stop"
+        if ev.finish == "length":
+            return "length"
+        return "tool_calls" if self.reply.tool_calls and ev.stop == str(harmony.CALL) else "stop"
+
+    def closing(self, ev: Event) -> list[dict]:
+        tail = "" if self.hit else self.stop.flush()
+        out = [{"index": 0, "delta": {"content": tail}, "finish_reason": None}] if tail else []
+        return out + [{"index": 0, "delta": {}, "finish_reason": self._reason(ev)}]
+
+    def whole(self, ev: Event) -> dict:
+        if not self.hit:
+            self.content.append(self.stop.flush())
+        message = {"role": "assistant", "content": "".join(self.content) or None,
+                   "reasoning_content": "".join(self.reasoning) or None}
+        if self.reply.tool_calls:
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in self.reply.tool_calls]
+        return {"index": 0, "message": message, "finish_reason": self._reason(ev),
+                "logprobs": {"content": self.lps} if self.logprobs else None}
+
+
+def _token_logprob(tok: int, lp: float) -> dict:
+    text = harmony.token_text(tok)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
+
+
+class _Chunk:
+    """SSE events of one stream: its head (id, object, created, model) encoded once, then each
+    choice's JSON after it."""
+
+    def __init__(self, head: dict):
+        self.prefix = "data: " + _JSON.encode(head)[:-1] + ',"choices":['
+
+    def __call__(self, choice: dict) -> str:
+        return f"{self.prefix}{_JSON.encode(choice)}]}}\n\n"
 
 
 def _usage(prompt: int, out: int) -> dict:
@@ -404,6 +533,9 @@ def prometheus(engine: Engine) -> str:
     gauge("gptoss_prompt_tokens_total", m.prompt_tokens, "Prompt tokens prefilled.", "counter")
     gauge("gptoss_generation_tokens_total", m.generated_tokens, "Tokens generated.", "counter")
     gauge("gptoss_engine_steps_total", m.steps, "Engine steps run.", "counter")
+    gauge("gptoss_engine_model_seconds_total", round(m.model_seconds, 6),
+          "Seconds of engine steps in the model's calls and the sampler (the rest of a step's time is the host's).",
+          "counter")
     lines.extend(["# HELP gptoss_requests_finished_total Requests finished, by reason.",
                   "# TYPE gptoss_requests_finished_total counter"])
     for reason, n in sorted(m.requests_finished.items()):

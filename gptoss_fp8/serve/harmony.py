@@ -16,6 +16,7 @@ switch the stream to plain text: the rest is ``content`` as decoded.
 
 from __future__ import annotations
 
+import codecs
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -113,6 +114,34 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, reasoning
     return list(enc.render_conversation_for_completion(Conversation.from_messages(out), Role.ASSISTANT))
 
 
+@lru_cache(maxsize=1 << 16)
+def token_bytes(tok: int) -> bytes:
+    """The bytes of one token id (special tokens: their text), possibly part of a UTF-8 character."""
+    return encoding().decode([tok], errors="surrogateescape").encode("utf-8", "surrogateescape")
+
+
+@lru_cache(maxsize=1 << 16)
+def token_text(tok: int) -> str:
+    """One token id's text on its own (bytes that are part of a character: U+FFFD)."""
+    return encoding().decode([tok])
+
+
+class TextStream:
+    """Generated ids -> text pieces, one id at a time, in O(1) per id: each id's bytes through an
+    incremental UTF-8 decoder, so a character split across ids comes out with its last byte and
+    bytes that are not UTF-8 come out as U+FFFD (the text of all pieces and ``flush`` is
+    ``encoding().decode(ids)``)."""
+
+    def __init__(self):
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, tok: int) -> str:
+        return self._dec.decode(token_bytes(tok))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", True)
+
+
 @dataclass
 class Delta:
     """One piece of a reply: ``kind`` content / reasoning / tool_call (a new call: ``name``) /
@@ -129,8 +158,7 @@ class ReplyStream:
     """Reply ids -> Deltas, one id at a time (module docstring)."""
 
     parser: object = None
-    raw: list[int] | None = None  # not Harmony: the ids since the switch, decoded as plain text
-    shown: int = 0
+    raw: TextStream | None = None  # not Harmony: the ids since the switch, decoded as plain text
     calls: int = 0
     _in_call: bool = False
     _recipient: str | None = None
@@ -149,7 +177,7 @@ class ReplyStream:
         try:
             self.parser.process(tok)
         except HarmonyError:
-            self.raw = []
+            self.raw = TextStream()
             return self._raw(tok)
         out: list[Delta] = []
         rec = self.parser.current_recipient
@@ -174,11 +202,7 @@ class ReplyStream:
     def _raw(self, tok: int) -> list[Delta]:
         if tok in (RETURN, CALL, ENDOFTEXT):
             return []
-        self.raw.append(tok)
-        text = encoding().decode(self.raw)
-        if text.endswith("\ufffd"):
-            return []
-        piece, self.shown = text[self.shown:], len(text)
+        piece = self.raw.push(tok)
         return [Delta("content", piece)] if piece else []
 
 

@@ -75,8 +75,26 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     return start_engine(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
 
 
+def build_null(*, max_batch: int = 8, max_context: int = 2048, step_ms: float = 0.0, chunk: int = 8192,
+               max_waiting: int | None = None, api_key: str | None = None, model_name: str = "null",
+               echo: Callable[[str], None] = print) -> Served:
+    """The server's engine over ``runtime.null.NullRunner`` (no weights; a decode step sleeps
+    ``step_ms``) and its preset reply: the host path measured alone (``bench serve --null-model``)."""
+    from gptoss_fp8.runtime.null import REPLY, NullRunner, ScriptSampler
+    from gptoss_fp8.serve.harmony import encoding
+
+    if max_batch < 1 or max_context < 2 or step_ms < 0:
+        raise GptOssFp8Error(f"null model: --max-batch {max_batch}, context {max_context}, step {step_ms} ms: "
+                             "give a batch >= 1, a context >= 2 and a step >= 0 ms")
+    runner = NullRunner(max_batch, max_context, vocab=HARMONY_VOCAB, step_s=step_ms / 1e3)
+    echo(f"null model: {max_batch} slots x {max_context} tokens, a decode step sleeps {step_ms:g} ms, "
+         "every reply is the same preset text")
+    return start_engine(runner, chunk, max_waiting, api_key, model_name, echo,
+                        sampler=ScriptSampler(encoding().encode(REPLY)))
+
+
 def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
-            echo: Callable[[str], None]) -> Served:
+                 echo: Callable[[str], None], sampler=None) -> Served:
     """Capture the decode graphs (if any), start the engine thread -> Served."""
     from gptoss_fp8.runtime.engine import Engine, EngineThread
 
@@ -86,7 +104,8 @@ def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | Non
         echo(f"captured {len(runner.buckets)} decode CUDA graphs (batch {', '.join(map(str, runner.buckets))}) "
              f"in {time.perf_counter() - t0:.1f} s")
     slots = runner.slots
-    engine = Engine(runner, chunk=chunk, max_waiting=max_waiting if max_waiting is not None else 4 * slots)
+    engine = Engine(runner, chunk=chunk, max_waiting=max_waiting if max_waiting is not None else 4 * slots,
+                    sampler=sampler)
     return Served(engine, EngineThread(engine).start(), name, api_key)
 
 
