@@ -7,6 +7,8 @@
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
 #   serve    gptoss-fp8 serve + bench serve on a synthetic 20b cut to 2 layers, generate on the trained fixture
+#   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
+#   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
 #   prefill  gptoss-fp8 bench prefill: 20b at 8192 / 32768 tokens (transformers bf16 beside it when
 #            importable), 120b at 8192; CUDA-graph timing too
@@ -88,6 +90,30 @@ if has serve; then
   m convert golden/trained /tmp/trained-fp8 --overwrite > /dev/null 2>&1
   m generate /tmp/trained-fp8 --prompt $'import sys\n\n\ndef main():\n' --device cuda --max-new-tokens 120 2>&1 \
     | tee "$OUT/generate_trained.log"
+fi
+
+if has hf; then
+  # issue 36 on the GPU: import gptoss_fp8.hf, from_pretrained(device_map="cuda") keeps the weights FP8 and runs
+  # our kernels (tests/test_hf_gpu.py: the trained fixture against kernels mode and generate, a synthetic 20b
+  # cut to 2 layers beside transformers bf16). accelerate (device_map) travels as a wheel in .whl/w.
+  if [[ -d .whl/w ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  timeout 400 python3 -m pytest -q -m gpu -s tests/test_hf_gpu.py 2>&1 | tail -40 | tee "$OUT/hf_gpu.log"
+fi
+
+if has verdict-cpu; then
+  # issue 32 through Triton's interpreter on this machine's CPUs (no GPU): the calibration of the verdict
+  # target, weights / w8a8 / kernels, in 14 processes (one thread each), then merged; a case cut short by
+  # the time limit keeps what it measured (each shard writes its JSON as it goes)
+  for k in $(seq 0 13); do
+    CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 OMP_NUM_THREADS=1 timeout ${VERDICT_CPU_S:-420} python3 \
+      benchmarks/verify_calibration.py --device cpu --random 20 --modes weights,w8a8,kernels --decode 16 \
+      --shard $k/14 --json "$OUT/verdict_cpu_$k.json" > "$OUT/verdict_cpu_$k.log" 2>&1 &
+  done
+  wait
+  python3 benchmarks/verify_calibration.py --merge "$OUT"/verdict_cpu_*.json --json "$OUT/verdict_cpu.json" \
+    2>&1 | tee "$OUT/verdict_cpu.log"
 fi
 
 if has kernels; then

@@ -10,6 +10,11 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (README command 2: -n 2) each worker gets its share of the cores, so the
+# workers' torch thread pools do not oversubscribe the box.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

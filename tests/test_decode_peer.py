@@ -1,8 +1,9 @@
 """bench/decode_peer.py and bench decode's peer rows: transformers' bf16 GptOss decode beside ours.
 
-transformers is not a project dependency and CI does not install it: the tests that need it skip
-there (``pytest.importorskip``) and run where transformers==5.17.0 is installed. The others (the
-command path on CPU without a peer, the --help, the "not run" lines) run everywhere.
+transformers is not a core dependency: the tests that need it skip without it
+(``pytest.importorskip``). The test extras install it (the ``[hf]`` extra, 5.17-5.23), so CI runs
+them; the others (the command path on CPU without a peer, the --help, the "not run" lines) run
+everywhere.
 
 On CPU the peer prefills and decodes with ``eager`` attention (transformers refuses sinks with
 flex_attention on CPU); the GPU tests run the benchmarked configuration. The compiled mode's tests

@@ -1,8 +1,8 @@
 """bench/prefill_peer.py: transformers' GptOssForCausalLM as the prefill peer.
 
-transformers is not a project dependency and CI does not install it, so every test that needs it
-skips there (``pytest.importorskip``): these run where someone installed transformers==5.17.0
-(see the module docstring). Only the "transformers absent" test runs in CI.
+transformers is not a core dependency, so every test that needs it skips without it
+(``pytest.importorskip``); the test extras install it (the ``[hf]`` extra, 5.17-5.23), so CI runs
+them too.
 
 On CPU the peer runs with ``eager`` attention (transformers refuses sinks with flex_attention on
 CPU); the GPU tests run the benchmarked configuration, flex_attention + grouped_mm experts.
