@@ -40,9 +40,11 @@ VARIANTS = {
     "qreg+cond8": dict(q_in_registers=True, rescale_threshold=8.0),
     "qreg+bf16x2": dict(q_in_registers=True, exp="bf16x2"),
     "deep": dict(deep=True),
+    "deep+cond8": dict(deep=True, rescale_threshold=8.0),
     "3st": dict(stages=3),
     "n128-2wg": dict(block_n=128, stages=3, warpgroups=2),
     "n128-2wg-qreg": dict(block_n=128, stages=3, warpgroups=2, q_in_registers=True),
+    "n128-2wg-deep": dict(block_n=128, stages=3, warpgroups=2, deep=True),
 }
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
 D = 64
@@ -130,7 +132,7 @@ def main() -> None:
         checks = {n: (0.0, 0.0, []) for n in names}
     else:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(len(names), 12), mp_context=ctx) as pool:
+        with ProcessPoolExecutor(max_workers=min(len(names), 14), mp_context=ctx) as pool:
             checks = dict(zip(names, pool.map(check, names), strict=True))
     for n in names:
         rel, err, fails = checks[n]

@@ -166,8 +166,8 @@ if HAS_GLUON:
                       EXP: gl.constexpr, THRESH: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head.
         QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
-        DEEP: QK^T of block j + 1 is issued before block j's softmax (two score tiles in registers),
-        so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs."""
+        DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
+        score tiles in registers), so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
@@ -199,31 +199,45 @@ if HAS_GLUON:
             qa = q
 
         if DEEP:
+            # blocks in pairs (a, b) after block 0: QK^T(a), QK^T(b) and PV(a - 1) issued together, a's
+            # softmax under QK^T(b) and PV(a - 1), b's under PV(a). Nothing is in flight at the loop's
+            # back edge (ptxas serializes every wgmma otherwise: C7514).
             mbarrier.wait(ready.index(0), 0)
-            s_tok = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            nxt = gl.minimum(1, last)  # past the last block: its QK^T again (result unused)
-            mbarrier.wait(ready.index(nxt % S), (nxt // S) & 1)
-            s_next = warpgroup_mma(qa, k_bufs.index(nxt % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            sc = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
             p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH)
             p_op = gl.convert_layout(p_op, p_layout)
-            s_tok = s_next
-            for j in range(1, my_blocks):
-                sp = (j - 1) % S
-                acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
-                nxt = gl.minimum(j + 1, last)
-                mbarrier.wait(ready.index(nxt % S), (nxt // S) & 1)
-                s_next = warpgroup_mma(qa, k_bufs.index(nxt % S).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok,))
-                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
+            for i in range((my_blocks - 1) // 2):
+                a = 2 * i + 1
+                b = a + 1
+                mbarrier.wait(ready.index(a % S), (a // S) & 1)
+                s_a = warpgroup_mma(qa, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(ready.index(b % S), (b // S) & 1)
+                s_b = warpgroup_mma(qa, k_bufs.index(b % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_bufs.index((a - 1) % S), acc, is_async=True)  # PV of block a - 1
+                sc = warpgroup_mma_wait(num_outstanding=2, deps=(s_a,))
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, a, n_full, qk_scale, EXP, THRESH)
+                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_b))
+                mbarrier.arrive(empty.index((a - 1) % S), count=1)
                 acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
                 p_op = gl.convert_layout(p_op, p_layout)
-                s_tok = s_next
-            acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc, is_async=True)
-            acc, s_tok = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_tok))
+                acc = warpgroup_mma(p_op, v_bufs.index(a % S), acc, is_async=True)  # PV of block a
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, b, n_full, qk_scale, EXP, THRESH)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(a % S), count=1)
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                p_op = gl.convert_layout(p_op, p_layout)
+            if (my_blocks - 1) % 2 == 1:  # the odd block left: one step as below
+                j = my_blocks - 1
+                mbarrier.wait(ready.index(j % S), (j // S) & 1)
+                s_tok = warpgroup_mma(qa, k_bufs.index(j % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_bufs.index((j - 1) % S), acc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((j - 1) % S), count=1)
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                p_op = gl.convert_layout(p_op, p_layout)
+            acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
         else:
             mbarrier.wait(ready.index(0), 0)
             sc = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
@@ -331,8 +345,8 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
                          rescale_threshold: float = 0.0) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments).
-    Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (QK^T
-    one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
+    Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (blocks in
+    pairs, QK^T one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
     rescale_threshold (> 0: conditional rescaling of the running max, log2 units)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
