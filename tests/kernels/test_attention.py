@@ -528,4 +528,4 @@ def test_prefill_ws_options_compile_for_sm90(option):
         base = _ws_compile()["ptx"]
         assert _wgmma_by_a(base) == (24, 24)  # the default: Q from shared memory
         # a quarter of each thread's 32 scores per site: 8 fewer ex2 at each of the 6 unmasked sites
-        assert base.count("ex2.approx.f32") - ptx.count("ex2.approx.f32") == 6 * 8
+        assert base.count("ex2.approx.ftz.f32") - ptx.count("ex2.approx.ftz.f32") == 6 * 8
