@@ -39,6 +39,7 @@ VARIANTS = {
     "bf16x2": dict(exp="bf16x2"),
     "qreg+cond8": dict(q_in_registers=True, rescale_threshold=8.0),
     "qreg+bf16x2": dict(q_in_registers=True, exp="bf16x2"),
+    "qreg+fma25": dict(q_in_registers=True, exp="fma25"),
     "deep": dict(deep=True),
     "deep+cond8": dict(deep=True, rescale_threshold=8.0),
     "n128-2wg": dict(block_n=128, stages=3, warpgroups=2),
