@@ -38,13 +38,10 @@ VARIANTS = {
     "fma50": dict(exp="fma50"),
     "bf16x2": dict(exp="bf16x2"),
     "qreg+cond8": dict(q_in_registers=True, rescale_threshold=8.0),
-    "qreg+bf16x2": dict(q_in_registers=True, exp="bf16x2"),
     "qreg+fma25": dict(q_in_registers=True, exp="fma25"),
     "deep": dict(deep=True),
-    "deep+cond8": dict(deep=True, rescale_threshold=8.0),
     "n128-2wg": dict(block_n=128, stages=3, warpgroups=2),
     "n128-2wg-qreg": dict(block_n=128, stages=3, warpgroups=2, q_in_registers=True),
-    "n128-2wg-deep": dict(block_n=128, stages=3, warpgroups=2, deep=True),
 }
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
 D = 64
@@ -153,7 +150,7 @@ def main() -> None:
             torch.cuda.synchronize()
             errs[n] = sampled_error(outs[n], q, k, v, sinks)
         base_out = outs.get("base")
-        rep = 300 if T <= 8192 else (600 if T <= 32768 else 1800)
+        rep = 300 if T <= 8192 else (600 if T <= 32768 else 1200)
         times: dict = {n: [] for n in ok}
         for p in range(args.passes):
             for n in ok:
