@@ -17,6 +17,12 @@ Structure (FlashAttention-3's, on 128 queries x one head per program):
   warpgroups overlap each other besides. Blocks past a warpgroup's diagonal are skipped (only
   released); the diagonal blocks get the causal mask.
 - epilogue: O / l in bf16 through shared memory (the Q tile's buffer) and a TMA store.
+
+Options toward the exp bound (issue 34; ``ws_attention_prefill``'s keywords, ``GluonAttentionTile``'s
+fields), all off by default and not yet measured on the H200 (benchmarks/attn_variants.py times them
+side by side; BENCHMARKS.md "Attention prefill"): Q as the register operand of QK^T, blocks in pairs
+with QK^T one block ahead, part of 2^x by an FMA-pipe polynomial or packed bf16x2 ex2, and
+conditional rescaling of the running max.
 """
 
 from __future__ import annotations
