@@ -17,6 +17,12 @@ Structure (FlashAttention-3's, on 128 queries x one head per program):
   warpgroups overlap each other besides. Blocks past a warpgroup's diagonal are skipped (only
   released); the diagonal blocks get the causal mask.
 - epilogue: O / l in bf16 through shared memory (the Q tile's buffer) and a TMA store.
+
+Options toward the exp bound (issue 34; ``ws_attention_prefill``'s keywords, ``GluonAttentionTile``'s
+fields), all off by default and not yet measured on the H200 (benchmarks/attn_variants.py times them
+side by side; BENCHMARKS.md "Attention prefill"): Q as the register operand of QK^T, blocks in pairs
+with QK^T one block ahead, part of 2^x by an FMA-pipe polynomial or packed bf16x2 ex2, and
+conditional rescaling of the running max.
 """
 
 from __future__ import annotations
@@ -64,27 +70,110 @@ if HAS_GLUON:
             load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
 
     @gluon.jit
-    def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr):
-        """Block j's scores -> (p, alpha, m_new, l_new) in base 2 (attention.py's arithmetic)."""
+    def _exp2_fma(x):
+        """2^x on the FMA / integer pipes instead of the MUFU unit (FlashAttention-4's trick): Cody-Waite
+        split x = j + f with j = round(x) (adding 1.5 * 2^23 leaves j in the low mantissa bits), 2^f on
+        [-0.5, 0.5] by a degree-3 fit (relative error 7.5e-5, far below bf16's 3.9e-3), j added to the
+        exponent field as an integer. x below -125 (also -inf) gives ~2^-125 instead of 0: negligible
+        beside the row sum (>= 1)."""
+        x = gl.maximum(x, -125.0)
+        t = x + 12582912.0
+        f = x - (t - 12582912.0)
+        p = gl.fma(gl.fma(gl.fma(f, 0.05517098, 0.2426097), f, 0.69326097), f, 0.99992816)
+        return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _halves(x):
+        """[R, N] -> its columns [0, N/2) and [N/2, N): in the wgmma accumulator layout the top column
+        bit indexes a thread's own registers, so this moves no data."""
+        R: gl.constexpr = x.type.shape[0]
+        N: gl.constexpr = x.type.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _unhalves(a, b):
+        R: gl.constexpr = a.type.shape[0]
+        N: gl.constexpr = a.type.shape[1]
+        b = gl.convert_layout(b, a.type.layout, assert_trivial=True)
+        return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * N])
+
+    @gluon.jit
+    def _exp2_tile(x, EXP: gl.constexpr):
+        """2^x of a score tile: EXP 0 all on the MUFU; 1 the last quarter of the columns by _exp2_fma;
+        2 the last half by _exp2_fma; 3 packed ``ex2.approx.ftz.bf16x2`` on bf16 arguments (result
+        bf16, the PV operand's type)."""
+        if EXP == 0:
+            return gl.exp2(x)
+        elif EXP == 3:
+            return gl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x.to(gl.bfloat16)],
+                                             dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            lo, hi = _halves(x)
+            if EXP == 1:
+                a, b = _halves(hi)
+                y = _unhalves(gl.exp2(lo), _unhalves(gl.exp2(a), _exp2_fma(b)))
+            else:
+                y = _unhalves(gl.exp2(lo), _exp2_fma(hi))
+            return gl.convert_layout(y, x.type.layout, assert_trivial=True)
+
+    @gluon.jit
+    def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr, EXP: gl.constexpr,
+                      THRESH: gl.constexpr):
+        """Block j's scores -> (p, alpha, m_new, l_new, rescale) in base 2 (attention.py's arithmetic).
+        THRESH > 0: the running max moves only when some row of the warpgroup grew by more than THRESH
+        (log2 units; FlashAttention-4's conditional rescaling), so p <= 2^THRESH and, when it does not
+        move, alpha is 1 and ``rescale`` False (the caller skips acc * alpha); O / l is exact either way."""
         BN: gl.constexpr = sc.type.shape[1]
         if MASKED:
             cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
             visible = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
             sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            sc = sc - gl.expand_dims(m_new, 1)
+            m_blk = gl.max(sc, 1)
         else:
-            m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
-            sc = sc * qk_scale - gl.expand_dims(m_new, 1)
+            m_blk = gl.max(sc, 1) * qk_scale
+            sc = sc * qk_scale
+        if THRESH > 0:
+            rescale = gl.max(m_blk - m_i, 0) > THRESH
+            if rescale:
+                m_new = gl.maximum(m_i, m_blk)
+            else:
+                m_new = m_i
+        else:
+            rescale = True
+            m_new = gl.maximum(m_i, m_blk)
+        sc = sc - gl.expand_dims(m_new, 1)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sc)
-        l_new = l_i * alpha + gl.sum(p, 1)
-        return p, alpha, m_new, l_new
+        p = _exp2_tile(sc, EXP)
+        l_new = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        return p, alpha, m_new, l_new, rescale
+
+    @gluon.jit
+    def _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP: gl.constexpr, THRESH: gl.constexpr):
+        if j < n_full:
+            p, alpha, m_i, l_i, rescale = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False, EXP, THRESH)
+            p = p.to(gl.bfloat16)
+        else:  # the diagonal blocks (causal mask) keep 2^x on the MUFU
+            p, alpha, m_i, l_i, rescale = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, True, 0, THRESH)
+            p = p.to(gl.bfloat16)
+        return p, alpha, m_i, l_i, rescale
+
+    @gluon.jit
+    def _rescale(acc, alpha, rescale, orow_layout: gl.constexpr, THRESH: gl.constexpr):
+        if THRESH > 0:
+            if rescale:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        else:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        return acc
 
     @gluon.jit
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                      num_pid_m, qk_scale, GROUP: gl.constexpr):
-        """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head."""
+                      num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
+                      EXP: gl.constexpr, THRESH: gl.constexpr):
+        """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head.
+        QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
+        DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
+        score tiles in registers), so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
@@ -102,6 +191,7 @@ if HAS_GLUON:
         n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         n_full = (r0 + 1) // BN  # blocks every query of this warpgroup sees in full
         my_blocks = gl.minimum(r0 // BN + 1, n_blocks)  # the rest lie wholly in its future
+        last = my_blocks - 1
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + sink
         l_i = gl.full([R], 1.0, gl.float32, row_layout)
@@ -109,33 +199,70 @@ if HAS_GLUON:
         zero_s = gl.zeros([R, BN], gl.float32, s_layout)
         q = q_smem.index(W)
         mbarrier.wait(q_bar, 0)
-
-        # block 0
-        mbarrier.wait(ready.index(0), 0)
-        sc = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
-        if n_full > 0:
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, False)
+        if QREG:
+            qa = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, 0, qk_scale, True)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        for j in range(1, my_blocks):
-            s = j % S
-            sp = (j - 1) % S
-            mbarrier.wait(ready.index(s), (j // S) & 1)
-            s_tok = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            # block j's softmax runs while PV(j - 1) is on the tensor cores
-            if j < n_full:
-                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False)
-            else:
-                p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        last = my_blocks - 1
-        acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
+            qa = q
+
+        if DEEP:
+            # blocks in pairs (a, b) after block 0: QK^T(a), QK^T(b) and PV(a - 1) issued together, a's
+            # softmax under QK^T(b) and PV(a - 1), b's under PV(a). Nothing is in flight at the loop's
+            # back edge (ptxas serializes every wgmma otherwise: C7514).
+            mbarrier.wait(ready.index(0), 0)
+            sc = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
+            p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH)
+            p_op = gl.convert_layout(p_op, p_layout)
+            for i in range((my_blocks - 1) // 2):
+                a = 2 * i + 1
+                b = a + 1
+                mbarrier.wait(ready.index(a % S), (a // S) & 1)
+                s_a = warpgroup_mma(qa, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(ready.index(b % S), (b // S) & 1)
+                s_b = warpgroup_mma(qa, k_bufs.index(b % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_bufs.index((a - 1) % S), acc, is_async=True)  # PV of block a - 1
+                sc = warpgroup_mma_wait(num_outstanding=2, deps=(s_a,))
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, a, n_full, qk_scale, EXP, THRESH)
+                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_b))
+                mbarrier.arrive(empty.index((a - 1) % S), count=1)
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                p_op = gl.convert_layout(p_op, p_layout)
+                acc = warpgroup_mma(p_op, v_bufs.index(a % S), acc, is_async=True)  # PV of block a
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, b, n_full, qk_scale, EXP, THRESH)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(a % S), count=1)
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                p_op = gl.convert_layout(p_op, p_layout)
+            if (my_blocks - 1) % 2 == 1:  # the odd block left: one step as below
+                j = my_blocks - 1
+                mbarrier.wait(ready.index(j % S), (j // S) & 1)
+                s_tok = warpgroup_mma(qa, k_bufs.index(j % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_bufs.index((j - 1) % S), acc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((j - 1) % S), count=1)
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                p_op = gl.convert_layout(p_op, p_layout)
+            acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
+        else:
+            mbarrier.wait(ready.index(0), 0)
+            sc = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
+            p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH)
+            p_op = gl.convert_layout(p_op, p_layout)
+            for j in range(1, my_blocks):
+                s = j % S
+                sp = (j - 1) % S
+                mbarrier.wait(ready.index(s), (j // S) & 1)
+                s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                # block j's softmax runs while PV(j - 1) is on the tensor cores
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                p_op = gl.convert_layout(p_op, p_layout)
+            acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
         mbarrier.arrive(empty.index(last % S), count=1)
         for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
             mbarrier.wait(ready.index(j % S), (j // S) & 1)
@@ -150,24 +277,29 @@ if HAS_GLUON:
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                              T, num_pid_m, qk_scale, GROUP: gl.constexpr):
+                              T, num_pid_m, qk_scale, GROUP: gl.constexpr,
+                             QREG: gl.constexpr, DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr):
         _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP)
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH)
 
     @gluon.jit
     def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                             T, num_pid_m, qk_scale, GROUP: gl.constexpr):
+                             T, num_pid_m, qk_scale, GROUP: gl.constexpr,
+                             QREG: gl.constexpr, DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr):
         _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP)
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH)
 
     @gluon.jit
     def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                       T, num_pid_m, qk_scale, GROUP: gl.constexpr):
+                       T, num_pid_m, qk_scale, GROUP: gl.constexpr,
+                       QREG: gl.constexpr, DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
 
     @gluon.jit
     def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
-                             GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr):
+                             GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
+                             QREG: gl.constexpr = False, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
+                             THRESH: gl.constexpr = 0.0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -185,22 +317,22 @@ if HAS_GLUON:
         if NWG == 3:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP)),
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP)),
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
             ], [4, 1], [REGS, 40])
 
 
@@ -210,10 +342,18 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n, h * d), (t.stride(0), 1))
 
 
+EXP_MODES = {"mufu": 0, "fma25": 1, "fma50": 2, "bf16x2": 3}  # _exp2_tile's EXP
+
+
 def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
-                         sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2) -> torch.Tensor:
+                         sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2,
+                         q_in_registers: bool = False, deep: bool = False, exp: str = "mufu",
+                         rescale_threshold: float = 0.0) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
-    part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments)."""
+    part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments).
+    Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (blocks in
+    pairs, QK^T one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
+    rescale_threshold (> 0: conditional rescaling of the running max, log2 units)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
 
@@ -221,10 +361,11 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
         return descriptor(_rows2d(t), [rows, d])
 
     assert warpgroups in (2, 3) and block_n in (64, 128), f"warpgroups {warpgroups}, block_n {block_n}"
+    assert exp in EXP_MODES, f"exp {exp!r}, expected one of {sorted(EXP_MODES)}"
     num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
         sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=232 if warpgroups == 2 else 160,
-        num_warps=4,
+        QREG=q_in_registers, DEEP=deep, EXP=EXP_MODES[exp], THRESH=float(rescale_threshold), num_warps=4,
     )
     return out

@@ -94,11 +94,16 @@ class PrefillTile:
 
 @dataclass(frozen=True)
 class GluonAttentionTile:
-    """The warp-specialized Gluon causal attention (kernels/attention_ws.py)."""
+    """The warp-specialized Gluon causal attention (kernels/attention_ws.py; ``ws_attention_prefill``'s
+    options: benchmarks/attn_variants.py measures them side by side)."""
 
     block_n: int = 64
     stages: int = 4
     warpgroups: int = 3
+    q_in_registers: bool = False  # Q the register operand of QK^T
+    deep: bool = False  # blocks in pairs, QK^T of the second under the first one's softmax
+    exp: str = "mufu"  # 2^x of the unmasked blocks: "mufu", "fma25" / "fma50" (part by polynomial), "bf16x2"
+    rescale_threshold: float = 0.0  # > 0: move the running max only past this growth (log2 units)
 
 
 @dataclass(frozen=True)

@@ -429,12 +429,23 @@ def test_decode_one_wave_gpu(nq, window, L):
 # Lengths around its 64-query warpgroup tiles and 128/192-query programs, GQA 8:1 and 1:1, sinks
 # from -10 to +10, q/k/v as views of one fused projection output (the model's layout), each tile
 # variant, against the fp32 reference.
-WS_VARIANTS = [GluonAttentionTile(block_n=64, stages=3, warpgroups=2), GluonAttentionTile(block_n=128, stages=3, warpgroups=2),
-               GluonAttentionTile(block_n=64, stages=3, warpgroups=3), GluonAttentionTile(block_n=64, stages=4, warpgroups=3)]
+WS_VARIANTS = {
+    "n64-2wg": GluonAttentionTile(block_n=64, stages=3, warpgroups=2),
+    "n128-2wg": GluonAttentionTile(block_n=128, stages=3, warpgroups=2),
+    "n64-3wg": GluonAttentionTile(block_n=64, stages=3, warpgroups=3),
+    "n64-3wg-4st": GluonAttentionTile(block_n=64, stages=4, warpgroups=3),
+    # ws_attention_prefill's options (issue 34; benchmarks/attn_variants.py times them)
+    "qreg": GluonAttentionTile(q_in_registers=True),
+    "deep": GluonAttentionTile(deep=True),
+    "fma25": GluonAttentionTile(exp="fma25"),
+    "bf16x2": GluonAttentionTile(exp="bf16x2"),
+    "cond8": GluonAttentionTile(rescale_threshold=8.0),
+    "qreg-cond8": GluonAttentionTile(q_in_registers=True, rescale_threshold=8.0),
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", WS_VARIANTS, ids=["n64-2wg", "n128-2wg", "n64-3wg", "n64-3wg-4st"])
+@pytest.mark.parametrize("variant", WS_VARIANTS.values(), ids=WS_VARIANTS.keys())
 @pytest.mark.parametrize("T,hq,hkv", [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1),
                                       (4099, 64, 8)])
 def test_prefill_ws_gpu(T, hq, hkv, variant):
@@ -473,3 +484,48 @@ def test_prefill_ws_compiles_for_sm90():
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx and "cp.async.bulk.tensor.2d.global.shared" in ptx
     assert ".local" not in ptx
     assert k["num_warps"] == 16  # three consumer warpgroups and the producer's
+
+
+def _ws_compile(**options):
+    from gptoss_fp8.kernels import _gluon, attention_ws
+
+    if not _gluon.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API; attention uses its Triton kernel")
+    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    types = {n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
+    types.update(sinks_ptr="*bf16", qk_scale="fp32")
+    return _gluon.compile_for_sm90(attention_ws._ws_attention_kernel, types,
+                                   dict(GROUP=8, STAGES=4, NWG=3, REGS=160, **options))
+
+
+def _wgmma_by_a(ptx):
+    """(wgmmas with A from registers, from shared memory) in the PTX."""
+    import re
+
+    ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    regs = sum(bool(re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)) for line in ops)
+    return regs, len(ops) - regs
+
+
+@pytest.mark.parametrize("option", ["QREG", "DEEP", "EXP"])
+def test_prefill_ws_options_compile_for_sm90(option):
+    """Without a GPU: ws_attention_prefill's options change the code as they claim. QREG: every
+    wgmma takes A from registers (P of PV as before, now Q of QK^T too). DEEP: twice the wgmma
+    sites (blocks in pairs) and ptxas keeps them pipelined (no C7514 serialization). EXP=1 (the last
+    quarter of the unmasked blocks' 2^x by the FMA polynomial): 8 fewer MUFU ex2 per thread at each
+    unmasked softmax site (6 of them: 3 warpgroups x block 0 / loop). No local memory in any."""
+    k = _ws_compile(**{"QREG": dict(QREG=True), "DEEP": dict(DEEP=True), "EXP": dict(EXP=1)}[option])
+    ptx = k["ptx"]
+    assert ".local" not in ptx
+    if option == "QREG":
+        assert _wgmma_by_a(ptx) == (48, 0)
+    elif option == "DEEP":
+        assert len([line for line in ptx.splitlines() if "wgmma.mma_async" in line]) == 96
+        if "wgmma_serialized" in k:
+            assert not k["wgmma_serialized"]
+    else:
+        base = _ws_compile()["ptx"]
+        assert _wgmma_by_a(base) == (24, 24)  # the default: Q from shared memory
+        # a quarter of each thread's 32 scores per site: 8 fewer ex2 at each of the 6 unmasked sites
+        assert base.count("ex2.approx.ftz.f32") - ptx.count("ex2.approx.ftz.f32") == 6 * 8

@@ -1,0 +1,186 @@
+"""Variants of the warp-specialized causal prefill attention (kernels/attention_ws.py), side by side in
+one process on an sm_90 GPU (issue 34): correctness of each against the fp32 spec
+(``spec.attention``, what ``attention_prefill_ref`` computes) on the GPU tests' shapes, then time at
+each length, passes interleaved so that clock drift hits every variant alike.
+
+Run on the GPU machine from the repository root:
+    PYTHONPATH=$PWD python3 benchmarks/attn_variants.py [--tokens 8192,32768,128000] [--variants a,b]
+        [--passes 2] [--json PATH]
+Prints one line per (variant, length) and a table last. FLOPs = 4 x visible pairs x 64 x 64 heads
+(BENCHMARKS.md's convention, 64 query / 8 KV heads, head_dim 64); pairs/s = visible (query, key)
+pairs x 64 heads / s = FLOP/s / 256 (each costs 256 FLOPs of MMA and one exponential). Max error:
+the largest |out - ref| on sampled 64-row chunks (first, middle, last) of every length, against
+spec.attention in fp32. The checks run one process per variant in parallel (they also fill
+Triton's on-disk cache, so the timed process compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from gptoss_fp8 import spec
+from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
+
+BASE = dict(block_n=64, stages=4, warpgroups=3)
+VARIANTS = {
+    "base": {},
+    "qreg": dict(q_in_registers=True),
+    "cond8": dict(rescale_threshold=8.0),
+    "fma25": dict(exp="fma25"),
+    "fma50": dict(exp="fma50"),
+    "bf16x2": dict(exp="bf16x2"),
+    "qreg+cond8": dict(q_in_registers=True, rescale_threshold=8.0),
+    "qreg+fma25": dict(q_in_registers=True, exp="fma25"),
+    "deep": dict(deep=True),
+    "n128-2wg": dict(block_n=128, stages=3, warpgroups=2),
+    "n128-2wg-qreg": dict(block_n=128, stages=3, warpgroups=2, q_in_registers=True),
+}
+TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
+D = 64
+
+
+def _inputs(T, hq, hkv, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    fused = torch.randn(T, (hq + 2 * hkv) * D, device="cuda", generator=g).bfloat16()
+    q, k, v = (t.view(T, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
+    sinks = torch.rand(hq, device="cuda", generator=g) * 20 - 10  # fp32, as the GPU tests' (same compiles)
+    sinks[0], sinks[-1] = -10.0, 10.0
+    return q, k, v, sinks
+
+
+def _run(cfg, q, k, v, sinks, out=None):
+    if out is None:
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    return ws_attention_prefill(q, k, v, sinks, out, D ** -0.5, **{**BASE, **cfg})
+
+
+def _ref_rows(q, k, v, sinks, r0, r1):
+    return spec.attention(q[r0:r1], k[:r1], v[:r1], sinks, D ** -0.5, 0, q_offset=r0, dtype=torch.float32)
+
+
+def check(name):
+    """check(VARIANTS[name]) in a worker process, then one launch at a timed shape's specialization
+    (T a multiple of 16, several programs per head) to compile it there."""
+    try:
+        r = check_cfg(VARIANTS[name])
+        q, k, v, sinks = _inputs(1024, 64, 8, 0)
+        _run(VARIANTS[name], q, k, v, sinks)
+        torch.cuda.synchronize()
+        return r
+    except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
+        return math.nan, math.nan, [f"{type(e).__name__}: {str(e)[-600:]}"]
+
+
+def check_cfg(cfg):
+    """The GPU tests' criteria (tests/kernels/test_attention.py::_check, gpu=True) on their shapes:
+    (worst relative error, worst max abs error, failures)."""
+    worst_rel, worst_abs, fails = 0.0, 0.0, []
+    for T, hq, hkv in TEST_SHAPES:
+        q, k, v, sinks = _inputs(T, hq, hkv, T + hq)
+        out = _run(cfg, q, k, v, sinks).float()
+        ref = spec.attention(q, k, v, sinks, D ** -0.5, 0, dtype=torch.float32).float()
+        if not torch.isfinite(out).all():
+            fails.append(f"T={T} non-finite")
+            continue
+        rel = ((out - ref).norm() / ref.norm()).item()
+        err = (out - ref).abs().max().item()
+        worst_rel, worst_abs = max(worst_rel, rel), max(worst_abs, err)
+        try:
+            assert rel < 1e-2, f"relative error {rel:.2e}"
+            torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+        except AssertionError as e:
+            fails.append(f"T={T} hq={hq} hkv={hkv}: {str(e).splitlines()[0]}")
+    return worst_rel, worst_abs, fails
+
+
+def sampled_error(out, q, k, v, sinks):
+    T = q.shape[0]
+    worst = 0.0
+    for r0 in sorted({0, (T // 2) // 64 * 64, max(T - 64, 0)}):
+        r1 = min(r0 + 64, T)
+        worst = max(worst, (out[r0:r1].float() - _ref_rows(q, k, v, sinks, r0, r1).float()).abs().max().item())
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="8192,32768,128000")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args()
+    import triton
+    from triton.testing import do_bench
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    names = args.variants.split(",")
+    res: dict = {"variants": {n: {**BASE, **VARIANTS[n]} for n in names}, "check": {}, "timing": {}}
+    t0 = time.time()
+    if args.skip_check:
+        checks = {n: (0.0, 0.0, []) for n in names}
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(len(names), 14), mp_context=ctx) as pool:
+            checks = dict(zip(names, pool.map(check, names), strict=True))
+    for n in names:
+        rel, err, fails = checks[n]
+        res["check"][n] = {"rel": rel, "max_abs": err, "fails": fails}
+        print(f"check {n}: rel {rel:.2e} max_abs {err:.2e} {'PASS' if not fails else 'FAIL ' + '; '.join(fails)}",
+              flush=True)
+    print(f"checks and compiles: {time.time() - t0:.1f} s", flush=True)
+    ok = [n for n in names if not res["check"][n]["fails"]]
+    hq, hkv = 64, 8
+    for T in [int(t) for t in args.tokens.split(",")]:
+        q, k, v, sinks = _inputs(T, hq, hkv, 1234 + T)
+        pairs = T * (T + 1) // 2 * hq
+        flops = 4 * pairs * D
+        outs = {n: torch.empty_like(q) for n in ok}
+        errs = {}
+        for n in ok:
+            _run(VARIANTS[n], q, k, v, sinks, outs[n])
+            torch.cuda.synchronize()
+            errs[n] = sampled_error(outs[n], q, k, v, sinks)
+        base_out = outs.get("base")
+        rep = 300 if T <= 8192 else (600 if T <= 32768 else 1200)
+        times: dict = {n: [] for n in ok}
+        for p in range(args.passes):
+            for n in ok:
+                ms = do_bench(lambda n=n: _run(VARIANTS[n], q, k, v, sinks, outs[n]), warmup=min(rep // 3, 300),
+                              rep=rep, return_mode="median")
+                times[n].append(ms)
+                print(f"T={T} pass {p} {n}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+        for n in ok:
+            ms = min(times[n])
+            vs_base = ((outs[n].float() - base_out.float()).abs().max().item() if base_out is not None else math.nan)
+            res["timing"].setdefault(str(T), {})[n] = {
+                "ms": times[n], "tflops": flops / ms / 1e9, "pairs_per_s": pairs / ms * 1e3,
+                "max_abs_vs_ref_sampled": errs[n], "max_abs_vs_base": vs_base}
+        q = k = v = outs = base_out = None  # free the length's buffers before the next
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print("\n| variant | " + " | ".join(f"{T}: ms (TFLOP/s, pairs/s), max err" for T in res["timing"]) + " |")
+    for n in names:
+        cells = []
+        for row in res["timing"].values():
+            r = row.get(n)
+            cells.append("-" if r is None else
+                         f"{'/'.join(f'{x:.3f}' for x in r['ms'])} ({r['tflops']:.0f}, {r['pairs_per_s']:.2e}), "
+                         f"{r['max_abs_vs_ref_sampled']:.1e}")
+        c = res["check"][n]
+        print(f"| {n} | " + " | ".join(cells) + f" | tests {'PASS' if not c['fails'] else 'FAIL'} rel {c['rel']:.1e} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
