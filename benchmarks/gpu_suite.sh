@@ -7,6 +7,7 @@
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
 #   serve    gptoss-fp8 serve + bench serve on a synthetic 20b cut to 2 layers, generate on the trained fixture
+#   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
@@ -92,6 +93,16 @@ if has serve; then
     | tee "$OUT/generate_trained.log"
 fi
 
+if has attention; then
+  # issue 34: the warp-specialized attention's options (Q in registers, paired blocks, exp on the FMA
+  # pipes / packed bf16x2, conditional rescaling) checked against the spec and timed side by side in one
+  # process (benchmarks/attn_variants.py), then their GPU tests
+  timeout 210 python3 benchmarks/attn_variants.py --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn \
+    | tee "$OUT/attn_variants.log"
+  timeout 110 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "ws_gpu or single_sequence" 2>&1 \
+    | tail -30 | tee "$OUT/attn_tests.log"
+fi
+
 if has hf; then
   # issue 36 on the GPU: import gptoss_fp8.hf, from_pretrained(device_map="cuda") keeps the weights FP8 and runs
   # our kernels (tests/test_hf_gpu.py: the trained fixture against kernels mode and generate, a synthetic 20b
@@ -99,18 +110,22 @@ if has hf; then
   if [[ -d .whl/w ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
-  timeout 400 python3 -m pytest -q -m gpu -s tests/test_hf_gpu.py 2>&1 | tail -40 | tee "$OUT/hf_gpu.log"
+  timeout ${HF_S:-240} python3 -m pytest -q -m gpu -s tests/test_hf_gpu.py 2>&1 | tail -40 | tee "$OUT/hf_gpu.log"
 fi
 
 if has verdict-cpu; then
   # issue 32 through Triton's interpreter on this machine's CPUs (no GPU): the calibration of the verdict
-  # target, weights / w8a8 / kernels, in 14 processes (one thread each), then merged; a case cut short by
+  # target, weights / w8a8 / kernels, in 16 processes (one thread each), then merged; a case cut short by
   # the time limit keeps what it measured (each shard writes its JSON as it goes)
-  for k in $(seq 0 13); do
+  vc() {  # shard name, then verify_calibration.py's arguments
+    local name=$1; shift
     CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 OMP_NUM_THREADS=1 timeout ${VERDICT_CPU_S:-420} python3 \
-      benchmarks/verify_calibration.py --device cpu --random 20 --modes weights,w8a8,kernels --decode 16 \
-      --shard $k/14 --json "$OUT/verdict_cpu_$k.json" > "$OUT/verdict_cpu_$k.log" 2>&1 &
-  done
+      benchmarks/verify_calibration.py --device cpu --modes weights,w8a8,kernels --decode 16 \
+      --json "$OUT/verdict_cpu_$name.json" "$@" > "$OUT/verdict_cpu_$name.log" 2>&1
+  }
+  vc t0 --random 0 --shard 0/2 & vc t1 --random 0 --shard 1/2 &  # the trained fixture, each conversion
+  n=${VERDICT_CPU_PROCS:-14}  # random-checkpoint shards
+  for k in $(seq 0 $((n - 1))); do vc r$k --random 20 --no-trained --shard $k/$n & done
   wait
   python3 benchmarks/verify_calibration.py --merge "$OUT"/verdict_cpu_*.json --json "$OUT/verdict_cpu.json" \
     2>&1 | tee "$OUT/verdict_cpu.log"

@@ -50,12 +50,12 @@ def random_shape(i: int) -> tuple[int, dict, int]:
     return r.choice([1, 2, 3, 4]), ov, r.choice([40, 56, 72])
 
 
-def cases(tmp: Path, n_random: int, device: str, want=lambda j: True):
+def cases(tmp: Path, n_random: int, device: str, want=lambda j: True, trained_too: bool = True):
     """(j, name, checkpoint, reference) of case j = 0, 1, ... for the j that ``want`` takes."""
     trained = ROOT / "golden" / "trained"
     text = (ROOT / "gptoss_fp8" / "tokenizer.py").read_text()[:160]
     toks = torch.tensor(ByteTokenizer().encode(text))
-    for keep in (False, True):
+    for keep in (False, True) if trained_too else ():
         if not want(int(keep)):
             continue
         dst = tmp / f"trained-{keep}"
@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--only-mutations", action="store_true", help="skip the correct-code runs")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shard", default="0/1", help="K/N: only the cases j with j %% N == K (parallel runs; then --merge)")
+    ap.add_argument("--no-trained", action="store_true", help="the random checkpoints only")
     ap.add_argument("--merge", type=Path, nargs="*", help="print the summary of these --json files (of the shards)")
     a = ap.parse_args()
     if a.merge:
@@ -127,7 +128,8 @@ def main() -> None:
     catches = []
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for j, name, dst, ref in cases(Path(tmp), a.random, a.device, lambda j: j % n_shard == k_shard):
+        for j, name, dst, ref in cases(Path(tmp), a.random, a.device, lambda j: j % n_shard == k_shard,
+                                     not a.no_trained):
             if a.only_mutations and j >= a.mutations:
                 continue
             report = {"passed": True}

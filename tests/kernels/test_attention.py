@@ -508,6 +508,7 @@ def _wgmma_by_a(ptx):
     return regs, len(ops) - regs
 
 
+@pytest.mark.slow  # ~35 s on the 2-core box: compile-only, the default tiles are checked by the test above
 @pytest.mark.parametrize("option", ["QREG", "DEEP", "EXP"])
 def test_prefill_ws_options_compile_for_sm90(option):
     """Without a GPU: ws_attention_prefill's options change the code as they claim. QREG: every
