@@ -322,18 +322,20 @@ class GptOss(nn.Module):
         None) when run in chunks. ``routing``: given (ids, weights), see ``_moe`` (not chunked)."""
         n = t.y.shape[0]
         if not chunk or n <= chunk or routing is not None:
-            return self._moe(layer, t, ops, capture, routing)
+            return self._moe(layer, t, ops, capture, routing, route_keys=capture is not None)
         if chunk < 1:
             raise GptOssFp8Error(f"moe_chunk must be a positive number of tokens, got {chunk}")
         out = torch.empty_like(t.y)
-        router = []
+        got: dict[str, list[torch.Tensor]] = {"router": [], "ids": [], "weights": []}
         for s in range(0, n, chunk):
             part: dict | None = {} if capture is not None else None
-            out[s:s + chunk] = ops.moe_combine(*self._moe(layer, t.rows(s, s + chunk), ops, part))
+            out[s:s + chunk] = ops.moe_combine(*self._moe(layer, t.rows(s, s + chunk), ops, part,
+                                                          route_keys=part is not None))
             if part is not None:
-                router.append(part[f"{layer.idx}.router"])
+                for key, v in got.items():
+                    v.append(part[f"{layer.idx}.{key}"])
         if capture is not None:
-            capture[f"{layer.idx}.router"] = torch.cat(router)
+            capture |= {f"{layer.idx}.{key}": torch.cat(v) for key, v in got.items()}
         return out, None
 
     def _next_norm(self, i: int) -> torch.Tensor:

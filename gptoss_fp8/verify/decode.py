@@ -48,14 +48,20 @@ def _sync(dev: torch.device) -> None:
 
 def forced_row(forward: dict[str, torch.Tensor], p: int, n_layers: int, k: int, dev) -> dict[str, torch.Tensor]:
     """Teacher forcing for the decode step at position p: the full forward's own stream entering
-    each layer i > 0 (``"{i}.in"``) and its MoE (``"{i}.attn"``), and the forward's routing at p
-    (``target_routing`` of its router logits: ``"{i}.ids"`` / ``"{i}.weights"``), rows [1, ...]."""
+    each layer i > 0 (``"{i}.in"``) and its MoE (``"{i}.attn"``), and the routing the forward used
+    at p (its captured ``"{i}.ids"`` / ``"{i}.weights"``; ``target_routing`` of its router logits
+    for captures without them), rows [1, ...]. The forward's own choice, not one recomputed from its
+    logits: where two of them tie at the k-th place the two top-k's may pick differently, and the
+    decode step would run other experts than the output it is compared with (0.43 measured)."""
     f = {}
     for i in range(n_layers):
         if i > 0:
             f[f"{i}.in"] = forward[f"{i - 1}.mlp"][p:p + 1].to(dev)
         f[f"{i}.attn"] = forward[f"{i}.attn"][p:p + 1].to(dev)
-        f[f"{i}.ids"], f[f"{i}.weights"] = target_routing(forward[f"{i}.router"][p:p + 1].to(dev), k)
+        if f"{i}.ids" in forward:
+            f[f"{i}.ids"], f[f"{i}.weights"] = (forward[f"{i}.{key}"][p:p + 1].to(dev) for key in ("ids", "weights"))
+        else:
+            f[f"{i}.ids"], f[f"{i}.weights"] = target_routing(forward[f"{i}.router"][p:p + 1].to(dev), k)
     return f
 
 
