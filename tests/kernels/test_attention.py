@@ -469,15 +469,7 @@ def test_prefill_ws_compiles_for_sm90():
     moved between partitions, bf16 wgmma with P from registers, TMA, no local memory)."""
     import re
 
-    from gptoss_fp8.kernels import _gluon, attention_ws
-
-    if not _gluon.HAS_GLUON:
-        pytest.skip("this triton has no Gluon Hopper API; attention uses its Triton kernel")
-    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    types = {n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
-    types.update(sinks_ptr="*bf16", qk_scale="fp32")
-    k = _gluon.compile_for_sm90(attention_ws._ws_attention_kernel, types, dict(GROUP=8, STAGES=4, NWG=3, REGS=160))
+    k = _ws_compile()
     ptx = k["ptx"]
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx), "consumers get 160 registers"
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
