@@ -94,3 +94,27 @@ def test_export_names_a_missing_or_misshapen_tensor(tmp_path):
     with pytest.raises(GptOssFp8Error, match=rf"tensor {expert}: shape \[8, 192, 161\], expected \[8, 192, 160\]"):
         write_hf_mxfp4(tmp_path / "d", CFG, tensors | {expert: torch.zeros(8, 192, 161)})
     assert not any((tmp_path / x / "model.safetensors").exists() for x in "abcd")  # nothing half-written
+
+
+def test_expert_orientation_is_explicit_where_the_shape_cannot_tell():
+    """Where out == in (2I == H for gate_up_proj), "auto" refuses to guess; the explicit layouts
+    transpose or not as told, and a shape that fits neither names the layout's expectation."""
+    from dataclasses import replace
+
+    from gptoss_fp8.convert.export import hf_expert_orientation
+
+    cfg = replace(CFG, intermediate_size=CFG.hidden_size // 2)  # gate_up: [E, 192, 192] either way
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    w = torch.randn(cfg.num_local_experts, cfg.hidden_size, cfg.hidden_size)
+    with pytest.raises(GptOssFp8Error, match=f"tensor {name}: .* reads the same in both orientations; pass expert_layout"):
+        hf_expert_orientation(name, w, cfg)
+    assert hf_expert_orientation(name, w, cfg, "checkpoint") is w
+    assert torch.equal(hf_expert_orientation(name, w, cfg, "transformers"), w.transpose(1, 2))
+    down = "model.layers.0.mlp.experts.down_proj"  # [E, H, I] = [8, 192, 96]: unambiguous
+    d = torch.randn(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+    assert hf_expert_orientation(down, d, cfg) is d
+    assert torch.equal(hf_expert_orientation(down, d.transpose(1, 2), cfg), d)
+    with pytest.raises(GptOssFp8Error, match=rf"tensor {down}: shape \[8, 192, 96\], expected \[8, 96, 192\]$"):
+        hf_expert_orientation(down, d, cfg, "transformers")
+    with pytest.raises(GptOssFp8Error, match="expert layout 'hf'"):
+        hf_expert_orientation(down, d, cfg, "hf")

@@ -102,7 +102,8 @@ def export(model, out: Path) -> None:
     write_hf_mxfp4(out, CFG, tensors, config_extra={"eos_token_id": BYT5_IDS["eos"], "pad_token_id": BYT5_IDS["pad"],
                                                      "bos_token_id": None, "router_aux_loss_coef": AUX_LOSS},
                    files=BYT5_FILES | {"generation_config.json": {"eos_token_id": BYT5_IDS["eos"],
-                                                                  "pad_token_id": BYT5_IDS["pad"]}})
+                                                                  "pad_token_id": BYT5_IDS["pad"]}},
+                   expert_layout="transformers")
 
 
 def load_mxfp4_into(model, out: Path) -> None:

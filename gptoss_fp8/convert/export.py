@@ -23,23 +23,39 @@ from gptoss_fp8.quant.mxfp4 import encode_mxfp4
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def hf_expert_orientation(name: str, w: torch.Tensor, cfg: GptOssConfig) -> torch.Tensor:
-    """An expert weight in the checkpoint's [E, out, in] orientation; transformers' GptOss holds
-    gate_up_proj as [E, H, 2I] and down_proj as [E, I, H] in memory (transposed)."""
+EXPERT_LAYOUTS = ("auto", "checkpoint", "transformers")
+
+
+def hf_expert_orientation(name: str, w: torch.Tensor, cfg: GptOssConfig, layout: str = "auto") -> torch.Tensor:
+    """An expert weight in the checkpoint's [E, out, in] orientation. ``layout`` says how ``w`` is
+    held: "checkpoint" ([E, out, in]), "transformers" (its GptOss keeps gate_up_proj as [E, H, 2I]
+    and down_proj as [E, I, H] in memory: [E, in, out]) or "auto" (told apart by shape, which
+    fails where out == in: 2I == H for gate_up_proj, I == H for down_proj)."""
+    if layout not in EXPERT_LAYOUTS:
+        raise GptOssFp8Error(f"expert layout {layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
     e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     want = (e, 2 * i, h) if name.endswith("gate_up_proj") else (e, h, i)
-    if tuple(w.shape) == want:
+    flipped = (want[0], want[2], want[1])
+    shape = tuple(w.shape)
+    if layout == "auto" and shape == want == flipped:
+        raise GptOssFp8Error(f"tensor {name}: shape {list(shape)} reads the same in both orientations; "
+                             "pass expert_layout='checkpoint' ([E, out, in]) or 'transformers' ([E, in, out])")
+    if shape == want and layout in ("auto", "checkpoint"):
         return w
-    if tuple(w.shape) == (want[0], want[2], want[1]):
+    if shape == flipped and layout in ("auto", "transformers"):
         return w.transpose(1, 2)
-    raise GptOssFp8Error(f"tensor {name}: shape {list(w.shape)}, expected {list(want)} (or its transpose)")
+    expected = {"auto": f"{list(want)} (or its transpose)", "checkpoint": str(list(want)),
+                "transformers": str(list(flipped))}[layout]
+    raise GptOssFp8Error(f"tensor {name}: shape {list(shape)}, expected {expected}")
 
 
 def write_hf_mxfp4(dst: Path, cfg: GptOssConfig, tensors: dict[str, torch.Tensor], *,
-                   config_extra: dict | None = None, files: dict[str, dict] | None = None) -> None:
+                   config_extra: dict | None = None, files: dict[str, dict] | None = None,
+                   expert_layout: str = "auto") -> None:
     """Write ``tensors`` (HF names; expert weights as ``...experts.gate_up_proj`` / ``down_proj``
-    floats in either orientation) to ``dst`` as an MXFP4 source checkpoint: ``model.safetensors``,
-    ``config.json`` (``hf_config_dict`` updated with ``config_extra``) and the extra JSON ``files``."""
+    floats held as ``expert_layout`` says, see ``hf_expert_orientation``) to ``dst`` as an MXFP4
+    source checkpoint: ``model.safetensors``, ``config.json`` (``hf_config_dict`` updated with
+    ``config_extra``) and the extra JSON ``files``."""
     from safetensors.torch import save_file
 
     out: dict[str, torch.Tensor] = {}
@@ -50,7 +66,8 @@ def write_hf_mxfp4(dst: Path, cfg: GptOssConfig, tensors: dict[str, torch.Tensor
             if src not in tensors:
                 raise GptOssFp8Error(f"tensor {src} is missing from the weights to export")
             if src + "_blocks" not in out:
-                blocks, scales = encode_mxfp4(hf_expert_orientation(src, tensors[src].float(), cfg).contiguous())
+                blocks, scales = encode_mxfp4(hf_expert_orientation(src, tensors[src].float(), cfg,
+                                                                   expert_layout).contiguous())
                 out[src + "_blocks"], out[src + "_scales"] = blocks, scales
             continue
         if spec.name not in tensors:
