@@ -117,9 +117,16 @@ if has verdict-cpu; then
   # issue 32 through Triton's interpreter on this machine's CPUs (no GPU): the calibration of the verdict
   # target, weights / w8a8 / kernels, in 16 processes (one thread each), then merged; a case cut short by
   # the time limit keeps what it measured (each shard writes its JSON as it goes)
-  vc() {  # shard name, then verify_calibration.py's arguments
+  # Triton 3.6's interpreter needs a numpy that still turns one-element arrays into scalars: the image's
+  # numpy 2.5 stops every kernel ("only 0-dimensional arrays can be converted"); numpy 2.3.5 travels in .whl/np
+  np_path=
+  if [[ -d .whl/np ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-np .whl/np/*.whl && np_path=/tmp/site-np:
+  fi
+  vc() {  # shard name, then verify_calibration.py's arguments; niced: GPU targets may run beside it
     local name=$1; shift
-    CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 OMP_NUM_THREADS=1 timeout ${VERDICT_CPU_S:-420} python3 \
+    PYTHONPATH=$np_path$PYTHONPATH CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 OMP_NUM_THREADS=1 \
+      nice -n 19 timeout ${VERDICT_CPU_S:-420} python3 \
       benchmarks/verify_calibration.py --device cpu --modes weights,w8a8,kernels --decode 16 \
       --json "$OUT/verdict_cpu_$name.json" "$@" > "$OUT/verdict_cpu_$name.log" 2>&1
   }
@@ -127,7 +134,8 @@ if has verdict-cpu; then
   n=${VERDICT_CPU_PROCS:-14}  # random-checkpoint shards
   for k in $(seq 0 $((n - 1))); do vc r$k --random 20 --no-trained --shard $k/$n & done
   wait
-  python3 benchmarks/verify_calibration.py --merge "$OUT"/verdict_cpu_*.json --json "$OUT/verdict_cpu.json" \
+  tail -n 3 "$OUT"/verdict_cpu_[rt]*.log > "$OUT/verdict_cpu_tails.txt"
+  python3 benchmarks/verify_calibration.py --merge "$OUT"/verdict_cpu_[rt]*.json --json "$OUT/verdict_cpu.json" \
     2>&1 | tee "$OUT/verdict_cpu.log"
 fi
 

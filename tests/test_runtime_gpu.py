@@ -1,0 +1,92 @@
+"""issue 35 on the GPU: the serving engine in kernels mode (decode steps replayed as CUDA graphs per
+batch bucket) against ``generate`` alone, on the trained fixture (a model whose greedy replies are
+text, so near ties are rare and a divergence means something).
+
+Eight requests of different prompt lengths join the running batch at different steps; each greedy
+reply is compared with the same prompt run alone (one slot, batch 1). The FP8 kernels are not batch
+invariant bit for bit: a decode step at batch 8 runs the skinny GEMMs / MoE with other tiles and
+split-K than at batch 1, and a prompt chunk of 64 tokens takes other GEMM tiles than the whole prompt,
+so a logit may move by the accumulation order's rounding and a near tie may flip. What is asserted
+is the issue's bound: over all requests, >= 99% of the tokens come before each request's first
+divergence; every divergence is printed with its margin (the alone run's logit gap between the two
+tokens, measured by a teacher-forced kernels forward), the reading that says whether it was a tie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+NEW = 96
+SOURCE = '''import os
+import sys
+
+
+def walk(root):
+    """Yield every file under root."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            yield os.path.join(dirpath, name)
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key, n=1):
+        self.counts[key] = self.counts.get(key, 0) + n
+        return self.counts[key]
+
+
+def main(argv=None):
+    args = sys.argv[1:] if argv is None else argv
+'''
+CUTS = [(0, 40), (15, 70), (100, 110), (200, 320), (260, 300), (330, 420), (380, 393), (120, 498)]
+
+
+def test_kernels_greedy_under_concurrency_agree_with_alone(trained):
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.runtime.engine import Engine
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.sampling import SamplingParams
+    from gptoss_fp8.tokenizer import ByteTokenizer
+    from gptoss_fp8.verify import generate as gen
+    from gptoss_fp8.verify.backends import ops_for
+
+    dst = trained[0]
+    model = load_model(dst, device="cuda")
+    ops = ops_for("kernels")
+    tok = ByteTokenizer()
+    prompts = [tok.encode(SOURCE[a:b]) for a, b in CUTS]
+    runner = ModelRunner(model, ops, len(prompts), 1024)
+    assert runner.graphs is not None  # decode steps replay CUDA graphs per bucket
+    engine = Engine(runner, chunk=64)
+    seqs, batches = [], []
+    for i, p in enumerate(prompts):  # two join at once, the next two steps later, ...
+        seqs.append(engine.add(p, SamplingParams(max_tokens=NEW)))
+        if i % 2:
+            for _ in range(3):
+                engine.step()
+                batches.append(sum(s.slot is not None for s in seqs))
+    while engine.has_work():
+        engine.step()
+    assert max(batches) >= 4
+    together = [list(s.tokens) for s in seqs]
+    alone = [gen.generate(model, p, ops, max_new_tokens=NEW).tokens for p in prompts]
+
+    agreed, total, lines = 0, 0, []
+    for p, t, a in zip(prompts, together, alone, strict=True):
+        assert len(t) == len(a) == NEW
+        d = next((j for j, (x, y) in enumerate(zip(t, a, strict=True)) if x != y), NEW)
+        agreed, total = agreed + d, total + NEW
+        if d < NEW:
+            logits = model.forward(torch.tensor(p + a[:d], device="cuda"), ops, last_only=True)[0].float()
+            top2 = logits.topk(2).values
+            lines.append(f"prompt {len(p)} tokens: first divergence at {d}: alone {a[d]} (logit {logits[a[d]]:.3f}), "
+                         f"together {t[d]} (logit {logits[t[d]]:.3f}); alone's top-2 gap {top2[0] - top2[1]:.3f}")
+    print(f"\nkernels, cuda graphs, 8 requests x {NEW} tokens, batches up to {max(batches)}: "
+          f"{agreed} of {total} tokens ({agreed / total:.1%}) before each request's first divergence")
+    print("\n".join(lines) or "no divergence: every reply equal to its run alone")
+    assert agreed >= 0.99 * total, lines
