@@ -6,7 +6,8 @@
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
-#   serve    gptoss-fp8 serve + bench serve on a synthetic 20b cut to 2 layers, generate on the trained fixture
+#   serve    gptoss-fp8 serve + bench serve URL on a synthetic 20b (SERVE_LAYERS, default 24), bench decode /
+#            prefill beside it, the engine under concurrency against generate alone (tests/test_runtime_gpu.py)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -69,28 +70,61 @@ if has verdict; then
 fi
 
 if has serve; then
-  # issue 35 on the GPU: gptoss-fp8 serve (kernels, CUDA graphs per batch bucket) on a synthetic 20b cut to
-  # 2 layers (each layer at real shapes, random weights), bench serve at 1024-token prompts; and generate
-  # on the trained fixture. The server's packages (fastapi, uvicorn, pydantic, openai-harmony) travel as
-  # wheels in .whl/w, the o200k tokenizer file in .whl/cache (XDG_CACHE_HOME).
+  # issue 35 on the GPU: `gptoss-fp8 serve` (kernels, CUDA graphs per batch bucket) in its own process on a
+  # synthetic 20b (SERVE_LAYERS layers, default all 24, real shapes, random weights), the load generator
+  # `bench serve URL` in processes of its own: 1024-token prompts x 256 output tokens at concurrency 1 / 16 / 64,
+  # an 8192-token prompt's TTFT at concurrency 1, both after a warm-up (kernel JIT); then `bench decode` and
+  # `bench prefill` of the same model for the must-show ratios; the engine against generate alone under
+  # concurrency (tests/test_runtime_gpu.py); generate on the trained fixture. The server's packages (fastapi,
+  # uvicorn, pydantic, openai-harmony) travel as wheels in .whl/w, the o200k tokenizer file in .whl/cache.
   if [[ -d .whl/w ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
   if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
-  d=/tmp/s20b
-  m synth $d --preset 20b --layers 2 --layout hf --overwrite > "$OUT/serve_prep.log" 2>&1
-  m convert $d $d-fp8 --device cuda --overwrite >> "$OUT/serve_prep.log" 2>&1
-  timeout 300 python3 -m gptoss_fp8.cli.main bench serve --launch $d-fp8 --concurrency 1,16,64 --prompt-len 1024 \
-    --output-len 128 --json "$OUT/bench_serve.json" --plot "$OUT/bench_serve.png" 2>&1 | tail -40 | tee "$OUT/bench_serve.log"
-  # the host path alone on this machine's CPUs: the same server over a model that costs nothing, a decode
-  # step of 10 ms (the 20b's at batch 64, GIL released) and of 0 ms
-  for ms in 10 0; do
-    timeout 120 python3 -m gptoss_fp8.cli.main bench serve --null-model --null-step-ms $ms --concurrency 1,16,64 \
-      --prompt-len 1024 --output-len 128 2>&1 | tail -5 | tee -a "$OUT/bench_serve_null.log"
+  sl=${SERVE_LAYERS:-24}
+  d=/tmp/s20b-$sl port=8123 t0=$SECONDS
+  if [[ ! -f $d-fp8/conversion.json ]]; then
+    m synth $d --preset 20b --layers $sl --layout hf --overwrite > "$OUT/serve_prep.log" 2>&1
+    m convert $d $d-fp8 --device cuda --overwrite >> "$OUT/serve_prep.log" 2>&1
+  fi
+  echo "serve: synth + convert of the $sl-layer 20b $((SECONDS - t0)) s" | tee -a "$OUT/bench_serve.log"
+  python3 -m gptoss_fp8.cli.main serve $d-fp8 --device cuda --max-batch 64 --max-context 8448 --port $port \
+    > "$OUT/serve_server.log" 2>&1 &
+  spid=$! t0=$SECONDS
+  get() { python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
+  until get http://127.0.0.1:$port/health > /dev/null 2>&1; do
+    if (( SECONDS - t0 > 180 )) || ! kill -0 $spid 2>/dev/null; then
+      echo "serve: the server did not come up in $((SECONDS - t0)) s" | tee -a "$OUT/bench_serve.log"
+      tail -20 "$OUT/serve_server.log" | tee -a "$OUT/bench_serve.log"; break
+    fi
+    sleep 2
   done
-  m convert golden/trained /tmp/trained-fp8 --overwrite > /dev/null 2>&1
-  m generate /tmp/trained-fp8 --prompt $'import sys\n\n\ndef main():\n' --device cuda --max-new-tokens 120 2>&1 \
-    | tee "$OUT/generate_trained.log"
+  echo "serve: healthy after $((SECONDS - t0)) s (load, KV, graph capture)" | tee -a "$OUT/bench_serve.log"
+  u=http://127.0.0.1:$port
+  for warm in "64 1024 8 64" "1 8192 2 1"; do
+    set -- $warm
+    timeout 90 python3 -m gptoss_fp8.cli.main bench serve $u --concurrency $1 --prompt-len $2 --output-len $3 \
+      --requests $4 > /dev/null 2>&1
+  done
+  timeout 150 python3 -m gptoss_fp8.cli.main bench serve $u --concurrency 1,16,64 --prompt-len 1024 --output-len 256 \
+    --json "$OUT/bench_serve.json" 2>&1 | tail -12 | tee -a "$OUT/bench_serve.log"
+  timeout 60 python3 -m gptoss_fp8.cli.main bench serve $u --concurrency 1 --prompt-len 8192 --output-len 16 \
+    --requests 6 --json "$OUT/bench_serve_8192.json" 2>&1 | tail -6 | tee -a "$OUT/bench_serve.log"
+  get $u/metrics | grep -E '^gptoss_(kv|requests|tokens|engine)' | tee -a "$OUT/bench_serve.log"
+  kill $spid; wait $spid 2>/dev/null
+  timeout 100 python3 -m gptoss_fp8.cli.main bench decode --model 20b --layers $sl --batch 1,16,64 --context 1280 \
+    --json "$OUT/bench_serve_decode.json" 2>&1 | tail -8 | tee -a "$OUT/bench_serve.log"
+  timeout 60 python3 -m gptoss_fp8.cli.main bench prefill --model 20b --layers $sl --tokens 8192 --runs 3 --no-peer \
+    2>&1 | tail -6 | tee -a "$OUT/bench_serve.log"
+  timeout 150 python3 -m pytest -q -s -m gpu tests/test_runtime_gpu.py 2>&1 | tail -15 | tee "$OUT/runtime_gpu.log"
+  if [[ -n ${SERVE_NULL:-} ]]; then
+    # the host path alone on this machine's CPUs: the same server over a model that costs nothing, a decode
+    # step of 10 ms (the 20b's at batch 64, GIL released) and of 0 ms
+    for ms in 10 0; do
+      timeout 120 python3 -m gptoss_fp8.cli.main bench serve --null-model --null-step-ms $ms --concurrency 1,16,64 \
+        --prompt-len 1024 --output-len 128 2>&1 | tail -5 | tee -a "$OUT/bench_serve_null.log"
+    done
+  fi
 fi
 
 if has attention; then
