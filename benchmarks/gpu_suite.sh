@@ -165,8 +165,8 @@ if has verdict-cpu; then
       --json "$OUT/verdict_cpu_$name.json" "$@" > "$OUT/verdict_cpu_$name.log" 2>&1
   }
   vc t0 --random 0 --shard 0/2 & vc t1 --random 0 --shard 1/2 &  # the trained fixture, each conversion
-  n=${VERDICT_CPU_PROCS:-14}  # random-checkpoint shards
-  for k in $(seq 0 $((n - 1))); do vc r$k --random 20 --no-trained --shard $k/$n & done
+  n=${VERDICT_CPU_PROCS:-14}  # random-checkpoint shards; VERDICT_CPU_FROM=J skips the cases j < J (run before)
+  for k in $(seq 0 $((n - 1))); do vc r$k --random 20 --no-trained --shard $k/$n --from-case ${VERDICT_CPU_FROM:-0} & done
   wait
   tail -n 3 "$OUT"/verdict_cpu_[rt]*.log > "$OUT/verdict_cpu_tails.txt"
   python3 benchmarks/verify_calibration.py --merge "$OUT"/verdict_cpu_[rt]*.json --json "$OUT/verdict_cpu.json" \

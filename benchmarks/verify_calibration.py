@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shard", default="0/1", help="K/N: only the cases j with j %% N == K (parallel runs; then --merge)")
     ap.add_argument("--no-trained", action="store_true", help="the random checkpoints only")
+    ap.add_argument("--from-case", type=int, default=0,
+                    help="skip the cases j < J (0, 1: the trained fixture; 2 + 2i, 3 + 2i: random shape i)")
     ap.add_argument("--merge", type=Path, nargs="*", help="print the summary of these --json files (of the shards)")
     a = ap.parse_args()
     if a.merge:
@@ -128,7 +130,7 @@ def main() -> None:
     catches = []
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for j, name, dst, ref in cases(Path(tmp), a.random, a.device, lambda j: j % n_shard == k_shard,
+        for j, name, dst, ref in cases(Path(tmp), a.random, a.device, lambda j: j >= a.from_case and j % n_shard == k_shard,
                                      not a.no_trained):
             if a.only_mutations and j >= a.mutations:
                 continue
