@@ -29,7 +29,8 @@ import torch
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
-BASE = dict(block_n=64, stages=4, warpgroups=3)
+# "base" is the tile before Q moved into registers (q_in_registers, the default since 2026-12-03)
+BASE = dict(block_n=64, stages=4, warpgroups=3, q_in_registers=False)
 VARIANTS = {
     "base": {},
     "qreg": dict(q_in_registers=True),

@@ -298,7 +298,7 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
                              GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
-                             QREG: gl.constexpr = False, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
+                             QREG: gl.constexpr = True, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
                              THRESH: gl.constexpr = 0.0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
@@ -347,7 +347,7 @@ EXP_MODES = {"mufu": 0, "fma25": 1, "fma50": 2, "bf16x2": 3}  # _exp2_tile's EXP
 
 def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
                          sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2,
-                         q_in_registers: bool = False, deep: bool = False, exp: str = "mufu",
+                         q_in_registers: bool = True, deep: bool = False, exp: str = "mufu",
                          rescale_threshold: float = 0.0) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments).

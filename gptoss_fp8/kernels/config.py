@@ -100,7 +100,7 @@ class GluonAttentionTile:
     block_n: int = 64
     stages: int = 4
     warpgroups: int = 3
-    q_in_registers: bool = False  # Q the register operand of QK^T
+    q_in_registers: bool = True  # Q the register operand of QK^T (+3.0-3.3% on the H200, 8192-128000 tokens)
     deep: bool = False  # blocks in pairs, QK^T of the second under the first one's softmax
     exp: str = "mufu"  # 2^x of the unmasked blocks: "mufu", "fma25" / "fma50" (part by polynomial), "bf16x2"
     rescale_threshold: float = 0.0  # > 0: move the running max only past this growth (log2 units)
