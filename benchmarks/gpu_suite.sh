@@ -7,7 +7,8 @@
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
 #   serve    gptoss-fp8 serve + bench serve URL on a synthetic 20b (SERVE_LAYERS, default 24), bench decode /
-#            prefill beside it, the engine under concurrency against generate alone (tests/test_runtime_gpu.py)
+#            prefill beside it
+#   engine   the serving engine in kernels mode under concurrency against generate alone (tests/test_runtime_gpu.py)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -74,8 +75,7 @@ if has serve; then
   # synthetic 20b (SERVE_LAYERS layers, default all 24, real shapes, random weights), the load generator
   # `bench serve URL` in processes of its own: 1024-token prompts x 256 output tokens at concurrency 1 / 16 / 64,
   # an 8192-token prompt's TTFT at concurrency 1, both after a warm-up (kernel JIT); then `bench decode` and
-  # `bench prefill` of the same model for the must-show ratios; the engine against generate alone under
-  # concurrency (tests/test_runtime_gpu.py); generate on the trained fixture. The server's packages (fastapi,
+  # `bench prefill` of the same model for the must-show ratios. The server's packages (fastapi,
   # uvicorn, pydantic, openai-harmony) travel as wheels in .whl/w, the o200k tokenizer file in .whl/cache.
   if [[ -d .whl/w ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -116,7 +116,6 @@ if has serve; then
     --json "$OUT/bench_serve_decode.json" 2>&1 | tail -8 | tee -a "$OUT/bench_serve.log"
   timeout 60 python3 -m gptoss_fp8.cli.main bench prefill --model 20b --layers $sl --tokens 8192 --runs 3 --no-peer \
     2>&1 | tail -6 | tee -a "$OUT/bench_serve.log"
-  timeout 150 python3 -m pytest -q -s -m gpu tests/test_runtime_gpu.py 2>&1 | tail -15 | tee "$OUT/runtime_gpu.log"
   if [[ -n ${SERVE_NULL:-} ]]; then
     # the host path alone on this machine's CPUs: the same server over a model that costs nothing, a decode
     # step of 10 ms (the 20b's at batch 64, GIL released) and of 0 ms
@@ -125,6 +124,11 @@ if has serve; then
         --prompt-len 1024 --output-len 128 2>&1 | tail -5 | tee -a "$OUT/bench_serve_null.log"
     done
   fi
+fi
+
+if has engine; then
+  # issue 35: the engine in kernels mode (CUDA graphs per bucket) under concurrency against generate alone
+  timeout 150 python3 -m pytest -q -s -m gpu tests/test_runtime_gpu.py 2>&1 | tail -15 | tee "$OUT/runtime_gpu.log"
 fi
 
 if has attention; then
