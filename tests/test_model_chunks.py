@@ -69,3 +69,28 @@ def test_decode_of_a_prefix_is_the_whole_caches_rows(model, mode):
     assert b.lengths.tolist() == [6, 10, 3, 12] and view.host_lengths == [6, 10]  # the rest untouched
     for i in range(len(a.k)):
         assert torch.equal(a.k[i][:2], b.k[i][:2])
+
+
+@pytest.mark.parametrize("mode", ["weights", "w8a8"])
+def test_prefill_many_equals_each_chunk_alone(model, mode):
+    """Several sequences' chunks in one forward (the engine's prompts of a step: ``prefill_many``)
+    give each chunk's logits and K / V as its own prefill does, bit for bit on CPU: two fresh
+    prompts, one continuing after 11 cached tokens (crossing the 8-token ring), in rows 3, 0, 2."""
+    ops = get_ops(mode)
+    torch.manual_seed(7)
+    v = model.cfg.vocab_size
+    first = torch.randint(0, v, (11,))
+    chunks = [(3, torch.randint(0, v, (6,)), 0), (0, torch.randint(0, v, (13,)), 0), (2, torch.randint(0, v, (9,)), 11)]
+    alone, many = model.new_cache(32, batch=4), model.new_cache(32, batch=4)
+    for c in (alone, many):
+        model.prefill(first, ops, cache=c, row=2)
+    want = torch.cat([model.prefill(t, ops, cache=alone, row=r, start=s)[1] for r, t, s in chunks])
+    got = model.prefill_many(chunks, ops, many)
+    assert torch.equal(got, want)
+    assert many.host_lengths == alone.host_lengths == [13, 0, 20, 6]
+    for i in range(len(many.k)):
+        assert torch.equal(many.k[i], alone.k[i]) and torch.equal(many.v[i], alone.v[i])
+    with pytest.raises(GptOssFp8Error, match="sequences \\[1, 1\\] repeat"):
+        model.prefill_many([(1, first, 0), (1, first, 0)], ops, many)
+    with pytest.raises(GptOssFp8Error, match="sequence 0 holds 13 tokens"):
+        model.prefill_many([(0, first, 5), (1, first, 0)], ops, many)

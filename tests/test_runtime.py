@@ -116,3 +116,30 @@ def test_stop_token_ends_the_reply(model):
     eng.run_until_done()
     first = greedy.tokens.index(stop_at)
     assert seq.tokens == greedy.tokens[:first + 1] and seq.finish == "stop" and seq.stop == str(stop_at)
+
+
+def test_a_steps_prompts_run_in_one_forward_and_a_failing_one_fails_alone(model, monkeypatch):
+    """The step's prompt chunks go through ``ModelRunner.prefill_many`` together; when that
+    forward raises, each runs alone and only the chunk that raises fails."""
+    eng = _engine(model, slots=3, ctx=64, chunk=64, log_errors=False)
+    calls = []
+    real = eng.runner.prefill_many
+    monkeypatch.setattr(eng.runner, "prefill_many", lambda chunks: calls.append(len(chunks)) or real(chunks))
+    seqs = [eng.add(p, SamplingParams(max_tokens=3)) for p in ([1, 2, 3], list(range(10, 30)), [7])]
+    eng.step()
+    assert calls == [3] and all(len(s.tokens) == 1 for s in seqs)
+    real_one = eng.runner.prefill
+
+    def one(slot, tokens, start):
+        if tokens == [99, 98]:
+            raise RuntimeError("boom")
+        return real_one(slot, tokens, start)
+
+    monkeypatch.setattr(eng.runner, "prefill", one)
+    monkeypatch.setattr(eng.runner, "prefill_many", lambda chunks: (_ for _ in ()).throw(RuntimeError("batch")))
+    eng.run_until_done()
+    bad, good = eng.add([99, 98], SamplingParams(max_tokens=2)), eng.add([5, 6], SamplingParams(max_tokens=2))
+    eng.run_until_done()
+    assert bad.finish == "error" and "boom" in bad.error
+    assert good.finish == "length" and len(good.tokens) == 2
+    assert eng.slots.available == 3

@@ -207,6 +207,41 @@ class GptOss(nn.Module):
         return cache, logits
 
     @torch.inference_mode()
+    def prefill_many(self, chunks: list[tuple[int, torch.Tensor, int]], ops: ReferenceOps, cache: KVCache,
+                     ) -> torch.Tensor:
+        """Several sequences' prompt chunks in one forward: ``chunks`` (row, tokens int [T_i], start)
+        as ``prefill(tokens, ops, cache=cache, row=row, start=start)`` would take each -> bf16 logits
+        [len(chunks), V], each chunk's last position. The rows of every chunk go through the
+        projections, the norms and the MoE together (one GEMM per weight for all of them: the
+        serving engine's prompts of one step); the attention runs per chunk on its own sequence's
+        keys. Each row's arithmetic is the one-chunk prefill's wherever an op's result for a row does
+        not depend on the other rows (the CPU reference ops: bit for bit, tests/test_model_chunks.py)."""
+        if not chunks:
+            raise GptOssFp8Error("prefill_many: no chunks")
+        rows = [row for row, _, _ in chunks]
+        if len(set(rows)) != len(rows):
+            raise GptOssFp8Error(f"prefill_many: sequences {rows} repeat; one chunk per sequence")
+        segs = []
+        for row, tokens, start in chunks:
+            n = tokens.shape[0]
+            if not 0 <= row < cache.batch:
+                raise GptOssFp8Error(f"prefill row {row}: the cache holds sequences 0..{cache.batch - 1}")
+            if not (n >= 1 and start + n <= cache.max_len):
+                raise GptOssFp8Error(f"prefill of {n} tokens at position {start} into a KV cache of max_len "
+                                     f"{cache.max_len}; give 1..max_len prompt tokens (or a larger max_len)")
+            if start and cache.host_lengths[row] != start:
+                raise GptOssFp8Error(f"prefill at start {start}: sequence {row} holds {cache.host_lengths[row]} "
+                                     "tokens; a chunk continues where the sequence ends")
+            segs.append((row, start, n))
+        tokens = torch.cat([t for _, t, _ in chunks])
+        cos, sin = (torch.cat(parts) for parts in zip(*(cache.rope_rows(start, n) for _, start, n in segs),
+                                                      strict=True))
+        logits = self._run(tokens, ops, cos, sin, None, last_only=False, cache=cache, segments=segs)
+        for row, start, n in segs:
+            cache.set_length(row, start + n)
+        return logits
+
+    @torch.inference_mode()
     def decode(self, cache: KVCache, token: torch.Tensor | int, ops: ReferenceOps | None = None, *,
                capture: dict | None = None, force: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One new token per sequence: ``token`` an int or one-element tensor (batch-1 cache), or
@@ -255,12 +290,15 @@ class GptOss(nn.Module):
     def _run(self, tokens: torch.Tensor, ops: ReferenceOps, cos, sin, capture: dict | None, *,
              last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
              row: int = 0, step: DecodeStep | None = None, start: int = 0,
-             force: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             force: dict[str, torch.Tensor] | None = None,
+             segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """The one forward pass (cos / sin: the tokens' RoPE rows). Without ``step``: tokens [T] of
         one sequence at positions start..start + T - 1 (start > 0: a prompt chunk after the
         cached ones), with a cache written to its sequence ``row``. With a
         decode ``step``: tokens [B], one per sequence of the cache at the step's positions, their
-        K / V appended and the attention reading the cached keys. ``force``: see ``decode``."""
+        K / V appended and the attention reading the cached keys. ``force``: see ``decode``.
+        ``segments`` (row, start, n): tokens are several sequences' chunks one after another
+        (``prefill_many``); the logits are each chunk's last row's."""
         eps = self.cfg.rms_norm_eps
         x = self.embed(tokens, ops)  # [T, H] bf16
         layers = self.model.layers
@@ -269,7 +307,7 @@ class GptOss(nn.Module):
             if force is not None and i > 0:  # teacher forcing: the given stream enters the layer
                 x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
-            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step, start),
+            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments),
                                     layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
@@ -285,6 +323,9 @@ class GptOss(nn.Module):
                 x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
+        if segments is not None:
+            ends = torch.tensor([n for _, _, n in segments], device=h.y.device).cumsum(0) - 1
+            return self._logits(h.y.index_select(0, ends), ops)
         return self._logits(h.y[-1:] if last_only else h.y, ops)
 
     def embed(self, tokens: torch.Tensor, ops: ReferenceOps | None = None) -> torch.Tensor:
@@ -344,7 +385,8 @@ class GptOss(nn.Module):
         return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
 
     def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps, cache: KVCache | None = None,
-                   row: int = 0, step: DecodeStep | None = None, start: int = 0) -> torch.Tensor:
+                   row: int = 0, step: DecodeStep | None = None, start: int = 0,
+                   segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
         once). Without ``step`` the rows are one sequence at positions 0..T - 1 (written to the
@@ -352,7 +394,8 @@ class GptOss(nn.Module):
         with a decode ``step`` row b is sequence b's new token: its K / V are appended to the cache
         and it attends to the cached keys (``ops.attention_cached``). ``start`` > 0: the rows are a
         prompt chunk at positions start.., attending to the sequence's cached keys before them and
-        to their own (``ops.attention_chunk``)."""
+        to their own (``ops.attention_chunk``). ``segments``: the rows are several sequences' chunks
+        (``prefill_many``), each attending as one chunk of its sequence would."""
         a, d = layer.self_attn, self.cfg.head_dim
         q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
                               xq=t.quant)
@@ -366,18 +409,32 @@ class GptOss(nn.Module):
         else:
             q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
             k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
-            if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
-                pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
-                ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
-                cache.write(layer.idx, row, start, k, v)
-                o = ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, start - first)
-            else:
-                if cache is not None:
-                    cache.write(layer.idx, row, 0, k, v)
-                o = ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+            if segments is None:
+                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start)
+            else:  # each sequence's chunk on its own keys
+                o, r0 = [], 0
+                for b, pos0, m in segments:
+                    o.append(self._prefill_attention(layer, q[r0:r0 + m], k[r0:r0 + m], v[r0:r0 + m], ops, cache, b,
+                                                     pos0))
+                    r0 += m
+                o = torch.cat(o)
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
         return ops.all_reduce(o, self.par)
+
+    def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
+                           start: int) -> torch.Tensor:
+        """One sequence's prompt rows (q [T, KV, M, D], k / v [T, KV, D], after RoPE) at positions
+        start..: written to the cache's sequence ``row`` (if a cache is given) -> attention [T, Hl * D]."""
+        a, d = layer.self_attn, self.cfg.head_dim
+        if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
+            pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
+            ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
+            cache.write(layer.idx, row, start, k, v)
+            return ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, start - first)
+        if cache is not None:
+            cache.write(layer.idx, row, 0, k, v)
+        return ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
 
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16

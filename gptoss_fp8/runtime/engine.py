@@ -143,12 +143,7 @@ class Engine:
         t0 = time.perf_counter()  # to the sampler's tokens: the model's time (metrics.model_seconds)
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
         rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
-        for seq, start, end in work.prefills:
-            try:
-                logits = self.runner.prefill(seq.slot, seq.prompt[start:end], start)
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                self._fail(seq, e, touched)
-                continue
+        for seq, start, end, logits in self._prefill(work.prefills, touched):
             seq.prefilled = end
             self.metrics.prompt_tokens += end - start
             if end == len(seq.prompt):
@@ -179,6 +174,27 @@ class Engine:
         for i, seq in enumerate(seqs):
             self._append(seq, toks[i], None if lps is None else lps[i], now)
             touched.setdefault(seq, []).append(toks[i])
+
+    def _prefill(self, prefills: list[tuple[Sequence, int, int]], touched: dict):
+        """The step's prompt chunks, all in one forward (``ModelRunner.prefill_many``) -> (seq, start,
+        end, logits [1, V]) of each that ran. If that forward raises, each chunk runs alone (a chunk
+        rewrites its own positions, so a retry is sound) and the one that raises fails alone."""
+        if not prefills:
+            return []
+        try:
+            logits = self.runner.prefill_many([(seq.slot, seq.prompt[a:b], a) for seq, a, b in prefills])
+            return [(seq, a, b, logits[i:i + 1]) for i, (seq, a, b) in enumerate(prefills)]
+        except Exception as e:  # noqa: BLE001 - find who raised: one at a time
+            if len(prefills) == 1:
+                self._fail(prefills[0][0], e, touched)
+                return []
+        done = []
+        for seq, a, b in prefills:
+            try:
+                done.append((seq, a, b, self.runner.prefill(seq.slot, seq.prompt[a:b], a)))
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail(seq, e, touched)
+        return done
 
     def _append(self, seq: Sequence, tok: int, lp: float | None, now: float) -> None:
         seq.tokens.append(tok)

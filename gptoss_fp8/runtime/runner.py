@@ -64,6 +64,16 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
+    def prefill_many(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Several sequences' prompt chunks (slot, tokens, start) in one forward (``GptOss.prefill_many``:
+        one GEMM per weight for all their rows) -> logits bf16 [len(chunks), V], each chunk's last."""
+        if len(chunks) == 1:
+            (slot, tokens, start), = chunks
+            return self.prefill(slot, tokens, start)
+        return self.model.prefill_many([(slot, torch.tensor(tokens, dtype=torch.long, device=self.device), start)
+                                        for slot, tokens, start in chunks], self.ops, self.cache)
+
+    @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """One token per listed slot (each slot's next position) -> logits bf16 [len(slots), V], in
         the order given. The step's host data (token per row, which rows ride along, the rows to
