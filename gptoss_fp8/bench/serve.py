@@ -309,7 +309,8 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         if text and r.status_code != 200 and httpx.get(url + "/health", timeout=30).status_code != 200:
             raise GptOssFp8Error(f"{url}/health: HTTP {r.status_code}")
     except (httpx.HTTPError, KeyError, ValueError) as e:
-        raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e})") from None
+        hint = "" if text else "; transformers serve answers --peer transformers"
+        raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e}){hint}") from None
     if model is None and listed:
         model = listed[0]["id"]
     elif model is None and not text:
