@@ -7,6 +7,8 @@
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
 #   serve    gptoss-fp8 serve + bench serve on a synthetic 20b cut to 2 layers, generate on the trained fixture
+#   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
+#            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -91,6 +93,63 @@ if has serve; then
   m convert golden/trained /tmp/trained-fp8 --overwrite > /dev/null 2>&1
   m generate /tmp/trained-fp8 --prompt $'import sys\n\n\ndef main():\n' --device cuda --max-new-tokens 120 2>&1 \
     | tee "$OUT/generate_trained.log"
+fi
+
+if has serve-peer; then
+  # issue 35's peer: transformers' own server (`transformers serve --continuous-batching`: paged KV cache, CUDA
+  # graphs on; bf16: without the `kernels` package transformers dequantizes the MXFP4 source) on the full
+  # synthetic 20b source (24 layers, random weights; PEER_SRC names an existing source to reuse), then the
+  # load of the serve target: bench serve --peer transformers (text prompts of the same token counts in the
+  # peer tokenizer written into a synthetic source, the output length forced through generation_config, a
+  # warm-up first: bench/serve_peer.py). Each step's timeout is what is left of PEER_BUDGET (240 s), so the
+  # target ends within it; the server's options can be changed with PEER_SERVE_ARGS (--no-cb-use-cuda-graph).
+  peer_t0=$SECONDS
+  # seconds left of the budget less $1, at least 1 (timeout 0 would mean no limit)
+  peer_left() { local l=$(( ${PEER_BUDGET:-240} - (SECONDS - peer_t0) - ${1:-0} )); echo $(( l > 1 ? l : 1 )); }
+  if [[ -d .whl/w ]]; then
+    # fastapi, uvicorn, pydantic, accelerate (device_map) and openai (transformers' is_serve_available)
+    [[ -d /tmp/site/openai && -d /tmp/site/accelerate ]] || \
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/w/*.whl
+    [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  psrc=${PEER_SRC:-/tmp/s20b-full}
+  if [[ -z ${PEER_SRC:-} && ! -f $psrc/.synth-complete ]]; then
+    timeout "$(peer_left)" python3 -m gptoss_fp8.cli.main synth "$psrc" --preset 20b --layout hf --overwrite \
+      > "$OUT/serve_tf_prep.log" 2>&1 && touch "$psrc/.synth-complete"
+  fi
+  if [[ -f $psrc/config.json && ! -f $psrc/tokenizer.json ]]; then
+    python3 -m gptoss_fp8.bench.serve_peer tokenizer "$psrc" >> "$OUT/serve_tf_prep.log" 2>&1
+  fi
+  echo "serve-peer: source ready after $((SECONDS - peer_t0)) s" | tee "$OUT/bench_serve_tf.log"
+  pport=8931
+  # `transformers serve`'s own command (transformers/cli/serve.py Serve) through typer: the `transformers`
+  # CLI module also imports cli/chat.py, which needs `requests`
+  HF_HUB_OFFLINE=1 timeout "$(peer_left 4)" python3 -c \
+    'import typer; from transformers.cli.serve import Serve; a = typer.Typer(); a.command()(Serve); a()' \
+    "$psrc" --continuous-batching --cb-use-cuda-graph --device cuda --dtype bfloat16 --host 127.0.0.1 \
+    --port $pport --log-level info ${PEER_SERVE_ARGS:-} > "$OUT/serve_tf_server.log" 2>&1 &
+  ppid_=$!
+  pok=0
+  while (( SECONDS - peer_t0 < ${PEER_BUDGET:-240} )) && kill -0 $ppid_ 2>/dev/null; do
+    if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$pport/health', timeout=2)" 2>/dev/null
+    then pok=1; break; fi
+    sleep 2
+  done
+  echo "serve-peer: transformers serve healthy: $pok after $((SECONDS - peer_t0)) s" | tee -a "$OUT/bench_serve_tf.log"
+  if (( pok )); then
+    timeout "$(peer_left 8)" python3 -m gptoss_fp8.cli.main bench serve http://127.0.0.1:$pport \
+      --peer transformers --tokenizer "$psrc" --concurrency ${PEER_CONC:-1,16,64} --prompt-len 1024 \
+      --output-len ${PEER_OUTPUT_LEN:-256} --json "$OUT/bench_serve_tf.json" 2>&1 | tail -20 | tee -a "$OUT/bench_serve_tf.log"
+  fi
+  kill $ppid_ 2>/dev/null; sleep 3; kill -9 $ppid_ 2>/dev/null; wait $ppid_ 2>/dev/null
+  # how it ran: the dequantization, the attention and CUDA graphs it chose; the log's tail when it failed
+  grep -a -i -E "dequantiz|Switching from|flash attention|cuda graphs for|Memory available|Traceback|Error:" \
+    "$OUT/serve_tf_server.log" | head -20 | tee -a "$OUT/bench_serve_tf.log"
+  if (( ! pok )) || [[ ! -s $OUT/bench_serve_tf.json ]]; then
+    echo "serve-peer: no figures; prep and server logs' tails:"; tail -5 "$OUT/serve_tf_prep.log" 2>/dev/null
+    tail -40 "$OUT/serve_tf_server.log"
+  fi
+  echo "serve-peer: done after $((SECONDS - peer_t0)) s" | tee -a "$OUT/bench_serve_tf.log"
 fi
 
 if has attention; then

@@ -304,10 +304,13 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     tok = load_tokenizer(tokenizer) if text else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
-        listed = r.json()["data"] if r.status_code == 200 or not text else []
-        if text and r.status_code != 200 and httpx.get(url + "/health", timeout=30).status_code != 200:
-            raise GptOssFp8Error(f"{url}/health: HTTP {r.status_code}")
+        if text:  # its /v1/models lists the hub cache's models (an error where there is none), not the one it serves
+            r = httpx.get(url + "/health", headers=headers, timeout=30)
+            if r.status_code != 200:
+                raise GptOssFp8Error(f"{url}/health: HTTP {r.status_code} {r.text[:200]!r}")
+            listed = []
+        else:
+            listed = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as e:
         hint = "" if text else "; transformers serve answers --peer transformers"
         raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e}){hint}") from None
