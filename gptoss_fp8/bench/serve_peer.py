@@ -28,14 +28,15 @@ import random
 import sys
 from pathlib import Path
 
-# transformers' request field that carries a whole GenerationConfig as a JSON string
-# (cli/serving/utils.py BaseHandler._build_generation_config)
+# the servers bench serve speaks to: ours, and transformers' own
 PEERS = ("gptoss", "transformers")
+RETRY = "run `python -m gptoss_fp8.bench.serve_peer tokenizer SRC` again"
 
 
 def peer_body(prompt: str, output_len: int, model: str | None) -> dict:
     """The streamed ``/v1/completions`` body for transformers' server: ``output_len`` tokens
-    exactly, greedy (module docstring)."""
+    exactly, greedy (module docstring; ``generation_config``: a JSON string that transformers
+    reads as the whole GenerationConfig, cli/serving/utils.py BaseHandler._build_generation_config)."""
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "generation_config": json.dumps({"max_new_tokens": output_len, "do_sample": False,
@@ -46,7 +47,7 @@ def peer_body(prompt: str, output_len: int, model: str | None) -> dict:
 
 
 def _words(n: int) -> list[str]:
-    """``n`` distinct ASCII words of 2 letters or more (base 26, two letters at least)."""
+    """``n`` distinct lowercase words of three letters or more ("baa", "bab", ...: base 26)."""
     out = []
     k = 26 * 26
     while len(out) < n:
@@ -65,14 +66,14 @@ def write_peer_tokenizer(src: Path) -> Path:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     from gptoss_fp8.config import read_config_json
+    from gptoss_fp8.convert.writer import write_text_atomic
     from gptoss_fp8.errors import GptOssFp8Error
 
     src = Path(src)
     cfg = read_config_json(src / "config.json")
     vocab_size = cfg.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 260:
-        raise GptOssFp8Error(f"{src}/config.json: vocab_size {vocab_size!r}: the peer tokenizer needs 256 byte ids "
-                             "and the special ids above them")
+    if not isinstance(vocab_size, int) or not 8 <= vocab_size <= 1 << 23:
+        raise GptOssFp8Error(f"{src}/config.json: vocab_size {vocab_size!r} is not a vocabulary size (8 to 2**23)")
     if (src / "tokenizer.json").exists():
         raise GptOssFp8Error(f"{src}/tokenizer.json exists: this checkpoint has a tokenizer of its own")
     special: dict[int, str] = {}
@@ -84,17 +85,17 @@ def write_peer_tokenizer(src: Path) -> Path:
                 ids = d.get(key)
                 ids = ids if isinstance(ids, list) else [ids]
                 for tid in ids[:1] if first else ids[1:]:
-                    if isinstance(tid, int) and 256 <= tid < vocab_size and tid not in special:
+                    if isinstance(tid, int) and 0 <= tid < vocab_size and tid not in special:
                         special[tid] = name if first and name not in special.values() else f"<|special_{tid}|>"
     if not any(v == "<|return|>" for v in special.values()):
-        raise GptOssFp8Error(f"{src}: no eos_token_id at or above 256 in generation_config.json / config.json")
+        raise GptOssFp8Error(f"{src}: no eos_token_id in generation_config.json / config.json")
     words = iter(_words(vocab_size))
     vocab = {special.get(i) or next(words): i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=next(w for w, i in vocab.items() if i == 0)))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in special.values()])
     out = src / "tokenizer.json"
-    tok.save(str(out))
+    write_text_atomic(out, tok.to_str(), RETRY)
     names = {v: k for k, v in special.items()}
     tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072,
           "eos_token": "<|return|>", "clean_up_tokenization_spaces": False,
@@ -103,7 +104,7 @@ def write_peer_tokenizer(src: Path) -> Path:
         tc["pad_token"] = "<|endoftext|>"
     if "<|startoftext|>" in names:
         tc["bos_token"] = "<|startoftext|>"
-    (src / "tokenizer_config.json").write_text(json.dumps(tc, indent=1) + "\n")
+    write_text_atomic(src / "tokenizer_config.json", json.dumps(tc, indent=1) + "\n", RETRY)
     return out
 
 
