@@ -124,7 +124,7 @@ if has serve-peer; then
   pport=8931
   # `transformers serve`'s own command (transformers/cli/serve.py Serve) through typer: the `transformers`
   # CLI module also imports cli/chat.py, which needs `requests`
-  HF_HUB_OFFLINE=1 timeout "$(peer_left 4)" python3 -c \
+  HF_HUB_OFFLINE=1 timeout -k 5 "$(peer_left 8)" python3 -c \
     'import typer; from transformers.cli.serve import Serve; a = typer.Typer(); a.command()(Serve); a()' \
     "$psrc" --continuous-batching --cb-use-cuda-graph --device cuda --dtype bfloat16 --host 127.0.0.1 \
     --port $pport --log-level info ${PEER_SERVE_ARGS:-} > "$OUT/serve_tf_server.log" 2>&1 &
@@ -137,11 +137,12 @@ if has serve-peer; then
   done
   echo "serve-peer: transformers serve healthy: $pok after $((SECONDS - peer_t0)) s" | tee -a "$OUT/bench_serve_tf.log"
   if (( pok )); then
-    timeout "$(peer_left 8)" python3 -m gptoss_fp8.cli.main bench serve http://127.0.0.1:$pport \
+    timeout "$(peer_left 10)" python3 -m gptoss_fp8.cli.main bench serve http://127.0.0.1:$pport \
       --peer transformers --tokenizer "$psrc" --concurrency ${PEER_CONC:-1,16,64} --prompt-len 1024 \
       --output-len ${PEER_OUTPUT_LEN:-256} --json "$OUT/bench_serve_tf.json" 2>&1 | tail -20 | tee -a "$OUT/bench_serve_tf.log"
   fi
-  kill $ppid_ 2>/dev/null; sleep 3; kill -9 $ppid_ 2>/dev/null; wait $ppid_ 2>/dev/null
+  # TERM to timeout goes on to the server, and KILL 5 s later if it is still there (-k 5)
+  kill $ppid_ 2>/dev/null; wait $ppid_ 2>/dev/null
   # how it ran: the dequantization, the attention and CUDA graphs it chose; the log's tail when it failed
   grep -a -i -E "dequantiz|Switching from|flash attention|cuda graphs for|Memory available|Traceback|Error:" \
     "$OUT/serve_tf_server.log" | head -20 | tee -a "$OUT/bench_serve_tf.log"
