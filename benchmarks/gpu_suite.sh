@@ -9,6 +9,8 @@
 #   serve    gptoss-fp8 serve + bench serve URL on a synthetic 20b (SERVE_LAYERS, default 24), bench decode /
 #            prefill beside it
 #   engine   the serving engine in kernels mode under concurrency against generate alone (tests/test_runtime_gpu.py)
+#   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
+#            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -129,6 +131,64 @@ fi
 if has engine; then
   # issue 35: the engine in kernels mode (CUDA graphs per bucket) under concurrency against generate alone
   timeout 150 python3 -m pytest -q -s -m gpu tests/test_runtime_gpu.py 2>&1 | tail -15 | tee "$OUT/runtime_gpu.log"
+fi
+
+if has serve-peer; then
+  # issue 35's peer: transformers' own server (`transformers serve --continuous-batching`: paged KV cache, CUDA
+  # graphs on; bf16: without the `kernels` package transformers dequantizes the MXFP4 source) on the full
+  # synthetic 20b source (24 layers, random weights; PEER_SRC names an existing source to reuse), then the
+  # load of the serve target: bench serve --peer transformers (text prompts of the same token counts in the
+  # peer tokenizer written into a synthetic source, the output length forced through generation_config, a
+  # warm-up first: bench/serve_peer.py). Each step's timeout is what is left of PEER_BUDGET (240 s), so the
+  # target ends within it; the server's options can be changed with PEER_SERVE_ARGS (--no-cb-use-cuda-graph).
+  peer_t0=$SECONDS
+  # seconds left of the budget less $1, at least 1 (timeout 0 would mean no limit)
+  peer_left() { local l=$(( ${PEER_BUDGET:-240} - (SECONDS - peer_t0) - ${1:-0} )); echo $(( l > 1 ? l : 1 )); }
+  if [[ -d .whl/w ]]; then
+    # fastapi, uvicorn, pydantic, accelerate (device_map) and openai (transformers' is_serve_available)
+    [[ -d /tmp/site/openai && -d /tmp/site/accelerate ]] || \
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/w/*.whl
+    [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  psrc=${PEER_SRC:-/tmp/s20b-full}
+  if [[ -z ${PEER_SRC:-} && ! -f $psrc/.synth-complete ]]; then
+    timeout "$(peer_left)" python3 -m gptoss_fp8.cli.main synth "$psrc" --preset 20b --layout hf --overwrite \
+      > "$OUT/serve_tf_prep.log" 2>&1 && touch "$psrc/.synth-complete"
+  fi
+  if [[ -f $psrc/config.json && ! -f $psrc/tokenizer.json ]]; then
+    python3 -m gptoss_fp8.bench.serve_peer tokenizer "$psrc" >> "$OUT/serve_tf_prep.log" 2>&1
+  fi
+  echo "serve-peer: source ready after $((SECONDS - peer_t0)) s" | tee "$OUT/bench_serve_tf.log"
+  pport=8931
+  # `transformers serve`'s own command (transformers/cli/serve.py Serve) through typer: the `transformers`
+  # CLI module also imports cli/chat.py, which needs `requests`
+  HF_HUB_OFFLINE=1 timeout -k 5 "$(peer_left 8)" python3 -c \
+    'import typer; from transformers.cli.serve import Serve; a = typer.Typer(); a.command()(Serve); a()' \
+    "$psrc" --continuous-batching --cb-use-cuda-graph --device cuda --dtype bfloat16 --host 127.0.0.1 \
+    --port $pport --log-level info ${PEER_SERVE_ARGS:-} > "$OUT/serve_tf_server.log" 2>&1 &
+  ppid_=$!
+  pok=0
+  while (( SECONDS - peer_t0 < ${PEER_BUDGET:-240} )) && kill -0 $ppid_ 2>/dev/null; do
+    if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$pport/health', timeout=2)" 2>/dev/null
+    then pok=1; break; fi
+    sleep 2
+  done
+  echo "serve-peer: transformers serve healthy: $pok after $((SECONDS - peer_t0)) s" | tee -a "$OUT/bench_serve_tf.log"
+  if (( pok )); then
+    timeout "$(peer_left 10)" python3 -m gptoss_fp8.cli.main bench serve http://127.0.0.1:$pport \
+      --peer transformers --tokenizer "$psrc" --concurrency ${PEER_CONC:-1,16,64} --prompt-len 1024 \
+      --output-len ${PEER_OUTPUT_LEN:-256} --json "$OUT/bench_serve_tf.json" 2>&1 | tail -20 | tee -a "$OUT/bench_serve_tf.log"
+  fi
+  # TERM to timeout goes on to the server, and KILL 5 s later if it is still there (-k 5)
+  kill $ppid_ 2>/dev/null; wait $ppid_ 2>/dev/null
+  # how it ran: the dequantization, the attention and CUDA graphs it chose; the log's tail when it failed
+  grep -a -i -E "dequantiz|Switching from|flash attention|cuda graphs for|Memory available|Traceback|Error:" \
+    "$OUT/serve_tf_server.log" | head -20 | tee -a "$OUT/bench_serve_tf.log"
+  if (( ! pok )) || [[ ! -s $OUT/bench_serve_tf.json ]]; then
+    echo "serve-peer: no figures; prep and server logs' tails:"; tail -5 "$OUT/serve_tf_prep.log" 2>/dev/null
+    tail -40 "$OUT/serve_tf_server.log"
+  fi
+  echo "serve-peer: done after $((SECONDS - peer_t0)) s" | tee -a "$OUT/bench_serve_tf.log"
 fi
 
 if has attention; then

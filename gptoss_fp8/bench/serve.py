@@ -13,6 +13,18 @@ over requests of tokens after the first / time after the first), TTFT and ITL p5
 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and the server's engine steps per second
 with the model's and the host's ms per step (``step_rates``, from our /metrics; nan against
 another server).
+
+The gaps are between network reads that carried tokens (SSE events that came in one read count
+as one arrival: a server that is behind and writes several events at once shows fewer, longer
+gaps, as ours does by putting several steps' tokens in one event). Every reply's ``usage`` is
+checked: a reply whose prompt or output token count is not the case's fails (the figures of two
+servers compare only at the same lengths).
+
+``peer="transformers"``: transformers' own server (``transformers serve --continuous-batching``),
+which takes text prompts only and no ``ignore_eos``: text prompts of exactly the prompt length in
+its tokenizer, the output length forced through ``generation_config`` (bench/serve_peer.py), and a
+warm-up before the cases (its continuous batching allocates its KV cache and captures its CUDA
+graphs at the first requests).
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ class Timing:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
+    prompt_tokens: int | None = None
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -50,45 +63,76 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _one(client, url: str, model: str, prompt: list[int], output_len: int, headers: dict) -> Timing:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def _one(client, url: str, model: str | None, prompt: list[int] | str, output_len: int, headers: dict,
+               prompt_len: int | None = None) -> Timing:
+    """One streamed request -> its timing. ``prompt``: token ids (our server: ``ignore_eos``) or
+    text (transformers' server: ``serve_peer.peer_body``). ``prompt_len``: the prompt tokens its
+    ``usage`` must report (None: len(prompt))."""
+    if isinstance(prompt, str):
+        from gptoss_fp8.bench.serve_peer import peer_body
+
+        body = peer_body(prompt, output_len, model)
+    else:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+    prompt_len = len(prompt) if prompt_len is None else prompt_len
     t = Timing(time.perf_counter())
     chunks = 0
+    usage = None
     async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             return t
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                t.error = msg["error"].get("message", "error")
-                return t
-            if msg.get("usage"):
-                t.tokens = msg["usage"]["completion_tokens"]
-            if not msg.get("choices") or msg["choices"][0].get("finish_reason") is not None:
-                continue
+        pending = ""
+        async for text in r.aiter_text():  # one network read: its events arrived together
             now = time.perf_counter()
-            if t.first is None:
-                t.first = now
-            else:
-                t.gaps.append(now - t.last)
-            t.last = now
-            chunks += 1
-    t.tokens = t.tokens or chunks
+            *lines, pending = (pending + text).split("\n")
+            got = False
+            for line in lines:
+                line = line.rstrip("\r")
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    err = msg["error"]
+                    t.error = err.get("message", "error") if isinstance(err, dict) else str(err)
+                    return t
+                if msg.get("usage"):
+                    usage = msg["usage"]
+                if msg.get("choices") and msg["choices"][0].get("finish_reason") is None:
+                    got = True
+            if got:
+                if t.first is None:
+                    t.first = now
+                else:
+                    t.gaps.append(now - t.last)
+                t.last = now
+                chunks += 1
+    if usage is None:
+        t.tokens = chunks
+        return t
+    t.tokens, t.prompt_tokens = usage.get("completion_tokens", chunks), usage.get("prompt_tokens")
+    if t.prompt_tokens is not None and t.prompt_tokens != prompt_len:
+        t.error = f"the server read {t.prompt_tokens} prompt tokens, not {prompt_len}"
+    elif t.tokens != output_len:
+        t.error = f"the server gave {t.tokens} output tokens, not {output_len}"
     return t
 
 
-async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
-                seed: int, api_key: str | None, go=None) -> tuple[list[Timing], float, float]:
+async def _case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
+                seed: int, api_key: str | None, texts: list[str] | None = None,
+                go=None) -> tuple[list[Timing], float, float]:
     """n requests, ``concurrency`` at a time -> their timings, and when the first was sent and the
-    last ended (perf_counter). ``go``: called once the requests are ready, before the clock starts."""
+    last ended (perf_counter). ``texts``: the prompts as text (n of them, each ``prompt_len``
+    tokens in the server's tokenizer) instead of random token ids. ``go``: called once the
+    requests are ready, before the clock starts."""
     import httpx
 
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in range(n)]
+    if texts is not None:
+        prompts = texts[:n]
+    else:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in range(n)]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -96,7 +140,7 @@ async def _case(url: str, model: str, prompt_len: int, concurrency: int, n: int,
 
         async def one(p):
             async with sem:
-                return await _one(client, url, model, p, output_len, headers)
+                return await _one(client, url, model, p, output_len, headers, prompt_len)
 
         if go is not None:
             go()
@@ -111,14 +155,16 @@ def client_procs(concurrency: int) -> int:
     return max(1, min(-(-concurrency // 16), (os.cpu_count() or 1) // 4))
 
 
-def run_case(url: str, model: str, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
-             seed: int, api_key: str | None, procs: int = 1) -> tuple[list[Timing], float]:
+def run_case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
+             seed: int, api_key: str | None, procs: int = 1,
+             texts: list[str] | None = None) -> tuple[list[Timing], float]:
     """``_case`` in ``procs`` processes of their own (``python -m gptoss_fp8.bench.serve``: the job
     as a JSON line on stdin, "ready" back once loaded, then a line on stdin starts all of them
     together; the timings as JSON on stdout), the streams and requests split between them: the
     load generator's own Python (httpx, a JSON parse per SSE event) never shares a GIL with a
     server launched in this process, as a real client never does. -> (timings, wall seconds from
-    the first request sent to the last one ended)."""
+    the first request sent to the last one ended). ``texts``: text prompts (``_case``), split
+    between the processes."""
     from gptoss_fp8.errors import GptOssFp8Error
 
     k = max(1, min(procs, concurrency, n))
@@ -126,10 +172,13 @@ def run_case(url: str, model: str, prompt_len: int, concurrency: int, n: int, ou
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     children = []
     try:
+        start = 0
         for i in range(k):
+            share = n // k + (i < n % k)
             job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency // k + (i < concurrency % k),
-                   "n": n // k + (i < n % k), "output_len": output_len, "vocab": vocab, "seed": seed + i,
-                   "api_key": api_key}
+                   "n": share, "output_len": output_len, "vocab": vocab, "seed": seed + i,
+                   "api_key": api_key, "texts": None if texts is None else texts[start:start + share]}
+            start += share
             c = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.bench.serve"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             c.stdin.write(json.dumps(job) + "\n")
@@ -231,21 +280,55 @@ def step_rates(before: tuple[float, float] | None, after: tuple[float, float] | 
 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
           requests: int | None, api_key: str | None = None, vocab: int = 201088, gpus: int = 1, seed: int = 0,
-          procs: int | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+          procs: int | None = None, peer: str = "gptoss", tokenizer=None, warmup: int | None = None,
+          echo: Callable[[str], None] = print) -> list[dict]:
     """Every (prompt length, concurrency) case against the server at ``url`` -> rows (printed as
-    they come). ``model``: the id to send (None: the server's first /v1/models entry);
+    they come). ``model``: the id to send (None: the server's first /v1/models entry; against
+    transformers' server, which may list none, none sent: it serves the model it was started on);
     ``requests``: per case (None: 2 x concurrency, at least 8); ``procs``: load-generator processes
-    (None: ``client_procs``)."""
+    (None: ``client_procs``). ``peer``: "gptoss" (token-id prompts, ``ignore_eos``) or
+    "transformers" (module docstring), with ``tokenizer`` its tokenizer (a checkpoint directory
+    or a tokenizer.json: the text prompts). ``warmup``: requests sent at once before the cases,
+    unmeasured (the first prompt length, up to 16 output tokens; None: the largest concurrency
+    against transformers, none against ours)."""
     import httpx
 
+    from gptoss_fp8.bench.serve_peer import PEERS, load_tokenizer, text_prompts
     from gptoss_fp8.errors import GptOssFp8Error
 
+    if peer not in PEERS:
+        raise GptOssFp8Error(f"--peer {peer!r}: choose from {', '.join(PEERS)}")
+    text = peer == "transformers"
+    if text and tokenizer is None:
+        raise GptOssFp8Error("--peer transformers needs --tokenizer (the checkpoint directory the server loaded)")
+    tok = load_tokenizer(tokenizer) if text else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        listed = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
+        if text:  # its /v1/models lists the hub cache's models (an error where there is none), not the one it serves
+            r = httpx.get(url + "/health", headers=headers, timeout=30)
+            if r.status_code != 200:
+                raise GptOssFp8Error(f"{url}/health: HTTP {r.status_code} {r.text[:200]!r}")
+            listed = []
+        else:
+            listed = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as e:
-        raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e})") from None
-    model = model or listed[0]["id"]
+        hint = "" if text else "; transformers serve answers --peer transformers"
+        raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e}){hint}") from None
+    if model is None and listed:
+        model = listed[0]["id"]
+    elif model is None and not text:
+        raise GptOssFp8Error(f"{url}/v1/models lists no model; name one with --model-name")
+
+    def prompts(p: int, n: int, salt: int) -> list[str] | None:
+        return text_prompts(tok, n, p, seed + 7919 * salt + p) if text else None
+
+    warm = (max(concurrency) if text else 0) if warmup is None else warmup
+    if warm:
+        p, out = prompt_lens[0], min(output_len, 16)
+        timings, wall = run_case(url, model, p, warm, warm, out, vocab, seed + 1, api_key, client_procs(warm),
+                                 prompts(p, warm, 1))
+        bad = sorted({t.error for t in timings if t.error})
+        echo(f"warm-up: {warm} requests at once, {p} + {out} tokens, {wall:.1f} s" + (f"; errors: {bad[:3]}" if bad else ""))
     rows = []
     echo(" | ".join(COLUMNS))
     for p in prompt_lens:
@@ -253,7 +336,8 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
             n = requests or max(8, 2 * c)
             before = engine_counters(url, headers)
             k = client_procs(c) if procs is None else procs
-            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key, k)
+            # text prompts new at every case: transformers' paged cache shares the blocks of a prefix it saw
+            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key, k, prompts(p, n, c + 1))
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
             row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)

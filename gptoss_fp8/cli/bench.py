@@ -250,6 +250,16 @@ def serve(
                              "path alone.")] = False,
     null_step_ms: Annotated[float, typer.Option(min=0, help="--null-model: each decode step sleeps this long "
                                                             "(GIL free, a GPU step the host waits on).")] = 0.0,
+    peer: Annotated[str, typer.Option(
+        help="The server at URL: gptoss (ours: token-id prompts, ignore_eos) or transformers (`transformers serve "
+             "--continuous-batching`: text prompts of the same token counts in --tokenizer, the output length forced "
+             "through generation_config; bench/serve_peer.py).")] = "gptoss",
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="--peer transformers: the checkpoint directory the server loaded (its tokenizer.json), or a "
+             "tokenizer.json.")] = None,
+    warmup: Annotated[int | None, typer.Option(
+        min=0, help="Requests sent at once before the cases, unmeasured (default: the largest concurrency with "
+                    "--peer transformers, none with ours).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the curves here.")] = None,
     decode_json: Annotated[Path | None, typer.Option(
@@ -262,6 +272,8 @@ def serve(
 
     if (url is not None) + (launch is not None) + null_model != 1:
         raise GptOssFp8Error("give exactly one of URL, --launch DST or --null-model")
+    if peer != "gptoss" and url is None:
+        raise GptOssFp8Error(f"--peer {peer} measures a server already running at URL")
     for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
         if out is not None:
             check_output_path(out, overwrite=overwrite_outputs, option=opt)
@@ -294,7 +306,8 @@ def serve(
         url = server.url
     try:
         rows = run_bench(url.rstrip("/"), model=model_name, concurrency=conc, prompt_lens=lens, output_len=output_len,
-                         requests=requests, api_key=api_key, gpus=gpus, procs=client_procs, echo=typer.echo)
+                         requests=requests, api_key=api_key, gpus=gpus, procs=client_procs, peer=peer,
+                         tokenizer=tokenizer, warmup=warmup, echo=typer.echo)
     finally:
         if server is not None:
             server.stop()
