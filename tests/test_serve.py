@@ -231,7 +231,14 @@ def test_a_request_that_raises_fails_alone(server, monkeypatch):
             raise RuntimeError("injected fault")
         return real(slot, tokens, start)
 
+    def prefill_many(chunks):  # the step's prompts in one forward: it raises, then each runs alone
+        if any(999 in tokens for _, tokens, _ in chunks):
+            raise RuntimeError("injected fault")
+        return real_many(chunks)
+
+    real_many = runner.prefill_many
     monkeypatch.setattr(runner, "prefill", prefill)
+    monkeypatch.setattr(runner, "prefill_many", prefill_many)
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:

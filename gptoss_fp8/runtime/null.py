@@ -47,6 +47,11 @@ class NullRunner:
         self.lengths[slot] = start + len(tokens)
         return torch.empty(1, 0)
 
+    def prefill_many(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        for slot, tokens, start in chunks:
+            self.prefill(slot, tokens, start)
+        return torch.empty(len(chunks), 0)
+
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         if self.step_s:
             time.sleep(self.step_s)

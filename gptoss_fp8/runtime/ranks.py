@@ -51,6 +51,9 @@ class Leader:
     def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         return self._both(("prefill", slot, list(tokens), start))
 
+    def prefill_many(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        return self._both(("prefill_many", [(slot, list(tokens), start) for slot, tokens, start in chunks]))
+
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         return self._both(("decode", list(slots), list(tokens)))
 
@@ -64,7 +67,8 @@ class Leader:
         share(("stop",), self.par)
 
 
-_METHODS = {"prefill": "prefill", "decode": "decode", "release": "release", "capture": "capture_all"}
+_METHODS = {"prefill": "prefill", "prefill_many": "prefill_many", "decode": "decode", "release": "release",
+            "capture": "capture_all"}
 
 
 def follow(runner: ModelRunner, par) -> int:
