@@ -6,8 +6,8 @@
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
-#   serve    gptoss-fp8 serve + bench serve URL on a synthetic 20b (SERVE_LAYERS, default 24), bench decode /
-#            prefill beside it
+#   serve    bench serve --synthetic 20b (SERVE_LAYERS, default 24; or SERVE_CKPT served in its own process),
+#            bench decode / prefill beside it
 #   engine   the serving engine in kernels mode under concurrency against generate alone (tests/test_runtime_gpu.py)
 #   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
@@ -73,51 +73,49 @@ if has verdict; then
 fi
 
 if has serve; then
-  # issue 35 on the GPU: `gptoss-fp8 serve` (kernels, CUDA graphs per batch bucket) in its own process on a
-  # synthetic 20b (SERVE_LAYERS layers, default all 24, real shapes, random weights), the load generator
-  # `bench serve URL` in processes of its own: 1024-token prompts x 256 output tokens at concurrency 1 / 16 / 64,
-  # an 8192-token prompt's TTFT at concurrency 1, both after a warm-up (kernel JIT); then `bench decode` and
-  # `bench prefill` of the same model for the must-show ratios. The server's packages (fastapi,
-  # uvicorn, pydantic, openai-harmony) travel as wheels in .whl/w, the o200k tokenizer file in .whl/cache.
+  # issue 35 on the GPU: the server (kernels, CUDA graphs per batch bucket) over the 20b (SERVE_LAYERS layers,
+  # default all 24) at real shapes with random weights, built on the GPU (`bench serve --synthetic`: no
+  # checkpoint to synthesize, convert and load; SERVE_CKPT=DIR serves a converted checkpoint instead, in a
+  # process of its own), the load generator in processes of its own: 1024- and 8192-token prompts x 256
+  # output tokens at concurrency 1 / 16 / 64 after a warm-up (kernel JIT); then `bench decode` / `bench
+  # prefill` of the same model for the must-show ratios. The server's packages (fastapi, uvicorn, pydantic,
+  # openai-harmony) travel as wheels in .whl/w, the o200k tokenizer file in .whl/cache.
   if [[ -d .whl/w ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
   if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
   sl=${SERVE_LAYERS:-24}
-  d=/tmp/s20b-$sl port=8123 t0=$SECONDS
-  if [[ ! -f $d-fp8/conversion.json ]]; then
-    m synth $d --preset 20b --layers $sl --layout hf --overwrite > "$OUT/serve_prep.log" 2>&1
-    m convert $d $d-fp8 --device cuda --overwrite >> "$OUT/serve_prep.log" 2>&1
+  lens=${SERVE_PROMPTS:-1024,8192} conc=${SERVE_CONC:-1,16,64}
+  if [[ -z ${SERVE_CKPT:-} ]]; then
+    timeout ${SERVE_S:-300} python3 -m gptoss_fp8.cli.main bench serve --synthetic 20b --layers $sl --concurrency $conc \
+      --prompt-len $lens --output-len 256 --warmup 64 --json "$OUT/bench_serve.json" 2>&1 | grep -v Warn \
+      | tail -14 | tee -a "$OUT/bench_serve.log"
+  else
+    port=8123 t0=$SECONDS
+    python3 -m gptoss_fp8.cli.main serve $SERVE_CKPT --device cuda --max-batch 64 --max-context 8448 --port $port \
+      > "$OUT/serve_server.log" 2>&1 &
+    spid=$!
+    get() { python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
+    until get http://127.0.0.1:$port/health > /dev/null 2>&1; do
+      if (( SECONDS - t0 > 180 )) || ! kill -0 $spid 2>/dev/null; then
+        echo "serve: the server did not come up in $((SECONDS - t0)) s" | tee -a "$OUT/bench_serve.log"
+        tail -20 "$OUT/serve_server.log" | tee -a "$OUT/bench_serve.log"; break
+      fi
+      sleep 2
+    done
+    echo "serve: healthy after $((SECONDS - t0)) s (load, KV, graph capture)" | tee -a "$OUT/bench_serve.log"
+    timeout ${SERVE_S:-300} python3 -m gptoss_fp8.cli.main bench serve http://127.0.0.1:$port --concurrency $conc \
+      --prompt-len $lens --output-len 256 --warmup 64 --json "$OUT/bench_serve.json" 2>&1 | tail -12 \
+      | tee -a "$OUT/bench_serve.log"
+    get http://127.0.0.1:$port/metrics | grep -E '^gptoss_(kv|requests|tokens|engine)' | tee -a "$OUT/bench_serve.log"
+    kill $spid; wait $spid 2>/dev/null
   fi
-  echo "serve: synth + convert of the $sl-layer 20b $((SECONDS - t0)) s" | tee -a "$OUT/bench_serve.log"
-  python3 -m gptoss_fp8.cli.main serve $d-fp8 --device cuda --max-batch 64 --max-context 8448 --port $port \
-    > "$OUT/serve_server.log" 2>&1 &
-  spid=$! t0=$SECONDS
-  get() { python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
-  until get http://127.0.0.1:$port/health > /dev/null 2>&1; do
-    if (( SECONDS - t0 > 180 )) || ! kill -0 $spid 2>/dev/null; then
-      echo "serve: the server did not come up in $((SECONDS - t0)) s" | tee -a "$OUT/bench_serve.log"
-      tail -20 "$OUT/serve_server.log" | tee -a "$OUT/bench_serve.log"; break
-    fi
-    sleep 2
-  done
-  echo "serve: healthy after $((SECONDS - t0)) s (load, KV, graph capture)" | tee -a "$OUT/bench_serve.log"
-  u=http://127.0.0.1:$port
-  for warm in "64 1024 8 64" "1 8192 2 1"; do
-    set -- $warm
-    timeout 90 python3 -m gptoss_fp8.cli.main bench serve $u --concurrency $1 --prompt-len $2 --output-len $3 \
-      --requests $4 > /dev/null 2>&1
-  done
-  timeout 150 python3 -m gptoss_fp8.cli.main bench serve $u --concurrency 1,16,64 --prompt-len 1024 --output-len 256 \
-    --json "$OUT/bench_serve.json" 2>&1 | tail -12 | tee -a "$OUT/bench_serve.log"
-  timeout 60 python3 -m gptoss_fp8.cli.main bench serve $u --concurrency 1 --prompt-len 8192 --output-len 16 \
-    --requests 6 --json "$OUT/bench_serve_8192.json" 2>&1 | tail -6 | tee -a "$OUT/bench_serve.log"
-  get $u/metrics | grep -E '^gptoss_(kv|requests|tokens|engine)' | tee -a "$OUT/bench_serve.log"
-  kill $spid; wait $spid 2>/dev/null
-  timeout 100 python3 -m gptoss_fp8.cli.main bench decode --model 20b --layers $sl --batch 1,16,64 --context 1280 \
-    --json "$OUT/bench_serve_decode.json" 2>&1 | tail -8 | tee -a "$OUT/bench_serve.log"
-  timeout 60 python3 -m gptoss_fp8.cli.main bench prefill --model 20b --layers $sl --tokens 8192 --runs 3 --no-peer \
-    2>&1 | tail -6 | tee -a "$OUT/bench_serve.log"
+  if [[ -z ${SERVE_NO_BENCH:-} ]]; then
+    timeout 100 python3 -m gptoss_fp8.cli.main bench decode --model 20b --layers $sl --batch 1,16,64 --context 1280 \
+      --no-peer --json "$OUT/bench_serve_decode.json" 2>&1 | grep -v Warn | tail -8 | tee -a "$OUT/bench_serve.log"
+    timeout 60 python3 -m gptoss_fp8.cli.main bench prefill --model 20b --layers $sl --tokens 1024,8192 --runs 3 --no-peer \
+      2>&1 | grep -v Warn | tail -6 | tee -a "$OUT/bench_serve.log"
+  fi
   if [[ -n ${SERVE_NULL:-} ]]; then
     # the host path alone on this machine's CPUs: the same server over a model that costs nothing, a decode
     # step of 10 ms (the 20b's at batch 64, GIL released) and of 0 ms
@@ -150,9 +148,10 @@ if has serve-peer; then
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/w/*.whl
     [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
-  psrc=${PEER_SRC:-/tmp/s20b-full}
+  psrc=${PEER_SRC:-/tmp/s20b-${PEER_LAYERS:-full}}
   if [[ -z ${PEER_SRC:-} && ! -f $psrc/.synth-complete ]]; then
     timeout "$(peer_left)" python3 -m gptoss_fp8.cli.main synth "$psrc" --preset 20b --layout hf --overwrite \
+      ${PEER_LAYERS:+--layers $PEER_LAYERS} \
       > "$OUT/serve_tf_prep.log" 2>&1 && touch "$psrc/.synth-complete"
   fi
   if [[ -f $psrc/config.json && ! -f $psrc/tokenizer.json ]]; then
@@ -187,6 +186,13 @@ if has serve-peer; then
   if (( ! pok )) || [[ ! -s $OUT/bench_serve_tf.json ]]; then
     echo "serve-peer: no figures; prep and server logs' tails:"; tail -5 "$OUT/serve_tf_prep.log" 2>/dev/null
     tail -40 "$OUT/serve_tf_server.log"
+  fi
+  if [[ -n ${PEER_OURS:-} && -f $psrc/config.json ]]; then
+    # ours on the same source, same load (token-id prompts of the same lengths), in this call: the ratio
+    python3 -m gptoss_fp8.cli.main convert "$psrc" "$psrc-fp8" --device cuda --overwrite > /dev/null 2>&1
+    timeout 150 python3 -m gptoss_fp8.cli.main bench serve --launch "$psrc-fp8" --concurrency ${PEER_CONC:-1,16,64} \
+      --prompt-len 1024 --output-len ${PEER_OUTPUT_LEN:-256} --warmup 64 --json "$OUT/bench_serve_ours_same.json" \
+      2>&1 | grep -v Warn | tail -6 | tee -a "$OUT/bench_serve_tf.log"
   fi
   echo "serve-peer: done after $((SECONDS - peer_t0)) s" | tee -a "$OUT/bench_serve_tf.log"
 fi

@@ -245,6 +245,10 @@ def serve(
     gpus: Annotated[int, typer.Option(min=1, help="GPUs the server uses ($ per 1M tokens).")] = 1,
     client_procs: Annotated[int | None, typer.Option(
         min=1, help="Load-generator processes (default: one per 16 streams, at most a quarter of the CPUs).")] = None,
+    synthetic: Annotated[str | None, typer.Option(
+        help="Launch the server (in this process) over random FP8 weights at this preset's shapes (20b, 120b, "
+             "...; --layers: the first N), no checkpoint on disk: the speed of that model served.")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, help="--synthetic: build only the first N layers.")] = None,
     null_model: Annotated[bool, typer.Option(
         "--null-model", help="Launch the server over a model that costs nothing (runtime/null.py): the host "
                              "path alone.")] = False,
@@ -270,8 +274,8 @@ def serve(
     inter-token latency p50 / p99 and $ per 1M output tokens at $3 per GPU-hour (bench/serve.py)."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
-    if (url is not None) + (launch is not None) + null_model != 1:
-        raise GptOssFp8Error("give exactly one of URL, --launch DST or --null-model")
+    if (url is not None) + (launch is not None) + null_model + (synthetic is not None) != 1:
+        raise GptOssFp8Error("give exactly one of URL, --launch DST, --synthetic PRESET or --null-model")
     if peer != "gptoss" and url is None:
         raise GptOssFp8Error(f"--peer {peer} measures a server already running at URL")
     for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
@@ -295,6 +299,13 @@ def serve(
 
         served = build(launch, device=device, mode=mode, max_batch=max(conc), max_context=max(lens) + output_len + 1,
                        api_key=api_key, model_name=model_name, echo=typer.echo)
+        server = Server(served).start()
+        url = server.url
+    elif synthetic is not None:
+        from gptoss_fp8.serve.server import Server, build_synthetic
+
+        served = build_synthetic(synthetic, layers=layers, device=device, mode=mode, max_batch=max(conc),
+                                 max_context=max(lens) + output_len + 1, api_key=api_key, echo=typer.echo)
         server = Server(served).start()
         url = server.url
     elif null_model:

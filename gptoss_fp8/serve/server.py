@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve.app import Served, create_app
@@ -55,9 +56,6 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
     from gptoss_fp8.model.load import load_model
     from gptoss_fp8.parallel import Parallel, device_for
-    from gptoss_fp8.runtime.runner import ModelRunner
-    from gptoss_fp8.runtime.slots import slots_for_memory
-    from gptoss_fp8.verify.backends import ops_for
 
     ckpt = Checkpoint.of(ckpt_path)
     if ckpt.tp != 1 or ckpt.ep != 1:
@@ -69,10 +67,32 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     model = load_model(ckpt, Parallel(), dev)
     echo(f"loaded {ckpt.path} ({ckpt.config.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, "
          f"mode {opts['mode']}")
-    slots, line = slots_for_memory(model, opts["max_context"], max_batch, dev)
-    echo(line)
-    runner = ModelRunner(model, ops_for(opts["mode"]), slots, opts["max_context"])
-    return start_engine(runner, opts["chunk"], max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
+    return start_model(model, opts, max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
+
+
+def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cuda", mode: str = "auto",
+                    max_batch: int = 8, max_context: int | None = None, chunk: int | None = None,
+                    max_waiting: int | None = None, api_key: str | None = None,
+                    echo: Callable[[str], None] = print) -> Served:
+    """The server over random FP8 weights at a preset's real shapes (``bench.prefill.random_model``,
+    as ``bench prefill`` / ``bench decode`` time them; first ``layers`` layers), built on the device
+    with no checkpoint on disk: ``bench serve --synthetic``. The replies are noise; the speed is the
+    model's."""
+    import torch
+
+    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.config import preset_config
+
+    cfg = preset_config(preset, layers=layers)
+    name = f"synthetic-{preset}" + (f"-{layers}l" if layers else "")
+    opts = check_options(SimpleNamespace(config=cfg, path=name), device=device, mode=mode, max_batch=max_batch,
+                         max_context=max_context, chunk=chunk)
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    model = random_model(cfg, dev)
+    echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
+         f"mode {opts['mode']}")
+    return start_model(model, opts, max_waiting, api_key, name, echo)
 
 
 def build_null(*, max_batch: int = 8, max_context: int = 2048, step_ms: float = 0.0, chunk: int = 8192,
@@ -91,6 +111,20 @@ def build_null(*, max_batch: int = 8, max_context: int = 2048, step_ms: float = 
          "every reply is the same preset text")
     return start_engine(runner, chunk, max_waiting, api_key, model_name, echo,
                         sampler=ScriptSampler(encoding().encode(REPLY)))
+
+
+def start_model(model, opts: dict, max_waiting: int | None, api_key: str | None, name: str,
+                echo: Callable[[str], None]) -> Served:
+    """A loaded model (``check_options``' opts): its KV slots sized from free memory (printed), its
+    runner, the engine started."""
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.slots import slots_for_memory
+    from gptoss_fp8.verify.backends import ops_for
+
+    slots, line = slots_for_memory(model, opts["max_context"], opts["max_batch"], model.model.embed_tokens.weight.device)
+    echo(line)
+    runner = ModelRunner(model, ops_for(opts["mode"]), slots, opts["max_context"])
+    return start_engine(runner, opts["chunk"], max_waiting, api_key, name, echo)
 
 
 def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
