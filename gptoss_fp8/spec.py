@@ -300,7 +300,8 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                  sm_scale: float | None = None, window: int = 0, q_offset: int = 0) -> torch.Tensor:
+                  sm_scale: float | None = None, window: int = 0, q_offset: int = 0,
+                  fp8_max: float = FP8_MAX) -> torch.Tensor:
     """``attention`` with FP8 operands, for ONE sequence: same contract (shapes, masks, sinks,
     q_offset), returned as [Tq, Hq, D] in q's dtype.
 
@@ -309,6 +310,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     exact e4m3 products summed in fp32, times the two scales; softmax in base 2 in fp32 against
     ceil(row max) (sink included); P * 256 to e4m3; P8 V8 in fp32, times V's channel scale / 256,
     divided by the fp32 row sum of P plus the sink's term; then the cast to q's dtype.
+    ``fp8_max``: what a Q / K / V block's amax maps to (448; the verdict's noise grids, verify/noise.py,
+    redraw the rounding with other e4m3 values). P's scale stays 256.
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -316,9 +319,9 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, sinks {tuple(sinks.shape)}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    q8, sq = quantize_qk(q)
-    k8, sk = quantize_qk(k)
-    v8t, sv = quantize_v(v)
+    q8, sq = quantize_qk(q, fp8_max)
+    k8, sk = quantize_qk(k, fp8_max)
+    v8t, sv = quantize_v(v, fp8_max)
     o = _attention_fp8_core(q8, row_scales(sq, tq), k8, row_scales(sk, tk), v8t.permute(2, 0, 1), sv,
                             sinks, sm_scale, window, q_offset)
     return o.reshape(tq, hq, d).to(q.dtype)

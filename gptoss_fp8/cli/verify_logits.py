@@ -9,7 +9,16 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import Gemm, GemmOption, OverwriteOutputs, check_distinct, check_fraction, check_threshold
+from gptoss_fp8.cli.common import (
+    Attention,
+    AttentionOption,
+    Gemm,
+    GemmOption,
+    OverwriteOutputs,
+    check_distinct,
+    check_fraction,
+    check_threshold,
+)
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -118,6 +127,7 @@ def verify_logits(
     allow_fallback: Annotated[bool, typer.Option(
         help="Let the kernels mode pass when some ops ran the torch spec instead of a kernel (experiments).")] = False,
     gemm: GemmOption = Gemm.ours,
+    attention: AttentionOption = Attention.bf16,
     decode: Annotated[int, typer.Option(
         min=0, metavar="N",
         help="Also prefill all but the last N tokens and decode those one at a time through the KV cache; each "
@@ -189,7 +199,7 @@ def verify_logits(
         report, outputs, ref = run.verify_under_torchrun(opened, reference, ids, modes=modes, ep=ep, device=device.value,
                                                          overrides=overrides, tokens_from=tokens_from,
                                                          save_reference=save_reference, allow_fallback=allow_fallback,
-                                                         gemm=gemm.value, decode=decode)
+                                                         gemm=gemm.value, decode=decode, attention=attention.value)
         if outputs is None:  # ranks > 0: same exit status as rank 0, no output
             raise typer.Exit(0 if report["passed"] else 1)
     else:
@@ -201,7 +211,8 @@ def verify_logits(
             typer.echo(f"reference saved to {save_reference}")
         report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
                                                 overrides=overrides, tokens_from=tokens_from,
-                                                allow_fallback=allow_fallback, gemm=gemm.value, decode=decode)
+                                                allow_fallback=allow_fallback, gemm=gemm.value, decode=decode,
+                                                attention=attention.value)
     if gemm is not Gemm.ours:  # the report names the ops backend; this says which GEMMs it ran
         typer.echo(f"kernels mode: dense and grouped FP8 GEMMs on {gemm.value} (--gemm)")
     for line in verdict.summary_lines(report):

@@ -26,22 +26,23 @@ QK_BLOCK = 64  # rows per Q / K scale block
 P_SCALE = 256.0  # P in [0, 1] is stored as e4m3(P * 256)
 
 
-def quantize_qk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H, D] float -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]), per 64-row block per head."""
+def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] float -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]), per 64-row block per head.
+    ``fp8_max``: the value a block's amax maps to (448; another e4m3 value for the verdict's noise grids)."""
     assert x.dim() == 3, f"x {tuple(x.shape)}: want [T, H, D]"
     t, h, d = x.shape
     nb = cdiv(t, QK_BLOCK)
     xf = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, nb * QK_BLOCK - t)).view(nb, QK_BLOCK, h, d)
-    scale = xf.abs().amax(dim=(1, 3)).clamp(min=ACT_EPS) / FP8_MAX  # [nb, H]
+    scale = xf.abs().amax(dim=(1, 3)).clamp(min=ACT_EPS) / fp8_max  # [nb, H]
     x8 = to_fp8_saturating(xf / scale[:, None, :, None]).view(nb * QK_BLOCK, h, d)[:t]
     return x8.contiguous(), scale.t().contiguous()
 
 
-def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """v [T, H, D] float -> (v8t e4m3 [H, D, T], scale fp32 [H, D]), per (head, channel)."""
     assert v.dim() == 3, f"v {tuple(v.shape)}: want [T, H, D]"
     vf = v.float()
-    scale = vf.abs().amax(dim=0).clamp(min=ACT_EPS) / FP8_MAX  # [H, D]
+    scale = vf.abs().amax(dim=0).clamp(min=ACT_EPS) / fp8_max  # [H, D]
     v8t = to_fp8_saturating(vf / scale).permute(1, 2, 0).contiguous()
     return v8t, scale
 

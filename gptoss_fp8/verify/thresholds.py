@@ -86,6 +86,8 @@ DEFAULTS: dict[str, Thresholds] = {
     "w8a8": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.6, layer_rel_err=0.4),
     "kernels": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.5, layer_rel_err=0.4),
     "kernels_vs_w8a8": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.5, layer_rel_err=0.4),
+    # --attention fp8, weights mode: FP8 prefill attention's cost against bf16 attention (docs/verify.md)
+    "attention-fp8": Thresholds(kl_mean=1.0, kl_max=10.0, top1_min=0.6, layer_rel_err=0.4),
 }
 
 
@@ -129,6 +131,9 @@ PART_LIMITS: dict[str, dict[str, float]] = {
     # 0.040, router 0.0070 (its fp32 -> bf16 stores truncate, and the FP8 casts round otherwise):
     # about 8x the GPU's MoE noise, so MoE bugs smaller than ~8% of the block's output can hide here
     "kernels_vs_w8a8-interpreter": {"attn": 0.105, "mlp": 0.08, "router": 0.014, "logits": 0.014},
+    # --attention fp8, weights mode: only attention changes (MoE, router and logits are the exact
+    # profile's, bit-identical on the CPU)
+    "attention-fp8": {"attn": 0.2, "mlp": 2e-3, "router": 2e-3, "logits": 2e-3},
 }
 
 
