@@ -122,6 +122,9 @@ class ReferenceOps:
     # and P in e4m3: ``spec.attention_fp8`` here, the FP8 Triton kernel in the triton backend).
     # Decode (``attention_cached``) stays bf16 in both: it reads the bf16 KV cache, memory-bound.
     attention_kind = "bf16"
+    # What a Q / K / V block's amax maps to under FP8 attention (spec.attention_fp8's fp8_max): 448;
+    # the verdict's noise grids set others (verify/noise.py). W8A8CpuOps ties it to its act_max.
+    attention_fp8_max = FP8_MAX
 
     def __init__(self, expert_cache_bytes: int = EXPERT_CACHE_BYTES):
         self.prepared = PreparedWeights(expert_cache_bytes)
@@ -268,7 +271,7 @@ class ReferenceOps:
         n, kvh, m, d = q.shape
         if self.attention_kind == "fp8":  # Q / K / V on this backend's activation grid (verify/noise.py)
             return spec.attention_fp8(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window, q_offset,
-                                      fp8_max=getattr(self, "act_max", FP8_MAX)).reshape(n, -1)
+                                      fp8_max=self.attention_fp8_max).reshape(n, -1)
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
                               q_offset=q_offset).reshape(n, -1)
 
@@ -320,7 +323,7 @@ class W8A8CpuOps(ReferenceOps):
         if prepared is not None:  # share another backend's copies (the verdict's grids: one set)
             self.prepared = prepared
         # quantize_act's fp8_max: 448, or another grid for the verdict's noise estimate (verify/noise.py)
-        self.act_max = act_max
+        self.act_max = self.attention_fp8_max = act_max
 
     def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
         if w.dtype != FP8_DTYPE:

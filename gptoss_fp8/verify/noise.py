@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from gptoss_fp8.model.ops import W8A8CpuOps
+from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps
 from gptoss_fp8.quant.fp8 import FP8_MAX
 from gptoss_fp8.verify.parts import PARTS, part_input, run_parts
 
@@ -55,6 +55,21 @@ def dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor],
     attention grids, with ``attention`` "fp8")."""
     first = W8A8CpuOps(act_max=DITHER_MAX[0]).with_attention(attention)
     ops = [first, W8A8CpuOps(act_max=DITHER_MAX[1], prepared=first.prepared).with_attention(attention)]
+    return tuple(run_parts(model, tokens, o, target) for o in ops)
+
+
+def attention_dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor],
+                           prepared=None) -> tuple[dict, dict]:
+    """``--attention fp8``, the weights mode: its parts on the target's inputs with the FP8
+    attention's Q / K / V on two other grids (DITHER_MAX; activations stay bf16): the noise of the
+    FP8 attention alone, which the ``attention-fp8`` rule's limits follow."""
+    ops = []
+    for m in DITHER_MAX:
+        o = ReferenceOps().with_attention("fp8")
+        o.attention_fp8_max = m
+        if prepared is not None:
+            o.prepared = prepared
+        ops.append(o)
     return tuple(run_parts(model, tokens, o, target) for o in ops)
 
 

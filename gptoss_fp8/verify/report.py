@@ -245,8 +245,10 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
                 floor = PART_LIMITS["exact-cross-device"]
                 limits = {k: max(v * CROSS_DEVICE_FACTOR, floor[k]) for k, v in limits.items()}
             part_limits = None
+            # the weights mode under --attention fp8: FP8 attention's own noise (its dither)
+            rule_key = profile if profile == "attention-fp8" else noise_rule_key(mode, device)
             if noise is not None:
-                rule = NOISE_RULES[noise_rule_key(mode, device)]
+                rule = NOISE_RULES[rule_key]
                 part_limits = {k: rule.limit(k.split(".")[1], v, floors[k]) for k, v in noise.items()}
                 if cross:
                     part_limits = {k: max(v, PART_LIMITS["exact-cross-device"][k.split(".")[1]]) for k, v in part_limits.items()}
@@ -259,7 +261,7 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             for r in tf["parts"]:
                 if floors and f"{r['layer']}.{r['part']}" in floors:
                     r["store_floor"] = floors[f"{r['layer']}.{r['part']}"]
-            tf["limits_profile"] = (f"{noise_rule_key(mode, device)} (this run's FP8 noise x k + floors)"
+            tf["limits_profile"] = (f"{rule_key} (this run's FP8 noise x k + floors)"
                                     if part_limits else part_profile)
             tf["limits_profile"] += " x cross-device" if cross else ""
             sec["teacher_forced"] = tf

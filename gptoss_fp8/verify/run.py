@@ -17,7 +17,7 @@ from gptoss_fp8.model.load import load_model
 from gptoss_fp8.parallel import Parallel, backend_for, device_for, launch_ranks, start_rank, under_torchrun  # noqa: F401 (re-exported)
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
 from gptoss_fp8.verify.decode import check_decode_steps, run_decode
-from gptoss_fp8.verify.noise import dither_parts, grid_ops
+from gptoss_fp8.verify.noise import attention_dither_parts, dither_parts, grid_ops
 from gptoss_fp8.verify.parts import has_forced_inputs, run_parts
 from gptoss_fp8.verify.reference import Reference
 from gptoss_fp8.verify.report import ModeOutput, Outputs, build_report, rounding_for
@@ -73,6 +73,10 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         if has_parts and mode == "w8a8":  # the spec (as this mode runs it, hook included) on the other grids
             grids = [run_parts(model, tokens, g if hook is None else hook(mode, g), forced)
                      for g in grid_ops(getattr(ops, "prepared", None), attention)]
+        if has_parts and mode == "weights" and attention == "fp8":  # FP8 attention's own noise (verify/noise.py)
+            mode_dither = attention_dither_parts(model, tokens, forced, getattr(ops, "prepared", None))
+        else:
+            mode_dither = dither if mode == "kernels" else None
         vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None
         shapes = getattr(ops, "fallback_shapes", None)
         dec = dec_fallbacks = None
@@ -84,7 +88,7 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
                                parts=parts, parts_vs_spec=vs_spec,
                                fallback_shapes=None if shapes is None else {k: sorted(v) for k, v in shapes.items() if v},
                                decode=dec, decode_fallbacks=None if dec_fallbacks is None else dict(dec_fallbacks),
-                               dither=dither if mode == "kernels" else None, grids=grids)
+                               dither=mode_dither, grids=grids)
     return out
 
 

@@ -199,6 +199,10 @@ NOISE_RULES: dict[str, NoiseRule] = {
     # truncation: 0.017-0.019 on the tiny. Limit: the three in quadrature, sqrt((1.3 x noise)^2 +
     # (store floor)^2 + floor^2), floors 0.03 / 0.01. A doubled sink: 1.58-1.88 x noise
     "kernels_vs_w8a8-interpreter": NoiseRule(k=_both(1.3), store=1.0, floor={"attn": 0.03, "mlp": 0.01}, rss=True),
+    # --attention fp8, the weights mode against bf16 attention (OpenAI's model on the expected
+    # weights): noise = FP8 attention's own, from two other Q / K / V grids (noise.attention_dither_parts;
+    # the MoE sees none: its limit is the exact-cpu one). MEASURED below.
+    "attention-fp8": NoiseRule(k={"attn": 2.0, "mlp": 0.0}, store=0.0, floor={"attn": 0.005, "mlp": 2e-3}),
 }
 
 
