@@ -150,6 +150,7 @@ def verify_logits(
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
     check_gemm(gemm.value, modes)
+    run.check_attention(attention.value, decode)
     inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
     named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
     if dump_logits is not None:

@@ -49,6 +49,13 @@ EXPERT_CACHE_BYTES = 512 * 1024**2  # the default of ReferenceOps.expert_cache_b
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
 ATTENTION_KINDS = ("bf16", "fp8")  # ``ReferenceOps.attention_kind``: prefill attention's numerics
 
+
+def check_attention_kind(kind: str) -> str:
+    """``kind`` if it is one of ATTENTION_KINDS; else GptOssFp8Error (one line)."""
+    if kind not in ATTENTION_KINDS:
+        raise GptOssFp8Error(f"--attention {kind!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+    return kind
+
 Quant = tuple[torch.Tensor, torch.Tensor]  # (x_fp8 [T, K], scale float32 [T, ceil(K/128)]) = quantize_act(x)
 
 
@@ -132,9 +139,7 @@ class ReferenceOps:
     def with_attention(self, kind: str) -> ReferenceOps:
         """Set the prefill attention's numerics (``ATTENTION_KINDS``); returns self. Raises
         GptOssFp8Error for an unknown kind."""
-        if kind not in ATTENTION_KINDS:
-            raise GptOssFp8Error(f"--attention {kind!r}: choose one of {', '.join(ATTENTION_KINDS)}")
-        self.attention_kind = kind
+        self.attention_kind = check_attention_kind(kind)
         return self
 
     def _prepared(self, w: torch.Tensor, scale_inv: torch.Tensor | None, dtype: torch.dtype,

@@ -40,6 +40,18 @@ def resolve_ops_hook(spec: str | None):
         raise GptOssFp8Error(f"ops hook {spec!r}: cannot import it ({e}); give module:function") from None
 
 
+def check_attention(attention: str, decode: int) -> None:
+    """``--attention``: a known kind (model/ops.py ATTENTION_KINDS), and not with ``--decode``, whose
+    steps (bf16 decode attention on the cache) are compared with a forward that ran FP8 attention.
+    Raises GptOssFp8Error (one line) before any model runs."""
+    from gptoss_fp8.model.ops import check_attention_kind
+
+    check_attention_kind(attention)
+    if attention == "fp8" and decode:
+        raise GptOssFp8Error("--decode compares bf16 decode attention with the forward, which --attention fp8 runs in "
+                             "FP8 (prefill only): run --decode without --attention fp8")
+
+
 def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
               ops_hook: str | None = None, gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> Outputs:
     """Run one loaded model (any rank) once per mode (``backends.MODES``): free-running, then, given
@@ -188,6 +200,7 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
     ckpt = Checkpoint.of(ckpt)
     ckpt.resolve_layout(tp, ep)  # the checkpoint must have been converted for this layout
     modes = resolve_modes(modes, device)  # and every mode must be able to run on this device
+    check_attention(attention, decode)
     if decode:
         check_decode_steps(decode, int(tokens.shape[0]))
     if tp == 1:
