@@ -54,3 +54,38 @@ def test_attention_bug_fails_with_fp8_attention(trained, bug):
 def test_unknown_attention_kind_is_one_line():
     with pytest.raises(GptOssFp8Error, match="--attention 'fp4'"):
         ReferenceOps().with_attention("fp4")
+
+
+def test_cli_choices_are_the_ops_kinds():
+    from gptoss_fp8.cli.common import Attention
+    from gptoss_fp8.model.ops import ATTENTION_KINDS
+
+    assert tuple(a.value for a in Attention) == ATTENTION_KINDS
+
+
+def test_decode_is_refused_with_fp8_attention():
+    from gptoss_fp8.verify.run import check_attention
+
+    check_attention("fp8", 0)
+    check_attention("bf16", 4)
+    with pytest.raises(GptOssFp8Error, match="--decode"):
+        check_attention("fp8", 4)
+
+
+def test_reference_ops_route_prefill_attention_to_the_fp8_spec():
+    """The ops' attention (and a prompt chunk's, with its query offset) is spec.attention_fp8 under
+    with_attention("fp8"), on the backend's grid; decode attention stays bf16."""
+    import torch
+
+    from gptoss_fp8 import spec
+    from gptoss_fp8.model.ops import W8A8CpuOps
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(40, h, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g).bfloat16()
+    ops = W8A8CpuOps(act_max=416.0).with_attention("fp8")
+    got = ops.attention(q.view(40, 2, 2, 16), k, v, sinks, 0.25, 0)
+    assert torch.equal(got, spec.attention_fp8(q, k, v, sinks, 0.25, fp8_max=416.0).reshape(40, -1))
+    assert not torch.equal(got, spec.attention(q, k, v, sinks, 0.25).reshape(40, -1))
+    chunk = ops.attention_chunk(q[30:].reshape(10, 2, 2, 16), k, v, sinks, 0.25, 8, 30)
+    assert torch.equal(chunk, spec.attention_fp8(q[30:], k, v, sinks, 0.25, 8, 30, fp8_max=416.0).reshape(10, -1))
