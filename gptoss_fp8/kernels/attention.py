@@ -66,42 +66,43 @@ def _attn_inner(
     FP8: tl.constexpr = False,                # the kv head, the sequence's first packed row, V^T's D stride
 ):
     if FP8:
-        return _attn_inner_fp8(acc, l_i, m_i, q, sq, K, SK, kbase, V, stride_kt, stride_vd, offs_m, offs_n, offs_d,
-                               seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n  # [BLOCK_N] key positions in the sequence
-        if MASK:
-            kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < seqlen, other=0.0)
-        else:
-            kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None])
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        qk = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] raw scores
-        # Scores go to log2 units (times sm_scale * log2 e). m_i >= sink > -inf, so exp2 never
-        # sees -inf - -inf, also for rows whose keys in this block are all masked.
-        if MASK:
-            rel = offs_m[:, None] - cols[None, :]  # query pos - key pos
-            visible = (rel >= 0) & (rel < window)
-            qk = qk * qk_scale + tl.where(visible, 0.0, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            qk = qk - m_new[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]  # one FMA per score
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASK:
-            v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < seqlen, other=0.0)
-        else:
-            v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :])
-        if UPCAST:
-            acc = tl.dot(p, v.to(tl.float32), acc)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _attn_inner_fp8(acc, l_i, m_i, q, sq, K, SK, kbase, V, stride_kt, stride_vd, offs_m, offs_n,
+                                        offs_d, seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            cols = start_n + offs_n  # [BLOCK_N] key positions in the sequence
+            if MASK:
+                kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < seqlen, other=0.0)
+            else:
+                kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None])
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            qk = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] raw scores
+            # Scores go to log2 units (times sm_scale * log2 e). m_i >= sink > -inf, so exp2 never
+            # sees -inf - -inf, also for rows whose keys in this block are all masked.
+            if MASK:
+                rel = offs_m[:, None] - cols[None, :]  # query pos - key pos
+                visible = (rel >= 0) & (rel < window)
+                qk = qk * qk_scale + tl.where(visible, 0.0, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                qk = qk - m_new[:, None]
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                qk = qk * qk_scale - m_new[:, None]  # one FMA per score
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if MASK:
+                v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < seqlen, other=0.0)
+            else:
+                v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :])
+            if UPCAST:
+                acc = tl.dot(p, v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
     return acc, l_i, m_i
 
 
