@@ -28,6 +28,16 @@ On sm_90, one-sequence causal calls with head_dim 64 go to the warp-specialized 
 attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon`` and its tile).
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
+FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
+quantizes with torch ops (quant/attn_fp8.py: Q, K e4m3 per 64 packed rows per head, V e4m3 per
+(head, channel), written transposed [Hkv, D, T] so the P V product's B operand is K-major); both
+dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
+scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
+power-of-two rescaling: the spec's roundings), and each block's P V is summed in a fresh fp32
+accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer bits). The Triton kernel
+only (never the Gluon one), no fused rope. The interpreter casts fp32 -> e4m3 wrongly where the
+rounding carries into the exponent (31.94 -> 16): there P's rounding is done arithmetically.
+
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated).
 In the Triton interpreter (CPU) bf16 arithmetic is wrong, so the kernel upcasts tiles to fp32 after
 loading there (``UPCAST``); on the GPU the dots take bf16. Reference: ``spec.attention_varlen``
