@@ -54,10 +54,12 @@ Profiles:
   bounds about 4x those. OpenAI's model run on the same GPU passes ``exact``.
 * ``attention-fp8``: ``weights`` mode with ``--attention fp8`` (``spec.attention_fp8``: Q, K, V and P
   in e4m3) against the same expected reference (bf16 attention): the cost of FP8 attention alone.
-  Measured 2026-12-03 on the trained fixture (golden/trained, default conversion, the built-in
-  302-byte sample, CPU): KL mean 1.96e-3, KL max 0.071, top-1 0.990 (1.0 decisive), hidden rel.
-  error at the last layer 0.055 (bf16 attention on the same run: KL mean 5.6e-6, every part 0).
-  Bounds ~5x those;
+  Measured 2026-12-03 on the trained fixture (golden/trained, default conversion, CPU): the
+  built-in 302-byte sample: KL mean 1.96e-3, KL max 0.071, top-1 0.990 (1.0 decisive), hidden rel.
+  error at the last layer 0.055 (bf16 attention on the same run: KL mean 5.6e-6, every part 0);
+  the first 88 bytes of the tests' fib text (code the model is sure of): KL mean 0.0316, KL max
+  0.36, top-1 0.852 (0.984 decisive), last layer 0.11 (bf16: 1.5e-5, 1.0 decisive). Bounds ~4x
+  the worst;
   binding only when overridden (the parts decide, ``NOISE_RULES["attention-fp8"]``).
 * ``lossy``: ``weights`` mode against the source when no expected reference exists (a reference
   file saved without one, for a conversion that rounded weights): the whole FP8 weight cost.
@@ -94,7 +96,7 @@ DEFAULTS: dict[str, Thresholds] = {
     "kernels": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.5, layer_rel_err=0.4),
     "kernels_vs_w8a8": Thresholds(kl_mean=2.0, kl_max=30.0, top1_min=0.5, layer_rel_err=0.4),
     # --attention fp8, weights mode: FP8 prefill attention's cost against bf16 attention (docs/verify.md)
-    "attention-fp8": Thresholds(kl_mean=1e-2, kl_max=0.5, top1_min=0.97, layer_rel_err=0.2),
+    "attention-fp8": Thresholds(kl_mean=0.15, kl_max=1.5, top1_min=0.9, layer_rel_err=0.4),
 }
 
 
