@@ -32,18 +32,20 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor
     assert x.dim() == 3, f"x {tuple(x.shape)}: want [T, H, D]"
     t, h, d = x.shape
     nb = cdiv(t, QK_BLOCK)
-    xf = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, nb * QK_BLOCK - t)).view(nb, QK_BLOCK, h, d)
-    scale = xf.abs().amax(dim=(1, 3)).clamp(min=ACT_EPS) / fp8_max  # [nb, H]
-    x8 = to_fp8_saturating(xf / scale[:, None, :, None]).view(nb * QK_BLOCK, h, d)[:t]
+    if nb * QK_BLOCK != t:  # (a copy only for a partial last block)
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * QK_BLOCK - t))
+    xb = x.view(nb, QK_BLOCK, h, d)
+    # amax in x's own dtype (exact), the scale and the division in fp32
+    scale = xb.abs().amax(dim=(1, 3)).float().clamp(min=ACT_EPS) / fp8_max  # [nb, H]
+    x8 = to_fp8_saturating(xb.float() / scale[:, None, :, None]).view(nb * QK_BLOCK, h, d)[:t]
     return x8.contiguous(), scale.t().contiguous()
 
 
 def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """v [T, H, D] float -> (v8t e4m3 [H, D, T], scale fp32 [H, D]), per (head, channel)."""
     assert v.dim() == 3, f"v {tuple(v.shape)}: want [T, H, D]"
-    vf = v.float()
-    scale = vf.abs().amax(dim=0).clamp(min=ACT_EPS) / fp8_max  # [H, D]
-    v8t = to_fp8_saturating(vf / scale).permute(1, 2, 0).contiguous()
+    scale = v.abs().amax(dim=0).float().clamp(min=ACT_EPS) / fp8_max  # [H, D]
+    v8t = to_fp8_saturating(v.float() / scale).permute(1, 2, 0).contiguous()
     return v8t, scale
 
 
