@@ -22,6 +22,8 @@ YaRN rotary embedding
 Attention
     ``attention(q, k, v, sinks, ...)``   causal / sliding-window GQA attention, sinks as an extra softmax column.
     ``attention_varlen(...)``            ``attention`` per sequence of a ragged batch (cu_seqlens).
+    ``attention_fp8(q, k, v, sinks, ...)`` ``attention`` with Q, K, V and P in e4m3 (``--attention fp8``).
+    ``attention_fp8_varlen(...)``        ``attention_fp8`` of a ragged batch (operands quantized packed).
 Experts (the MoE after routing)
     ``moe_experts_w8a8(...)``            the w8a8 expert FFN: per-(token, slot) outputs [T, k, H].
     ``moe_experts_bf16(...)``            the same contract in the ``weights`` mode (dequantized bf16, OpenAI's order).
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.quant.attn_fp8 import P_SCALE, quantize_qk, quantize_v, row_scales
 from gptoss_fp8.quant.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -54,6 +57,7 @@ SWIGLU_ALPHA = 1.702
 __all__ = [
     "SWIGLU_ALPHA", "rms_norm", "add_rms_norm", "swiglu", "select_experts", "route", "yarn_inv_freq",
     "yarn_params", "rope_table", "rope_cos_sin", "apply_rope", "attention", "attention_varlen",
+    "attention_fp8", "attention_fp8_varlen",
     "moe_experts_w8a8", "moe_experts_bf16", "moe_combine", "moe_w8a8", "bf16_weight",
 ]
 
@@ -255,6 +259,96 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
     for s, e in zip(cu[:-1], cu[1:], strict=True):
         if e > s:
             out[s:e] = attention(q[s:e], k[s:e], v[s:e], sinks, sm_scale, window, dtype=dtype)
+    return out
+
+
+LOG2E = 1.4426950408889634
+
+
+def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
+                        v8: torch.Tensor, sv: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int,
+                        q_offset: int, p_scale: float = P_SCALE) -> torch.Tensor:
+    """FP8 attention of one sequence from quantized operands: q8 [Tq, Hq, D] e4m3 with row scales
+    sq [Tq, Hq], k8 / v8 [Tk, Hkv, D] e4m3, sk [Tk, Hkv], sv [Hkv, D] (quant/attn_fp8.py). fp32 out."""
+    tq, hq, d = q8.shape
+    tk, hkv, _ = k8.shape
+    m = hq // hkv
+    # Scores in log2 units: the e4m3 products are exact in fp32 and summed in fp32 (rounding 1:
+    # fp32 sums); then (dot * (sq * sm_scale * log2 e)) * sk, two fp32 products (the kernel's order).
+    qk = torch.einsum("qhmd,khd->hmqk", q8.float().view(tq, hkv, m, d), k8.float())
+    sq2 = (sq.float() * (sm_scale * LOG2E)).t().reshape(hkv, m, tq, 1)
+    s2 = qk * sq2 * sk.float().t().reshape(hkv, 1, 1, tk)
+    pos_q = torch.arange(tq, device=q8.device)[:, None] + q_offset
+    pos_k = torch.arange(tk, device=q8.device)[None, :]
+    hidden = pos_k > pos_q
+    if window > 0:
+        hidden |= pos_k <= pos_q - window
+    s2 = s2.masked_fill(hidden, -float("inf"))
+    sink2 = (sinks.float() * LOG2E).reshape(hkv, m, 1)
+    # The row's reference point is an integer in log2 units, ceil(max(scores, sink)): an online
+    # softmax whose running max is kept integral rescales by exact powers of two, so P * 256 has
+    # the same e4m3 rounding in a kernel's running frame as here (outside e4m3's subnormals).
+    mx = torch.ceil(torch.maximum(s2.amax(dim=-1), sink2))[..., None]  # [Hkv, M, Tq, 1]
+    p = torch.exp2(s2 - mx)  # in [0, 1], the row max in (1/2, 1]
+    # Rounding 2: P * 256 to e4m3 (3 mantissa bits: relative error <= 2^-4 per entry). The row
+    # sum uses the fp32 P (FlashAttention-3's choice) plus the sink's column.
+    p8 = (p * p_scale).to(FP8_DTYPE)
+    l_ = p.sum(dim=-1, keepdim=True) + torch.exp2(sink2[..., None] - mx)
+    # Rounding 3: P8 V8 summed in fp32; then * (sv / 256) per channel, / l per row.
+    pv = torch.einsum("hmqk,khd->qhmd", p8.float(), v8.float())
+    return pv * (sv.float() / p_scale).view(1, hkv, 1, d) / l_.permute(2, 0, 1, 3)
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                  sm_scale: float | None = None, window: int = 0, q_offset: int = 0,
+                  fp8_max: float = FP8_MAX) -> torch.Tensor:
+    """``attention`` with FP8 operands, for ONE sequence: same contract (shapes, masks, sinks,
+    q_offset), returned as [Tq, Hq, D] in q's dtype.
+
+    Roundings, in order (quant/attn_fp8.py has the layouts): Q and K to e4m3 per 64-row block per
+    head (scale amax / 448); V to e4m3 per (head, channel) over the sequence's rows; scores = the
+    exact e4m3 products summed in fp32, times the two scales; softmax in base 2 in fp32 against
+    ceil(row max) (sink included); P * 256 to e4m3; P8 V8 in fp32, times V's channel scale / 256,
+    divided by the fp32 row sum of P plus the sink's term; then the cast to q's dtype.
+    ``fp8_max``: what a Q / K / V block's amax maps to (448; the verdict's noise grids, verify/noise.py,
+    redraw the roundings with other e4m3 values); P's scale is 256 * fp8_max / 448 (256 at 448).
+    """
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    assert hq % hkv == 0 and v.shape == k.shape and sinks.numel() == hq, (
+        f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, sinks {tuple(sinks.shape)}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    q8, sq = quantize_qk(q, fp8_max)
+    k8, sk = quantize_qk(k, fp8_max)
+    v8t, sv = quantize_v(v, fp8_max)
+    o = _attention_fp8_core(q8, row_scales(sq, tq), k8, row_scales(sk, tk), v8t.permute(2, 0, 1), sv,
+                            sinks, sm_scale, window, q_offset, P_SCALE * fp8_max / FP8_MAX)
+    return o.reshape(tq, hq, d).to(q.dtype)
+
+
+def attention_fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                         cu_seqlens: torch.Tensor | None = None, sm_scale: float | None = None,
+                         window: int = 0) -> torch.Tensor:
+    """``attention_fp8`` of a ragged batch, the FP8 prefill kernel's contract: Q, K, V quantized
+    over the packed rows (64-row blocks of the batch; V's channel scale over all rows), then each
+    sequence [cu_seqlens[i], cu_seqlens[i + 1]) attends within itself. None: one sequence (then
+    equal to ``attention_fp8``). Returns [T, Hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    if cu_seqlens is None:
+        return attention_fp8(q, k, v, sinks, sm_scale, window)
+    q8, sq = quantize_qk(q)
+    k8, sk = quantize_qk(k)
+    v8t, sv = quantize_v(v)
+    sq, sk, v8 = row_scales(sq, t), row_scales(sk, t), v8t.permute(2, 0, 1)
+    out = torch.empty_like(q)
+    cu = cu_seqlens.tolist()
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
+        if e > s:
+            o = _attention_fp8_core(q8[s:e], sq[s:e], k8[s:e], sk[s:e], v8[s:e], sv, sinks, sm_scale, window, 0)
+            out[s:e] = o.reshape(e - s, hq, d).to(q.dtype)
     return out
 
 

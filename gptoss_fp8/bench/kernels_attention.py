@@ -13,6 +13,9 @@ Rows (``bench(tokens)``; ``gptoss-fp8 bench kernels --only attention`` prints th
 - rope (q and k, one launch) at T tokens: vs the same formula in eager torch; the case names its
   share of the causal attention time at T; then rope + attention with q rotated inside the
   attention kernel (k by the rope kernel alone) vs the rope kernel on q and k + attention.
+- with ``attention="fp8"`` (``--attention fp8``): prefill causal / window-128 at T with the FP8
+  kernel (``attention_prefill(fp8=True)``: Q, K, V quantized by torch ops inside the call, timed
+  with it; ``quant_ms`` is that quantization alone) vs our bf16 kernel, its error vs the bf16 output;
 Shapes: 64 q / 8 kv heads, head_dim 64, bf16. FLOPs = 4 * visible query-key pairs * 64 * 64 heads.
 Times: triton.testing.do_bench, median (it flushes L2 between repetitions).
 ``python -m gptoss_fp8.bench.kernels_attention sweep`` times the tile configurations instead
@@ -142,6 +145,26 @@ def _flex_with_sinks(T: int, window: int):
     return run
 
 
+def _fp8_rows(T: int, bf16_ms: dict[int, float]) -> list[dict]:
+    """``--attention fp8``: the FP8 prefill kernel at T beside our bf16 one (``bf16_ms``: window -> ms)."""
+    from gptoss_fp8.kernels.attention import attention_prefill
+    from gptoss_fp8.quant.attn_fp8 import quantize_qk, quantize_v
+
+    q, k, v, sinks, _ = _prefill_inputs(T, T)
+    quant = _ms(lambda: (quantize_qk(q), quantize_qk(k), quantize_v(v)))
+    rows = []
+    for window in (0, WINDOW):
+        name = f"prefill fp8 {'causal' if not window else f'window{window}'} T={T}"
+        pairs = _visible_pairs(T, 0, window)
+        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True))
+        err = _rel(attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True),
+                   attention_prefill(q, k, v, sinks, sliding_window=window))
+        peer = bf16_ms[window]
+        rows.append(_row(name, ours, _tflops(pairs, ours), "ours bf16", peer, _tflops(pairs, peer), peer / ours,
+                         rel_err_vs_peer=err, quant_ms=quant, pairs_per_s=pairs / (ours * 1e-3)))
+    return rows
+
+
 def _prefill_rows(T: int) -> list[dict]:
     import torch.nn.functional as F
 
@@ -245,12 +268,17 @@ def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
     return rows
 
 
-def bench(tokens: list[int]) -> list[dict]:
-    """Rows of {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (ours vs peer throughput)}."""
+def bench(tokens: list[int], attention: str = "bf16") -> list[dict]:
+    """Rows of {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (ours vs peer throughput)};
+    ``attention`` "fp8": the FP8 prefill rows too (``_fp8_rows``)."""
     rows: list[dict] = []
     for T in tokens:
         pre = _prefill_rows(T)
         rows += pre
+        if attention == "fp8":
+            causal = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
+            window = next(r["ms"] for r in pre if r["case"].startswith("prefill window"))
+            rows += _fp8_rows(T, {0: causal, WINDOW: window})
         causal_ms = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
         rows += _rope_rows(T, causal_ms)
         torch.cuda.empty_cache()

@@ -238,14 +238,17 @@ def _sync_time(fn) -> float:
 
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
           moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
-          checkpoint: Path | None = None, cuda_graph: bool = False, kernel_config=None) -> list[dict]:
+          checkpoint: Path | None = None, cuda_graph: bool = False, kernel_config=None,
+          attention: str = "bf16") -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
     (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
     tokens in the same run, after our model is freed. ``checkpoint``: time a converted (tp=1)
     checkpoint's own weights instead of random ones at the preset's shapes. ``cuda_graph``: also
     the same forward captured as a CUDA graph per length (``GraphedPrefill``), timed after the
     eager runs (the row's ``latency_s`` stays the eager figure). ``kernel_config``: the kernels'
-    ``KernelConfig`` (None: ``TritonOps``' default)."""
+    ``KernelConfig`` (None: ``TritonOps``' default). ``attention``: prefill attention's numerics,
+    "bf16" or "fp8" (the FP8 Triton kernel, operands quantized per call; the row's ``attention``; the
+    attention floor stays the bf16 one)."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
     t0 = time.perf_counter()
@@ -267,7 +270,9 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
     from gptoss_fp8.kernels.config import kernel_paths
 
-    ops = TritonOps(config=kernel_config)
+    ops = TritonOps(config=kernel_config).with_attention(attention)
+    if attention == "fp8":
+        echo("# attention: FP8 (Q, K, V and P in e4m3, spec.attention_fp8)")
     if ops.config.gemm == "deep_gemm":  # DeepGEMM's K-padded weights replace ours: no second copy
         from gptoss_fp8.kernels.deepgemm import adopt_padded
 
@@ -305,7 +310,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "parts_s": parts, "parts_total_s": total,
             "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "transformers_s": None, "transformers_note": None,
+            "transformers_s": None, "transformers_note": None, "attention": attention,
         }
         if cuda_graph:
             row.update(_graph_timing(model, tokens, ops, moe_chunk, runs))

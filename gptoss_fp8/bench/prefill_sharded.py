@@ -39,7 +39,7 @@ TARGET_VS_SEED = 1.5  # issue 25: at least 1.5x faster than the seed's row
 def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: int | None = None, runs: int = 5,
                   warmup: int = 2, moe_chunk: int = 32768, seed: int = 0, echo=print, checkpoint: Path | None = None,
                   device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0,
-                  vocab_parallel: bool = False, cuda_graph: bool = False) -> list[dict]:
+                  vocab_parallel: bool = False, cuda_graph: bool = False, attention: str = "bf16") -> list[dict]:
     """One row per prompt length (rank 0's). Under torchrun this process is one rank (the other
     ranks get ``[]``); otherwise ``tp`` rank processes are started and their rows returned.
     ``cuda_graph``: also the same prefill as a CUDA graph on every rank (NCCL only)."""
@@ -50,7 +50,7 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
            "layers": layers, "runs": runs, "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
            "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
            # the ranks build TritonOps' default config; of a given one, its GEMM library is passed on
-           "gemm": None if kernel_config is None else kernel_config.gemm}
+           "gemm": None if kernel_config is None else kernel_config.gemm, "attention": attention}
     if under_torchrun():
         check_torchrun_world(tp)
         rows = run_rank(job, echo=echo) or []  # rank 0's (the other ranks have none)
@@ -120,7 +120,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
-        ops = rank_ops(dev, job["gemm"], model)
+        ops = rank_ops(dev, job["gemm"], model).with_attention(job.get("attention", "bf16"))
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         dist.barrier()

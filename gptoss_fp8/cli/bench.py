@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from gptoss_fp8.cli.common import (
+    Attention,
+    AttentionOption,
     BenchVocabParallel,
     EpOption,
     Gemm,
@@ -68,6 +70,7 @@ def kernels(
         help=f"Comma-separated suites out of {','.join(KERNEL_SUITES)}.")] = ",".join(KERNEL_SUITES),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     gemm: GemmOption = Gemm.ours,
+    attention: AttentionOption = Attention.bf16,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Kernel throughput (TFLOP/s) beside peers measured in the same run (needs a CUDA GPU). The
@@ -94,7 +97,8 @@ def kernels(
             from gptoss_fp8.bench import kernels_gemm as mod
         else:
             from gptoss_fp8.bench import kernels_attention as mod
-        suite_rows = mod.bench(token_list, gemm=gemm.value) if suite == "gemm" else mod.bench(token_list)
+        suite_rows = (mod.bench(token_list, gemm=gemm.value) if suite == "gemm"
+                      else mod.bench(token_list, attention=attention.value))
         for r in suite_rows:
             r.setdefault("suite", suite)
         _print_rows(suite_rows)
@@ -123,6 +127,7 @@ def prefill(
              "eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     gemm: GemmOption = Gemm.ours,
+    attention: AttentionOption = Attention.bf16,
     tp: TpOption = 1,
     ep: EpOption = 1,
     vocab_parallel: BenchVocabParallel = False,
@@ -158,11 +163,11 @@ def prefill(
                        "(the mechanics run; the figures are not a measurement)")
         rows = bench_sharded(model, token_list, tp, ep, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk,
                              echo=typer.echo, checkpoint=checkpoint, kernel_config=kernel_config,
-                             vocab_parallel=vocab_parallel, cuda_graph=cuda_graph)
+                             vocab_parallel=vocab_parallel, cuda_graph=cuda_graph, attention=attention.value)
     else:
         rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                            peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,
-                           kernel_config=kernel_config)
+                           kernel_config=kernel_config, attention=attention.value)
     if json_out is not None and rows:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 

@@ -164,6 +164,19 @@ GemmOption = Annotated[Gemm, typer.Option(
          "importable; bias, SwiGLU and quantization stay in our kernels).")]
 
 
+class Attention(str, enum.Enum):
+    """The CLI's copy of model.ops.ATTENTION_KINDS (that module imports torch)."""
+
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+# --attention: the prefill attention's numerics (verify-logits, bench, generate, serve)
+AttentionOption = Annotated[Attention, typer.Option(
+    help="Prefill attention numerics: bf16 (the reference's), or fp8 (Q, K, V and P in e4m3 with block scales, "
+         "spec.attention_fp8; the FP8 Triton kernel on the GPU). Decode attention stays bf16.")]
+
+
 class Preset(str, enum.Enum):
     """Synthetic shapes (config.preset_config)."""
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from gptoss_fp8.cli.common import Attention, AttentionOption
 from gptoss_fp8.cli.verify_logits import Device, read_tokens
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -40,6 +41,7 @@ def generate(
         help="What computes the logits (as in verify-logits): weights (FP8 weights, bf16 activations, torch), "
              "w8a8 (the torch spec), kernels (our Triton kernels, --device cuda). auto: kernels on cuda, else weights.")
     ] = GenMode.auto,
+    attention: AttentionOption = Attention.bf16,
 ) -> None:
     """Prefill the prompt, then decode token by token (streamed), until a Harmony stop token or
     --max-new-tokens; prints the reply's channels and tokens/s of prefill and decode. A checkpoint
@@ -58,4 +60,4 @@ def generate(
     else:
         ids = encode_prompt(prompt, cfg, f"--prompt of {ckpt}", ckpt=ckpt)
     run(opened, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device.value,
-        mode=mode.value, echo=typer.echo)
+        mode=mode.value, echo=typer.echo, attention=attention.value)

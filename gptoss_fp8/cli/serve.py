@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from gptoss_fp8.cli.common import Attention, AttentionOption
 from gptoss_fp8.cli.generate import GenMode
 from gptoss_fp8.cli.verify_logits import Device
 
@@ -28,6 +29,7 @@ def serve(
         min=0, help="Requests queued beyond the slots before 429 (default 4 x slots).")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer key every route but /health requires.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the directory name).")] = None,
+    attention: AttentionOption = Attention.bf16,
 ) -> None:
     """Serve the OpenAI chat / completions API with continuous batching: /v1/chat/completions,
     /v1/completions, /v1/models, /health, /metrics. A checkpoint converted with --tp T runs one
@@ -35,4 +37,5 @@ def serve(
     from gptoss_fp8.serve.launch import serve as run
 
     run(ckpt, host=host, port=port, device=device.value, mode=mode.value, max_batch=max_batch, max_context=max_context,
-        chunk=prefill_chunk, max_waiting=max_waiting, api_key=api_key, model_name=model_name, echo=typer.echo)
+        chunk=prefill_chunk, max_waiting=max_waiting, api_key=api_key, model_name=model_name, echo=typer.echo,
+        attention=attention.value)

@@ -9,7 +9,16 @@ from typing import Annotated
 
 import typer
 
-from gptoss_fp8.cli.common import Gemm, GemmOption, OverwriteOutputs, check_distinct, check_fraction, check_threshold
+from gptoss_fp8.cli.common import (
+    Attention,
+    AttentionOption,
+    Gemm,
+    GemmOption,
+    OverwriteOutputs,
+    check_distinct,
+    check_fraction,
+    check_threshold,
+)
 from gptoss_fp8.errors import GptOssFp8Error
 
 
@@ -118,6 +127,7 @@ def verify_logits(
     allow_fallback: Annotated[bool, typer.Option(
         help="Let the kernels mode pass when some ops ran the torch spec instead of a kernel (experiments).")] = False,
     gemm: GemmOption = Gemm.ours,
+    attention: AttentionOption = Attention.bf16,
     decode: Annotated[int, typer.Option(
         min=0, metavar="N",
         help="Also prefill all but the last N tokens and decode those one at a time through the KV cache; each "
@@ -140,6 +150,7 @@ def verify_logits(
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
     check_gemm(gemm.value, modes)
+    run.check_attention(attention.value, decode)
     inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
     named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
     if dump_logits is not None:
@@ -189,7 +200,7 @@ def verify_logits(
         report, outputs, ref = run.verify_under_torchrun(opened, reference, ids, modes=modes, ep=ep, device=device.value,
                                                          overrides=overrides, tokens_from=tokens_from,
                                                          save_reference=save_reference, allow_fallback=allow_fallback,
-                                                         gemm=gemm.value, decode=decode)
+                                                         gemm=gemm.value, decode=decode, attention=attention.value)
         if outputs is None:  # ranks > 0: same exit status as rank 0, no output
             raise typer.Exit(0 if report["passed"] else 1)
     else:
@@ -201,7 +212,8 @@ def verify_logits(
             typer.echo(f"reference saved to {save_reference}")
         report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
                                                 overrides=overrides, tokens_from=tokens_from,
-                                                allow_fallback=allow_fallback, gemm=gemm.value, decode=decode)
+                                                allow_fallback=allow_fallback, gemm=gemm.value, decode=decode,
+                                                attention=attention.value)
     if gemm is not Gemm.ours:  # the report names the ops backend; this says which GEMMs it ran
         typer.echo(f"kernels mode: dense and grouped FP8 GEMMs on {gemm.value} (--gemm)")
     for line in verdict.summary_lines(report):

@@ -28,6 +28,16 @@ On sm_90, one-sequence causal calls with head_dim 64 go to the warp-specialized 
 attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon`` and its tile).
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
+FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
+quantizes with torch ops (quant/attn_fp8.py: Q, K e4m3 per 64 packed rows per head, V e4m3 per
+(head, channel), written transposed [Hkv, D, T] so the P V product's B operand is K-major); both
+dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
+scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
+power-of-two rescaling: the spec's roundings), and each block's P V is summed in a fresh fp32
+accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer bits). The Triton kernel
+only (never the Gluon one), no fused rope. The interpreter casts fp32 -> e4m3 wrongly where the
+rounding carries into the exponent (31.94 -> 16): there P's rounding is done arithmetically.
+
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated).
 In the Triton interpreter (CPU) bf16 arithmetic is wrong, so the kernel upcasts tiles to fp32 after
 loading there (``UPCAST``); on the GPU the dots take bf16. Reference: ``spec.attention_varlen``
@@ -45,6 +55,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
+from gptoss_fp8.quant.attn_fp8 import P_SCALE, quantize_qk, quantize_v
 from gptoss_fp8.quant.fp8 import cdiv
 
 LOG2E = 1.4426950408889634
@@ -61,40 +72,113 @@ def _attn_inner(
     MASK: tl.constexpr,  # False: every key of every block visible; True: causal + window + bounds
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    sq=None, SK=None, kbase=0, stride_vd=1,  # FP8: q's row scales (times qk_scale), K's block scales of
+    FP8: tl.constexpr = False,                # the kv head, the sequence's first packed row, V^T's D stride
 ):
+    if FP8:
+        acc, l_i, m_i = _attn_inner_fp8(acc, l_i, m_i, q, sq, K, SK, kbase, V, stride_kt, stride_vd, offs_m, offs_n,
+                                        offs_d, seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            cols = start_n + offs_n  # [BLOCK_N] key positions in the sequence
+            if MASK:
+                kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < seqlen, other=0.0)
+            else:
+                kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None])
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            qk = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] raw scores
+            # Scores go to log2 units (times sm_scale * log2 e). m_i >= sink > -inf, so exp2 never
+            # sees -inf - -inf, also for rows whose keys in this block are all masked.
+            if MASK:
+                rel = offs_m[:, None] - cols[None, :]  # query pos - key pos
+                visible = (rel >= 0) & (rel < window)
+                qk = qk * qk_scale + tl.where(visible, 0.0, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                qk = qk - m_new[:, None]
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                qk = qk * qk_scale - m_new[:, None]  # one FMA per score
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if MASK:
+                v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < seqlen, other=0.0)
+            else:
+                v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :])
+            if UPCAST:
+                acc = tl.dot(p, v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _e4m3_round_nonneg(x):
+    """fp32 x in [0, 448] rounded to the nearest e4m3 value (ties to even), as fp32: the ulp is
+    2^(e - 3) for x in [2^e, 2^(e+1)), e >= -6 (2^-9 below 2^-6, the subnormals); x / ulp < 16
+    is rounded by the 1.5 * 2^23 trick (exact in fp32). For the interpreter only (UPCAST)."""
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23
+    return ((x / ulp + magic) - magic) * ulp
+
+
+@triton.jit
+def _attn_inner_fp8(
+    acc, l_i, m_i, q, sq,
+    K, SK, kbase, VT,  # K / VT at (sequence start, kv head); SK: K's block scales of the kv head, by packed row // 64
+    stride_kt, stride_vd,
+    offs_m, offs_n, offs_d,
+    seqlen, window,
+    lo, hi,
+    MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``_attn_inner`` on e4m3 operands, spec.attention_fp8's roundings: scores = (Q8 K8^T) * sq * sk
+    in log2 units; the running max is kept an integer (ceil), so rescaling by alpha is an exact
+    power of two and e4m3(P * 256) rounds as in the spec's final frame; PV as e4m3 x e4m3 with a
+    fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates imprecisely), added to acc."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n  # [BLOCK_N] key positions in the sequence
+        cols = start_n + offs_n
         if MASK:
             kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < seqlen, other=0.0)
+            sk = tl.load(SK + (kbase + cols) // 64, mask=cols < seqlen, other=0.0)
         else:
             kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None])
+            sk = tl.load(SK + (kbase + cols) // 64)
         if UPCAST:
-            kt = kt.to(tl.float32)
-        qk = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] raw scores
-        # Scores go to log2 units (times sm_scale * log2 e). m_i >= sink > -inf, so exp2 never
-        # sees -inf - -inf, also for rows whose keys in this block are all masked.
+            qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        else:
+            qk = tl.dot(q, kt)
+        qk = qk * sq[:, None] * sk[None, :]
         if MASK:
-            rel = offs_m[:, None] - cols[None, :]  # query pos - key pos
+            rel = offs_m[:, None] - cols[None, :]
             visible = (rel >= 0) & (rel < window)
-            qk = qk * qk_scale + tl.where(visible, 0.0, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            qk = qk - m_new[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]  # one FMA per score
+            qk = qk + tl.where(visible, 0.0, float("-inf"))
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk)
+        p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
+            p8 = _e4m3_round_nonneg(p * 256.0)
+        else:
+            p8 = (p * 256.0).to(tl.float8e4nv)
         if MASK:
-            v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < seqlen, other=0.0)
+            v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd, mask=cols[:, None] < seqlen, other=0.0)
         else:
-            v = tl.load(V + cols[:, None] * stride_vt + offs_d[None, :])
+            v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd)
         if UPCAST:
-            acc = tl.dot(p, v.to(tl.float32), acc)
+            pv = tl.dot(p8, v.to(tl.float32))
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+            pv = tl.dot(p8, v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
 
@@ -115,6 +199,10 @@ def _attn_prefill_kernel(
     ROPE_Q: tl.constexpr,  # rotate q in-kernel with the Cos/Sin tables [max_pos, HEAD_DIM/2]
     RAGGED: tl.constexpr,  # sequences from CuSeqlens; False: one sequence of total_tokens rows
     PACK: tl.constexpr = 1,  # query heads per program (same KV head): BLOCK_M // PACK positions each
+    # FP8 (quant/attn_fp8.py): Q, K e4m3 with block scales Sq [Hq, nb] (times qk_scale), Sk [Hkv, nb];
+    # V is V^T e4m3 [Hkv, D, T] (stride_vt = 1, stride_vd its D stride) with channel scales Sv [Hkv, D] / 256.
+    Sq=None, Sk=None, Sv=None, stride_sqh=0, stride_skh=0, stride_vd=1,
+    FP8: tl.constexpr = False,
 ):
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
@@ -165,14 +253,24 @@ def _attn_prefill_kernel(
     else:
         q_ptrs = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + head_off + offs_d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        if UPCAST:
+        if UPCAST and not FP8:
             q = q.to(tl.float32)
     k_src = K + row0 * stride_kt + kv_h * stride_kh
     v_src = V + row0 * stride_vt + kv_h * stride_vh
+    if FP8:
+        sq = tl.load(Sq + head * stride_sqh + (row0 + offs_m) // 64, mask=row_ok, other=0.0)
+        sk_src = Sk + kv_h * stride_skh
+    else:
+        sq = row0  # unused
+        sk_src = Sk  # unused
 
     sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # scalar, or [BLOCK_M] when packed
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    if FP8:  # an integral running max from the start: l counts the sink as exp2(sink - ceil(sink))
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.math.ceil(sink)
+        l_i = tl.math.exp2(sink - m_i)
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # Key ranges (QB is a multiple of BLOCK_N, so m0 is block-aligned):
@@ -186,17 +284,19 @@ def _attn_prefill_kernel(
     full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, m0)
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST,
+        seqlen, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, full_lo, m0, False, BLOCK_N, UPCAST,
+        seqlen, window, qk_scale, full_lo, m0, False, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, m0, hi, True, BLOCK_N, UPCAST,
+        seqlen, window, qk_scale, m0, hi, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
     )
 
+    if FP8:  # V's channel scale / 256 (P's fixed scale), then the row sum (spec.attention_fp8's order)
+        acc = acc * tl.load(Sv + kv_h * HEAD_DIM + offs_d)[None, :]
     out = acc / l_i[:, None]
     o_head = head * stride_oh
     if PACK > 1:
@@ -220,6 +320,7 @@ def attention_prefill(
     config: KernelConfig | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: PrefillTile | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Causal (or sliding-window) attention with sinks over a ragged batch of packed sequences.
 
@@ -227,7 +328,9 @@ def attention_prefill(
     cu_seqlens int32 [B+1] (None: one sequence of T tokens); max_seqlen: the longest sequence
     (None: read from cu_seqlens, which syncs). sliding_window 0 = full causal.
     ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this Triton launch instead of
-    the config's choice (and never the Gluon kernel). Returns out [T, Hq, D] bf16.
+    the config's choice (and never the Gluon kernel). ``fp8``: Q, K, V quantized to e4m3 here
+    (quant/attn_fp8.py, torch ops) and both products on e4m3 operands, P as e4m3(P * 256): the
+    numerics of ``spec.attention_fp8_varlen`` (the Triton kernel only; no fused rope). Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
     T, Hq, D = q.shape
@@ -260,7 +363,7 @@ def attention_prefill(
     window = sliding_window if 0 < sliding_window < max_seqlen else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = config or DEFAULT
-    if tile is None and _ws_ok(q, k, v, ragged, window, rope, cfg):
+    if tile is None and not fp8 and _ws_ok(q, k, v, ragged, window, rope, cfg):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
         g = cfg.attention_gluon_tile
@@ -281,6 +384,16 @@ def attention_prefill(
         cos = sin = sinks  # unused
     num_pid_m = cdiv(max_seqlen, BLOCK_M // pack)
     grid = (Hq // pack, num_pid_m, B)
+    fp8_args = {}
+    if fp8:
+        assert rope is None, "fp8 attention takes q already rotated (no fused rope)"
+        q8, sq = quantize_qk(q)
+        k8, sk = quantize_qk(k)
+        v8t, sv = quantize_v(v)  # [Hkv, D, T], keys contiguous
+        q, k, v = q8, k8, v8t.permute(2, 0, 1)  # v as a [T, Hkv, D] view: stride(0) == 1
+        sq = sq * (sm_scale * LOG2E)
+        fp8_args = dict(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
+                        stride_vd=v8t.stride(1), FP8=True)
     _attn_prefill_kernel[grid](
         q, k, v, sinks, out, cu_seqlens if ragged else sinks, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -288,7 +401,7 @@ def attention_prefill(
         sm_scale * LOG2E, window, num_pid_m, T,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
         ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}),
+        **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}), **fp8_args,
     )
     return out
 

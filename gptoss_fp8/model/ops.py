@@ -11,7 +11,9 @@
   against. bf16 weights (router, embeddings, lm_head, attention kept bf16) stay bf16 GEMMs.
 
 Attention, RMSNorm, RoPE, routing and the MoE combine are the same in both backends (bf16 / fp32
-exactly as the reference). Every op's arithmetic is written once, in gptoss_fp8/spec.py; the
+exactly as the reference); ``with_attention("fp8")`` (``--attention fp8``) makes every backend's
+prefill attention ``spec.attention_fp8`` (Q, K, V and P in e4m3; the triton backend: its FP8 kernel).
+Every op's arithmetic is written once, in gptoss_fp8/spec.py; the
 classes here only pick which spec function each op of a mode is. A GPU backend
 (model/triton_ops.py; model/backends.py picks a backend by name) overrides what it accelerates and
 must agree with ``w8a8-cpu`` to fp32-accumulation noise. Nothing here imports Triton.
@@ -38,12 +40,21 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8 import spec
+from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_dequantized, dequantize_weight_blocks, quantize_act
 
 EXPERT_CACHE_BYTES = 512 * 1024**2  # the default of ReferenceOps.expert_cache_bytes
 
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
+ATTENTION_KINDS = ("bf16", "fp8")  # ``ReferenceOps.attention_kind``: prefill attention's numerics
+
+
+def check_attention_kind(kind: str) -> str:
+    """``kind`` if it is one of ATTENTION_KINDS; else GptOssFp8Error (one line)."""
+    if kind not in ATTENTION_KINDS:
+        raise GptOssFp8Error(f"--attention {kind!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+    return kind
 
 Quant = tuple[torch.Tensor, torch.Tensor]  # (x_fp8 [T, K], scale float32 [T, ceil(K/128)]) = quantize_act(x)
 
@@ -114,9 +125,22 @@ class ReferenceOps:
     # Whether dequantized weights are kept for reuse (the CPU backends); a GPU backend whose
     # kernels read FP8 weights directly sets False (its rare spec fallbacks then hold no second copy).
     keep_prepared = True
+    # Prefill attention's numerics (``--attention``): "bf16" (the reference's), or "fp8" (Q, K, V
+    # and P in e4m3: ``spec.attention_fp8`` here, the FP8 Triton kernel in the triton backend).
+    # Decode (``attention_cached``) stays bf16 in both: it reads the bf16 KV cache, memory-bound.
+    attention_kind = "bf16"
+    # What a Q / K / V block's amax maps to under FP8 attention (spec.attention_fp8's fp8_max): 448;
+    # the verdict's noise grids set others (verify/noise.py). W8A8CpuOps ties it to its act_max.
+    attention_fp8_max = FP8_MAX
 
     def __init__(self, expert_cache_bytes: int = EXPERT_CACHE_BYTES):
         self.prepared = PreparedWeights(expert_cache_bytes)
+
+    def with_attention(self, kind: str) -> ReferenceOps:
+        """Set the prefill attention's numerics (``ATTENTION_KINDS``); returns self. Raises
+        GptOssFp8Error for an unknown kind."""
+        self.attention_kind = check_attention_kind(kind)
+        return self
 
     def _prepared(self, w: torch.Tensor, scale_inv: torch.Tensor | None, dtype: torch.dtype,
                   make: Callable[[], torch.Tensor], expert: int | None = None) -> torch.Tensor:
@@ -246,8 +270,15 @@ class ReferenceOps:
         q [T, KV, M, D], k/v [T, KV, D], sinks [KV * M]; window > 0: key j visible to query i iff
         i - window < j <= i. Returns [T, KV * M * D] in q's dtype (``spec.attention`` in q's dtype).
         """
+        return self._attend(q, k, v, sinks, sm_scale, window, 0)
+
+    def _attend(self, q, k, v, sinks, sm_scale, window, q_offset) -> torch.Tensor:
         n, kvh, m, d = q.shape
-        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window).reshape(n, -1)
+        if self.attention_kind == "fp8":  # Q / K / V on this backend's activation grid (verify/noise.py)
+            return spec.attention_fp8(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window, q_offset,
+                                      fp8_max=self.attention_fp8_max).reshape(n, -1)
+        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
+                              q_offset=q_offset).reshape(n, -1)
 
     def attention_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                         sm_scale: float, window: int, q_offset: int) -> torch.Tensor:
@@ -256,9 +287,7 @@ class ReferenceOps:
         chunk's); the same masks and sinks -> [T, KV * M * D] (``spec.attention`` with q_offset).
         On CPU a prompt prefilled in chunks gives the whole prefill's bits (tests/test_model_chunks.py).
         No GPU kernel takes a query offset yet: every backend runs this spec."""
-        n, kvh, m, d = q.shape
-        return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
-                              q_offset=q_offset).reshape(n, -1)
+        return self._attend(q, k, v, sinks, sm_scale, window, q_offset)
 
     def attention_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          lengths: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int) -> torch.Tensor:
@@ -299,7 +328,7 @@ class W8A8CpuOps(ReferenceOps):
         if prepared is not None:  # share another backend's copies (the verdict's grids: one set)
             self.prepared = prepared
         # quantize_act's fp8_max: 448, or another grid for the verdict's noise estimate (verify/noise.py)
-        self.act_max = act_max
+        self.act_max = self.attention_fp8_max = act_max
 
     def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
         if w.dtype != FP8_DTYPE:

@@ -18,7 +18,8 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
   products without bias (the kernel's bias is a zero tensor, so acc + 0 is stored exactly), and
   the owner rank's down bias per routed slot, as the parent.
 * ``attention``: ``attention_prefill`` (sinks as an extra softmax column, causal or sliding
-  window, GQA); fp32 online softmax, where the reference computes in bf16.
+  window, GQA); fp32 online softmax, where the reference computes in bf16. ``attention_kind``
+  "fp8": the kernel's FP8 variant (``spec.attention_fp8``'s roundings).
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
 * ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
@@ -322,7 +323,8 @@ class TritonOps(W8A8CpuOps):
         # k, v may be strided views (v is a column slice of the fused q/k/v GEMM's output): the
         # kernel reads rows by stride, so no copy
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
-                              sliding_window=window, sm_scale=sm_scale, config=self.config)
+                              sliding_window=window, sm_scale=sm_scale, config=self.config,
+                              fp8=self.attention_kind == "fp8")
         return o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------

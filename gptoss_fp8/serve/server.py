@@ -17,9 +17,9 @@ GRACE_S = 5  # on Ctrl-C, open streams get this long before the server closes th
 
 
 def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
-                  chunk: int | None) -> dict:
+                  chunk: int | None, attention: str = "bf16") -> dict:
     """serve's options on an opened checkpoint, checked (one line each) and resolved -> the job
-    dict every rank builds from (mode, max_context, chunk, max_batch, device)."""
+    dict every rank builds from (mode, max_context, chunk, max_batch, device, attention)."""
     from gptoss_fp8.verify.generate import context_of, resolve_mode
 
     cfg = ckpt.config
@@ -36,21 +36,25 @@ def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: 
 
     encoding()  # the tokenizer now: a missing package is one line before the weights load
     chunk = chunk or (8192 if device.startswith("cuda") else 256)
+    from gptoss_fp8.model.ops import check_attention_kind
+
+    check_attention_kind(attention)  # a bad kind: one line now, before the weights load
     return {"device": device, "mode": resolve_mode(mode, device), "max_batch": max_batch, "max_context": max_context,
-            "chunk": chunk}
+            "chunk": chunk, "attention": attention}
 
 
 def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
           max_context: int | None = None, chunk: int | None = None, max_waiting: int | None = None,
           api_key: str | None = None, model_name: str | None = None,
-          echo: Callable[[str], None] = print) -> Served:
+          echo: Callable[[str], None] = print, attention: str = "bf16") -> Served:
     """Load ``ckpt_path`` (tp 1) and start its engine thread -> what ``create_app`` serves.
 
     ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
     ``max_batch``: KV slots at most (on CUDA fewer when free memory holds fewer; printed);
     ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: the GPU has no
     offset attention kernel yet, docs/serve.md); ``max_waiting``: requests queued beyond the free
-    slots before 429 (default 4 x slots). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
+    slots before 429 (default 4 x slots); ``attention``: prefill attention's numerics, "bf16" or
+    "fp8" (model/ops.py ``with_attention``). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
     import torch
 
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
@@ -61,19 +65,20 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     if ckpt.tp != 1 or ckpt.ep != 1:
         raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}: serve it with `gptoss-fp8 serve` "
                              "(one process per rank); build() runs one-rank checkpoints in this process")
-    opts = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk)
+    opts = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk,
+                         attention=attention)
     dev = torch.device(device_for(device, 0))
     t0 = time.perf_counter()
     model = load_model(ckpt, Parallel(), dev)
     echo(f"loaded {ckpt.path} ({ckpt.config.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, "
-         f"mode {opts['mode']}")
+         f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
     return start_model(model, opts, max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
 
 
 def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cuda", mode: str = "auto",
                     max_batch: int = 8, max_context: int | None = None, chunk: int | None = None,
                     max_waiting: int | None = None, api_key: str | None = None,
-                    echo: Callable[[str], None] = print) -> Served:
+                    echo: Callable[[str], None] = print, attention: str = "bf16") -> Served:
     """The server over random FP8 weights at a preset's real shapes (``bench.prefill.random_model``,
     as ``bench prefill`` / ``bench decode`` time them; first ``layers`` layers), built on the device
     with no checkpoint on disk: ``bench serve --synthetic``. The replies are noise; the speed is the
@@ -86,12 +91,12 @@ def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cu
     cfg = preset_config(preset, layers=layers)
     name = f"synthetic-{preset}" + (f"-{layers}l" if layers else "")
     opts = check_options(SimpleNamespace(config=cfg, path=name), device=device, mode=mode, max_batch=max_batch,
-                         max_context=max_context, chunk=chunk)
+                         max_context=max_context, chunk=chunk, attention=attention)
     dev = torch.device(device)
     t0 = time.perf_counter()
     model = random_model(cfg, dev)
     echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
-         f"mode {opts['mode']}")
+         f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
     return start_model(model, opts, max_waiting, api_key, name, echo)
 
 
@@ -123,7 +128,7 @@ def start_model(model, opts: dict, max_waiting: int | None, api_key: str | None,
 
     slots, line = slots_for_memory(model, opts["max_context"], opts["max_batch"], model.model.embed_tokens.weight.device)
     echo(line)
-    runner = ModelRunner(model, ops_for(opts["mode"]), slots, opts["max_context"])
+    runner = ModelRunner(model, ops_for(opts["mode"], attention=opts["attention"]), slots, opts["max_context"])
     return start_engine(runner, opts["chunk"], max_waiting, api_key, name, echo)
 
 

@@ -66,7 +66,8 @@ def run_rank(job: dict) -> None:
 
         slots, line = slots_for_memory(model, job["max_context"], job["max_batch"], torch.device(dev))
         slots = share(slots, par)
-        runner = ModelRunner(model, ops_for(job["mode"]), slots, job["max_context"])
+        runner = ModelRunner(model, ops_for(job["mode"], attention=job.get("attention", "bf16")), slots,
+                             job["max_context"])
         if rank != 0:
             follow(runner, par)
             return

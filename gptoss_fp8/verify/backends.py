@@ -89,17 +89,18 @@ def backend_device(mode: str, device: str) -> str:
 # Ops objects
 
 
-def ops_for(mode: str, gemm: str = "ours") -> ReferenceOps:
+def ops_for(mode: str, gemm: str = "ours", attention: str = "bf16") -> ReferenceOps:
     """A fresh ops object for ``mode`` (the ``kernels`` one counts its hand-overs to the spec in
     ``spec_fallbacks``, see the module docstring). ``gemm``: the kernels mode's GEMM library,
-    ``KernelConfig.gemm`` ("ours", or "deep_gemm": kernels/deepgemm.py)."""
+    ``KernelConfig.gemm`` ("ours", or "deep_gemm": kernels/deepgemm.py); ``attention``: the
+    prefill attention's numerics, "bf16" or "fp8" (``ReferenceOps.with_attention``)."""
     if MODES[mode] == "triton" and gemm != "ours":
         from dataclasses import replace
 
         from gptoss_fp8.model.triton_ops import TritonOps, default_config
 
-        return TritonOps(config=replace(default_config(), gemm=gemm))
-    return get_ops(MODES[mode])
+        return TritonOps(config=replace(default_config(), gemm=gemm)).with_attention(attention)
+    return get_ops(MODES[mode], attention)
 
 
 def check_gemm(gemm: str, modes: list[str]) -> None:

@@ -294,12 +294,14 @@ def parse_reply(tokens: list[int]) -> tuple[list[tuple[str, str]], str | None]:
 
 
 def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-        device: str = "cpu", mode: str = "auto", echo: Callable[..., None] = print) -> Generation:
+        device: str = "cpu", mode: str = "auto", echo: Callable[..., None] = print,
+        attention: str = "bf16") -> Generation:
     """Load ``ckpt`` (an opened Checkpoint), generate from the prompt ids with the ``mode``'s ops
     backend (verify-logits' modes; auto: kernels on cuda, weights on cpu), stream the reply through
     ``echo`` (text, or ids for a vocabulary that is not the tokenizer's), then its Harmony channels
     and the prefill / decode tokens per second. One process: a checkpoint converted for tp > 1 runs
-    through verify/generate_sharded.py ``run`` (which calls this one for tp 1)."""
+    through verify/generate_sharded.py ``run`` (which calls this one for tp 1). ``attention``: the
+    prefill attention's numerics, "bf16" or "fp8" (``ReferenceOps.with_attention``)."""
     from gptoss_fp8.model.load import load_model
     from gptoss_fp8.parallel import Parallel, device_for
     from gptoss_fp8.verify.backends import ops_for
@@ -308,7 +310,8 @@ def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.
     check_request(cfg, prompt, max_new_tokens, temperature)
     mode = resolve_mode(mode, device)
     model = load_model(ckpt, Parallel(), device_for(device, 0))
-    return stream_reply(model, prompt, ops_for(mode), f"mode {mode}, {device}", max_new_tokens=max_new_tokens,
+    where = f"mode {mode}, {device}" + (", FP8 prefill attention" if attention == "fp8" else "")
+    return stream_reply(model, prompt, ops_for(mode, attention=attention), where, max_new_tokens=max_new_tokens,
                         temperature=temperature, seed=seed, echo=echo)
 
 

@@ -35,7 +35,8 @@ MODULE = "gptoss_fp8.verify.generate_sharded"
 
 
 def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-        device: str = "cpu", mode: str = "auto", echo: Callable[..., None] = print) -> Generation:
+        device: str = "cpu", mode: str = "auto", echo: Callable[..., None] = print,
+        attention: str = "bf16") -> Generation:
     """The ``generate`` command (cli/generate.py): ``generate.run`` for a tp 1 checkpoint in one
     process; a checkpoint converted for tp > 1 (or any run under torchrun) over its ranks
     (``run_sharded``), rank 0's lines reaching ``echo`` as they are printed."""
@@ -44,14 +45,14 @@ def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.
 
     if ckpt.tp == 1 and not under_torchrun():
         return one.run(ckpt, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                       device=device, mode=mode, echo=echo)
+                       device=device, mode=mode, echo=echo, attention=attention)
     one.check_request(ckpt.config, prompt, max_new_tokens, temperature)
     return run_sharded(ckpt, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                       device=device, mode=one.resolve_mode(mode, device), echo=echo)
+                       device=device, mode=one.resolve_mode(mode, device), echo=echo, attention=attention)
 
 
 def run_sharded(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float, seed: int, device: str,
-                mode: str, echo: Callable[..., None]) -> Generation:
+                mode: str, echo: Callable[..., None], attention: str = "bf16") -> Generation:
     """``generate.run`` of an opened Checkpoint over its tp ranks (module docstring): the request
     already checked, ``mode`` resolved. Under torchrun this process is one rank (rank 0 prints
     through ``echo``); otherwise tp rank processes are started and rank 0's output handed to
@@ -59,7 +60,7 @@ def run_sharded(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: fl
     from gptoss_fp8.parallel import device_for, run_job, under_torchrun
 
     job = {"ckpt": str(Path(ckpt.path).resolve()), "prompt": list(prompt), "max_new_tokens": max_new_tokens,
-           "temperature": temperature, "seed": seed, "device": device, "mode": mode}
+           "temperature": temperature, "seed": seed, "device": device, "mode": mode, "attention": attention}
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != ckpt.tp:  # every rank fails alike, before any collective
@@ -91,7 +92,8 @@ def run_rank(job: dict, echo: Callable[..., None] | None = None) -> Generation:
         model = load_model(ckpt, Parallel(rank=rank, tp=ckpt.tp, ep=ckpt.ep), dev)
         layout = f"tp {ckpt.tp} ep {ckpt.ep}{' vocab-parallel' if model.par.vocab_parallel else ''}"
         where = f"mode {job['mode']}, {job['device']}, {layout} over {dist.get_backend()}"
-        g = stream_reply(model, job["prompt"], ops_for(job["mode"]), where, max_new_tokens=job["max_new_tokens"],
+        ops = ops_for(job["mode"], attention=job.get("attention", "bf16"))
+        g = stream_reply(model, job["prompt"], ops, where, max_new_tokens=job["max_new_tokens"],
                          temperature=job["temperature"], seed=job["seed"], echo=echo if rank == 0 else None)
         if rank == 0 and job.get("result"):
             Path(job["result"]).write_text(json.dumps(dataclasses.asdict(g)))

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from gptoss_fp8.model.ops import W8A8CpuOps
+from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps
 from gptoss_fp8.quant.fp8 import FP8_MAX
 from gptoss_fp8.verify.parts import PARTS, part_input, run_parts
 
@@ -41,16 +41,35 @@ GRIDS = (FP8_MAX, 416.0, 384.0, 352.0, 320.0, 288.0)
 DITHER_MAX = (416.0, 384.0)
 
 
-def grid_ops(prepared=None) -> list[W8A8CpuOps]:
+def grid_ops(prepared=None, attention: str = "bf16") -> list[W8A8CpuOps]:
     """The w8a8 spec on every grid but the first (448, the mode's own); ``prepared``: the
-    dequantized weights to share (model/ops.py PreparedWeights)."""
-    return [W8A8CpuOps(act_max=m, prepared=prepared) for m in GRIDS[1:]]
+    dequantized weights to share (model/ops.py PreparedWeights). ``attention`` "fp8": the FP8
+    attention's Q / K / V are rounded on the same grid (``spec.attention_fp8``'s fp8_max), so its
+    noise is redrawn too."""
+    return [W8A8CpuOps(act_max=m, prepared=prepared).with_attention(attention) for m in GRIDS[1:]]
 
 
-def dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """The clean w8a8 spec's parts on the target's inputs on two other activation grids."""
-    first = W8A8CpuOps(act_max=DITHER_MAX[0])
-    ops = [first, W8A8CpuOps(act_max=DITHER_MAX[1], prepared=first.prepared)]
+def dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor],
+                 attention: str = "bf16") -> tuple[dict, dict]:
+    """The clean w8a8 spec's parts on the target's inputs on two other activation grids (and
+    attention grids, with ``attention`` "fp8")."""
+    first = W8A8CpuOps(act_max=DITHER_MAX[0]).with_attention(attention)
+    ops = [first, W8A8CpuOps(act_max=DITHER_MAX[1], prepared=first.prepared).with_attention(attention)]
+    return tuple(run_parts(model, tokens, o, target) for o in ops)
+
+
+def attention_dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor],
+                           prepared=None) -> tuple[dict, dict]:
+    """``--attention fp8``, the weights mode: its parts on the target's inputs with the FP8
+    attention's Q / K / V on two other grids (DITHER_MAX; activations stay bf16): the noise of the
+    FP8 attention alone, which the ``attention-fp8`` rule's limits follow."""
+    ops = []
+    for m in DITHER_MAX:
+        o = ReferenceOps().with_attention("fp8")
+        o.attention_fp8_max = m
+        if prepared is not None:
+            o.prepared = prepared
+        ops.append(o)
     return tuple(run_parts(model, tokens, o, target) for o in ops)
 
 

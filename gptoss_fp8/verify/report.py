@@ -84,8 +84,13 @@ def rounding_for(ckpt: Checkpoint | Path) -> tuple[Rounding, bool]:
     return Rounding(ckpt.scale_mode, ckpt.attention_fp8), ckpt.exact_conversion
 
 
-def profile_for(mode: str, ref: Reference, exact_conversion: bool, device: str = "cpu") -> tuple[str, str]:
+def profile_for(mode: str, ref: Reference, exact_conversion: bool, device: str = "cpu",
+                attention: str = "bf16") -> tuple[str, str]:
     """Which threshold profile applies to ``mode``, against which reference, and why."""
+    if mode == "weights" and attention == "fp8" and (ref.expected is not None or exact_conversion):
+        return "attention-fp8", ("--attention fp8: the weights mode with FP8 prefill attention (spec.attention_fp8) "
+                                 "against OpenAI's model on the expected weights (bf16 attention): the cost of FP8 "
+                                 "attention alone, against measured bounds")
     profile, why = _profile_for(mode, ref, exact_conversion)
     ours = "cuda" if device.startswith("cuda") else "cpu"
     if profile == "exact" and ours != ref.device:
@@ -168,18 +173,20 @@ def compare_mode(ref: Reference, logits: torch.Tensor, hidden: dict[str, torch.T
 
 def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: int, *, tp: int, ep: int, device: str,
                  overrides: dict | None = None, seconds: float | None = None, tokens_from: str = "",
-                 experts_per_token: int | None = None, allow_fallback: bool = False) -> dict:
+                 experts_per_token: int | None = None, allow_fallback: bool = False, attention: str = "bf16") -> dict:
     """The verify-logits JSON report: top-level ``passed``, one section per mode, and the kernels'
     agreement with their spec (``kernels_vs_w8a8``) when both ran. A section passes when its
     teacher-forced parts (``teacher_forced``: every layer's attention, MoE and router on the
     target's own inputs, against ``thresholds.PART_LIMITS``) and the free-running smoke check pass;
-    the kernels mode also fails on any fallback to the spec unless ``allow_fallback``."""
+    the kernels mode also fails on any fallback to the spec unless ``allow_fallback``. ``attention``
+    "fp8": every mode ran FP8 prefill attention; the weights mode is judged by the ``attention-fp8``
+    profile (the FP8 modes' noise grids redraw the attention's FP8 rounding too, verify/noise.py)."""
     report: dict = {
         "tool": "gptoss-fp8", "version": __version__, "passed": True,
         "checkpoint": str(ckpt.path.resolve()), "reference": ref.source,
         "expected_rounding": ref.rounding.key() if ref.expected is not None else None,
         "tokens": {"count": int(ref.logits.shape[0]), "from": tokens_from},
-        "vocab": int(ref.logits.shape[1]), "device": device,
+        "vocab": int(ref.logits.shape[1]), "device": device, "attention": attention,
         # the collective the ranks used (nccl: one GPU each; gloo: CPU, or ranks sharing a GPU)
         "parallel": {"tp": tp, "ep": ep, "collective": next((o.collective for o in outputs.values()), None)},
         "modes": list(outputs), "backends": {mode: MODES[mode] for mode in outputs},
@@ -194,7 +201,7 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
     part_override = free_overrides.pop("part_rel_err", None)
     free_binding = bool(free_overrides)  # the user set free-running thresholds: they apply
     for mode, out in outputs.items():
-        profile, why = profile_for(mode, ref, exact_conversion, device)
+        profile, why = profile_for(mode, ref, exact_conversion, device, attention)
         th = with_overrides(DEFAULTS[profile], **free_overrides)
         target = ref.expected if ref.expected is not None else ref
         sec = compare_mode(target, out.logits, out.hidden, n_layers, th, exact=profile.startswith("exact"),
@@ -238,8 +245,10 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
                 floor = PART_LIMITS["exact-cross-device"]
                 limits = {k: max(v * CROSS_DEVICE_FACTOR, floor[k]) for k, v in limits.items()}
             part_limits = None
+            # the weights mode under --attention fp8: FP8 attention's own noise (its dither)
+            rule_key = profile if profile == "attention-fp8" else noise_rule_key(mode, device)
             if noise is not None:
-                rule = NOISE_RULES[noise_rule_key(mode, device)]
+                rule = NOISE_RULES[rule_key]
                 part_limits = {k: rule.limit(k.split(".")[1], v, floors[k]) for k, v in noise.items()}
                 if cross:
                     part_limits = {k: max(v, PART_LIMITS["exact-cross-device"][k.split(".")[1]]) for k, v in part_limits.items()}
@@ -252,7 +261,7 @@ def build_report(ckpt: Checkpoint, ref: Reference, outputs: Outputs, n_layers: i
             for r in tf["parts"]:
                 if floors and f"{r['layer']}.{r['part']}" in floors:
                     r["store_floor"] = floors[f"{r['layer']}.{r['part']}"]
-            tf["limits_profile"] = (f"{noise_rule_key(mode, device)} (this run's FP8 noise x k + floors)"
+            tf["limits_profile"] = (f"{rule_key} (this run's FP8 noise x k + floors)"
                                     if part_limits else part_profile)
             tf["limits_profile"] += " x cross-device" if cross else ""
             sec["teacher_forced"] = tf

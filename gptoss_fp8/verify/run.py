@@ -17,7 +17,7 @@ from gptoss_fp8.model.load import load_model
 from gptoss_fp8.parallel import Parallel, backend_for, device_for, launch_ranks, start_rank, under_torchrun  # noqa: F401 (re-exported)
 from gptoss_fp8.verify.backends import MODES, ops_for, resolve_modes
 from gptoss_fp8.verify.decode import check_decode_steps, run_decode
-from gptoss_fp8.verify.noise import dither_parts, grid_ops
+from gptoss_fp8.verify.noise import attention_dither_parts, dither_parts, grid_ops
 from gptoss_fp8.verify.parts import has_forced_inputs, run_parts
 from gptoss_fp8.verify.reference import Reference
 from gptoss_fp8.verify.report import ModeOutput, Outputs, build_report, rounding_for
@@ -40,27 +40,40 @@ def resolve_ops_hook(spec: str | None):
         raise GptOssFp8Error(f"ops hook {spec!r}: cannot import it ({e}); give module:function") from None
 
 
+def check_attention(attention: str, decode: int) -> None:
+    """``--attention``: a known kind (model/ops.py ATTENTION_KINDS), and not with ``--decode``, whose
+    steps (bf16 decode attention on the cache) are compared with a forward that ran FP8 attention.
+    Raises GptOssFp8Error (one line) before any model runs."""
+    from gptoss_fp8.model.ops import check_attention_kind
+
+    check_attention_kind(attention)
+    if attention == "fp8" and decode:
+        raise GptOssFp8Error("--decode compares bf16 decode attention with the forward, which --attention fp8 runs in "
+                             "FP8 (prefill only): run --decode without --attention fp8")
+
+
 def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
-              ops_hook: str | None = None, gemm: str = "ours", decode: int = 0) -> Outputs:
+              ops_hook: str | None = None, gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> Outputs:
     """Run one loaded model (any rank) once per mode (``backends.MODES``): free-running, then, given
     the reference's captures ``forced``, every part teacher-forced on them (verify/parts.py); the
     kernels mode also on the w8a8 spec's own captures when w8a8 ran first (``resolve_modes`` order).
     ``gemm``: the kernels mode's GEMM library (``backends.ops_for``). ``decode`` N > 0: also
     prefill all but the last N tokens and decode those one at a time (verify/decode.py), on a
-    fresh ops object of the mode (its own spec fallbacks)."""
+    fresh ops object of the mode (its own spec fallbacks). ``attention``: the prefill attention's
+    numerics in every mode, "bf16" or "fp8" (``ReferenceOps.with_attention``; the noise grids too)."""
     out: Outputs = {}
     dev = next(iter(model.buffers())).device
     hook = resolve_ops_hook(ops_hook)
     has_parts = has_forced_inputs(forced, model.cfg.num_hidden_layers)
     # this run's FP8 noise per part for the kernels (verify/noise.py): the clean spec on two other grids
-    dither = dither_parts(model, tokens, forced) if has_parts and "kernels" in modes else None
+    dither = dither_parts(model, tokens, forced, attention) if has_parts and "kernels" in modes else None
     for mode in modes:
         cap: dict[str, torch.Tensor] = {}
         if mode == "kernels" and gemm == "deep_gemm":  # the last mode: the padded weights become the model's
             from gptoss_fp8.kernels.deepgemm import adopt_padded
 
             adopt_padded(model)
-        ops = ops_for(mode, gemm) if hook is None else hook(mode, ops_for(mode, gemm))
+        ops = ops_for(mode, gemm, attention) if hook is None else hook(mode, ops_for(mode, gemm, attention))
         t0 = time.perf_counter()
         logits = model(tokens.to(dev), ops, cap)
         if logits.is_cuda:
@@ -71,19 +84,23 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         grids = None
         if has_parts and mode == "w8a8":  # the spec (as this mode runs it, hook included) on the other grids
             grids = [run_parts(model, tokens, g if hook is None else hook(mode, g), forced)
-                     for g in grid_ops(getattr(ops, "prepared", None))]
+                     for g in grid_ops(getattr(ops, "prepared", None), attention)]
+        if has_parts and mode == "weights" and attention == "fp8":  # FP8 attention's own noise (verify/noise.py)
+            mode_dither = attention_dither_parts(model, tokens, forced, getattr(ops, "prepared", None))
+        else:
+            mode_dither = dither if mode == "kernels" else None
         vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None
         shapes = getattr(ops, "fallback_shapes", None)
         dec = dec_fallbacks = None
         if decode:
-            dec_ops = ops_for(mode, gemm) if hook is None else hook(mode, ops_for(mode, gemm))
+            dec_ops = ops_for(mode, gemm, attention) if hook is None else hook(mode, ops_for(mode, gemm, attention))
             dec = run_decode(model, tokens, dec_ops, decode, forward=hidden)
             dec_fallbacks = getattr(dec_ops, "spec_fallbacks", None)
         out[mode] = ModeOutput(logits.float().cpu(), hidden, seconds, getattr(ops, "spec_fallbacks", None),
                                parts=parts, parts_vs_spec=vs_spec,
                                fallback_shapes=None if shapes is None else {k: sorted(v) for k, v in shapes.items() if v},
                                decode=dec, decode_fallbacks=None if dec_fallbacks is None else dict(dec_fallbacks),
-                               dither=dither if mode == "kernels" else None, grids=grids)
+                               dither=mode_dither, grids=grids)
     return out
 
 
@@ -164,7 +181,7 @@ def run_rank(job: dict) -> None:
 
             forced = load_file(job["forced"])
         out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"], forced, job.get("ops_hook"),
-                        job.get("gemm", "ours"), int(job.get("decode", 0)))
+                        job.get("gemm", "ours"), int(job.get("decode", 0)), job.get("attention", "bf16"))
         if rank == 0:
             _save_outputs(out, Path(job["result"]), dist.get_backend())
         dist.barrier()
@@ -175,7 +192,7 @@ def run_rank(job: dict) -> None:
 def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[str], tp: int = 1, ep: int = 1,
                     device: str = "cpu", timeout_s: float = 3600.0,
                     forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None,
-                    gemm: str = "ours", decode: int = 0) -> Outputs:
+                    gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> Outputs:
     """Our logits and captures for each mode, and with ``forced`` (the reference's captures) the
     teacher-forced parts; ``decode`` N > 0: the last N tokens decoded one at a time too. tp > 1
     starts tp worker processes (gloo on CPU, NCCL on GPUs), each loading only its rank's tensors;
@@ -183,16 +200,17 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
     ckpt = Checkpoint.of(ckpt)
     ckpt.resolve_layout(tp, ep)  # the checkpoint must have been converted for this layout
     modes = resolve_modes(modes, device)  # and every mode must be able to run on this device
+    check_attention(attention, decode)
     if decode:
         check_decode_steps(decode, int(tokens.shape[0]))
     if tp == 1:
         return run_modes(load_model(ckpt, Parallel(), device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
-                         decode)
+                         decode, attention)
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
                "threads": max(1, (os.cpu_count() or 1) // tp), "ops_hook": ops_hook, "gemm": gemm,
-               "decode": decode}
+               "decode": decode, "attention": attention}
         if forced:
             from safetensors.torch import save_file
 
@@ -206,7 +224,7 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
 def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[str], tp: int = 1, ep: int = 1,
                       device: str = "cpu", overrides: dict | None = None, tokens_from: str = "",
                       allow_fallback: bool = False, ops_hook: str | None = None,
-                      gemm: str = "ours", decode: int = 0) -> tuple[dict, Outputs]:
+                      gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> tuple[dict, Outputs]:
     """Run our model in each mode (tp/ep sharded when tp > 1) on the reference's tokens and report;
     ``decode`` N > 0 adds the KV-cached decode of the last N tokens (verify/decode.py)."""
     ckpt = Checkpoint.of(ckpt)
@@ -220,18 +238,20 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
     t0 = time.perf_counter()
     target = ref.expected if ref.expected is not None else ref
     outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device, forced=target.hidden or None, ops_hook=ops_hook,
-                              gemm=gemm, decode=decode)
+                              gemm=gemm, decode=decode, attention=attention)
     total = time.perf_counter() - t0
     return build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=tp, ep=ep, device=device,
                         overrides=overrides, seconds=total, tokens_from=tokens_from,
-                        experts_per_token=cfg.num_experts_per_tok, allow_fallback=allow_fallback), outputs
+                        experts_per_token=cfg.num_experts_per_tok, allow_fallback=allow_fallback,
+                        attention=attention), outputs
 
 
 def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tensor | None, *, modes: list[str], ep: int,
                           device: str, overrides: dict | None, tokens_from: str,
                           save_reference: Path | None = None,
                           allow_fallback: bool = False,
-                          gemm: str = "ours", decode: int = 0) -> tuple[dict | None, Outputs | None, Reference | None]:
+                          gemm: str = "ours", decode: int = 0,
+                          attention: str = "bf16") -> tuple[dict | None, Outputs | None, Reference | None]:
     """One rank of ``torchrun --nproc-per-node TP gptoss-fp8 verify-logits ...``: rank 0 runs the
     reference first (OpenAI's model reads torch.distributed's state when built, so it is built
     before the process group exists), every rank runs its shard, rank 0 reports. Returns
@@ -273,13 +293,14 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
         box = [None if target is None else (target.hidden or None)]
         dist.broadcast_object_list(box, 0)  # the reference's captures, for the teacher-forced parts
         outputs = {m: o._replace(collective=dist.get_backend())
-                   for m, o in run_modes(model, toks, modes, box[0], gemm=gemm, decode=decode).items()}
+                   for m, o in run_modes(model, toks, modes, box[0], gemm=gemm, decode=decode,
+                                                     attention=attention).items()}
         report = None
         if rank == 0:
             cfg = ckpt.config
             report = build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=world, ep=ep, device=device,
                                   overrides=overrides, tokens_from=tokens_from, experts_per_token=cfg.num_experts_per_tok,
-                                  allow_fallback=allow_fallback)
+                                  allow_fallback=allow_fallback, attention=attention)
         ok = torch.tensor([int(report["passed"]) if report else 0])
         dist.broadcast(ok, 0)
         if rank != 0:

@@ -524,3 +524,56 @@ def test_prefill_ws_options_compile_for_sm90(option):
         base = _ws_compile()["ptx"]
         # a quarter of each thread's 32 scores per site: 8 fewer ex2 at each of the 6 unmasked sites
         assert base.count("ex2.approx.ftz.f32") - ptx.count("ex2.approx.ftz.f32") == 6 * 8
+
+
+# --- FP8 attention (--attention fp8): the kernel against spec.attention_fp8_varlen --------------
+# Interpreter: the spec's roundings exactly (same e4m3 grid points, the interpreter's bf16 store
+# truncates): 6e-3 on the norm, 2e-2 + 1e-2 |ref| elementwise (one bf16 ulp). GPU: the MUFU exp2
+# and the MMA's sums flip an e4m3 rounding of P here and there: 1e-2 on the norm. Both also check
+# the kernel is far closer to the FP8 spec than to bf16-free attention (the spec's own error, ~5%
+# on random inputs): a kernel that skipped a rounding of the spec would sit near the latter.
+
+
+def _check_fp8(out, q, k, v, sinks, cu, window, gpu):
+    ref = spec.attention_fp8_varlen(q, k, v, sinks, cu, None, window).float()
+    exact = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, window, dtype=torch.float32).float()
+    o = out.float()
+    assert torch.isfinite(o).all()
+    rel = ((o - ref).norm() / ref.norm()).item()
+    rel_exact = ((o - exact).norm() / exact.norm()).item()
+    assert rel <= (1e-2 if gpu else 6e-3), f"kernel vs spec.attention_fp8: rel {rel:.2e}"
+    assert rel < 0.25 * rel_exact, f"kernel vs fp8 spec {rel:.2e}, vs fp32 attention {rel_exact:.2e}"
+    if not gpu:
+        torch.testing.assert_close(o, ref, atol=2e-2, rtol=1e-2)
+
+
+@interpreter_only
+@pytest.mark.parametrize("lens,hq,hkv,window,tile", [
+    ([150], 4, 2, 0, None),  # one sequence, the CPU default tile
+    ([70, 1, 129], 8, 1, 64, None),  # ragged (scale blocks straddle sequences), GQA 8, window
+    ([30, 100], 4, 2, 0, PrefillTile(64, 32, 4, 1, pack=2)),  # packed heads, BLOCK_N 32
+    ([160], 4, 2, 48, PrefillTile(64, 32, 4, 1, pack=2)),
+])
+def test_prefill_fp8_cpu(lens, hq, hkv, window, tile):
+    gen = torch.Generator().manual_seed(sum(lens) * 7 + hq + window)
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    cu = _cu(lens, device="cpu") if len(lens) > 1 else None
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile, fp8=True)
+    _check_fp8(out, q, k, v, sinks, cu, window, gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,window", [([4096], 0), ([1000, 3000, 77], 0), ([4096], 128), ([333, 2000], 128)])
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 2)])
+@pytest.mark.parametrize("tile", [None, PrefillTile(128, 64, 8, 3), PrefillTile(128, 64, 8, 3, pack=2)])
+def test_prefill_fp8_gpu(lens, window, hq, hkv, tile):
+    gen = torch.Generator().manual_seed(sum(lens) + window + hq + 1)
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    cu = _cu(lens) if len(lens) > 1 else None
+    _poison(T, hq, D)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile, fp8=True)
+    _check_fp8(out, q, k, v, sinks, cu, window, gpu=True)

@@ -1,0 +1,94 @@
+"""``--attention fp8`` in the verdict (verify/report.py ``attention-fp8`` profile, thresholds
+``NOISE_RULES["attention-fp8"]``): on the trained fixture the weights mode with FP8 attention
+passes against bf16 attention within its own measured noise, and an attention bug injected into it
+fails at an attention part; the FP8 modes' noise grids redraw the FP8 attention's rounding."""
+
+import pytest
+from mutations import hook
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.ops import ReferenceOps
+from gptoss_fp8.verify.run import verify_checkpoint
+
+# by name, for verify.run.resolve_ops_hook
+weights__double_sinks = hook("weights", "double_sinks")
+weights__no_window = hook("weights", "no_window")
+weights__no_sinks = hook("weights", "no_sinks")
+weights__no_rope = hook("weights", "no_rope")
+
+
+def test_weights_mode_with_fp8_attention_passes(trained):
+    ckpt, _, _, ref = trained
+    report, _ = verify_checkpoint(ckpt, ref, modes=["weights"], attention="fp8")
+    sec = report["weights"]
+    assert report["attention"] == "fp8" and sec["profile"] == "attention-fp8"
+    assert report["passed"], sec["failures"]
+    tf = sec["teacher_forced"]
+    assert tf["limits_profile"].startswith("attention-fp8")
+    attn = [r for r in tf["parts"] if r["part"] == "attn"]
+    # FP8 attention is not free (bf16 attention is bit-exact here: 0.0) and its noise was measured
+    assert all(r["rel_err"] > 1e-3 and r["noise"] > 1e-3 for r in attn), attn
+    mlp = [r for r in tf["parts"] if r["part"] == "mlp"]
+    assert all(r["rel_err"] < 1e-3 for r in mlp), mlp  # the MoE sees the reference's inputs: unchanged
+    worst = max(r["rel_err"] / r["limit"] for r in attn)
+    print(f"METRIC trained weights --attention fp8: worst attention error / limit {worst:.3g}, "
+          f"KL mean {sec['summary']['kl_mean']:.3g}")
+
+
+@pytest.mark.parametrize("bug", [
+    "no_sinks",
+    pytest.param("no_window", marks=pytest.mark.slow),  # ~20 s each on CPU: one verify run per bug
+    pytest.param("no_rope", marks=pytest.mark.slow),
+    # measured 2026-12-03: error / limit 0.35-0.69 per layer (L1 0.0715 / 0.103): a sink counted
+    # twice moves this model's attention by less than FP8 attention's own rounding noise (the w8a8
+    # verdict, with bf16 attention, catches it on this fixture)
+    pytest.param("double_sinks", marks=[pytest.mark.slow,
+                                        pytest.mark.xfail(strict=True, reason="below FP8 attention's noise")]),
+])
+def test_attention_bug_fails_with_fp8_attention(trained, bug):
+    ckpt, _, _, ref = trained
+    report, _ = verify_checkpoint(ckpt, ref, modes=["weights"], attention="fp8",
+                                  ops_hook=f"test_verify_attention_fp8:weights__{bug}")
+    tf = report["weights"]["teacher_forced"]
+    assert not report["passed"] and not tf["passed"]
+    assert tf["first_failing"]["part"] == "attn", tf["failures"]
+
+
+def test_unknown_attention_kind_is_one_line():
+    with pytest.raises(GptOssFp8Error, match="--attention 'fp4'"):
+        ReferenceOps().with_attention("fp4")
+
+
+def test_cli_choices_are_the_ops_kinds():
+    from gptoss_fp8.cli.common import Attention
+    from gptoss_fp8.model.ops import ATTENTION_KINDS
+
+    assert tuple(a.value for a in Attention) == ATTENTION_KINDS
+
+
+def test_decode_is_refused_with_fp8_attention():
+    from gptoss_fp8.verify.run import check_attention
+
+    check_attention("fp8", 0)
+    check_attention("bf16", 4)
+    with pytest.raises(GptOssFp8Error, match="--decode"):
+        check_attention("fp8", 4)
+
+
+def test_reference_ops_route_prefill_attention_to_the_fp8_spec():
+    """The ops' attention (and a prompt chunk's, with its query offset) is spec.attention_fp8 under
+    with_attention("fp8"), on the backend's grid; decode attention stays bf16."""
+    import torch
+
+    from gptoss_fp8 import spec
+    from gptoss_fp8.model.ops import W8A8CpuOps
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(40, h, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g).bfloat16()
+    ops = W8A8CpuOps(act_max=416.0).with_attention("fp8")
+    got = ops.attention(q.view(40, 2, 2, 16), k, v, sinks, 0.25, 0)
+    assert torch.equal(got, spec.attention_fp8(q, k, v, sinks, 0.25, fp8_max=416.0).reshape(40, -1))
+    assert not torch.equal(got, spec.attention(q, k, v, sinks, 0.25).reshape(40, -1))
+    chunk = ops.attention_chunk(q[30:].reshape(10, 2, 2, 16), k, v, sinks, 0.25, 8, 30)
+    assert torch.equal(chunk, spec.attention_fp8(q[30:], k, v, sinks, 0.25, 8, 30, fp8_max=416.0).reshape(10, -1))
