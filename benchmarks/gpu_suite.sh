@@ -12,6 +12,7 @@
 #   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
+#   attention-fp8  the FP8 attention kernel's GPU tests against its spec and its bench (issue 34)
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
@@ -205,6 +206,15 @@ if has attention; then
     | tee "$OUT/attn_variants.log"
   timeout 110 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "ws_gpu or single_sequence" 2>&1 \
     | tail -30 | tee "$OUT/attn_tests.log"
+fi
+
+if has attention-fp8; then
+  # issue 34's FP8 attention (spec.attention_fp8; the Triton kernel's fp8 path, kernels/attention.py): its GPU
+  # tests against the spec, then bench kernels --only attention --attention fp8 (pairs/s, the quantization's ms)
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "prefill_fp8_gpu" 2>&1 | tail -8 \
+    | tee "$OUT/attn_fp8_tests.log"
+  timeout 120 python3 -m gptoss_fp8.cli.main bench kernels --only attention --attention fp8 --tokens 32768,128000 \
+    --json "$OUT/attn_fp8_bench.json" 2>&1 | grep -v Warn | tail -24 | tee "$OUT/attn_fp8_bench.log"
 fi
 
 if has hf; then
