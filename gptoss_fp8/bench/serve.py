@@ -381,3 +381,31 @@ def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: l
 
 if __name__ == "__main__":
     _child()
+
+
+def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cuda", mode: str = "auto",
+                    max_batch: int = 8, max_context: int | None = None, chunk: int | None = None,
+                    max_waiting: int | None = None, api_key: str | None = None,
+                    echo=print, attention: str = "bf16"):
+    """The server over random FP8 weights at a preset's real shapes (``bench.prefill.random_model``,
+    as ``bench prefill`` / ``bench decode`` time them; first ``layers`` layers), built on the device
+    with no checkpoint on disk: ``bench serve --synthetic``. -> serve.server's Served. The replies are noise; the speed is the
+    model's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.serve.server import check_options, start_model
+
+    cfg = preset_config(preset, layers=layers)
+    name = f"synthetic-{preset}" + (f"-{layers}l" if layers else "")
+    opts = check_options(SimpleNamespace(config=cfg, path=name), device=device, mode=mode, max_batch=max_batch,
+                         max_context=max_context, chunk=chunk, attention=attention)
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    model = random_model(cfg, dev)
+    echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
+         f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
+    return start_model(model, opts, max_waiting, api_key, name, echo)

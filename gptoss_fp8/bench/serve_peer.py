@@ -30,7 +30,6 @@ from pathlib import Path
 
 # the servers bench serve speaks to: ours, and transformers' own
 PEERS = ("gptoss", "transformers")
-RETRY = "run `python -m gptoss_fp8.bench.serve_peer tokenizer SRC` again"
 
 
 def peer_body(prompt: str, output_len: int, model: str | None) -> dict:
@@ -65,8 +64,8 @@ def write_peer_tokenizer(src: Path) -> Path:
     the tokenizer.json written. Refuses a checkpoint that ships a tokenizer.json already."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+    from gptoss_fp8.checkpoint.outputs import write_atomic
     from gptoss_fp8.config import read_config_json
-    from gptoss_fp8.convert.writer import write_text_atomic
     from gptoss_fp8.errors import GptOssFp8Error
 
     src = Path(src)
@@ -95,7 +94,7 @@ def write_peer_tokenizer(src: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in special.values()])
     out = src / "tokenizer.json"
-    write_text_atomic(out, tok.to_str(), RETRY)
+    write_atomic(out, tok.to_str())
     names = {v: k for k, v in special.items()}
     tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072,
           "eos_token": "<|return|>", "clean_up_tokenization_spaces": False,
@@ -104,7 +103,7 @@ def write_peer_tokenizer(src: Path) -> Path:
         tc["pad_token"] = "<|endoftext|>"
     if "<|startoftext|>" in names:
         tc["bos_token"] = "<|startoftext|>"
-    write_text_atomic(src / "tokenizer_config.json", json.dumps(tc, indent=1) + "\n", RETRY)
+    write_atomic(src / "tokenizer_config.json", json.dumps(tc, indent=1) + "\n", overwrite=True)
     return out
 
 

@@ -307,7 +307,8 @@ def serve(
         server = Server(served).start()
         url = server.url
     elif synthetic is not None:
-        from gptoss_fp8.serve.server import Server, build_synthetic
+        from gptoss_fp8.bench.serve import build_synthetic
+        from gptoss_fp8.serve.server import Server
 
         served = build_synthetic(synthetic, layers=layers, device=device, mode=mode, max_batch=max(conc),
                                  max_context=max(lens) + output_len + 1, api_key=api_key, echo=typer.echo)

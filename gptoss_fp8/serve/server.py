@@ -7,7 +7,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve.app import Served, create_app
@@ -73,31 +72,6 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     echo(f"loaded {ckpt.path} ({ckpt.config.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, "
          f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
     return start_model(model, opts, max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
-
-
-def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cuda", mode: str = "auto",
-                    max_batch: int = 8, max_context: int | None = None, chunk: int | None = None,
-                    max_waiting: int | None = None, api_key: str | None = None,
-                    echo: Callable[[str], None] = print, attention: str = "bf16") -> Served:
-    """The server over random FP8 weights at a preset's real shapes (``bench.prefill.random_model``,
-    as ``bench prefill`` / ``bench decode`` time them; first ``layers`` layers), built on the device
-    with no checkpoint on disk: ``bench serve --synthetic``. The replies are noise; the speed is the
-    model's."""
-    import torch
-
-    from gptoss_fp8.bench.prefill import random_model
-    from gptoss_fp8.config import preset_config
-
-    cfg = preset_config(preset, layers=layers)
-    name = f"synthetic-{preset}" + (f"-{layers}l" if layers else "")
-    opts = check_options(SimpleNamespace(config=cfg, path=name), device=device, mode=mode, max_batch=max_batch,
-                         max_context=max_context, chunk=chunk, attention=attention)
-    dev = torch.device(device)
-    t0 = time.perf_counter()
-    model = random_model(cfg, dev)
-    echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
-         f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
-    return start_model(model, opts, max_waiting, api_key, name, echo)
 
 
 def build_null(*, max_batch: int = 8, max_context: int = 2048, step_ms: float = 0.0, chunk: int = 8192,
