@@ -1,15 +1,17 @@
 """``import gptoss_fp8.hf`` on a GPU: ``from_pretrained(DST, device_map="cuda")`` keeps the weights FP8
 and runs them on our kernels (gptoss_fp8/hf.py, ``Fp8Linear`` / ``Fp8Experts`` on ``TritonOps``).
 
-Every test here is marked ``gpu`` (skipped without CUDA); none has been run yet (written on a
-CPU-only box: the CPU tests in test_hf.py cover the same modules on the w8a8 spec and on the
-kernels through Triton's interpreter). Run on the H200:
+Every test here is marked ``gpu`` (skipped without CUDA). The CPU tests in test_hf.py and
+test_hf_attention.py cover the same modules on the w8a8 spec and on the kernels through Triton's
+interpreter. Attention runs on our kernels (gptoss_fp8/hf_attention.py, selected by the CUDA load).
+Run on the H200:
 
     python -m pytest -q -s tests/test_hf_gpu.py                       # trained fixture + 2-layer 20b
     GPTOSS_FP8_HF_LAYERS=24 python -m pytest -q -s tests/test_hf_gpu.py -k synthetic   # the whole 20b
 
 The synthetic case prints resident memory, prefill (8192 tokens) and one decode step for the FP8
-model beside transformers' bf16 GptOss in the same process; compare with
+model beside transformers' bf16 GptOss in the same process (eager attention and ours), and the
+seconds of each stage (synth, convert, loads); compare with
 ``gptoss-fp8 bench prefill --model 20b --tokens 8192 --layers N`` and
 ``gptoss-fp8 bench decode --model 20b --batch 1 --context 8192``.
 """
@@ -144,18 +146,65 @@ def test_trained_greedy_tokens_match_generate_kernels(trained):
     assert all(mh <= near_tie and mk <= near_tie for _, mh, mk in margins), margins
 
 
+def _replicated_source(root, layers: int, preset: str = "20b"):
+    """A synthetic ``preset`` MXFP4 source of ``layers`` layers whose every layer holds layer 0's tensors:
+    ``write_synthetic`` draws one layer (its random MXFP4 experts cost ~5 s a layer on one CPU
+    core, the whole 20b ~2 minutes), the others are written under their own names from the same
+    tensors. Real names, shapes, config.json and index; the timings and memory do not depend on
+    the layers' values differing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from gptoss_fp8.config import hf_config_dict, preset_config
+    from gptoss_fp8.convert.synth import write_synthetic
+
+    one = root / "one"
+    write_synthetic(one, preset, layers=1, layout="hf")
+    src = root / "src"
+    src.mkdir()
+    for f in one.iterdir():
+        if not f.name.endswith(".safetensors") and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, src / f.name)
+    tensors = {}
+    for f in sorted(one.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    shutil.rmtree(one)
+    layer0 = {k.removeprefix("model.layers.0."): v for k, v in tensors.items() if k.startswith("model.layers.0.")}
+    rest = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
+    weight_map = {}
+    files = [("model-rest.safetensors", rest)] + [
+        (f"model-layer{i:02d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer0.items()}) for i in range(layers)]
+    for name, ts in files:
+        save_file(ts, str(src / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(ts, name))
+    total = sum(t.numel() * t.element_size() for _, ts in files for t in ts.values())
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (src / "config.json").write_text(json.dumps(hf_config_dict(preset_config(preset, layers)), indent=2) + "\n")
+    return src
+
+
 @pytest.fixture(scope="module")
 def synthetic_20b(tmp_path_factory):
-    """A synthetic gpt-oss-20b (random weights, real shapes; GPTOSS_FP8_HF_LAYERS layers, default 2)
-    converted at tp 1 on the GPU."""
+    """A synthetic gpt-oss-20b (random weights, real shapes; GPTOSS_FP8_HF_LAYERS layers, default 2:
+    24 is the whole model) converted at tp 1 on the GPU: (converted, MXFP4 source, layers, seconds
+    per stage). Up to 2 layers the source is ``write_synthetic``'s; beyond, ``_replicated_source``."""
     from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.convert.synth import write_synthetic
 
     layers = int(os.environ.get("GPTOSS_FP8_HF_LAYERS", "2"))
     root = tmp_path_factory.mktemp("hf-20b")
-    write_synthetic(root / "src", "20b", layers=layers, layout="hf")
-    convert_checkpoint(root / "src", root / "fp8", device="cuda")
-    return root / "fp8", layers
+    t0 = time.perf_counter()
+    if layers <= 2:
+        write_synthetic(root / "src", "20b", layers=layers, layout="hf")
+        src = root / "src"
+    else:
+        src = _replicated_source(root, layers)
+    t1 = time.perf_counter()
+    convert_checkpoint(src, root / "fp8", device="cuda")
+    t2 = time.perf_counter()
+    return root / "fp8", src, layers, {"synth": t1 - t0, "convert (cuda)": t2 - t1}
 
 
 def _prefill_and_step(model, n: int) -> tuple[float, float]:
@@ -172,25 +221,38 @@ def _prefill_and_step(model, n: int) -> tuple[float, float]:
 
 def test_synthetic_20b_resident_memory_prefill_and_decode(synthetic_20b):
     """The FP8 model's parameters take the checkpoint's bytes on the GPU (the 20b: ~21 GB, not the
-    ~39 GB of bf16); prefill 8192 and a decode step timed beside transformers' bf16 GptOss (the
-    same weights dequantized, loaded on CPU then moved) in the same process."""
-    dst, layers = synthetic_20b
+    ~39 GB of bf16); prefill 8192 and a decode step timed beside transformers' bf16 GptOss in the
+    same process: the MXFP4 source dequantized by transformers on the GPU (``Mxfp4Config(dequantize=True)``,
+    ``device_map="cuda"``), with its eager attention and with ours. Every stage's seconds printed."""
+    from transformers import Mxfp4Config
+
+    dst, src, layers, stages = synthetic_20b
     manifest = json.loads((dst / "layout.json").read_text())
     file_bytes = sum(f["bytes"] for f in manifest["ranks"][0]["files"].values())
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    fp8 = _hf(dst, device_map="cuda")
+    fp8, stages["load FP8 (cuda)"] = _sync_time(lambda: _hf(dst, device_map="cuda"))
     resident = torch.cuda.memory_allocated() - base
+    assert fp8.config._attn_implementation == ha.NAME
+    ha.FALLBACKS.clear()
     t8 = _prefill_and_step(fp8, 8192)
+    assert not ha.FALLBACKS, dict(ha.FALLBACKS)
     del fp8
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    bf16 = _hf(dst).to("cuda")  # the CPU path: dequantized with our codec, then moved
+    bf16, stages["load bf16 from MXFP4 (cuda)"] = _sync_time(
+        lambda: _hf(src, device_map="cuda", quantization_config=Mxfp4Config(dequantize=True)))
     resident_bf16 = torch.cuda.memory_allocated() - base
+    eager_attn = bf16.config._attn_implementation
     tb = _prefill_and_step(bf16, 8192)
+    bf16.set_attn_implementation(ha.NAME)
+    tbo = _prefill_and_step(bf16, 8192)
     print(f"\nsynthetic 20b, {layers} layers, H200: resident FP8 {resident / 1e9:.2f} GB (files {file_bytes / 1e9:.2f} GB), "
-          f"bf16 {resident_bf16 / 1e9:.2f} GB; prefill 8192: FP8 {t8[0] * 1e3:.1f} ms, bf16 {tb[0] * 1e3:.1f} ms; "
-          f"decode step (context 8192, batch 1): FP8 {t8[1] * 1e3:.2f} ms, bf16 {tb[1] * 1e3:.2f} ms; "
-          f"attention: {bf16.config._attn_implementation}")
+          f"bf16 {resident_bf16 / 1e9:.2f} GB\n"
+          f"  prefill 8192: FP8 + our attention {t8[0] * 1e3:.1f} ms, bf16 + {eager_attn} {tb[0] * 1e3:.1f} ms, "
+          f"bf16 + our attention {tbo[0] * 1e3:.1f} ms\n"
+          f"  decode step (context 8192, batch 1): FP8 + our attention {t8[1] * 1e3:.2f} ms, bf16 + {eager_attn} "
+          f"{tb[1] * 1e3:.2f} ms, bf16 + our attention {tbo[1] * 1e3:.2f} ms\n"
+          f"  stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
     assert resident <= 1.05 * file_bytes
     assert resident < resident_bf16
