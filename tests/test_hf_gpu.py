@@ -95,11 +95,14 @@ def test_trained_greedy_tokens_match_generate_kernels(trained):
 
     Asserted, teacher-forced on ours' sequence (prompt + our kernels' greedy reply, 225 positions):
     transformers' argmax equals our kernels' at >= 99% of positions, and every disagreement is a
-    near tie: the two tokens' logits are within NEAR_TIE of each other in both models. NEAR_TIE is
-    measured here, not fixed: the 90th percentile over positions of max |kernels - weights| (our
-    two modes on the same sequence: what activation quantization alone moves a position's logits).
-    On CPU (w8a8 spec for kernels) that percentile is 0.25, and our w8a8 and weights modes
-    themselves disagree at 3-5 of 225 positions (97.8-98.7%), each with margins <= 0.125."""
+    near tie: the two tokens' logits are within NEAR_TIE of each other in both models. A position's
+    top-1 can differ between two models only where its lead is below their logit difference there;
+    NEAR_TIE is the largest logit shift FP8 activation quantization alone causes at any position of
+    this sequence (max over positions of max |kernels - weights|, our two modes, measured here), so
+    a token that leads by more than that and still flips is not FP8 noise. CPU analogue (kernels
+    through the interpreter, golden/trained, this prompt): that max 0.56-0.63 (p90 0.25, the median
+    top-2 lead 3.4); our kernels vs weights disagree at 2 of 225 positions (99.1%); transformers
+    FP8-resident vs our kernels at 2 (eager attention) and 3 (ours: 98.7%), leads <= 0.25."""
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
     from gptoss_fp8.model.backends import get_ops
     from gptoss_fp8.model.load import load_model
@@ -119,9 +122,10 @@ def test_trained_greedy_tokens_match_generate_kernels(trained):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, do_sample=False)
     theirs = out[0, len(prompt):].tolist()
-    assert not ha.FALLBACKS and ha.CALLS["prefill"] == 4, (dict(ha.CALLS), dict(ha.FALLBACKS))
+    calls, fallbacks = dict(ha.CALLS), dict(ha.FALLBACKS)
     print(f"\ntrained, cuda, free-running greedy ({n} tokens): transformers vs our kernels equal for the first "
-          f"{_first_divergence(theirs, kern)}; our kernels vs our weights: {_first_divergence(kern, weights)}")
+          f"{_first_divergence(theirs, kern)}; our kernels vs our weights: {_first_divergence(kern, weights)}; "
+          f"attention calls {calls}, to eager {fallbacks}")
 
     seq = torch.tensor(prompt + kern, device="cuda")
     ours = load_model(dst, device="cuda")
@@ -129,7 +133,8 @@ def test_trained_greedy_tokens_match_generate_kernels(trained):
         lh = model(seq[None]).logits[0].float()
         lk = ours.forward(seq, get_ops("triton")).float()
         lw = ours.forward(seq, get_ops("weights")).float()
-    near_tie = (lk - lw).abs().max(-1).values.quantile(0.9).item()
+    noise = (lk - lw).abs().max(-1).values
+    near_tie = noise.max().item()
     ah, ak, aw = lh.argmax(-1), lk.argmax(-1), lw.argmax(-1)
     agree = (ah == ak).float().mean().item()
     dis = (ah != ak).nonzero().flatten().tolist()
@@ -138,12 +143,14 @@ def test_trained_greedy_tokens_match_generate_kernels(trained):
     print(f"teacher-forced on our kernels' sequence ({len(seq)} positions): transformers vs kernels argmax equal "
           f"{agree:.2%} ({len(dis)} differ), max |logit diff| median {err.median().item():.3g} max "
           f"{err.max().item():.3g}; kernels vs weights argmax equal {(ak == aw).float().mean().item():.2%}; "
-          f"NEAR_TIE (p90 of max |kernels - weights|) {near_tie:.3g}")
+          f"max |kernels - weights| per position: median {noise.median().item():.3g}, p90 "
+          f"{noise.quantile(0.9).item():.3g}, max (NEAR_TIE) {near_tie:.3g}")
     for i, mh, mk in margins:
         print(f"  position {i}: transformers {ah[i].item()} (ahead by {mh:.3g}), kernels {ak[i].item()} "
               f"(ahead by {mk:.3g})")
-    assert agree >= 0.99
+    assert not fallbacks and calls["prefill"] == 4, (calls, fallbacks)  # every attention call on a kernel
     assert all(mh <= near_tie and mk <= near_tie for _, mh, mk in margins), margins
+    assert agree >= 0.99
 
 
 def _replicated_source(root, layers: int, preset: str = "20b"):
