@@ -37,7 +37,9 @@ public ``HfQuantizer`` methods only:
     ~21 GB resident instead of ~39 GB) and each attention projection becomes ``Fp8Linear``, each
     experts block ``Fp8Experts``, on the same tensors, run by our ops backend of the device
     (``fp8_ops``: ``TritonOps`` on CUDA, the ``kernels`` numerics: w8a8 block GEMMs, the fused
-    MoE); attention, norms, rope, router and lm_head stay transformers' own.
+    MoE); attention runs our sink kernels through transformers' ``AttentionInterface`` (on CUDA,
+    ``select_attention``: gptoss_fp8/hf_attention.py, eager where they do not apply); norms, rope,
+    router and lm_head stay transformers' own.
 
 Exactness (CPU): with ``--keep-attention-bf16`` (pow2 scales) every weight equals the MXFP4
 source's, so the logits are transformers' on the source bit for bit (tests/test_hf.py). The
@@ -190,7 +192,8 @@ def to_transformers_layout(params: list[_Fp8Param]) -> None:
 # The FP8-resident path (CUDA): the weights stay as the checkpoint holds them and run on an ops
 # backend of ours (model/ops.py: the same calls our model makes): on a GPU ``TritonOps`` (the
 # ``kernels`` numerics: w8a8 block GEMMs, the fused MoE), on CPU ``W8A8CpuOps`` (the w8a8 spec the
-# kernels are tested against). Attention, norms, rope, router and lm_head stay transformers' own.
+# kernels are tested against). Norms, rope, router and lm_head stay transformers' own; attention
+# is ours on CUDA (``select_attention``), transformers' eager elsewhere.
 
 
 def fp8_ops(device: torch.device):
