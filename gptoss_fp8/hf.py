@@ -37,7 +37,9 @@ public ``HfQuantizer`` methods only:
     ~21 GB resident instead of ~39 GB) and each attention projection becomes ``Fp8Linear``, each
     experts block ``Fp8Experts``, on the same tensors, run by our ops backend of the device
     (``fp8_ops``: ``TritonOps`` on CUDA, the ``kernels`` numerics: w8a8 block GEMMs, the fused
-    MoE); attention, norms, rope, router and lm_head stay transformers' own.
+    MoE); attention runs our sink kernels through transformers' ``AttentionInterface`` (on CUDA,
+    ``select_attention``: gptoss_fp8/hf_attention.py, eager where they do not apply); norms, rope,
+    router and lm_head stay transformers' own.
 
 Exactness (CPU): with ``--keep-attention-bf16`` (pow2 scales) every weight equals the MXFP4
 source's, so the logits are transformers' on the source bit for bit (tests/test_hf.py). The
@@ -57,7 +59,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gptoss_fp8 import __version__
+from gptoss_fp8 import __version__, hf_attention
 from gptoss_fp8.checkpoint.checkpoint import Checkpoint
 from gptoss_fp8.checkpoint.format import LAYOUT_NAME, REPORT_NAME
 from gptoss_fp8.checkpoint.manifest import check_rank_files
@@ -190,7 +192,8 @@ def to_transformers_layout(params: list[_Fp8Param]) -> None:
 # The FP8-resident path (CUDA): the weights stay as the checkpoint holds them and run on an ops
 # backend of ours (model/ops.py: the same calls our model makes): on a GPU ``TritonOps`` (the
 # ``kernels`` numerics: w8a8 block GEMMs, the fused MoE), on CPU ``W8A8CpuOps`` (the w8a8 spec the
-# kernels are tested against). Attention, norms, rope, router and lm_head stay transformers' own.
+# kernels are tested against). Norms, rope, router and lm_head stay transformers' own; attention
+# is ours on CUDA (``select_attention``), transformers' eager elsewhere.
 
 
 def fp8_ops(device: torch.device):
@@ -271,6 +274,24 @@ def to_fp8_modules(model: nn.Module, params: list[_Fp8Param]) -> None:
         setattr(model.get_submodule(parent), child, new)
 
 
+def kernel_attention_device(device: torch.device) -> bool:
+    """Whether an FP8-resident model whose weights are on ``device`` gets our attention kernels:
+    CUDA only (on CPU, even under Triton's interpreter, the model keeps transformers' eager)."""
+    return torch.device(device).type == "cuda"
+
+
+def select_attention(model: nn.Module, device: torch.device) -> bool:
+    """After an FP8-resident load on ``device``: switch the model to ``hf_attention.NAME`` (our
+    prefill / decode kernels, eager where they do not apply) when ``kernel_attention_device`` says
+    so and the model is on transformers' default (eager: GptOss has no sdpa); an implementation the
+    user asked for (``attn_implementation=`` a hub kernel, sdpa, ...) is kept. ``model.set_attn_implementation("eager")``
+    goes back. Returns whether it switched."""
+    if not kernel_attention_device(device) or model.config._attn_implementation not in (None, "eager"):
+        return False
+    model.set_attn_implementation(hf_attention.NAME)
+    return True
+
+
 class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
     """transformers' FP8 quantizer, but a pre-quantized ``gpt_oss`` checkpoint is read as
     gptoss-fp8 writes it (module docstring). Any other model (and quantizing on the fly) goes to
@@ -342,7 +363,9 @@ class GptOssFp8HfQuantizer(FineGrainedFP8HfQuantizer):
         if not self._ours:
             return super()._process_model_after_weight_loading(model, **kwargs)
         if self.fp8_resident:
+            device = getattr(self._fp8[0].module, self._fp8[0].attr).device if self._fp8 else torch.device("cpu")
             to_fp8_modules(model, self._fp8)
+            select_attention(model, device)
         else:
             to_transformers_layout(self._fp8)
         self._fp8 = []
