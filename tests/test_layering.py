@@ -38,7 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "bench": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "verify", "runtime",
                       "serve", "tokenizer", "__init__"},
     # transformers' loader for a converted checkpoint (import gptoss_fp8.hf): files and codecs; nothing imports it
-    "hf": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "__init__"},
+    "hf": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "hf_attention", "__init__"},
+    "hf_attention": _BASE | {"config", "kernels", "model", "__init__"},
     "cli": _BASE | {"config", "quant", "parallel", "spec", "checkpoint", "kernels", "model", "convert", "verify",
                     "bench", "runtime", "serve", "tokenizer", "__init__"},
 }
