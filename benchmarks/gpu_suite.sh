@@ -149,6 +149,8 @@ if has serve-peer; then
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/w/*.whl
     [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
+  # the o200k tokenizer file for our server (PEER_OURS), as in the serve target
+  if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
   psrc=${PEER_SRC:-/tmp/s20b-${PEER_LAYERS:-full}}
   if [[ -z ${PEER_SRC:-} && ! -f $psrc/.synth-complete ]]; then
     timeout "$(peer_left)" python3 -m gptoss_fp8.cli.main synth "$psrc" --preset 20b --layout hf --overwrite \
