@@ -202,6 +202,7 @@ def _resident(monkeypatch, path, attention_device: bool):
     return AutoModelForCausalLM.from_pretrained(str(path))
 
 
+@pytest.mark.slow  # ~55 s on the 2-core box: the trained fixture through the interpreter (prefill + 4 x 39 decode calls)
 def test_selected_for_the_resident_load_only_and_runs_the_kernels(trained, monkeypatch):
     """The dequantized (CPU) load and the FP8-resident load on CPU keep eager; the FP8-resident
     load on a device our kernels take (CUDA; here faked, the kernels in the interpreter) selects

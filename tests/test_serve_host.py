@@ -120,4 +120,4 @@ def test_bench_serve_null_model():
     assert row[:4] == ["16", "4", "8", "0"] and float(row[-3]) > 0  # steps/s from /metrics
     assert 1.0 <= float(row[-2]) < 50 and float(row[-1]) > 0  # the model's ms per step: at least its 1 ms sleep
     r = CliRunner().invoke(app, ["bench", "serve", "--null-model", "http://127.0.0.1:1"])
-    assert r.exit_code == 1 and "give exactly one of URL, --launch DST or --null-model" in r.output
+    assert r.exit_code == 1 and "give exactly one of URL, --launch DST, --synthetic PRESET or --null-model" in r.output
