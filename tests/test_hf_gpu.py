@@ -148,6 +148,13 @@ def test_trained_greedy_tokens_match_generate_kernels(trained):
     for i, mh, mk in margins:
         print(f"  position {i}: transformers {ah[i].item()} (ahead by {mh:.3g}), kernels {ak[i].item()} "
               f"(ahead by {mk:.3g})")
+    d = _first_divergence(theirs, kern)
+    if d < min(len(theirs), len(kern)):  # the free-running divergence, read teacher-forced (same context up to it)
+        pos = len(prompt) - 1 + d  # its logits choose reply token d
+        a, b = kern[d], theirs[d]
+        print(f"  free-running divergence at reply token {d}: ours {a}, transformers {b}; logit[{a}] - logit[{b}] on "
+              f"this context: our kernels {(lk[pos, a] - lk[pos, b]).item():.3g}, transformers (prefill path) "
+              f"{(lh[pos, a] - lh[pos, b]).item():.3g}; NEAR_TIE {near_tie:.3g}")
     assert not fallbacks and calls["prefill"] == 4, (calls, fallbacks)  # every attention call on a kernel
     assert all(mh <= near_tie and mk <= near_tie for _, mh, mk in margins), margins
     assert agree >= 0.99

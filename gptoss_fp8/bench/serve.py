@@ -290,7 +290,7 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     "transformers" (module docstring), with ``tokenizer`` its tokenizer (a checkpoint directory
     or a tokenizer.json: the text prompts). ``warmup``: requests sent at once before the cases,
     unmeasured (the first prompt length, up to 16 output tokens; None: the largest concurrency
-    against transformers, none against ours)."""
+    against transformers, none against ours), then one request alone per prompt length."""
     import httpx
 
     from gptoss_fp8.bench.serve_peer import PEERS, load_tokenizer, text_prompts
@@ -327,8 +327,13 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         p, out = prompt_lens[0], min(output_len, 16)
         timings, wall = run_case(url, model, p, warm, warm, out, vocab, seed + 1, api_key, client_procs(warm),
                                  prompts(p, warm, 1))
+        # and one request alone per prompt length: a lone prompt's forward has other GEMM shapes (their JIT)
+        for q in prompt_lens:
+            alone, w1 = run_case(url, model, q, 1, 1, out, vocab, seed + 2, api_key, 1, prompts(q, 1, 2))
+            timings, wall = timings + alone, wall + w1
         bad = sorted({t.error for t in timings if t.error})
-        echo(f"warm-up: {warm} requests at once, {p} + {out} tokens, {wall:.1f} s" + (f"; errors: {bad[:3]}" if bad else ""))
+        echo(f"warm-up: {warm} requests at once, {p} + {out} tokens, then one alone per prompt length, {wall:.1f} s"
+             + (f"; errors: {bad[:3]}" if bad else ""))
     rows = []
     echo(" | ".join(COLUMNS))
     for p in prompt_lens:
