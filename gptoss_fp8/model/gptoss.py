@@ -119,6 +119,19 @@ def local_experts(cfg: GptOssConfig, par: Parallel) -> tuple[int, int, int]:
     return cfg.num_local_experts // par.ep, cfg.intermediate_size // par.parts, cfg.hidden_size
 
 
+def _check_chunk(cache: KVCache, row: int, n: int, start: int) -> None:
+    """One line unless n prompt tokens at positions start.. fit sequence ``row`` of ``cache`` (a
+    chunk after the first continues where the sequence ends)."""
+    if not 0 <= row < cache.batch:
+        raise GptOssFp8Error(f"prefill row {row}: the cache holds sequences 0..{cache.batch - 1}")
+    if not (n >= 1 and start + n <= cache.max_len):
+        raise GptOssFp8Error(f"prefill of {n} tokens at position {start} into a KV cache of max_len {cache.max_len}; "
+                             "give 1..max_len prompt tokens (or a larger max_len)")
+    if start and cache.host_lengths[row] != start:
+        raise GptOssFp8Error(f"prefill at start {start}: sequence {row} holds {cache.host_lengths[row]} tokens; "
+                             "a chunk continues where the sequence ends")
+
+
 class GptOss(nn.Module):
     """gpt-oss causal LM for one rank. ``forward(tokens) -> logits`` (bf16 [T, V], replicated).
 
@@ -192,14 +205,7 @@ class GptOss(nn.Module):
             if start:
                 raise GptOssFp8Error(f"prefill at start {start} continues a sequence: pass its cache")
             cache = self.new_cache(max_len or n + 1024)
-        if not 0 <= row < cache.batch:
-            raise GptOssFp8Error(f"prefill row {row}: the cache holds sequences 0..{cache.batch - 1}")
-        if not (n >= 1 and start + n <= cache.max_len):
-            raise GptOssFp8Error(f"prefill of {n} tokens at position {start} into a KV cache of max_len {cache.max_len}; "
-                                 "give 1..max_len prompt tokens (or a larger max_len)")
-        if start and cache.host_lengths[row] != start:
-            raise GptOssFp8Error(f"prefill at start {start}: sequence {row} holds {cache.host_lengths[row]} tokens; "
-                                 "a chunk continues where the sequence ends")
+        _check_chunk(cache, row, n, start)
         cos, sin = cache.rope_rows(start, n)
         logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache, row=row,
                            start=start)
@@ -224,14 +230,7 @@ class GptOss(nn.Module):
         segs = []
         for row, tokens, start in chunks:
             n = tokens.shape[0]
-            if not 0 <= row < cache.batch:
-                raise GptOssFp8Error(f"prefill row {row}: the cache holds sequences 0..{cache.batch - 1}")
-            if not (n >= 1 and start + n <= cache.max_len):
-                raise GptOssFp8Error(f"prefill of {n} tokens at position {start} into a KV cache of max_len "
-                                     f"{cache.max_len}; give 1..max_len prompt tokens (or a larger max_len)")
-            if start and cache.host_lengths[row] != start:
-                raise GptOssFp8Error(f"prefill at start {start}: sequence {row} holds {cache.host_lengths[row]} "
-                                     "tokens; a chunk continues where the sequence ends")
+            _check_chunk(cache, row, n, start)
             segs.append((row, start, n))
         tokens = torch.cat([t for _, t, _ in chunks])
         cos, sin = (torch.cat(parts) for parts in zip(*(cache.rope_rows(start, n) for _, start, n in segs),
