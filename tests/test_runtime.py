@@ -143,3 +143,41 @@ def test_a_steps_prompts_run_in_one_forward_and_a_failing_one_fails_alone(model,
     assert bad.finish == "error" and "boom" in bad.error
     assert good.finish == "length" and len(good.tokens) == 2
     assert eng.slots.available == 3
+
+
+def test_deferred_events_arrive_one_step_late_and_complete(model):
+    """``defer_events`` (the CUDA default; here forced on the CPU): a step's tokens are chosen and its
+    stops applied at once, its ``on_event`` calls come in the next step (after that step's launch);
+    every token arrives, in order, the finishing call sees the sequence finished, a cancel drops
+    what was not yet delivered, and the tokens equal those of an engine that delivers at once."""
+    def run(defer):
+        eng = _engine(model, slots=3, ctx=64, chunk=8, defer_events=defer)
+        got: dict[int, list] = {}
+
+        def on_event(seq, new):
+            assert not got.get(seq.id) or got[seq.id][-1] != "end"  # nothing after the last call
+            got.setdefault(seq.id, []).extend(new)
+            if seq.finished:
+                got[seq.id].append("end")
+
+        seqs = [eng.add(p, SamplingParams(max_tokens=m), on_event) for p, m in
+                (([1, 2, 3], 6), (list(range(10, 30)), 4), ([7, 8], 9))]
+        eng.step()  # the short prompts in: their first tokens chosen ...
+        firsts = {s.id: len(s.tokens) for s in seqs}
+        delivered_after_one = {k: list(v) for k, v in got.items()}
+        eng.step()
+        cancelled = seqs[2]
+        eng.cancel(cancelled)
+        eng.run_until_done()
+        return seqs, got, firsts, delivered_after_one, cancelled
+
+    seqs, got, firsts, early, cancelled = run(True)
+    ref_seqs, ref_got, _, ref_early, _ = run(False)
+    assert firsts[seqs[0].id] == 1 and early == {}  # ... and delivered only at the next step
+    assert ref_early[ref_seqs[0].id] == ref_seqs[0].tokens[:1]  # at once without deferral
+    for s, r in zip(seqs[:2], ref_seqs[:2], strict=True):
+        assert s.tokens == r.tokens and s.finish == r.finish == "length"
+        assert got[s.id] == s.tokens + ["end"]
+    assert cancelled.finish == "cancelled" and got[cancelled.id][-1] == "end"
+    assert got[cancelled.id][:-1] == cancelled.tokens[:len(got[cancelled.id]) - 1]  # a prefix, in order
+    assert ref_got[ref_seqs[2].id][:-1] == ref_seqs[2].tokens  # delivered at once, a cancel loses nothing

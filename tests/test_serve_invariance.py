@@ -7,7 +7,7 @@ else runs, and a prompt prefilled in chunks gives the whole prefill's bits (test
 every other op is row-wise, and torch's CPU bf16 GEMMs give each row the same bits whatever the
 number of rows (the MoE's expert GEMMs see a different set of rows in a batch; a decode over a
 prefix of the slots equals the whole step's rows: test_model_chunks.py again; this test the whole
-engine, slots freed and reused in between)."""
+engine, slots freed and reused in between, with the events delivered one step late as on CUDA)."""
 
 import asyncio
 
@@ -50,6 +50,7 @@ def test_concurrent_greedy_replies_equal_each_alone(server, monkeypatch):
         return step
 
     monkeypatch.setattr(engine, "add", add)
+    monkeypatch.setattr(engine, "defer_events", True)  # the CUDA default: events delivered one step late
     monkeypatch.setattr(runner, "decode", decode)
     monkeypatch.setattr(engine.scheduler, "schedule", schedule)
     prompts = [[(7919 * i + 104729 * j) % 200000 for j in range(n)] for i, n in enumerate(LENGTHS)]

@@ -1,12 +1,18 @@
 """The engine loop: schedule -> run -> postprocess, one step at a time.
 
-``Engine.step`` asks the scheduler for this step's work, runs the prompt chunks (each alone:
-one that raises fails its request only) and one decode step over every decoding sequence, then
-samples each sequence's next token with its own parameters, applies the stops and hands new
-tokens to the request's ``on_event``. Requests come and go between steps: ``add`` queues one
-(checked at once against the context and the queue bound), ``cancel`` marks one and the next step
-boundary removes it and frees its slot. ``Engine`` is safe to call from other threads;
-``EngineThread`` runs the loop in a thread of its own so that an HTTP server never blocks a step.
+``Engine.step`` asks the scheduler for this step's work, runs the prompt chunks (in one forward;
+if it raises, each alone, so one that raises fails its request only) and one decode step over every
+decoding sequence, then samples each sequence's next token with its own parameters, applies the
+stops and hands new tokens to the request's ``on_event``. Requests come and go between steps:
+``add`` queues one (checked at once against the context and the queue bound), ``cancel`` marks one
+and the next step boundary removes it and frees its slot. ``Engine`` is safe to call from other
+threads; ``EngineThread`` runs the loop in a thread of its own so that an HTTP server never blocks a step.
+
+Deferred delivery (``defer_events``, on by default on CUDA): a step's tokens are read and its stops
+applied at once (the next step's inputs need them), but its ``on_event`` calls and ``after_step``
+hooks run in the next step, after that step is launched, so a server's event loop formats and
+writes the streams while the GPU runs, not while it waits for the host (its thread shares the GIL
+with this one). The wait for a step's tokens releases the GIL (``sampling.Drawn``).
 """
 
 from __future__ import annotations
@@ -21,17 +27,18 @@ import torch
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.runtime.metrics import Metrics
 from gptoss_fp8.runtime.runner import ModelRunner
-from gptoss_fp8.runtime.sampling import SamplingParams, sample
+from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, draw
 from gptoss_fp8.runtime.scheduler import Scheduler, Step
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
 
-# The batched token choice: (logits [n, V], the n sequences) -> (tokens, log-probabilities or None).
-Sampler = Callable[[torch.Tensor, list[Sequence]], tuple[list[int], list[float] | None]]
+# The batched token choice: (logits [n, V], the n sequences) -> (tokens, log-probabilities or None) as
+# host lists, or a ``Drawn`` that reads them (the default: chosen on the device, read after a GIL-free wait).
+Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple[list[int], list[float] | None] | Drawn"]
 
 
-def default_sampler(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
-    return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+def default_sampler(logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
+    return draw(logits, [s.params for s in seqs], [s.generator for s in seqs])
 
 
 class Engine:
@@ -39,10 +46,13 @@ class Engine:
 
     ``chunk``: prompt tokens per prefill chunk (chunks cut at multiples of it); ``token_budget``:
     tokens per step (decodes + prompt chunks; default slots + chunk); ``max_waiting``: the waiting
-    queue's bound; ``sampler``: the token choice (default: each request's SamplingParams)."""
+    queue's bound; ``sampler``: the token choice (default: each request's SamplingParams);
+    ``defer_events``: deliver a step's events after the next step's launch (module docstring;
+    default: on CUDA)."""
 
     def __init__(self, runner: ModelRunner, *, chunk: int = 512, token_budget: int | None = None,
-                 max_waiting: int = 256, sampler: Sampler | None = None, log_errors: bool = True):
+                 max_waiting: int = 256, sampler: Sampler | None = None, log_errors: bool = True,
+                 defer_events: bool | None = None):
         self.runner = runner
         self.vocab = runner.model.cfg.vocab_size
         self.slots = SlotManager(runner.slots)
@@ -57,6 +67,8 @@ class Engine:
         # called (engine thread) after each step's on_event calls: a listener that batches its
         # deliveries (serve/app.py's Outbox) sends the whole step's at once
         self.after_step: list[Callable[[], None]] = []
+        self.defer_events = runner.device.type == "cuda" if defer_events is None else defer_events
+        self._deferred: dict[Sequence, list[int]] | None = None  # the last step's events, not yet delivered
 
     @property
     def max_context(self) -> int:
@@ -101,7 +113,7 @@ class Engine:
                 self.wake.notify_all()
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._cancel)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancel or self._deferred is not None)
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -111,26 +123,41 @@ class Engine:
 
     # --- the loop (one thread) -------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One step -> the sequences it gave tokens or finished (their on_event already called)."""
+        """One step -> the sequences it gave tokens or finished (their on_event called, or with
+        ``defer_events`` to be called early in the next step, after its launch)."""
         with self.lock:
             for seq in self._cancel:
+                if self._deferred is not None and not seq.finished:
+                    self._deferred.pop(seq, None)  # cancelled before its last tokens went out: they never do
                 self._finish(seq, "cancelled")
             self._cancel.clear()
             work = self.scheduler.schedule()
         touched: dict[Sequence, list[int]] = {}
+        launched = None
         if not work.empty:
-            self._run(work, touched)
+            launched = self._launch(work, touched)
             self.metrics.steps += 1
+        if self._deferred is not None:  # the last step's events, while the GPU runs this one
+            self._deliver(self._deferred)
+            self._deferred = None
+        if launched is not None:
+            self._collect(*launched, touched)
         with self.lock:
             for seq in self._cancel:  # cancelled during the step (unless it finished in it): no more tokens for it
                 if not seq.finished:
                     touched.pop(seq, None)
                     self._finish(seq, "cancelled")
             self._cancel.clear()
+        if self.defer_events and launched is not None:
+            self._deferred = touched
+        else:
+            self._deliver(touched)
+        return list(touched)
+
+    def _deliver(self, touched: dict[Sequence, list[int]]) -> None:
         for seq, new in touched.items():
             self._emit(seq, new)
         self._after_step()
-        return list(touched)
 
     def _after_step(self) -> None:
         for hook in self.after_step:
@@ -139,8 +166,10 @@ class Engine:
             except Exception:  # noqa: BLE001 - a listener's failure is not the engine's
                 traceback.print_exc()
 
-    def _run(self, work: Step, touched: dict[Sequence, list[int]]) -> None:
-        t0 = time.perf_counter()  # to the sampler's tokens: the model's time (metrics.model_seconds)
+    def _launch(self, work: Step, touched: dict[Sequence, list[int]]):
+        """The step's forwards and the token choice, queued on the device -> (seqs, the sampler's
+        result, start time) or None when nothing is left to sample (every forward failed)."""
+        t0 = time.perf_counter()  # the runner's calls and the sampler's: the model's time (metrics.model_seconds)
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
         rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
         for seq, start, end, logits in self._prefill(work.prefills, touched):
@@ -159,12 +188,22 @@ class Engine:
             else:
                 seqs.extend(work.decodes)
                 rows.append(logits)
-        if not seqs:
-            self.metrics.model_seconds += time.perf_counter() - t0
-            return
+        result = None
+        if seqs:
+            try:
+                result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), seqs)
+            except Exception as e:  # noqa: BLE001
+                for seq in seqs:
+                    self._fail(seq, e, touched)
+        self.metrics.model_seconds += time.perf_counter() - t0
+        return None if result is None else (seqs, result)
+
+    def _collect(self, seqs: list[Sequence], result, touched: dict[Sequence, list[int]]) -> None:
+        """Wait for the step's tokens (GIL released on CUDA), append them, apply the stops."""
+        t0 = time.perf_counter()
         try:
-            toks, lps = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), seqs)
-        except Exception as e:  # noqa: BLE001
+            toks, lps = result.get() if isinstance(result, Drawn) else result
+        except Exception as e:  # noqa: BLE001 - the step failed on the device: its sequences fail
             for seq in seqs:
                 self._fail(seq, e, touched)
             return

@@ -3,8 +3,9 @@
 Greedy at temperature 0 (the argmax), else a sample from softmax(logits / T), restricted to the
 smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus sampling), drawn
 with the request's own seeded ``torch.Generator``: the same seed gives the same tokens whatever
-else runs in the batch (each row draws from its own generator, in its own order). One host read
-per step for the whole batch (tokens and, when asked, their log-probabilities).
+else runs in the batch (each row draws from its own generator, in its own order). ``draw`` makes
+the choice on the logits' device; one host read per step for the whole batch (``Drawn.get``:
+tokens and, when asked, their log-probabilities).
 """
 
 from __future__ import annotations
@@ -64,18 +65,54 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return out / out.sum()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           gens: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
+class Drawn:
+    """A step's chosen tokens (int64 [n]) and log-probabilities (float [n] or None) on their way to
+    the host. On CUDA the copy into pinned memory is queued behind the step and an event recorded:
+    ``get`` waits on the event with the GIL released (torch's ``Event.synchronize``), so the
+    server's event-loop thread runs while the GPU finishes the step, then reads the pinned copy."""
+
+    def __init__(self, toks: torch.Tensor, lps: torch.Tensor | None):
+        self.event = None
+        if toks.is_cuda:
+            both = toks.double()[None] if lps is None else torch.stack([toks.double(), lps.double()])
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            self._host, self._logprobs = host, lps is not None
+        else:
+            self._host, self._logprobs = None, None
+            self._toks, self._lps = toks, lps
+
+    def get(self) -> tuple[list[int], list[float] | None]:
+        """(tokens, log-probabilities or None) as host lists: the step's one host read."""
+        if self.event is not None:
+            self.event.synchronize()
+            rows = self._host.tolist()
+            return [int(t) for t in rows[0]], (rows[1] if self._logprobs else None)
+        if self._lps is None:
+            return self._toks.tolist(), None
+        both = torch.stack([self._toks.double(), self._lps.double()]).tolist()
+        return [int(t) for t in both[0]], both[1]
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> Drawn:
     """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i]; and,
-    if any row asked for them, every row's chosen-token log-probability (else None)."""
+    if any row asked for them, every row's chosen-token log-probability. All on the logits' device,
+    no host synchronisation: ``Drawn.get`` reads them."""
     rows = logits.float()
     toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
     for i, p in enumerate(params):
         if p.temperature > 0:
             probs = nucleus(torch.softmax(rows[i] / p.temperature, dim=-1), p.top_p)
             toks[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
-    if not any(p.logprobs for p in params):
-        return toks.tolist(), None
-    lp = torch.log_softmax(rows, dim=-1).gather(1, toks[:, None])[:, 0]
-    both = torch.stack([toks.double(), lp.double()]).tolist()  # one host read
-    return [int(t) for t in both[0]], both[1]
+    lp = None
+    if any(p.logprobs for p in params):
+        lp = torch.log_softmax(rows, dim=-1).gather(1, toks[:, None])[:, 0]
+    return Drawn(toks, lp)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           gens: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
+    """``draw`` read at once: (tokens, log-probabilities or None) as host lists."""
+    return draw(logits, params, gens).get()
