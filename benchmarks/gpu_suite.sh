@@ -140,6 +140,10 @@ if has serve-peer; then
   # peer tokenizer written into a synthetic source, the output length forced through generation_config, a
   # warm-up first: bench/serve_peer.py). Each step's timeout is what is left of PEER_BUDGET (240 s), so the
   # target ends within it; the server's options can be changed with PEER_SERVE_ARGS (--no-cb-use-cuda-graph).
+  # Its defaults ran out of memory on the H200 (5.17, 2-layer 20b): with the gpt-oss sinks its paged attention is
+  # eager (no paged SDPA / flash kernel without the `kernels` package and the hub), which materializes heads x
+  # batch tokens x cached tokens scores: a 24 GiB allocation after its KV cache took ~117 GB. So by default
+  # 256 tokens per forward and half the memory for the KV cache.
   peer_t0=$SECONDS
   # seconds left of the budget less $1, at least 1 (timeout 0 would mean no limit)
   peer_left() { local l=$(( ${PEER_BUDGET:-240} - (SECONDS - peer_t0) - ${1:-0} )); echo $(( l > 1 ? l : 1 )); }
@@ -167,7 +171,8 @@ if has serve-peer; then
   HF_HUB_OFFLINE=1 timeout -k 5 "$(peer_left 8)" python3 -c \
     'import typer; from transformers.cli.serve import Serve; a = typer.Typer(); a.command()(Serve); a()' \
     "$psrc" --continuous-batching --cb-use-cuda-graph --device cuda --dtype bfloat16 --host 127.0.0.1 \
-    --port $pport --log-level info ${PEER_SERVE_ARGS:-} > "$OUT/serve_tf_server.log" 2>&1 &
+    --port $pport --log-level info ${PEER_SERVE_ARGS:---cb-max-batch-tokens 256 --cb-max-memory-percent 0.5} \
+    > "$OUT/serve_tf_server.log" 2>&1 &
   ppid_=$!
   pok=0
   while (( SECONDS - peer_t0 < ${PEER_BUDGET:-240} )) && kill -0 $ppid_ 2>/dev/null; do
