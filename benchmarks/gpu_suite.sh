@@ -197,7 +197,8 @@ if has serve-peer; then
   fi
   if [[ -n ${PEER_OURS:-} && -f $psrc/config.json ]]; then
     # ours on the same source, same load (token-id prompts of the same lengths), in this call: the ratio
-    python3 -m gptoss_fp8.cli.main convert "$psrc" "$psrc-fp8" --device cuda --overwrite > /dev/null 2>&1
+    python3 -m gptoss_fp8.cli.main convert "$psrc" "$psrc-fp8" --device cuda --overwrite >> "$OUT/serve_tf_prep.log" 2>&1 \
+      || { echo "serve-peer: our convert failed (tail of serve_tf_prep.log):"; tail -3 "$OUT/serve_tf_prep.log"; df -h /tmp | tail -1; }
     timeout 150 python3 -m gptoss_fp8.cli.main bench serve --launch "$psrc-fp8" --concurrency ${PEER_CONC:-1,16,64} \
       --prompt-len 1024 --output-len ${PEER_OUTPUT_LEN:-256} --warmup 64 --json "$OUT/bench_serve_ours_same.json" \
       2>&1 | grep -v Warn | tail -6 | tee -a "$OUT/bench_serve_tf.log"
