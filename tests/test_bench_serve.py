@@ -35,10 +35,16 @@ def test_bench_against_a_running_server(harmony_ckpt, tmp_path):
     assert row["concurrency"] == 2 and row["output_tokens"] == 6 and (tmp_path / "r.png").stat().st_size > 1000
 
 
-def test_bench_launch_and_bad_arguments(harmony_ckpt):
+def test_bench_launch_and_bad_arguments(harmony_ckpt, monkeypatch):
+    import gptoss_fp8.serve.server as server
+
+    chunks, real_build = [], server.build
+    monkeypatch.setattr(server, "build", lambda *a, **kw: chunks.append(kw["chunk"]) or real_build(*a, **kw))
     r = CliRunner().invoke(app, ["bench", "serve", "--launch", str(harmony_ckpt), "--device", "cpu", "--mode", "weights",
-                                 "--concurrency", "2", "--prompt-len", "5", "--output-len", "2", "--requests", "2"])
+                                 "--concurrency", "2", "--prompt-len", "5", "--output-len", "2", "--requests", "2",
+                                 "--prefill-chunk", "2"])
     assert r.exit_code == 0, r.output
+    assert chunks == [2]  # 5-token prompts in chunks of 2, 2, 1
     assert "KV cache: 2 slots x 8 tokens" in r.output and "\n5 | 2 | 2 | 0 | " in r.output
     r = CliRunner().invoke(app, ["bench", "serve"])
     assert r.exit_code != 0

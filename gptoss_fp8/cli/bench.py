@@ -254,6 +254,9 @@ def serve(
         help="Launch the server (in this process) over random FP8 weights at this preset's shapes (20b, 120b, "
              "...; --layers: the first N), no checkpoint on disk: the speed of that model served.")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="--synthetic: build only the first N layers.")] = None,
+    prefill_chunk: Annotated[int | None, typer.Option(
+        min=1, help="--launch / --synthetic: prompt tokens per prefill chunk (as `serve --prefill-chunk`; default "
+                    "256 on cpu, 8192 on cuda).")] = None,
     null_model: Annotated[bool, typer.Option(
         "--null-model", help="Launch the server over a model that costs nothing (runtime/null.py): the host "
                              "path alone.")] = False,
@@ -303,7 +306,7 @@ def serve(
         from gptoss_fp8.serve.server import Server, build
 
         served = build(launch, device=device, mode=mode, max_batch=max(conc), max_context=max(lens) + output_len + 1,
-                       api_key=api_key, model_name=model_name, echo=typer.echo)
+                       chunk=prefill_chunk, api_key=api_key, model_name=model_name, echo=typer.echo)
         server = Server(served).start()
         url = server.url
     elif synthetic is not None:
@@ -311,7 +314,8 @@ def serve(
         from gptoss_fp8.serve.server import Server
 
         served = build_synthetic(synthetic, layers=layers, device=device, mode=mode, max_batch=max(conc),
-                                 max_context=max(lens) + output_len + 1, api_key=api_key, echo=typer.echo)
+                                 max_context=max(lens) + output_len + 1, chunk=prefill_chunk, api_key=api_key,
+                                 echo=typer.echo)
         server = Server(served).start()
         url = server.url
     elif null_model:
