@@ -8,6 +8,8 @@
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
 #   serve    bench serve --synthetic 20b (SERVE_LAYERS, default 24; or SERVE_CKPT served in its own process),
 #            bench decode / prefill beside it
+#   chunk    the prefill chunk size under load (bench serve --synthetic 20b --prefill-chunk, CHUNKS) and the
+#            query-offset attention kernel's tests
 #   engine   the serving engine in kernels mode under concurrency against generate alone (tests/test_runtime_gpu.py)
 #   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
@@ -127,6 +129,25 @@ if has serve; then
   fi
 fi
 
+if has chunk; then
+  # the prefill chunk under load: later chunks of a prompt on the attention kernel with a query offset. The query-
+  # offset kernel's GPU tests, then bench serve --synthetic 20b at 64 streams of 1024-token prompts and one stream of
+  # 8192-token prompts, per chunk size (CHUNKS, default 8192 2048)
+  if [[ -d .whl/w ]]; then
+    [[ -d /tmp/site/fastapi ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
+  timeout 150 python3 -m pytest -q tests/kernels/test_attention.py -k "offset" 2>&1 | tail -4 | tee "$OUT/chunk_tests.log"
+  for c in ${CHUNKS:-8192 2048}; do
+    for case in "64 1024 128" "1 8192 6"; do
+      set -- $case
+      echo "prefill chunk $c, concurrency $1, prompt $2:" | tee -a "$OUT/bench_chunk.log"
+      timeout 150 python3 -m gptoss_fp8.cli.main bench serve --synthetic 20b --prefill-chunk $c --concurrency $1 \
+        --prompt-len $2 --output-len 256 --requests $3 --warmup $1 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/bench_chunk.log"
+    done
+  done
+fi
 if has engine; then
   # issue 35: the engine in kernels mode (CUDA graphs per bucket) under concurrency against generate alone
   timeout 150 python3 -m pytest -q -s -m gpu tests/test_runtime_gpu.py 2>&1 | tail -15 | tee "$OUT/runtime_gpu.log"
