@@ -258,6 +258,20 @@ def test_prefill_q_offset_cpu(T, q_offset, hq, hkv, window, tile):
 
 
 @interpreter_only
+def test_prefill_q_offset_fused_q_rope_cpu():
+    """The fused q-rope of a later chunk rotates row t at position q_offset + t."""
+    gen = torch.Generator().manual_seed(91)
+    T, q_offset, hq, hkv, window = 21, 19, 4, 2, 16
+    q_all, k, v, sinks = _qoff_inputs(T, q_offset, hq, hkv, gen)
+    cos, sin = spec.rope_table(q_offset + T, D, device="cpu")
+    q_r, k_r = rope_qk(q_all, k, torch.arange(q_offset + T), cos, sin)
+    fused = attention_prefill(q_all[q_offset:], k_r, v, sinks, sliding_window=window, rope=(cos, sin),
+                              q_offset=q_offset)
+    ref = attention_prefill_ref(*_fp32(q_r[q_offset:], k_r, v), sinks, sliding_window=window, q_offset=q_offset)
+    _check(fused, ref, gpu=True)  # as test_prefill_fused_q_rope_cpu: the unfused q is rounded to bf16
+
+
+@interpreter_only
 @pytest.mark.parametrize("q_offset", [1, 9, 40])
 def test_prefill_q_offset_sink_once_cpu(q_offset):
     """Window 1: each query sees its own key only, so out = v_i * e^s / (e^s + e^sink) in closed
