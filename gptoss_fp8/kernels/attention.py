@@ -27,8 +27,9 @@ With ``PrefillTile.pack = p`` a program takes p query heads of one KV head for B
 positions, stacked in the tile's rows (tile row r: position m0 + r % (BLOCK_M / p), head
 p * pid + r // (BLOCK_M / p)); the K/V tiles it loads then serve p heads. The window default packs 2.
 
-On sm_90, one-sequence causal calls with head_dim 64 and no q_offset go to the warp-specialized Gluon kernel of
-attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon`` and its tile).
+On sm_90, one-sequence causal calls with head_dim 64 and no q_offset go to the warp-specialized
+Gluon kernel of attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon``
+and its tile); a later chunk (q_offset > 0) always runs the Triton kernel.
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
 FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
