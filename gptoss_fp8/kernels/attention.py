@@ -9,7 +9,10 @@ Layout (packed tokens, as a ragged batch through ``cu_seqlens``):
     k, v [T, Hkv, D] bf16    (Hq % Hkv == 0; query head h reads kv head h // (Hq // Hkv))
     sinks [Hq]       any float dtype (read as fp32)
     out  [T, Hq, D]  bf16
-Positions restart at 0 for each sequence (self-attention over the whole sequence). Decode-shaped
+Positions restart at 0 for each sequence (self-attention over the whole sequence). One sequence
+may also be a later prompt chunk (``q_offset`` > 0, cu_seqlens None): q's T rows sit at positions
+q_offset.. and k / v hold q_offset + T rows (the cached keys, then the chunk's); the masks and key
+ranges then use query position q_offset + row (``spec.attention``'s q_offset). Decode-shaped
 calls (a few new queries against a KV cache) live in ``attention_decode.py``.
 
 The kernel: one program per (query head, block of BLOCK_M queries, sequence). The online softmax
@@ -24,8 +27,9 @@ With ``PrefillTile.pack = p`` a program takes p query heads of one KV head for B
 positions, stacked in the tile's rows (tile row r: position m0 + r % (BLOCK_M / p), head
 p * pid + r // (BLOCK_M / p)); the K/V tiles it loads then serve p heads. The window default packs 2.
 
-On sm_90, one-sequence causal calls with head_dim 64 go to the warp-specialized Gluon kernel of
-attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon`` and its tile).
+On sm_90, one-sequence causal calls with head_dim 64 and no q_offset go to the warp-specialized
+Gluon kernel of attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon``
+and its tile); a later chunk (q_offset > 0) always runs the Triton kernel.
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
 FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
@@ -54,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
 from gptoss_fp8.quant.attn_fp8 import P_SCALE, quantize_qk, quantize_v
 from gptoss_fp8.quant.fp8 import cdiv
@@ -66,8 +71,8 @@ def _attn_inner(
     acc, l_i, m_i, q,
     K, V,  # pointers at (sequence start, kv head)
     stride_kt, stride_vt,
-    offs_m, offs_n, offs_d,
-    seqlen, window, qk_scale,
+    offs_m, offs_n, offs_d,  # offs_m: the tile rows' query positions (q_offset + row)
+    seqlen, window, qk_scale,  # seqlen: the keys of the sequence (q_offset + its query rows)
     lo, hi,
     MASK: tl.constexpr,  # False: every key of every block visible; True: causal + window + bounds
     BLOCK_N: tl.constexpr,
@@ -190,7 +195,8 @@ def _attn_prefill_kernel(
     qk_scale,  # sm_scale * log2(e)
     window,  # keys i - window < j <= i are visible; a huge value means plain causal
     num_pid_m,
-    total_tokens,  # T: the one sequence's length when not RAGGED
+    total_tokens,  # T: the one sequence's query rows when not RAGGED
+    q_offset,  # not RAGGED: query row r sits at key position q_offset + r (K / V hold q_offset + T rows); else 0
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -214,6 +220,7 @@ def _attn_prefill_kernel(
     else:  # one sequence of all T rows: no cu_seqlens tensor (building one per call would sync)
         seq_start = 0
         seqlen = total_tokens
+    seqlen_k = seqlen + q_offset  # keys: the q_offset before the query rows, then theirs
     # Row offsets of the sequence in int64 (T * H * D can pass 2^31); offsets inside it stay int32.
     row0 = tl.full([], seq_start, tl.int64)
     m0 = pid_m * QB
@@ -221,7 +228,8 @@ def _attn_prefill_kernel(
         return
     kv_h = (pid_h * PACK) // GROUP
 
-    # Tile row r: query position m0 + r % QB of head pid_h * PACK + r // QB (heads stacked).
+    # Tile row r: query row m0 + r % QB of head pid_h * PACK + r // QB (heads stacked), at key
+    # position q_offset + that row (pos_m: what the masks and the key ranges use).
     rows = tl.arange(0, BLOCK_M)
     if PACK == 1:
         offs_m = m0 + rows
@@ -229,6 +237,8 @@ def _attn_prefill_kernel(
     else:
         offs_m = m0 + rows % QB
         head = pid_h * PACK + rows // QB
+    pos_m = offs_m + q_offset
+    p0 = m0 + q_offset  # the tile's first query position
     head_off = head * stride_qh
     if PACK > 1:
         head_off = head_off[:, None]
@@ -237,14 +247,14 @@ def _attn_prefill_kernel(
     row_ok = offs_m < seqlen
 
     if ROPE_Q:
-        # YaRN rotary on q in registers (positions 0.. of each sequence), rounded to q's dtype once,
+        # YaRN rotary on q in registers (positions q_offset.. of each sequence), rounded to q's dtype once,
         # as the separate kernel's store would: saves that kernel's pass over q (8x k's bytes).
         HALF: tl.constexpr = HEAD_DIM // 2
         offs_j = tl.arange(0, HALF)
         q_row = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + head_off + offs_j[None, :]
         x1 = tl.load(q_row, mask=row_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(q_row + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        cs = offs_m[:, None] * HALF + offs_j[None, :]
+        cs = pos_m[:, None] * HALF + offs_j[None, :]
         c = tl.load(Cos + cs, mask=row_ok[:, None], other=0.0)
         s = tl.load(Sin + cs, mask=row_ok[:, None], other=0.0)
         q = tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
@@ -273,26 +283,27 @@ def _attn_prefill_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Key ranges (QB is a multiple of BLOCK_N, so m0 is block-aligned):
-    #   [lo, full_lo): seen by some queries of the tile only (window edge)   -> masked
-    #   [full_lo, m0): seen by every query of the tile                       -> unmasked
-    #   [m0, hi):      the diagonal                                          -> masked
-    hi = tl.minimum(m0 + QB, seqlen)
-    first_key = tl.maximum(m0 - window + 1, 0)  # oldest key the tile's first query sees
+    # Key ranges, by position (q_offset 0: QB is a multiple of BLOCK_N, so diag_lo = p0 = m0):
+    #   [lo, full_lo):      seen by some queries of the tile only (window edge)   -> masked
+    #   [full_lo, diag_lo): seen by every query of the tile                       -> unmasked
+    #   [diag_lo, hi):      the diagonal (from p0's block)                        -> masked
+    hi = tl.minimum(p0 + QB, seqlen_k)
+    diag_lo = (p0 // BLOCK_N) * BLOCK_N  # keys below it are <= p0 - 1: causally seen by every row
+    first_key = tl.maximum(p0 - window + 1, 0)  # oldest key the tile's first query sees
     lo = (first_key // BLOCK_N) * BLOCK_N
-    full_first = tl.maximum(m0 + QB - window, 0)  # oldest key the tile's last query sees
-    full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, m0)
+    full_first = tl.maximum(p0 + QB - window, 0)  # oldest key the tile's last query sees
+    full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, diag_lo)
     acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
+        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+        seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, full_lo, m0, False, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
+        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+        seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-        seqlen, window, qk_scale, m0, hi, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
+        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+        seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
     )
 
     if FP8:  # V's channel scale / 256 (P's fixed scale), then the row sum (spec.attention_fp8's order)
@@ -321,6 +332,7 @@ def attention_prefill(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: PrefillTile | None = None,
     fp8: bool = False,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """Causal (or sliding-window) attention with sinks over a ragged batch of packed sequences.
 
@@ -330,11 +342,23 @@ def attention_prefill(
     ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this Triton launch instead of
     the config's choice (and never the Gluon kernel). ``fp8``: Q, K, V quantized to e4m3 here
     (quant/attn_fp8.py, torch ops) and both products on e4m3 operands, P as e4m3(P * 256): the
-    numerics of ``spec.attention_fp8_varlen`` (the Triton kernel only; no fused rope). Returns out [T, Hq, D] bf16.
+    numerics of ``spec.attention_fp8_varlen`` (the Triton kernel only; no fused rope).
+    ``q_offset`` > 0 (one sequence, cu_seqlens None): a prompt chunk after cached keys, q's row t at
+    key position q_offset + t of k / v [q_offset + T, Hkv, D] (the keys before the chunk, then its
+    own): ``spec.attention(..., q_offset=)`` (``spec.attention_fp8`` with ``fp8``); masks on absolute
+    positions, fused rope at positions q_offset.., always the Triton kernel. Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
     T, Hq, D = q.shape
-    assert k.shape == v.shape and k.shape[0] == T and k.shape[2] == D, f"q {q.shape} k {k.shape} v {v.shape}"
+    if not isinstance(q_offset, int) or q_offset < 0:
+        raise GptOssFp8Error(f"attention_prefill: q_offset {q_offset!r} must be an int >= 0")
+    if q_offset and cu_seqlens is not None:
+        raise GptOssFp8Error(f"attention_prefill: q_offset {q_offset} takes one sequence (cu_seqlens None), "
+                             f"not a ragged batch")
+    if k.shape[0] != q_offset + T or v.shape[0] != q_offset + T:
+        raise GptOssFp8Error(f"attention_prefill: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = "
+                             f"{q_offset} + {T} = {q_offset + T} rows (the keys before q's rows, then theirs)")
+    assert k.shape == v.shape and k.shape[2] == D, f"q {q.shape} k {k.shape} v {v.shape}"
     Hkv = k.shape[1]
     assert Hq % Hkv == 0, f"{Hq} query heads not a multiple of {Hkv} kv heads"
     assert D in (16, 32, 64, 128, 256), f"head_dim {D} must be a power of two in 16..256"
@@ -360,10 +384,10 @@ def attention_prefill(
         return out
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
-    window = sliding_window if 0 < sliding_window < max_seqlen else _NO_WINDOW
+    window = sliding_window if 0 < sliding_window < max_seqlen + q_offset else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = config or DEFAULT
-    if tile is None and not fp8 and _ws_ok(q, k, v, ragged, window, rope, cfg):
+    if tile is None and not fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
         g = cfg.attention_gluon_tile
@@ -378,7 +402,8 @@ def attention_prefill(
         cos, sin = rope
         assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == D // 2, f"rope cos {cos.shape} sin {sin.shape}"
         assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-        assert cos.shape[0] >= max_seqlen, f"rope tables cover {cos.shape[0]} positions < max_seqlen {max_seqlen}"
+        assert cos.shape[0] >= max_seqlen + q_offset, (
+            f"rope tables cover {cos.shape[0]} positions < max_seqlen {max_seqlen} + q_offset {q_offset}")
         assert cos.device == q.device and sin.device == q.device
     else:
         cos = sin = sinks  # unused
@@ -398,7 +423,7 @@ def attention_prefill(
         q, k, v, sinks, out, cu_seqlens if ragged else sinks, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        sm_scale * LOG2E, window, num_pid_m, T,
+        sm_scale * LOG2E, window, num_pid_m, T, q_offset,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
         ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}), **fp8_args,

@@ -286,7 +286,8 @@ class ReferenceOps:
         q_offset..q_offset + T - 1 of k / v [q_offset + T, KV, D] (the cached keys, then the
         chunk's); the same masks and sinks -> [T, KV * M * D] (``spec.attention`` with q_offset).
         On CPU a prompt prefilled in chunks gives the whole prefill's bits (tests/test_model_chunks.py).
-        No GPU kernel takes a query offset yet: every backend runs this spec."""
+        Here the spec; the ``triton`` backend runs its prefill kernel with the query offset
+        (kernels/attention.py ``attention_prefill(q_offset=)``)."""
         return self._attend(q, k, v, sinks, sm_scale, window, q_offset)
 
     def attention_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,7 +19,8 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
   the owner rank's down bias per routed slot, as the parent.
 * ``attention``: ``attention_prefill`` (sinks as an extra softmax column, causal or sliding
   window, GQA); fp32 online softmax, where the reference computes in bf16. ``attention_kind``
-  "fp8": the kernel's FP8 variant (``spec.attention_fp8``'s roundings).
+  "fp8": the kernel's FP8 variant (``spec.attention_fp8``'s roundings). ``attention_chunk`` (a
+  prompt chunk after cached keys): the same kernel with its ``q_offset``.
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
 * ``rms_norm`` / ``add_rms_norm``: kernels/norm.py, the residual add and the fp32 norm in one pass
@@ -312,19 +313,34 @@ class TritonOps(W8A8CpuOps):
         return o.reshape(b, -1)
 
     def attention(self, q, k, v, sinks, sm_scale, window):
-        n, kvh, m, d = q.shape
-        if (not _kernel_device(q) or q.dtype != BF16 or k.dtype != BF16 or v.dtype != BF16
-                or d not in (16, 32, 64, 128, 256) or not sinks.is_floating_point()):
+        if not self._prefill_kernel_ok(q, k, v, sinks):
             # attention_prefill takes bf16 q/k/v with a power-of-two head_dim in 16..256.
             self._fallback("attention", q, k, v)
             return super().attention(q, k, v, sinks, sm_scale, window)
+        return self._attention_prefill(q, k, v, sinks, sm_scale, window, 0)
+
+    def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
+        """A later prompt chunk: the same kernel with its query offset (q's rows at key positions
+        q_offset.. of k / v [q_offset + T, KV, D]); the same fallback as ``attention``."""
+        if not self._prefill_kernel_ok(q, k, v, sinks):
+            self._fallback("attention", q, k, v)
+            return super().attention_chunk(q, k, v, sinks, sm_scale, window, q_offset)
+        return self._attention_prefill(q, k, v, sinks, sm_scale, window, q_offset)
+
+    @staticmethod
+    def _prefill_kernel_ok(q, k, v, sinks) -> bool:
+        return (_kernel_device(q) and q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16
+                and q.shape[-1] in (16, 32, 64, 128, 256) and sinks.is_floating_point())
+
+    def _attention_prefill(self, q, k, v, sinks, sm_scale, window, q_offset):
         from gptoss_fp8.kernels.attention import attention_prefill
 
+        n, kvh, m, d = q.shape
         # k, v may be strided views (v is a column slice of the fused q/k/v GEMM's output): the
         # kernel reads rows by stride, so no copy
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
                               sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              fp8=self.attention_kind == "fp8")
+                              fp8=self.attention_kind == "fp8", q_offset=q_offset)
         return o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gptoss_fp8 import spec
+from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels.attention import attention_prefill
 from gptoss_fp8.kernels.attention_decode import attention_decode, attention_decode_ref
 from gptoss_fp8.kernels.config import GluonAttentionTile, KernelConfig, PrefillTile
@@ -24,8 +25,12 @@ def attention_ref(q, k, v, sinks, sliding_window=0, sm_scale=None):
     return spec.attention(q, k, v, sinks, sm_scale, sliding_window, dtype=torch.float32)
 
 
-def attention_prefill_ref(q, k, v, sinks, cu_seqlens=None, sliding_window=0):
-    """spec.attention_varlen in fp32: attention_prefill's contract, sequence by sequence."""
+def attention_prefill_ref(q, k, v, sinks, cu_seqlens=None, sliding_window=0, q_offset=0):
+    """spec.attention_varlen in fp32: attention_prefill's contract, sequence by sequence; with
+    q_offset (one sequence) spec.attention's: q's rows at key positions q_offset.. of k / v."""
+    if q_offset:
+        assert cu_seqlens is None
+        return spec.attention(q, k, v, sinks, None, sliding_window, q_offset=q_offset, dtype=torch.float32)
     return spec.attention_varlen(q, k, v, sinks, cu_seqlens, None, sliding_window, dtype=torch.float32)
 
 # the interpreter's own numpy deprecation noise
@@ -213,6 +218,105 @@ def test_sink_extremes_cpu():
     no_sink = attention_ref(*_fp32(q, k, v), torch.full((hq,), -1e4))
     assert out[:, 3].norm() < 0.5 * no_sink[:, 3].norm()  # the +10 sink takes most of the mass
     torch.testing.assert_close(out[:, 0], no_sink[:, 0], atol=1e-3, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- prefill of a later chunk (q_offset)
+# q's T rows sit at key positions q_offset.. of k / v [q_offset + T] (the keys cached before the
+# chunk, then the chunk's own): spec.attention(q_offset=). The CPU tile is 32 queries x 16 keys.
+QOFF_CASES = [
+    # (T, q_offset, Hq, Hkv, window, tile)
+    (40, 0, 8, 4, 0, None),  # offset 0 (the whole-prompt path), GQA 4 kv heads x 2
+    (33, 1, 8, 4, 0, None),  # offset 1: every query tile straddles a key block
+    (37, 21, 8, 4, 0, None),  # offset and T not multiples of the blocks
+    (1, 45, 8, 4, 0, None),  # one query after 45 keys
+    (1, 45, 4, 2, 16, None),  # ... sliding window: it sees keys 30..45 only
+    (29, 19, 8, 4, 8, None),  # window 8 crossed by the offset and inside the chunk
+    (50, 37, 4, 2, 16, None),  # window 16, several query tiles, window-edge + unmasked + diagonal ranges
+    (20, 10, 4, 2, 64, None),  # window longer than every key: causal
+    (40, 23, 8, 2, 16, PrefillTile(32, 16, 4, 1, pack=2)),  # two query heads per program
+    (45, 19, 4, 1, 0, PrefillTile(64, 16, 4, 1, pack=4)),  # MQA, four heads per program
+]
+
+
+def _qoff_inputs(T, q_offset, hq, hkv, gen):
+    """q for all q_offset + T positions (the chunk is its last T rows), k, v, sinks: fresh random."""
+    q_all, k, v = _qkv(q_offset + T, hq, hkv, gen, device="cpu")
+    return q_all, k, v, _sinks(hq, gen, device="cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("T,q_offset,hq,hkv,window,tile", QOFF_CASES)
+def test_prefill_q_offset_cpu(T, q_offset, hq, hkv, window, tile):
+    gen = torch.Generator().manual_seed(1000 + 13 * T + q_offset + window)
+    q_all, k, v, sinks = _qoff_inputs(T, q_offset, hq, hkv, gen)
+    q = q_all[q_offset:]
+    out = attention_prefill(q, k, v, sinks, sliding_window=window, tile=tile, q_offset=q_offset)
+    _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, sliding_window=window, q_offset=q_offset), gpu=False)
+    # the chunk's rows of the whole prompt's call: the same attention (other tiles, same per-row keys)
+    whole = attention_prefill(q_all, k, v, sinks, sliding_window=window, tile=tile)
+    torch.testing.assert_close(out.float(), whole[q_offset:].float(), atol=1e-4, rtol=1e-2)
+
+
+@interpreter_only
+def test_prefill_q_offset_fused_q_rope_cpu():
+    """The fused q-rope of a later chunk rotates row t at position q_offset + t."""
+    gen = torch.Generator().manual_seed(91)
+    T, q_offset, hq, hkv, window = 21, 19, 4, 2, 16
+    q_all, k, v, sinks = _qoff_inputs(T, q_offset, hq, hkv, gen)
+    cos, sin = spec.rope_table(q_offset + T, D, device="cpu")
+    q_r, k_r = rope_qk(q_all, k, torch.arange(q_offset + T), cos, sin)
+    fused = attention_prefill(q_all[q_offset:], k_r, v, sinks, sliding_window=window, rope=(cos, sin),
+                              q_offset=q_offset)
+    ref = attention_prefill_ref(*_fp32(q_r[q_offset:], k_r, v), sinks, sliding_window=window, q_offset=q_offset)
+    _check(fused, ref, gpu=True)  # as test_prefill_fused_q_rope_cpu: the unfused q is rounded to bf16
+
+
+@interpreter_only
+@pytest.mark.parametrize("q_offset", [1, 9, 40])
+def test_prefill_q_offset_sink_once_cpu(q_offset):
+    """Window 1: each query sees its own key only, so out = v_i * e^s / (e^s + e^sink) in closed
+    form (s = q_i . k_i * sm_scale); a sink counted twice, or a key from before the chunk, breaks it."""
+    gen = torch.Generator().manual_seed(70 + q_offset)
+    T, hq, hkv = 11, 4, 2
+    q_all, k, v, sinks = _qoff_inputs(T, q_offset, hq, hkv, gen)
+    sinks = torch.tensor([-2.0, -0.5, 0.5, 2.0])
+    q = q_all[q_offset:]
+    out = attention_prefill(q, k, v, sinks, sliding_window=1, q_offset=q_offset)
+    kk, vv = k[q_offset:].float().repeat_interleave(hq // hkv, 1), v[q_offset:].float().repeat_interleave(hq // hkv, 1)
+    s = (q.float() * kk).sum(-1) / math.sqrt(D)  # [T, Hq]
+    p = torch.sigmoid(s - sinks[None, :])  # e^s / (e^s + e^sink)
+    _check(out, vv * p[..., None], gpu=False)
+
+
+@interpreter_only
+@pytest.mark.parametrize("T,q_offset,hq,hkv,window,tile", [
+    (37, 40, 4, 2, 0, None),  # K's 64-row scale blocks straddle the chunk's start
+    (29, 70, 8, 1, 16, None),  # GQA 8, window
+    (1, 45, 4, 2, 0, None),
+    (40, 23, 4, 2, 48, PrefillTile(64, 32, 4, 1, pack=2)),
+])
+def test_prefill_q_offset_fp8_cpu(T, q_offset, hq, hkv, window, tile):
+    gen = torch.Generator().manual_seed(2000 + 7 * T + q_offset + window)
+    q_all, k, v, sinks = _qoff_inputs(T, q_offset, hq, hkv, gen)
+    q = q_all[q_offset:]
+    out = attention_prefill(q, k, v, sinks, sliding_window=window, tile=tile, fp8=True, q_offset=q_offset)
+    _check_fp8(out, q, k, v, sinks, None, window, gpu=False, q_offset=q_offset)
+
+
+def test_prefill_q_offset_rejects_bad_inputs():
+    q = torch.ones(8, 4, D, dtype=torch.bfloat16)
+    k = torch.ones(11, 2, D, dtype=torch.bfloat16)
+    sinks = torch.zeros(4)
+    with pytest.raises(GptOssFp8Error, match="q_offset -1 must be an int >= 0"):
+        attention_prefill(q, k[:7], k[:7], sinks, q_offset=-1)
+    with pytest.raises(GptOssFp8Error, match=r"need q_offset \+ T = 2 \+ 8 = 10 rows"):
+        attention_prefill(q, k, k, sinks, q_offset=2)
+    with pytest.raises(GptOssFp8Error, match="need q_offset"):
+        attention_prefill(q, k[:8], k[:8], sinks, q_offset=3)
+    with pytest.raises(GptOssFp8Error, match="one sequence"):
+        attention_prefill(q, k, k, sinks, _cu([4, 4], device="cpu"), 4, q_offset=3)
+    with pytest.raises(GptOssFp8Error, match="must be an int"):
+        attention_prefill(q, k, k, sinks, q_offset=3.0)
 
 
 # ----------------------------------------------------------------------------- decode, CPU
@@ -534,9 +638,13 @@ def test_prefill_ws_options_compile_for_sm90(option):
 # on random inputs): a kernel that skipped a rounding of the spec would sit near the latter.
 
 
-def _check_fp8(out, q, k, v, sinks, cu, window, gpu):
-    ref = spec.attention_fp8_varlen(q, k, v, sinks, cu, None, window).float()
-    exact = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, window, dtype=torch.float32).float()
+def _check_fp8(out, q, k, v, sinks, cu, window, gpu, q_offset=0):
+    if q_offset:  # one sequence, q's rows at key positions q_offset..
+        ref = spec.attention_fp8(q, k, v, sinks, None, window, q_offset).float()
+        exact = spec.attention(*_fp32(q, k, v), sinks, None, window, q_offset, dtype=torch.float32).float()
+    else:
+        ref = spec.attention_fp8_varlen(q, k, v, sinks, cu, None, window).float()
+        exact = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, window, dtype=torch.float32).float()
     o = out.float()
     assert torch.isfinite(o).all()
     rel = ((o - ref).norm() / ref.norm()).item()
@@ -577,3 +685,38 @@ def test_prefill_fp8_gpu(lens, window, hq, hkv, tile):
     _poison(T, hq, D)
     out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile, fp8=True)
     _check_fp8(out, q, k, v, sinks, cu, window, gpu=True)
+
+
+# --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
+QOFF_GPU_CASES = [(1000, 3001), (1, 4095), (2048, 128), (777, 64), (300, 8192)]  # (T, q_offset)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,q_offset", QOFF_GPU_CASES)
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 2)])
+@pytest.mark.parametrize("tile", [None, PrefillTile(128, 64, 8, 3), PrefillTile(128, 64, 8, 3, maxnreg=128, pack=2)])
+def test_prefill_q_offset_gpu(T, q_offset, window, hq, hkv, tile):
+    gen = torch.Generator().manual_seed(T + q_offset + window + hq)
+    q_all, k, v = _qkv(q_offset + T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    q = q_all[q_offset:]
+    _poison(T, hq, D)
+    out = attention_prefill(q, k, v, sinks, sliding_window=window, tile=tile, q_offset=q_offset)
+    _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, sliding_window=window, q_offset=q_offset), gpu=True)
+    whole = attention_prefill(q_all, k, v, sinks, sliding_window=window, tile=tile)  # maybe the Gluon kernel
+    _check(out, whole[q_offset:].float(), gpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,q_offset", [(1000, 3001), (1, 4095), (777, 64)])
+@pytest.mark.parametrize("window", [0, 128])
+def test_prefill_q_offset_fp8_gpu(T, q_offset, window):
+    gen = torch.Generator().manual_seed(T + q_offset + window + 5)
+    hq, hkv = 64, 8
+    q_all, k, v = _qkv(q_offset + T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    q = q_all[q_offset:]
+    _poison(T, hq, D)
+    out = attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, q_offset=q_offset)
+    _check_fp8(out, q, k, v, sinks, None, window, gpu=True, q_offset=q_offset)
