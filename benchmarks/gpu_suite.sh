@@ -138,12 +138,13 @@ if has chunk; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
   if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
-  timeout 150 python3 -m pytest -q tests/kernels/test_attention.py -k "offset" 2>&1 | tail -4 | tee "$OUT/chunk_tests.log"
+  timeout ${CHUNK_TEST_S:-150} python3 -m pytest -q tests/kernels/test_attention.py tests/test_triton_ops.py \
+    -k "q_offset or chunked_prefill" 2>&1 | tail -4 | tee "$OUT/chunk_tests.log"
   for c in ${CHUNKS:-8192 2048}; do
     for case in "64 1024 128" "1 8192 6"; do
       set -- $case
       echo "prefill chunk $c, concurrency $1, prompt $2:" | tee -a "$OUT/bench_chunk.log"
-      timeout 150 python3 -m gptoss_fp8.cli.main bench serve --synthetic 20b --prefill-chunk $c --concurrency $1 \
+      timeout ${CHUNK_S:-150} python3 -m gptoss_fp8.cli.main bench serve --synthetic 20b --prefill-chunk $c --concurrency $1 \
         --prompt-len $2 --output-len 256 --requests $3 --warmup $1 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/bench_chunk.log"
     done
   done
