@@ -164,7 +164,15 @@ def test_correct_code_passes_on_the_trained_fixture(trained):
           f"limit {worst['limit']:.3g} (noise {worst['noise']:.3g})")
 
 
-@pytest.mark.parametrize("mutation", [_on_trained(m, TRAINED_MISSES) for m in MUTATIONS])
+# By default one bug per part here too (SHARDED_DEFAULT); every bug is caught by default on the
+# golden checkpoints (test_bug_in_the_spec_fails, tiny and odd); the other six on the trained fixture
+# (~3 s each on the 2-core box) under -m slow.
+def _trained_param(mutation: str):
+    marks = [pytest.mark.xfail(strict=True, reason=TRAINED_MISSES[mutation])] if mutation in TRAINED_MISSES else []
+    return pytest.param(mutation, marks=marks + ([] if mutation in SHARDED_DEFAULT else [pytest.mark.slow]))
+
+
+@pytest.mark.parametrize("mutation", [_trained_param(m) for m in MUTATIONS])
 def test_bug_in_the_spec_fails_on_the_trained_fixture(trained, mutation):
     ckpt, _, _, ref = trained
     report, _ = verify_checkpoint(ckpt, ref, modes=["weights", "w8a8"], ops_hook=f"mutations:w8a8__{mutation}")

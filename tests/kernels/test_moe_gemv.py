@@ -199,9 +199,14 @@ def test_default_tiles():
 
 
 def test_k_step_sums_the_same():
-    """Two or four K blocks a step add the same products in the same order: bit-identical output."""
-    outs = [_run(2, 288, 160, 6, 4, tile=MoeSkinnyTile(32, 32, k_step=ks), seed=3)[0] for ks in (1, 2, 4)]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    """Two or four K blocks a step add the same products in the same order: bit-identical output.
+    (k_step 1 is checked against the grouped path and the spec by _run; the others equal it bit for
+    bit, so they pass those checks too without running the references again through the interpreter.)"""
+    out, ids, experts, xq = _run(2, 288, 160, 6, 4, tile=MoeSkinnyTile(32, 32, k_step=1), seed=3)
+    for ks in (2, 4):
+        again = torch.full_like(out, float("nan"))
+        assert moe_slots_skinny(*xq, ids, *experts, 0, 7.0, again, True, MoeSkinnyTile(32, 32, k_step=ks)) is again
+        assert torch.equal(again, out), ks
 
 
 def test_refuses_bad_arguments():
