@@ -198,15 +198,18 @@ def test_default_tiles():
         assert moe_skinny_tile(slots, 5760, 2880, 132) == MoeSkinnyTile(32, 32, num_warps=4, num_stages=4)
 
 
-def test_k_step_sums_the_same():
+# k_step 2 under -m slow (~5 s on the 2-core box): the same K-step loop runs by default at k_step 4 here
+# and in test_skinny_small's last case (H = 288 and I = 160 leave its last step with blocks past K, as
+# they do k_step 2's; k_step 2 against the references: test_skinny_small's case 7, also under -m slow)
+@pytest.mark.parametrize("ks", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_k_step_sums_the_same(ks):
     """Two or four K blocks a step add the same products in the same order: bit-identical output.
-    (k_step 1 is checked against the grouped path and the spec by _run; the others equal it bit for
-    bit, so they pass those checks too without running the references again through the interpreter.)"""
+    (k_step 1 is checked against the grouped path and the spec by _run; the other equals it bit for
+    bit, so it passes those checks too without running the references again through the interpreter.)"""
     out, ids, experts, xq = _run(2, 288, 160, 6, 4, tile=MoeSkinnyTile(32, 32, k_step=1), seed=3)
-    for ks in (2, 4):
-        again = torch.full_like(out, float("nan"))
-        assert moe_slots_skinny(*xq, ids, *experts, 0, 7.0, again, True, MoeSkinnyTile(32, 32, k_step=ks)) is again
-        assert torch.equal(again, out), ks
+    again = torch.full_like(out, float("nan"))
+    assert moe_slots_skinny(*xq, ids, *experts, 0, 7.0, again, True, MoeSkinnyTile(32, 32, k_step=ks)) is again
+    assert torch.equal(again, out), ks
 
 
 def test_refuses_bad_arguments():
