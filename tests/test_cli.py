@@ -1,5 +1,6 @@
 """The CLI: --help everywhere, the main job end to end, one-line errors with non-zero exit."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -84,17 +85,29 @@ print("\\nEXIT", code, "HEAVY", ",".join(heavy) or "-")
 """.replace("HEAVY)", repr(_HEAVY) + ")")
 
 
-def _probe(args):
-    p = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=60)
+def _probe(args, env=None):
+    p = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=60, env=env)
     last = p.stdout.strip().splitlines()[-1].split()
     return int(last[1]), last[3], p
+
+
+@functools.cache
+def _help(path: tuple[str, ...]):
+    """_probe of ``PATH --help`` in an 80-column terminal whose output is not a terminal (a pipe, CI
+    logs): one process per command for both help tests below (~0.7 s each on the 2-core box);
+    (exit code, heavy modules imported, the help text)."""
+    import os
+
+    code, heavy, p = _probe([*path, "--help"], env={**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert p.stdout.rstrip().endswith(f"EXIT {code} HEAVY {heavy}"), p.stdout
+    return code, heavy, p.stdout.rstrip().rsplit("\n", 1)[0], p.stderr
 
 
 @pytest.mark.parametrize("path", _commands(app), ids=lambda p: " ".join(p) or "root")
 def test_help_imports_no_torch(path):
     """`--help` of the app and of every command loads no torch / safetensors / hub: it stays fast."""
-    code, heavy, p = _probe([*path, "--help"])
-    assert code == 0 and "Usage" in p.stdout, p.stdout + p.stderr
+    code, heavy, text, err = _help(path)
+    assert code == 0 and "Usage" in text, text + err
     assert heavy == "-", f"--help of {' '.join(path) or 'gptoss-fp8'} imported {heavy}"
 
 
@@ -132,13 +145,8 @@ def _option_names(path) -> list[str]:
 def test_help_fits_80_columns(path):
     """--help in an 80-column terminal, output not a terminal (a pipe, CI logs): every option
     name whole (not cut to ``--keep-attention…``), no ``<bool>`` for flags, no line wider than 80."""
-    import os
-
-    env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"}
-    p = subprocess.run([sys.executable, "-m", "gptoss_fp8.cli.main", *path, "--help"], capture_output=True, text=True,
-                       timeout=60, env=env)
-    assert p.returncode == 0, p.stderr
-    text = p.stdout
+    code, _, text, err = _help(path)
+    assert code == 0, err
     words = set(text.replace("/", " ").replace(",", " ").split())
     for opt in _option_names(path):
         assert opt in words, f"{' '.join(path)} --help: option {opt} is not shown whole:\n{text}"

@@ -110,6 +110,11 @@ def test_unexpected_exceptions_are_one_line(tmp_path, tiny, monkeypatch, command
     assert type(runner.invoke(app, args).exception) is type(exc)
 
 
+# Under -m slow (two processes, ~7 s on the 2-core box): the same real-process path (one line without
+# --debug, the traceback with it) runs by default on convert in
+# tests/test_cli.py::test_errors_are_one_line_with_nonzero_exit, and --debug / GPTOSS_FP8_DEBUG in
+# process, for every command and exception, in test_unexpected_exceptions_are_one_line above.
+@pytest.mark.slow
 def test_debug_shows_the_traceback_in_a_real_process(tmp_path):
     base = [sys.executable, "-m", "gptoss_fp8.cli.main"]
     p = subprocess.run([*base, "plan", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)

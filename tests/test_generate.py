@@ -170,24 +170,34 @@ def _one_line_error(args):
     return p.stderr
 
 
+def _one_line_error_in_process(args):
+    """_one_line_error through the same root handler (cli.main._Root.main) in this process: a real
+    process per case cost ~4 s each on the 2-core box; the first case below keeps one."""
+    r = runner.invoke(app, args)
+    assert r.exit_code != 0 and "Traceback" not in r.stderr, (r.exit_code, r.output)
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    return r.stderr
+
+
 def test_bad_input_is_one_line(tiny, tmp_path):
     ckpt, cfg, _ = tiny
     tok = tmp_path / "t.json"
     tok.write_text(json.dumps(_prompt(cfg, 4)))
     assert str(tmp_path / "nope") in _one_line_error(["generate", str(tmp_path / "nope"), "--tokens", str(tok)])
-    assert "exactly one of --prompt" in _one_line_error(["generate", str(ckpt), "--tokens", str(tok), "--prompt", "hi"])
-    assert "exactly one of --prompt" in _one_line_error(["generate", str(ckpt)])
-    err = _one_line_error(["generate", str(ckpt), "--tokens", str(tok), "--max-new-tokens", "200000"])
-    assert "exceed the model's context of 131072 tokens; ask for at most 131068" in err
-    assert "greater than or equal to 1" in _one_line_error(["generate", str(ckpt), "--tokens", str(tok), "--max-new-tokens", "0"])
-    assert "finite number >= 0" in _one_line_error(["generate", str(ckpt), "--tokens", str(tok), "--temperature", "-1"])
+    err = _one_line_error_in_process
+    assert "exactly one of --prompt" in err(["generate", str(ckpt), "--tokens", str(tok), "--prompt", "hi"])
+    assert "exactly one of --prompt" in err(["generate", str(ckpt)])
+    assert "exceed the model's context of 131072 tokens; ask for at most 131068" in err(
+        ["generate", str(ckpt), "--tokens", str(tok), "--max-new-tokens", "200000"])
+    assert "greater than or equal to 1" in err(["generate", str(ckpt), "--tokens", str(tok), "--max-new-tokens", "0"])
+    assert "finite number >= 0" in err(["generate", str(ckpt), "--tokens", str(tok), "--temperature", "-1"])
     tok.write_text(json.dumps([1, cfg.vocab_size]))
-    assert "outside the vocabulary" in _one_line_error(["generate", str(ckpt), "--tokens", str(tok)])
+    assert "outside the vocabulary" in err(["generate", str(ckpt), "--tokens", str(tok)])
 
 
 def test_prompt_on_a_small_vocabulary_says_so(tiny):
     ckpt, _, _ = tiny
-    err = _one_line_error(["generate", str(ckpt), "--prompt", "What is 2+2?"])
+    err = _one_line_error_in_process(["generate", str(ckpt), "--prompt", "What is 2+2?"])
     assert "vocabulary has 503 tokens, not the Harmony tokenizer's 201088" in err and "--tokens FILE" in err
 
 

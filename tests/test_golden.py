@@ -12,8 +12,13 @@ from gptoss_fp8.verify import golden
 pytest.importorskip("safetensors")
 
 
-def test_golden_check_passes():
-    failures = golden.check(log=lambda *_: None)
+# The sharded layouts (tp 2 ep 1 / ep 2: ~20 of the check's ~30 s on the 2-core box) under -m slow;
+# by default the tp 1 runs (both conversions, every case; the sources' hashes, OpenAI's stored
+# logits) here, and sharded == unsharded in tests/test_model_sharded.py::test_sharded_equals_unsharded.
+@pytest.mark.parametrize("layouts", [pytest.param([(1, 1)], id="tp1"),
+                                     pytest.param([(2, 1), (2, 2)], id="sharded", marks=pytest.mark.slow)])
+def test_golden_check_passes(layouts):
+    failures = golden.check(log=lambda *_: None, layouts=layouts)
     assert failures == [], "\n".join(failures)
 
 

@@ -308,7 +308,10 @@ def test_prompt_renders_harmony_offline():
     assert ids[0] == 200006 and ids[-1] == 173781 and 200008 in ids and 200007 in ids
 
 
-@pytest.mark.parametrize("case", ["forward", "decode-vocab-parallel"])
+# "forward" (replicated vocabulary, no --decode: ~12 s of torchrun on the 2-core box) under -m slow: the
+# same command under torchrun, forward included, runs by default in "decode-vocab-parallel"; a sharded
+# verify with the vocabulary replicated (tp 2 ep 2) in tests/test_verify_mutations.py::test_bug_in_the_spec_fails_sharded
+@pytest.mark.parametrize("case", [pytest.param("forward", marks=pytest.mark.slow), "decode-vocab-parallel"])
 def test_cli_under_torchrun_tp2(tiny, tmp_path, case):
     """`torchrun --nproc-per-node 2 gptoss-fp8 verify-logits` on a tp 2 conversion: rank 0 runs the
     reference, both ranks their shard, rank 0 reports; every rank exits with the verdict. The second

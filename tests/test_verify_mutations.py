@@ -164,7 +164,15 @@ def test_correct_code_passes_on_the_trained_fixture(trained):
           f"limit {worst['limit']:.3g} (noise {worst['noise']:.3g})")
 
 
-@pytest.mark.parametrize("mutation", [_on_trained(m, TRAINED_MISSES) for m in MUTATIONS])
+# By default one bug per part here too (SHARDED_DEFAULT); every bug is caught by default on the
+# golden checkpoints (test_bug_in_the_spec_fails, tiny and odd); the other six on the trained fixture
+# (~3 s each on the 2-core box) under -m slow.
+def _trained_param(mutation: str):
+    marks = [pytest.mark.xfail(strict=True, reason=TRAINED_MISSES[mutation])] if mutation in TRAINED_MISSES else []
+    return pytest.param(mutation, marks=marks + ([] if mutation in SHARDED_DEFAULT else [pytest.mark.slow]))
+
+
+@pytest.mark.parametrize("mutation", [_trained_param(m) for m in MUTATIONS])
 def test_bug_in_the_spec_fails_on_the_trained_fixture(trained, mutation):
     ckpt, _, _, ref = trained
     report, _ = verify_checkpoint(ckpt, ref, modes=["weights", "w8a8"], ops_hook=f"mutations:w8a8__{mutation}")
@@ -222,8 +230,9 @@ def _random_cases(tmp_path, i: int, device: str = "cpu"):
         yield ov, layers, dst, reference_for(src, tokens, device, None if exact else rounding)
 
 
-# 4 random shapes by default, 16 more under -m slow
-@pytest.mark.parametrize("i", [i if i < 4 else pytest.param(i, marks=pytest.mark.slow) for i in range(20)])
+# 2 random shapes by default (with the golden tiny / odd shapes: test_correct_code_passes_with_parts), 18
+# more under -m slow (shapes 2 and 3 moved there: ~4 s each on the 2-core box)
+@pytest.mark.parametrize("i", [i if i < 2 else pytest.param(i, marks=pytest.mark.slow) for i in range(20)])
 def test_random_small_checkpoints_pass(tmp_path, i):
     """Correct code passes on fresh random shapes (both conversions: FP8 attention or kept bf16)."""
     for ov, layers, dst, ref in _random_cases(tmp_path, i):

@@ -114,8 +114,11 @@ def test_prefill_cpu(lens, hq, hkv, window):
     _check(out, ref, gpu=False)
 
 
+# (2, 16) and (4, 0) under -m slow (~5 s each on the 2-core box): packs 2 and 4, with and without a
+# window, run by default in (2, 0) and (4, 40) (and packed FP8 prefill: test_prefill_fp8_cpu)
 @interpreter_only
-@pytest.mark.parametrize("pack,window", [(2, 0), (2, 16), (4, 0), (4, 40)])
+@pytest.mark.parametrize("pack,window", [(2, 0), pytest.param(2, 16, marks=pytest.mark.slow),
+                                         pytest.param(4, 0, marks=pytest.mark.slow), (4, 40)])
 def test_prefill_packed_heads_cpu(pack, window):
     """Several query heads of one KV head per program (rows stacked by head): same results, ragged
     batch with a one-token sequence, GQA 4; the fused q-rope path packed as well."""

@@ -328,7 +328,17 @@ def test_fp8_gemm_ws_serial_extreme_scales():
         check_close(_ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile), ref)
 
 
-def test_fp8_gemm_ws_serial_compiles_for_sm90():
+# (bm, bn, stages). 128 x 256 with 3 stages: KernelConfig.dense_gluon_wide_tile, the default from 8192
+# rows. By default the square kernel and that wide tile (each form compiles in ~6 s on the 2-core box);
+# under -m slow the other wide forms (256 x 128 at 3 and 4 stages, 128 x 256 at 4: the same
+# _ws_fp8_gemm_wide_kernel as the default's 128 x 256 s3, other block shapes / stages).
+SERIAL_COMPILES = [pytest.param(128, 128, 5, id="128x128-s5"), pytest.param(128, 256, 3, id="128x256-s3"),
+                   *(pytest.param(*c, id=f"{c[0]}x{c[1]}-s{c[2]}", marks=pytest.mark.slow)
+                     for c in ((256, 128, 3), (256, 128, 4), (128, 256, 4)))]
+
+
+@pytest.mark.parametrize("bm,bn,stages", SERIAL_COMPILES)
+def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages):
     """Without a GPU: the serial-promotion forms compile for sm_90 with ptxas pipelining their wgmmas
     (no C7514) and, for 128 x 128 and 128 x 256, no spills (256 x 128: ptxas's report; measured
     96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block)."""
@@ -340,27 +350,25 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90():
         pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
     lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
-    # 128 x 256 with 3 stages: KernelConfig.dense_gluon_wide_tile, the default from 8192 rows
-    for bm, bn, stages in ((128, 128, 5), (256, 128, 3), (256, 128, 4), (128, 256, 3), (128, 256, 4)):
-        types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{lay.format(8)}>",
-                 "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lay.format(8)}>",
-                 "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
-                 "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
-        if bm == bn:
-            fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
-        else:
-            fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
-            consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages))
-        k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
-                                                                    "stride_asm", "stride_bsn"))
-        ptx = k["ptx"]
-        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
-        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
-        assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
-        if "regs" in k:
-            assert not k["wgmma_serialized"], ("ptxas serialized the serial promotion's wgmmas (C7514)", bm, bn, k)
-            if bm == 128:
-                assert k["spill_stores"] == 0 and k["stack"] == 0, (bm, bn, k)
+    types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{lay.format(8)}>",
+             "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lay.format(8)}>",
+             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+             "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
+    if bm == bn:
+        fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
+    else:
+        fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
+        consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages))
+    k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
+                                                                "stride_asm", "stride_bsn"))
+    ptx = k["ptx"]
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
+    if "regs" in k:
+        assert not k["wgmma_serialized"], ("ptxas serialized the serial promotion's wgmmas (C7514)", bm, bn, k)
+        if bm == 128:
+            assert k["spill_stores"] == 0 and k["stack"] == 0, (bm, bn, k)
 
 
 @pytest.mark.parametrize("m,skinny", [(16, True), (17, False)])

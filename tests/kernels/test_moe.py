@@ -104,7 +104,12 @@ def test_fused_moe_small(t, h, i, e, k, e0, n_local):
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
 
 
-@pytest.mark.parametrize("tma,split", [(True, True), (False, True), (True, False), (False, False)])
+# By default each load and each gate_up form once: pointer loads with the split gate_up, TMA with the
+# one 256-column product (the heavy plan's). Under -m slow (~3.5 s each on the 2-core box): TMA with
+# the split gate_up (the light plan's, run by default through fused_moe's own plan in
+# test_fused_moe_small) and pointer loads with the one product.
+@pytest.mark.parametrize("tma,split", [pytest.param(True, True, marks=pytest.mark.slow), (False, True), (True, False),
+                                       pytest.param(False, False, marks=pytest.mark.slow)])
 def test_fused_moe_tiles_and_loads(tma, split):
     # Padding to 32 rows with 16-row gate_up tiles and 32-row down tiles; TMA or pointer loads;
     # gate_up as two 128-column products (split) or one 256-column product with per-column weight
@@ -463,29 +468,42 @@ def test_fused_moe_ws_serial_gpu(t, h, i, e, e0, n_local, plan):
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
 
 
-def test_moe_ws_serial_compiles_for_sm90():
-    """Without a GPU: the serial-promotion gate_up (64 x 256 and wide, 3 stages) compiles for sm_90 with
-    their wgmmas pipelined by ptxas (no C7514) and no spills (the wide gate_up's column indices are
-    built after the main loop: held through it they spilled ~300 bytes)."""
-    from gptoss_fp8.kernels import _gluon, moe_ws
+def _serial_gate_up_types(block_m):
+    from gptoss_fp8.kernels import _gluon
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
     lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
     consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)
-    types = {"a_desc": f"tensordesc<fp8e4nv[64, 128],{lay.format(128)}>",
+    types = {"a_desc": f"tensordesc<fp8e4nv[{block_m}, 128],{lay.format(128)}>",
              "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
              "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp8e4nv",
              "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
+    return types, consts
+
+
+def test_moe_ws_serial_compiles_for_sm90():
+    """Without a GPU: the serial-promotion 64 x 256 gate_up compiles for sm_90 with its wgmmas
+    pipelined by ptxas (no C7514) and no spills."""
+    from gptoss_fp8.kernels import _gluon, moe_ws
+
+    types, consts = _serial_gate_up_types(64)
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_kernel, types, dict(consts, SERIAL=True))
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in k["ptx"]
     if "regs" in k:
         assert k["spill_stores"] == 0 and k["stack"] == 0 and not k["wgmma_serialized"], k
-    types.update(a_desc=f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>")
-    # the wide gate_up and the down have only the serial loop: 4 stages and the down are compiled by
-    # test_moe_ws_wide_compiles_for_sm90 / test_moe_ws_down_compiles_for_sm90
+
+
+@pytest.mark.slow  # ~7 s: the wide gate_up at 4 stages compiles by default (test_moe_ws_wide_compiles_for_sm90)
+def test_moe_ws_wide_3_stages_compiles_for_sm90():
+    """The wide gate_up (its only loop is the serial one) at 3 stages: no C7514, no spills (its
+    column indices are built after the main loop: held through it they spilled ~300 bytes). 4 stages
+    and the down are compiled by test_moe_ws_wide_compiles_for_sm90 / test_moe_ws_down_compiles_for_sm90."""
+    from gptoss_fp8.kernels import _gluon, moe_ws
+
+    types, consts = _serial_gate_up_types(128)
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, dict(consts, STAGES=3))
     assert k["shared"] <= 227 * 1024
     if "regs" in k:
