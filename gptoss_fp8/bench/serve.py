@@ -384,10 +384,6 @@ def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: l
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    _child()
-
-
 def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cuda", mode: str = "auto",
                     max_batch: int = 8, max_context: int | None = None, chunk: int | None = None,
                     max_waiting: int | None = None, api_key: str | None = None,
@@ -414,3 +410,7 @@ def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cu
     echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
          f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
     return start_model(model, opts, max_waiting, api_key, name, echo)
+
+
+if __name__ == "__main__":
+    _child()

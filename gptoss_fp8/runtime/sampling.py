@@ -72,28 +72,22 @@ class Drawn:
     server's event-loop thread runs while the GPU finishes the step, then reads the pinned copy."""
 
     def __init__(self, toks: torch.Tensor, lps: torch.Tensor | None):
-        self.event = None
-        if toks.is_cuda:
-            both = toks.double()[None] if lps is None else torch.stack([toks.double(), lps.double()])
+        both = toks.double()[None] if lps is None else torch.stack([toks.double(), lps.double()])  # ids exact
+        self._logprobs, self.event = lps is not None, None
+        if both.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-            self._host, self._logprobs = host, lps is not None
-        else:
-            self._host, self._logprobs = None, None
-            self._toks, self._lps = toks, lps
+            both = host
+        self._both = both
 
     def get(self) -> tuple[list[int], list[float] | None]:
         """(tokens, log-probabilities or None) as host lists: the step's one host read."""
         if self.event is not None:
             self.event.synchronize()
-            rows = self._host.tolist()
-            return [int(t) for t in rows[0]], (rows[1] if self._logprobs else None)
-        if self._lps is None:
-            return self._toks.tolist(), None
-        both = torch.stack([self._toks.double(), self._lps.double()]).tolist()
-        return [int(t) for t in both[0]], both[1]
+        rows = self._both.tolist()
+        return [int(t) for t in rows[0]], (rows[1] if self._logprobs else None)
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> Drawn:

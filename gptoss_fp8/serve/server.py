@@ -50,8 +50,8 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
 
     ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
     ``max_batch``: KV slots at most (on CUDA fewer when free memory holds fewer; printed);
-    ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: chosen before the
-    prefill kernel took a query offset, kept until measured, docs/serve.md); ``max_waiting``: requests queued beyond the free
+    ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: smaller chunks
+    measured slower under load, docs/serve.md); ``max_waiting``: requests queued beyond the free
     slots before 429 (default 4 x slots); ``attention``: prefill attention's numerics, "bf16" or
     "fp8" (model/ops.py ``with_attention``). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
     import torch
