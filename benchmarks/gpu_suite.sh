@@ -14,6 +14,7 @@
 #   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
+#   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   attention-fp8  the FP8 attention kernel's GPU tests against its spec and its bench (issue 34)
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -236,6 +237,28 @@ if has attention; then
     | tee "$OUT/attn_variants.log"
   timeout 110 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "ws_gpu or single_sequence" 2>&1 \
     | tail -30 | tee "$OUT/attn_tests.log"
+fi
+
+if has attention-ncu; then
+  # issue 34: Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS: ';'-separated
+  # ws_attention_prefill keywords, '' the default): pipe utilization, issue slots, warp stalls, per-SASS
+  # stall samples (benchmarks/attn_ncu.py). --clock-control none: the card's clocks are left alone.
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/ncu"
+  IFS=';' read -ra _vars <<< "${NCU_VARIANTS:-}"
+  [[ ${#_vars[@]} -eq 0 ]] && _vars=("")
+  i=0
+  for var in "${_vars[@]}"; do
+    rep="$OUT/ncu/attn$i"
+    timeout ${NCU_S:-240} "$NCU" --clock-control none --set full --import-source no -k regex:_ws_attention \
+      --launch-skip 2 --launch-count 1 -f -o "$rep" python3 benchmarks/attn_ncu.py --tokens ${NCU_TOKENS:-16384} \
+      --variant "$var" 2>&1 | tail -5 | tee "$OUT/ncu/attn$i.log"
+    "$NCU" --import "$rep.ncu-rep" --page details > "$OUT/ncu/attn${i}_details.txt" 2>&1
+    "$NCU" --import "$rep.ncu-rep" --page raw --csv > "$OUT/ncu/attn${i}_raw.csv" 2>&1
+    "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/attn${i}_sass.csv" 2>&1
+    echo "variant $i: '$var'" | tee -a "$OUT/ncu/variants.txt"
+    i=$((i + 1))
+  done
 fi
 
 if has attention-fp8; then

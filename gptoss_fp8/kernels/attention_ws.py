@@ -98,11 +98,78 @@ if HAS_GLUON:
         return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * N])
 
     @gluon.jit
+    def _tree(x, SUM: gl.constexpr):
+        """Row max (SUM False) or row sum of a [R, N] score tile, its register-held columns folded as a
+        tree (halves by _halves: log2(N / 8) levels, no data moved) before the reduction across the
+        quad's lanes; ``gl.max`` / ``gl.sum`` alone fold a thread's 16-32 values in one dependent chain."""
+        N: gl.constexpr = x.type.shape[1]
+        lo, hi = _halves(x)
+        if SUM:
+            x = lo + hi
+        else:
+            x = gl.maximum(lo, hi)
+        if N >= 32:
+            lo, hi = _halves(x)
+            if SUM:
+                x = lo + hi
+            else:
+                x = gl.maximum(lo, hi)
+        if N >= 64:
+            lo, hi = _halves(x)
+            if SUM:
+                x = lo + hi
+            else:
+                x = gl.maximum(lo, hi)
+        if N >= 128:
+            lo, hi = _halves(x)
+            if SUM:
+                x = lo + hi
+            else:
+                x = gl.maximum(lo, hi)
+        if SUM:
+            return gl.sum(x, 1)
+        else:
+            return gl.max(x, 1)
+
+    @gluon.jit
+    def _row_max(x, TREE: gl.constexpr):
+        if TREE:
+            r = _tree(x, False)
+            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+        else:
+            return gl.max(x, 1)
+
+    @gluon.jit
+    def _row_sum(x, TREE: gl.constexpr):
+        if TREE:
+            r = _tree(x, True)
+            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+        else:
+            return gl.sum(x, 1)
+
+    @gluon.jit
+    def _take_turn(turn, W: gl.constexpr, k, ORDER: gl.constexpr):
+        """ORDER: the consumer warpgroups issue their MMAs in a fixed rotation, 0, 1, .., NWG - 1, 0, ..
+        (FlashAttention-3's ping-pong, by an mbarrier per warpgroup): warpgroup W's k-th issue waits for
+        W - 1's. Warpgroup 0's first wait is on the phase before a fresh barrier's first, which passes."""
+        if ORDER:
+            if W == 0:
+                mbarrier.wait(turn.index(0), (k + 1) & 1)
+            else:
+                mbarrier.wait(turn.index(W), k & 1)
+
+    @gluon.jit
+    def _pass_turn(turn, W: gl.constexpr, ORDER: gl.constexpr):
+        NWG: gl.constexpr = turn.type.shape[0]
+        if ORDER:
+            mbarrier.arrive(turn.index((W + 1) % NWG), count=1)
+
+    @gluon.jit
     def _exp2_tile(x, EXP: gl.constexpr):
         """2^x of a score tile: EXP 0 all on the MUFU; 1 the last quarter of the columns by _exp2_fma;
         2 the last half by _exp2_fma; 3 packed ``ex2.approx.ftz.bf16x2`` on bf16 arguments (result
         bf16, the PV operand's type)."""
-        if EXP == 0:
+        if EXP == 0 or EXP >= 8:  # 8, 9: the timing probes (PROBES) keep the MUFU
             return gl.exp2(x)
         elif EXP == 3:
             return gl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x.to(gl.bfloat16)],
@@ -118,7 +185,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _softmax_step(sc, m_i, l_i, rows, j, qk_scale, MASKED: gl.constexpr, EXP: gl.constexpr,
-                      THRESH: gl.constexpr):
+                      THRESH: gl.constexpr, TREE: gl.constexpr):
         """Block j's scores -> (p, alpha, m_new, l_new, rescale) in base 2 (attention.py's arithmetic).
         THRESH > 0: the running max moves only when some row of the warpgroup grew by more than THRESH
         (log2 units; FlashAttention-4's conditional rescaling), so p <= 2^THRESH and, when it does not
@@ -128,9 +195,9 @@ if HAS_GLUON:
             cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
             visible = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
             sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
-            m_blk = gl.max(sc, 1)
+            m_blk = _row_max(sc, TREE)
         else:
-            m_blk = gl.max(sc, 1) * qk_scale
+            m_blk = _row_max(sc, TREE) * qk_scale
             sc = sc * qk_scale
         if THRESH > 0:
             rescale = gl.max(m_blk - m_i, 0) > THRESH
@@ -144,16 +211,17 @@ if HAS_GLUON:
         sc = sc - gl.expand_dims(m_new, 1)
         alpha = gl.exp2(m_i - m_new)
         p = _exp2_tile(sc, EXP)
-        l_new = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        l_new = l_i * alpha + _row_sum(p.to(gl.float32), TREE)
         return p, alpha, m_new, l_new, rescale
 
     @gluon.jit
-    def _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP: gl.constexpr, THRESH: gl.constexpr):
+    def _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP: gl.constexpr, THRESH: gl.constexpr,
+                     TREE: gl.constexpr):
         if j < n_full:
-            p, alpha, m_i, l_i, rescale = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False, EXP, THRESH)
+            p, alpha, m_i, l_i, rescale = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, False, EXP, THRESH, TREE)
             p = p.to(gl.bfloat16)
         else:  # the diagonal blocks (causal mask) keep 2^x on the MUFU
-            p, alpha, m_i, l_i, rescale = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, True, 0, THRESH)
+            p, alpha, m_i, l_i, rescale = _softmax_step(sc, m_i, l_i, rows, j, qk_scale, True, 0, THRESH, TREE)
             p = p.to(gl.bfloat16)
         return p, alpha, m_i, l_i, rescale
 
@@ -167,13 +235,15 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                      num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
-                      EXP: gl.constexpr, THRESH: gl.constexpr):
+    def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
+                      T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
+                      EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head.
         QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
         DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
-        score tiles in registers), so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs."""
+        score tiles in registers), so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs.
+        ORDER: the warpgroups take turns to issue (``_take_turn``): n_blocks + 1 turns each, the ones past a
+        warpgroup's own blocks only passed on. TREE: row max / sum folded as a tree (``_tree``)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
@@ -210,7 +280,7 @@ if HAS_GLUON:
             # back edge (ptxas serializes every wgmma otherwise: C7514).
             mbarrier.wait(ready.index(0), 0)
             sc = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
-            p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH)
+            p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH, TREE)
             p_op = gl.convert_layout(p_op, p_layout)
             for i in range((my_blocks - 1) // 2):
                 a = 2 * i + 1
@@ -221,13 +291,13 @@ if HAS_GLUON:
                 s_b = warpgroup_mma(qa, k_bufs.index(b % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_bufs.index((a - 1) % S), acc, is_async=True)  # PV of block a - 1
                 sc = warpgroup_mma_wait(num_outstanding=2, deps=(s_a,))
-                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, a, n_full, qk_scale, EXP, THRESH)
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, a, n_full, qk_scale, EXP, THRESH, TREE)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_b))
                 mbarrier.arrive(empty.index((a - 1) % S), count=1)
                 acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
                 p_op = gl.convert_layout(p_op, p_layout)
                 acc = warpgroup_mma(p_op, v_bufs.index(a % S), acc, is_async=True)  # PV of block a
-                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, b, n_full, qk_scale, EXP, THRESH)
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, b, n_full, qk_scale, EXP, THRESH, TREE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(a % S), count=1)
                 acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
@@ -238,7 +308,7 @@ if HAS_GLUON:
                 s_tok = warpgroup_mma(qa, k_bufs.index(j % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_bufs.index((j - 1) % S), acc, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH)
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH, TREE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index((j - 1) % S), count=1)
                 acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
@@ -246,27 +316,53 @@ if HAS_GLUON:
             acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
         else:
             mbarrier.wait(ready.index(0), 0)
-            sc = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
-            p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH)
+            _take_turn(turn, W, 0, ORDER)
+            s_tok = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            _pass_turn(turn, W, ORDER)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH, TREE)
             p_op = gl.convert_layout(p_op, p_layout)
+            sc0 = sc
             for j in range(1, my_blocks):
                 s = j % S
                 sp = (j - 1) % S
                 mbarrier.wait(ready.index(s), (j // S) & 1)
-                s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                # block j's softmax runs while PV(j - 1) is on the tensor cores
-                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
-                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                if EXP == 9:  # probe: the softmax alone, on block 0's scores (a scale that varies with j)
+                    p_op, alpha, m_i, l_i, rescale = _softmax_any(sc0, m_i, l_i, rows, j, n_full,
+                                                                  qk_scale * (1.0 + j * 1e-6), 0, THRESH, TREE)
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                else:
+                    _take_turn(turn, W, j, ORDER)
+                    s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
+                    _pass_turn(turn, W, ORDER)
+                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                    if EXP == 8:  # probe: the MMAs alone (P = the scores)
+                        p_op = sc.to(gl.bfloat16)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                        mbarrier.arrive(empty.index(sp), count=1)
+                    else:
+                        # block j's softmax runs while PV(j - 1) is on the tensor cores
+                        p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP,
+                                                                      THRESH, TREE)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                        mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
+                        acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
                 p_op = gl.convert_layout(p_op, p_layout)
-            acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
+            _take_turn(turn, W, my_blocks, ORDER)
+            acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc, is_async=True)
+            _pass_turn(turn, W, ORDER)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(last % S), count=1)
         for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
             mbarrier.wait(ready.index(j % S), (j // S) & 1)
             mbarrier.arrive(empty.index(j % S), count=1)
+        if ORDER:  # the turns of the blocks past this warpgroup's diagonal, passed on (after the stage
+            # releases above: the others' later blocks need those stages loaded again)
+            for k in range(my_blocks + 1, n_blocks + 1):
+                _take_turn(turn, W, k, ORDER)
+                _pass_turn(turn, W, ORDER)
 
         out = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
         q.store(out.to(gl.bfloat16))  # the Q tile's buffer is free now
@@ -276,30 +372,40 @@ if HAS_GLUON:
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
-    def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                              T, num_pid_m, qk_scale, GROUP: gl.constexpr,
-                             QREG: gl.constexpr, DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr):
-        _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH)
+    def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                              sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
+                              DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
+                              TREE: gl.constexpr):
+        _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)
 
     @gluon.jit
-    def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                             T, num_pid_m, qk_scale, GROUP: gl.constexpr,
-                             QREG: gl.constexpr, DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr):
-        _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH)
+    def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                             sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
+                             DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
+                             TREE: gl.constexpr):
+        _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)
 
     @gluon.jit
-    def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr,
-                       T, num_pid_m, qk_scale, GROUP: gl.constexpr,
-                       QREG: gl.constexpr, DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr):
+    def _attn_fourth_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                              sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
+                              DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
+                              TREE: gl.constexpr):
+        _attn_consume(3, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)
+
+    @gluon.jit
+    def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
+                       T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
+                       EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
 
     @gluon.jit
     def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
                              GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
                              QREG: gl.constexpr = True, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
-                             THRESH: gl.constexpr = 0.0):
+                             THRESH: gl.constexpr = 0.0, ORDER: gl.constexpr = False, TREE: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -309,30 +415,46 @@ if HAS_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NWG, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NWG):
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NWG)  # released by every consumer warpgroup
         # (argument tuples written out in place: a tuple holding a function cannot be a variable here)
-        if NWG == 3:
+        if NWG == 4:
             gl.warp_specialize([
-                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
-                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
-                (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
-                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
+                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_fourth_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+            ], [4, 4, 4, 1], [REGS, REGS, REGS, 24])
+        elif NWG == 3:
+            gl.warp_specialize([
+                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
-                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
-                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
-                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH)),
+                (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
             ], [4, 1], [REGS, 40])
 
 
@@ -343,29 +465,39 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 
 EXP_MODES = {"mufu": 0, "fma25": 1, "fma50": 2, "bf16x2": 3}  # _exp2_tile's EXP
+# Timing probes for the roofline (wrong values; benchmarks/attn_variants.py): the same loop with the
+# softmax left out (P = the scores, no rescale) or with the MMAs left out (block 0's scores reused)
+PROBES = {"probe-mma-only": 8, "probe-softmax-only": 9}
+# registers per consumer thread by consumer warpgroups (the producer warp keeps 40, 24 beside four): four
+# fit only with Q read from shared memory (with Q in registers ptxas spills and serializes the wgmmas)
+REGS = {2: 232, 3: 160, 4: 112}
 
 
 def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
                          sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2,
                          q_in_registers: bool = True, deep: bool = False, exp: str = "mufu",
-                         rescale_threshold: float = 0.0) -> torch.Tensor:
+                         rescale_threshold: float = 0.0, ordered: bool = False, tree: bool = False) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments).
     Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (blocks in
     pairs, QK^T one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
-    rescale_threshold (> 0: conditional rescaling of the running max, log2 units)."""
+    rescale_threshold (> 0: conditional rescaling of the running max, log2 units), ordered (the consumer
+    warpgroups issue their MMAs in turn), tree (row max / sum folded as a tree)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
 
     def desc(t, rows):
         return descriptor(_rows2d(t), [rows, d])
 
-    assert warpgroups in (2, 3) and block_n in (64, 128), f"warpgroups {warpgroups}, block_n {block_n}"
-    assert exp in EXP_MODES, f"exp {exp!r}, expected one of {sorted(EXP_MODES)}"
+    assert warpgroups in REGS and block_n in (64, 128), f"warpgroups {warpgroups}, block_n {block_n}"
+    assert exp in EXP_MODES or exp in PROBES, f"exp {exp!r}, expected one of {sorted(EXP_MODES)}"
+    assert exp not in PROBES or not deep, "the probes are built for the one-block loop"
+    assert not (ordered and deep), "ordered turns are built for the one-block loop, not deep"
     num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
-        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=232 if warpgroups == 2 else 160,
-        QREG=q_in_registers, DEEP=deep, EXP=EXP_MODES[exp], THRESH=float(rescale_threshold), num_warps=4,
+        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
+        QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
+        ORDER=ordered, TREE=tree, num_warps=4,
     )
     return out

@@ -104,6 +104,8 @@ class GluonAttentionTile:
     deep: bool = False  # blocks in pairs, QK^T of the second under the first one's softmax
     exp: str = "mufu"  # 2^x of the unmasked blocks: "mufu", "fma25" / "fma50" (part by polynomial), "bf16x2"
     rescale_threshold: float = 0.0  # > 0: move the running max only past this growth (log2 units)
+    ordered: bool = False  # the consumer warpgroups issue their MMAs in turn (FlashAttention-3's ping-pong)
+    tree: bool = False  # row max / sum of a score tile folded as a tree, not one dependent chain
 
 
 @dataclass(frozen=True)

@@ -549,6 +549,14 @@ WS_VARIANTS = {
     "bf16x2": GluonAttentionTile(q_in_registers=False, exp="bf16x2"),
     "cond8": GluonAttentionTile(q_in_registers=False, rescale_threshold=8.0),
     "qreg-cond8": GluonAttentionTile(q_in_registers=True, rescale_threshold=8.0),
+    # twentieth session: turns between the warpgroups, tree reductions (benchmarks/attn_variants.py)
+    "tree": GluonAttentionTile(tree=True),
+    "ordered": GluonAttentionTile(ordered=True),
+    "ordered-tree": GluonAttentionTile(ordered=True, tree=True),
+    "2wg-ordered-tree": GluonAttentionTile(stages=3, warpgroups=2, ordered=True, tree=True),
+    "n128-2wg-ordered-tree": GluonAttentionTile(block_n=128, stages=3, warpgroups=2, ordered=True, tree=True),
+    "4wg": GluonAttentionTile(warpgroups=4, q_in_registers=False),
+    "4wg-ordered": GluonAttentionTile(warpgroups=4, q_in_registers=False, ordered=True),
 }
 
 
