@@ -26,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--variant", default="", help="ws_attention_prefill keywords, e.g. deep=True,stages=4")
+    ap.add_argument("--sdpa", action="store_true", help="time torch's SDPA (causal, no sinks, GQA) instead")
     ap.add_argument("--seconds", type=float, default=0.0, help="then launch it back to back this long (for "
                     "benchmarks/clock_watch.py: clock and power under this kernel alone)")
     args = ap.parse_args()
@@ -39,17 +40,27 @@ def main() -> None:
     q, k, v = (t.view(T, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
     sinks = torch.rand(hq, device="cuda", generator=g) * 20 - 10
     out = torch.empty_like(q)
+    if args.sdpa:
+        import torch.nn.functional as F
+
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+        def run():
+            F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    else:
+        def run():
+            ws_attention_prefill(q, k, v, sinks, out, D ** -0.5, **opts)
     for _ in range(3):
-        ws_attention_prefill(q, k, v, sinks, out, D ** -0.5, **opts)
+        run()
     torch.cuda.synchronize()
     n, t0 = 0, time.time()
     while time.time() - t0 < args.seconds:
         for _ in range(10):
-            ws_attention_prefill(q, k, v, sinks, out, D ** -0.5, **opts)
+            run()
         torch.cuda.synchronize()
         n += 10
     dt = time.time() - t0
-    print("ran", opts, T, f"{n} launches in {dt:.1f} s: {dt / max(n, 1) * 1e3:.3f} ms each" if n else "")
+    print("ran", "sdpa" if args.sdpa else opts, T, f"{n} launches in {dt:.1f} s: {dt / max(n, 1) * 1e3:.3f} ms each" if n else "")
 
 
 if __name__ == "__main__":

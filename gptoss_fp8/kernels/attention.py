@@ -342,7 +342,8 @@ def attention_prefill(
     ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this Triton launch instead of
     the config's choice (and never the Gluon kernel). ``fp8``: Q, K, V quantized to e4m3 here
     (quant/attn_fp8.py, torch ops) and both products on e4m3 operands, P as e4m3(P * 256): the
-    numerics of ``spec.attention_fp8_varlen`` (the Triton kernel only; no fused rope).
+    numerics of ``spec.attention_fp8_varlen`` (no fused rope; one causal sequence on sm_90 runs the Gluon
+    e4m3 kernel, kernels/attention_ws_fp8.py, unless ``config.attention_gluon_fp8`` is off).
     ``q_offset`` > 0 (one sequence, cu_seqlens None): a prompt chunk after cached keys, q's row t at
     key position q_offset + t of k / v [q_offset + T, Hkv, D] (the keys before the chunk, then its
     own): ``spec.attention(..., q_offset=)`` (``spec.attention_fp8`` with ``fp8``); masks on absolute
@@ -387,6 +388,10 @@ def attention_prefill(
     window = sliding_window if 0 < sliding_window < max_seqlen + q_offset else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = config or DEFAULT
+    if tile is None and fp8 and cfg.attention_gluon_fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
+        from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+        return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale)
     if tile is None and not fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 

@@ -184,6 +184,9 @@ class KernelConfig:
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True
     attention_gluon_tile: GluonAttentionTile = field(default_factory=GluonAttentionTile)
+    # ``--attention fp8`` on one causal sequence: the Gluon e4m3 kernel (kernels/attention_ws_fp8.py)
+    # instead of the Triton kernel's FP8 path (issue 34, BENCHMARKS.md)
+    attention_gluon_fp8: bool = True
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71); window-128 with
     # two heads per program 0.115 vs 0.119 ms (notes/kernels_attention.md, 4th session).
     prefill_causal: PrefillTile = field(default_factory=lambda: PrefillTile(128, 64, 8, 3, maxnreg=128))

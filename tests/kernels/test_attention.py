@@ -698,6 +698,30 @@ def test_prefill_fp8_gpu(lens, window, hq, hkv, tile):
     _check_fp8(out, q, k, v, sinks, cu, window, gpu=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 129, 1000, 4099])
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1), (16, 2)])
+def test_prefill_ws_fp8_gpu(T, hq, hkv):
+    """The Gluon e4m3 kernel (kernels/attention_ws_fp8.py), which attention_prefill(fp8=True) runs for one
+    causal sequence on sm_90, against spec.attention_fp8; with the config's switch off, the Triton kernel."""
+    from gptoss_fp8.kernels import attention_ws_fp8
+
+    gen = torch.Generator().manual_seed(T * 3 + hq)
+    fused = _rand(T, (hq + 2 * hkv) * D, gen=gen)  # q / k / v as views of one projection output
+    q, k, v = (t.view(T, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
+    sinks = _sinks(hq, gen)
+    _poison(T, hq, D)
+    calls = []
+    real = attention_ws_fp8.ws_attention_prefill_fp8
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_ws_fp8, "ws_attention_prefill_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        out = attention_prefill(q, k, v, sinks, fp8=True)
+        off = attention_prefill(q, k, v, sinks, fp8=True, config=KernelConfig(attention_gluon_fp8=False))
+    assert calls == [1], "one causal sequence with --attention fp8 runs the Gluon kernel on the H200"
+    _check_fp8(out, q, k, v, sinks, None, 0, gpu=True)
+    _check_fp8(off, q, k, v, sinks, None, 0, gpu=True)
+
+
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
 QOFF_GPU_CASES = [(1000, 3001), (1, 4095), (2048, 128), (777, 64), (300, 8192)]  # (T, q_offset)
 

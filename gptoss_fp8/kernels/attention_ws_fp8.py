@@ -1,0 +1,271 @@
+"""Warp-specialized causal prefill attention with sinks on FP8 operands (``--attention fp8``), Gluon, sm_90.
+
+The structure of kernels/attention_ws.py (a 1-warp TMA producer streaming K and V blocks of 64 keys
+through a ring of shared-memory stages; consumer warpgroups of 64 queries each, QK^T of block j and
+PV of block j - 1 on the tensor cores while block j's softmax runs) with e4m3 wgmma for both
+products. Why: the bf16 kernel runs at the H200's 700 W cap, and its energy is the sum of its MMA
+part's and its softmax part's (BENCHMARKS.md, issue 34: each measured alone); e4m3 products take
+about half the MMA energy.
+
+Numerics: ``spec.attention_fp8`` (quant/attn_fp8.py's operands, quantized by the launcher): scores
+= (Q8 K8^T) * (sq * sm_scale * log2 e) * sk in log2 units (the two scales folded into one factor per
+block, then one FMA with the running max: an fp32 rounding or two from the spec's order); the
+running max kept an integer (ceil), so alpha is an exact power of two and P * 256 rounds to e4m3 in
+the spec's final frame; 2^x taken at (x + 8) for P * 256 directly (the row sum scaled back by 2^-8,
+exactly); each block's P8 V8 summed fresh in fp32 by the tensor core (Hopper's FP8 MMA accumulates
+imprecisely over long K) and added to the running output after its alpha; at the end times V's
+channel scale / 256, divided by the row sum (the sink's term included). V arrives transposed
+(keys contiguous, [Hkv * D, T]): the K-major B operand e4m3 wgmma needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptoss_fp8.kernels._gluon import HAS_GLUON
+from gptoss_fp8.quant.attn_fp8 import P_SCALE, QK_BLOCK, quantize_qk, quantize_v
+from gptoss_fp8.quant.fp8 import cdiv
+
+if HAS_GLUON:
+    from gptoss_fp8.kernels._gluon import (
+        descriptor,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+LOG2E = 1.4426950408889634
+WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warpgroup)
+BLOCK_N = 64  # keys per block (= QK_BLOCK: one K scale per block)
+HEAD_DIM = 64
+NWG = 3  # consumer warpgroups
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _fp8_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
+                     GROUP: gl.constexpr):
+        S: gl.constexpr = k_bufs.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        W: gl.constexpr = q_smem.type.shape[0]
+        R: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        head = gl.program_id(0)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (W * R)
+        kv = head // GROUP
+        mbarrier.expect(q_bar, W * q_desc.block_type.nbytes)
+        for w in gl.static_range(W):
+            tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
+        n_blocks = gl.cdiv(gl.minimum(m0 + W * R, T), BN)
+        for j in range(n_blocks):
+            s = j % S
+            mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [j * BN, kv * D], ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [kv * D, j * BN], ready.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _fp8_softmax(sc, c, m_i, l_i, rows, j, MASKED: gl.constexpr):
+        """Block j's raw e4m3 dot products sc and its score factor c -> (P * 256, alpha, m, l)."""
+        BN: gl.constexpr = sc.type.shape[1]
+        if MASKED:
+            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
+            visible = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
+            sc = gl.where(visible, sc * c, float("-inf"))
+            m_new = gl.maximum(m_i, gl.ceil(gl.max(sc, 1)))
+            p = gl.exp2(sc - gl.expand_dims(m_new - 8.0, 1))
+        else:
+            m_new = gl.maximum(m_i, gl.ceil(gl.max(sc, 1) * c))
+            p = gl.exp2(sc * c - gl.expand_dims(m_new - 8.0, 1))  # P * 256
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, 1) * 0.00390625
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _as_operand(p, p_layout: gl.constexpr):
+        """P * 256 [R, 64] fp32 in the accumulator layout -> e4m3, the A operand of the PV wgmma, no
+        data moved: its key columns relabelled by key_order (bits c5 c4 c3 c2 c1 c0 read as c5 c4 c2 c1
+        c3 c0: each thread's own values in the operand's order; the launcher put V's keys in that order
+        too), then four values at a time to one register (two cvt e4m3x2: RNE, saturating, as the spec's
+        cast below 448)."""
+        R: gl.constexpr = p.type.shape[0]
+        x = gl.permute(gl.reshape(p, [R, 2, 2, 2, 2, 2, 2]), (0, 1, 2, 4, 5, 3, 6))
+        x = gl.convert_layout(gl.reshape(x, [R, 64]), p_layout, assert_trivial=True)
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr,
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
+        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block)."""
+        S: gl.constexpr = k_bufs.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        NW: gl.constexpr = q_smem.type.shape[0]
+        R: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        head = gl.program_id(0)
+        kv = head // GROUP
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NW * R)
+        r0 = m0 + W * R
+        rows = r0 + gl.arange(0, R, layout=row_layout)
+        n_blocks = gl.cdiv(gl.minimum(m0 + NW * R, T), BN)
+        n_full = (r0 + 1) // BN
+        my_blocks = gl.minimum(r0 // BN + 1, n_blocks)
+        last = my_blocks - 1
+        sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
+        m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
+        l_i = gl.exp2(gl.full([R], 0.0, gl.float32, row_layout) + (sink - gl.ceil(sink)))
+        acc = gl.zeros([R, D], gl.float32, o_layout)
+        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
+        zero_o = gl.zeros([R, D], gl.float32, o_layout)
+        # this warpgroup's Q scale (times sm_scale * log2 e, the launcher's); rows past T: any
+        cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
+        q = q_smem.index(W)
+        mbarrier.wait(q_bar, 0)
+
+        mbarrier.wait(ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c = cq * gl.load(sk_ptr + kv * nbk)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        if n_full > 0:
+            p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, 0, False)
+        else:
+            p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, 0, True)
+        p_op = _as_operand(p8, p_layout)
+        alpha_prev = alpha
+        for j in range(1, my_blocks):
+            s = j % S
+            sp = (j - 1) % S
+            c = cq * gl.load(sk_ptr + kv * nbk + j)
+            mbarrier.wait(ready.index(s), (j // S) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            pv = warpgroup_mma(p_op, v_bufs.index(sp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            if j < n_full:
+                p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, j, False)
+            else:
+                p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, j, True)
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            mbarrier.arrive(empty.index(sp), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
+            alpha_prev = alpha
+            p_op = _as_operand(p8, p_layout)
+        pv = warpgroup_mma(p_op, v_bufs.index(last % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        mbarrier.arrive(empty.index(last % S), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
+        for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
+            mbarrier.wait(ready.index(j % S), (j // S) & 1)
+            mbarrier.arrive(empty.index(j % S), count=1)
+
+        sv = gl.load(sv_ptr + kv * D + gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)))  # V scale / 256
+        out = acc * gl.expand_dims(sv, 0) / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
+        o = o_smem.index(W)
+        o.store(out.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [r0, head * D], o)
+        tma.store_wait(0)
+
+    # The worker partitions take the same arguments (a warp_specialize requirement).
+    @gluon.jit
+    def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
+        _fp8_consume(1, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr, sk_ptr,
+                     sv_ptr, T, num_pid_m, nbq, nbk, GROUP)
+
+    @gluon.jit
+    def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
+        _fp8_consume(2, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr, sk_ptr,
+                     sv_ptr, T, num_pid_m, nbq, nbk, GROUP)
+
+    @gluon.jit
+    def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
+                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
+        _fp8_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
+
+    @gluon.jit
+    def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
+                                 nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr):
+        R: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [3, R, D], q_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [3, R, D], o_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, D, BN], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
+        gl.warp_specialize([
+            (_fp8_consume, (0, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr, sk_ptr,
+                            sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+            (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
+                              sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+            (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
+                              sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+            (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
+                             sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+        ], [4, 4, 1], [160, 160, 40])
+
+
+def key_order(device=None) -> torch.Tensor:
+    """KEY_ORDER: position k of a 64-key block holds key sigma(k), sigma the bit map k5 k4 k3 k2 k1 k0 ->
+    key bits k5 k4 k1 k3 k2 k0 (what _as_operand's relabelling reads P's columns as)."""
+    k = torch.arange(BLOCK_N, device=device)
+    b = [(k >> i) & 1 for i in range(6)]
+    # key bit c0 = k0, c1 = k2, c2 = k3, c3 = k1, c4 = k4, c5 = k5
+    return b[0] | (b[2] << 1) | (b[3] << 2) | (b[1] << 3) | (b[4] << 4) | (b[5] << 5)
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    n, h, d = t.shape
+    return t.as_strided((n, h * d), (t.stride(0), 1))
+
+
+def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                             out: torch.Tensor, sm_scale: float, stages: int = 4) -> torch.Tensor:
+    """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
+    k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row. Q, K, V are
+    quantized here with torch ops (quant/attn_fp8.py: ~1 ms at 128000 tokens against ~200 ms of
+    attention); V transposed, its rows padded to 16 bytes for the TMA."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+    q8, sq = quantize_qk(q)
+    k8, sk = quantize_qk(k)
+    v8t, sv = quantize_v(v)  # [Hkv, D, T]
+    tpad = cdiv(T, BLOCK_N) * BLOCK_N
+    if tpad != T:
+        vp = torch.zeros(hkv, d, tpad, dtype=v8t.dtype, device=v8t.device)
+        vp[..., :T] = v8t
+        v8t = vp
+    # each block's keys in the order P's registers hold them as the MMA's A operand (_as_operand)
+    vt2 = v8t.view(hkv * d, tpad // BLOCK_N, BLOCK_N)[:, :, key_order(v8t.device)].reshape(hkv * d, tpad)
+    sq = (sq * (sm_scale * LOG2E)).contiguous()
+    svs = (sv / P_SCALE).contiguous()
+    num_pid_m = cdiv(T, NWG * WG_ROWS)
+    _ws_attention_fp8_kernel[(hq, num_pid_m)](
+        descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt2, [d, BLOCK_N]),
+        descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
+        GROUP=hq // hkv, STAGES=stages, num_warps=4,
+    )
+    return out
+
+
+assert WG_ROWS == BLOCK_N == QK_BLOCK, "one Q scale per warpgroup and one K scale per key block"
