@@ -18,6 +18,7 @@ import time
 import torch
 
 from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
+from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
 D = 64
 
@@ -47,6 +48,9 @@ def main() -> None:
 
         def run():
             F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    elif opts.pop("fp8", False):
+        def run():
+            ws_attention_prefill_fp8(q, k, v, sinks, out, D ** -0.5, stages=opts["stages"])
     else:
         def run():
             ws_attention_prefill(q, k, v, sinks, out, D ** -0.5, **opts)
