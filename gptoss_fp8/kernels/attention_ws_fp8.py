@@ -87,15 +87,19 @@ if HAS_GLUON:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _as_operand(p, p_layout: gl.constexpr):
-        """P * 256 [R, 64] fp32 in the accumulator layout -> e4m3, the A operand of the PV wgmma, no
-        data moved: its key columns relabelled by key_order (bits c5 c4 c3 c2 c1 c0 read as c5 c4 c2 c1
-        c3 c0: each thread's own values in the operand's order; the launcher put V's keys in that order
-        too), then four values at a time to one register (two cvt e4m3x2: RNE, saturating, as the spec's
-        cast below 448)."""
+    def _relabel(p, p_layout: gl.constexpr):
+        """P * 256 [R, 64] fp32 in the accumulator layout -> the A operand's layout, no data moved: its
+        key columns relabelled by key_order (bits c5 c4 c3 c2 c1 c0 read as c5 c4 c2 c1 c3 c0: each
+        thread's own values in the operand's order; the launcher put V's keys in that order too)."""
         R: gl.constexpr = p.type.shape[0]
         x = gl.permute(gl.reshape(p, [R, 2, 2, 2, 2, 2, 2]), (0, 1, 2, 4, 5, 3, 6))
-        x = gl.convert_layout(gl.reshape(x, [R, 64]), p_layout, assert_trivial=True)
+        return gl.convert_layout(gl.reshape(x, [R, 64]), p_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _e4m3(x):
+        """fp32 -> e4m3, four values to one register (two cvt e4m3x2: RNE, saturating, as the spec's cast
+        below 448). Called right before the wgmma that reads it: an e4m3 tensor carried across the loop's
+        back edge is kept a byte per register and repacked (~100 instructions a block)."""
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
             "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
@@ -142,7 +146,7 @@ if HAS_GLUON:
             p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, 0, False)
         else:
             p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, 0, True)
-        p_op = _as_operand(p8, p_layout)
+        p_op = _relabel(p8, p_layout)
         alpha_prev = alpha
         for j in range(1, my_blocks):
             s = j % S
@@ -150,7 +154,7 @@ if HAS_GLUON:
             c = cq * gl.load(sk_ptr + kv * nbk + j)
             mbarrier.wait(ready.index(s), (j // S) & 1)
             s_tok = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            pv = warpgroup_mma(p_op, v_bufs.index(sp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            pv = warpgroup_mma(_e4m3(p_op), v_bufs.index(sp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             if j < n_full:
                 p8, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, j, False)
@@ -160,8 +164,8 @@ if HAS_GLUON:
             mbarrier.arrive(empty.index(sp), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
             alpha_prev = alpha
-            p_op = _as_operand(p8, p_layout)
-        pv = warpgroup_mma(p_op, v_bufs.index(last % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            p_op = _relabel(p8, p_layout)
+        pv = warpgroup_mma(_e4m3(p_op), v_bufs.index(last % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
         mbarrier.arrive(empty.index(last % S), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
