@@ -230,7 +230,7 @@ if HAS_GLUON:
 
 def key_order(device=None) -> torch.Tensor:
     """KEY_ORDER: position k of a 64-key block holds key sigma(k), sigma the bit map k5 k4 k3 k2 k1 k0 ->
-    key bits k5 k4 k1 k3 k2 k0 (what _as_operand's relabelling reads P's columns as)."""
+    key bits k5 k4 k1 k3 k2 k0 (what _relabel reads P's columns as)."""
     k = torch.arange(BLOCK_N, device=device)
     b = [(k >> i) & 1 for i in range(6)]
     # key bit c0 = k0, c1 = k2, c2 = k3, c3 = k1, c4 = k4, c5 = k5
@@ -242,30 +242,38 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n, h * d), (t.stride(0), 1))
 
 
-def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                             out: torch.Tensor, sm_scale: float, stages: int = 4) -> torch.Tensor:
-    """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
-    k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row. Q, K, V are
-    quantized here with torch ops (quant/attn_fp8.py: ~1 ms at 128000 tokens against ~200 ms of
-    attention); V transposed, its rows padded to 16 bytes for the TMA."""
-    T, hq, d = q.shape
-    hkv = k.shape[1]
-    assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
+    """The kernel's operands (quant/attn_fp8.py's roundings, torch ops): (q8 [T, Hq, D], sq [Hq, nb] times
+    sm_scale * log2 e, k8 [T, Hkv, D], sk [Hkv, nb], vt [Hkv * D, Tpad] e4m3: V transposed, T padded with
+    zero keys to a multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's
+    channel scale / 256 [Hkv, D])."""
+    hkv, d = k.shape[1], k.shape[2]
     q8, sq = quantize_qk(q)
     k8, sk = quantize_qk(k)
     v8t, sv = quantize_v(v)  # [Hkv, D, T]
+    T = v8t.shape[-1]
     tpad = cdiv(T, BLOCK_N) * BLOCK_N
     if tpad != T:
         vp = torch.zeros(hkv, d, tpad, dtype=v8t.dtype, device=v8t.device)
         vp[..., :T] = v8t
         v8t = vp
-    # each block's keys in the order P's registers hold them as the MMA's A operand (_as_operand)
-    vt2 = v8t.view(hkv * d, tpad // BLOCK_N, BLOCK_N)[:, :, key_order(v8t.device)].reshape(hkv * d, tpad)
-    sq = (sq * (sm_scale * LOG2E)).contiguous()
-    svs = (sv / P_SCALE).contiguous()
+    vt = v8t.view(hkv * d, tpad // BLOCK_N, BLOCK_N)[:, :, key_order(v8t.device)].reshape(hkv * d, tpad)
+    return q8, (sq * (sm_scale * LOG2E)).contiguous(), k8, sk, vt, (sv / P_SCALE).contiguous()
+
+
+def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                             out: torch.Tensor, sm_scale: float, stages: int = 4) -> torch.Tensor:
+    """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
+    k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
+    ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``, torch ops: ~1 ms
+    at 8192 tokens, a few at 128000, against 262 ms of attention there)."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
-        descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt2, [d, BLOCK_N]),
+        descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
         GROUP=hq // hkv, STAGES=stages, num_warps=4,
     )

@@ -605,7 +605,7 @@ def _ws_compile(**options):
     types = {n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
     types.update(sinks_ptr="*bf16", qk_scale="fp32")
     return _gluon.compile_for_sm90(attention_ws._ws_attention_kernel, types,
-                                   dict(GROUP=8, STAGES=4, NWG=3, REGS=160, **options))
+                                   {**dict(GROUP=8, STAGES=4, NWG=3, REGS=160), **options})
 
 
 def _wgmma_by_a(ptx):
@@ -618,18 +618,26 @@ def _wgmma_by_a(ptx):
 
 
 @pytest.mark.slow  # ~35 s on the 2-core box: compile-only, the default tiles are checked by the test above
-@pytest.mark.parametrize("option", ["QSMEM", "DEEP", "EXP"])
+@pytest.mark.parametrize("option", ["QSMEM", "DEEP", "EXP", "ORDER", "NWG4"])
 def test_prefill_ws_options_compile_for_sm90(option):
     """Without a GPU: ws_attention_prefill's options change the code as they claim. QREG: every
     wgmma takes A from registers (Q of QK^T and P of PV), the default; QSMEM (QREG=False): QK^T reads
     Q from shared memory, half the wgmmas take A from there. DEEP: twice the wgmma
     sites (blocks in pairs) and ptxas keeps them pipelined (no C7514 serialization). EXP=1 (the last
     quarter of the unmasked blocks' 2^x by the FMA polynomial): 8 fewer MUFU ex2 per thread at each
-    unmasked softmax site (6 of them: 3 warpgroups x block 0 / loop). No local memory in any."""
-    k = _ws_compile(**{"QSMEM": dict(QREG=False), "DEEP": dict(QREG=False, DEEP=True), "EXP": dict(EXP=1)}[option])
+    unmasked softmax site (6 of them: 3 warpgroups x block 0 / loop). ORDER: turns between the warpgroups
+    (more mbarrier waits). NWG4: four consumer warpgroups. No local memory in any."""
+    k = _ws_compile(**{"QSMEM": dict(QREG=False), "DEEP": dict(QREG=False, DEEP=True), "EXP": dict(EXP=1),
+                       "ORDER": dict(ORDER=True, TREE=True), "NWG4": dict(NWG=4, REGS=112, QREG=False)}[option])
     ptx = k["ptx"]
     assert ".local" not in ptx
-    if option == "QSMEM":
+    if option == "ORDER":  # each consumer waits its turn before every issue: more mbarrier waits than the default
+        base = _ws_compile()["ptx"]
+        assert ptx.count("mbarrier.try_wait") > base.count("mbarrier.try_wait")
+    elif option == "NWG4":  # four consumer warpgroups at 112 registers beside the producer warp
+        assert k["num_warps"] == 20 and re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+112", ptx)
+        assert _wgmma_by_a(ptx) == (32, 32)  # Q from shared memory (in registers ptxas would spill)
+    elif option == "QSMEM":
         assert _wgmma_by_a(ptx) == (24, 24)
     elif option == "DEEP":
         assert len([line for line in ptx.splitlines() if "wgmma.mma_async" in line]) == 96
@@ -720,6 +728,81 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
     assert calls == [1], "one causal sequence with --attention fp8 runs the Gluon kernel on the H200"
     _check_fp8(out, q, k, v, sinks, None, 0, gpu=True)
     _check_fp8(off, q, k, v, sinks, None, 0, gpu=True)
+
+
+def test_fp8_key_order_moves_no_data_across_lanes():
+    """kernels/attention_ws_fp8.py's relabelling of P's key columns (no GPU): in the wgmma accumulator a
+    lane q of a quad holds columns 8i + 2q + b of a 64-key block; as the e4m3 A operand (k32 steps) it
+    holds k = 32s + 16h + 4q + j. key_order must send each of a lane's operand slots to a column the same
+    lane holds (no shuffle), be a permutation, and keep the two k32 halves apart."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import key_order
+
+    order = key_order().tolist()
+    assert sorted(order) == list(range(64))
+    for q in range(4):
+        held = {8 * i + 2 * q + b for i in range(8) for b in range(2)}
+        slots = [32 * s_ + 16 * h + 4 * q + j for s_ in range(2) for h in range(2) for j in range(4)]
+        assert {order[k] for k in slots} == held, f"lane {q}"
+        assert all((order[k] >= 32) == (k >= 32) for k in slots)
+
+
+@pytest.mark.parametrize("T", [1, 100, 128])
+def test_fp8_operands_layout(T):
+    """The FP8 Gluon kernel's operands (CPU): Q, K as quant/attn_fp8.py quantizes them (sq times
+    sm_scale * log2 e), V transposed with each 64-key block's keys in key_order and zero keys past T,
+    V's channel scale / 256; P V is unchanged when P's columns and V's keys take the same order."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import fp8_operands, key_order
+    from gptoss_fp8.quant.attn_fp8 import quantize_qk, quantize_v
+
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(T, h, D, generator=gen).bfloat16() for h in (8, 2, 2))
+    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, 0.125)
+    rq8, rsq = quantize_qk(q)
+    assert torch.equal(q8.view(torch.uint8), rq8.view(torch.uint8))
+    torch.testing.assert_close(sq, rsq * (0.125 * 1.4426950408889634), rtol=0, atol=0)
+    assert torch.equal(k8.view(torch.uint8), quantize_qk(k)[0].view(torch.uint8))
+    v8t, sv = quantize_v(v)
+    tpad = -(-T // 64) * 64
+    assert vt.shape == (2 * D, tpad) and torch.equal(svs, sv / 256)
+    full = torch.zeros(2 * D, tpad, dtype=torch.uint8)
+    full[:, :T] = v8t.reshape(2 * D, T).view(torch.uint8)
+    order = key_order()
+    for b in range(tpad // 64):
+        assert torch.equal(vt[:, 64 * b:64 * (b + 1)].view(torch.uint8), full[:, 64 * b + order])
+    p = torch.rand(5, tpad, generator=gen, dtype=torch.float64)
+    vf = full.view(torch.float8_e4m3fn).double()  # [2D, tpad]
+    perm = torch.cat([64 * b + order for b in range(tpad // 64)])
+    torch.testing.assert_close(p[:, perm] @ vt.double().t(), p @ vf.t())
+
+
+@pytest.mark.slow  # ~15 s on the 2-core box (compile only); the GPU tests run it: test_prefill_ws_fp8_gpu
+def test_prefill_ws_fp8_compiles_for_sm90():
+    """Without a GPU: the FP8 Gluon attention compiles for sm_90 into e4m3 wgmma (QK^T from shared memory,
+    PV with P from registers), P packed four values a register right before its wgmma (no e4m3 tensor
+    carried across the loop: its bytes would be repacked), no local memory, the consumers at 160 registers."""
+    import re
+
+    from gptoss_fp8.kernels import _gluon, attention_ws_fp8
+
+    if not _gluon.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API")
+
+    def lay(bits, sw):
+        return (f"NVMMASharedLayout(swizzle_byte_width={sw}, element_bitwidth={bits}, rank=2, transposed=False, "
+                "fp4_padded=False, cga_layout=[])")
+    types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
+    types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
+                 sk_ptr="*fp32", sv_ptr="*fp32")
+    k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4))
+    ptx = k["ptx"]
+    ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert ops and all("m64n64k32.f32.e4m3.e4m3" in line for line in ops)
+    from_regs = [line for line in ops if re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)]
+    assert len(from_regs) == len(ops) // 2  # PV's A (P) from registers, QK^T's (Q) from shared memory
+    assert ".local" not in ptx and "cvt.u16.u32" not in ptx  # no byte-per-register e4m3 values
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
+    if "spill_stores" in k:
+        assert k["spill_stores"] <= 8, k
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
