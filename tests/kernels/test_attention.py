@@ -635,6 +635,8 @@ def test_prefill_ws_options_compile_for_sm90(option):
         base = _ws_compile()["ptx"]
         assert ptx.count("mbarrier.try_wait") > base.count("mbarrier.try_wait")
     elif option == "NWG4":  # four consumer warpgroups at 112 registers beside the producer warp
+        import re
+
         assert k["num_warps"] == 20 and re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+112", ptx)
         assert _wgmma_by_a(ptx) == (32, 32)  # Q from shared memory (in registers ptxas would spill)
     elif option == "QSMEM":
