@@ -44,24 +44,27 @@ def flashinfer_sink_prefill(backend):
     """(run(q, k, v, sinks) -> out [T, HQ, D], JIT build + load seconds)."""
     import flashinfer
     from flashinfer.jit.attention.variants import attention_sink_decl
-
+    from flashinfer.jit.cpp_ext import get_cuda_path
+    if not os.path.exists(os.path.join(get_cuda_path(), "include", "curand_kernel.h")):  # cutlass's tensor_fill.h wants it
+        import nvidia  # then the headers of pip's nvidia-curand (cu13), searched after the toolkit's
+        inc = [p for d in nvidia.__path__ if os.path.exists(p := os.path.join(d, "cu13", "include", "curand_kernel.h"))]
+        os.environ.setdefault("FLASHINFER_EXTRA_CUDAFLAGS", f"-isystem {os.path.dirname(inc[0])}" if inc else "")
     jit_args = [f"gptoss_peer_sink_bf16_d{D}_{backend}", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32,
                 D, D, ["sink"], ["float"], ["sm_scale"], ["double"], "AttentionSink", attention_sink_decl[backend]]
     jit_kwargs = {"use_sliding_window": False, "paged_kv_stride_mode": "independent" if backend == "fa2" else "runtime"}
     t0 = time.time()
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend, jit_args=jit_args,
-                                                              jit_kwargs=jit_kwargs)  # builds (ninja) and loads
+    # builds the module with ninja (JIT cache under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer), loads it
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend, jit_args=jit_args, jit_kwargs=jit_kwargs)
     jit_s = time.time() - t0
     planned = [None]  # the length plan() was last called for
 
     def run(q, k, v, sinks):
         if planned[0] != q.shape[0]:
             indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32, device="cuda")
-            wrapper.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16,
-                         kv_data_type=torch.bfloat16)
+            w.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
             planned[0] = q.shape[0]
-        return wrapper.run(q, k, v, sinks, SM_SCALE)
+        return w.run(q, k, v, sinks, SM_SCALE)
     return run, jit_s
 
 
@@ -138,13 +141,9 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    names = ["ours", *res["compile_s"]]
-    print("\n| T | " + " | ".join(f"{n}: ms (TFLOP/s), rel err" for n in names) + " |")
     for T, row in res["timing"].items():
-        cells = [f"{min(r['ms']):.3f} ({r['tflops']:.0f}), {r['rel_err']:.1e}" if (r := row.get(n)) else "-"
-                 for n in names]
-        print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
-
+        print(f"T={T}: " + ", ".join(f"{n} {min(r['ms']):.3f} ms ({r['tflops']:.0f} TFLOP/s, rel err {r['rel_err']:.1e})"
+                                     for n, r in row.items()), flush=True)
 
 if __name__ == "__main__":
     main()
