@@ -29,7 +29,8 @@ from gptoss_fp8.kernels.attention import attention_prefill
 
 D, HQ, HKV = 64, 64, 8
 SM_SCALE = D ** -0.5
-os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp")  # JIT cache: /tmp/.cache/flashinfer (read at import)
+# read at import: FlashInfer's JIT cache in /tmp/.cache/flashinfer; tvm_ffi builds no torch DLPack addon (torch has the API)
+os.environ |= {"FLASHINFER_WORKSPACE_BASE": "/tmp", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"} | dict(os.environ)
 
 
 def _inputs(T, seed):
@@ -68,8 +69,7 @@ def flashinfer_sink_prefill(backend):
     return run, jit_s
 
 
-def _fail(res, key, what, e):
-    """Keep the error in the results; print one line: its lines that say "error" (nvcc's), else its tail."""
+def _fail(res, key, what, e):  # keep the error in res; print one line: its lines with "error" (nvcc's), else its tail
     text = res["errors"][key] = f"{type(e).__name__}: {e}"[-20000:]
     errs = [ln.strip() for ln in text.splitlines() if "error" in ln.lower()][:3]
     print(f"{key}: {what} ({' | '.join(errs)[:600] if errs else ' '.join(text.split())[-600:]})", flush=True)
