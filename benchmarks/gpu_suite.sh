@@ -15,6 +15,7 @@
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
+#   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried)
 #   attention-fp8  the FP8 attention kernel's GPU tests against its spec and its bench (issue 34)
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -259,6 +260,13 @@ if has attention-ncu; then
     echo "variant $i: '$var'" | tee -a "$OUT/ncu/variants.txt"
     i=$((i + 1))
   done
+fi
+
+if has flashinfer; then
+  # issue 34's peer: FlashInfer 0.7.2's sink prefill (fa3, JIT-compiled here: ~2-3 min of nvcc) beside ours;
+  # needs .fi/ carried (benchmarks/flashinfer_slim.py builds it from the wheels, 44.6 MiB)
+  PATH=$PATH:$(pwd)/.fi/bin PYTHONPATH=$PYTHONPATH:$(pwd)/.fi timeout ${FI_S:-540} python3 benchmarks/flashinfer_peer.py \
+    --json "$OUT/flashinfer.json" 2>&1 | grep -v Warn | tail -25 | tee "$OUT/flashinfer.log"
 fi
 
 if has attention-fp8; then
