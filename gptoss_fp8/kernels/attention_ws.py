@@ -6,23 +6,26 @@ its time in: one sequence, full causal (no window), head_dim 64, bf16, any GQA r
 any 16-byte-aligned stride (views of the fused q/k/v projection). ``attention_prefill`` calls it
 there on sm_90; call it through there.
 
-Structure (FlashAttention-3's, on 128 queries x one head per program):
-- a 1-warp producer loads the program's two 64-row Q tiles once, then streams K and V blocks of
+Structure (FlashAttention-3's, on 64 queries per consumer warpgroup x one head per program):
+- a 1-warp producer loads the program's 64-row Q tiles once, then streams K and V blocks of
   BLOCK_N keys through a ring of shared-memory stages with TMA (the GQA heads that share a KV head
   run side by side, so their K/V tiles come from L2);
-- two consumer warpgroups, each a partition of its own with 64 of the queries, run the online
-  softmax in base 2 with the running max starting at the sink (as attention.py). Inside a
-  warpgroup the work is software-pipelined: the QK^T product of block j + 1 and the PV product of
-  block j - 1 are in flight on the tensor cores while block j's softmax runs, and the two
-  warpgroups overlap each other besides. Blocks past a warpgroup's diagonal are skipped (only
+- consumer warpgroups (three by default), each a partition of its own with 64 of the queries, run
+  the online softmax in base 2 with the running max starting at the sink (as attention.py). Inside
+  a warpgroup the work is software-pipelined: the QK^T product of block j + 1 and the PV product of
+  block j - 1 are in flight on the tensor cores while block j's softmax runs, and the warpgroups
+  overlap each other besides. Blocks past a warpgroup's diagonal are skipped (only
   released); the diagonal blocks get the causal mask.
 - epilogue: O / l in bf16 through shared memory (the Q tile's buffer) and a TMA store.
 
 Options toward the exp bound (issue 34; ``ws_attention_prefill``'s keywords, ``GluonAttentionTile``'s
-fields), all off by default and not yet measured on the H200 (benchmarks/attn_variants.py times them
-side by side; BENCHMARKS.md "Attention prefill"): Q as the register operand of QK^T, blocks in pairs
-with QK^T one block ahead, part of 2^x by an FMA-pipe polynomial or packed bf16x2 ex2, and
-conditional rescaling of the running max.
+fields), measured side by side on the H200 (benchmarks/attn_variants.py; BENCHMARKS.md "Attention
+prefill"): Q as the register operand of QK^T (the default: +3%), blocks in pairs with QK^T one block
+ahead, part of 2^x by an FMA-pipe polynomial or packed bf16x2 ex2, conditional rescaling of the running
+max, the consumer warpgroups issuing in turn (FlashAttention-3's ping-pong), tree row reductions, four
+consumer warpgroups: none but the first gains, because the kernel runs at the H200's power cap (its MMAs
+alone and its softmax alone, the ``PROBES``, spend together what the kernel spends). FP8 operands
+(kernels/attention_ws_fp8.py) lower the energy per pair.
 """
 
 from __future__ import annotations
