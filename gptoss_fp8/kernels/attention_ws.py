@@ -57,7 +57,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
-                      GROUP: gl.constexpr):
+                      GROUP: gl.constexpr, VT: gl.constexpr = False):
+        """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
+        VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -70,7 +72,10 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
         n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         for j in range(n_blocks):
-            load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
+            if VT:
+                load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [kv_col, j * BN])
+            else:
+                load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
 
     @gluon.jit
     def _exp2_fma(x):
@@ -101,54 +106,39 @@ if HAS_GLUON:
         return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * N])
 
     @gluon.jit
+    def _fold(x, SUM: gl.constexpr):
+        lo, hi = _halves(x)
+        if SUM:
+            return lo + hi
+        else:
+            return gl.maximum(lo, hi)
+
+    @gluon.jit
     def _tree(x, SUM: gl.constexpr):
         """Row max (SUM False) or row sum of a [R, N] score tile, its register-held columns folded as a
         tree (halves by _halves: log2(N / 8) levels, no data moved) before the reduction across the
         quad's lanes; ``gl.max`` / ``gl.sum`` alone fold a thread's 16-32 values in one dependent chain."""
         N: gl.constexpr = x.type.shape[1]
-        lo, hi = _halves(x)
-        if SUM:
-            x = lo + hi
-        else:
-            x = gl.maximum(lo, hi)
+        x = _fold(x, SUM)
         if N >= 32:
-            lo, hi = _halves(x)
-            if SUM:
-                x = lo + hi
-            else:
-                x = gl.maximum(lo, hi)
+            x = _fold(x, SUM)
         if N >= 64:
-            lo, hi = _halves(x)
-            if SUM:
-                x = lo + hi
-            else:
-                x = gl.maximum(lo, hi)
+            x = _fold(x, SUM)
         if N >= 128:
-            lo, hi = _halves(x)
-            if SUM:
-                x = lo + hi
-            else:
-                x = gl.maximum(lo, hi)
+            x = _fold(x, SUM)
         if SUM:
             return gl.sum(x, 1)
         else:
             return gl.max(x, 1)
 
     @gluon.jit
-    def _row_max(x, TREE: gl.constexpr):
+    def _row_reduce(x, SUM: gl.constexpr, TREE: gl.constexpr):
         if TREE:
-            r = _tree(x, False)
-            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+            return gl.convert_layout(_tree(x, SUM), gl.SliceLayout(1, x.type.layout))
+        elif SUM:
+            return gl.sum(x, 1)
         else:
             return gl.max(x, 1)
-
-    @gluon.jit
-    def _row_sum(x, TREE: gl.constexpr):
-        if TREE:
-            r = _tree(x, True)
-            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
-        else:
-            return gl.sum(x, 1)
 
     @gluon.jit
     def _take_turn(turn, W: gl.constexpr, k, ORDER: gl.constexpr):
@@ -198,9 +188,9 @@ if HAS_GLUON:
             cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
             visible = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
             sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
-            m_blk = _row_max(sc, TREE)
+            m_blk = _row_reduce(sc, False, TREE)
         else:
-            m_blk = _row_max(sc, TREE) * qk_scale
+            m_blk = _row_reduce(sc, False, TREE) * qk_scale
             sc = sc * qk_scale
         if THRESH > 0:
             rescale = gl.max(m_blk - m_i, 0) > THRESH
@@ -214,7 +204,7 @@ if HAS_GLUON:
         sc = sc - gl.expand_dims(m_new, 1)
         alpha = gl.exp2(m_i - m_new)
         p = _exp2_tile(sc, EXP)
-        l_new = l_i * alpha + _row_sum(p.to(gl.float32), TREE)
+        l_new = l_i * alpha + _row_reduce(p.to(gl.float32), True, TREE)
         return p, alpha, m_new, l_new, rescale
 
     @gluon.jit
@@ -238,6 +228,19 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
+    def _wg_blocks(W: gl.constexpr, NWG: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, T, num_pid_m,
+                   row_layout: gl.constexpr):
+        """Consumer warpgroup W's share of the program (the longest row blocks first): (head, its first
+        query row r0, its rows, the program's key blocks, the blocks all its queries see in full, the
+        blocks it reads: the rest lie wholly in its future)."""
+        head = gl.program_id(0)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
+        r0 = m0 + W * R
+        rows = r0 + gl.arange(0, R, layout=row_layout)
+        n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
+        return head, r0, rows, n_blocks, (r0 + 1) // BN, gl.minimum(r0 // BN + 1, n_blocks)
+
+    @gluon.jit
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
                       T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
                       EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr):
@@ -257,13 +260,7 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        head = gl.program_id(0)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
-        r0 = m0 + W * R
-        rows = r0 + gl.arange(0, R, layout=row_layout)
-        n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
-        n_full = (r0 + 1) // BN  # blocks every query of this warpgroup sees in full
-        my_blocks = gl.minimum(r0 // BN + 1, n_blocks)  # the rest lie wholly in its future
+        head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout)
         last = my_blocks - 1
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + sink

@@ -37,6 +37,7 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from gptoss_fp8.kernels.attention_ws import _attn_produce, _wg_blocks
 
 LOG2E = 1.4426950408889634
 WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warpgroup)
@@ -46,28 +47,6 @@ NWG = 3  # consumer warpgroups
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _fp8_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
-                     GROUP: gl.constexpr):
-        S: gl.constexpr = k_bufs.type.shape[0]
-        BN: gl.constexpr = k_bufs.type.shape[1]
-        W: gl.constexpr = q_smem.type.shape[0]
-        R: gl.constexpr = q_smem.type.shape[1]
-        D: gl.constexpr = q_smem.type.shape[2]
-        head = gl.program_id(0)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (W * R)
-        kv = head // GROUP
-        mbarrier.expect(q_bar, W * q_desc.block_type.nbytes)
-        for w in gl.static_range(W):
-            tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
-        n_blocks = gl.cdiv(gl.minimum(m0 + W * R, T), BN)
-        for j in range(n_blocks):
-            s = j % S
-            mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [j * BN, kv * D], ready.index(s), k_bufs.index(s))
-            tma.async_copy_global_to_shared(v_desc, [kv * D, j * BN], ready.index(s), v_bufs.index(s))
 
     @gluon.jit
     def _fp8_softmax(sc, c, m_i, l_i, rows, j, MASKED: gl.constexpr):
@@ -118,14 +97,8 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        head = gl.program_id(0)
+        head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
         kv = head // GROUP
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NW * R)
-        r0 = m0 + W * R
-        rows = r0 + gl.arange(0, R, layout=row_layout)
-        n_blocks = gl.cdiv(gl.minimum(m0 + NW * R, T), BN)
-        n_full = (r0 + 1) // BN
-        my_blocks = gl.minimum(r0 // BN + 1, n_blocks)
         last = my_blocks - 1
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
@@ -197,7 +170,8 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
-        _fp8_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
+        _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
+                      True)
 
     @gluon.jit
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
