@@ -231,13 +231,21 @@ if has serve-peer; then
 fi
 
 if has attention; then
-  # issue 34: the warp-specialized attention's options (Q in registers, paired blocks, exp on the FMA
-  # pipes / packed bf16x2, conditional rescaling) checked against the spec and timed side by side in one
-  # process (benchmarks/attn_variants.py), then their GPU tests
-  timeout 210 python3 benchmarks/attn_variants.py --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn \
-    | tee "$OUT/attn_variants.log"
-  timeout 110 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "ws_gpu or single_sequence" 2>&1 \
-    | tail -30 | tee "$OUT/attn_tests.log"
+  # issue 34: the warp-specialized attention's variants (options, FP8, timing probes) checked against the
+  # spec and timed side by side in one process (benchmarks/attn_variants.py), the power each draws, then
+  # the GPU tests
+  # (ATTN_VARIANTS: attn_variants.py's names; the default: the shipped kernel, FP8, the two timing probes)
+  timeout 210 python3 benchmarks/attn_variants.py --variants "${ATTN_VARIANTS:-qreg,fp8,probe-mma,probe-softmax}" \
+    --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn | tee "$OUT/attn_variants.log"
+  # clock and board power under each alone (is it at the 700 W cap?), 32768 tokens, 4 s back to back
+  for v in "q_in_registers=True" "q_in_registers=True,exp=probe-mma-only" "q_in_registers=True,exp=probe-softmax-only" \
+           "fp8=True"; do
+    echo "== $v" | tee -a "$OUT/attn_power.log"
+    timeout 60 python3 benchmarks/clock_watch.py "$OUT/attn_clock.csv" -- python3 benchmarks/attn_ncu.py --tokens 32768 \
+      --variant "$v" --seconds 4 2>&1 | grep -v Warn | tail -4 | tee -a "$OUT/attn_power.log"
+  done
+  timeout 110 python3 -m pytest -q -n 6 -m gpu tests/kernels/test_attention.py -k "ws_gpu or ws_fp8_gpu or single_sequence" \
+    2>&1 | tail -30 | tee "$OUT/attn_tests.log"
 fi
 
 if has attention-ncu; then
