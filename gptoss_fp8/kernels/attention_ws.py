@@ -493,6 +493,11 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     assert exp in EXP_MODES or exp in PROBES, f"exp {exp!r}, expected one of {sorted(EXP_MODES)}"
     assert exp not in PROBES or not deep, "the probes are built for the one-block loop"
     assert not (ordered and deep), "ordered turns are built for the one-block loop, not deep"
+    # ordered: warpgroup 0 releases its blocks past the diagonal before passing its last turns, which the
+    # others' later blocks wait for; the ring must hold those blocks or the turns deadlock
+    assert not ordered or stages >= cdiv((warpgroups - 1) * WG_ROWS, block_n), (
+        f"ordered turns need stages >= {cdiv((warpgroups - 1) * WG_ROWS, block_n)} with {warpgroups} warpgroups "
+        f"of {block_n}-key blocks (got {stages})")
     num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
