@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels.config import GLUON_EXP_MODES
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
@@ -464,7 +465,7 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n, h * d), (t.stride(0), 1))
 
 
-EXP_MODES = {"mufu": 0, "fma25": 1, "fma50": 2, "bf16x2": 3}  # _exp2_tile's EXP
+EXP_MODES = dict(zip(GLUON_EXP_MODES, range(4), strict=True))  # _exp2_tile's EXP: mufu 0, fma25 1, fma50 2, bf16x2 3
 # Timing probes for the roofline (wrong values; benchmarks/attn_variants.py): the same loop with the
 # softmax left out (P = the scores, no rescale) or with the MMAs left out (block 0's scores reused)
 PROBES = {"probe-mma-only": 8, "probe-softmax-only": 9}

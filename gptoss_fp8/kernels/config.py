@@ -92,6 +92,9 @@ class PrefillTile:
     pack: int = 1  # query heads of one KV head per program, stacked in the tile's rows (GQA packing)
 
 
+GLUON_EXP_MODES = ("mufu", "fma25", "fma50", "bf16x2")  # how GluonAttentionTile's kernel computes 2^x
+
+
 @dataclass(frozen=True)
 class GluonAttentionTile:
     """The warp-specialized Gluon causal attention (kernels/attention_ws.py; ``ws_attention_prefill``'s
@@ -106,6 +109,11 @@ class GluonAttentionTile:
     rescale_threshold: float = 0.0  # > 0: move the running max only past this growth (log2 units)
     ordered: bool = False  # the consumer warpgroups issue their MMAs in turn (FlashAttention-3's ping-pong)
     tree: bool = False  # row max / sum of a score tile folded as a tree, not one dependent chain
+
+    def __post_init__(self):
+        # (kernels/attention_ws.py's timing probes compute wrong values: a tile never names them)
+        if self.exp not in GLUON_EXP_MODES:
+            raise ValueError(f"GluonAttentionTile: exp={self.exp!r}, expected one of {GLUON_EXP_MODES}")
 
 
 @dataclass(frozen=True)

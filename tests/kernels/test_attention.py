@@ -732,6 +732,17 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
     _check_fp8(off, q, k, v, sinks, None, 0, gpu=True)
 
 
+def test_gluon_tile_refuses_the_timing_probes():
+    """kernels/attention_ws.py's probes (the MMAs alone, the softmax alone) compute wrong values: a
+    GluonAttentionTile, which model runs take, never names them; ws_attention_prefill takes them."""
+    from gptoss_fp8.kernels import attention_ws
+
+    for probe in attention_ws.PROBES:
+        with pytest.raises(ValueError, match="expected one of"):
+            GluonAttentionTile(exp=probe)
+    assert set(attention_ws.EXP_MODES) == {GluonAttentionTile(exp=e).exp for e in attention_ws.EXP_MODES}
+
+
 def test_fp8_key_order_moves_no_data_across_lanes():
     """kernels/attention_ws_fp8.py's relabelling of P's key columns (no GPU): in the wgmma accumulator a
     lane q of a quad holds columns 8i + 2q + b of a 64-key block; as the e4m3 A operand (k32 steps) it
