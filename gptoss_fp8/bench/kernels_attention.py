@@ -14,7 +14,8 @@ Rows (``bench(tokens)``; ``gptoss-fp8 bench kernels --only attention`` prints th
   share of the causal attention time at T; then rope + attention with q rotated inside the
   attention kernel (k by the rope kernel alone) vs the rope kernel on q and k + attention.
 - with ``attention="fp8"`` (``--attention fp8``): prefill causal / window-128 at T with the FP8
-  kernel (``attention_prefill(fp8=True)``: Q, K, V quantized by torch ops inside the call, timed
+  kernels (``attention_prefill(fp8=True)``: causal on sm_90 the Gluon e4m3 kernel, the window the Triton
+  one; Q, K, V quantized by torch ops inside the call, timed
   with it; ``quant_ms`` is that quantization alone) vs our bf16 kernel, its error vs the bf16 output;
 Shapes: 64 q / 8 kv heads, head_dim 64, bf16. FLOPs = 4 * visible query-key pairs * 64 * 64 heads.
 Times: triton.testing.do_bench, median (it flushes L2 between repetitions).
