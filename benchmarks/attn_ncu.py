@@ -49,8 +49,10 @@ def main() -> None:
         def run():
             F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
     elif opts.pop("fp8", False):
+        fp8_opts = {k: v for k, v in opts.items() if k not in ("block_n", "warpgroups")}
+
         def run():
-            ws_attention_prefill_fp8(q, k, v, sinks, out, D ** -0.5, stages=opts["stages"])
+            ws_attention_prefill_fp8(q, k, v, sinks, out, D ** -0.5, **fp8_opts)
     else:
         def run():
             ws_attention_prefill(q, k, v, sinks, out, D ** -0.5, **opts)

@@ -2,7 +2,8 @@
 machine (issue 34; carried there, 64 MiB at most, so not the 450 MB wheel), from three wheels:
 
     python -m pip download --no-deps flashinfer-python==0.7.2 apache-tvm-ffi==0.1.15.post2 ninja==1.13.2 \\
-        --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d WHEELS
+        --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \\
+        --platform manylinux_2_17_x86_64 -d WHEELS   (ninja is a manylinux_2_17 wheel)
     python benchmarks/flashinfer_slim.py WHEELS [.fi]
 
 flashinfer_slim.txt lists what is kept (about 45 MiB): the Python modules ``import flashinfer``
