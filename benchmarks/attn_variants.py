@@ -58,14 +58,7 @@ VARIANTS = {
     # FP8 attention on the Gluon pipeline (kernels/attention_ws_fp8.py; checked against spec.attention_fp8)
     "fp8": dict(fp8=True),
     "fp8-3st": dict(fp8=True, stages=3),
-    "fp8-lean": dict(fp8=True, lean=True),  # the running max's ceil and step off the MUFU
-    "fp8-ord": dict(fp8=True, ordered=True),
-    "fp8-lean-ord": dict(fp8=True, lean=True, ordered=True),
-    "fp8-lean-tree": dict(fp8=True, lean=True, tree=True),
-    "fp8-lean-ord-tree": dict(fp8=True, lean=True, ordered=True, tree=True),
-    "fp8-pairs": dict(fp8=True, lean=True, tree=True, pairs=True, stages=6),  # 128 keys a step
-    "fp8-pairs-4st": dict(fp8=True, lean=True, tree=True, pairs=True, stages=4),
-    "fp8-pairs-8st": dict(fp8=True, lean=True, tree=True, pairs=True, stages=8),
+    "fp8-8st": dict(fp8=True, stages=8),
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
