@@ -247,7 +247,8 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
                       T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
-                      EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr):
+                      EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr,
+                      SYNC: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head.
         QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
         DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
@@ -318,6 +319,20 @@ if HAS_GLUON:
                 acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
                 p_op = gl.convert_layout(p_op, p_layout)
             acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc)
+        elif SYNC:
+            # each block's MMAs waited for within its step (no P carried across the loop: 128-key blocks fit
+            # the consumers' 160 registers); the other warpgroups' work fills the waits
+            for j in range(my_blocks):
+                mbarrier.wait(ready.index(j % S), (j // S) & 1)
+                s_tok = warpgroup_mma(qa, k_bufs.index(j % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+                p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, j, n_full, qk_scale, EXP, THRESH,
+                                                              TREE)
+                acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
+                acc = warpgroup_mma(gl.convert_layout(p_op, p_layout), v_bufs.index(j % S), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if j < last:  # (the last block's stage is released below, as on the other paths)
+                    mbarrier.arrive(empty.index(j % S), count=1)
         else:
             mbarrier.wait(ready.index(0), 0)
             _take_turn(turn, W, 0, ORDER)
@@ -379,37 +394,42 @@ if HAS_GLUON:
     def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                               sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
                               DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
-                              TREE: gl.constexpr):
+                              TREE: gl.constexpr,
+                      SYNC: gl.constexpr):
         _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)
 
     @gluon.jit
     def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                              sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
                              DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
-                             TREE: gl.constexpr):
+                             TREE: gl.constexpr,
+                      SYNC: gl.constexpr):
         _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)
 
     @gluon.jit
     def _attn_fourth_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                               sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
                               DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
-                              TREE: gl.constexpr):
+                              TREE: gl.constexpr,
+                      SYNC: gl.constexpr):
         _attn_consume(3, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)
+                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)
 
     @gluon.jit
     def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
                        T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
-                       EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr):
+                       EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr,
+                      SYNC: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
 
     @gluon.jit
     def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
                              GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
                              QREG: gl.constexpr = True, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
-                             THRESH: gl.constexpr = 0.0, ORDER: gl.constexpr = False, TREE: gl.constexpr = False):
+                             THRESH: gl.constexpr = 0.0, ORDER: gl.constexpr = False, TREE: gl.constexpr = False,
+                             SYNC: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -430,35 +450,35 @@ if HAS_GLUON:
         if NWG == 4:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_fourth_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
             ], [4, 4, 4, 1], [REGS, REGS, REGS, 24])
         elif NWG == 3:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
             ], [4, 1], [REGS, 40])
 
 
@@ -480,13 +500,15 @@ REGS = {2: 232, 3: 160, 4: 112}
 def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
                          sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2,
                          q_in_registers: bool = True, deep: bool = False, exp: str = "mufu",
-                         rescale_threshold: float = 0.0, ordered: bool = False, tree: bool = False) -> torch.Tensor:
+                         rescale_threshold: float = 0.0, ordered: bool = False, tree: bool = False,
+                         sync: bool = False) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments).
     Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (blocks in
     pairs, QK^T one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
     rescale_threshold (> 0: conditional rescaling of the running max, log2 units), ordered (the consumer
-    warpgroups issue their MMAs in turn), tree (row max / sum folded as a tree)."""
+    warpgroups issue their MMAs in turn), tree (row max / sum folded as a tree), sync (each block's MMAs
+    waited for within its step: no P carried across the loop, so 128-key blocks fit three warpgroups)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
 
@@ -497,6 +519,7 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     assert exp in EXP_MODES or exp in PROBES, f"exp {exp!r}, expected one of {sorted(EXP_MODES)}"
     assert exp not in PROBES or not deep, "the probes are built for the one-block loop"
     assert not (ordered and deep), "ordered turns are built for the one-block loop, not deep"
+    assert not (sync and (deep or ordered or exp in PROBES)), "sync is its own loop (not deep, ordered or a probe)"
     # ordered: warpgroup 0 releases its blocks past the diagonal before passing its last turns, which the
     # others' later blocks wait for; the ring must hold those blocks or the turns deadlock
     assert not ordered or stages >= cdiv((warpgroups - 1) * WG_ROWS, block_n), (
@@ -507,6 +530,6 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
         sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
         QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
-        ORDER=ordered, TREE=tree, num_warps=4,
+        ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4,
     )
     return out
