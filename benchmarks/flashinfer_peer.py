@@ -50,7 +50,8 @@ def flashinfer_sink_prefill(backend):
         import nvidia  # then the headers of pip's nvidia-curand (cu13), searched after the toolkit's
         inc = [p for d in nvidia.__path__ if os.path.exists(p := os.path.join(d, "cu13", "include", "curand_kernel.h"))]
         os.environ.setdefault("FLASHINFER_EXTRA_CUDAFLAGS", f"-isystem {os.path.dirname(inc[0])}" if inc else "")
-    jit_args = [f"gptoss_peer_sink_bf16_d{D}_{backend}", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32,
+    # the module of kernels/flashinfer_attention.py without a window (same name and arguments: one JIT build for both)
+    jit_args = [f"gptoss_fp8_sink_bf16_d{D}_swa0_{backend}", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32,
                 D, D, ["sink"], ["float"], ["sm_scale"], ["double"], "AttentionSink", attention_sink_decl[backend]]
     jit_kwargs = {"use_sliding_window": False, "paged_kv_stride_mode": "independent" if backend == "fa2" else "runtime"}
     t0 = time.time()

@@ -15,7 +15,8 @@
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
-#   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried)
+#   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried), then the
+#            flashinfer attention backend's GPU tests (tests/test_flashinfer_attention.py)
 #   attention-fp8  the FP8 attention kernel's GPU tests against its spec and its bench (issue 34)
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
@@ -275,6 +276,10 @@ if has flashinfer; then
   # needs .fi/ carried (benchmarks/flashinfer_slim.py builds it from the wheels, 44.6 MiB)
   PATH=$PATH:$(pwd)/.fi/bin PYTHONPATH=$PYTHONPATH:$(pwd)/.fi timeout ${FI_S:-540} python3 benchmarks/flashinfer_peer.py \
     --json "$OUT/flashinfer.json" 2>&1 | grep -v Warn | tail -25 | tee "$OUT/flashinfer.log"
+  # the flashinfer attention backend (kernels/flashinfer_attention.py) against spec.attention and our kernels; its
+  # first calls JIT-build the fa3 module with the window (~85 s of nvcc; the one without is the peer's, cached on disk)
+  PATH=$PATH:$(pwd)/.fi/bin PYTHONPATH=$PYTHONPATH:$(pwd)/.fi timeout ${FI_TEST_S:-540} python3 -m pytest -q -m gpu -s \
+    tests/test_flashinfer_attention.py 2>&1 | grep -v Warn | tail -40 | tee "$OUT/flashinfer_tests.log"
 fi
 
 if has attention-fp8; then

@@ -17,6 +17,9 @@ Rows (``bench(tokens)``; ``gptoss-fp8 bench kernels --only attention`` prints th
   kernels (``attention_prefill(fp8=True)``: causal on sm_90 the Gluon e4m3 kernel, the window the Triton
   one; Q, K, V quantized by torch ops inside the call, timed
   with it; ``quant_ms`` is that quantization alone) vs our bf16 kernel, its error vs the bf16 output;
+- with FlashInfer importable (required by ``attention_backend="flashinfer"``): prefill causal /
+  window-128 at T, ours beside FlashInfer's sink prefill (kernels/flashinfer_attention.py; its
+  first call per module JIT-builds it, minutes, untimed), its error vs our output;
 Shapes: 64 q / 8 kv heads, head_dim 64, bf16. FLOPs = 4 * visible query-key pairs * 64 * 64 heads.
 Times: triton.testing.do_bench, median (it flushes L2 between repetitions).
 ``python -m gptoss_fp8.bench.kernels_attention sweep`` times the tile configurations instead
@@ -166,6 +169,24 @@ def _fp8_rows(T: int, bf16_ms: dict[int, float]) -> list[dict]:
     return rows
 
 
+def _flashinfer_rows(T: int, ours_ms: dict[int, float]) -> list[dict]:
+    """Our bf16 prefill at T (``ours_ms``: window -> ms) beside FlashInfer's sink prefill."""
+    from gptoss_fp8.kernels import flashinfer_attention as fi
+    from gptoss_fp8.kernels.attention import attention_prefill
+
+    q, k, v, sinks, _ = _prefill_inputs(T, T)
+    label = f"flashinfer sink prefill ({fi.backend_for(q.device)})"
+    rows = []
+    for window in (0, WINDOW):
+        err = _rel(fi.prefill(q, k, v, sinks, window=window), attention_prefill(q, k, v, sinks, sliding_window=window))
+        peer = _ms(lambda: fi.prefill(q, k, v, sinks, window=window))
+        pairs, ours = _visible_pairs(T, 0, window), ours_ms[window]
+        name = f"prefill {'causal' if not window else f'window{window}'} T={T}"
+        rows.append(_row(name, ours, _tflops(pairs, ours), label, peer, _tflops(pairs, peer), peer / ours,
+                         rel_err_vs_peer=err))
+    return rows
+
+
 def _prefill_rows(T: int) -> list[dict]:
     import torch.nn.functional as F
 
@@ -269,13 +290,24 @@ def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
     return rows
 
 
-def bench(tokens: list[int], attention: str = "bf16") -> list[dict]:
+def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "ours") -> list[dict]:
     """Rows of {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (ours vs peer throughput)};
-    ``attention`` "fp8": the FP8 prefill rows too (``_fp8_rows``)."""
+    ``attention`` "fp8": the FP8 prefill rows too (``_fp8_rows``). FlashInfer rows when flashinfer
+    is importable; ``attention_backend="flashinfer"``: they are required (GptOssFp8Error, one line)."""
+    from gptoss_fp8.kernels import flashinfer_attention as fi
+
+    if attention_backend == "flashinfer":
+        fi.require()
+    with_fi = fi.available()
+    if not with_fi:
+        print(f"# FlashInfer rows skipped: flashinfer is not importable ({' '.join(fi._load()[1].split())[:200]})")
     rows: list[dict] = []
     for T in tokens:
         pre = _prefill_rows(T)
         rows += pre
+        if with_fi:
+            rows += _flashinfer_rows(T, {0: next(r["ms"] for r in pre if r["case"].startswith("prefill causal")),
+                                         WINDOW: next(r["ms"] for r in pre if r["case"].startswith("prefill window"))})
         if attention == "fp8":
             causal = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
             window = next(r["ms"] for r in pre if r["case"].startswith("prefill window"))

@@ -49,8 +49,9 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
            "cuda_graph": cuda_graph,
            "layers": layers, "runs": runs, "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
            "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
-           # the ranks build TritonOps' default config; of a given one, its GEMM library is passed on
-           "gemm": None if kernel_config is None else kernel_config.gemm, "attention": attention}
+           # the ranks build TritonOps' default config; of a given one, its GEMM and attention libraries are passed on
+           "gemm": None if kernel_config is None else kernel_config.gemm, "attention": attention,
+           "attention_backend": "ours" if kernel_config is None else kernel_config.attention_backend}
     if under_torchrun():
         check_torchrun_world(tp)
         rows = run_rank(job, echo=echo) or []  # rank 0's (the other ranks have none)
@@ -61,10 +62,10 @@ def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: 
     return rows
 
 
-def rank_ops(dev: str, gemm: str | None, model):
-    """A rank's ops backend: ``triton`` (with ``gemm``'s library when given) on a GPU, the w8a8 spec
-    on CPU. For ``gemm="deep_gemm"`` the model's weights become their K-padded copies first
-    (kernels/deepgemm.py ``adopt_padded``)."""
+def rank_ops(dev: str, gemm: str | None, model, attention_backend: str = "ours"):
+    """A rank's ops backend: ``triton`` (with ``gemm``'s library when given, and
+    ``attention_backend``'s) on a GPU, the w8a8 spec on CPU. For ``gemm="deep_gemm"`` the model's
+    weights become their K-padded copies first (kernels/deepgemm.py ``adopt_padded``)."""
     if gemm == "deep_gemm":
         from gptoss_fp8.kernels.deepgemm import adopt_padded
 
@@ -74,7 +75,7 @@ def rank_ops(dev: str, gemm: str | None, model):
 
         from gptoss_fp8.model.triton_ops import TritonOps, default_config
 
-        return TritonOps(config=None if gemm is None else replace(default_config(), gemm=gemm))
+        return TritonOps(config=replace(default_config(), gemm=gemm or "ours", attention_backend=attention_backend))
     from gptoss_fp8.model.ops import W8A8CpuOps  # CPU: the mechanics on the w8a8 spec (tests)
 
     return W8A8CpuOps()
@@ -120,7 +121,8 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
-        ops = rank_ops(dev, job["gemm"], model).with_attention(job.get("attention", "bf16"))
+        ops = rank_ops(dev, job["gemm"], model, job.get("attention_backend", "ours")).with_attention(
+            job.get("attention", "bf16"))
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         dist.barrier()

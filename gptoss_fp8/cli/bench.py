@@ -10,6 +10,8 @@ import typer
 
 from gptoss_fp8.cli.common import (
     Attention,
+    AttentionBackend,
+    AttentionBackendOption,
     AttentionOption,
     BenchVocabParallel,
     EpOption,
@@ -36,18 +38,21 @@ def _lengths(tokens: str) -> list[int]:
     return [int(t) for t in parts]
 
 
-def _kernel_config(gemm: Gemm):
-    """--gemm: None (TritonOps' default KernelConfig) for ours; for deep_gemm that default with
-    gemm="deep_gemm", after checking deep_gemm imports (one line if not)."""
-    if gemm is Gemm.ours:
+def _kernel_config(gemm: Gemm, attention_backend: AttentionBackend = AttentionBackend.ours):
+    """--gemm / --attention-backend: None (TritonOps' default KernelConfig) for ours and ours; else
+    that default with the libraries named, after checking each imports (one line if not)."""
+    if gemm is Gemm.ours and attention_backend is AttentionBackend.ours:
         return None
     from dataclasses import replace
 
-    from gptoss_fp8.kernels import deepgemm
+    from gptoss_fp8.kernels import deepgemm, flashinfer_attention
     from gptoss_fp8.model.triton_ops import default_config
 
-    deepgemm.require()
-    return replace(default_config(), gemm=gemm.value)
+    if gemm is not Gemm.ours:
+        deepgemm.require()
+    if attention_backend is not AttentionBackend.ours:
+        flashinfer_attention.require()
+    return replace(default_config(), gemm=gemm.value, attention_backend=attention_backend.value)
 
 
 def _print_rows(rows: list[dict]) -> None:
@@ -71,11 +76,14 @@ def kernels(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
+    attention_backend: AttentionBackendOption = AttentionBackend.ours,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Kernel throughput (TFLOP/s) beside peers measured in the same run (needs a CUDA GPU). The
     gemm suite prints DeepGEMM and our deep_gemm backend beside our kernels whenever deep_gemm is
-    importable; --gemm deep_gemm makes that a requirement."""
+    importable; --gemm deep_gemm makes that a requirement. The attention suite likewise times
+    FlashInfer's sink prefill beside ours whenever flashinfer is importable; --attention-backend
+    flashinfer makes that a requirement."""
     from gptoss_fp8.checkpoint.outputs import check_output_path, write_atomic
 
     if json_out is not None:
@@ -87,7 +95,7 @@ def kernels(
     token_list = _lengths(tokens)
     from gptoss_fp8.kernels.config import kernel_paths
 
-    kernel_config = _kernel_config(gemm)
+    kernel_config = _kernel_config(gemm, attention_backend)
     typer.echo(f"# {kernel_paths(torch.device('cuda'), kernel_config)}")
     rows: list[dict] = []
     for suite in [s.strip() for s in only.split(",") if s.strip()]:
@@ -98,7 +106,7 @@ def kernels(
         else:
             from gptoss_fp8.bench import kernels_attention as mod
         suite_rows = (mod.bench(token_list, gemm=gemm.value) if suite == "gemm"
-                      else mod.bench(token_list, attention=attention.value))
+                      else mod.bench(token_list, attention=attention.value, attention_backend=attention_backend.value))
         for r in suite_rows:
             r.setdefault("suite", suite)
         _print_rows(suite_rows)
@@ -128,6 +136,7 @@ def prefill(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
+    attention_backend: AttentionBackendOption = AttentionBackend.ours,
     tp: TpOption = 1,
     ep: EpOption = 1,
     vocab_parallel: BenchVocabParallel = False,
@@ -150,7 +159,7 @@ def prefill(
     if model not in ("20b", "120b"):
         raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
     token_list = _lengths(tokens)
-    kernel_config = _kernel_config(gemm)
+    kernel_config = _kernel_config(gemm, attention_backend)
     from gptoss_fp8.bench.prefill import bench as run_prefill
 
     if checkpoint is not None and not (checkpoint / "config.json").is_file():

@@ -164,6 +164,20 @@ GemmOption = Annotated[Gemm, typer.Option(
          "importable; bias, SwiGLU and quantization stay in our kernels).")]
 
 
+class AttentionBackend(str, enum.Enum):
+    """The CLI's copy of kernels.config.ATTENTION_BACKENDS (that module imports torch)."""
+
+    ours = "ours"
+    flashinfer = "flashinfer"
+
+
+# --attention-backend: KernelConfig.attention_backend of the run's kernels (where --gemm is)
+AttentionBackendOption = Annotated[AttentionBackend, typer.Option(
+    help="The library of the kernels' bf16 prefill attention of a whole prompt: ours, or flashinfer "
+         "(FlashInfer's sink prefill, when importable; JIT-compiled by nvcc at first use, minutes, then cached). "
+         "FP8 attention, prompt chunks after cached keys and decode stay on ours.")]
+
+
 class Attention(str, enum.Enum):
     """The CLI's copy of model.ops.ATTENTION_KINDS (that module imports torch)."""
 

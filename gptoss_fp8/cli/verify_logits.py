@@ -11,6 +11,8 @@ import typer
 
 from gptoss_fp8.cli.common import (
     Attention,
+    AttentionBackend,
+    AttentionBackendOption,
     AttentionOption,
     Gemm,
     GemmOption,
@@ -128,6 +130,7 @@ def verify_logits(
         help="Let the kernels mode pass when some ops ran the torch spec instead of a kernel (experiments).")] = False,
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
+    attention_backend: AttentionBackendOption = AttentionBackend.ours,
     decode: Annotated[int, typer.Option(
         min=0, metavar="N",
         help="Also prefill all but the last N tokens and decode those one at a time through the KV cache; each "
@@ -145,11 +148,12 @@ def verify_logits(
     from gptoss_fp8.checkpoint.outputs import atomic_output, check_output_path, write_atomic
     from gptoss_fp8.verify import report as verdict
     from gptoss_fp8.verify import run
-    from gptoss_fp8.verify.backends import check_gemm
+    from gptoss_fp8.verify.backends import check_attention_backend, check_gemm
 
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
     check_gemm(gemm.value, modes)
+    check_attention_backend(attention_backend.value, modes)
     run.check_attention(attention.value, decode)
     inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
     named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
@@ -200,7 +204,8 @@ def verify_logits(
         report, outputs, ref = run.verify_under_torchrun(opened, reference, ids, modes=modes, ep=ep, device=device.value,
                                                          overrides=overrides, tokens_from=tokens_from,
                                                          save_reference=save_reference, allow_fallback=allow_fallback,
-                                                         gemm=gemm.value, decode=decode, attention=attention.value)
+                                                         gemm=gemm.value, decode=decode, attention=attention.value,
+                                                         attention_backend=attention_backend.value)
         if outputs is None:  # ranks > 0: same exit status as rank 0, no output
             raise typer.Exit(0 if report["passed"] else 1)
     else:
@@ -213,9 +218,12 @@ def verify_logits(
         report, outputs = run.verify_checkpoint(opened, ref, modes=modes, tp=tp, ep=ep, device=device.value,
                                                 overrides=overrides, tokens_from=tokens_from,
                                                 allow_fallback=allow_fallback, gemm=gemm.value, decode=decode,
+                                                attention_backend=attention_backend.value,
                                                 attention=attention.value)
     if gemm is not Gemm.ours:  # the report names the ops backend; this says which GEMMs it ran
         typer.echo(f"kernels mode: dense and grouped FP8 GEMMs on {gemm.value} (--gemm)")
+    if attention_backend is not AttentionBackend.ours:
+        typer.echo(f"kernels mode: bf16 prefill attention on {attention_backend.value} (--attention-backend)")
     for line in verdict.summary_lines(report):
         typer.echo(line)
     if json_report is not None:

@@ -126,6 +126,7 @@ class DecodeTile:
 
 
 GEMM_BACKENDS = ("ours", "deep_gemm")
+ATTENTION_BACKENDS = ("ours", "flashinfer")
 
 # The interpreter gets small tiles (its cost grows with them): constants, not tuning.
 CPU_PREFILL_TILE = PrefillTile(32, 16, 4, 1)
@@ -143,6 +144,11 @@ class KernelConfig:
     # default) or "deep_gemm" (DeepGEMM when importable, kernels/deepgemm.py; bias, SwiGLU and
     # quantization stay in our neighbouring kernels).
     gemm: str = "ours"
+    # Which library runs the bf16 prefill attention of a whole prompt: "ours" (the default) or
+    # "flashinfer" (FlashInfer's sink prefill when importable, kernels/flashinfer_attention.py; FP8
+    # attention, prompt chunks after cached keys, decode and head dims other than 64/128/256 stay
+    # on ours).
+    attention_backend: str = "ours"
     # Dense GEMM on Gluon from this many rows; None: never. benchmarks/gemm_sweep.py (H200,
     # 2026-12-01, thirteenth session, one process), 1024 rows: the 128 x 128 tile with serial
     # promotion and balanced grid 826 / 889 TFLOP/s for qkv / 5760 against 723 / 781 (pipelined
@@ -211,6 +217,9 @@ class KernelConfig:
     def __post_init__(self):
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"KernelConfig.gemm must be one of {', '.join(GEMM_BACKENDS)}, got {self.gemm!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"KernelConfig.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
 
     def gluon_on(self, device: torch.device) -> bool:
         """Whether the Gluon kernels may run on ``device``: allowed here and supported there."""
@@ -282,19 +291,21 @@ DEFAULT = KernelConfig()
 
 def kernel_paths(device: torch.device, config: KernelConfig | None = None) -> str:
     """One line naming the kernels the ``triton`` ops backend runs on ``device`` with ``config``
-    (and the GEMM library when it is DeepGEMM)."""
+    (and the GEMM library when it is DeepGEMM, the prefill attention's when it is FlashInfer)."""
     cfg = config or DEFAULT
     gemm = "; dense and grouped FP8 GEMMs on DeepGEMM (kernels/deepgemm.py)" if cfg.gemm == "deep_gemm" else ""
+    attn = ("; bf16 prefill attention on FlashInfer (kernels/flashinfer_attention.py)"
+            if cfg.attention_backend == "flashinfer" else "")
     if device.type != "cuda":
-        return "kernels: Triton (interpreter on CPU)" + gemm
+        return "kernels: Triton (interpreter on CPU)" + gemm + attn
     if not cfg.gluon_on(device):
         why = ("Gluon switched off (KernelConfig.gluon=False)" if not cfg.gluon
                else "no Gluon Hopper API in this triton" if not _gluon.HAS_GLUON else "not an sm_90 GPU")
-        return f"kernels: Triton ({why})" + gemm
+        return f"kernels: Triton ({why})" + gemm + attn
     parts = [f"dense GEMM from {cfg.dense_gluon_min_rows} rows" if cfg.dense_gluon_min_rows is not None and not gemm
              else None,
              "MoE gate_up" if cfg.moe_gluon and not gemm else None,
              "one-sequence causal attention" if cfg.attention_gluon else None]
     gluon_parts = ", ".join(p for p in parts if p)
     return (f"kernels: Gluon warp-specialized ({gluon_parts}), Triton for the rest" if gluon_parts
-            else "kernels: Triton") + gemm
+            else "kernels: Triton") + gemm + attn

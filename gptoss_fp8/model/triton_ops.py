@@ -44,6 +44,9 @@ instead of bf16.
 * ``attention_cached`` (decode): kernels/attention_decode.py's split-KV kernel on the cache as it
   lies (full layers by length, sliding layers' rings with ``ring=True``), the sink counted once;
   no host read, so the step can be captured as a CUDA graph (model/graph.py).
+* ``config.attention_backend == "flashinfer"``: ``attention`` of a whole prompt in bf16 (head_dim
+  64 / 128 / 256) on FlashInfer's sink prefill (kernels/flashinfer_attention.py); FP8 attention,
+  ``attention_chunk`` after cached keys and decode stay on ours.
 * ``config.gemm == "deep_gemm"``: ``linear`` / ``linears`` / ``expert_ffn`` run DeepGEMM's GEMMs
   (kernels/deepgemm.py: K-padded weights prepared once, biases, SwiGLU and FP8 quantization in our
   neighbouring kernels) instead of ours.
@@ -333,9 +336,17 @@ class TritonOps(W8A8CpuOps):
                 and q.shape[-1] in (16, 32, 64, 128, 256) and sinks.is_floating_point())
 
     def _attention_prefill(self, q, k, v, sinks, sm_scale, window, q_offset):
+        from gptoss_fp8.kernels import flashinfer_attention as fi
         from gptoss_fp8.kernels.attention import attention_prefill
 
         n, kvh, m, d = q.shape
+        if (self.config.attention_backend == "flashinfer" and self.attention_kind == "bf16" and not q_offset
+                and d in fi.HEAD_DIMS):
+            # a whole prompt in bf16 on FlashInfer; FP8, chunks after cached keys and other head
+            # dims have no FlashInfer path here (kernels/flashinfer_attention.py) and stay on ours
+            fi.require()
+            return fi.prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1), sm_scale,
+                              window).reshape(n, -1)
         # k, v may be strided views (v is a column slice of the fused q/k/v GEMM's output): the
         # kernel reads rows by stride, so no copy
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),

@@ -89,17 +89,20 @@ def backend_device(mode: str, device: str) -> str:
 # Ops objects
 
 
-def ops_for(mode: str, gemm: str = "ours", attention: str = "bf16") -> ReferenceOps:
+def ops_for(mode: str, gemm: str = "ours", attention: str = "bf16", attention_backend: str = "ours") -> ReferenceOps:
     """A fresh ops object for ``mode`` (the ``kernels`` one counts its hand-overs to the spec in
     ``spec_fallbacks``, see the module docstring). ``gemm``: the kernels mode's GEMM library,
     ``KernelConfig.gemm`` ("ours", or "deep_gemm": kernels/deepgemm.py); ``attention``: the
-    prefill attention's numerics, "bf16" or "fp8" (``ReferenceOps.with_attention``)."""
-    if MODES[mode] == "triton" and gemm != "ours":
+    prefill attention's numerics, "bf16" or "fp8" (``ReferenceOps.with_attention``);
+    ``attention_backend``: the kernels mode's prefill attention library,
+    ``KernelConfig.attention_backend`` ("ours", or "flashinfer": kernels/flashinfer_attention.py)."""
+    if MODES[mode] == "triton" and (gemm != "ours" or attention_backend != "ours"):
         from dataclasses import replace
 
         from gptoss_fp8.model.triton_ops import TritonOps, default_config
 
-        return TritonOps(config=replace(default_config(), gemm=gemm)).with_attention(attention)
+        config = replace(default_config(), gemm=gemm, attention_backend=attention_backend)
+        return TritonOps(config=config).with_attention(attention)
     return get_ops(MODES[mode], attention)
 
 
@@ -119,3 +122,21 @@ def check_gemm(gemm: str, modes: list[str]) -> None:
     from gptoss_fp8.kernels import deepgemm
 
     deepgemm.require()
+
+
+def check_attention_backend(attention_backend: str, modes: list[str]) -> None:
+    """``--attention-backend``: a known library, one the run uses (the kernels mode), importable.
+    Raises GptOssFp8Error (one line) before any model runs; "ours" imports nothing."""
+    if attention_backend == "ours":
+        return
+    from gptoss_fp8.kernels.config import ATTENTION_BACKENDS
+
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise GptOssFp8Error(f"--attention-backend {attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if "kernels" not in modes:
+        raise GptOssFp8Error(f"--attention-backend {attention_backend} changes the kernels mode only, which this run "
+                             f"does not include ({', '.join(modes)}); add --mode kernels (needs --device cuda)")
+    from gptoss_fp8.kernels import flashinfer_attention
+
+    flashinfer_attention.require()
+

@@ -53,13 +53,15 @@ def check_attention(attention: str, decode: int) -> None:
 
 
 def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
-              ops_hook: str | None = None, gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> Outputs:
+              ops_hook: str | None = None, gemm: str = "ours", decode: int = 0, attention: str = "bf16",
+              attention_backend: str = "ours") -> Outputs:
     """Run one loaded model (any rank) once per mode (``backends.MODES``): free-running, then, given
     the reference's captures ``forced``, every part teacher-forced on them (verify/parts.py); the
     kernels mode also on the w8a8 spec's own captures when w8a8 ran first (``resolve_modes`` order).
-    ``gemm``: the kernels mode's GEMM library (``backends.ops_for``). ``decode`` N > 0: also
-    prefill all but the last N tokens and decode those one at a time (verify/decode.py), on a
-    fresh ops object of the mode (its own spec fallbacks). ``attention``: the prefill attention's
+    ``gemm`` / ``attention_backend``: the kernels mode's GEMM / prefill attention library
+    (``backends.ops_for``). ``decode`` N > 0: also prefill all but the last N tokens and decode
+    those one at a time (verify/decode.py), on a fresh ops object of the mode (its own spec
+    fallbacks). ``attention``: the prefill attention's
     numerics in every mode, "bf16" or "fp8" (``ReferenceOps.with_attention``; the noise grids too)."""
     out: Outputs = {}
     dev = next(iter(model.buffers())).device
@@ -73,7 +75,8 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
             from gptoss_fp8.kernels.deepgemm import adopt_padded
 
             adopt_padded(model)
-        ops = ops_for(mode, gemm, attention) if hook is None else hook(mode, ops_for(mode, gemm, attention))
+        ops = ops_for(mode, gemm, attention, attention_backend)
+        ops = ops if hook is None else hook(mode, ops)
         t0 = time.perf_counter()
         logits = model(tokens.to(dev), ops, cap)
         if logits.is_cuda:
@@ -93,7 +96,8 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         shapes = getattr(ops, "fallback_shapes", None)
         dec = dec_fallbacks = None
         if decode:
-            dec_ops = ops_for(mode, gemm, attention) if hook is None else hook(mode, ops_for(mode, gemm, attention))
+            dec_ops = ops_for(mode, gemm, attention, attention_backend)
+            dec_ops = dec_ops if hook is None else hook(mode, dec_ops)
             dec = run_decode(model, tokens, dec_ops, decode, forward=hidden)
             dec_fallbacks = getattr(dec_ops, "spec_fallbacks", None)
         out[mode] = ModeOutput(logits.float().cpu(), hidden, seconds, getattr(ops, "spec_fallbacks", None),
@@ -181,7 +185,8 @@ def run_rank(job: dict) -> None:
 
             forced = load_file(job["forced"])
         out = run_modes(model, torch.tensor(job["tokens"], dtype=torch.long), job["modes"], forced, job.get("ops_hook"),
-                        job.get("gemm", "ours"), int(job.get("decode", 0)), job.get("attention", "bf16"))
+                        job.get("gemm", "ours"), int(job.get("decode", 0)), job.get("attention", "bf16"),
+                        job.get("attention_backend", "ours"))
         if rank == 0:
             _save_outputs(out, Path(job["result"]), dist.get_backend())
         dist.barrier()
@@ -192,7 +197,8 @@ def run_rank(job: dict) -> None:
 def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[str], tp: int = 1, ep: int = 1,
                     device: str = "cpu", timeout_s: float = 3600.0,
                     forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None,
-                    gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> Outputs:
+                    gemm: str = "ours", decode: int = 0, attention: str = "bf16",
+                    attention_backend: str = "ours") -> Outputs:
     """Our logits and captures for each mode, and with ``forced`` (the reference's captures) the
     teacher-forced parts; ``decode`` N > 0: the last N tokens decoded one at a time too. tp > 1
     starts tp worker processes (gloo on CPU, NCCL on GPUs), each loading only its rank's tensors;
@@ -205,12 +211,12 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
         check_decode_steps(decode, int(tokens.shape[0]))
     if tp == 1:
         return run_modes(load_model(ckpt, Parallel(), device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
-                         decode, attention)
+                         decode, attention, attention_backend)
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
                "threads": max(1, (os.cpu_count() or 1) // tp), "ops_hook": ops_hook, "gemm": gemm,
-               "decode": decode, "attention": attention}
+               "decode": decode, "attention": attention, "attention_backend": attention_backend}
         if forced:
             from safetensors.torch import save_file
 
@@ -224,7 +230,8 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
 def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[str], tp: int = 1, ep: int = 1,
                       device: str = "cpu", overrides: dict | None = None, tokens_from: str = "",
                       allow_fallback: bool = False, ops_hook: str | None = None,
-                      gemm: str = "ours", decode: int = 0, attention: str = "bf16") -> tuple[dict, Outputs]:
+                      gemm: str = "ours", decode: int = 0, attention: str = "bf16",
+                      attention_backend: str = "ours") -> tuple[dict, Outputs]:
     """Run our model in each mode (tp/ep sharded when tp > 1) on the reference's tokens and report;
     ``decode`` N > 0 adds the KV-cached decode of the last N tokens (verify/decode.py)."""
     ckpt = Checkpoint.of(ckpt)
@@ -238,7 +245,7 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
     t0 = time.perf_counter()
     target = ref.expected if ref.expected is not None else ref
     outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device, forced=target.hidden or None, ops_hook=ops_hook,
-                              gemm=gemm, decode=decode, attention=attention)
+                              gemm=gemm, decode=decode, attention=attention, attention_backend=attention_backend)
     total = time.perf_counter() - t0
     return build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=tp, ep=ep, device=device,
                         overrides=overrides, seconds=total, tokens_from=tokens_from,
@@ -250,8 +257,8 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
                           device: str, overrides: dict | None, tokens_from: str,
                           save_reference: Path | None = None,
                           allow_fallback: bool = False,
-                          gemm: str = "ours", decode: int = 0,
-                          attention: str = "bf16") -> tuple[dict | None, Outputs | None, Reference | None]:
+                          gemm: str = "ours", decode: int = 0, attention: str = "bf16",
+                          attention_backend: str = "ours") -> tuple[dict | None, Outputs | None, Reference | None]:
     """One rank of ``torchrun --nproc-per-node TP gptoss-fp8 verify-logits ...``: rank 0 runs the
     reference first (OpenAI's model reads torch.distributed's state when built, so it is built
     before the process group exists), every rank runs its shard, rank 0 reports. Returns
@@ -294,7 +301,7 @@ def verify_under_torchrun(ckpt: Checkpoint, reference: Path, tokens: torch.Tenso
         dist.broadcast_object_list(box, 0)  # the reference's captures, for the teacher-forced parts
         outputs = {m: o._replace(collective=dist.get_backend())
                    for m, o in run_modes(model, toks, modes, box[0], gemm=gemm, decode=decode,
-                                                     attention=attention).items()}
+                                                     attention=attention, attention_backend=attention_backend).items()}
         report = None
         if rank == 0:
             cfg = ckpt.config
