@@ -399,7 +399,7 @@ def attention_prefill(
         return ws_attention_prefill(q, k, v, sinks, out, sm_scale, block_n=g.block_n, stages=g.stages,
                                     warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
                                     exp=g.exp, rescale_threshold=g.rescale_threshold, ordered=g.ordered,
-                                    tree=g.tree)
+                                    tree=g.tree, sync=g.sync)
     tile = tile or cfg.prefill_tile(on_gpu, window != _NO_WINDOW, Hq // Hkv)
     BLOCK_M, BLOCK_N, pack = tile.block_m, tile.block_n, tile.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"

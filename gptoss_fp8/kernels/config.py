@@ -109,6 +109,7 @@ class GluonAttentionTile:
     rescale_threshold: float = 0.0  # > 0: move the running max only past this growth (log2 units)
     ordered: bool = False  # the consumer warpgroups issue their MMAs in turn (FlashAttention-3's ping-pong)
     tree: bool = False  # row max / sum of a score tile folded as a tree, not one dependent chain
+    sync: bool = False  # each block's MMAs waited for within its step (no P carried: 128-key blocks fit 3 wg)
 
     def __post_init__(self):
         # (kernels/attention_ws.py's timing probes compute wrong values: a tile never names them)

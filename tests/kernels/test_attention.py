@@ -557,6 +557,9 @@ WS_VARIANTS = {
     "n128-2wg-ordered-tree": GluonAttentionTile(block_n=128, stages=3, warpgroups=2, ordered=True, tree=True),
     "4wg": GluonAttentionTile(warpgroups=4, q_in_registers=False),
     "4wg-ordered": GluonAttentionTile(warpgroups=4, q_in_registers=False, ordered=True),
+    # twenty-first session: each block's MMAs waited for within its step; 128-key blocks with three warpgroups
+    "sync": GluonAttentionTile(sync=True),
+    "n128-sync": GluonAttentionTile(block_n=128, stages=3, sync=True),
 }
 
 
