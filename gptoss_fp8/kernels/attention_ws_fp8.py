@@ -228,7 +228,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
     if q.is_cuda:
         q8, sq = attn_quant.quantize_qk(q)
         k8, sk = attn_quant.quantize_qk(k)
-        v8t, sv = attn_quant.quantize_v(v, key_order=key_order(v.device), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
+        v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
     else:
         q8, sq = quantize_qk(q)

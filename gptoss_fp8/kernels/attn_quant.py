@@ -9,6 +9,7 @@ Contract (reference: ``gptoss_fp8.quant.attn_fp8``, which owns the layouts and t
   Tout = T rounded up to a multiple of ``pad_to``, the padded keys zero. With ``key_order`` (int64
   [64], a permutation; pad_to a multiple of 64) position k of each 64-key block holds key
   block_start + key_order[k]: the Gluon FP8 kernel's P operand order (attention_ws_fp8.key_order).
+  A CPU key_order for a CUDA v is checked and copied to the device once (cached).
 Inputs: bf16 / fp16 / fp32, any stride over T and H (e.g. q, k, v as views of a fused qkv buffer),
 D contiguous, a power of two in 16..256 (attention.py's range).
 
@@ -34,8 +35,9 @@ from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
 from gptoss_fp8.quant.attn_fp8 import QK_BLOCK
 from gptoss_fp8.quant.fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
+KEY_BLOCK = 64  # keys per key_order block
 V_CHUNK = 1024  # rows per program of V's partial amax
-V_BLOCK_T = 64  # keys per program of V's quantization (one key_order block)
+V_BLOCK_T = 64  # keys per program of V's quantization (a multiple of KEY_BLOCK)
 
 
 @triton.jit
@@ -92,7 +94,8 @@ def _v_amax_kernel(
 @triton.jit
 def _quantize_v_kernel(
     v_ptr, s_ptr, order_ptr, out_ptr, T, T_OUT, stride_vt, stride_vh,
-    BLOCK_T: tl.constexpr, D: tl.constexpr, ORDERED: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, KEY_BLOCK: tl.constexpr, D: tl.constexpr, ORDERED: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
 ):
     """One program per (BLOCK_T output keys, head): tile [D, BLOCK_T] gathered from V's rows in
     key_order (a transposed load), quantized by channel, stored as a plain tile of v8t [H, D, T_OUT]."""
@@ -100,7 +103,7 @@ def _quantize_v_kernel(
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_T)
     if ORDERED:
-        src = (offs_k // 64) * 64 + tl.load(order_ptr + offs_k % 64)
+        src = (offs_k // KEY_BLOCK) * KEY_BLOCK + tl.load(order_ptr + offs_k % KEY_BLOCK)
     else:
         src = offs_k
     t_src = pid_b * BLOCK_T + src
@@ -121,6 +124,26 @@ def _check_input(x: torch.Tensor, name: str) -> None:
     d = x.shape[2]
     assert 16 <= d <= 256 and d & (d - 1) == 0, f"{name} {tuple(x.shape)}: head_dim {d} not a power of two in 16..256"
     assert x.stride(2) == 1, f"{name} {tuple(x.shape)} strides {x.stride()}: head_dim must be contiguous"
+
+
+_ORDERS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # (device, order) -> the order there
+
+
+def _order_on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """key_order on v's device. A CPU order is checked to be a permutation and copied to a GPU once
+    (the launcher's ~20 tiny ops and a host-to-device copy per call cost more than the V kernels at
+    8192 tokens); one already on the GPU is taken unchecked (checking would wait for the GPU)."""
+    if order.device.type != "cpu":
+        assert order.device == device, f"key_order on {order.device}, v on {device}"
+        return order
+    keys = tuple(order.tolist())
+    assert sorted(keys) == list(range(KEY_BLOCK)), f"key_order {list(keys)}: not a permutation of 0..{KEY_BLOCK - 1}"
+    if device.type == "cpu":
+        return order
+    key = (str(device), keys)
+    if key not in _ORDERS:
+        _ORDERS[key] = order.to(device)
+    return _ORDERS[key]
 
 
 def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +174,10 @@ def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX, key_order: torch.Tenso
     assert t > 0 and h > 0, f"v {tuple(v.shape)}: empty (V's channel scale needs rows)"
     assert pad_to >= 1, f"pad_to {pad_to}"
     if key_order is not None:
-        assert key_order.shape == (V_BLOCK_T,) and key_order.dtype == torch.int64, (
-            f"key_order {tuple(key_order.shape)} {key_order.dtype}: want int64 [{V_BLOCK_T}]")
-        assert key_order.device == v.device, f"key_order on {key_order.device}, v on {v.device}"
-        assert pad_to % V_BLOCK_T == 0, f"pad_to {pad_to}: key_order needs whole blocks of {V_BLOCK_T} keys"
+        assert key_order.shape == (KEY_BLOCK,) and key_order.dtype == torch.int64, (
+            f"key_order {tuple(key_order.shape)} {key_order.dtype}: want int64 [{KEY_BLOCK}]")
+        assert pad_to % KEY_BLOCK == 0, f"pad_to {pad_to}: key_order needs whole blocks of {KEY_BLOCK} keys"
+        key_order = _order_on(key_order, v.device)
     n_chunks = cdiv(t, V_CHUNK)
     partial = torch.empty((n_chunks, h, d), dtype=torch.float32, device=v.device)
     _v_amax_kernel[(n_chunks, h)](
@@ -166,6 +189,6 @@ def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX, key_order: torch.Tenso
     v8t = torch.empty((h, d, t_out), dtype=FP8_DTYPE, device=v.device)
     _quantize_v_kernel[(cdiv(t_out, V_BLOCK_T), h)](
         v, scale, scale if key_order is None else key_order, v8t, t, t_out, v.stride(0), v.stride(1),
-        BLOCK_T=V_BLOCK_T, D=d, ORDERED=key_order is not None, FP8_MAX_C=fp8_max, num_warps=4,
+        BLOCK_T=V_BLOCK_T, KEY_BLOCK=KEY_BLOCK, D=d, ORDERED=key_order is not None, FP8_MAX_C=fp8_max, num_warps=4,
     )
     return v8t, scale

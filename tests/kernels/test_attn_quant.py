@@ -131,7 +131,7 @@ def test_quantize_v_key_order(T):
 
     _, _, v = _fused_qkv(T, 3, 2, 64, torch.bfloat16, seed=T)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(T)).to(DEV)
-    for order in (key_order(DEV), perm):
+    for order in (key_order(), perm):  # on the GPU: a CPU order (copied once) and one on the device
         got = attn_quant.quantize_v(v, key_order=order, pad_to=64)
         _check(got, _expected_v(v, 448.0, order, 64))
 
@@ -162,6 +162,8 @@ def test_bad_inputs():
         attn_quant.quantize_qk(x[..., :48])
     with pytest.raises(AssertionError, match="pad_to 1: key_order needs whole blocks"):
         attn_quant.quantize_v(x, key_order=torch.arange(64, device=DEV))
+    with pytest.raises(AssertionError, match="not a permutation"):
+        attn_quant.quantize_v(x, key_order=torch.zeros(64, dtype=torch.int64), pad_to=64)
 
 
 @pytest.mark.gpu
