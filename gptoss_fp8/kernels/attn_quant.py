@@ -62,7 +62,7 @@ def _quantize_qk_kernel(
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     rows = offs_t.to(tl.int64)[:, None, None]
-    heads = offs_h[None, :, None]
+    heads = offs_h.to(tl.int64)[None, :, None]  # int64 offsets: any stride over T and H
     mask = (offs_t < T)[:, None, None] & (heads < H)
     x = tl.load(x_ptr + rows * stride_xt + heads * stride_xh + offs_d[None, None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
@@ -85,7 +85,7 @@ def _v_amax_kernel(
     t_end = tl.minimum(pid_c * CHUNK + CHUNK, T)
     for t0 in range(pid_c * CHUNK, t_end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        ptrs = v_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + h * stride_vh + offs_d[None, :]
+        ptrs = v_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + h.to(tl.int64) * stride_vh + offs_d[None, :]
         x = tl.load(ptrs, mask=(offs_t < t_end)[:, None], other=0.0)
         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
     tl.store(amax_ptr + (pid_c * H + h) * D + offs_d, tl.max(acc, axis=0))
@@ -110,7 +110,7 @@ def _quantize_v_kernel(
     t_dst = pid_b * BLOCK_T + offs_k
     offs_d = tl.arange(0, D)
     # keys T..T_OUT load as zeros and quantize to zero: the padding
-    ptrs = v_ptr + t_src.to(tl.int64)[None, :] * stride_vt + h * stride_vh + offs_d[:, None]
+    ptrs = v_ptr + t_src.to(tl.int64)[None, :] * stride_vt + h.to(tl.int64) * stride_vh + offs_d[:, None]
     x = tl.load(ptrs, mask=(t_src < T)[None, :], other=0.0).to(tl.float32)  # [D, BLOCK_T]
     scale = tl.load(s_ptr + h * D + offs_d)
     q = _e4m3_saturated(x / scale[:, None], FP8_MAX_C)
