@@ -17,7 +17,7 @@
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried), then the
 #            flashinfer attention backend's GPU tests (tests/test_flashinfer_attention.py)
-#   attention-fp8  the FP8 attention kernel's GPU tests against its spec and its bench (issue 34)
+#   attention-fp8  the FP8 attention kernel's GPU tests against its spec, the fused quantization's, and its bench (issue 34)
 #   hf       import gptoss_fp8.hf: transformers' from_pretrained on the GPU with our FP8 weights and kernels
 #   verdict-cpu  the verdict's calibration through Triton's interpreter on the machine's CPUs (14 processes)
 #   kernels  gptoss-fp8 bench kernels: dense GEMM + bias, MoE FFN, router, attention, rope, decode
@@ -284,11 +284,13 @@ fi
 
 if has attention-fp8; then
   # issue 34's FP8 attention (spec.attention_fp8; the Triton kernel's fp8 path, kernels/attention.py): its GPU
-  # tests against the spec, then bench kernels --only attention --attention fp8 (pairs/s, the quantization's ms)
+  # tests against the spec and the fused Q / K / V quantization's against quant/attn_fp8.py, then bench kernels
+  # --only attention --attention fp8 (pairs/s; the row "fp8 quantize q,k,v": fused ms vs the torch ops' ms)
   timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention.py -k "prefill_fp8_gpu" 2>&1 | tail -8 \
     | tee "$OUT/attn_fp8_tests.log"
+  timeout 120 python3 -m pytest -q tests/kernels/test_attn_quant.py 2>&1 | tail -8 | tee "$OUT/attn_quant_tests.log"
   timeout 120 python3 -m gptoss_fp8.cli.main bench kernels --only attention --attention fp8 --tokens 32768,128000 \
-    --json "$OUT/attn_fp8_bench.json" 2>&1 | grep -v Warn | tail -24 | tee "$OUT/attn_fp8_bench.log"
+    --json "$OUT/attn_fp8_bench.json" 2>&1 | grep -v Warn | tail -28 | tee "$OUT/attn_fp8_bench.log"
 fi
 
 if has hf; then

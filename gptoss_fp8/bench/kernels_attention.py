@@ -15,8 +15,10 @@ Rows (``bench(tokens)``; ``gptoss-fp8 bench kernels --only attention`` prints th
   attention kernel (k by the rope kernel alone) vs the rope kernel on q and k + attention.
 - with ``attention="fp8"`` (``--attention fp8``): prefill causal / window-128 at T with the FP8
   kernels (``attention_prefill(fp8=True)``: causal on sm_90 the Gluon e4m3 kernel, the window the Triton
-  one; Q, K, V quantized by torch ops inside the call, timed
-  with it; ``quant_ms`` is that quantization alone) vs our bf16 kernel, its error vs the bf16 output;
+  one; Q, K, V quantized inside the call by the fused kernels of kernels/attn_quant.py, timed with it;
+  ``quant_ms`` is that quantization alone) vs our bf16 kernel, its error vs the bf16 output; and a row
+  ``fp8 quantize q,k,v``: that quantization (as the causal launch runs it) vs quant/attn_fp8.py's torch
+  ops, with the floor of one bf16 read and one e4m3 write at the copy rate;
 - with FlashInfer importable (required by ``attention_backend="flashinfer"``): prefill causal /
   window-128 at T, ours beside FlashInfer's sink prefill (kernels/flashinfer_attention.py; its
   first call per module JIT-builds it, minutes, untimed), its error vs our output;
@@ -152,11 +154,10 @@ def _flex_with_sinks(T: int, window: int):
 def _fp8_rows(T: int, bf16_ms: dict[int, float]) -> list[dict]:
     """``--attention fp8``: the FP8 prefill kernel at T beside our bf16 one (``bf16_ms``: window -> ms)."""
     from gptoss_fp8.kernels.attention import attention_prefill
-    from gptoss_fp8.quant.attn_fp8 import quantize_qk, quantize_v
 
     q, k, v, sinks, _ = _prefill_inputs(T, T)
-    quant = _ms(lambda: (quantize_qk(q), quantize_qk(k), quantize_v(v)))
-    rows = []
+    rows = [_fp8_quant_row(T, q, k, v)]
+    quant = rows[0]["ms"]
     for window in (0, WINDOW):
         name = f"prefill fp8 {'causal' if not window else f'window{window}'} T={T}"
         pairs = _visible_pairs(T, 0, window)
@@ -185,6 +186,20 @@ def _flashinfer_rows(T: int, ours_ms: dict[int, float]) -> list[dict]:
         rows.append(_row(name, ours, _tflops(pairs, ours), label, peer, _tflops(pairs, peer), peer / ours,
                          rel_err_vs_peer=err))
     return rows
+
+
+def _fp8_quant_row(T: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """Q, K, V to e4m3 at T: the fused kernels as the causal FP8 launch runs them (``fp8_operands``:
+    kernels/attn_quant.py, V in key order) vs quant/attn_fp8.py's torch ops (plain layout: the launch
+    used to pad and reorder V with more torch ops); the floor reads the bf16 once and writes e4m3."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import fp8_operands
+    from gptoss_fp8.quant import attn_fp8
+
+    fused = _ms(lambda: fp8_operands(q, k, v, 0.125))
+    torch_ms = _ms(lambda: (attn_fp8.quantize_qk(q), attn_fp8.quantize_qk(k), attn_fp8.quantize_v(v)))
+    floor = (q.numel() + k.numel() + v.numel()) * 3 / COPY_BW * 1e3
+    return _row(f"fp8 quantize q,k,v T={T} (floor {floor:.3g} ms)", fused, None, "torch ops (quant/attn_fp8.py)",
+                torch_ms, None, torch_ms / fused, floor_ms=floor)
 
 
 def _prefill_rows(T: int) -> list[dict]:

@@ -33,8 +33,9 @@ and its tile); a later chunk (q_offset > 0) always runs the Triton kernel.
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
 FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
-quantizes with torch ops (quant/attn_fp8.py: Q, K e4m3 per 64 packed rows per head, V e4m3 per
-(head, channel), written transposed [Hkv, D, T] so the P V product's B operand is K-major); both
+quantizes with quant/attn_fp8.py's roundings (Q, K e4m3 per 64 packed rows per head, V e4m3 per
+(head, channel), written transposed [Hkv, D, T] so the P V product's B operand is K-major; on CUDA
+in one pass by kernels/attn_quant.py, on CPU by quant/attn_fp8.py's torch ops); both
 dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
 scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
 power-of-two rescaling: the spec's roundings), and each block's P V is summed in a fresh fp32
@@ -59,8 +60,10 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.kernels import attn_quant
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
-from gptoss_fp8.quant.attn_fp8 import P_SCALE, quantize_qk, quantize_v
+from gptoss_fp8.quant import attn_fp8
+from gptoss_fp8.quant.attn_fp8 import P_SCALE
 from gptoss_fp8.quant.fp8 import cdiv
 
 LOG2E = 1.4426950408889634
@@ -418,9 +421,11 @@ def attention_prefill(
     fp8_args = {}
     if fp8:
         assert rope is None, "fp8 attention takes q already rotated (no fused rope)"
-        q8, sq = quantize_qk(q)
-        k8, sk = quantize_qk(k)
-        v8t, sv = quantize_v(v)  # [Hkv, D, T], keys contiguous
+        # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass
+        quant = attn_quant if on_gpu else attn_fp8
+        q8, sq = quant.quantize_qk(q)
+        k8, sk = quant.quantize_qk(k)
+        v8t, sv = quant.quantize_v(v)  # [Hkv, D, T], keys contiguous
         q, k, v = q8, k8, v8t.permute(2, 0, 1)  # v as a [T, Hkv, D] view: stride(0) == 1
         sq = sq * (sm_scale * LOG2E)
         fp8_args = dict(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),

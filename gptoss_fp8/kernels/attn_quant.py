@@ -1,0 +1,194 @@
+"""FP8 attention operands in one pass over Q, K, V (Triton): quant/attn_fp8.py's roundings, fused.
+
+Contract (reference: ``gptoss_fp8.quant.attn_fp8``, which owns the layouts and the rounding rules)
+* ``quantize_qk(x [T, H, D])`` -> (x8 float8_e4m3fn [T, H, D] contiguous, scale float32 [H, ceil(T/64)]
+  contiguous): one scale per (head, 64-row block), max(amax, ACT_EPS) / fp8_max over the block's
+  64 x D values (rows >= T ignored), x8 = rne(x / scale) saturated at +-fp8_max.
+* ``quantize_v(v [T, H, D], key_order=None, pad_to=1)`` -> (v8t float8_e4m3fn [H, D, Tout], scale
+  float32 [H, D]): one scale per (head, channel) over all T rows; V transposed (keys contiguous),
+  Tout = T rounded up to a multiple of ``pad_to``, the padded keys zero. With ``key_order`` (int64
+  [64], a permutation; pad_to a multiple of 64) position k of each 64-key block holds key
+  block_start + key_order[k]: the Gluon FP8 kernel's P operand order (attention_ws_fp8.key_order).
+  A CPU key_order for a CUDA v is checked and copied to the device once (cached).
+Inputs: bf16 / fp16 / fp32, any stride over T and H (e.g. q, k, v as views of a fused qkv buffer),
+D contiguous, a power of two in 16..256 (attention.py's range).
+
+Rounding: as kernels/act_quant.py (``round_to_e4m3`` before the cast, so the interpreter is exact),
+plus the sign of zero: a negative value that rounds to zero gives -0 (byte 0x80) as torch's cast
+does, so the bytes, not only the values, equal the reference's. V's scale comes from a partial-amax
+kernel and torch's own ops on the [H, D] amax (the reference's ops on the same exact values).
+
+Exactness: in the interpreter (CPU) scales and bytes equal the reference's. On the GPU Triton's fp32
+``/`` is not IEEE-rounded (act_quant.py's docstring), so Q and K scales may be 1 fp32 ulp off torch's
+(its division by the Python fp8_max is a multiplication by the reciprocal), V's scales are equal,
+and about 1e-4 of the e4m3 values or fewer land one step from the reference's (quotients within an
+ulp of a rounding tie).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
+from gptoss_fp8.quant.attn_fp8 import QK_BLOCK
+from gptoss_fp8.quant.fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
+
+KEY_BLOCK = 64  # keys per key_order block
+V_CHUNK = 1024  # rows per program of V's partial amax
+V_BLOCK_T = 64  # keys per program of V's quantization (a multiple of KEY_BLOCK)
+
+
+@triton.jit
+def _e4m3_saturated(q, FP8_MAX_C: tl.constexpr):
+    """fp32 quotients -> fp32 holding their e4m3 values (RNE, saturated at +-FP8_MAX_C), -0 kept."""
+    r = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C))
+    # round_to_e4m3's subnormal path returns +0 for a tiny negative; torch's cast gives -0 (0x80)
+    sign = q.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 == 0x80000000 as int32
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_qk_kernel(
+    x_ptr, q_ptr, s_ptr, T, H, NB, stride_xt, stride_xh,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+):
+    """One program per (64-row block, BLOCK_H heads): tile [BLOCK_T, BLOCK_H, D], one scale per head."""
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_t = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    rows = offs_t.to(tl.int64)[:, None, None]
+    heads = offs_h.to(tl.int64)[None, :, None]  # int64 offsets: any stride over T and H
+    mask = (offs_t < T)[:, None, None] & (heads < H)
+    x = tl.load(x_ptr + rows * stride_xt + heads * stride_xh + offs_d[None, None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = group_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=0), FP8_MAX_C, EPS)  # [BLOCK_H]
+    q = _e4m3_saturated(x / scale[None, :, None], FP8_MAX_C)
+    tl.store(q_ptr + rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_h * NB + pid_b, scale, mask=offs_h < H)
+
+
+@triton.jit
+def _v_amax_kernel(
+    v_ptr, amax_ptr, T, H, stride_vt, stride_vh,
+    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+):
+    """One program per (CHUNK rows, head): amax over the chunk's rows per channel -> amax [n_chunks, H, D]."""
+    pid_c = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+    t_end = tl.minimum(pid_c * CHUNK + CHUNK, T)
+    for t0 in range(pid_c * CHUNK, t_end, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        ptrs = v_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + h.to(tl.int64) * stride_vh + offs_d[None, :]
+        x = tl.load(ptrs, mask=(offs_t < t_end)[:, None], other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.store(amax_ptr + (pid_c * H + h) * D + offs_d, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _quantize_v_kernel(
+    v_ptr, s_ptr, order_ptr, out_ptr, T, T_OUT, stride_vt, stride_vh,
+    BLOCK_T: tl.constexpr, KEY_BLOCK: tl.constexpr, D: tl.constexpr, ORDERED: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+):
+    """One program per (BLOCK_T output keys, head): tile [D, BLOCK_T] gathered from V's rows in
+    key_order (a transposed load), quantized by channel, stored as a plain tile of v8t [H, D, T_OUT]."""
+    pid_b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_T)
+    if ORDERED:
+        src = (offs_k // KEY_BLOCK) * KEY_BLOCK + tl.load(order_ptr + offs_k % KEY_BLOCK)
+    else:
+        src = offs_k
+    t_src = pid_b * BLOCK_T + src
+    t_dst = pid_b * BLOCK_T + offs_k
+    offs_d = tl.arange(0, D)
+    # keys T..T_OUT load as zeros and quantize to zero: the padding
+    ptrs = v_ptr + t_src.to(tl.int64)[None, :] * stride_vt + h.to(tl.int64) * stride_vh + offs_d[:, None]
+    x = tl.load(ptrs, mask=(t_src < T)[None, :], other=0.0).to(tl.float32)  # [D, BLOCK_T]
+    scale = tl.load(s_ptr + h * D + offs_d)
+    q = _e4m3_saturated(x / scale[:, None], FP8_MAX_C)
+    rows = (h * D + offs_d).to(tl.int64)[:, None]
+    tl.store(out_ptr + rows * T_OUT + t_dst[None, :], q.to(out_ptr.dtype.element_ty), mask=(t_dst < T_OUT)[None, :])
+
+
+def _check_input(x: torch.Tensor, name: str) -> None:
+    assert x.dim() == 3, f"{name} {tuple(x.shape)}: want [T, H, D]"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{name} {tuple(x.shape)}: dtype {x.dtype}"
+    d = x.shape[2]
+    assert 16 <= d <= 256 and d & (d - 1) == 0, f"{name} {tuple(x.shape)}: head_dim {d} not a power of two in 16..256"
+    assert x.stride(2) == 1, f"{name} {tuple(x.shape)} strides {x.stride()}: head_dim must be contiguous"
+
+
+_ORDERS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # (device, order) -> the order there
+
+
+def _order_on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """key_order on v's device. A CPU order is checked to be a permutation and copied to a GPU once
+    (the launcher's ~20 tiny ops and a host-to-device copy per call cost more than the V kernels at
+    8192 tokens); one already on the GPU is taken unchecked (checking would wait for the GPU)."""
+    if order.device.type != "cpu":
+        assert order.device == device, f"key_order on {order.device}, v on {device}"
+        return order
+    keys = tuple(order.tolist())
+    assert sorted(keys) == list(range(KEY_BLOCK)), f"key_order {list(keys)}: not a permutation of 0..{KEY_BLOCK - 1}"
+    if device.type == "cpu":
+        return order
+    key = (str(device), keys)
+    if key not in _ORDERS:
+        _ORDERS[key] = order.to(device)
+    return _ORDERS[key]
+
+
+def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]): ``attn_fp8.quantize_qk``, one launch."""
+    _check_input(x, "x")
+    t, h, d = x.shape
+    nb = cdiv(t, QK_BLOCK)
+    x8 = torch.empty((t, h, d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((h, nb), dtype=torch.float32, device=x.device)
+    if t == 0 or h == 0:
+        return x8, scale
+    block_h = min(next_pow2(h), max(1, 256 // d))  # a few heads a program: ~256 columns of 64 rows
+    grid = (nb, cdiv(h, block_h))
+    _quantize_qk_kernel[grid](
+        x, x8, scale, t, h, nb, x.stride(0), x.stride(1),
+        BLOCK_T=QK_BLOCK, BLOCK_H=block_h, D=d, FP8_MAX_C=fp8_max, EPS=ACT_EPS, num_warps=4,
+    )
+    return x8, scale
+
+
+def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX, key_order: torch.Tensor | None = None,
+               pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [T, H, D] -> (v8t e4m3 [H, D, Tout], scale fp32 [H, D]): ``attn_fp8.quantize_v`` with T padded
+    by zero keys to Tout = a multiple of ``pad_to`` and, with ``key_order``, each 64-key block in that
+    order (module docstring). Two launches (partial amax, quantization) and three tiny torch ops."""
+    _check_input(v, "v")
+    t, h, d = v.shape
+    assert t > 0 and h > 0, f"v {tuple(v.shape)}: empty (V's channel scale needs rows)"
+    assert pad_to >= 1, f"pad_to {pad_to}"
+    if key_order is not None:
+        assert key_order.shape == (KEY_BLOCK,) and key_order.dtype == torch.int64, (
+            f"key_order {tuple(key_order.shape)} {key_order.dtype}: want int64 [{KEY_BLOCK}]")
+        assert pad_to % KEY_BLOCK == 0, f"pad_to {pad_to}: key_order needs whole blocks of {KEY_BLOCK} keys"
+        key_order = _order_on(key_order, v.device)
+    n_chunks = cdiv(t, V_CHUNK)
+    partial = torch.empty((n_chunks, h, d), dtype=torch.float32, device=v.device)
+    _v_amax_kernel[(n_chunks, h)](
+        v, partial, t, h, v.stride(0), v.stride(1), CHUNK=V_CHUNK, BLOCK_T=64, D=d, num_warps=4,
+    )
+    # the reference's own ops on the same (exact) amax: bit-identical scales on the GPU too
+    scale = partial.amax(0).clamp(min=ACT_EPS) / fp8_max  # [H, D]
+    t_out = cdiv(t, pad_to) * pad_to
+    v8t = torch.empty((h, d, t_out), dtype=FP8_DTYPE, device=v.device)
+    _quantize_v_kernel[(cdiv(t_out, V_BLOCK_T), h)](
+        v, scale, scale if key_order is None else key_order, v8t, t, t_out, v.stride(0), v.stride(1),
+        BLOCK_T=V_BLOCK_T, KEY_BLOCK=KEY_BLOCK, D=d, ORDERED=key_order is not None, FP8_MAX_C=fp8_max, num_warps=4,
+    )
+    return v8t, scale
