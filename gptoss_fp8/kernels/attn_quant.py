@@ -196,7 +196,7 @@ def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX, key_order: torch.Tenso
     t_out = cdiv(t, pad_to) * pad_to
     v8t = torch.empty((h, d, t_out), dtype=FP8_DTYPE, device=v.device)
     _quantize_v_kernel[(cdiv(t_out, V_BLOCK_T), h)](
-        v, scale, scale if key_order is None else key_order, v8t, t, t_out, v.stride(0), v.stride(1),
+        v, scale, scale if key_order is None else key_order, v8t, t, t_out, v.stride(0), v.stride(1),  # (scale: unread)
         BLOCK_T=V_BLOCK_T, KEY_BLOCK=KEY_BLOCK, D=d, ORDERED=key_order is not None, FP8_MAX_C=fp8_max, num_warps=4,
     )
     return v8t, scale
