@@ -62,7 +62,6 @@ VARIANTS = {
     # FP8 attention on the Gluon pipeline (kernels/attention_ws_fp8.py; checked against spec.attention_fp8)
     "fp8": dict(fp8=True),
     "fp8-3st": dict(fp8=True, stages=3),
-    "fp8-8st": dict(fp8=True, stages=8),
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]

@@ -1,26 +1,22 @@
 """Warp-specialized causal prefill attention with sinks on FP8 operands (``--attention fp8``), Gluon, sm_90.
 
-The pipeline of kernels/attention_ws.py (a 1-warp TMA producer streaming K and V blocks of 64 keys
-through a ring of shared-memory stages; three consumer warpgroups of 64 queries each) with e4m3 wgmma
-for both products, and 128 keys a step (FlashAttention-3's 192 x 128 tile at head dim 64, as
-FlashInfer's sm90 prefill uses): each consumer takes its blocks two at a time, QK^T of both, one
-softmax step, then PV over the 128 keys in one accumulation; the other warpgroups fill the waits.
-Why FP8: the bf16 kernel runs at the H200's 700 W cap, and its energy is the sum of its MMA part's
-and its softmax part's (BENCHMARKS.md, issue 34: each measured alone); e4m3 products take half the
-tensor-core cycles. This kernel runs below the cap (latency-bound), so the step's instruction count
-matters: 128 keys a step (per 64 keys ~232 instructions a warp against 280 a step of 64), the running
-max's ceil and 2^step off the MUFU (``_ceil``, ``_pow2``) and tree row reductions. H200, 128000
-tokens: 236 ms with the quantization against 259 for one block a step and bf16's 292.
+The structure of kernels/attention_ws.py (a 1-warp TMA producer streaming K and V blocks of 64 keys
+through a ring of shared-memory stages; consumer warpgroups of 64 queries each, QK^T of block j and
+PV of block j - 1 on the tensor cores while block j's softmax runs) with e4m3 wgmma for both
+products. Why: the bf16 kernel runs at the H200's 700 W cap, and its energy is the sum of its MMA
+part's and its softmax part's (BENCHMARKS.md, issue 34: each measured alone); e4m3 products take
+half the tensor-core cycles. Measured: 262 ms at 128000 tokens against bf16's 292, below the cap
+(654 W at the full clock), so this kernel is latency-bound, not power-bound.
 
 Numerics: ``spec.attention_fp8`` (quant/attn_fp8.py's operands, quantized by the launcher): scores
 = (Q8 K8^T) * (sq * sm_scale * log2 e) * sk in log2 units (the two scales folded into one factor per
-64-key block, then one FMA with the running max: an fp32 rounding or two from the spec's order); the
+block, then one FMA with the running max: an fp32 rounding or two from the spec's order); the
 running max kept an integer (ceil), so alpha is an exact power of two and P * 256 rounds to e4m3 in
 the spec's final frame; 2^x taken at (x + 8) for P * 256 directly (the row sum scaled back by 2^-8,
-exactly); each step's P8 V8 summed fresh in fp32 by the tensor core (Hopper's FP8 MMA accumulates
-imprecisely over long K: 128 keys a sum) and added to the running output after its alpha; at the end
-times V's channel scale / 256, divided by the row sum (the sink's term included). V arrives
-transposed (keys contiguous, [Hkv * D, T]): the K-major B operand e4m3 wgmma needs.
+exactly); each block's P8 V8 summed fresh in fp32 by the tensor core (Hopper's FP8 MMA accumulates
+imprecisely over long K) and added to the running output after its alpha; at the end times V's
+channel scale / 256, divided by the row sum (the sink's term included). V arrives transposed
+(keys contiguous, [Hkv * D, T]): the K-major B operand e4m3 wgmma needs.
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from gptoss_fp8.kernels.attention_ws import _attn_produce, _row_reduce, _wg_blocks
+    from gptoss_fp8.kernels.attention_ws import _attn_produce, _wg_blocks
 
 LOG2E = 1.4426950408889634
 WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warpgroup)
@@ -55,42 +51,21 @@ NWG = 3  # consumer warpgroups
 if HAS_GLUON:
 
     @gluon.jit
-    def _ceil(x):
-        """ceil(x) by one add rounding up at 1.5 * 2^23 (an FMA-pipe FADD; exact for |x| < 2^22, and scores in
-        log2 units are far smaller) instead of FRND, which shares the MUFU's pipe with 2^x."""
-        return gl.inline_asm_elementwise("{ .reg .f32 t; add.rp.f32 t, $1, 0f4B400000; sub.f32 $0, t, 0f4B400000; }",
-                                         "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _pow2(d):
-        """2^d for integer-valued d <= 0 (the running max's step) built in the exponent bits (max, add, integer
-        subtract, shift; 0 for d <= -127, as ex2.approx.ftz flushes) instead of a MUFU ex2."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .f32 t; .reg .b32 b; max.f32 t, $1, 0fC2FE0000; add.f32 t, t, 0f4B400000; mov.b32 b, t; "
-            "sub.s32 b, b, 0x4B3FFF81; shl.b32 b, b, 23; mov.b32 $0, b; }",
-            "=f,f", [d], dtype=gl.float32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _fp8_softmax(sa, sb, ca, cb, m_i, l_i, rows, a, n_full):
-        """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
-        m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
-        (n_full) on; row max and sum folded as trees (attention_ws._row_reduce)."""
-        BN: gl.constexpr = sa.type.shape[1]
-        if a + 1 < n_full:
-            m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
-            m_new = gl.maximum(m_i, _ceil(m_blk))
-            pa = gl.exp2(sa * ca - gl.expand_dims(m_new - 8.0, 1))  # P * 256
-            pb = gl.exp2(sb * cb - gl.expand_dims(m_new - 8.0, 1))
+    def _fp8_softmax(sc, c, m_i, l_i, rows, j, MASKED: gl.constexpr):
+        """Block j's raw e4m3 dot products sc and its score factor c -> (P * 256, alpha, m, l)."""
+        BN: gl.constexpr = sc.type.shape[1]
+        if MASKED:
+            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
+            visible = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
+            sc = gl.where(visible, sc * c, float("-inf"))
+            m_new = gl.maximum(m_i, gl.ceil(gl.max(sc, 1)))
+            p = gl.exp2(sc - gl.expand_dims(m_new - 8.0, 1))
         else:
-            cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
-            sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
-            sb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
-            m_new = gl.maximum(m_i, _ceil(gl.maximum(_row_reduce(sa, False, True), _row_reduce(sb, False, True))))
-            pa = gl.exp2(sa - gl.expand_dims(m_new - 8.0, 1))
-            pb = gl.exp2(sb - gl.expand_dims(m_new - 8.0, 1))
-        alpha = _pow2(m_i - m_new)
-        l_new = l_i * alpha + (_row_reduce(pa, True, True) + _row_reduce(pb, True, True)) * 0.00390625
-        return pa, pb, alpha, m_new, l_new
+            m_new = gl.maximum(m_i, gl.ceil(gl.max(sc, 1) * c))
+            p = gl.exp2(sc * c - gl.expand_dims(m_new - 8.0, 1))  # P * 256
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, 1) * 0.00390625
+        return p, alpha, m_new, l_new
 
     @gluon.jit
     def _relabel(p, p_layout: gl.constexpr):
@@ -113,12 +88,7 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
-        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), its key
-        blocks two at a time (128 keys a step: FlashAttention-3's tile at head dim 64). A last odd block's
-        partner (zeros past T, or keys past every row here) is masked. A step's MMAs are waited for within it
-        (QK^T of both blocks, their softmax, then PV over the 128 keys in one accumulation); the other two
-        warpgroups' work fills the waits. (PV of step i - 1 under step i's softmax would carry P across the
-        loop: 64 fp32 registers more, and ptxas spills 3 KB at the consumers' 160.)"""
+        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         NW: gl.constexpr = q_smem.type.shape[0]
@@ -131,6 +101,7 @@ if HAS_GLUON:
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
         kv = head // GROUP
+        last = my_blocks - 1
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
         l_i = gl.exp2(gl.full([R], 0.0, gl.float32, row_layout) + (sink - gl.ceil(sink)))
@@ -141,26 +112,39 @@ if HAS_GLUON:
         cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         q = q_smem.index(W)
         mbarrier.wait(q_bar, 0)
-        n_steps = gl.cdiv(my_blocks, 2)
-        for i in range(n_steps):
-            a = 2 * i
-            mbarrier.wait(ready.index(a % S), (a // S) & 1)
-            mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
-            s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            ca = cq * gl.load(sk_ptr + kv * nbk + a)
-            cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-            sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-            pa, pb, alpha, m_i, l_i = _fp8_softmax(sa, sb, ca, cb, m_i, l_i, rows, a, n_full)
-            pv = warpgroup_mma(_e4m3(_relabel(pa, p_layout)), v_bufs.index(a % S).permute((1, 0)), zero_o,
-                               use_acc=False, is_async=True)
-            pv = warpgroup_mma(_e4m3(_relabel(pb, p_layout)), v_bufs.index((a + 1) % S).permute((1, 0)), pv,
-                               is_async=True)
+
+        mbarrier.wait(ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c = cq * gl.load(sk_ptr + kv * nbk)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        if n_full > 0:
+            p256, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, 0, False)
+        else:
+            p256, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, 0, True)
+        p_op = _relabel(p256, p_layout)
+        alpha_prev = alpha
+        for j in range(1, my_blocks):
+            s = j % S
+            sp = (j - 1) % S
+            c = cq * gl.load(sk_ptr + kv * nbk + j)
+            mbarrier.wait(ready.index(s), (j // S) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            pv = warpgroup_mma(_e4m3(p_op), v_bufs.index(sp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            if j < n_full:
+                p256, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, j, False)
+            else:
+                p256, alpha, m_i, l_i = _fp8_softmax(sc, c, m_i, l_i, rows, j, True)
             pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            mbarrier.arrive(empty.index(a % S), count=1)
-            mbarrier.arrive(empty.index((a + 1) % S), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
-        for j in range(2 * n_steps, 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: only keep the ring in step
+            mbarrier.arrive(empty.index(sp), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
+            alpha_prev = alpha
+            p_op = _relabel(p256, p_layout)
+        pv = warpgroup_mma(_e4m3(p_op), v_bufs.index(last % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        mbarrier.arrive(empty.index(last % S), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
+        for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
             mbarrier.wait(ready.index(j % S), (j // S) & 1)
             mbarrier.arrive(empty.index(j % S), count=1)
 
@@ -189,7 +173,7 @@ if HAS_GLUON:
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
-                      True, True)
+                      True)
 
     @gluon.jit
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
@@ -265,12 +249,11 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
-    fused kernels of kernels/attn_quant.py; the torch ops they replace took 0.70 / 8.65 ms at 8192 /
-    128000 tokens on the H200, against 236 ms of attention at 128000)."""
+    fused kernels of kernels/attn_quant.py, 0.66 ms at 128000 tokens on the H200 against 9.4 ms for the
+    torch ops they replace and ~250 ms of attention)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
-    assert stages >= 2, f"stages {stages}: a step holds two key blocks"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
