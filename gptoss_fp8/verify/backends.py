@@ -106,37 +106,30 @@ def ops_for(mode: str, gemm: str = "ours", attention: str = "bf16", attention_ba
     return get_ops(MODES[mode], attention)
 
 
-def check_gemm(gemm: str, modes: list[str]) -> None:
-    """``--gemm``: a known library, one the run uses (the kernels mode), importable. Raises
-    GptOssFp8Error (one line) before any model runs. "ours" imports nothing (a CPU run stays
-    free of Triton, which kernels/config.py imports)."""
-    if gemm == "ours":
-        return
-    from gptoss_fp8.kernels.config import GEMM_BACKENDS
-
-    if gemm not in GEMM_BACKENDS:
-        raise GptOssFp8Error(f"--gemm {gemm!r}: choose one of {', '.join(GEMM_BACKENDS)}")
+def _check_backend(option: str, value: str, modes: list[str], choices: tuple[str, ...], module: str) -> None:
+    """A library option other than "ours": known, used by the run (the kernels mode), importable
+    (kernels/<module>.py's ``require``). Raises GptOssFp8Error (one line) before any model runs."""
+    if value not in choices:
+        raise GptOssFp8Error(f"{option} {value!r}: choose one of {', '.join(choices)}")
     if "kernels" not in modes:
-        raise GptOssFp8Error(f"--gemm {gemm} changes the kernels mode only, which this run does not include "
+        raise GptOssFp8Error(f"{option} {value} changes the kernels mode only, which this run does not include "
                              f"({', '.join(modes)}); add --mode kernels (needs --device cuda)")
-    from gptoss_fp8.kernels import deepgemm
+    importlib.import_module(f"gptoss_fp8.kernels.{module}").require()
 
-    deepgemm.require()
+
+def check_gemm(gemm: str, modes: list[str]) -> None:
+    """``--gemm`` (``_check_backend``). "ours" imports nothing (a CPU run stays free of Triton, which
+    kernels/config.py imports)."""
+    if gemm != "ours":
+        from gptoss_fp8.kernels.config import GEMM_BACKENDS
+
+        _check_backend("--gemm", gemm, modes, GEMM_BACKENDS, "deepgemm")
 
 
 def check_attention_backend(attention_backend: str, modes: list[str]) -> None:
-    """``--attention-backend``: a known library, one the run uses (the kernels mode), importable.
-    Raises GptOssFp8Error (one line) before any model runs; "ours" imports nothing."""
-    if attention_backend == "ours":
-        return
-    from gptoss_fp8.kernels.config import ATTENTION_BACKENDS
+    """``--attention-backend`` (``_check_backend``); "ours" imports nothing."""
+    if attention_backend != "ours":
+        from gptoss_fp8.kernels.config import ATTENTION_BACKENDS
 
-    if attention_backend not in ATTENTION_BACKENDS:
-        raise GptOssFp8Error(f"--attention-backend {attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if "kernels" not in modes:
-        raise GptOssFp8Error(f"--attention-backend {attention_backend} changes the kernels mode only, which this run "
-                             f"does not include ({', '.join(modes)}); add --mode kernels (needs --device cuda)")
-    from gptoss_fp8.kernels import flashinfer_attention
-
-    flashinfer_attention.require()
+        _check_backend("--attention-backend", attention_backend, modes, ATTENTION_BACKENDS, "flashinfer_attention")
 
