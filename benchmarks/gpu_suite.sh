@@ -235,8 +235,8 @@ if has attention; then
   # issue 34: the warp-specialized attention's variants (options, FP8, timing probes) checked against the
   # spec and timed side by side in one process (benchmarks/attn_variants.py), the power each draws, then
   # the GPU tests
-  # (ATTN_VARIANTS: attn_variants.py's names; the default: the shipped kernel, FP8, the two timing probes)
-  timeout 210 python3 benchmarks/attn_variants.py --variants "${ATTN_VARIANTS:-qreg,fp8,probe-mma,probe-softmax}" \
+  # (ATTN_VARIANTS: attn_variants.py's names; the default: the shipped kernel, 128-key sync, FP8, the two timing probes)
+  timeout 210 python3 benchmarks/attn_variants.py --variants "${ATTN_VARIANTS:-qreg,n128-sync,fp8,probe-mma,probe-softmax}" \
     --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn | tee "$OUT/attn_variants.log"
   # clock and board power under each alone (is it at the 700 W cap?), 32768 tokens, 4 s back to back
   for v in "q_in_registers=True" "q_in_registers=True,exp=probe-mma-only" "q_in_registers=True,exp=probe-softmax-only" \
