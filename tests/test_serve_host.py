@@ -118,6 +118,8 @@ def test_bench_serve_null_model():
     assert "null model: 4 slots x 25 tokens, a decode step sleeps 1 ms" in r.output
     row = r.output.strip().splitlines()[-1].split(" | ")
     assert row[:4] == ["16", "4", "8", "0"] and float(row[-3]) > 0  # steps/s from /metrics
-    assert 1.0 <= float(row[-2]) < 50 and float(row[-1]) > 0  # the model's ms per step: at least its 1 ms sleep
+    # the model's ms per step: a decode step sleeps 1 ms, a step of prompts alone does not (two or so of ~16
+    # here: 0.99 ms was seen), so the mean lies near 1 ms, well above half of it
+    assert 0.5 <= float(row[-2]) < 50 and float(row[-1]) > 0
     r = CliRunner().invoke(app, ["bench", "serve", "--null-model", "http://127.0.0.1:1"])
     assert r.exit_code == 1 and "give exactly one of URL, --launch DST, --synthetic PRESET or --null-model" in r.output
