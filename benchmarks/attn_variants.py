@@ -61,7 +61,12 @@ VARIANTS = {
     "probe-softmax": dict(q_in_registers=True, exp="probe-softmax-only"),
     # FP8 attention on the Gluon pipeline (kernels/attention_ws_fp8.py; checked against spec.attention_fp8)
     "fp8": dict(fp8=True),
+    "fp8-64": dict(fp8=True, pairs=False),
     "fp8-3st": dict(fp8=True, stages=3),
+    # 128 keys a step (two blocks, one softmax step); ones: the row sum by the tensor core (P8 x ones)
+    "fp8-pairs": dict(fp8=True, pairs=True),
+    "fp8-pairs-ones": dict(fp8=True, pairs=True, ones=True),
+    "fp8-pairs-ones-6st": dict(fp8=True, pairs=True, ones=True, stages=6),
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
@@ -88,14 +93,16 @@ def _run(cfg, q, k, v, sinks, out=None):
 def _spec(cfg):
     """The variant's reference: spec.attention in fp32, or spec.attention_fp8 for the FP8 kernel."""
     if cfg.get("fp8"):
-        return lambda q, k, v, sinks, q_offset=0: spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0, q_offset)
+        rs = "p8" if cfg.get("ones") else "p"  # (ones: the row sum of the e4m3 P, by the tensor core)
+        return lambda q, k, v, sinks, q_offset=0: spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0, q_offset,
+                                                                     row_sum=rs)
     return lambda q, k, v, sinks, q_offset=0: spec.attention(q, k, v, sinks, D ** -0.5, 0, q_offset=q_offset,
                                                              dtype=torch.float32)
 
 
 def _ref_rows(q, k, v, sinks, r0, r1, cfg=None):
     if cfg and cfg.get("fp8"):  # the whole sequence's quantization (V's channel scales span all rows)
-        return spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0)[r0:r1]
+        return _spec(cfg)(q, k, v, sinks)[r0:r1]
     return spec.attention(q[r0:r1], k[:r1], v[:r1], sinks, D ** -0.5, 0, q_offset=r0, dtype=torch.float32)
 
 
@@ -126,6 +133,10 @@ def check_cfg(cfg):
         rel = ((out - ref).norm() / ref.norm()).item()
         err = (out - ref).abs().max().item()
         worst_rel, worst_abs = max(worst_rel, rel), max(worst_abs, err)
+        if cfg.get("fp8"):  # how far from exact attention (fp32 spec): what the FP8 roundings cost
+            exact = spec.attention(q.float(), k.float(), v.float(), sinks, D ** -0.5, 0, dtype=torch.float32)
+            print(f"  {cfg} T={T} hq={hq}: rel vs spec.attention (fp32) "
+                  f"{((out - exact).norm() / exact.norm()).item():.2e}", flush=True)
         try:
             assert rel < 1e-2, f"relative error {rel:.2e}"
             if not cfg.get("fp8"):  # (FP8: the GPU tests' criterion, the norm only: e4m3 roundings of P flip)

@@ -14,6 +14,8 @@
 #   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
+#   fp8-probe  the FP8 attention's options at small T under a poisoned allocator, the attention GPU tests, the
+#            FP8 options and bf16's 128-key step timed (issue 34)
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried), then the
 #            flashinfer attention backend's GPU tests (tests/test_flashinfer_attention.py)
@@ -247,6 +249,18 @@ if has attention; then
   done
   timeout 110 python3 -m pytest -q -n 6 -m gpu tests/kernels/test_attention.py -k "ws_gpu or ws_fp8_gpu or single_sequence" \
     2>&1 | tail -30 | tee "$OUT/attn_tests.log"
+fi
+
+if has fp8-probe; then
+  # issue 34: the FP8 kernel's options at small T under a NaN-filled allocator (benchmarks/attn_poison_probe.py:
+  # unwritten outputs vs reads of unwritten memory), the attention GPU tests (poisoned), then the FP8 options and
+  # the bf16 128-key step timed side by side (ATTN_VARIANTS)
+  timeout 150 python3 benchmarks/attn_poison_probe.py 2>&1 | grep -v Warn | tee "$OUT/attn_probe.log"
+  timeout 150 python3 -m pytest -q -n 6 -m gpu tests/kernels/test_attention.py -k "ws_gpu or ws_fp8_gpu or prefill_fp8_gpu" \
+    -p no:warnings 2>&1 | grep -v "Warn\|warner" | tail -30 | tee "$OUT/attn_tests.log"
+  timeout 240 python3 benchmarks/attn_variants.py --tokens ${ATTN_TOKENS:-32768,128000} \
+    --variants "${ATTN_VARIANTS:-qreg,n128-sync,fp8-64,fp8,fp8-pairs-ones}" \
+    --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn | tee "$OUT/attn_variants.log"
 fi
 
 if has attention-ncu; then

@@ -267,7 +267,7 @@ LOG2E = 1.4426950408889634
 
 def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
                         v8: torch.Tensor, sv: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int,
-                        q_offset: int, p_scale: float = P_SCALE) -> torch.Tensor:
+                        q_offset: int, p_scale: float = P_SCALE, row_sum: str = "p") -> torch.Tensor:
     """FP8 attention of one sequence from quantized operands: q8 [Tq, Hq, D] e4m3 with row scales
     sq [Tq, Hq], k8 / v8 [Tk, Hkv, D] e4m3, sk [Tk, Hkv], sv [Hkv, D] (quant/attn_fp8.py). fp32 out."""
     tq, hq, d = q8.shape
@@ -293,7 +293,11 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
     # Rounding 2: P * 256 to e4m3 (3 mantissa bits: relative error <= 2^-4 per entry). The row
     # sum uses the fp32 P (FlashAttention-3's choice) plus the sink's column.
     p8 = (p * p_scale).to(FP8_DTYPE)
-    l_ = p.sum(dim=-1, keepdim=True) + torch.exp2(sink2[..., None] - mx)
+    if row_sum == "p8":  # the e4m3 P the PV product weighs V by (a kernel's P8 x ones on the tensor core)
+        l_ = p8.float().sum(dim=-1, keepdim=True) / p_scale + torch.exp2(sink2[..., None] - mx)
+    else:
+        assert row_sum == "p", f"row_sum {row_sum!r}: 'p' (fp32 P) or 'p8' (e4m3 P)"
+        l_ = p.sum(dim=-1, keepdim=True) + torch.exp2(sink2[..., None] - mx)
     # Rounding 3: P8 V8 summed in fp32; then * (sv / 256) per channel, / l per row.
     pv = torch.einsum("hmqk,khd->qhmd", p8.float(), v8.float())
     return pv * (sv.float() / p_scale).view(1, hkv, 1, d) / l_.permute(2, 0, 1, 3)
@@ -301,7 +305,7 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   sm_scale: float | None = None, window: int = 0, q_offset: int = 0,
-                  fp8_max: float = FP8_MAX) -> torch.Tensor:
+                  fp8_max: float = FP8_MAX, row_sum: str = "p") -> torch.Tensor:
     """``attention`` with FP8 operands, for ONE sequence: same contract (shapes, masks, sinks,
     q_offset), returned as [Tq, Hq, D] in q's dtype.
 
@@ -312,6 +316,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     divided by the fp32 row sum of P plus the sink's term; then the cast to q's dtype.
     ``fp8_max``: what a Q / K / V block's amax maps to (448; the verdict's noise grids, verify/noise.py,
     redraw the roundings with other e4m3 values); P's scale is 256 * fp8_max / 448 (256 at 448).
+    ``row_sum``: "p" (the fp32 P, the default) or "p8" (the e4m3 P that the PV product uses: an option of
+    the FP8 Gluon kernel, kernels/attention_ws_fp8.py ``ones``, measured, not the default).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -323,7 +329,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     k8, sk = quantize_qk(k, fp8_max)
     v8t, sv = quantize_v(v, fp8_max)
     o = _attention_fp8_core(q8, row_scales(sq, tq), k8, row_scales(sk, tk), v8t.permute(2, 0, 1), sv,
-                            sinks, sm_scale, window, q_offset, P_SCALE * fp8_max / FP8_MAX)
+                            sinks, sm_scale, window, q_offset, P_SCALE * fp8_max / FP8_MAX, row_sum)
     return o.reshape(tq, hq, d).to(q.dtype)
 
 

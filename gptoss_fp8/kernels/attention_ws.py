@@ -58,9 +58,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
-                      GROUP: gl.constexpr, VT: gl.constexpr = False):
+                      GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
-        VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py)."""
+        VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
+        number of blocks (the consumers take them two at a time; a block past T arrives as zeros)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -72,6 +73,8 @@ if HAS_GLUON:
         for w in gl.static_range(NWG):
             tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
         n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
+        if PAIRS:
+            n_blocks = 2 * gl.cdiv(n_blocks, 2)
         for j in range(n_blocks):
             if VT:
                 load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [kv_col, j * BN])

@@ -39,7 +39,7 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from gptoss_fp8.kernels.attention_ws import _attn_produce, _wg_blocks
+    from gptoss_fp8.kernels.attention_ws import _attn_produce, _row_reduce, _wg_blocks
 
 LOG2E = 1.4426950408889634
 WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warpgroup)
@@ -49,6 +49,22 @@ NWG = 3  # consumer warpgroups
 
 
 if HAS_GLUON:
+
+    @gluon.jit
+    def _ceil(x):
+        """ceil(x) by one add rounding up at 1.5 * 2^23 (an FMA-pipe FADD; exact for |x| < 2^22, and scores in
+        log2 units are far smaller; -inf stays -inf) instead of FRND, which shares the MUFU's pipe with 2^x."""
+        return gl.inline_asm_elementwise("{ .reg .f32 t; add.rp.f32 t, $1, 0f4B400000; sub.f32 $0, t, 0f4B400000; }",
+                                         "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pow2(d):
+        """2^d for integer-valued d <= 0 (the running max's step) built in the exponent bits (max, add, integer
+        subtract, shift; 0 for d <= -127, as ex2.approx.ftz flushes) instead of a MUFU ex2."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .f32 t; .reg .b32 b; max.f32 t, $1, 0fC2FE0000; add.f32 t, t, 0f4B400000; mov.b32 b, t; "
+            "sub.s32 b, b, 0x4B3FFF81; shl.b32 b, b, 23; mov.b32 $0, b; }",
+            "=f,f", [d], dtype=gl.float32, is_pure=True, pack=1)
 
     @gluon.jit
     def _fp8_softmax(sc, c, m_i, l_i, rows, j, MASKED: gl.constexpr):
@@ -66,6 +82,42 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, 1) * 0.00390625
         return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, DBG: gl.constexpr = 0):
+        """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
+        m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
+        (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
+        tensor core (the caller's P8 x ones product), returned unchanged."""
+        BN: gl.constexpr = sa.type.shape[1]
+        TR: gl.constexpr = (DBG & 1) == 0
+        if a + 1 < n_full:
+            m_blk = gl.maximum(_row_reduce(sa, False, TR) * ca, _row_reduce(sb, False, TR) * cb)
+            if (DBG & 2) != 0:
+                m_new = gl.maximum(m_i, gl.ceil(m_blk))
+            else:
+                m_new = gl.maximum(m_i, _ceil(m_blk))
+            pa = gl.exp2(sa * ca - gl.expand_dims(m_new - 8.0, 1))  # P * 256
+            pb = gl.exp2(sb * cb - gl.expand_dims(m_new - 8.0, 1))
+        else:
+            cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
+            sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
+            sb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
+            if (DBG & 2) != 0:
+                m_new = gl.maximum(m_i, gl.ceil(gl.maximum(_row_reduce(sa, False, TR), _row_reduce(sb, False, TR))))
+            else:
+                m_new = gl.maximum(m_i, _ceil(gl.maximum(_row_reduce(sa, False, TR), _row_reduce(sb, False, TR))))
+            pa = gl.exp2(sa - gl.expand_dims(m_new - 8.0, 1))
+            pb = gl.exp2(sb - gl.expand_dims(m_new - 8.0, 1))
+        if (DBG & 2) != 0:
+            alpha = gl.exp2(m_i - m_new)
+        else:
+            alpha = _pow2(m_i - m_new)
+        if ONES:
+            l_new = l_i
+        else:
+            l_new = l_i * alpha + (_row_reduce(pa, True, TR) + _row_reduce(pb, True, TR)) * 0.00390625
+        return pa, pb, alpha, m_new, l_new
 
     @gluon.jit
     def _relabel(p, p_layout: gl.constexpr):
@@ -86,33 +138,12 @@ if HAS_GLUON:
             "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
 
     @gluon.jit
-    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
-        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block)."""
+    def _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
+                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr):
+        """One 64-key block a step: QK^T of block j and PV of block j - 1 on the tensor cores while block j's
+        softmax runs (P carried across the loop in fp32). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
-        BN: gl.constexpr = k_bufs.type.shape[1]
-        NW: gl.constexpr = q_smem.type.shape[0]
-        R: gl.constexpr = q_smem.type.shape[1]
-        D: gl.constexpr = q_smem.type.shape[2]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
-        kv = head // GROUP
         last = my_blocks - 1
-        sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
-        m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
-        l_i = gl.exp2(gl.full([R], 0.0, gl.float32, row_layout) + (sink - gl.ceil(sink)))
-        acc = gl.zeros([R, D], gl.float32, o_layout)
-        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
-        zero_o = gl.zeros([R, D], gl.float32, o_layout)
-        # this warpgroup's Q scale (times sm_scale * log2 e, the launcher's); rows past T: any
-        cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
-        q = q_smem.index(W)
-        mbarrier.wait(q_bar, 0)
-
         mbarrier.wait(ready.index(0), 0)
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         c = cq * gl.load(sk_ptr + kv * nbk)
@@ -147,6 +178,111 @@ if HAS_GLUON:
         for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
             mbarrier.wait(ready.index(j % S), (j // S) & 1)
             mbarrier.arrive(empty.index(j % S), count=1)
+        return acc, l_i
+
+    @gluon.jit
+    def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
+                   n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
+                   DBG: gl.constexpr = 0):
+        """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
+        for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
+        warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
+        ptxas spills at 160). A last odd block's partner (keys past T: zeros; or past every row here) is
+        masked. ONES: the row sum of P * 256 by the tensor core, as P8 times a tile of ones (m64n8k32: the
+        sum of the e4m3 P the PV product weighs V by) carried like the output (times alpha). -> (acc, l)."""
+        S: gl.constexpr = k_bufs.type.shape[0]
+        R: gl.constexpr = acc.type.shape[0]
+        if ONES:
+            l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, 8, 32])
+            pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
+            lrow_layout: gl.constexpr = gl.SliceLayout(1, l_layout)
+            zero_l = gl.zeros([R, 8], gl.float32, l_layout)
+            lacc = zero_l + gl.expand_dims(gl.convert_layout(l_i * 256.0, lrow_layout), 1)
+        for i in range(gl.cdiv(my_blocks, 2)):
+            a = 2 * i
+            mbarrier.wait(ready.index(a % S), (a // S) & 1)
+            mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
+            ca = cq * gl.load(sk_ptr + kv * nbk + a)
+            cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
+            if (DBG & 4) != 0:
+                s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                sa = warpgroup_mma_wait(num_outstanding=0, deps=(s_a,))
+                s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_b,))
+            else:
+                s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
+            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, DBG)
+            p8a = _e4m3(_relabel(pa, p_layout))
+            p8b = _e4m3(_relabel(pb, p_layout))
+            if (DBG & 8) != 0:
+                pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
+            else:
+                pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
+            if ONES:
+                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                   zero_l, use_acc=False, is_async=True)
+                lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
+                                   is_async=True)
+                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
+            else:
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            mbarrier.arrive(empty.index(a % S), count=1)
+            mbarrier.arrive(empty.index((a + 1) % S), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
+        for j in range(2 * gl.cdiv(my_blocks, 2), 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
+            mbarrier.wait(ready.index(j % S), (j // S) & 1)
+            mbarrier.arrive(empty.index(j % S), count=1)
+        if ONES:  # (every column of lacc is the row sum)
+            l_i = gl.convert_layout(gl.max(lacc, 1), l_i.type.layout) * 0.00390625
+        return acc, l_i
+
+    @gluon.jit
+    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                     PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
+        block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        NW: gl.constexpr = q_smem.type.shape[0]
+        R: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
+        kv = head // GROUP
+        sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
+        m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
+        l_i = gl.exp2(gl.full([R], 0.0, gl.float32, row_layout) + (sink - gl.ceil(sink)))
+        acc = gl.zeros([R, D], gl.float32, o_layout)
+        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
+        zero_o = gl.zeros([R, D], gl.float32, o_layout)
+        # this warpgroup's Q scale (times sm_scale * log2 e, the launcher's); rows past T: any
+        cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
+        q = q_smem.index(W)
+        if ONES:  # this warpgroup's tile of ones (any layout holds ones)
+            ones = ones_smem.index(W)
+            fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+            ones.store(gl.full([8, BN], 1.0, gl.float32, fill).to(gl.float8e4nv))
+            fence_async_shared()
+        else:
+            ones = ones_smem.index(0)
+        mbarrier.wait(q_bar, 0)
+        if PAIRS:
+            acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
+                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, DBG)
+        else:
+            acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
+                                   my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
 
         sv = gl.load(sv_ptr + kv * D + gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)))  # V scale / 256
         out = acc * gl.expand_dims(sv, 0) / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
@@ -158,26 +294,33 @@ if HAS_GLUON:
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
-    def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
-        _fp8_consume(1, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr, sk_ptr,
-                     sv_ptr, T, num_pid_m, nbq, nbk, GROUP)
+    def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+        _fp8_consume(1, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)
 
     @gluon.jit
-    def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
-        _fp8_consume(2, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr, sk_ptr,
-                     sv_ptr, T, num_pid_m, nbq, nbk, GROUP)
+    def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+        _fp8_consume(2, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)
 
     @gluon.jit
-    def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr):
+    def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                      PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
-                      True)
+                      True, PAIRS)
 
-    @gluon.jit
+    # (num_pid_m, T and the scale widths are never specialized as constants: compiled for num_pid_m == 1, as
+    # Triton specializes an integer argument equal to 1, the 128-key step returned wrong rows for every
+    # T <= 192 on the H200 while the same program's work inside a larger grid was right: 2026-12-04)
+    @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk"])
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
-                                 nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr):
+                                 nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
+                                 ONES: gl.constexpr = False, DBG: gl.constexpr = 0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -185,6 +328,8 @@ if HAS_GLUON:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [3, R, D], o_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, D, BN], v_desc.layout)
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN], gl.float8e4nv)
+        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [3 if ONES else 1, 8, BN], ones_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -193,14 +338,14 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
         gl.warp_specialize([
-            (_fp8_consume, (0, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, sinks_ptr, sq_ptr, sk_ptr,
-                            sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+            (_fp8_consume, (0, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
+                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                             sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP)),
+                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -245,7 +390,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
 
 
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                             out: torch.Tensor, sm_scale: float, stages: int = 4) -> torch.Tensor:
+                             out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
+                             ones: bool = False, dbg: int = 0) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
@@ -254,12 +400,14 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+    assert not ones or pairs, "ones (the row sum by the tensor core) is built for the 128-key step (pairs)"
+    assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
-        GROUP=hq // hkv, STAGES=stages, num_warps=4,
+        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, DBG=dbg, num_warps=4,
     )
     return out
 
