@@ -60,13 +60,12 @@ VARIANTS = {
     "probe-mma": dict(q_in_registers=True, exp="probe-mma-only"),
     "probe-softmax": dict(q_in_registers=True, exp="probe-softmax-only"),
     # FP8 attention on the Gluon pipeline (kernels/attention_ws_fp8.py; checked against spec.attention_fp8)
+    # (the default: 128 keys a step, the row sum by the tensor core: P8 x ones)
     "fp8": dict(fp8=True),
-    "fp8-64": dict(fp8=True, pairs=False),
     "fp8-3st": dict(fp8=True, stages=3),
-    # 128 keys a step (two blocks, one softmax step); ones: the row sum by the tensor core (P8 x ones)
-    "fp8-pairs": dict(fp8=True, pairs=True),
-    "fp8-pairs-ones": dict(fp8=True, pairs=True, ones=True),
-    "fp8-pairs-ones-6st": dict(fp8=True, pairs=True, ones=True, stages=6),
+    "fp8-6st": dict(fp8=True, stages=6),
+    "fp8-64": dict(fp8=True, pairs=False),  # one 64-key block a step (fp32 row sum)
+    "fp8-sum": dict(fp8=True, ones=False),  # 128 keys a step, the row sum of the fp32 P on the FMA pipes
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
@@ -93,7 +92,8 @@ def _run(cfg, q, k, v, sinks, out=None):
 def _spec(cfg):
     """The variant's reference: spec.attention in fp32, or spec.attention_fp8 for the FP8 kernel."""
     if cfg.get("fp8"):
-        rs = "p8" if cfg.get("ones") else "p"  # (ones: the row sum of the e4m3 P, by the tensor core)
+        # the row sum of the e4m3 P (the default kernel's, by the tensor core) or of the fp32 P (its options)
+        rs = "p8" if cfg.get("pairs", True) and cfg.get("ones", True) else "p"
         return lambda q, k, v, sinks, q_offset=0: spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0, q_offset,
                                                                      row_sum=rs)
     return lambda q, k, v, sinks, q_offset=0: spec.attention(q, k, v, sinks, D ** -0.5, 0, q_offset=q_offset,

@@ -267,7 +267,7 @@ LOG2E = 1.4426950408889634
 
 def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
                         v8: torch.Tensor, sv: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int,
-                        q_offset: int, p_scale: float = P_SCALE, row_sum: str = "p") -> torch.Tensor:
+                        q_offset: int, p_scale: float = P_SCALE, row_sum: str = "p8") -> torch.Tensor:
     """FP8 attention of one sequence from quantized operands: q8 [Tq, Hq, D] e4m3 with row scales
     sq [Tq, Hq], k8 / v8 [Tk, Hkv, D] e4m3, sk [Tk, Hkv], sv [Hkv, D] (quant/attn_fp8.py). fp32 out."""
     tq, hq, d = q8.shape
@@ -290,13 +290,16 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
     # the same e4m3 rounding in a kernel's running frame as here (outside e4m3's subnormals).
     mx = torch.ceil(torch.maximum(s2.amax(dim=-1), sink2))[..., None]  # [Hkv, M, Tq, 1]
     p = torch.exp2(s2 - mx)  # in [0, 1], the row max in (1/2, 1]
-    # Rounding 2: P * 256 to e4m3 (3 mantissa bits: relative error <= 2^-4 per entry). The row
-    # sum uses the fp32 P (FlashAttention-3's choice) plus the sink's column.
+    # Rounding 2: P * 256 to e4m3 (3 mantissa bits: relative error <= 2^-4 per entry; below 2^-9
+    # P * 256 rounds to 0). The row sum is of that same e4m3 P (fp32 sums), plus the sink's column:
+    # the weights PV applies then sum to one with the sink's, where the fp32 P's sum (FlashAttention-
+    # 3's choice, row_sum="p") counts what the e4m3 P dropped; closer to exact attention on every
+    # shape measured, and the Gluon kernel takes it from the tensor core (P8 x ones).
     p8 = (p * p_scale).to(FP8_DTYPE)
-    if row_sum == "p8":  # the e4m3 P the PV product weighs V by (a kernel's P8 x ones on the tensor core)
+    if row_sum == "p8":
         l_ = p8.float().sum(dim=-1, keepdim=True) / p_scale + torch.exp2(sink2[..., None] - mx)
     else:
-        assert row_sum == "p", f"row_sum {row_sum!r}: 'p' (fp32 P) or 'p8' (e4m3 P)"
+        assert row_sum == "p", f"row_sum {row_sum!r}: 'p8' (the e4m3 P) or 'p' (the fp32 P)"
         l_ = p.sum(dim=-1, keepdim=True) + torch.exp2(sink2[..., None] - mx)
     # Rounding 3: P8 V8 summed in fp32; then * (sv / 256) per channel, / l per row.
     pv = torch.einsum("hmqk,khd->qhmd", p8.float(), v8.float())
@@ -305,7 +308,7 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   sm_scale: float | None = None, window: int = 0, q_offset: int = 0,
-                  fp8_max: float = FP8_MAX, row_sum: str = "p") -> torch.Tensor:
+                  fp8_max: float = FP8_MAX, row_sum: str = "p8") -> torch.Tensor:
     """``attention`` with FP8 operands, for ONE sequence: same contract (shapes, masks, sinks,
     q_offset), returned as [Tq, Hq, D] in q's dtype.
 
@@ -313,11 +316,12 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     head (scale amax / 448); V to e4m3 per (head, channel) over the sequence's rows; scores = the
     exact e4m3 products summed in fp32, times the two scales; softmax in base 2 in fp32 against
     ceil(row max) (sink included); P * 256 to e4m3; P8 V8 in fp32, times V's channel scale / 256,
-    divided by the fp32 row sum of P plus the sink's term; then the cast to q's dtype.
+    divided by the row sum of that e4m3 P (fp32 sums, over 256) plus the sink's term; then the cast
+    to q's dtype.
     ``fp8_max``: what a Q / K / V block's amax maps to (448; the verdict's noise grids, verify/noise.py,
     redraw the roundings with other e4m3 values); P's scale is 256 * fp8_max / 448 (256 at 448).
-    ``row_sum``: "p" (the fp32 P, the default) or "p8" (the e4m3 P that the PV product uses: an option of
-    the FP8 Gluon kernel, kernels/attention_ws_fp8.py ``ones``, measured, not the default).
+    ``row_sum``: "p8" (the e4m3 P that the PV product uses, the kernels' numerics) or "p" (the fp32 P:
+    the FP8 Gluon kernel's measured options ``pairs=False`` / ``ones=False``).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape

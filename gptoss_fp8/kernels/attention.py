@@ -150,8 +150,9 @@ def _attn_inner_fp8(
 ):
     """``_attn_inner`` on e4m3 operands, spec.attention_fp8's roundings: scores = (Q8 K8^T) * sq * sk
     in log2 units; the running max is kept an integer (ceil), so rescaling by alpha is an exact
-    power of two and e4m3(P * 256) rounds as in the spec's final frame; PV as e4m3 x e4m3 with a
-    fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates imprecisely), added to acc."""
+    power of two and e4m3(P * 256) rounds as in the spec's final frame; the row sum of that e4m3 P;
+    PV as e4m3 x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates
+    imprecisely), added to acc."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -173,11 +174,11 @@ def _attn_inner_fp8(
         m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
             p8 = _e4m3_round_nonneg(p * 256.0)
         else:
             p8 = (p * 256.0).to(tl.float8e4nv)
+        l_i = l_i * alpha + tl.sum(p8.to(tl.float32), 1) * 0.00390625  # the row sum of the e4m3 P (the spec's)
         if MASK:
             v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd, mask=cols[:, None] < seqlen, other=0.0)
         else:

@@ -84,39 +84,29 @@ if HAS_GLUON:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, DBG: gl.constexpr = 0):
+    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
         tensor core (the caller's P8 x ones product), returned unchanged."""
         BN: gl.constexpr = sa.type.shape[1]
-        TR: gl.constexpr = (DBG & 1) == 0
         if a + 1 < n_full:
-            m_blk = gl.maximum(_row_reduce(sa, False, TR) * ca, _row_reduce(sb, False, TR) * cb)
-            if (DBG & 2) != 0:
-                m_new = gl.maximum(m_i, gl.ceil(m_blk))
-            else:
-                m_new = gl.maximum(m_i, _ceil(m_blk))
+            m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
+            m_new = gl.maximum(m_i, _ceil(m_blk))
             pa = gl.exp2(sa * ca - gl.expand_dims(m_new - 8.0, 1))  # P * 256
             pb = gl.exp2(sb * cb - gl.expand_dims(m_new - 8.0, 1))
         else:
             cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
             sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
             sb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
-            if (DBG & 2) != 0:
-                m_new = gl.maximum(m_i, gl.ceil(gl.maximum(_row_reduce(sa, False, TR), _row_reduce(sb, False, TR))))
-            else:
-                m_new = gl.maximum(m_i, _ceil(gl.maximum(_row_reduce(sa, False, TR), _row_reduce(sb, False, TR))))
+            m_new = gl.maximum(m_i, _ceil(gl.maximum(_row_reduce(sa, False, True), _row_reduce(sb, False, True))))
             pa = gl.exp2(sa - gl.expand_dims(m_new - 8.0, 1))
             pb = gl.exp2(sb - gl.expand_dims(m_new - 8.0, 1))
-        if (DBG & 2) != 0:
-            alpha = gl.exp2(m_i - m_new)
-        else:
-            alpha = _pow2(m_i - m_new)
+        alpha = _pow2(m_i - m_new)
         if ONES:
             l_new = l_i
         else:
-            l_new = l_i * alpha + (_row_reduce(pa, True, TR) + _row_reduce(pb, True, TR)) * 0.00390625
+            l_new = l_i * alpha + (_row_reduce(pa, True, True) + _row_reduce(pb, True, True)) * 0.00390625
         return pa, pb, alpha, m_new, l_new
 
     @gluon.jit
@@ -182,8 +172,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
-                   n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
-                   DBG: gl.constexpr = 0):
+                   n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -203,27 +192,16 @@ if HAS_GLUON:
             a = 2 * i
             mbarrier.wait(ready.index(a % S), (a // S) & 1)
             mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
+            s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-            if (DBG & 4) != 0:
-                s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                sa = warpgroup_mma_wait(num_outstanding=0, deps=(s_a,))
-                s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_b,))
-            else:
-                s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, DBG)
+            sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
+            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES)
             p8a = _e4m3(_relabel(pa, p_layout))
             p8b = _e4m3(_relabel(pb, p_layout))
-            if (DBG & 8) != 0:
-                pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
-            else:
-                pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
+            pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
             if ONES:
                 lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
                                    zero_l, use_acc=False, is_async=True)
@@ -246,7 +224,7 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                     PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+                     PAIRS: gl.constexpr, ONES: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -274,12 +252,13 @@ if HAS_GLUON:
             fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
             ones.store(gl.full([8, BN], 1.0, gl.float32, fill).to(gl.float8e4nv))
             fence_async_shared()
+            gl.thread_barrier()  # (all four warps' stores before the warpgroup's first wgmma reads the tile)
         else:
             ones = ones_smem.index(0)
         mbarrier.wait(q_bar, 0)
         if PAIRS:
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
-                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, DBG)
+                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -296,21 +275,21 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+                       PAIRS: gl.constexpr, ONES: gl.constexpr):
         _fp8_consume(1, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+                       PAIRS: gl.constexpr, ONES: gl.constexpr):
         _fp8_consume(2, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                      PAIRS: gl.constexpr, ONES: gl.constexpr, DBG: gl.constexpr):
+                      PAIRS: gl.constexpr, ONES: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                       True, PAIRS)
 
@@ -320,7 +299,7 @@ if HAS_GLUON:
     @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk"])
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
                                  nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
-                                 ONES: gl.constexpr = False, DBG: gl.constexpr = 0):
+                                 ONES: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -339,13 +318,13 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
+                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, DBG)),
+                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -391,7 +370,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
 
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
-                             ones: bool = False, dbg: int = 0) -> torch.Tensor:
+                             ones: bool = True) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
@@ -400,14 +379,14 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
-    assert not ones or pairs, "ones (the row sum by the tensor core) is built for the 128-key step (pairs)"
+    ones = ones and pairs  # (the row sum by the tensor core is built for the 128-key step)
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
-        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, DBG=dbg, num_warps=4,
+        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, num_warps=4,
     )
     return out
 

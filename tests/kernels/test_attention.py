@@ -736,6 +736,31 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
     _check_fp8(off, q, k, v, sinks, None, 0, gpu=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
+@pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2)],
+                         ids=["64-key", "fp32-sum", "2-stages"])
+def test_ws_fp8_options_gpu(T, opts):
+    """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
+    P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring) against spec.attention_fp8,
+    one program per head (T <= 192: the compile that once returned wrong rows) and several, under poison."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    hq, hkv = 16, 2
+    gen = torch.Generator().manual_seed(T * 5 + len(opts))
+    q, k, v = _qkv(T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    _poison(T, hq, D)
+    out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, **opts)
+    row_sum = "p8" if opts.get("pairs", True) and opts.get("ones", True) else "p"
+    ref = spec.attention_fp8(q, k, v, sinks, None, 0, row_sum=row_sum).float()
+    exact = spec.attention(*_fp32(q, k, v), sinks, None, 0, dtype=torch.float32).float()
+    o = out.float()
+    assert torch.isfinite(o).all()
+    rel = ((o - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-2 and rel < 0.25 * ((o - exact).norm() / exact.norm()).item(), f"rel {rel:.2e} vs the spec"
+
+
 def test_gluon_tile_refuses_the_timing_probes():
     """kernels/attention_ws.py's probes (the MMAs alone, the softmax alone) compute wrong values: a
     GluonAttentionTile, which model runs take, never names them; ws_attention_prefill takes them."""
