@@ -128,7 +128,7 @@ def _attn_inner(
 def _e4m3_round_nonneg(x):
     """fp32 x in [0, 448] rounded to the nearest e4m3 value (ties to even), as fp32: the ulp is
     2^(e - 3) for x in [2^e, 2^(e+1)), e >= -6 (2^-9 below 2^-6, the subnormals); x / ulp < 16
-    is rounded by the 1.5 * 2^23 trick (exact in fp32). For the interpreter only (UPCAST)."""
+    is rounded by the 1.5 * 2^23 trick (exact in fp32). The row sum's values; the interpreter's P too."""
     e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6)
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
@@ -174,11 +174,14 @@ def _attn_inner_fp8(
         m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
+        # the row sum of the e4m3 P (the spec's), its values rounded in fp32 (not the cast's bytes
+        # converted back, which the compiler may fold into the fp32 P)
+        p8f = _e4m3_round_nonneg(p * 256.0)
         if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
-            p8 = _e4m3_round_nonneg(p * 256.0)
+            p8 = p8f
         else:
             p8 = (p * 256.0).to(tl.float8e4nv)
-        l_i = l_i * alpha + tl.sum(p8.to(tl.float32), 1) * 0.00390625  # the row sum of the e4m3 P (the spec's)
+        l_i = l_i * alpha + tl.sum(p8f, 1) * 0.00390625
         if MASK:
             v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd, mask=cols[:, None] < seqlen, other=0.0)
         else:
