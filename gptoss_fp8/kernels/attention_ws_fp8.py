@@ -1,22 +1,31 @@
 """Warp-specialized causal prefill attention with sinks on FP8 operands (``--attention fp8``), Gluon, sm_90.
 
-The structure of kernels/attention_ws.py (a 1-warp TMA producer streaming K and V blocks of 64 keys
-through a ring of shared-memory stages; consumer warpgroups of 64 queries each, QK^T of block j and
-PV of block j - 1 on the tensor cores while block j's softmax runs) with e4m3 wgmma for both
-products. Why: the bf16 kernel runs at the H200's 700 W cap, and its energy is the sum of its MMA
-part's and its softmax part's (BENCHMARKS.md, issue 34: each measured alone); e4m3 products take
-half the tensor-core cycles. Measured: 262 ms at 128000 tokens against bf16's 292, below the cap
-(654 W at the full clock), so this kernel is latency-bound, not power-bound.
+The pipeline of kernels/attention_ws.py (a 1-warp TMA producer streaming K and V blocks of 64 keys
+through a ring of shared-memory stages; three consumer warpgroups of 64 queries each) with e4m3 wgmma
+for both products. By default each consumer takes its key blocks two at a time (``pairs``: 128 keys
+a step, FlashAttention-3's 192 x 128 tile at head dim 64): QK^T of both blocks, one softmax step (the
+running max's ceil and 2^step off the MUFU, tree row reductions), then PV over the 128 keys in one
+accumulation, every MMA of a step waited for within it (the other warpgroups fill the waits); and
+the row sum comes from the tensor core (``ones``: P8 times a tile of ones, m64n8k32, carried like
+the output), not from 64 FADDs a row. Why FP8: the bf16 kernel runs at the H200's 700 W cap, and
+e4m3 products take half the tensor-core cycles; this kernel runs below the cap (latency-bound), so
+the instructions of a step are what count. H200, 128000 tokens, 64 q / 8 kv heads: 220 ms with the
+quantization (2.38e12 pairs/s) against 229 with the row sum on the FMA pipes, 254 for one 64-key
+block a step (``pairs=False``: QK^T of block j under block j - 1's PV, P carried in fp32) and bf16's
+288 (BENCHMARKS.md, issue 34).
 
 Numerics: ``spec.attention_fp8`` (quant/attn_fp8.py's operands, quantized by the launcher): scores
 = (Q8 K8^T) * (sq * sm_scale * log2 e) * sk in log2 units (the two scales folded into one factor per
-block, then one FMA with the running max: an fp32 rounding or two from the spec's order); the
+64-key block, then one FMA with the running max: an fp32 rounding or two from the spec's order); the
 running max kept an integer (ceil), so alpha is an exact power of two and P * 256 rounds to e4m3 in
-the spec's final frame; 2^x taken at (x + 8) for P * 256 directly (the row sum scaled back by 2^-8,
-exactly); each block's P8 V8 summed fresh in fp32 by the tensor core (Hopper's FP8 MMA accumulates
-imprecisely over long K) and added to the running output after its alpha; at the end times V's
-channel scale / 256, divided by the row sum (the sink's term included). V arrives transposed
-(keys contiguous, [Hkv * D, T]): the K-major B operand e4m3 wgmma needs.
+the spec's final frame; 2^x taken at (x + 8) for P * 256 directly; each step's P8 V8 summed fresh in
+fp32 by the tensor core (Hopper's FP8 MMA accumulates imprecisely over long K) and added to the
+running output after its alpha; the row sum of the same P8 (``row_sum="p8"``; the options without
+``ones`` sum the fp32 P: ``row_sum="p"``); at the end times V's channel scale / 256, divided by the
+row sum (the sink's term included). V arrives transposed (keys contiguous, [Hkv * D, T]): the
+K-major B operand e4m3 wgmma needs. T, the grid's row count and the scale widths are launch values,
+never compiled in: compiled for one program row per head (an argument equal to 1 is specialized),
+the 128-key step returned wrong rows at T <= 192 (benchmarks/attn_poison_probe.py found it).
 """
 
 from __future__ import annotations
@@ -375,7 +384,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
     fused kernels of kernels/attn_quant.py, 0.66 ms at 128000 tokens on the H200 against 9.4 ms for the
-    torch ops they replace and ~250 ms of attention)."""
+    torch ops they replace and ~220 ms of attention). Options: pairs (128 keys a step), ones (its row sum
+    by the tensor core; the spec's row_sum="p8"; without it, or without pairs, row_sum="p"), stages."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"

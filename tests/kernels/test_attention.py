@@ -835,16 +835,19 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
     types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
                  sk_ptr="*fp32", sv_ptr="*fp32")
-    k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4))
-    ptx = k["ptx"]
-    ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
-    assert ops and all("m64n64k32.f32.e4m3.e4m3" in line for line in ops)
-    from_regs = [line for line in ops if re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)]
-    assert len(from_regs) == len(ops) // 2  # PV's A (P) from registers, QK^T's (Q) from shared memory
-    assert ".local" not in ptx and "cvt.u16.u32" not in ptx  # no byte-per-register e4m3 values
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
-    if "spill_stores" in k:
-        assert k["spill_stores"] <= 8, k
+    # the launcher's default (128 keys a step, the row sum by the tensor core) and one 64-key block a step
+    for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True), 12), (dict(PAIRS=False, ONES=False), 0)):
+        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
+        ptx = k["ptx"]
+        ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+        main = [line for line in ops if "m64n64k32.f32.e4m3.e4m3" in line]
+        assert len(ops) - len(main) == row_sum_mmas and all("m64n8k32.f32.e4m3.e4m3" in x for x in ops if x not in main)
+        from_regs = [line for line in main if re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)]
+        assert len(from_regs) == len(main) // 2  # PV's A (P) from registers, QK^T's (Q) from shared memory
+        assert ".local" not in ptx and "cvt.u16.u32" not in ptx  # no byte-per-register e4m3 values
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
+        if "spill_stores" in k:
+            assert k["spill_stores"] <= (0 if opts["PAIRS"] else 8), (opts, k)
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
