@@ -66,6 +66,8 @@ VARIANTS = {
     "fp8-6st": dict(fp8=True, stages=6),
     "fp8-64": dict(fp8=True, pairs=False),  # one 64-key block a step (fp32 row sum)
     "fp8-sum": dict(fp8=True, ones=False),  # 128 keys a step, the row sum of the fp32 P on the FMA pipes
+    "fp8-fma25": dict(fp8=True, exp_fma=1),  # a quarter of the unmasked 2^x by the FMA pipes' polynomial
+    "fp8-fma50": dict(fp8=True, exp_fma=2),  # half (ptxas spills 16 bytes)
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]

@@ -259,7 +259,7 @@ if has fp8-probe; then
   timeout 150 python3 -m pytest -q -n 6 -m gpu tests/kernels/test_attention.py -k "ws_gpu or ws_fp8_gpu or prefill_fp8_gpu" \
     -p no:warnings 2>&1 | grep -v "Warn\|warner" | tail -30 | tee "$OUT/attn_tests.log"
   timeout 240 python3 benchmarks/attn_variants.py --tokens ${ATTN_TOKENS:-32768,128000} \
-    --variants "${ATTN_VARIANTS:-qreg,n128-sync,fp8-64,fp8-sum,fp8}" \
+    --variants "${ATTN_VARIANTS:-qreg,n128-sync,fp8-sum,fp8,fp8-fma25,fp8-fma50}" \
     --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn | tee "$OUT/attn_variants.log"
 fi
 

@@ -48,7 +48,7 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from gptoss_fp8.kernels.attention_ws import _attn_produce, _row_reduce, _wg_blocks
+    from gptoss_fp8.kernels.attention_ws import _attn_produce, _exp2_fma, _halves, _row_reduce, _unhalves, _wg_blocks
 
 LOG2E = 1.4426950408889634
 WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warpgroup)
@@ -93,17 +93,31 @@ if HAS_GLUON:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr):
+    def _exp2_split(x, FMA: gl.constexpr):
+        """2^x of a score tile: FMA 0 on the MUFU; 1 its second half of columns by the FMA pipes' polynomial
+        (attention_ws._exp2_fma, FlashAttention-4's trick: relative error 7.5e-5, far below e4m3's step);
+        2 all of it by the polynomial."""
+        if FMA == 0:
+            return gl.exp2(x)
+        elif FMA == 1:
+            lo, hi = _halves(x)
+            return gl.convert_layout(_unhalves(gl.exp2(lo), _exp2_fma(hi)), x.type.layout, assert_trivial=True)
+        else:
+            return _exp2_fma(x)
+
+    @gluon.jit
+    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
-        tensor core (the caller's P8 x ones product), returned unchanged."""
+        tensor core (the caller's P8 x ones product), returned unchanged. FMA: in the unmasked steps, a
+        quarter (1) or half (2) of the step's 2^x on the FMA pipes (block b's by ``_exp2_split``)."""
         BN: gl.constexpr = sa.type.shape[1]
         if a + 1 < n_full:
             m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
             m_new = gl.maximum(m_i, _ceil(m_blk))
             pa = gl.exp2(sa * ca - gl.expand_dims(m_new - 8.0, 1))  # P * 256
-            pb = gl.exp2(sb * cb - gl.expand_dims(m_new - 8.0, 1))
+            pb = _exp2_split(sb * cb - gl.expand_dims(m_new - 8.0, 1), FMA)
         else:
             cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
             sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
@@ -181,7 +195,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
-                   n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr):
+                   n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
+                   FMA: gl.constexpr):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -206,7 +221,7 @@ if HAS_GLUON:
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
             sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES)
+            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA)
             p8a = _e4m3(_relabel(pa, p_layout))
             p8b = _e4m3(_relabel(pb, p_layout))
             pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
@@ -233,7 +248,7 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                     PAIRS: gl.constexpr, ONES: gl.constexpr):
+                     PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -267,7 +282,7 @@ if HAS_GLUON:
         mbarrier.wait(q_bar, 0)
         if PAIRS:
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
-                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES)
+                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -284,21 +299,21 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr):
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
         _fp8_consume(1, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr):
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
         _fp8_consume(2, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                      PAIRS: gl.constexpr, ONES: gl.constexpr):
+                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                       True, PAIRS)
 
@@ -308,7 +323,7 @@ if HAS_GLUON:
     @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk"])
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
                                  nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
-                                 ONES: gl.constexpr = False):
+                                 ONES: gl.constexpr = False, FMA: gl.constexpr = 0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -327,13 +342,13 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
+                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES)),
+                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -379,24 +394,26 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
 
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
-                             ones: bool = True) -> torch.Tensor:
+                             ones: bool = True, exp_fma: int = 0) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
     fused kernels of kernels/attn_quant.py, 0.66 ms at 128000 tokens on the H200 against 9.4 ms for the
     torch ops they replace and ~220 ms of attention). Options: pairs (128 keys a step), ones (its row sum
-    by the tensor core; the spec's row_sum="p8"; without it, or without pairs, row_sum="p"), stages."""
+    by the tensor core; the spec's row_sum="p8"; without it, or without pairs, row_sum="p"), stages,
+    exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes; not measured yet)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
     ones = ones and pairs  # (the row sum by the tensor core is built for the 128-key step)
+    assert exp_fma in (0, 1, 2) and (exp_fma == 0 or pairs), f"exp_fma {exp_fma}: 0, 1 or 2 (with pairs)"
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
-        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, num_warps=4,
+        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, num_warps=4,
     )
     return out
 
