@@ -38,9 +38,10 @@ quantizes with quant/attn_fp8.py's roundings (Q, K e4m3 per 64 packed rows per h
 in one pass by kernels/attn_quant.py, on CPU by quant/attn_fp8.py's torch ops); both
 dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
 scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
-power-of-two rescaling: the spec's roundings), and each block's P V is summed in a fresh fp32
-accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer bits). The Triton kernel
-only (never the Gluon one), no fused rope. The interpreter casts fp32 -> e4m3 wrongly where the
+power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P, and each block's P V
+is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer
+bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
+ragged batches and later chunks this Triton kernel; no fused rope. The interpreter casts fp32 -> e4m3 wrongly where the
 rounding carries into the exponent (31.94 -> 16): there P's rounding is done arithmetically.
 
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated).
