@@ -28,7 +28,7 @@ import torch
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
-from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+from gptoss_fp8.kernels.attention_ws_fp8 import spec_row_sum, ws_attention_prefill_fp8
 
 # "base" is the tile before Q moved into registers (q_in_registers, the default since 2026-12-03)
 BASE = dict(block_n=64, stages=4, warpgroups=3, q_in_registers=False)
@@ -94,8 +94,7 @@ def _run(cfg, q, k, v, sinks, out=None):
 def _spec(cfg):
     """The variant's reference: spec.attention in fp32, or spec.attention_fp8 for the FP8 kernel."""
     if cfg.get("fp8"):
-        # the row sum of the e4m3 P (the default kernel's, by the tensor core) or of the fp32 P (its options)
-        rs = "p8" if cfg.get("pairs", True) and cfg.get("ones", True) else "p"
+        rs = spec_row_sum(cfg.get("pairs", True), cfg.get("ones", True))  # the e4m3 P's row sum, or the fp32 P's
         return lambda q, k, v, sinks, q_offset=0: spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0, q_offset,
                                                                      row_sum=rs)
     return lambda q, k, v, sinks, q_offset=0: spec.attention(q, k, v, sinks, D ** -0.5, 0, q_offset=q_offset,

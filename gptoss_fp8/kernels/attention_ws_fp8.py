@@ -392,6 +392,12 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
     return q8, (sq * (sm_scale * LOG2E)).contiguous(), k8, sk, vt, (sv / P_SCALE).contiguous()
 
 
+def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
+    """The ``row_sum`` of spec.attention_fp8 that ``ws_attention_prefill_fp8(pairs=, ones=)`` computes: "p8"
+    (the e4m3 P, by the tensor core) for the 128-key step with ``ones``, else "p" (the fp32 P)."""
+    return "p8" if pairs and ones else "p"
+
+
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
                              ones: bool = True, exp_fma: int = 0) -> torch.Tensor:

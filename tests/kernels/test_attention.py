@@ -745,7 +745,7 @@ def test_ws_fp8_options_gpu(T, opts):
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
     pipes' polynomial, within the tolerance of the e4m3 rounding it feeds) against spec.attention_fp8,
     one program per head (T <= 192: the compile that once returned wrong rows) and several, under poison."""
-    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+    from gptoss_fp8.kernels.attention_ws_fp8 import spec_row_sum, ws_attention_prefill_fp8
 
     hq, hkv = 16, 2
     gen = torch.Generator().manual_seed(T * 5 + len(opts))
@@ -753,7 +753,7 @@ def test_ws_fp8_options_gpu(T, opts):
     sinks = _sinks(hq, gen)
     _poison(T, hq, D)
     out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, **opts)
-    row_sum = "p8" if opts.get("pairs", True) and opts.get("ones", True) else "p"
+    row_sum = spec_row_sum(opts.get("pairs", True), opts.get("ones", True))
     ref = spec.attention_fp8(q, k, v, sinks, None, 0, row_sum=row_sum).float()
     exact = spec.attention(*_fp32(q, k, v), sinks, None, 0, dtype=torch.float32).float()
     o = out.float()
@@ -836,7 +836,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
     types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
                  sk_ptr="*fp32", sv_ptr="*fp32")
-    # the launcher's default (128 keys a step, the row sum by the tensor core) and one 64-key block a step
+    # the launcher's default (128 keys a step, the row sum by the tensor core), one 64-key block a step, and
+    # the default with a quarter of the 2^x on the FMA pipes
     for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True), 12), (dict(PAIRS=False, ONES=False), 0),
                                (dict(PAIRS=True, ONES=True, FMA=1), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
