@@ -60,7 +60,8 @@ VARIANTS = {
     "probe-mma": dict(q_in_registers=True, exp="probe-mma-only"),
     "probe-softmax": dict(q_in_registers=True, exp="probe-softmax-only"),
     # FP8 attention on the Gluon pipeline (kernels/attention_ws_fp8.py; checked against spec.attention_fp8)
-    # (the default: 128 keys a step, the row sum by the tensor core: P8 x ones)
+    # (the default: 128 keys a step, the row sum by the tensor core: P8 x ones; the warpgroups take turns at the
+    # first block's exponentials; one release of a step's two ring stages)
     "fp8": dict(fp8=True),
     "fp8-3st": dict(fp8=True, stages=3),
     "fp8-6st": dict(fp8=True, stages=6),
@@ -68,6 +69,10 @@ VARIANTS = {
     "fp8-sum": dict(fp8=True, ones=False),  # 128 keys a step, the row sum of the fp32 P on the FMA pipes
     "fp8-fma25": dict(fp8=True, exp_fma=1),  # a quarter of the unmasked 2^x by the FMA pipes' polynomial
     "fp8-fma50": dict(fp8=True, exp_fma=2),  # half (ptxas spills 16 bytes)
+    "fp8-free": dict(fp8=True, turns=0, pair_release=False),  # no turns, two releases a step (the 22nd session's)
+    "fp8-turn": dict(fp8=True, turns=1),  # the turn held over both blocks' exponentials
+    "fp8-turn-q": dict(fp8=True, turns=3),  # .. passed on after the first block's first half
+    "fp8-noturn": dict(fp8=True, turns=0),  # one release a step, no turns
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]

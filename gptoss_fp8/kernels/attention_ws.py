@@ -58,10 +58,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
-                      GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False):
+                      GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
+                      PAIR_RELEASE: gl.constexpr = False):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
-        number of blocks (the consumers take them two at a time; a block past T arrives as zeros)."""
+        number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
+        PAIR_RELEASE (with PAIRS, an even ring): the consumers release a pair's two stages by one arrive, on the
+        odd stage's barrier; both stages' next loads wait for it."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -75,8 +78,14 @@ if HAS_GLUON:
         n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         if PAIRS:
             n_blocks = 2 * gl.cdiv(n_blocks, 2)
+        S: gl.constexpr = k_bufs.type.shape[0]
         for j in range(n_blocks):
-            if VT:
+            if PAIR_RELEASE:
+                mbarrier.wait(empty.index((j | 1) % S), (((j | 1) // S) & 1) ^ 1)
+                mbarrier.expect(ready.index(j % S), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [j * BN, kv_col], ready.index(j % S), k_bufs.index(j % S))
+                tma.async_copy_global_to_shared(v_desc, [kv_col, j * BN], ready.index(j % S), v_bufs.index(j % S))
+            elif VT:
                 load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [kv_col, j * BN])
             else:
                 load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])

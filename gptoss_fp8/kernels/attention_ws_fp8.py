@@ -48,7 +48,16 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from gptoss_fp8.kernels.attention_ws import _attn_produce, _exp2_fma, _halves, _row_reduce, _unhalves, _wg_blocks
+    from gptoss_fp8.kernels.attention_ws import (
+        _attn_produce,
+        _exp2_fma,
+        _halves,
+        _pass_turn,
+        _row_reduce,
+        _take_turn,
+        _unhalves,
+        _wg_blocks,
+    )
 
 LOG2E = 1.4426950408889634
 WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warpgroup)
@@ -106,25 +115,56 @@ if HAS_GLUON:
             return _exp2_fma(x)
 
     @gluon.jit
-    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0):
+    def _turn_taken(m8, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr):
+        """TURN: wait for warpgroup W's k-th turn, then m8 plus zeros read from shared memory after the wait
+        (without that data dependency ptxas schedules the exponentials between the wait's first try and its
+        test: the turn would not order them)."""
+        if TURN > 0:
+            _take_turn(turn, W, k, True)
+            m8 = m8 + zrow.load(m8.type.layout)
+        return m8
+
+    @gluon.jit
+    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr):
+        """2^x of the step's first block, the turn passed on after it (TURN 2) or after its first half of
+        columns (3)."""
+        if TURN == 3:
+            lo, hi = _halves(x)
+            lo = gl.exp2(lo)
+            _pass_turn(turn, W, True)
+            return gl.convert_layout(_unhalves(lo, gl.exp2(hi)), x.type.layout, assert_trivial=True)
+        else:
+            y = gl.exp2(x)
+            _pass_turn(turn, W, TURN == 2)
+            return y
+
+    @gluon.jit
+    def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0,
+                      turn=None, zrow=None, W: gl.constexpr = 0, k=0, TURN: gl.constexpr = 0):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
         tensor core (the caller's P8 x ones product), returned unchanged. FMA: in the unmasked steps, a
-        quarter (1) or half (2) of the step's 2^x on the FMA pipes (block b's by ``_exp2_split``)."""
+        quarter (1) or half (2) of the step's 2^x on the FMA pipes (block b's by ``_exp2_split``). TURN: the
+        warpgroups take turns at the MUFU (step k's turn, ``_take_turn``): the 2^x of both blocks (1), of
+        block a (2) or of its first half (3) between taking the turn and passing it on, so that their
+        exponential phases follow each other instead of sharing the unit at once."""
         BN: gl.constexpr = sa.type.shape[1]
         if a + 1 < n_full:
             m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
             m_new = gl.maximum(m_i, _ceil(m_blk))
-            pa = gl.exp2(sa * ca - gl.expand_dims(m_new - 8.0, 1))  # P * 256
-            pb = _exp2_split(sb * cb - gl.expand_dims(m_new - 8.0, 1), FMA)
+            m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
+            pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256
+            pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
         else:
             cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
             sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
             sb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
             m_new = gl.maximum(m_i, _ceil(gl.maximum(_row_reduce(sa, False, True), _row_reduce(sb, False, True))))
-            pa = gl.exp2(sa - gl.expand_dims(m_new - 8.0, 1))
-            pb = gl.exp2(sb - gl.expand_dims(m_new - 8.0, 1))
+            m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
+            pa = _exp2_passing(sa - gl.expand_dims(m8, 1), turn, W, TURN)
+            pb = gl.exp2(sb - gl.expand_dims(m8, 1))
+        _pass_turn(turn, W, TURN == 1)
         alpha = _pow2(m_i - m_new)
         if ONES:
             l_new = l_i
@@ -196,13 +236,17 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
-                   FMA: gl.constexpr):
+                   FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
+                   PAIR_RELEASE: gl.constexpr):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
         ptxas spills at 160). A last odd block's partner (keys past T: zeros; or past every row here) is
         masked. ONES: the row sum of P * 256 by the tensor core, as P8 times a tile of ones (m64n8k32: the
-        sum of the e4m3 P the PV product weighs V by) carried like the output (times alpha). -> (acc, l)."""
+        sum of the e4m3 P the PV product weighs V by) carried like the output (times alpha). TURN: the
+        warpgroups' exponentials take turns (``_fp8_softmax2``); every warpgroup takes n_turns turns, the ones
+        past its own steps only passed on (before the ring's blocks past the diagonal: a later warpgroup's
+        steps wait for them). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -221,7 +265,8 @@ if HAS_GLUON:
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
             sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA)
+            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn, zrow, W,
+                                                    i, TURN)
             p8a = _e4m3(_relabel(pa, p_layout))
             p8b = _e4m3(_relabel(pb, p_layout))
             pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
@@ -235,20 +280,29 @@ if HAS_GLUON:
                 lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
             else:
                 pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            mbarrier.arrive(empty.index(a % S), count=1)
+            if not PAIR_RELEASE:
+                mbarrier.arrive(empty.index(a % S), count=1)
             mbarrier.arrive(empty.index((a + 1) % S), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
+        if TURN > 0:
+            for i in range(gl.cdiv(my_blocks, 2), n_turns):
+                _take_turn(turn, W, i, True)
+                _pass_turn(turn, W, True)
         for j in range(2 * gl.cdiv(my_blocks, 2), 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
             mbarrier.wait(ready.index(j % S), (j // S) & 1)
-            mbarrier.arrive(empty.index(j % S), count=1)
+            if PAIR_RELEASE:
+                mbarrier.arrive(empty.index(j % S), count=1, pred=j % 2 == 1)
+            else:
+                mbarrier.arrive(empty.index(j % S), count=1)
         if ONES:  # (every column of lacc is the row sum)
             l_i = gl.convert_layout(gl.max(lacc, 1), l_i.type.layout) * 0.00390625
         return acc, l_i
 
     @gluon.jit
-    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                     PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
+                     PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                     REL: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -279,10 +333,16 @@ if HAS_GLUON:
             gl.thread_barrier()  # (all four warps' stores before the warpgroup's first wgmma reads the tile)
         else:
             ones = ones_smem.index(0)
+        if TURN > 0:  # (zeros read after each turn is taken: the exponentials depend on the wait's acquire)
+            zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, row_layout))
+            gl.thread_barrier()
         mbarrier.wait(q_bar, 0)
         if PAIRS:
+            # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
+            n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
-                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA)
+                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -297,25 +357,36 @@ if HAS_GLUON:
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
-    def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+    def _fp8_consumer0(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
-        _fp8_consume(1, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                     REL: gl.constexpr):
+        _fp8_consume(0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
 
     @gluon.jit
-    def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+    def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
-        _fp8_consume(2, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                     REL: gl.constexpr):
+        _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
 
     @gluon.jit
-    def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+    def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                     REL: gl.constexpr):
+        _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
+
+    @gluon.jit
+    def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr):
+                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                     REL: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
-                      True, PAIRS)
+                      True, PAIRS, REL)
 
     # (num_pid_m, T and the scale widths are never specialized as constants: compiled for num_pid_m == 1, as
     # Triton specializes an integer argument equal to 1, the 128-key step returned wrong rows for every
@@ -323,11 +394,12 @@ if HAS_GLUON:
     @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk"])
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
                                  nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
-                                 ONES: gl.constexpr = False, FMA: gl.constexpr = 0):
+                                 ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
+                                 REL: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [3, R, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [3, R, D], q_desc.layout)  # (3: NWG)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [3, R, D], o_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, D, BN], v_desc.layout)
@@ -336,19 +408,29 @@ if HAS_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        zrow = gl.allocate_shared_memory(gl.float32, [4 * R], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         mbarrier.init(q_bar, count=1)
+        if TURN > 0:
+            for i in gl.static_range(3):
+                mbarrier.init(turn.index(i), count=1)  # passed on by the warpgroup before
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
+        # (every partition takes the same arguments, spelled out: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
-            (_fp8_consume, (0, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
-            (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
-            (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
-            (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, q_smem, o_smem, k_bufs, v_bufs,
-                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA)),
+            (_fp8_consumer0, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
+                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
+                               FMA, TURN, REL)),
+            (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
+                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
+                               FMA, TURN, REL)),
+            (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
+                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
+                               FMA, TURN, REL)),
+            (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
+                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
+                               FMA, TURN, REL)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -400,26 +482,35 @@ def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
 
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
-                             ones: bool = True, exp_fma: int = 0) -> torch.Tensor:
+                             ones: bool = True, exp_fma: int = 0, turns: int | None = None,
+                             pair_release: bool | None = None) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
     fused kernels of kernels/attn_quant.py, 0.66 ms at 128000 tokens on the H200 against 9.4 ms for the
     torch ops they replace and ~220 ms of attention). Options: pairs (128 keys a step), ones (its row sum
     by the tensor core; the spec's row_sum="p8"; without it, or without pairs, row_sum="p"), stages,
-    exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes; not measured yet)."""
+    exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes: 8% / 20% slower on the H200),
+    turns (0 / 1 / 2 / 3: the warpgroups take turns at the exponentials: never, of both blocks, of the first
+    block (the default with pairs: 1.5-3% faster than none on the H200), of its first half), pair_release (one
+    release of a step's two ring stages: the default with pairs and an even ring)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
     ones = ones and pairs  # (the row sum by the tensor core is built for the 128-key step)
     assert exp_fma in (0, 1, 2) and (exp_fma == 0 or pairs), f"exp_fma {exp_fma}: 0, 1 or 2 (with pairs)"
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
+    turns = (2 if pairs else 0) if turns is None else turns
+    pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
+    assert turns in (0, 1, 2, 3) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2 or 3 (with pairs)"
+    assert not pair_release or (pairs and stages % 2 == 0), "pair_release: with pairs and an even ring"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
-        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, num_warps=4,
+        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns, REL=pair_release,
+        num_warps=4,
     )
     return out
 
