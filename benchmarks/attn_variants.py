@@ -73,8 +73,6 @@ VARIANTS = {
     "fp8-turn": dict(fp8=True, turns=1),  # the turn held over both blocks' exponentials
     "fp8-turn-q": dict(fp8=True, turns=3),  # .. passed on after the first block's first half
     "fp8-noturn": dict(fp8=True, turns=0),  # one release a step, no turns
-    "fp8-ovl": dict(fp8=True, overlap=True, stages=6),  # step i - 1's PV under step i's softmax, P in shared memory
-    "fp8-ovl4": dict(fp8=True, overlap=True),  # .. on the 4-stage ring
 }
 PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]

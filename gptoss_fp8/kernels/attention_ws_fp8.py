@@ -299,99 +299,10 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
-    def _fp8_store_p(p_smem, pa, pb, p_layout: gl.constexpr):
-        """Step's P * 256 (both blocks, fp32 in the accumulator layout) -> e4m3 in this warpgroup's two shared
-        tiles, relabelled as the register operand would be (V's keys are in that order), visible to the
-        tensor cores when it returns."""
-        p_smem.index(0).store(_e4m3(_relabel(pa, p_layout)))
-        p_smem.index(1).store(_e4m3(_relabel(pb, p_layout)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _fp8_pv(p_smem, v_bufs, ones, a, zero_o, zero_l):
-        """Issue PV (and P8 x ones) of the step whose blocks are a, a + 1, P from shared memory."""
-        S: gl.constexpr = v_bufs.type.shape[0]
-        pv = warpgroup_mma(p_smem.index(0), v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-        pv = warpgroup_mma(p_smem.index(1), v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
-        lp = warpgroup_mma(p_smem.index(0), ones.permute((1, 0)), zero_l, use_acc=False, is_async=True)
-        lp = warpgroup_mma(p_smem.index(1), ones.permute((1, 0)), lp, is_async=True)
-        return pv, lp
-
-    @gluon.jit
-    def _fp8_pairs_overlap(q, k_bufs, v_bufs, ones, p_smem, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
-                           n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout: gl.constexpr,
-                           orow_layout: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
-                           PAIR_RELEASE: gl.constexpr):
-        """``_fp8_pairs`` (the row sum by the tensor core) with step i - 1's PV on the tensor cores under step i's
-        softmax (FlashAttention-3's intra-warpgroup overlap): P goes through shared memory (p_smem, this
-        warpgroup's two 64 x 64 e4m3 tiles: P in registers across the loop would be kept a byte per register),
-        QK^T of step i and PV of step i - 1 are issued together, the softmax waits for QK^T only. A step's ring
-        stages are released one step later (after its PV): give it a deeper ring. -> (acc, l)."""
-        S: gl.constexpr = k_bufs.type.shape[0]
-        R: gl.constexpr = acc.type.shape[0]
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
-        lrow_layout: gl.constexpr = gl.SliceLayout(1, l_layout)
-        zero_l = gl.zeros([R, 8], gl.float32, l_layout)
-        lacc = zero_l + gl.expand_dims(gl.convert_layout(l_i * 256.0, lrow_layout), 1)
-        n_steps = gl.cdiv(my_blocks, 2)
-        # step 0: its softmax alone
-        mbarrier.wait(ready.index(0), 0)
-        mbarrier.wait(ready.index(1 % S), (1 // S) & 1)
-        s_a = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_b = warpgroup_mma(q, k_bufs.index(1 % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        ca = cq * gl.load(sk_ptr + kv * nbk)
-        cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(1, nbk - 1))
-        sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-        pa, pb, alpha_prev, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, 0, n_full, True, 0, turn, zrow,
-                                                     W, 0, TURN)
-        _fp8_store_p(p_smem, pa, pb, p_layout)
-        for i in range(1, n_steps):
-            a = 2 * i
-            mbarrier.wait(ready.index(a % S), (a // S) & 1)
-            mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
-            s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            pv, lp = _fp8_pv(p_smem, v_bufs, ones, a - 2, zero_o, zero_l)
-            ca = cq * gl.load(sk_ptr + kv * nbk + a)
-            cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-            sa, sb = warpgroup_mma_wait(num_outstanding=4, deps=(s_a, s_b))
-            pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, True, 0, turn, zrow, W,
-                                                    i, TURN)
-            pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-            if not PAIR_RELEASE:
-                mbarrier.arrive(empty.index((a - 2) % S), count=1)
-            mbarrier.arrive(empty.index((a - 1) % S), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
-            lacc = lacc * gl.expand_dims(gl.convert_layout(alpha_prev, lrow_layout), 1) + lp
-            _fp8_store_p(p_smem, pa, pb, p_layout)
-            alpha_prev = alpha
-        a = 2 * (n_steps - 1)  # the last step's PV
-        pv, lp = _fp8_pv(p_smem, v_bufs, ones, a, zero_o, zero_l)
-        pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-        if not PAIR_RELEASE:
-            mbarrier.arrive(empty.index(a % S), count=1)
-        mbarrier.arrive(empty.index((a + 1) % S), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow_layout), 1) + pv
-        lacc = lacc * gl.expand_dims(gl.convert_layout(alpha_prev, lrow_layout), 1) + lp
-        if TURN > 0:
-            for i in range(n_steps, n_turns):
-                _take_turn(turn, W, i, True)
-                _pass_turn(turn, W, True)
-        for j in range(2 * n_steps, 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
-            mbarrier.wait(ready.index(j % S), (j // S) & 1)
-            if PAIR_RELEASE:
-                mbarrier.arrive(empty.index(j % S), count=1, pred=j % 2 == 1)
-            else:
-                mbarrier.arrive(empty.index(j % S), count=1)
-        l_i = gl.convert_layout(gl.max(lacc, 1), l_i.type.layout) * 0.00390625  # (every column of lacc: the row sum)
-        return acc, l_i
-
-    @gluon.jit
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, OVL: gl.constexpr):
+                     REL: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -429,16 +340,9 @@ if HAS_GLUON:
         if PAIRS:
             # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
             n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
-            if OVL:  # (P through the output's staging tile, unused until the epilogue: two 64 x 64 e4m3 tiles)
-                p_smem = o_smem.index(W)._reinterpret(gl.float8e4nv, [2, R, BN],
-                                                      gl.NVMMASharedLayout.get_default_for([R, BN], gl.float8e4nv))
-                acc, l_i = _fp8_pairs_overlap(q, k_bufs, v_bufs, ones, p_smem, ready, empty, sk_ptr, cq, kv, nbk, m_i,
-                                              l_i, acc, rows, n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout,
-                                              orow_layout, turn, zrow.slice(W * R, R), W, n_turns, TURN, REL)
-            else:
-                acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
-                                      n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA,
-                                      turn, zrow.slice(W * R, R), W, n_turns, TURN, REL)
+            acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
+                                  n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -456,31 +360,31 @@ if HAS_GLUON:
     def _fp8_consumer0(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, OVL: gl.constexpr):
+                     REL: gl.constexpr):
         _fp8_consume(0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, OVL)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
 
     @gluon.jit
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, OVL: gl.constexpr):
+                     REL: gl.constexpr):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, OVL)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, OVL: gl.constexpr):
+                     REL: gl.constexpr):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, OVL)
+                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, OVL: gl.constexpr):
+                     REL: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                       True, PAIRS, REL)
 
@@ -491,7 +395,7 @@ if HAS_GLUON:
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m,
                                  nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
-                                 REL: gl.constexpr = False, OVL: gl.constexpr = False):
+                                 REL: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -517,16 +421,16 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_fp8_consumer0, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, OVL)),
+                               FMA, TURN, REL)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, OVL)),
+                               FMA, TURN, REL)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, OVL)),
+                               FMA, TURN, REL)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, OVL)),
+                               FMA, TURN, REL)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -579,7 +483,7 @@ def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
                              ones: bool = True, exp_fma: int = 0, turns: int | None = None,
-                             pair_release: bool | None = None, overlap: bool = False) -> torch.Tensor:
+                             pair_release: bool | None = None) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
@@ -589,8 +493,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes: 8% / 20% slower on the H200),
     turns (0 / 1 / 2 / 3: the warpgroups take turns at the exponentials: never, of both blocks, of the first
     block (the default with pairs: 1.5-3% faster than none on the H200), of its first half), pair_release (one
-    release of a step's two ring stages: the default with pairs and an even ring), overlap (step i - 1's PV
-    under step i's softmax, P through shared memory; with pairs and ones)."""
+    release of a step's two ring stages: the default with pairs and an even ring)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -601,14 +504,13 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
     assert turns in (0, 1, 2, 3) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2 or 3 (with pairs)"
     assert not pair_release or (pairs and stages % 2 == 0), "pair_release: with pairs and an even ring"
-    assert not overlap or (ones and exp_fma == 0), "overlap: with pairs and ones, exp_fma 0"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, T, num_pid_m, sq.shape[1], sk.shape[1],
         GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns, REL=pair_release,
-        OVL=overlap, num_warps=4,
+        num_warps=4,
     )
     return out
 
