@@ -7,12 +7,15 @@ a step, FlashAttention-3's 192 x 128 tile at head dim 64): QK^T of both blocks, 
 running max's ceil and 2^step off the MUFU, tree row reductions), then PV over the 128 keys in one
 accumulation, every MMA of a step waited for within it (the other warpgroups fill the waits); and
 the row sum comes from the tensor core (``ones``: P8 times a tile of ones, m64n8k32, carried like
-the output), not from 64 FADDs a row. Why FP8: the bf16 kernel runs at the H200's 700 W cap, and
-e4m3 products take half the tensor-core cycles; this kernel runs below the cap (latency-bound), so
-the instructions of a step are what count. H200, 128000 tokens, 64 q / 8 kv heads: 220 ms with the
-quantization (2.38e12 pairs/s) against 229 with the row sum on the FMA pipes, 254 for one 64-key
-block a step (``pairs=False``: QK^T of block j under block j - 1's PV, P carried in fp32) and bf16's
-288 (BENCHMARKS.md, issue 34).
+the output), not from 64 FADDs a row. The warpgroups take turns at the MUFU (``turns``: an mbarrier
+ring, passed on after the first block's 2^x; alone, their exponential phases coincide and the unit
+idles while all three wait on MMAs: 56% busy in Nsight Compute), and a step's two ring stages are
+released by one arrive. Why FP8: the bf16 kernel runs at the H200's 700 W cap, and e4m3 products take
+half the tensor-core cycles; this kernel runs below the cap (latency-bound), so the instructions of a
+step are what count. H200, 128000 tokens, 64 q / 8 kv heads: 215.5-217 ms with the quantization
+(2.42e12 pairs/s) against 219-221 without the turns, 229 with the row sum on the FMA pipes, 254 for
+one 64-key block a step (``pairs=False``: QK^T of block j under block j - 1's PV, P carried in fp32)
+and bf16's 286 (BENCHMARKS.md, issue 34).
 
 Numerics: ``spec.attention_fp8`` (quant/attn_fp8.py's operands, quantized by the launcher): scores
 = (Q8 K8^T) * (sq * sm_scale * log2 e) * sk in log2 units (the two scales folded into one factor per
