@@ -158,6 +158,7 @@ class TimedOps:
     def __init__(self, ops, num_experts: int, cuda: bool = True):
         self.ops, self.num_experts, self.cuda = ops, num_experts, cuda
         self.events: list[tuple[str, object, object]] = []
+        self.attention_windows: dict[int, int] = {}  # event index -> window, for each prefill attention call
 
     def _now(self):
         if not self.cuda:
@@ -185,6 +186,25 @@ class TimedOps:
         part = self.PARTS.get(name)
         return fn if part is None else functools.partial(self._timed, part, fn)
 
+    def attention(self, q, k, v, sinks, sm_scale, window):
+        out = self._timed("attention", self.ops.attention, q, k, v, sinks, sm_scale, window)
+        self.attention_windows[len(self.events) - 1] = int(window)
+        return out
+
+    def attention_by_layer_kind(self) -> dict[str, dict[str, float]]:
+        """The prefill attention calls' time split by layer kind: {"full" | "window": {"s": seconds, "calls":
+        n}} (full: no window; the kinds with no call left out)."""
+        out: dict[str, dict[str, float]] = {}
+        for i, window in self.attention_windows.items():
+            _, s, e = self.events[i]
+            d = out.setdefault("window" if window else "full", {"s": 0.0, "calls": 0})
+            d["s"] += self._dt(s, e)
+            d["calls"] += 1
+        return out
+
+    def _dt(self, s, e) -> float:
+        return s.elapsed_time(e) / 1e3 if self.cuda else e - s
+
     def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
         part = "moe" if (w.dtype != FP8_DTYPE and w.shape[0] == self.num_experts) else "dense"
         return self._timed(part, self.ops.linear, x, w, scale_inv, bias, out_dtype, xq=xq)
@@ -204,8 +224,7 @@ class TimedOps:
     def seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for part, s, e in self.events:
-            dt = s.elapsed_time(e) / 1e3 if self.cuda else e - s
-            out[part] = out.get(part, 0.0) + dt
+            out[part] = out.get(part, 0.0) + self._dt(s, e)
         return out
 
 
@@ -307,7 +326,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "seed_s": SEED_S.get(preset, {}).get(n), "transformers_issue_s": TRANSFORMERS_S.get(preset, {}).get(n),
             "target_s": TARGET_S.get(preset, {}).get(n),
             "floor_s": sum(floor.values()), "parts_floor_s": floor,
-            "parts_s": parts, "parts_total_s": total,
+            "parts_s": parts, "parts_total_s": total, "attention_by_kind": timed.attention_by_layer_kind(),
             "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "transformers_s": None, "transformers_note": None, "attention": attention,
@@ -442,4 +461,9 @@ def format_row(r: dict) -> str:
         + ")"
         for p in ("attention", "moe", "dense", "norm", "allreduce", "allgather", "other")
         if p not in ("allreduce", "allgather") or p in r["parts_s"])
+    kinds = r.get("attention_by_kind") or {}
+    if kinds:
+        parts += " | attention by layer: " + ", ".join(
+            f"{k} {kinds[k]['s'] * 1e3:.2f} ms / {kinds[k]['calls']} = {kinds[k]['s'] * 1e3 / kinds[k]['calls']:.2f} ms each"
+            for k in ("full", "window") if k in kinds)
     return head + "\n  breakdown (one run with events, " + f"{tot * 1e3:.2f} ms): " + parts
