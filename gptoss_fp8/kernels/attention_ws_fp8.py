@@ -360,14 +360,6 @@ if HAS_GLUON:
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
-    def _fp8_consumer0(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
-                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr):
-        _fp8_consume(0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)
-
-    @gluon.jit
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
@@ -420,11 +412,10 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
-        # (every partition takes the same arguments, spelled out: a tuple held in a variable loses its constexprs)
+        # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
-            (_fp8_consumer0, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL)),
+            (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
+                            sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
                                FMA, TURN, REL)),
