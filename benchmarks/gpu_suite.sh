@@ -14,8 +14,9 @@
 #   serve-peer  transformers' own server (transformers serve --continuous-batching, bf16) on a full synthetic
 #            20b under bench serve --peer transformers at 1024-token prompts, 256 output tokens (~240 s)
 #   attention  the Gluon attention's variants timed side by side (benchmarks/attn_variants.py) + GPU tests
-#   fp8-probe  the FP8 attention's options at small T under a poisoned allocator, the attention GPU tests, the
-#            FP8 options and bf16's 128-key step timed (issue 34)
+#   fp8-probe  the FP8 attention's options at small T under a poisoned allocator, the FP8 attention GPU tests,
+#            the FP8 options timed (issue 34)
+#   prefill-fp8  bench prefill --attention fp8: 20b at 32768 / 128000, 120b at 128000 (issue 34's must-shows)
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried), then the
 #            flashinfer attention backend's GPU tests (tests/test_flashinfer_attention.py)
@@ -256,11 +257,22 @@ if has fp8-probe; then
   # unwritten outputs vs reads of unwritten memory), the attention GPU tests (poisoned), then the FP8 options and
   # the bf16 128-key step timed side by side (ATTN_VARIANTS)
   timeout 150 python3 benchmarks/attn_poison_probe.py 2>&1 | grep -v Warn | tee "$OUT/attn_probe.log"
-  timeout 150 python3 -m pytest -q -n 6 -m gpu tests/kernels/test_attention.py -k "ws_gpu or ws_fp8_gpu or prefill_fp8_gpu" \
+  # (every FP8 attention GPU test: 100 in ~110 s on 6 workers; the bf16 Gluon tests took the old 150 s alone)
+  timeout 280 python3 -m pytest -q -n 6 -m gpu tests/kernels/test_attention.py -k "fp8" \
     -p no:warnings 2>&1 | grep -v "Warn\|warner" | tail -30 | tee "$OUT/attn_tests.log"
   timeout 240 python3 benchmarks/attn_variants.py --tokens ${ATTN_TOKENS:-32768,128000} \
-    --variants "${ATTN_VARIANTS:-qreg,n128-sync,fp8-sum,fp8,fp8-fma25,fp8-fma50}" \
+    --variants "${ATTN_VARIANTS:-fp8,fp8-free,fp8-turn-q,fp8-sum}" \
     --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn | tee "$OUT/attn_variants.log"
+fi
+
+if has prefill-fp8; then
+  # issue 34's must-shows: the whole 20b at 32768 / 128000 and the 120b at 128000 with FP8 attention (the breakdown
+  # splits attention by layer kind: full / sliding window)
+  for spec in "20b 32768,128000" "120b 128000"; do
+    set -- $spec
+    timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
+      --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
+  done
 fi
 
 if has attention-ncu; then
@@ -278,8 +290,12 @@ if has attention-ncu; then
       --launch-skip 2 --launch-count 1 -f -o "$rep" python3 benchmarks/attn_ncu.py --tokens ${NCU_TOKENS:-16384} \
       --variant "$var" 2>&1 | tail -5 | tee "$OUT/ncu/attn$i.log"
     "$NCU" --import "$rep.ncu-rep" --page details > "$OUT/ncu/attn${i}_details.txt" 2>&1
-    "$NCU" --import "$rep.ncu-rep" --page raw --csv > "$OUT/ncu/attn${i}_raw.csv" 2>&1
-    "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/attn${i}_sass.csv" 2>&1
+    # the raw and source pages stay here (large, and a call returns 8 files): their digest comes back
+    "$NCU" --import "$rep.ncu-rep" --page raw --csv > "/tmp/attn${i}_raw.csv" 2>&1
+    "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass > "/tmp/attn${i}_sass.csv" 2>&1
+    { echo "variant $i: '$var'"; python3 benchmarks/ncu_digest.py "/tmp/attn${i}_raw.csv" "/tmp/attn${i}_sass.csv"; } \
+      > "$OUT/ncu/attn${i}_digest.txt" 2>&1
+    [[ -n "${NCU_KEEP_REP:-}" ]] || rm -f "$rep.ncu-rep"  # (4.7 MB a variant; NCU_KEEP_REP=1 keeps it)
     echo "variant $i: '$var'" | tee -a "$OUT/ncu/variants.txt"
     i=$((i + 1))
   done
