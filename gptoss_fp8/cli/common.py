@@ -86,9 +86,13 @@ def report_failure(e: BaseException) -> int:
 class _CtrlC:
     received = False  # a SIGINT came while deferred, not raised yet
     deferred = 0  # depth of ctrl_c_deferred blocks
+    decided = False  # the command's exit status is decided: a Ctrl-C from then on is ignored
+    process_exit = False  # the process ends with this command (the console script): keep the handler to the end
 
 
 def _on_sigint(signum, frame) -> None:
+    if _CtrlC.decided:
+        return
     if _CtrlC.deferred:
         _CtrlC.received = True
         return
@@ -98,7 +102,11 @@ def _on_sigint(signum, frame) -> None:
 @contextmanager
 def ctrl_c_handler() -> Iterator[None]:
     """Python's SIGINT behaviour (KeyboardInterrupt where the main thread is), plus deferral in
-    ``ctrl_c_deferred`` blocks, while the command runs; the previous handler put back after."""
+    ``ctrl_c_deferred`` blocks, while the command runs, and nothing once its status is decided
+    (``ctrl_c_decided``); the previous handler put back after, except where the process ends with
+    the command (``_CtrlC.process_exit``): there a Ctrl-C between here and the exit would otherwise
+    meet Python's default handler and kill a finished command by the signal."""
+    _CtrlC.decided = False
     try:
         previous = signal.signal(signal.SIGINT, _on_sigint)
     except ValueError:  # not the main thread (an embedding caller): leave signals alone
@@ -107,7 +115,19 @@ def ctrl_c_handler() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if not (_CtrlC.decided and _CtrlC.process_exit):
+            signal.signal(signal.SIGINT, previous)
+
+
+def mark_process_exit(on: bool) -> None:
+    """Whether the process ends with the command about to run (the console script, not an in-process
+    caller): then ``ctrl_c_handler`` keeps its handler installed once the status is decided."""
+    _CtrlC.process_exit = on
+
+
+def ctrl_c_decided() -> None:
+    """The command's exit status is decided: a Ctrl-C from here on changes nothing."""
+    _CtrlC.decided = True
 
 
 @contextmanager

@@ -29,7 +29,16 @@ try:  # Ctrl-C while starting up is one line too, not a traceback through the im
 
     from gptoss_fp8 import __version__
     from gptoss_fp8.cli import bench, convert, download, generate, golden, plan, serve, synth, verify_logits
-    from gptoss_fp8.cli.common import DEBUG_ENV, INTERRUPTED, TorchCommand, ctrl_c_handler, debug_enabled, report_failure
+    from gptoss_fp8.cli.common import (
+        DEBUG_ENV,
+        INTERRUPTED,
+        TorchCommand,
+        ctrl_c_decided,
+        ctrl_c_handler,
+        debug_enabled,
+        mark_process_exit,
+        report_failure,
+    )
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(130) from None
@@ -40,50 +49,60 @@ class _Root(typer.core.TyperGroup):
     outcome into an exit status here, one line on stderr for anything but success."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        try:
-            with ctrl_c_handler():
+        with ctrl_c_handler():
+            try:
                 rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-            # typer returns the exit status of typer.Exit, and turns Ctrl-C into Exit(130)
-            code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
-            if code == INTERRUPTED:
-                code = report_failure(KeyboardInterrupt())
-        except NoArgsIsHelpError as e:
-            e.show()
-            code = e.exit_code
-        except ClickException as e:  # usage errors: bad option value, missing argument, ...
-            ctx = getattr(e, "ctx", None)
-            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-            message = " ".join(e.format_message().split())
-            sys.stderr.write(f"error: {message}{hint}\n")
-            code = e.exit_code
-        except SystemExit:
-            raise
-        except BaseException as e:  # the last resort: GptOssFp8Error, OSError, bugs, Ctrl-C
-            if debug_enabled():
+                # typer returns the exit status of typer.Exit, and turns Ctrl-C into Exit(130)
+                code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+                ctrl_c_decided()
+                if code == INTERRUPTED:
+                    code = report_failure(KeyboardInterrupt())
+            except NoArgsIsHelpError as e:
+                ctrl_c_decided()
+                e.show()
+                code = e.exit_code
+            except ClickException as e:  # usage errors: bad option value, missing argument, ...
+                ctrl_c_decided()
+                ctx = getattr(e, "ctx", None)
+                hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+                message = " ".join(e.format_message().split())
+                sys.stderr.write(f"error: {message}{hint}\n")
+                code = e.exit_code
+            except SystemExit:
+                ctrl_c_decided()
                 raise
-            code = report_failure(e)
+            except BaseException as e:  # the last resort: GptOssFp8Error, OSError, bugs, Ctrl-C
+                ctrl_c_decided()
+                if debug_enabled():
+                    raise
+                code = report_failure(e)
         if standalone_mode:
             sys.exit(code)
         return code
 
 
 def _hold_ctrl_c() -> None:
-    """The program has finished and its status is decided: a Ctrl-C from here on stays pending
-    (blocked) and dies with the process, so the exit status is the command's. Without this, a
-    SIGINT in the last moments of interpreter shutdown, after Python has put the default handler
-    back, killed a finished conversion by the signal with nothing on stderr
-    (tests/test_cli_faults.py, one run in five on the CPU box). Only where the process exits
-    (``_App.__call__``, the console script): a blocked signal mask outlives the call and is
-    inherited by every child process, so an in-process caller (typer's CliRunner calls
-    ``_Root.main``) would go on with Ctrl-C blocked and start children that cannot be interrupted."""
+    """The program has finished and its status is decided: a Ctrl-C from here on is ignored, so the
+    exit status is the command's. Ignored (SIG_IGN), not blocked: a blocked mask holds for the
+    calling thread only, and a SIGINT the kernel hands to another thread (tqdm's monitor, torch's
+    pools) after interpreter shutdown has put the default action back (it does so for a Python
+    handler, not for SIG_IGN) killed a finished conversion by the signal, exit -2 with nothing on
+    stderr (tests/test_cli_faults.py; 8 runs in 30 with Ctrl-C 1-2 s into a tiny convert). Only
+    where the process exits (``_App.__call__``, the console script): an ignored SIGINT outlives the
+    call and is inherited by child processes, so an in-process caller (typer's CliRunner calls
+    ``_Root.main``) would go on unable to be interrupted."""
     import signal
 
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _App(typer.Typer):
     def __call__(self, *args, **kwargs):
+        # The console script: the process ends with the command, so once its status is decided the
+        # CLI's Ctrl-C handler (which then ignores it) stays installed until _hold_ctrl_c blocks the
+        # signal: a Ctrl-C in between met Python's default handler and killed a finished conversion
+        # by the signal (exit -2, nothing on stderr; tests/test_cli_faults.py on the CI box).
+        mark_process_exit(True)
         try:  # building the click command from the signatures happens here, before _Root.main
             return super().__call__(*args, **kwargs)
         except KeyboardInterrupt:
@@ -91,6 +110,8 @@ class _App(typer.Typer):
         except SystemExit:  # _Root.main's status: the process ends with it
             _hold_ctrl_c()
             raise
+        finally:  # (an in-process caller that catches the SystemExit goes on as before)
+            mark_process_exit(False)
 
 
 app = _App(
