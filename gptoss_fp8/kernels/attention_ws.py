@@ -155,9 +155,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _take_turn(turn, W: gl.constexpr, k, ORDER: gl.constexpr):
-        """ORDER: the consumer warpgroups issue their MMAs in a fixed rotation, 0, 1, .., NWG - 1, 0, ..
-        (FlashAttention-3's ping-pong, by an mbarrier per warpgroup): warpgroup W's k-th issue waits for
-        W - 1's. Warpgroup 0's first wait is on the phase before a fresh barrier's first, which passes."""
+        """ORDER: the consumer warpgroups take turns in a fixed rotation, 0, 1, .., NWG - 1, 0, .. (an mbarrier
+        per warpgroup): warpgroup W's k-th turn waits for W - 1's. Here the turn is the MMA issue
+        (FlashAttention-3's ping-pong); attention_ws_fp8 rings its exponentials with it. Warpgroup 0's first
+        wait is on the phase before a fresh barrier's first, which passes."""
         if ORDER:
             if W == 0:
                 mbarrier.wait(turn.index(0), (k + 1) & 1)
