@@ -52,30 +52,28 @@ class _Root(typer.core.TyperGroup):
         with ctrl_c_handler():
             try:
                 rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                ctrl_c_decided()  # (the command is over: a Ctrl-C from here on changes nothing)
                 # typer returns the exit status of typer.Exit, and turns Ctrl-C into Exit(130)
                 code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
-                ctrl_c_decided()
                 if code == INTERRUPTED:
                     code = report_failure(KeyboardInterrupt())
             except NoArgsIsHelpError as e:
-                ctrl_c_decided()
                 e.show()
                 code = e.exit_code
             except ClickException as e:  # usage errors: bad option value, missing argument, ...
-                ctrl_c_decided()
                 ctx = getattr(e, "ctx", None)
                 hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
                 message = " ".join(e.format_message().split())
                 sys.stderr.write(f"error: {message}{hint}\n")
                 code = e.exit_code
             except SystemExit:
-                ctrl_c_decided()
                 raise
             except BaseException as e:  # the last resort: GptOssFp8Error, OSError, bugs, Ctrl-C
-                ctrl_c_decided()
                 if debug_enabled():
                     raise
                 code = report_failure(e)
+            finally:
+                ctrl_c_decided()
         if standalone_mode:
             sys.exit(code)
         return code
@@ -99,9 +97,9 @@ def _hold_ctrl_c() -> None:
 class _App(typer.Typer):
     def __call__(self, *args, **kwargs):
         # The console script: the process ends with the command, so once its status is decided the
-        # CLI's Ctrl-C handler (which then ignores it) stays installed until _hold_ctrl_c blocks the
-        # signal: a Ctrl-C in between met Python's default handler and killed a finished conversion
-        # by the signal (exit -2, nothing on stderr; tests/test_cli_faults.py on the CI box).
+        # CLI's Ctrl-C handler (which then ignores it) stays installed until _hold_ctrl_c ignores the
+        # signal for good: a Ctrl-C in between met Python's default handler and turned a finished
+        # command's status into an interruption.
         mark_process_exit(True)
         try:  # building the click command from the signatures happens here, before _Root.main
             return super().__call__(*args, **kwargs)
