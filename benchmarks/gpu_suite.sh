@@ -18,6 +18,8 @@
 #            the FP8 options timed (issue 34)
 #   prefill-fp8  bench prefill --attention fp8: 20b at 32768 / 128000, 120b at 128000 (issue 34's must-shows)
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
+#   attn-trace  the FP8 attention's steps timed phase by phase from the SM clock (benchmarks/attn_trace.py;
+#            TRACE_VARIANTS: ';'-separated keyword sets, '' the default; TRACE_TOKENS)
 #   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried), then the
 #            flashinfer attention backend's GPU tests (tests/test_flashinfer_attention.py)
 #   attention-fp8  the FP8 attention kernel's GPU tests against its spec, the fused quantization's, and its bench (issue 34)
@@ -297,6 +299,20 @@ if has attention-ncu; then
       > "$OUT/ncu/attn${i}_digest.txt" 2>&1
     [[ -n "${NCU_KEEP_REP:-}" ]] || rm -f "$rep.ncu-rep"  # (4.7 MB a variant; NCU_KEEP_REP=1 keeps it)
     echo "variant $i: '$var'" | tee -a "$OUT/ncu/variants.txt"
+    i=$((i + 1))
+  done
+fi
+
+if has attn-trace; then
+  # issue 34: where a consumer warpgroup's 128-key step goes (clock stamps, head 0's longest programs)
+  IFS=';' read -ra _tv <<< "${TRACE_VARIANTS:-}"
+  [[ ${#_tv[@]} -eq 0 ]] && _tv=("")
+  i=0
+  for var in "${_tv[@]}"; do
+    for t in ${TRACE_TOKENS:-32768 128000}; do
+      timeout 200 python3 benchmarks/attn_trace.py --tokens $t --variant "$var" --json "$OUT/trace_${i}_$t.json" 2>&1 \
+        | grep -v Warn | tee -a "$OUT/attn_trace.log"
+    done
     i=$((i + 1))
   done
 fi

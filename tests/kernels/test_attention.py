@@ -739,9 +739,12 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
 @pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2), dict(exp_fma=1), dict(turns=1),
-                                  dict(turns=2, stages=2), dict(turns=3, pair_release=True)],
+                                  dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(prefetch=True),
+                                  dict(prefetch=True, ones=False, pair_release=False, stages=6),
+                                  dict(turns=4), dict(turns=4, prefetch=True), dict(q_regs=True)],
                          ids=["64-key", "fp32-sum", "2-stages", "fma25", "turns", "turns-half-2-stages",
-                              "turns-quarter-pair-release"])
+                              "turns-quarter-pair-release", "prefetch", "prefetch-fp32-sum-6-stages", "named-turns",
+                              "named-turns-prefetch", "q-registers"])
 def test_ws_fp8_options_gpu(T, opts):
     """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
