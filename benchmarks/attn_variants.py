@@ -73,14 +73,12 @@ VARIANTS = {
     "fp8-turn": dict(fp8=True, turns=1),  # the turn held over both blocks' exponentials
     "fp8-turn-q": dict(fp8=True, turns=3),  # .. passed on after the first block's first half
     "fp8-noturn": dict(fp8=True, turns=0),  # one release a step, no turns
-    "fp8-pf": dict(fp8=True, prefetch=True),  # step i + 1's QK^T issued after step i's PV, its stages waited under it
-    "fp8-named": dict(fp8=True, turns=4),  # the turns on named barriers (bar.sync / bar.arrive), not mbarriers
-    "fp8-named-pf": dict(fp8=True, turns=4, prefetch=True),
-    "fp8-pf6": dict(fp8=True, prefetch=True, stages=6),  # .. on a 6-stage ring (three steps)
-    "fp8-qreg": dict(fp8=True, q_regs=True),  # Q the register operand of QK^T (read from shared memory once)
-    "fp8-qreg-pf": dict(fp8=True, q_regs=True, prefetch=True),
+    "fp8-ready2": dict(fp8=True, pair_ready=False),  # two ready barriers a step (the 23rd session's default)
+    # timing probes of the FP8 kernel (wrong values: no check; the MMA probe without turns)
+    "fp8-probe-mma": dict(fp8=True, probe="mma"),
+    "fp8-probe-softmax": dict(fp8=True, probe="softmax"),
 }
-PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe")}
+PROBE_VARIANTS = {n for n, v in VARIANTS.items() if str(v.get("exp", "")).startswith("probe") or "probe" in v}
 TEST_SHAPES = [(1, 8, 1), (63, 8, 1), (64, 16, 2), (65, 8, 8), (129, 64, 8), (1000, 8, 1), (4099, 64, 8)]
 D = 64
 

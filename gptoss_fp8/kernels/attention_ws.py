@@ -59,12 +59,13 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
-                      PAIR_RELEASE: gl.constexpr = False):
+                      PAIR_RELEASE: gl.constexpr = 0):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
         PAIR_RELEASE (with PAIRS, an even ring): the consumers release a pair's two stages by one arrive, on the
-        odd stage's barrier; both stages' next loads wait for it."""
+        odd stage's barrier; both stages' next loads wait for it. PAIR_RELEASE 2: the pair's four loads also
+        signal one ready barrier, the odd stage's."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -79,7 +80,17 @@ if HAS_GLUON:
         if PAIRS:
             n_blocks = 2 * gl.cdiv(n_blocks, 2)
         S: gl.constexpr = k_bufs.type.shape[0]
-        for j in range(n_blocks):
+        if PAIR_RELEASE == 2:  # (and one ready barrier a pair: the odd stage's carries both blocks' bytes)
+            for jj in range(n_blocks // 2):
+                j = 2 * jj
+                mbarrier.wait(empty.index((j + 1) % S), (((j + 1) // S) & 1) ^ 1)
+                mbarrier.expect(ready.index((j + 1) % S), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+                for h in gl.static_range(2):
+                    tma.async_copy_global_to_shared(k_desc, [(j + h) * BN, kv_col], ready.index((j + 1) % S),
+                                                    k_bufs.index((j + h) % S))
+                    tma.async_copy_global_to_shared(v_desc, [kv_col, (j + h) * BN], ready.index((j + 1) % S),
+                                                    v_bufs.index((j + h) % S))
+        for j in range(n_blocks if PAIR_RELEASE != 2 else 0):
             if PAIR_RELEASE:
                 mbarrier.wait(empty.index((j | 1) % S), (((j | 1) // S) & 1) ^ 1)
                 mbarrier.expect(ready.index(j % S), k_desc.block_type.nbytes + v_desc.block_type.nbytes)

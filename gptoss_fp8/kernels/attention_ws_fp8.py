@@ -10,12 +10,16 @@ the row sum comes from the tensor core (``ones``: P8 times a tile of ones, m64n8
 the output), not from 64 FADDs a row. The warpgroups take turns at the MUFU (``turns``: an mbarrier
 ring, passed on after the first block's 2^x; alone, their exponential phases coincide and the unit
 idles while all three wait on MMAs: 56% busy in Nsight Compute), and a step's two ring stages are
-released by one arrive. Why FP8: the bf16 kernel runs at the H200's 700 W cap, and e4m3 products take
-half the tensor-core cycles; this kernel runs below the cap (latency-bound), so the instructions of a
-step are what count. H200, 128000 tokens, 64 q / 8 kv heads: 215.5-217 ms with the quantization
-(2.42e12 pairs/s) against 219-221 without the turns, 229 with the row sum on the FMA pipes, 254 for
-one 64-key block a step (``pairs=False``: QK^T of block j under block j - 1's PV, P carried in fp32)
-and bf16's 286 (BENCHMARKS.md, issue 34).
+released by one arrive and loaded onto one ready barrier (``pair_release``, ``pair_ready``). Why FP8: the
+bf16 kernel runs at the H200's 700 W cap, and e4m3 products take half the tensor-core cycles. This one
+now runs at the cap too (690 W, 1.94-1.97 GHz): its MMAs alone draw the cap (137 ms at 128000 tokens,
+1.73 GHz), its softmax alone runs at 443 W and 2.86e12 pairs/s (183 ms, latency-bound), and the whole
+takes the energy of both (~150 J at 128000) at 690 W. H200, 128000 tokens, 64 q / 8 kv heads:
+214.3-216 ms with the quantization (2.43-2.45e12 pairs/s) against 219-221 without the turns, 229 with the
+row sum on the FMA pipes, 254 for one 64-key block a step (``pairs=False``: QK^T of block j under block
+j - 1's PV, P carried in fp32) and bf16's 286 (BENCHMARKS.md, issue 34). A step of a warpgroup takes
+~2560 cycles (benchmarks/attn_trace.py): its exponentials ~1270 (the MUFU shared with the other two),
+the row max ~420, QK^T ~280, the turn, PV and the rest ~600.
 
 Numerics: ``spec.attention_fp8`` (quant/attn_fp8.py's operands, quantized by the launcher): scores
 = (Q8 K8^T) * (sq * sm_scale * log2 e) * sk in log2 units (the two scales folded into one factor per
@@ -118,69 +122,18 @@ if HAS_GLUON:
             return _exp2_fma(x)
 
     @gluon.jit
-    def _named_bar(bar_id, SYNC: gl.constexpr):
-        """A hardware named barrier of 256 threads (two warpgroups), once per thread: wait on it (SYNC: bar.sync)
-        or arrive and go on (bar.arrive). Inline PTX: no shared memory, so Triton's membar pass puts no
-        warpgroup barrier around it (it does around every mbarrier arrive and most waits)."""
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        ids = gl.full([128], 0, gl.int32, one) + bar_id
-        if SYNC:
-            gl.inline_asm_elementwise("bar.sync $1, 256; mov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32, is_pure=False,
-                                      pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.arrive $1, 256; mov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-
-    @gluon.jit
-    def _turn_wait(turn, W: gl.constexpr, k, TURN: gl.constexpr):
-        """Wait for warpgroup W's k-th turn: on its mbarrier of the ``turn`` ring, or (TURN 4) on named barrier
-        8 + W (warpgroup 0's first turn is free)."""
-        if TURN == 4:
-            if W > 0:
-                _named_bar(8 + W, True)
-            elif k > 0:
-                _named_bar(8, True)
-        elif TURN > 0:
-            _take_turn(turn, W, k, True)
-
-    @gluon.jit
-    def _turn_pass(turn, W: gl.constexpr, k, n_turns, TURN: gl.constexpr):
-        """Pass warpgroup W's k-th turn on to the next; with named barriers (TURN 4) only to a turn the next
-        takes (an arrival nobody waits for would be left on the barrier)."""
-        if TURN == 4:
-            NWGS: gl.constexpr = 3
-            if k + (W + 1) // NWGS < n_turns:
-                _named_bar(8 + (W + 1) % NWGS, False)
-        elif TURN > 0:
-            _pass_turn(turn, W, True)
-
-    @gluon.jit
-    def _named_wait_after(m8, bar_id):
-        """bar.sync on named barrier bar_id (256 threads) once m8 (a row vector, two rows a thread) is known: the
-        asm takes m8 in and hands it back, so the row max cannot sink below the wait."""
-        ids = gl.full(m8.type.shape, 0, gl.int32, m8.type.layout) + bar_id
-        return gl.inline_asm_elementwise("{ bar.sync $4, 256; mov.b32 $0, $2; mov.b32 $1, $3; }", "=r,=r,r,r,r,r",
-                                         [m8, ids], dtype=gl.float32, is_pure=False, pack=2)
-
-    @gluon.jit
     def _turn_taken(m8, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr):
         """TURN: wait for warpgroup W's k-th turn, then m8 plus zeros read from shared memory after the wait
         (without that data dependency ptxas schedules the exponentials between the wait's first try and its
         test: the turn would not order them)."""
-        if TURN == 4:
-            if W > 0:
-                m8 = _named_wait_after(m8, 8 + W)
-            elif k > 0:
-                m8 = _named_wait_after(m8, 8)
-            m8 = m8 + zrow.load(m8.type.layout)
-        elif TURN > 0:
-            _turn_wait(turn, W, k, TURN)
+        if TURN > 0:
+            _take_turn(turn, W, k, True)
             m8 = m8 + zrow.load(m8.type.layout)
         return m8
 
     @gluon.jit
-    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr, k=0, n_turns=0):
-        """2^x of the step's first block, the turn passed on after it (TURN 2, 4) or after its first half of
+    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr):
+        """2^x of the step's first block, the turn passed on after it (TURN 2) or after its first half of
         columns (3)."""
         if TURN == 3:
             lo, hi = _halves(x)
@@ -189,14 +142,13 @@ if HAS_GLUON:
             return gl.convert_layout(_unhalves(lo, gl.exp2(hi)), x.type.layout, assert_trivial=True)
         else:
             y = gl.exp2(x)
-            if TURN == 2 or TURN == 4:
-                _turn_pass(turn, W, k, n_turns, TURN)
+            _pass_turn(turn, W, TURN == 2)
             return y
 
     @gluon.jit
     def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0,
                       turn=None, zrow=None, W: gl.constexpr = 0, k=0, TURN: gl.constexpr = 0, trace_ptr=None,
-                      TRACE: gl.constexpr = 0, n_turns=0):
+                      TRACE: gl.constexpr = 0):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
@@ -212,7 +164,7 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
             m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
             _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-            pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN, k, n_turns)  # P * 256
+            pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256
             _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
             pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
         else:
@@ -223,7 +175,7 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
             m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
             _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-            pa = _exp2_passing(sa - gl.expand_dims(m8, 1), turn, W, TURN, k, n_turns)
+            pa = _exp2_passing(sa - gl.expand_dims(m8, 1), turn, W, TURN)
             pb = gl.exp2(sb - gl.expand_dims(m8, 1))
         _pass_turn(turn, W, TURN == 1)
         alpha = _pow2(m_i - m_new)
@@ -309,90 +261,10 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
-    def _pf_head(s_a, s_b, v_bufs, ones, sk_ptr, cq, kv, nbk, m_i, l_i, rows, a, n_full, zero_o, zero_l,
-                 p_layout: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, turn, zrow, W: gl.constexpr, i, n_turns,
-                 TURN: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
-        """A prefetched step's first half: its QK^T (issued before) waited for, the softmax step, PV (and the row
-        sum's P8 x ones) issued. -> (pv, lp, alpha, m, l), the MMAs in flight."""
-        S: gl.constexpr = v_bufs.type.shape[0]
-        ca = cq * gl.load(sk_ptr + kv * nbk + a)
-        cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-        _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
-        sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-        _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
-        pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn, zrow, W, i,
-                                                TURN, trace_ptr, TRACE, n_turns)
-        p8a = _e4m3(_relabel(pa, p_layout))
-        p8b = _e4m3(_relabel(pb, p_layout))
-        pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-        pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
-        lp = zero_l
-        if ONES:
-            pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero_l.type.layout, k_width=4)
-            lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                               zero_l, use_acc=False, is_async=True)
-            lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
-                               is_async=True)
-        _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
-        return pv, lp, alpha, m_i, l_i
-
-    @gluon.jit
-    def _pf_tail(pv, lp, alpha, acc, lacc, orow_layout: gl.constexpr, ONES: gl.constexpr):
-        """A prefetched step's PV (and row sum) waited for and added to the output after its alpha. -> (acc, lacc)"""
-        if ONES:
-            pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-            lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, lp.type.layout)), 1) + lp
-        else:
-            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
-        return acc, lacc
-
-    @gluon.jit
-    def _fp8_pairs_pf(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, lacc, rows, n_full,
-                      my_blocks, zero_s, zero_o, zero_l, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                      ONES: gl.constexpr, FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
-                      PAIR_RELEASE: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
-        """``_fp8_pairs``'s steps software-pipelined (PF): step i + 1's stages waited for while step i's PV runs
-        and its QK^T issued right after that PV is waited for and added, so it runs under the stage release and
-        the loop's head instead of opening the next step (the last step peeled: an in-flight product merged
-        with a waited one at a branch makes ptxas serialize every wgmma). -> (acc, lacc, m, l)."""
-        S: gl.constexpr = k_bufs.type.shape[0]
-        n_steps = gl.cdiv(my_blocks, 2)
-        mbarrier.wait(ready.index(0), 0)
-        mbarrier.wait(ready.index(1 % S), (1 // S) & 1)
-        s_a = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_b = warpgroup_mma(q, k_bufs.index(1 % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        for i in range(n_steps - 1):
-            a = 2 * i
-            _stamp(trace_ptr, m_i, rows, 0, i, W, TRACE)
-            pv, lp, alpha, m_i, l_i = _pf_head(s_a, s_b, v_bufs, ones, sk_ptr, cq, kv, nbk, m_i, l_i, rows, a, n_full,
-                                               zero_o, zero_l, p_layout, ONES, FMA, turn, zrow, W, i, n_turns, TURN,
-                                               trace_ptr, TRACE)
-            nxt = a + 2
-            mbarrier.wait(ready.index(nxt % S), (nxt // S) & 1)
-            mbarrier.wait(ready.index((nxt + 1) % S), ((nxt + 1) // S) & 1)
-            acc, lacc = _pf_tail(pv, lp, alpha, acc, lacc, orow_layout, ONES)
-            _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
-            s_a = warpgroup_mma(q, k_bufs.index(nxt % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_b = warpgroup_mma(q, k_bufs.index((nxt + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if not PAIR_RELEASE:
-                mbarrier.arrive(empty.index(a % S), count=1)
-            mbarrier.arrive(empty.index((a + 1) % S), count=1)
-        a = 2 * (n_steps - 1)
-        pv, lp, alpha, m_i, l_i = _pf_head(s_a, s_b, v_bufs, ones, sk_ptr, cq, kv, nbk, m_i, l_i, rows, a, n_full,
-                                           zero_o, zero_l, p_layout, ONES, FMA, turn, zrow, W, n_steps - 1, n_turns,
-                                           TURN, trace_ptr, TRACE)
-        acc, lacc = _pf_tail(pv, lp, alpha, acc, lacc, orow_layout, ONES)
-        if not PAIR_RELEASE:
-            mbarrier.arrive(empty.index(a % S), count=1)
-        mbarrier.arrive(empty.index((a + 1) % S), count=1)
-        return acc, lacc, m_i, l_i
-
-    @gluon.jit
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
-                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PF: gl.constexpr = 0):
+                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -414,71 +286,70 @@ if HAS_GLUON:
         else:
             zero_l = zero_o
             lacc = acc
-        if PF // 8 == 1:  # (the probe's scores: block 0 and 1's, computed once)
-            mbarrier.wait(ready.index(0), 0)
+        if PROBE == 2:  # (the probe's scores: block 0's, computed once)
+            if PAIR_RELEASE != 2:
+                mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(ready.index(1 % S), (1 // S) & 1)
             s_a = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s_b = warpgroup_mma(q, k_bufs.index(1 % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             sa0, sb0 = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
-        if PF % 2 == 1:
-            acc, lacc, m_i, l_i = _fp8_pairs_pf(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc,
-                                                lacc, rows, n_full, my_blocks, zero_s, zero_o, zero_l, p_layout,
-                                                orow_layout, ONES, FMA, turn, zrow, W, n_turns, TURN, PAIR_RELEASE,
-                                                trace_ptr, TRACE)
-        else:
-            for i in range(gl.cdiv(my_blocks, 2)):
-                a = 2 * i
-                _stamp(trace_ptr, m_i, rows, 0, i, W, TRACE)
+        for i in range(gl.cdiv(my_blocks, 2)):
+            a = 2 * i
+            _stamp(trace_ptr, m_i, rows, 0, i, W, TRACE)
+            if PAIR_RELEASE != 2:
                 mbarrier.wait(ready.index(a % S), (a // S) & 1)
-                mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
-                _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
-                ca = cq * gl.load(sk_ptr + kv * nbk + a)
-                cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-                if PF // 8 == 1:  # timing probe, the softmax alone: no MMA; scores from the output tile (block 0's)
-                    sa = gl.convert_layout(acc, zero_s.type.layout, assert_trivial=True)
-                    sb = -sa  # (not sa itself: its row max would be shared)
-                else:
-                    s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False,
-                                        is_async=True)
-                    sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-                _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
-                if PF // 4 == 1:  # timing probe, the MMAs alone: P = the scaled scores, no max, no 2^x
-                    pa = sa * ca
-                    pb = sb * cb
-                    alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
-                else:
-                    pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
-                                                            zrow, W, i, TURN, trace_ptr, TRACE, n_turns)
-                p8a = _e4m3(_relabel(pa, p_layout))
-                p8b = _e4m3(_relabel(pb, p_layout))
-                if PF // 8 == 1:
-                    pv = zero_o
-                else:
-                    pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                    pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
-                _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
-                if ONES:
-                    lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                       zero_l, use_acc=False, is_async=True)
-                    lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
-                                       is_async=True)
-                    pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-                    _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
-                    lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
-                else:
-                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                if not PAIR_RELEASE:
-                    mbarrier.arrive(empty.index(a % S), count=1)
-                mbarrier.arrive(empty.index((a + 1) % S), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
+            mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
+            _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
+            ca = cq * gl.load(sk_ptr + kv * nbk + a)
+            cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
+            if PROBE == 2:  # timing probe, the softmax alone: no MMA; scores from the output tile (block 0's)
+                sa = gl.convert_layout(acc, zero_s.type.layout, assert_trivial=True)
+                sb = -sa  # (not sa itself: its row max would be shared)
+            else:
+                s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False,
+                                    is_async=True)
+                sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
+            _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
+            if PROBE == 1:  # timing probe, the MMAs alone: P = the scaled scores, no max, no 2^x
+                pa = sa * ca
+                pb = sb * cb
+                alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
+            else:
+                pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
+                                                        zrow, W, i, TURN, trace_ptr, TRACE)
+            p8a = _e4m3(_relabel(pa, p_layout))
+            p8b = _e4m3(_relabel(pb, p_layout))
+            if PROBE == 2:
+                pv = zero_o
+            else:
+                pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
+            _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
+            if ONES:
+                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                   zero_l, use_acc=False, is_async=True)
+                lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
+                                   is_async=True)
+                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
+                lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
+            else:
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            if not PAIR_RELEASE:
+                mbarrier.arrive(empty.index(a % S), count=1)
+            mbarrier.arrive(empty.index((a + 1) % S), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
         if TURN > 0:
             for i in range(gl.cdiv(my_blocks, 2), n_turns):
-                _turn_wait(turn, W, i, TURN)
-                _turn_pass(turn, W, i, n_turns, TURN)
+                _take_turn(turn, W, i, True)
+                _pass_turn(turn, W, True)
         for j in range(2 * gl.cdiv(my_blocks, 2), 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
-            mbarrier.wait(ready.index(j % S), (j // S) & 1)
+            if PAIR_RELEASE == 2:  # (the pair's bytes arrive on its odd stage's barrier)
+                mbarrier.wait(ready.index(j % S), (j // S) & 1, pred=j % 2 == 1)
+            else:
+                mbarrier.wait(ready.index(j % S), (j // S) & 1)
             if PAIR_RELEASE:
                 mbarrier.arrive(empty.index(j % S), count=1, pred=j % 2 == 1)
             else:
@@ -491,7 +362,7 @@ if HAS_GLUON:
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, TRACE: gl.constexpr, PF: gl.constexpr):
+                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -526,14 +397,12 @@ if HAS_GLUON:
             zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, row_layout))
             gl.thread_barrier()
         mbarrier.wait(q_bar, 0)
-        if PF >= 2:  # Q as the register operand of QK^T (8 registers; read from shared memory once, not per step)
-            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
             # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
             n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
-                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PF)
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -551,23 +420,23 @@ if HAS_GLUON:
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PF: gl.constexpr):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PF)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PF: gl.constexpr):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PF)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                      REL: gl.constexpr, TRACE: gl.constexpr, PF: gl.constexpr):
+                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                       True, PAIRS, REL)
 
@@ -578,7 +447,7 @@ if HAS_GLUON:
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T,
                                  num_pid_m, nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
-                                 REL: gl.constexpr = False, TRACE: gl.constexpr = 0, PF: gl.constexpr = 0):
+                                 REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -594,7 +463,7 @@ if HAS_GLUON:
         turn = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         zrow = gl.allocate_shared_memory(gl.float32, [4 * R], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         mbarrier.init(q_bar, count=1)
-        if TURN > 0 and TURN < 4:
+        if TURN > 0:
             for i in gl.static_range(3):
                 mbarrier.init(turn.index(i), count=1)  # passed on by the warpgroup before
         for i in gl.static_range(STAGES):
@@ -603,16 +472,16 @@ if HAS_GLUON:
         # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PF)),
+                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, TRACE, PF)),
+                               FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, TRACE, PF)),
+                               FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                                ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, TRACE, PF)),
+                               FMA, TURN, REL, TRACE, PROBE)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -665,7 +534,7 @@ def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
                              ones: bool = True, exp_fma: int = 0, turns: int | None = None,
-                             pair_release: bool | None = None, prefetch: bool = False, q_regs: bool = False,
+                             pair_release: bool | None = None, pair_ready: bool | None = None,
                              probe: str | None = None,
                              trace: torch.Tensor | None = None) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
@@ -677,27 +546,34 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes: 8% / 20% slower on the H200),
     turns (0 / 1 / 2 / 3: the warpgroups take turns at the exponentials: never, of both blocks, of the first
     block (the default with pairs: 1.5-3% faster than none on the H200), of its first half), pair_release (one
-    release of a step's two ring stages: the default with pairs and an even ring)."""
+    release of a step's two ring stages: the default with pairs and an even ring). Measurement only (never taken by
+    a model run): probe ("mma": P = the scaled scores, no max or 2^x, no turns; "softmax": no MMA, the scores
+    taken from the output tile: wrong values, for time and power), trace (int32 [programs, 3, steps + 1, 8]: the SM
+    clock at eight points of each step of head 0's programs, ``_stamp``; benchmarks/attn_trace.py)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
     ones = ones and pairs  # (the row sum by the tensor core is built for the 128-key step)
     assert exp_fma in (0, 1, 2) and (exp_fma == 0 or pairs), f"exp_fma {exp_fma}: 0, 1 or 2 (with pairs)"
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
-    turns = (2 if pairs else 0) if turns is None else turns
+    assert probe in (None, "mma", "softmax") and (probe is None or pairs), f"probe {probe!r}: None, 'mma' or 'softmax'"
+    turns = (2 if pairs and probe != "mma" else 0) if turns is None else turns
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
-    assert turns in (0, 1, 2, 3, 4) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2, 3 or 4 (with pairs)"
+    assert turns in (0, 1, 2, 3) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2 or 3 (with pairs)"
+    assert probe != "mma" or turns == 0, "probe='mma' takes no turns (its steps skip the exponentials they ring)"
     assert not pair_release or (pairs and stages % 2 == 0), "pair_release: with pairs and an even ring"
-    assert not prefetch or (pairs and stages >= 4), "prefetch: with pairs, on a ring of 4 stages or more (two steps)"
+    pair_ready = pair_release if pair_ready is None else pair_ready
+    assert not pair_ready or pair_release, "pair_ready: with pair_release"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace, T, num_pid_m,
         sq.shape[1], sk.shape[1],
-        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns, REL=pair_release,
+        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns,
+        REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
-        PF=int(prefetch and pairs) + 2 * int(q_regs and pairs) + {None: 0, "mma": 4, "softmax": 8}[probe],
+        PROBE={None: 0, "mma": 1, "softmax": 2}[probe],
         num_warps=4,
     )
     return out

@@ -739,12 +739,10 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
 @pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2), dict(exp_fma=1), dict(turns=1),
-                                  dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(prefetch=True),
-                                  dict(prefetch=True, ones=False, pair_release=False, stages=6),
-                                  dict(turns=4), dict(turns=4, prefetch=True), dict(q_regs=True)],
+                                  dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(pair_ready=False),
+                                  dict(stages=6)],
                          ids=["64-key", "fp32-sum", "2-stages", "fma25", "turns", "turns-half-2-stages",
-                              "turns-quarter-pair-release", "prefetch", "prefetch-fp32-sum-6-stages", "named-turns",
-                              "named-turns-prefetch", "q-registers"])
+                              "turns-quarter-pair-release", "ready-a-block", "6-stages"])
 def test_ws_fp8_options_gpu(T, opts):
     """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
@@ -842,11 +840,11 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                 "fp4_padded=False, cga_layout=[])")
     types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
     types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
-                 sk_ptr="*fp32", sv_ptr="*fp32")
+                 sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32")
     # the launcher's default (128 keys a step, the row sum by the tensor core, turns at the first block's 2^x, one
-    # release a step), one 64-key block a step, and
+    # release and one ready barrier a step), one 64-key block a step, and
     # the default with a quarter of the 2^x on the FMA pipes
-    for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True, TURN=2, REL=True), 12), (dict(PAIRS=False, ONES=False), 0),
+    for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True, TURN=2, REL=2), 12), (dict(PAIRS=False, ONES=False), 0),
                                (dict(PAIRS=True, ONES=True, FMA=1), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
