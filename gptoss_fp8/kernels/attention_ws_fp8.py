@@ -472,16 +472,17 @@ if HAS_GLUON:
         # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)),
+                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL,
+                            TRACE, PROBE)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, TRACE, PROBE)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
+                              ONES, FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, TRACE, PROBE)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
+                              ONES, FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES,
-                               FMA, TURN, REL, TRACE, PROBE)),
+                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
+                             ONES, FMA, TURN, REL, TRACE, PROBE)),
         ], [4, 4, 1], [160, 160, 40])
 
 
