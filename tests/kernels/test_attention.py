@@ -778,6 +778,22 @@ def test_gluon_tile_refuses_the_timing_probes():
     assert set(attention_ws.EXP_MODES) == {GluonAttentionTile(exp=e).exp for e in attention_ws.EXP_MODES}
 
 
+def test_ws_fp8_refuses_option_mixes_before_any_work():
+    """ws_attention_prefill_fp8's measurement options and ring options that cannot run together are refused
+    before the quantization or a launch (no GPU needed): the MMA probe with turns (its steps take none, the
+    ring would deadlock), an unknown probe, one ready barrier a step without one release a step, odd rings."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = _qkv(5, 8, 1, gen)
+    out = torch.empty_like(q)
+    for opts, msg in ((dict(probe="mma", turns=2), "takes no turns"), (dict(probe="mmas"), "probe"),
+                      (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
+                                                                                   "even ring")):
+        with pytest.raises(AssertionError, match=msg):
+            ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
+
+
 def test_fp8_key_order_moves_no_data_across_lanes():
     """kernels/attention_ws_fp8.py's relabelling of P's key columns (no GPU): in the wgmma accumulator a
     lane q of a quad holds columns 8i + 2q + b of a 64-key block; as the e4m3 A operand (k32 steps) it
