@@ -20,6 +20,8 @@
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   attn-trace  the FP8 attention's steps timed phase by phase from the SM clock (benchmarks/attn_trace.py;
 #            TRACE_VARIANTS: ';'-separated keyword sets, '' the default; TRACE_TOKENS)
+#   attn-energy  time, SM clock, board power and energy a launch of the FP8 attention and its timing probes
+#            (ENERGY_VARIANTS: ';'-separated attn_ncu.py variants; ENERGY_TOKENS): it runs at the power cap
 #   flashinfer  FlashInfer's sink prefill beside ours (benchmarks/flashinfer_peer.py; .fi/ carried), then the
 #            flashinfer attention backend's GPU tests (tests/test_flashinfer_attention.py)
 #   attention-fp8  the FP8 attention kernel's GPU tests against its spec, the fused quantization's, and its bench (issue 34)
@@ -314,6 +316,19 @@ if has attn-trace; then
         | grep -v Warn | tee -a "$OUT/attn_trace.log"
     done
     i=$((i + 1))
+  done
+fi
+
+if has attn-energy; then
+  # issue 34: energy a launch = median board power x time (5 s back to back under benchmarks/clock_watch.py); the
+  # probes' rows split it between the MMAs and the softmax (wrong values: timing only)
+  IFS=';' read -ra _ev <<< "${ENERGY_VARIANTS:-fp8=True;fp8=True,probe=mma;fp8=True,probe=softmax}"
+  for var in "${_ev[@]}"; do
+    for t in ${ENERGY_TOKENS:-32768 128000}; do
+      timeout 90 python3 benchmarks/clock_watch.py "$OUT/energy_clock.csv" -- python3 benchmarks/attn_ncu.py --tokens $t \
+        --variant "$var" --seconds 5 2>&1 | grep -v Warn | python3 benchmarks/energy_line.py "$var" $t \
+        | tee -a "$OUT/attn_energy.log"
+    done
   done
 fi
 

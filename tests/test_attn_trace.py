@@ -65,3 +65,18 @@ def test_short_warpgroups_are_left_out(trace_mod):
     res = trace_mod.analyse(tr, n)
     assert res["per_warpgroup"][0]["steps"] == 12 and res["per_warpgroup"][1]["steps"] == 6
     assert res["per_warpgroup"][2]["steps"] == 6
+
+
+def test_energy_line_reads_power_and_time_or_shows_the_failure():
+    """benchmarks/energy_line.py (gpu_suite.sh attn-energy): energy a launch = median power x time from the
+    two tools' printed lines; a run without them comes back as its own output, not as a figure."""
+    spec = importlib.util.spec_from_file_location("energy_line", ROOT / "benchmarks" / "energy_line.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = ("ran {'probe': 'mma'} 128000 40 launches in 5.5 s: 137.190 ms each\n# 114 samples, 58 with the GPU busy\n"
+           "# SM clock MHz while busy: min 1425, median 1725, max 1770; power W: median 691, max 703\n"
+           "# throttle-reason masks while busy (mask: samples): {'0x0000000000000004': 58}\n")
+    line = mod.energy_line("fp8=True,probe=mma", "128000", out)
+    assert line == "fp8=True,probe=mma T=128000: 137.190 ms, 1725 MHz, 691 W, 94.80 J a launch, SW power cap"
+    failed = mod.energy_line("fp8=True", "8192", "Traceback ...\nAssertionError: probe='mma' takes no turns\n")
+    assert "no figure" in failed and "takes no turns" in failed and " J " not in failed
