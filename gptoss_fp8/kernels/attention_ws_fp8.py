@@ -283,16 +283,13 @@ if HAS_GLUON:
             lrow_layout: gl.constexpr = gl.SliceLayout(1, l_layout)
             zero_l = gl.zeros([R, 8], gl.float32, l_layout)
             lacc = zero_l + gl.expand_dims(gl.convert_layout(l_i * 256.0, lrow_layout), 1)
-        else:
-            zero_l = zero_o
-            lacc = acc
         if PROBE == 2:  # (the probe's scores: block 0's, computed once)
             if PAIR_RELEASE != 2:
                 mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(ready.index(1 % S), (1 // S) & 1)
             s_a = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s_b = warpgroup_mma(q, k_bufs.index(1 % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            sa0, sb0 = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
+            sa0, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
         for i in range(gl.cdiv(my_blocks, 2)):
             a = 2 * i
