@@ -74,11 +74,6 @@ VARIANTS = {
     "fp8-turn-q": dict(fp8=True, turns=3),  # .. passed on after the first block's first half
     "fp8-noturn": dict(fp8=True, turns=0),  # one release a step, no turns
     "fp8-ready2": dict(fp8=True, pair_ready=False),  # two ready barriers a step (the 23rd session's default)
-    # speculation: an unmasked step's 2^x against the running max from before it, the row max beside them
-    "fp8-spec": dict(fp8=True, speculate=1),  # retaken (P times 2^(old - new)) when some row rose
-    "fp8-spec-h1": dict(fp8=True, speculate=2),  # .. the new frame 1 above the new max (fewer retakes)
-    "fp8-spec-h2": dict(fp8=True, speculate=3),  # .. 2 above
-    "fp8-spec-all": dict(fp8=True, speculate=4),  # every step's P times 2^(old - new), no vote
     # timing probes of the FP8 kernel (wrong values: no check; the MMA probe without turns)
     "fp8-probe-mma": dict(fp8=True, probe="mma"),
     "fp8-probe-softmax": dict(fp8=True, probe="softmax"),

@@ -146,19 +146,9 @@ if HAS_GLUON:
             return y
 
     @gluon.jit
-    def _retake(q, ka, kb, zero_s, ca, cb, m_new):
-        """The step's scores retaken from its K tiles (still in the ring) and their 2^x against m_new: for a row
-        whose max jumped so far past the old frame that 2^x against it overflowed (SPEC: never in practice)."""
-        s_a = warpgroup_mma(q, ka, zero_s, use_acc=False, is_async=True)
-        s_b = warpgroup_mma(q, kb, zero_s, use_acc=False, is_async=True)
-        sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-        m8 = gl.expand_dims(m_new - 8.0, 1)
-        return gl.exp2(sa * ca - m8), gl.exp2(sb * cb - m8)
-
-    @gluon.jit
     def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0,
                       turn=None, zrow=None, W: gl.constexpr = 0, k=0, TURN: gl.constexpr = 0, trace_ptr=None,
-                      TRACE: gl.constexpr = 0, SPEC: gl.constexpr = 0, q=None, ka=None, kb=None, zero_s=None):
+                      TRACE: gl.constexpr = 0):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
@@ -166,38 +156,9 @@ if HAS_GLUON:
         quarter (1) or half (2) of the step's 2^x on the FMA pipes (block b's by ``_exp2_split``). TURN: the
         warpgroups take turns at the MUFU (step k's turn, ``_take_turn``): the 2^x of both blocks (1), of
         block a (2) or of its first half (3) between taking the turn and passing it on, so that their
-        exponential phases follow each other instead of sharing the unit at once. SPEC > 0 (speculation): an
-        unmasked step's 2^x taken against the running max from before the step (known before its scores), the
-        row max beside them, off their path; when some row of the warpgroup rose past it (one warpgroup-wide
-        max), the step's 2^x retaken against the new one raised by SPEC - 1 (headroom: fewer retakes, P's small
-        values rounded that many bits coarser). SPEC 1 gives the same values as 0, bit for bit."""
+        exponential phases follow each other instead of sharing the unit at once."""
         BN: gl.constexpr = sa.type.shape[1]
-        if SPEC > 0 and a + 1 < n_full:
-            _stamp(trace_ptr, m_i, rows, 3, k, W, TRACE)
-            m8 = _turn_taken(m_i - 8.0, turn, zrow, W, k, TURN)
-            _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-            pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256 in the step's old frame
-            _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
-            pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
-            m_blk = _ceil(gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb))
-            if SPEC == 4:  # every row moved to its new max: P times 2^(old - new) (exact, a power of two)
-                m_new = gl.maximum(m_i, m_blk)
-                f = gl.expand_dims(_pow2(m_i - m_new), 1)
-                pa = pa * f
-                pb = pb * f
-                if gl.max(m_new - m_i, 0) > 112:  # (2^x may have overflowed: the scores retaken)
-                    pa, pb = _retake(q, ka, kb, zero_s, ca, cb, m_new)
-            else:
-                m_new = m_i
-                rise = gl.max(m_blk - m_i, 0)  # (one max across the warpgroup)
-                if rise > 0:  # some row rose: the frame moved (SPEC - 1 above the new max), P times 2^(old - new)
-                    m_new = gl.maximum(m_i, m_blk + (SPEC - 1))
-                    f = gl.expand_dims(_pow2(m_i - m_new), 1)
-                    pa = pa * f
-                    pb = pb * f
-                    if rise > 112 - SPEC:
-                        pa, pb = _retake(q, ka, kb, zero_s, ca, cb, m_new)
-        elif a + 1 < n_full:
+        if a + 1 < n_full:
             m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
             m_new = gl.maximum(m_i, _ceil(m_blk))
             _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
@@ -303,8 +264,7 @@ if HAS_GLUON:
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
-                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                   SPEC: gl.constexpr = 0):
+                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -355,9 +315,7 @@ if HAS_GLUON:
                 alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
-                                                        zrow, W, i, TURN, trace_ptr, TRACE, SPEC, q,
-                                                        k_bufs.index(a % S).permute((1, 0)),
-                                                        k_bufs.index((a + 1) % S).permute((1, 0)), zero_s)
+                                                        zrow, W, i, TURN, trace_ptr, TRACE)
             p8a = _e4m3(_relabel(pa, p_layout))
             p8b = _e4m3(_relabel(pb, p_layout))
             if PROBE == 2:
@@ -401,7 +359,7 @@ if HAS_GLUON:
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, SPEC: gl.constexpr):
+                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -441,7 +399,7 @@ if HAS_GLUON:
             n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
-                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, SPEC)
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -459,25 +417,23 @@ if HAS_GLUON:
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, SPEC: gl.constexpr):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
-                     SPEC)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, SPEC: gl.constexpr):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
-                     SPEC)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, SPEC: gl.constexpr):
+                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                       True, PAIRS, REL)
 
@@ -488,8 +444,7 @@ if HAS_GLUON:
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T,
                                  num_pid_m, nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
-                                 REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                                 SPEC: gl.constexpr = 0):
+                                 REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -515,16 +470,16 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL,
-                            TRACE, PROBE, SPEC)),
+                            TRACE, PROBE)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, SPEC)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, SPEC)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE, SPEC)),
+                             ONES, FMA, TURN, REL, TRACE, PROBE)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -578,7 +533,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
                              ones: bool = True, exp_fma: int = 0, turns: int | None = None,
                              pair_release: bool | None = None, pair_ready: bool | None = None,
-                             probe: str | None = None, speculate: int = 0,
+                             probe: str | None = None,
                              trace: torch.Tensor | None = None) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
@@ -589,10 +544,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes: 8% / 20% slower on the H200),
     turns (0 / 1 / 2 / 3: the warpgroups take turns at the exponentials: never, of both blocks, of the first
     block (the default with pairs: 1.5-3% faster than none on the H200), of its first half), pair_release (one
-    release of a step's two ring stages: the default with pairs and an even ring), speculate (0 off; 1 + h: an
-    unmasked step's 2^x taken against the running max from before it, the row max beside them, retaken when some
-    row of the warpgroup rose, then raised h more: ``_fp8_softmax2``'s SPEC; 1 the same values as 0). Measurement
-    only (never taken by a model run): probe ("mma": P = the scaled scores, no max or 2^x, no turns; "softmax": no MMA, the scores
+    release of a step's two ring stages: the default with pairs and an even ring). Measurement only (never taken by
+    a model run): probe ("mma": P = the scaled scores, no max or 2^x, no turns; "softmax": no MMA, the scores
     taken from the output tile: wrong values, for time and power), trace (int32 [programs, 3, steps + 1, 8]: the SM
     clock at eight points of each step of head 0's programs, ``_stamp``; benchmarks/attn_trace.py)."""
     T, hq, d = q.shape
@@ -609,8 +562,6 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert not pair_release or (pairs and stages % 2 == 0), "pair_release: with pairs and an even ring"
     pair_ready = pair_release if pair_ready is None else pair_ready
     assert not pair_ready or pair_release, "pair_ready: with pair_release"
-    assert speculate in (0, 1, 2, 3, 4) and (speculate == 0 or (pairs and probe is None)), \
-        f"speculate {speculate}: 0, 1 + headroom 0..2, or 4 (with pairs, no probe)"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
@@ -620,7 +571,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns,
         REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
-        PROBE={None: 0, "mma": 1, "softmax": 2}[probe], SPEC=speculate,
+        PROBE={None: 0, "mma": 1, "softmax": 2}[probe],
         num_warps=4,
     )
     return out
