@@ -53,7 +53,6 @@ VARIANTS = {
     "4wg-6st": dict(warpgroups=4, stages=6),
     "4wg+ord": dict(warpgroups=4, stages=4, ordered=True),
     # each block's MMAs waited for within its step (no P carried: 128-key blocks fit three warpgroups)
-    "sync": dict(q_in_registers=True, sync=True),
     "n128-sync": dict(block_n=128, stages=3, q_in_registers=True, sync=True),
     "n128-sync-tree": dict(block_n=128, stages=3, q_in_registers=True, sync=True, tree=True),
     # timing probes (wrong values: no check): the loop's MMAs alone, its softmax alone

@@ -80,26 +80,25 @@ if HAS_GLUON:
         if PAIRS:
             n_blocks = 2 * gl.cdiv(n_blocks, 2)
         S: gl.constexpr = k_bufs.type.shape[0]
-        if PAIR_RELEASE == 2:  # (and one ready barrier a pair: the odd stage's carries both blocks' bytes)
+        nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+        if PAIR_RELEASE:  # a pair's two stages free once its odd stage's release arrives
             for jj in range(n_blocks // 2):
                 j = 2 * jj
                 mbarrier.wait(empty.index((j + 1) % S), (((j + 1) // S) & 1) ^ 1)
-                mbarrier.expect(ready.index((j + 1) % S), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+                if PAIR_RELEASE == 2:  # (one ready barrier a pair: the odd stage's carries both blocks' bytes)
+                    mbarrier.expect(ready.index((j + 1) % S), 2 * nbytes)
                 for h in gl.static_range(2):
-                    tma.async_copy_global_to_shared(k_desc, [(j + h) * BN, kv_col], ready.index((j + 1) % S),
-                                                    k_bufs.index((j + h) % S))
-                    tma.async_copy_global_to_shared(v_desc, [kv_col, (j + h) * BN], ready.index((j + 1) % S),
-                                                    v_bufs.index((j + h) % S))
-        for j in range(n_blocks if PAIR_RELEASE != 2 else 0):
-            if PAIR_RELEASE:
-                mbarrier.wait(empty.index((j | 1) % S), (((j | 1) // S) & 1) ^ 1)
-                mbarrier.expect(ready.index(j % S), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [j * BN, kv_col], ready.index(j % S), k_bufs.index(j % S))
-                tma.async_copy_global_to_shared(v_desc, [kv_col, j * BN], ready.index(j % S), v_bufs.index(j % S))
-            elif VT:
-                load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [kv_col, j * BN])
-            else:
-                load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
+                    bar = ready.index((j + 1) % S) if PAIR_RELEASE == 2 else ready.index((j + h) % S)
+                    if PAIR_RELEASE == 1:
+                        mbarrier.expect(bar, nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [(j + h) * BN, kv_col], bar, k_bufs.index((j + h) % S))
+                    tma.async_copy_global_to_shared(v_desc, [kv_col, (j + h) * BN], bar, v_bufs.index((j + h) % S))
+        else:
+            for j in range(n_blocks):
+                if VT:
+                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [kv_col, j * BN])
+                else:
+                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
 
     @gluon.jit
     def _exp2_fma(x):
@@ -541,6 +540,7 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     assert exp not in PROBES or not deep, "the probes are built for the one-block loop"
     assert not (ordered and deep), "ordered turns are built for the one-block loop, not deep"
     assert not (sync and (deep or ordered or exp in PROBES)), "sync is its own loop (not deep, ordered or a probe)"
+    assert not sync or block_n == 128, "sync needs block_n=128 (64-key blocks computed wrong rows on the H200)"
     # ordered: warpgroup 0 releases its blocks past the diagonal before passing its last turns, which the
     # others' later blocks wait for; the ring must hold those blocks or the turns deadlock
     assert not ordered or stages >= cdiv((warpgroups - 1) * WG_ROWS, block_n), (

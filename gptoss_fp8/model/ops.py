@@ -12,7 +12,8 @@
 
 Attention, RMSNorm, RoPE, routing and the MoE combine are the same in both backends (bf16 / fp32
 exactly as the reference); ``with_attention("fp8")`` (``--attention fp8``) makes every backend's
-prefill attention ``spec.attention_fp8`` (Q, K, V and P in e4m3; the triton backend: its FP8 kernel).
+full-attention prefill ``spec.attention_fp8`` (Q, K, V and P in e4m3; the triton backend: its FP8
+kernels); sliding-window layers stay bf16 (``ReferenceOps.fp8_attention``).
 Every op's arithmetic is written once, in gptoss_fp8/spec.py; the
 classes here only pick which spec function each op of a mode is. A GPU backend
 (model/triton_ops.py; model/backends.py picks a backend by name) overrides what it accelerates and
@@ -125,9 +126,10 @@ class ReferenceOps:
     # Whether dequantized weights are kept for reuse (the CPU backends); a GPU backend whose
     # kernels read FP8 weights directly sets False (its rare spec fallbacks then hold no second copy).
     keep_prepared = True
-    # Prefill attention's numerics (``--attention``): "bf16" (the reference's), or "fp8" (Q, K, V
-    # and P in e4m3: ``spec.attention_fp8`` here, the FP8 Triton kernel in the triton backend).
-    # Decode (``attention_cached``) stays bf16 in both: it reads the bf16 KV cache, memory-bound.
+    # Prefill attention's numerics (``--attention``): "bf16" (the reference's), or "fp8": the
+    # full-attention layers' Q, K, V and P in e4m3 (``spec.attention_fp8`` here, the FP8 kernels in
+    # the triton backend); the sliding-window layers stay bf16 (``fp8_attention``). Decode
+    # (``attention_cached``) stays bf16 in both: it reads the bf16 KV cache, memory-bound.
     attention_kind = "bf16"
     # What a Q / K / V block's amax maps to under FP8 attention (spec.attention_fp8's fp8_max): 448;
     # the verdict's noise grids set others (verify/noise.py). W8A8CpuOps ties it to its act_max.
@@ -272,9 +274,17 @@ class ReferenceOps:
         """
         return self._attend(q, k, v, sinks, sm_scale, window, 0)
 
+    def fp8_attention(self, window: int) -> bool:
+        """Whether a prefill attention of this window runs FP8 arithmetic: with ``attention_kind`` "fp8",
+        the full-attention layers (window 0). A 128-key window layer is bound by reading Q and writing O
+        (bf16 either way), not by its products: on the H200 at 128000 tokens bf16 takes 1.61 ms where FP8
+        takes 3.65 (its operands' quantization alone 1.27; BENCHMARKS.md, issue 34), so it stays bf16,
+        exact as the reference's."""
+        return self.attention_kind == "fp8" and not window
+
     def _attend(self, q, k, v, sinks, sm_scale, window, q_offset) -> torch.Tensor:
         n, kvh, m, d = q.shape
-        if self.attention_kind == "fp8":  # Q / K / V on this backend's activation grid (verify/noise.py)
+        if self.fp8_attention(window):  # Q / K / V on this backend's activation grid (verify/noise.py)
             return spec.attention_fp8(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window, q_offset,
                                       fp8_max=self.attention_fp8_max).reshape(n, -1)
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,

@@ -19,7 +19,8 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
   the owner rank's down bias per routed slot, as the parent.
 * ``attention``: ``attention_prefill`` (sinks as an extra softmax column, causal or sliding
   window, GQA); fp32 online softmax, where the reference computes in bf16. ``attention_kind``
-  "fp8": the kernel's FP8 variant (``spec.attention_fp8``'s roundings). ``attention_chunk`` (a
+  "fp8": the kernel's FP8 variant (``spec.attention_fp8``'s roundings) in the full-attention layers
+  (``fp8_attention``: the sliding-window layers stay bf16). ``attention_chunk`` (a
   prompt chunk after cached keys): the same kernel with its ``q_offset``.
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
@@ -340,8 +341,8 @@ class TritonOps(W8A8CpuOps):
         from gptoss_fp8.kernels.attention import attention_prefill
 
         n, kvh, m, d = q.shape
-        if (self.config.attention_backend == "flashinfer" and self.attention_kind == "bf16" and not q_offset
-                and d in fi.HEAD_DIMS):
+        fp8 = self.fp8_attention(window)
+        if self.config.attention_backend == "flashinfer" and not fp8 and not q_offset and d in fi.HEAD_DIMS:
             # a whole prompt in bf16 on FlashInfer; FP8, chunks after cached keys and other head
             # dims have no FlashInfer path here (kernels/flashinfer_attention.py) and stay on ours
             fi.require()
@@ -351,7 +352,7 @@ class TritonOps(W8A8CpuOps):
         # kernel reads rows by stride, so no copy
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
                               sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              fp8=self.attention_kind == "fp8", q_offset=q_offset)
+                              fp8=fp8, q_offset=q_offset)
         return o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------

@@ -558,9 +558,15 @@ WS_VARIANTS = {
     "4wg": GluonAttentionTile(warpgroups=4, q_in_registers=False),
     "4wg-ordered": GluonAttentionTile(warpgroups=4, q_in_registers=False, ordered=True),
     # twenty-first session: each block's MMAs waited for within its step; 128-key blocks with three warpgroups
-    "sync": GluonAttentionTile(sync=True),
     "n128-sync": GluonAttentionTile(block_n=128, stages=3, sync=True),
 }
+
+
+def test_gluon_tile_refuses_sync_at_64_keys():
+    """sync with 64-key blocks computed wrong rows on the H200 (T = 1000, 4099): the tile refuses it."""
+    with pytest.raises(ValueError, match="sync=True needs block_n=128"):
+        GluonAttentionTile(sync=True)
+    assert GluonAttentionTile(block_n=128, stages=3, sync=True).sync
 
 
 @pytest.mark.gpu
