@@ -207,8 +207,9 @@ class Attention(str, enum.Enum):
 
 # --attention: the prefill attention's numerics (verify-logits, bench, generate, serve)
 AttentionOption = Annotated[Attention, typer.Option(
-    help="Prefill attention numerics: bf16 (the reference's), or fp8 (Q, K, V and P in e4m3 with block scales, "
-         "spec.attention_fp8; the FP8 Triton kernel on the GPU). Decode attention stays bf16.")]
+    help="Prefill attention numerics: bf16 (the reference's), or fp8 (the full-attention layers' Q, K, V and P in "
+         "e4m3 with block scales, spec.attention_fp8; the FP8 kernels on the GPU). Sliding-window layers and decode "
+         "attention stay bf16.")]
 
 
 class Preset(str, enum.Enum):
