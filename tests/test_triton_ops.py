@@ -595,3 +595,27 @@ def test_chunked_prefill_runs_the_offset_kernel_gpu(checkpoints, monkeypatch, sh
         r = rel(a.float(), b.float())
         print(f"METRIC chunked prefill {shape}: rel {r:.3e}")
         assert r <= 2e-2 and a.argmax() == b.argmax(), r
+
+
+def test_fp8_attention_runs_the_full_layers_in_fp8_the_windows_in_bf16(monkeypatch):
+    """TritonOps under with_attention("fp8") asks attention_prefill for FP8 in the full-attention layers only
+    (whole prompts and later chunks); a sliding-window layer's call stays bf16 (ReferenceOps.fp8_attention)."""
+    from gptoss_fp8.kernels import attention as attn_mod
+
+    calls = []
+
+    def spy(q, k, v, sinks, *a, sliding_window=0, fp8=False, q_offset=0, **kw):
+        calls.append((sliding_window, fp8, q_offset))
+        return torch.zeros(q.shape[0], q.shape[1], q.shape[2], dtype=q.dtype)
+
+    monkeypatch.setattr(attn_mod, "attention_prefill", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, h, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    sinks = torch.zeros(4, dtype=torch.bfloat16)
+    for kind, full, window in (("fp8", True, False), ("bf16", False, False)):
+        ops = TritonOps().with_attention(kind)
+        calls.clear()
+        for w in (0, 128):
+            ops._attention_prefill(q.view(6, 2, 2, 16), k, v, sinks, 0.25, w, 0)
+            ops._attention_prefill(q[4:].reshape(2, 2, 2, 16), k, v, sinks, 0.25, w, 4)
+        assert calls == [(0, full, 0), (0, full, 4), (128, window, 0), (128, window, 4)], (kind, calls)
