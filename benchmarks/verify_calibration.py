@@ -1,7 +1,7 @@
 """The verdict's noise model, measured: correct code and injected bugs, per part, against this run's noise.
 
     python benchmarks/verify_calibration.py [--device cpu|cuda] [--random 20] [--modes weights,w8a8]
-        [--decode 16] [--mutations N] [--json out.json] [--shard K/N]
+        [--decode 16] [--attention bf16|fp8] [--mutations N] [--json out.json] [--shard K/N]
     python benchmarks/verify_calibration.py --merge shard*.json [--json all.json]
 
 Runs verify-logits (the library: verify.run.verify_checkpoint) on the trained fixture (golden/trained,
@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=20)
     ap.add_argument("--modes", default="weights,w8a8")
     ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--attention", default="bf16", choices=["bf16", "fp8"],
+                    help="prefill attention numerics (fp8: FP8 full-attention layers; no --decode with it)")
     ap.add_argument("--mutations", type=int, default=0, help="inject every bug on the first N cases")
     ap.add_argument("--only-mutations", action="store_true", help="skip the correct-code runs")
     ap.add_argument("--json", type=Path)
@@ -136,7 +138,8 @@ def main() -> None:
                 continue
             report = {"passed": True}
             if not a.only_mutations:
-                report, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device, decode=a.decode)
+                report, _ = verify_checkpoint(dst, ref, modes=modes, device=a.device, decode=a.decode,
+                                              attention=a.attention)
                 fails = {m: report[m]["failures"] for m in modes if not report[m]["passed"]}
                 print(f"{name}: {'PASS' if report['passed'] else 'FAIL'} {fails if fails else ''}", flush=True)
             for m, where, r in rows_of(report, modes):
@@ -152,7 +155,7 @@ def main() -> None:
                     for mut in mutations.MUTATIONS:
                         # the spec alone, or the kernels with the spec (their verdict against it too)
                         mm = [target] if target == "w8a8" else ["w8a8", target]
-                        rep, _ = verify_checkpoint(dst, ref, modes=mm, device=a.device,
+                        rep, _ = verify_checkpoint(dst, ref, modes=mm, device=a.device, attention=a.attention,
                                                    ops_hook=f"mutations:{target}__{mut}")
                         sec = rep[target]["teacher_forced"]
                         if target == "kernels" and rep[target]["passed"] and rep.get("kernels_vs_w8a8"):

@@ -165,6 +165,8 @@ def _attn_inner_fp8(
             sk = tl.load(SK + (kbase + cols) // 64)
         if UPCAST:
             qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        elif q.shape[1] < 32:  # e4m3 MMAs take K >= 32: a short head dim in fp16 (e4m3 values are fp16 values)
+            qk = tl.dot(q.to(tl.float16), kt.to(tl.float16))
         else:
             qk = tl.dot(q, kt)
         qk = qk * sq[:, None] * sk[None, :]
