@@ -1,6 +1,6 @@
 """Kernel-level profile of one prefill (torch.profiler): where the GPU time of a forward goes.
 
-Usage (on the GPU machine): python3 benchmarks/profile_prefill.py --model 20b --layers 4 --tokens 8192
+Usage (on the GPU machine): python3 benchmarks/profile_prefill.py --model 20b --layers 4 --tokens 8192 [--attention fp8]
 Prints the top CUDA kernels by total GPU time and the GPU-busy fraction of the wall time.
 """
 
@@ -22,10 +22,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--rows", type=int, default=40)
+    p.add_argument("--attention", choices=("bf16", "fp8"), default="bf16", help="prefill attention numerics")
     a = p.parse_args()
     cfg = preset_config(a.model, a.layers)
     model = random_model(cfg, "cuda")
-    ops = TritonOps()  # the default KernelConfig (GPTOSS_FP8_GLUON=0 switches the Gluon kernels off)
+    # the default KernelConfig (GPTOSS_FP8_GLUON=0 switches the Gluon kernels off)
+    ops = TritonOps().with_attention(a.attention)
     from gptoss_fp8.kernels.config import kernel_paths
 
     print(f"# {kernel_paths(torch.device('cuda'), ops.config)}")

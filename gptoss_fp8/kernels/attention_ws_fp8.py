@@ -324,7 +324,9 @@ if HAS_GLUON:
                 pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
             _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
-            if ONES:
+            if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            elif ONES:
                 lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
                                    zero_l, use_acc=False, is_async=True)
                 lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
@@ -546,15 +548,17 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     block (the default with pairs: 1.5-3% faster than none on the H200), of its first half), pair_release (one
     release of a step's two ring stages: the default with pairs and an even ring). Measurement only (never taken by
     a model run): probe ("mma": P = the scaled scores, no max or 2^x, no turns; "softmax": no MMA, the scores
-    taken from the output tile: wrong values, for time and power), trace (int32 [programs, 3, steps + 1, 8]: the SM
-    clock at eight points of each step of head 0's programs, ``_stamp``; benchmarks/attn_trace.py)."""
+    taken from the output tile; "nosum": the row-sum MMAs skipped: wrong values, for time and power), trace (int32
+    [programs, 3, steps + 1, 8]: the SM clock at eight points of each step of head 0's programs, ``_stamp``;
+    benchmarks/attn_trace.py)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
     ones = ones and pairs  # (the row sum by the tensor core is built for the 128-key step)
     assert exp_fma in (0, 1, 2) and (exp_fma == 0 or pairs), f"exp_fma {exp_fma}: 0, 1 or 2 (with pairs)"
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
-    assert probe in (None, "mma", "softmax") and (probe is None or pairs), f"probe {probe!r}: None, 'mma' or 'softmax'"
+    assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
+        f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
     turns = (2 if pairs and probe != "mma" else 0) if turns is None else turns
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
     assert turns in (0, 1, 2, 3) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2 or 3 (with pairs)"
@@ -571,7 +575,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns,
         REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
-        PROBE={None: 0, "mma": 1, "softmax": 2}[probe],
+        PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
         num_warps=4,
     )
     return out

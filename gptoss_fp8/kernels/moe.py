@@ -118,40 +118,53 @@ def _gather_act_quant_kernel(
     x_ptr, xs_ptr, slots_ptr, q_ptr, s_ptr,
     M, K, num_slots, stride_xm, stride_xsm, stride_qm, stride_sm,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-    FROM_QUANT: tl.constexpr = False,
+    FROM_QUANT: tl.constexpr = False, GROUPS: tl.constexpr = 1,
 ):
     """Row r of the output = act_quant(x[slots[r] // TOP_K]) (zeros for padding rows, with the
-    scale act_quant gives a zero row). FROM_QUANT: x is that quantization already (x_ptr its FP8
-    bytes as uint8, xs_ptr its scales): the row's bytes and scale are copied, not recomputed."""
+    scale act_quant gives a zero row), GROUPS groups of GROUP columns a program. FROM_QUANT: x is
+    that quantization already (x_ptr its FP8 bytes as uint8, xs_ptr its scales): the row's bytes and
+    scale are copied, not recomputed."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     slots = tl.load(slots_ptr + offs_m, mask=m_ok, other=num_slots)
     valid = slots < num_slots
     src = (tl.where(valid, slots, 0) // TOP_K).to(tl.int64)
-    offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    k_ok = offs_k < K
-    x_ptrs = x_ptr + src[:, None] * stride_xm + offs_k[None, :]
-    if FROM_QUANT:
-        q = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0)  # e4m3 bytes; 0 = +0.0 (padding)
-        scale = tl.load(xs_ptr + src * stride_xsm + tl.program_id(1), mask=valid, other=0.0)
-        scale = tl.where(valid, scale, group_scale(tl.zeros([BLOCK_M], dtype=tl.float32), FP8_MAX_C, EPS))
-    else:
-        x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
     rows = offs_m.to(tl.int64)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & k_ok[None, :])
-    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=m_ok)
+    for j in tl.static_range(GROUPS):
+        g = tl.program_id(1) * GROUPS + j
+        offs_k = g * GROUP + tl.arange(0, GROUP)
+        k_ok = offs_k < K
+        x_ptrs = x_ptr + src[:, None] * stride_xm + offs_k[None, :]
+        if FROM_QUANT:
+            q = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0)  # e4m3 bytes; 0 = +0.0 (padding)
+            scale = tl.load(xs_ptr + src * stride_xsm + g, mask=valid & (g * GROUP < K), other=0.0)
+            scale = tl.where(valid, scale, group_scale(tl.zeros([BLOCK_M], dtype=tl.float32), FP8_MAX_C, EPS))
+        else:
+            x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
+        tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & k_ok[None, :])
+        tl.store(s_ptr + rows * stride_sm + g, scale, mask=m_ok & (g * GROUP < K))
+
+
+def gather_tile(rows: int, groups: int) -> tuple[int, int]:
+    """gather_act_quant's program, (rows, groups of 128 columns), by the rows it writes (H200, the 20b's rows copied
+    from x_quant, benchmarks/moe_parts.py, twenty-sixth session): whole rows of 8 from 65536 rows on (135168 rows,
+    32768 tokens: 252 us, 3.2 TB/s, against 359 us for the 16 x 1 tile before), 16 x 4 below (36864 rows: 57 us
+    against 59)."""
+    return (8, groups) if rows >= 65536 else (16, 4)
 
 
 def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
-                     x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate_up GEMM's A operand in padded sorted row order: row r is the 1x128 FP8 quantization
     of x[sorted_slots[r] // top_k] (``act_quant``'s numerics; a token routed to k experts is
     quantized k times, identically); padding rows (slot >= T*k) are zeros. Lets gate_up read A
     through TMA like the down GEMM, instead of gathering rows with pointer loads.
     x_quant: ``act_quant(x)`` (x_fp8 [T, H], scale [T, ceil(H/128)], last dims contiguous) when the
-    caller has it; its rows are then copied (half the bytes of x read, no quantization), same bits."""
+    caller has it; its rows are then copied (half the bytes of x read, no quantization), same bits.
+    tile: (rows, groups of 128 columns) a program (None: ``gather_tile``'s)."""
     t, h = x.shape
     m = sorted_slots.shape[0]
     g = cdiv(h, BLOCK)
@@ -166,11 +179,11 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
     else:
         src, src_s, out = x, x, q  # src_s unused
     if m:
-        block_m = 16
-        _gather_act_quant_kernel[(cdiv(m, block_m), g)](
+        block_m, groups = tile or gather_tile(m, g)
+        _gather_act_quant_kernel[(cdiv(m, block_m), cdiv(g, groups))](
             src, src_s, sorted_slots, out, s, m, h, t * top_k, src.stride(0), src_s.stride(0), q.stride(0), s.stride(0),
             TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, FROM_QUANT=x_quant is not None,
-            num_warps=4,
+            GROUPS=groups, num_warps=4,
         )
     return q, s
 

@@ -197,12 +197,16 @@ def test_fused_moe_variants_gpu(plan):
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=4))
 
 
-def test_gather_act_quant_rows_are_act_quant_of_their_tokens():
+@pytest.mark.parametrize("tile", [None, (4, 4), (2, 3)])
+def test_gather_act_quant_rows_are_act_quant_of_their_tokens(tile):
+    """Every program tile (rows, groups of 128 columns): h = 200 is two groups, the second partial, so
+    (4, 4) masks two whole groups of its program and (2, 3) splits the rows over programs."""
     gen = torch.Generator().manual_seed(12)
     t, k, h = 9, 3, 200
     x = (torch.randn(t, h, generator=gen) * 4).to(DEV, torch.bfloat16)
     slots = torch.tensor([4, 0, 26, t * k, 13, t * k, 7, 1], dtype=torch.int32, device=DEV)  # t*k: padding
-    q, s = gather_act_quant(x, slots, k)
+    q, s = gather_act_quant(x, slots, k, tile=tile)
+    assert q.shape == (8, h) and s.shape == (8, 2)
     qr, sr = act_quant(x)
     for r, slot in enumerate(slots.tolist()):
         if slot < t * k:
@@ -210,7 +214,7 @@ def test_gather_act_quant_rows_are_act_quant_of_their_tokens():
         else:
             assert not q[r].float().any()
     # from the caller's act_quant(x): its rows copied, the same bits, padding rows included
-    q2, s2 = gather_act_quant(x, slots, k, x_quant=(qr, sr))
+    q2, s2 = gather_act_quant(x, slots, k, x_quant=(qr, sr), tile=tile)
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
     valid = slots < t * k
     assert torch.equal(s2[valid], s[valid])

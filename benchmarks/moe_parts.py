@@ -1,0 +1,81 @@
+"""The prefill MoE's parts on the GPU at the 20b's shapes (issue 34: where the MoE's 18% of a 128000-token prefill goes).
+
+1. ``gather_act_quant`` (the gate_up's A rows copied from the norm's FP8 rows into sorted order) per program tile
+   (rows, groups of 128 columns), event medians, with the bytes it moves a second;
+2. with --seconds S: ``moe_expert_slots`` (gather, gate_up, down) launched back to back for S seconds, so that
+   benchmarks/clock_watch.py around this script reads the clock and board power the MoE holds (at the power cap?).
+
+    PYTHONPATH=$(pwd) python3 benchmarks/moe_parts.py [--tokens 32768] [--experts 32] [--seconds 5]
+
+Each tile's output is compared with the 16 x 1 tile's (bit for bit) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import triton
+
+from gptoss_fp8 import spec
+from gptoss_fp8.kernels.act_quant import act_quant
+from gptoss_fp8.kernels.config import DEFAULT
+from gptoss_fp8.kernels.moe import gather_act_quant, gather_tile, moe_expert_slots
+from gptoss_fp8.kernels.moe_align import moe_align
+from gptoss_fp8.quant.fp8 import quantize_weight_blocks
+
+HIDDEN, INTER, TOP_K = 2880, 2880, 4
+TILES = [(16, 1), (16, 4), (32, 4), (32, 8), (8, 23), (4, 23), (16, 23), (8, 12)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=0.0)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, e = a.tokens, a.experts
+    x = (1.5 * torch.randn(t, HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
+    wr = (torch.randn(e, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5).to(torch.bfloat16)
+    br = (0.1 * torch.randn(e, device="cuda", generator=g)).to(torch.bfloat16)
+    _, ids, _ = spec.route(x, wr, br, TOP_K)
+    ids = ids.to(torch.int32)
+    xq = act_quant(x)
+    plan = DEFAULT.moe_plan(t, TOP_K, e, True)
+    slots, _ = moe_align(ids, 0, e, plan.align_m)
+    ref = gather_act_quant(x, slots, TOP_K, xq, tile=(16, 1))
+    nbytes = 2 * slots.shape[0] * (HIDDEN + 4 * triton.cdiv(HIDDEN, 128))
+    print(f"# gather_act_quant: {slots.shape[0]} rows x {HIDDEN} (T {t}, E {e}, align {plan.align_m}); "
+          f"the default tile {gather_tile(slots.shape[0], triton.cdiv(HIDDEN, 128))}")
+    for tile in TILES:
+        got = gather_act_quant(x, slots, TOP_K, xq, tile=tile)
+        same = torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[1], ref[1])
+        ms = triton.testing.do_bench(lambda tile=tile: gather_act_quant(x, slots, TOP_K, xq, tile=tile),
+                                     warmup=20, rep=200, return_mode="median")
+        print(f"tile {tile}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s  {'same bits' if same else 'DIFFERS'}")
+    if a.seconds > 0:
+        w13, s13 = quantize_weight_blocks(torch.randn(e, 2 * INTER, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5)
+        w2, s2 = quantize_weight_blocks(torch.randn(e, HIDDEN, INTER, device="cuda", generator=g) / INTER**0.5)
+        b13 = (0.3 * torch.randn(e, 2 * INTER, device="cuda", generator=g)).to(torch.bfloat16)
+        b2 = (0.1 * torch.randn(e, HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
+
+        def run():
+            moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq)
+
+        ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
+        flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+        n, t0 = 0, time.time()
+        while time.time() - t0 < a.seconds:
+            for _ in range(10):
+                run()
+            torch.cuda.synchronize()
+            n += 10
+        dt = time.time() - t0
+        print(f"moe_expert_slots: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s); back to back {n} launches in {dt:.1f} s: "
+              f"{dt / n * 1e3:.3f} ms each")
+
+
+if __name__ == "__main__":
+    main()
