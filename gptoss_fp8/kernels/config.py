@@ -207,11 +207,14 @@ class KernelConfig:
     # ``--attention fp8`` on one causal sequence: the Gluon e4m3 kernel (kernels/attention_ws_fp8.py)
     # instead of the Triton kernel's FP8 path (issue 34, BENCHMARKS.md)
     attention_gluon_fp8: bool = True
-    # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71); window-128 with
-    # two heads per program 0.115 vs 0.119 ms (notes/kernels_attention.md, 4th session).
+    # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
+    # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
+    # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),
+    # 64 q / 8 kv heads, H200 (benchmarks/window_sweep.py, twenty-sixth session; 2.4x its bytes floor).
     prefill_causal: PrefillTile = field(default_factory=lambda: PrefillTile(128, 64, 8, 3, maxnreg=128))
-    prefill_window: PrefillTile = field(default_factory=lambda: PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2))
-    # for query-head groups that prefill_window's pack does not divide
+    prefill_window: PrefillTile = field(default_factory=lambda: PrefillTile(128, 32, 4, 2, maxnreg=128, pack=4))
+    # for query-head groups that prefill_window's pack does not divide: two heads a program, else one
+    prefill_window_pack2: PrefillTile = field(default_factory=lambda: PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2))
     prefill_window_unpacked: PrefillTile = field(default_factory=lambda: PrefillTile(64, 64, 4, 2, maxnreg=128))
     # Decode: 128-key blocks, ~4 splits per tile best at batch 8 and 64 (32768 cached tokens).
     decode: DecodeTile = field(default_factory=lambda: DecodeTile(128, 4, 3))
@@ -288,8 +291,10 @@ class KernelConfig:
         tile = self.prefill_window if windowed else self.prefill_causal
         if group % tile.pack == 0:
             return tile
-        return self.prefill_window_unpacked if windowed else PrefillTile(tile.block_m, tile.block_n, tile.num_warps,
-                                                                         tile.num_stages, tile.maxnreg)
+        if windowed:
+            pack2 = self.prefill_window_pack2
+            return pack2 if group % pack2.pack == 0 else self.prefill_window_unpacked
+        return PrefillTile(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages, tile.maxnreg)
 
 
 DEFAULT = KernelConfig()

@@ -137,19 +137,22 @@ def test_prefill_packed_heads_cpu(pack, window):
 
 @interpreter_only
 def test_gpu_default_tiles_through_the_interpreter():
-    """The GPU's default tiles (window: two heads per program) on CPU, and their fallback for query
-    heads that the pack does not divide (one query head per KV head)."""
+    """The GPU's default tiles (window: four heads per program) on CPU, and their fallbacks for query heads that
+    the pack does not divide (two heads a program, else one)."""
     cfg = KernelConfig()
-    assert cfg.prefill_tile(True, True, 8).pack == 2 and cfg.prefill_tile(True, True, 1) == cfg.prefill_window_unpacked
-    assert cfg.prefill_tile(True, True, 1).pack == 1 and cfg.prefill_tile(False, True, 1).pack == 1
+    assert cfg.prefill_tile(True, True, 8) == PrefillTile(128, 32, 4, 2, maxnreg=128, pack=4)
+    assert cfg.prefill_tile(True, True, 4).pack == 4
+    assert cfg.prefill_tile(True, True, 2) == cfg.prefill_window_pack2 == PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2)
+    assert cfg.prefill_tile(True, True, 6).pack == 2
+    assert cfg.prefill_tile(True, True, 1) == cfg.prefill_window_unpacked == PrefillTile(64, 64, 4, 2, maxnreg=128)
+    assert cfg.prefill_tile(True, True, 3) == cfg.prefill_window_unpacked
+    assert cfg.prefill_tile(False, True, 1).pack == 1
     assert cfg.prefill_tile(True, False, 8) == PrefillTile(128, 64, 8, 3, maxnreg=128)
-    assert cfg.prefill_tile(True, True, 8) == PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2)
-    assert cfg.prefill_window_unpacked == PrefillTile(64, 64, 4, 2, maxnreg=128)
     gen = torch.Generator().manual_seed(61)
     lens = [70, 1, 45]
     T = sum(lens)
     cu = _cu(lens, device="cpu")
-    for hq, hkv, window in ((4, 2, 40), (2, 2, 40), (4, 2, 0)):
+    for hq, hkv, window in ((8, 2, 40), (4, 2, 40), (2, 2, 40), (4, 2, 0)):
         q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
         sinks = _sinks(hq, gen, device="cpu")
         tile = cfg.prefill_tile(True, window > 0, hq // hkv)
