@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import ast
-import time
 
 import torch
+from clock_watch import back_to_back
 
 from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
@@ -59,13 +59,7 @@ def main() -> None:
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    n, t0 = 0, time.time()
-    while time.time() - t0 < args.seconds:
-        for _ in range(10):
-            run()
-        torch.cuda.synchronize()
-        n += 10
-    dt = time.time() - t0
+    n, dt = back_to_back(run, args.seconds)
     print("ran", "sdpa" if args.sdpa else opts, T, f"{n} launches in {dt:.1f} s: {dt / max(n, 1) * 1e3:.3f} ms each" if n else "")
 
 

@@ -21,6 +21,21 @@ FIELDS = ["timestamp", "utilization.gpu", "clocks.sm", "clocks.mem", "power.draw
           "clocks_throttle_reasons.active"]
 
 
+def back_to_back(run, seconds: float) -> tuple[int, float]:
+    """Launch ``run`` (GPU work) back to back for about ``seconds``, ten at a time, synchronizing after each ten:
+    (launches, wall seconds). What the scripts run under this watcher call, so that it samples one kernel's steady
+    clock and power (benchmarks/attn_ncu.py, benchmarks/moe_parts.py)."""
+    import torch
+
+    n, t0 = 0, time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(10):
+            run()
+        torch.cuda.synchronize()
+        n += 10
+    return n, time.time() - t0
+
+
 def _query_fields() -> list[str]:
     """FIELDS, less the throttle reasons where this nvidia-smi does not know that field."""
     probe = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits"],

@@ -13,10 +13,10 @@ Each tile's output is compared with the 16 x 1 tile's (bit for bit) before it is
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import triton
+from clock_watch import back_to_back
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.act_quant import act_quant
@@ -66,13 +66,7 @@ def main() -> None:
 
         ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
         flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
-        n, t0 = 0, time.time()
-        while time.time() - t0 < a.seconds:
-            for _ in range(10):
-                run()
-            torch.cuda.synchronize()
-            n += 10
-        dt = time.time() - t0
+        n, dt = back_to_back(run, a.seconds)
         print(f"moe_expert_slots: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s); back to back {n} launches in {dt:.1f} s: "
               f"{dt / n * 1e3:.3f} ms each")
 
