@@ -16,6 +16,11 @@ import gptoss_fp8.hf as ghf  # noqa: E402
 from gptoss_fp8 import hf_attention as ha  # noqa: E402
 from gptoss_fp8 import spec  # noqa: E402
 
+# the kernels' cases launch on CPU tensors, which only Triton's interpreter takes (tests/conftest.py sets it where no
+# GPU is visible); on a GPU machine they would hand CPU pointers to compiled kernels: tests/test_hf_gpu.py covers that
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test on CPU tensors (a GPU is "
+                                      "visible); tests/test_hf_gpu.py runs the kernels on the GPU")
+
 
 def _module(hq=8, hkv=2, seed=0):
     """What eager_attention_forward reads from GptOssAttention: the GQA group, the sinks, training."""
@@ -115,6 +120,7 @@ def test_padding_gets_eagers_mask():
 # --- the attention function against eager --------------------------------------------------------
 
 
+@interpreter_only
 @pytest.mark.parametrize("b,t,window", [(1, 80, 0), (1, 80, 32), (2, 48, 16)])
 def test_prefill_kernel_matches_eager(b, t, window):
     """Tq == Tk on a PlainMask: attention_prefill (interpreter), within bf16 output rounding of
@@ -138,6 +144,7 @@ def test_prefill_kernel_matches_eager(b, t, window):
           f"|eager bf16 - fp32| {(eager.float() - ref).abs().max().item():.3g}")
 
 
+@interpreter_only
 @pytest.mark.parametrize("b,tq,past,window", [(1, 1, 70, 0), (1, 1, 70, 32), (2, 1, 20, 32), (1, 3, 70, 32)])
 def test_decode_kernel_matches_eager(b, tq, past, window):
     """Tq < Tk (transformers' cache: the sliding layers hold window - 1 past keys):
@@ -202,6 +209,7 @@ def _resident(monkeypatch, path, attention_device: bool):
     return AutoModelForCausalLM.from_pretrained(str(path))
 
 
+@interpreter_only
 @pytest.mark.slow  # ~55 s on the 2-core box: the trained fixture through the interpreter (prefill + 4 x 39 decode calls)
 def test_selected_for_the_resident_load_only_and_runs_the_kernels(trained, monkeypatch):
     """The dequantized (CPU) load and the FP8-resident load on CPU keep eager; the FP8-resident
