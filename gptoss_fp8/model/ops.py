@@ -277,9 +277,9 @@ class ReferenceOps:
     def fp8_attention(self, window: int) -> bool:
         """Whether a prefill attention of this window runs FP8 arithmetic: with ``attention_kind`` "fp8",
         the full-attention layers (window 0). A 128-key window layer is bound by reading Q and writing O
-        (bf16 either way), not by its products: on the H200 at 128000 tokens bf16 takes 1.61 ms where FP8
-        takes 3.65 (its operands' quantization alone 1.27; BENCHMARKS.md, issue 34), so it stays bf16,
-        exact as the reference's."""
+        (bf16 either way), not by its products: on the H200 at 128000 tokens bf16 takes 1.61 ms (1.40 with
+        four heads a program since the twenty-sixth session) where FP8 takes 3.65 (its operands'
+        quantization alone 1.27; BENCHMARKS.md, issue 34), so it stays bf16, exact as the reference's."""
         return self.attention_kind == "fp8" and not window
 
     def _attend(self, q, k, v, sinks, sm_scale, window, q_offset) -> torch.Tensor:
