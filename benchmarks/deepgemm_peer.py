@@ -14,6 +14,11 @@ to 2944 on its side; TFLOP/s count the real, unpadded K for both. Cases:
 Times: median of ``triton.testing.do_bench`` (ms). Usage on the GPU machine, .peers/ carried:
 
     source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz && python3 benchmarks/deepgemm_peer.py [--json FILE]
+
+``--back-to-back {deepgemm,ours} --seconds S`` (issue 34: the prefill's MoE runs at the 700 W cap) instead
+launches one side's MoE GEMMs at 32 experts, 32768 tokens back to back for S seconds: DeepGEMM's two grouped
+GEMMs, or our ``moe_expert_slots`` (row gather, gate_up + bias + SwiGLU, down + bias). Under
+benchmarks/clock_watch.py it shows the clock each holds at the cap, so energy a FLOP can be compared.
 """
 
 from __future__ import annotations
@@ -137,11 +142,63 @@ def dense_row(name: str, m: int, n: int, k: int, g: torch.Generator) -> dict:
                 time_ratio_vs_deepgemm=ours_ms / dg_ms, time_ratio_vs_cublas=ours_ms / cublas_ms)
 
 
+def moe_back_to_back(who: str, e: int, t: int, seconds: float, g: torch.Generator) -> None:
+    """One side's MoE GEMMs at (e experts, t tokens) launched back to back for ``seconds`` (module docstring);
+    prints the burst median, the back-to-back time a launch and both as TFLOP/s."""
+    from clock_watch import back_to_back
+
+    from gptoss_fp8 import spec
+    from gptoss_fp8.kernels.act_quant import act_quant
+    from gptoss_fp8.kernels.moe import moe_expert_slots
+
+    x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    wr = (torch.randn(e, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5).to(torch.bfloat16)
+    _, ids, _ = spec.route(x, wr, torch.zeros(e, device="cuda", dtype=torch.bfloat16), TOP_K)
+    ids = ids.to(torch.int32)
+    if who == "ours":
+        w13, s13 = quantize_weight_blocks(torch.randn(e, 2 * INTER, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5)
+        w2, s2 = quantize_weight_blocks(torch.randn(e, HIDDEN, INTER, device="cuda", generator=g) / INTER**0.5)
+        b13 = (0.3 * torch.randn(e, 2 * INTER, device="cuda", generator=g)).to(torch.bfloat16)
+        b2 = (0.1 * torch.randn(e, HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
+        xq = act_quant(x)
+
+        def run():
+            moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq)
+    else:
+        align = get_m_alignment_for_contiguous_layout()
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=e).tolist()
+        m_indices = torch.cat([torch.cat([torch.full((c,), i, dtype=torch.int32),
+                                          torch.full((-c % align,), -1, dtype=torch.int32)])
+                               for i, c in enumerate(counts)]).cuda()
+        m = m_indices.numel()
+        a = per_token_cast_to_fp8(_pad_k(torch.randn(m, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)))
+        a = (a[0], deep_gemm.get_col_major_tma_aligned_tensor(a[1]))
+        gu, dn = _grouped_weights(e, 2 * INTER, g), _grouped_weights(e, HIDDEN, g)
+        gu_out = torch.empty(m, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+        dn_out = torch.empty(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(a, gu, gu_out, m_indices)
+            deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(a, dn, dn_out, m_indices)
+    flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+    ms = _ms(run)
+    n, dt = back_to_back(run, seconds)
+    b2b = dt / n * 1e3
+    print(f"{who}: MoE GEMMs E={e} T={t}: burst {ms:.3f} ms ({_tflops(flops, ms):.0f} TFLOP/s); back to back {n} "
+          f"launches in {dt:.1f} s: {b2b:.3f} ms each ({_tflops(flops, b2b):.0f} TFLOP/s)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    p.add_argument("--back-to-back", choices=("deepgemm", "ours"), default=None,
+                   help="only launch this side's MoE GEMMs back to back (E=32, T=32768) for --seconds")
+    p.add_argument("--seconds", type=float, default=5.0)
     args = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    if args.back_to_back:
+        moe_back_to_back(args.back_to_back, 32, 32768, args.seconds, g)
+        return
     rows = []
     for e, t in MOE:
         rows.append(moe_rows(e, t, g))

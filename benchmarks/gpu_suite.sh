@@ -4,6 +4,7 @@
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
+#   moe-energy  the MoE GEMMs back to back at the power cap: DeepGEMM's against ours, clock and power (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
@@ -70,11 +71,25 @@ fi
 
 if has pending-tests; then
   # the GPU tests of what changed since the last complete GPU run (twenty-sixth session's end): the window-128 tile
-  # with four heads a program and the whole-row MoE gather are in every prefill; a call over these five files was
-  # cut at its time limit with one failure whose name was lost (-rf and SIGINT: the names of failures survive a cut)
-  timeout -s INT 540 python3 -m pytest -q -rf -n 12 tests/kernels/test_attention.py tests/test_triton_ops.py \
-    tests/test_model_chunks.py tests/test_hf_attention.py tests/test_verify_attention_fp8.py tests/kernels/test_moe.py \
-    2>&1 | tail -25 | tee "$OUT/pending_tests.log"
+  # with four heads a program and the whole-row MoE gather are in every prefill. --dist load (the default loadfile
+  # put test_attention.py's 466 cases in one worker); the MoE's in fewer workers (twelve ran the GPU out of memory);
+  # -rf under SIGINT: the names of failures survive a cut, the whole log comes back
+  timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 12 --dist load tests/kernels/test_attention.py \
+    tests/test_triton_ops.py tests/test_model_chunks.py tests/test_hf_attention.py tests/test_verify_attention_fp8.py \
+    > "$OUT/pending_tests.log" 2>&1
+  timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
+    > "$OUT/pending_tests_moe.log" 2>&1
+  tail -4 "$OUT/pending_tests.log" "$OUT/pending_tests_moe.log"
+fi
+
+if has moe-energy; then
+  # issue 34: the MoE GEMMs back to back at the power cap, DeepGEMM's two grouped GEMMs against our gather + gate_up +
+  # down (E 32, T 32768), each under the clock / power watch: the clock each holds at 700 W is its energy a FLOP
+  source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz >/dev/null
+  for who in deepgemm ours; do
+    python3 benchmarks/clock_watch.py "$OUT/moe_b2b_$who.csv" -- python3 benchmarks/deepgemm_peer.py --back-to-back $who \
+      --seconds ${MOE_SECONDS:-6} 2>&1 | grep -v Warn | tee "$OUT/moe_b2b_$who.log"
+  done
 fi
 
 if has window-moe; then

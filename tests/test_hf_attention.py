@@ -161,6 +161,7 @@ def test_decode_kernel_matches_eager(b, tq, past, window):
     torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+@interpreter_only
 def test_what_the_kernels_cannot_take_is_eager_exactly():
     """Padding (a tensor mask), float32, training and a long chunk against a cache: transformers'
     eager, bit for bit, each counted with its reason."""

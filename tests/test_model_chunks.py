@@ -71,10 +71,22 @@ def test_decode_of_a_prefix_is_the_whole_caches_rows(model, mode):
         assert torch.equal(a.k[i][:2], b.k[i][:2])
 
 
+def _same(got: torch.Tensor, want: torch.Tensor, mode: str) -> None:
+    """Bit for bit in weights mode. w8a8's fp32 GEMMs (``block_gemm_dequantized``) may sum in another order where
+    CPU BLAS picks its kernel by row count (on the GPU machine's 16-core CPU a cache's V moved, its K and logits not),
+    and an activation's e4m3 rounding can flip after it: there, nine in ten values bit for bit and the rest
+    within a few of e4m3's steps (a chunk at a wrong row or offset moves nearly every value)."""
+    if mode == "weights":
+        assert torch.equal(got, want)
+        return
+    assert (got == want).float().mean() >= 0.9
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("mode", ["weights", "w8a8"])
 def test_prefill_many_equals_each_chunk_alone(model, mode):
     """Several sequences' chunks in one forward (the engine's prompts of a step: ``prefill_many``)
-    give each chunk's logits and K / V as its own prefill does, bit for bit on CPU: two fresh
+    give each chunk's logits and K / V as its own prefill does (bit for bit; w8a8: ``_same``): two fresh
     prompts, one continuing after 11 cached tokens (crossing the 8-token ring), in rows 3, 0, 2."""
     ops = get_ops(mode)
     torch.manual_seed(7)
@@ -86,10 +98,11 @@ def test_prefill_many_equals_each_chunk_alone(model, mode):
         model.prefill(first, ops, cache=c, row=2)
     want = torch.cat([model.prefill(t, ops, cache=alone, row=r, start=s)[1] for r, t, s in chunks])
     got = model.prefill_many(chunks, ops, many)
-    assert torch.equal(got, want)
+    _same(got, want, mode)
     assert many.host_lengths == alone.host_lengths == [13, 0, 20, 6]
     for i in range(len(many.k)):
-        assert torch.equal(many.k[i], alone.k[i]) and torch.equal(many.v[i], alone.v[i])
+        _same(many.k[i], alone.k[i], mode)
+        _same(many.v[i], alone.v[i], mode)
     with pytest.raises(GptOssFp8Error, match="sequences \\[1, 1\\] repeat"):
         model.prefill_many([(1, first, 0), (1, first, 0)], ops, many)
     with pytest.raises(GptOssFp8Error, match="sequence 0 holds 13 tokens"):
