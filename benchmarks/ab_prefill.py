@@ -12,7 +12,9 @@ router as torch's bf16 linear + topk + softmax instead of kernels/router.py), an
 dense GEMMs on the Triton kernel at every size: dense_gluon_min_rows=None), "triton-moe" (the
 expert GEMMs on the Triton kernels: moe_gluon=False), "triton-attention" (attention_gluon=False),
 "triton-all" (gluon=False), "gu-s<stages>-g<GROUP_M>", e.g. "gu-s5-g16" (the Gluon gate_up's ring
-depth and tile-order group instead of 4 stages, GROUP_M 8; tenth session).
+depth and tile-order group instead of 4 stages, GROUP_M 8; tenth session), "wide-g<GROUP_M>", e.g. "wide-g16" (the
+heavy-load MoE plan's wide gate_up and Gluon down with that tile-order group instead of 8; twenty-seventh session).
+``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
 (Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
@@ -57,6 +59,9 @@ def _config(name: str) -> KernelConfig | None:
     if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
         st, gr = (int(v) for v in name[4:].split("-g"))
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
+    if name.startswith("wide-g"):  # wide-g<GROUP_M>: the heavy-load MoE tiles' tile order
+        tile = replace(base.moe_gluon_wide_gate_up, group_m=int(name[6:]))
+        return replace(base, moe_gluon_wide_gate_up=tile, moe_gluon_down=replace(base.moe_gluon_down, group_m=tile.group_m))
     return None
 
 
@@ -71,21 +76,22 @@ def main() -> None:
     p.add_argument("--tokens", default="8192")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--variants", default="default,graph")
+    p.add_argument("--attention", choices=("bf16", "fp8"), default="bf16", help="prefill attention numerics")
     a = p.parse_args()
     cfg_model = preset_config(a.model)
     model = random_model(cfg_model, "cuda")
     for n in [int(t) for t in a.tokens.split(",")]:
-        ops = TritonOps(config=KernelConfig())
+        ops = TritonOps(config=KernelConfig()).with_attention(a.attention)
         make = {
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
-            "unfused-combine": lambda: _forward(model, UnfusedCombine(config=ops.config)),
-            "torch-router": lambda: _forward(model, TorchRouter(config=ops.config)),
+            "unfused-combine": lambda: _forward(model, UnfusedCombine(config=ops.config).with_attention(a.attention)),
+            "torch-router": lambda: _forward(model, TorchRouter(config=ops.config).with_attention(a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         for name in a.variants.split(","):
             cfg = _config(name)
             if cfg is not None:  # the same model, its ops holding another KernelConfig
-                make[name] = lambda cfg=cfg: _forward(model, TritonOps(config=cfg))
+                make[name] = lambda cfg=cfg: _forward(model, TritonOps(config=cfg).with_attention(a.attention))
         tokens = torch.randint(0, cfg_model.vocab_size, (n,), device="cuda")
         prefill_logits(model, tokens, ops)  # compile before any capture
         variants = {name: make[name]() for name in a.variants.split(",")}

@@ -72,9 +72,9 @@ fi
 if has pending-tests; then
   # the GPU tests of what changed since the last complete GPU run (twenty-sixth session's end): the window-128 tile
   # with four heads a program and the whole-row MoE gather are in every prefill. --dist load (the default loadfile
-  # put test_attention.py's 466 cases in one worker); the MoE's in fewer workers (twelve ran the GPU out of memory);
+  # put test_attention.py's 466 cases in one worker); six workers, the MoE's three (twelve ran the GPU out of memory);
   # -rf under SIGINT: the names of failures survive a cut, the whole log comes back
-  timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 12 --dist load tests/kernels/test_attention.py \
+  timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 6 --dist load tests/kernels/test_attention.py \
     tests/test_triton_ops.py tests/test_model_chunks.py tests/test_hf_attention.py tests/test_verify_attention_fp8.py \
     > "$OUT/pending_tests.log" 2>&1
   timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
@@ -97,7 +97,7 @@ if has window-moe; then
   # the MoE back to back under the clock / power watch (benchmarks/moe_parts.py: at the power cap?)
   python3 benchmarks/window_sweep.py 2>&1 | grep -v Warn | tee "$OUT/window_sweep.log"
   python3 benchmarks/clock_watch.py "$OUT/moe_clock.csv" -- python3 benchmarks/moe_parts.py --tokens 32768 --seconds 5 \
-    2>&1 | grep -v Warn | tee "$OUT/moe_parts.log"
+    --plans ${MOE_PLAN_SECONDS:-3} 2>&1 | grep -v Warn | tee "$OUT/moe_parts.log"
 fi
 
 if has verdict; then

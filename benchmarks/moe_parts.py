@@ -3,9 +3,12 @@
 1. ``gather_act_quant`` (the gate_up's A rows copied from the norm's FP8 rows into sorted order) per program tile
    (rows, groups of 128 columns), event medians, with the bytes it moves a second;
 2. with --seconds S: ``moe_expert_slots`` (gather, gate_up, down) launched back to back for S seconds, so that
-   benchmarks/clock_watch.py around this script reads the clock and board power the MoE holds (at the power cap?).
+   benchmarks/clock_watch.py around this script reads the clock and board power the MoE holds (at the power cap?);
+3. with --plans S: each of PLANS (the launches' tiles: ring depth, tile order, persistent programs) launched back
+   to back for S seconds, two passes interleaved, each checked against the default's output first. At the 700 W
+   cap a launch's time back to back is its energy: a tile that wins a short burst can lose here.
 
-    PYTHONPATH=$(pwd) python3 benchmarks/moe_parts.py [--tokens 32768] [--experts 32] [--seconds 5]
+    PYTHONPATH=$(pwd) python3 benchmarks/moe_parts.py [--tokens 32768] [--experts 32] [--seconds 5] [--plans 3]
 
 Each tile's output is compared with the 16 x 1 tile's (bit for bit) before it is timed.
 """
@@ -20,7 +23,7 @@ from clock_watch import back_to_back
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.act_quant import act_quant
-from gptoss_fp8.kernels.config import DEFAULT
+from gptoss_fp8.kernels.config import DEFAULT, GluonTile, MoePlan, TritonTile
 from gptoss_fp8.kernels.moe import gather_act_quant, gather_tile, moe_expert_slots
 from gptoss_fp8.kernels.moe_align import moe_align
 from gptoss_fp8.quant.fp8 import quantize_weight_blocks
@@ -29,11 +32,29 @@ HIDDEN, INTER, TOP_K = 2880, 2880, 4
 TILES = [(16, 1), (16, 4), (32, 4), (32, 8), (8, 23), (4, 23), (16, 23), (8, 12)]
 
 
+def _wide(**kw) -> MoePlan:
+    """The heavy-load plan (128-row segments, wide gate_up + Gluon down) with ``kw`` changed in both tiles."""
+    base = dict(stages=4, group_m=16, block_m=128, promote="serial") | kw
+    return MoePlan(128, GluonTile(**base), GluonTile(**base))
+
+
+PLANS = {
+    "default": None,
+    "balance": _wide(balance=True),
+    "group_m 8 (before the 27th session)": _wide(group_m=8),
+    "group_m 32": _wide(group_m=32),
+    "stages 3": _wide(stages=3),
+    "64x256 gate_up + Triton down": MoePlan(64, GluonTile(promote="serial"), TritonTile(64, 128, group_m=8, num_warps=4,
+                                                                                         num_stages=4)),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=0.0)
+    ap.add_argument("--plans", type=float, default=0.0, help="seconds back to back for each of PLANS (0: none)")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     t, e = a.tokens, a.experts
@@ -55,20 +76,32 @@ def main() -> None:
         ms = triton.testing.do_bench(lambda tile=tile: gather_act_quant(x, slots, TOP_K, xq, tile=tile),
                                      warmup=20, rep=200, return_mode="median")
         print(f"tile {tile}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s  {'same bits' if same else 'DIFFERS'}")
-    if a.seconds > 0:
+    if a.seconds > 0 or a.plans > 0:
         w13, s13 = quantize_weight_blocks(torch.randn(e, 2 * INTER, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5)
         w2, s2 = quantize_weight_blocks(torch.randn(e, HIDDEN, INTER, device="cuda", generator=g) / INTER**0.5)
         b13 = (0.3 * torch.randn(e, 2 * INTER, device="cuda", generator=g)).to(torch.bfloat16)
         b2 = (0.1 * torch.randn(e, HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
 
-        def run():
-            moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq)
+        def run(plan=None):
+            return moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq, plan=plan)
 
-        ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
         flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
-        n, dt = back_to_back(run, a.seconds)
-        print(f"moe_expert_slots: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s); back to back {n} launches in {dt:.1f} s: "
-              f"{dt / n * 1e3:.3f} ms each")
+        if a.seconds > 0:
+            ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
+            n, dt = back_to_back(run, a.seconds)
+            print(f"moe_expert_slots: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s); back to back {n} launches in "
+                  f"{dt:.1f} s: {dt / n * 1e3:.3f} ms each")
+        if a.plans > 0:
+            want = run().float()
+            for name, plan in PLANS.items():
+                err = ((run(plan).float() - want).norm() / want.norm()).item()
+                print(f"plan {name}: rel. error against the default {err:.1e}")
+                assert err < 1e-2, f"plan {name} computes something else"
+            for rnd in range(2):
+                for name, plan in PLANS.items():
+                    n, dt = back_to_back(lambda plan=plan: run(plan), a.plans)
+                    ms = dt / n * 1e3
+                    print(f"pass {rnd} plan {name}: back to back {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -195,11 +195,14 @@ class KernelConfig:
     # wide gate_up (128 x 256 over 128-row segments) and the Gluon down, both serial: the whole
     # FFN 1.25 / 1.10x the 64 x 256 gate_up at 8192 tokens and 1.24 / 1.14x at 32768 for 32 / 128
     # experts; at 2048 tokens 0.97 / 0.95x, hence the limits (benchmarks/gemm_sweep.py, H200,
-    # 2026-12-01, thirteenth session). None: never.
+    # 2026-12-01, thirteenth session). None: never. Their tile order in groups of 16 M tiles, not 8:
+    # the MoE back to back at the 700 W cap 7.365 ms against 7.46-7.54 (32768 tokens, 32 experts), the
+    # whole 20b 0.4187 s against 0.4236 at 32768 tokens, 3.594 against 3.602 s at 128000 (same
+    # process, bit-identical; benchmarks/moe_parts.py --plans, ab_prefill.py wide-g16, 27th session).
     moe_wide_min_rows_per_expert: int | None = 256
     moe_wide_min_tokens: int = 4096
-    moe_gluon_wide_gate_up: GluonTile = field(default_factory=lambda: GluonTile(4, 8, block_m=128, promote="serial"))
-    moe_gluon_down: GluonTile = field(default_factory=lambda: GluonTile(4, 8, block_m=128, promote="serial"))
+    moe_gluon_wide_gate_up: GluonTile = field(default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial"))
+    moe_gluon_down: GluonTile = field(default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial"))
     # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True
