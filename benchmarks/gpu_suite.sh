@@ -5,6 +5,7 @@
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   moe-energy  the MoE GEMMs back to back at the power cap: DeepGEMM's against ours, clock and power (.peers/ carried)
+#   moe-ncu  Nsight Compute on one launch of DeepGEMM's grouped gate_up and of our gate_up / down (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
@@ -89,6 +90,24 @@ if has moe-energy; then
   for who in deepgemm ours; do
     python3 benchmarks/clock_watch.py "$OUT/moe_b2b_$who.csv" -- python3 benchmarks/deepgemm_peer.py --back-to-back $who \
       --seconds ${MOE_SECONDS:-6} 2>&1 | grep -v Warn | tee "$OUT/moe_b2b_$who.log"
+  done
+fi
+
+if has moe-ncu; then
+  # issue 34: Nsight Compute on one launch of DeepGEMM's grouped gate_up and of ours (E 32, T 32768): tensor pipe
+  # activity, issue slots, warp stalls; what lets DeepGEMM's MoE do 21% more per joule at the cap (moe-energy)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/ncu"
+  source .peers/deepgemm_setup.sh .peers/deepgemm-03d0be3.tgz >/dev/null
+  for spec in "deepgemm fp8_gemm" "ours _ws_moe_gemm_wide_kernel" "ours _ws_moe_down_kernel"; do
+    set -- $spec
+    rep="$OUT/ncu/$1$2"
+    timeout ${NCU_S:-150} "$NCU" --clock-control none --set full --import-source no -k regex:$2 --launch-skip 4 \
+      --launch-count 1 -f -o "/tmp/$1$2" python3 benchmarks/deepgemm_peer.py --back-to-back $1 --seconds 0.3 2>&1 | tail -3
+    "$NCU" --import "/tmp/$1$2.ncu-rep" --page raw --csv > "/tmp/$1$2_raw.csv" 2>&1
+    "$NCU" --import "/tmp/$1$2.ncu-rep" --page source --csv --print-source sass > "/tmp/$1$2_sass.csv" 2>&1
+    "$NCU" --import "/tmp/$1$2.ncu-rep" --page details > "$rep.details.txt" 2>&1
+    python3 benchmarks/ncu_digest.py "/tmp/$1$2_raw.csv" "/tmp/$1$2_sass.csv" > "$rep.digest.txt" 2>&1
   done
 fi
 
