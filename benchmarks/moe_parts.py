@@ -44,6 +44,7 @@ PLANS = {
     "group_m 8 (before the 27th session)": _wide(group_m=8),
     "group_m 32": _wide(group_m=32),
     "stages 3": _wide(stages=3),
+    "turns (the warpgroups' wgmmas in turns)": _wide(turns=True),
     "64x256 gate_up + Triton down": MoePlan(64, GluonTile(promote="serial"), TritonTile(64, 128, group_m=8, num_warps=4,
                                                                                          num_stages=4)),
 }

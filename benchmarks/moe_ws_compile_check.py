@@ -79,6 +79,11 @@ def variants():
     for stages, group_m, spec in itertools.product((4, 3), (8, 4), ("plain", "launch")):
         v.append((f"down_s{stages}_g{group_m}_{spec}", "_ws_moe_down_kernel", DOWN_TYPES,
                   dict(STAGES=stages, GROUP_M=group_m), DOWN_DIV16 if spec == "launch" else ()))
+    # the consumer warpgroups' turns at the tensor core (GluonTile(turns=True), opt-in since the 27th session)
+    v.append(("wide_s4_g16_turn_launch", "_ws_moe_gemm_wide_kernel", gu_types(128),
+              dict(STAGES=4, GROUP_M=16, TURN=True, **GU_CONSTS), GU_WIDE_DIV16))
+    v.append(("down_s4_g16_turn_launch", "_ws_moe_down_kernel", DOWN_TYPES, dict(STAGES=4, GROUP_M=16, TURN=True),
+              DOWN_DIV16))
     # a launch's value-1 specialization (an int arg == 1 becomes a constexpr): one row tile (t = 1)
     v.append(("wide_s4_g8_launch_numm1", "_ws_moe_gemm_wide_kernel", gu_types(128),
               dict(STAGES=4, GROUP_M=8, num_m=1, **GU_CONSTS), GU_WIDE_DIV16))

@@ -225,6 +225,25 @@ if HAS_GLUON:
         return acc, c + 1
 
     @gluon.jit
+    def take_turn(turn, W: gl.constexpr, k, ORDER: gl.constexpr):
+        """ORDER: the consumer warpgroups take turns in a fixed rotation, 0, 1, .., NWG - 1, 0, .. (an mbarrier
+        per warpgroup): warpgroup W's k-th turn waits for W - 1's. In attention_ws the turn is the MMA issue
+        (FlashAttention-3's ping-pong); attention_ws_fp8 rings its exponentials with it; the serial GEMM main
+        loop its wgmma issues (``block_scaled_mainloop_serial`` with TURN). Warpgroup 0's first
+        wait is on the phase before a fresh barrier's first, which passes."""
+        if ORDER:
+            if W == 0:
+                mbarrier.wait(turn.index(0), (k + 1) & 1)
+            else:
+                mbarrier.wait(turn.index(W), k & 1)
+
+    @gluon.jit
+    def pass_turn(turn, W: gl.constexpr, ORDER: gl.constexpr):
+        if ORDER:  # (``turn`` may be None without ORDER)
+            NWG: gl.constexpr = turn.type.shape[0]
+            mbarrier.arrive(turn.index((W + 1) % NWG), count=1)
+
+    @gluon.jit
     def _scale_prod(as_ptr, a_offs, rmask, b_ptr, MASK_A: gl.constexpr):
         """s_a[rows] * s_b for the serial promotion loop (masked rows, past M, read 0)."""
         if MASK_A:
@@ -237,7 +256,8 @@ if HAS_GLUON:
     def block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr,
                                      AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
-                                     layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr):
+                                     layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr, turn=None,
+                                     W: gl.constexpr = 0, TURN: gl.constexpr = False):
         """Two block-scaled FP8 products of one consumer warpgroup over the same stages, with the
         package's promotion numerics: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1 of
         A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a wide tile as two m64 x n128
@@ -265,7 +285,14 @@ if HAS_GLUON:
         (rmask1); weight-scale rows at b_s_ptr and b_s_ptr + b_off1. DO1 False (constexpr; callers
         branch on their run-time condition outside the loop: product 1's columns all past N)
         skips product 1 (its scales are not read: b_s_ptr + b_off1 may lie past the scale array
-        then); acc1 is then exact zeros. Returns (acc0, acc1, next c)."""
+        then); acc1 is then exact zeros. Returns (acc0, acc1, next c).
+
+        TURN (opt-in, ``GluonTile(turns=True)``; consumer warpgroup W of two, ``turn`` their two turn
+        barriers): the two warpgroups issue their wgmmas in turns (``take_turn``), two a K block (the
+        second an empty turn without DO1, so that both count 2 * c), so that the tensor core runs one
+        warpgroup's product while the other promotes, instead of both in step and both promoting at
+        once (DeepGEMM's gate_up keeps its tensor pipe 80% active, ours 65%: BENCHMARKS.md, 27th
+        session). Warpgroups that skip a tile's products must take the same turns (``skip_turns``)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         # t: the temporary. Each wgmma is issued with use_acc=False on the previous (promoted, dead)
         # temporary, whose values it ignores (ptxas's !UPT: no zeros written per block). With DO1,
@@ -278,22 +305,28 @@ if HAS_GLUON:
         for kk in range(n_k):
             s = c % S
             mbarrier.wait(ready.index(s), (c // S) & 1)
+            take_turn(turn, W, 2 * c, TURN)
             t = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), t,
                               use_acc=False, is_async=True)
+            pass_turn(turn, W, TURN)
             sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
             if DO1:  # product 1's scales too: loaded once product 0 is issued
                 sc1 = _scale_prod(as_ptr, a_offs + (a_off1 + kk), rmask1, b_s_ptr + (b_off1 + kk), MASK_A)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
             if DO1:
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
+                take_turn(turn, W, 2 * c + 1, TURN)
                 t = warpgroup_mma(a_bufs.index(s).slice(A1, AR), b_bufs.index(s).slice(B1, BR).permute((1, 0)), t,
                                   use_acc=False, is_async=True)
+                pass_turn(turn, W, TURN)
                 t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + t * gl.expand_dims(sc1, 1)
             else:
                 mbarrier.arrive(empty.index(s), count=1)
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
+                take_turn(turn, W, 2 * c + 1, TURN)  # product 1's turn, empty: both warpgroups count 2 a block
+                pass_turn(turn, W, TURN)
             c += 1
         return acc0, acc1, c
 
@@ -301,15 +334,28 @@ if HAS_GLUON:
     def block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, A0: gl.constexpr, A1: gl.constexpr,
                                      AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
-                                     layout: gl.constexpr, MASK_A: gl.constexpr, second):
+                                     layout: gl.constexpr, MASK_A: gl.constexpr, second, turn=None,
+                                     W: gl.constexpr = 0, TURN: gl.constexpr = False):
         """``block_scaled_mainloop_serial`` of a tile split in two column halves, the second product
         run only where ``second`` (run time: False where the right half lies wholly past N)."""
         if second:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
-                                                         c, n_k, layout, MASK_A, True)
+                                                         c, n_k, layout, MASK_A, True, turn, W, TURN)
         else:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
-                                                         c, n_k, layout, MASK_A, False)
+                                                         c, n_k, layout, MASK_A, False, turn, W, TURN)
         return acc0, acc1, c
+
+    @gluon.jit
+    def skip_turns(turn, W: gl.constexpr, c, TURN: gl.constexpr):
+        """Stage c's two turns taken and passed with no wgmma: a warpgroup that skips a tile's products (its
+        rows all padding) calls it for each stage it keeps the ring in step on, so that the rotation stays in
+        step with the other warpgroup's (taken all at once, the skipping warpgroup would hold stages the other
+        one waits for)."""
+        if TURN:
+            take_turn(turn, W, 2 * c, True)
+            pass_turn(turn, W, True)
+            take_turn(turn, W, 2 * c + 1, True)
+            pass_turn(turn, W, True)

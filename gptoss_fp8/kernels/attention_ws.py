@@ -44,6 +44,8 @@ if HAS_GLUON:
         gluon,
         load_stage,
         mbarrier,
+        pass_turn,
+        take_turn,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -164,24 +166,6 @@ if HAS_GLUON:
             return gl.max(x, 1)
 
     @gluon.jit
-    def _take_turn(turn, W: gl.constexpr, k, ORDER: gl.constexpr):
-        """ORDER: the consumer warpgroups take turns in a fixed rotation, 0, 1, .., NWG - 1, 0, .. (an mbarrier
-        per warpgroup): warpgroup W's k-th turn waits for W - 1's. Here the turn is the MMA issue
-        (FlashAttention-3's ping-pong); attention_ws_fp8 rings its exponentials with it. Warpgroup 0's first
-        wait is on the phase before a fresh barrier's first, which passes."""
-        if ORDER:
-            if W == 0:
-                mbarrier.wait(turn.index(0), (k + 1) & 1)
-            else:
-                mbarrier.wait(turn.index(W), k & 1)
-
-    @gluon.jit
-    def _pass_turn(turn, W: gl.constexpr, ORDER: gl.constexpr):
-        NWG: gl.constexpr = turn.type.shape[0]
-        if ORDER:
-            mbarrier.arrive(turn.index((W + 1) % NWG), count=1)
-
-    @gluon.jit
     def _exp2_tile(x, EXP: gl.constexpr):
         """2^x of a score tile: EXP 0 all on the MUFU; 1 the last quarter of the columns by _exp2_fma;
         2 the last half by _exp2_fma; 3 packed ``ex2.approx.ftz.bf16x2`` on bf16 arguments (result
@@ -273,7 +257,7 @@ if HAS_GLUON:
         QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
         DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
         score tiles in registers), so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs.
-        ORDER: the warpgroups take turns to issue (``_take_turn``): n_blocks + 1 turns each, the ones past a
+        ORDER: the warpgroups take turns to issue (``take_turn``): n_blocks + 1 turns each, the ones past a
         warpgroup's own blocks only passed on. TREE: row max / sum folded as a tree (``_tree``)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -355,9 +339,9 @@ if HAS_GLUON:
                     mbarrier.arrive(empty.index(j % S), count=1)
         else:
             mbarrier.wait(ready.index(0), 0)
-            _take_turn(turn, W, 0, ORDER)
+            take_turn(turn, W, 0, ORDER)
             s_tok = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _pass_turn(turn, W, ORDER)
+            pass_turn(turn, W, ORDER)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             p_op, alpha, m_i, l_i, rescale = _softmax_any(sc, m_i, l_i, rows, 0, n_full, qk_scale, EXP, THRESH, TREE)
             p_op = gl.convert_layout(p_op, p_layout)
@@ -372,10 +356,10 @@ if HAS_GLUON:
                     mbarrier.arrive(empty.index(sp), count=1)
                     acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
                 else:
-                    _take_turn(turn, W, j, ORDER)
+                    take_turn(turn, W, j, ORDER)
                     s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                     acc = warpgroup_mma(p_op, v_bufs.index(sp), acc, is_async=True)  # PV of block j - 1
-                    _pass_turn(turn, W, ORDER)
+                    pass_turn(turn, W, ORDER)
                     sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                     if EXP == 8:  # probe: the MMAs alone (P = the scores)
                         p_op = sc.to(gl.bfloat16)
@@ -389,9 +373,9 @@ if HAS_GLUON:
                         mbarrier.arrive(empty.index(sp), count=1)  # K and V of block j - 1 are consumed
                         acc = _rescale(acc, alpha, rescale, orow_layout, THRESH)
                 p_op = gl.convert_layout(p_op, p_layout)
-            _take_turn(turn, W, my_blocks, ORDER)
+            take_turn(turn, W, my_blocks, ORDER)
             acc = warpgroup_mma(p_op, v_bufs.index(last % S), acc, is_async=True)
-            _pass_turn(turn, W, ORDER)
+            pass_turn(turn, W, ORDER)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(last % S), count=1)
         for j in range(my_blocks, n_blocks):  # past the diagonal: only keep the stage ring in step
@@ -400,8 +384,8 @@ if HAS_GLUON:
         if ORDER:  # the turns of the blocks past this warpgroup's diagonal, passed on (after the stage
             # releases above: the others' later blocks need those stages loaded again)
             for k in range(my_blocks + 1, n_blocks + 1):
-                _take_turn(turn, W, k, ORDER)
-                _pass_turn(turn, W, ORDER)
+                take_turn(turn, W, k, ORDER)
+                pass_turn(turn, W, ORDER)
 
         out = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
         q.store(out.to(gl.bfloat16))  # the Q tile's buffer is free now

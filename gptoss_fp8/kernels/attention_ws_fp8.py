@@ -51,6 +51,8 @@ if HAS_GLUON:
         gl,
         gluon,
         mbarrier,
+        pass_turn,
+        take_turn,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -59,9 +61,7 @@ if HAS_GLUON:
         _attn_produce,
         _exp2_fma,
         _halves,
-        _pass_turn,
         _row_reduce,
-        _take_turn,
         _unhalves,
         _wg_blocks,
     )
@@ -127,7 +127,7 @@ if HAS_GLUON:
         (without that data dependency ptxas schedules the exponentials between the wait's first try and its
         test: the turn would not order them)."""
         if TURN > 0:
-            _take_turn(turn, W, k, True)
+            take_turn(turn, W, k, True)
             m8 = m8 + zrow.load(m8.type.layout)
         return m8
 
@@ -138,11 +138,11 @@ if HAS_GLUON:
         if TURN == 3:
             lo, hi = _halves(x)
             lo = gl.exp2(lo)
-            _pass_turn(turn, W, True)
+            pass_turn(turn, W, True)
             return gl.convert_layout(_unhalves(lo, gl.exp2(hi)), x.type.layout, assert_trivial=True)
         else:
             y = gl.exp2(x)
-            _pass_turn(turn, W, TURN == 2)
+            pass_turn(turn, W, TURN == 2)
             return y
 
     @gluon.jit
@@ -154,7 +154,7 @@ if HAS_GLUON:
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
         tensor core (the caller's P8 x ones product), returned unchanged. FMA: in the unmasked steps, a
         quarter (1) or half (2) of the step's 2^x on the FMA pipes (block b's by ``_exp2_split``). TURN: the
-        warpgroups take turns at the MUFU (step k's turn, ``_take_turn``): the 2^x of both blocks (1), of
+        warpgroups take turns at the MUFU (step k's turn, ``take_turn``): the 2^x of both blocks (1), of
         block a (2) or of its first half (3) between taking the turn and passing it on, so that their
         exponential phases follow each other instead of sharing the unit at once."""
         BN: gl.constexpr = sa.type.shape[1]
@@ -177,7 +177,7 @@ if HAS_GLUON:
             _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
             pa = _exp2_passing(sa - gl.expand_dims(m8, 1), turn, W, TURN)
             pb = gl.exp2(sb - gl.expand_dims(m8, 1))
-        _pass_turn(turn, W, TURN == 1)
+        pass_turn(turn, W, TURN == 1)
         alpha = _pow2(m_i - m_new)
         if ONES:
             l_new = l_i
@@ -342,8 +342,8 @@ if HAS_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
         if TURN > 0:
             for i in range(gl.cdiv(my_blocks, 2), n_turns):
-                _take_turn(turn, W, i, True)
-                _pass_turn(turn, W, True)
+                take_turn(turn, W, i, True)
+                pass_turn(turn, W, True)
         for j in range(2 * gl.cdiv(my_blocks, 2), 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
             if PAIR_RELEASE == 2:  # (the pair's bytes arrive on its odd stage's barrier)
                 mbarrier.wait(ready.index(j % S), (j // S) & 1, pred=j % 2 == 1)

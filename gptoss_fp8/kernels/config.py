@@ -52,7 +52,12 @@ class GluonTile:
     raise ValueError for promote="pipelined" (``_gluon.check_promote``), so those tiles are written
     ``GluonTile(block_n=256, promote="serial")`` etc. (The in-place accumulation, FP8 wgmma
     accumulating over all of K in its limited internal precision, lost accuracy on the H200 and
-    was removed.)"""
+    was removed.)
+    turns: the two consumer warpgroups of the MoE's wide gate_up and Gluon down issue their wgmmas
+    in turns (``_gluon.block_scaled_mainloop_serial``'s TURN, FlashAttention-3's ping-pong applied to
+    the promotion loop: one warpgroup's product on the tensor core while the other promotes).
+    Opt-in, built without a GPU in the twenty-seventh session: measure it (``benchmarks/moe_parts.py
+    --plans``) before making it a default; the other Gluon GEMMs ignore it."""
 
     stages: int = 4
     group_m: int = 8
@@ -60,6 +65,7 @@ class GluonTile:
     block_n: int | None = None
     balance: bool = False
     promote: str = "pipelined"
+    turns: bool = False
 
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:

@@ -253,6 +253,7 @@ def moe_expert_slots(
             f"ALIGN_M={gu_rows} (got {align})")
         moe_ws.check_promote(plan.gate_up.promote, gu_rows == moe_ws.WIDE_M,
                              f"the {gu_rows} x {moe_ws.TILE_N} Gluon MoE gate_up")
+        moe_ws.check_turns(plan.gate_up.turns, gu_rows)
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
@@ -266,7 +267,7 @@ def moe_expert_slots(
         moe_ws.ws_moe_gemm(a_fp8, a_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
                            stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,
-                           balance=plan.gate_up.balance, promote=plan.gate_up.promote)
+                           balance=plan.gate_up.balance, promote=plan.gate_up.promote, turns=plan.gate_up.turns)
     else:
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         gate_up_triton(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert, k,
@@ -277,7 +278,7 @@ def moe_expert_slots(
             f"(got {align})")
         moe_ws.ws_moe_down(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots,
                            stages=plan.down.stages, group_m=plan.down.group_m, balance=plan.down.balance,
-                           promote=plan.down.promote)
+                           promote=plan.down.promote, turns=plan.down.turns)
     else:
         down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, k, align, plan.tma,
                     plan.down)

@@ -50,6 +50,7 @@ if HAS_GLUON:
         gluon,
         load_stage,
         mbarrier,
+        skip_turns,
         tile_coords,
         tma,
     )
@@ -222,7 +223,8 @@ if HAS_GLUON:
     @gluon.jit
     def _wide_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, out_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                       block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
-                      stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out):
+                      stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out, turn,
+                      TURN: gl.constexpr):
         """Consumer warpgroup W of the two 128 x 256 kernels, the wide gate_up and (DOWN) the down:
         rows W*64 .. W*64 + 64 of every tile, all 256 columns as two 128-column products sharing each
         A stage (``block_scaled_mainloop_halves``; the right half is skipped where it lies wholly past
@@ -236,6 +238,10 @@ if HAS_GLUON:
         - down (``out`` = (y_ptr, stride_ym)): each 64 x 128 piece goes through this warpgroup's
           shared-memory buffer out_bufs[W] into 16-byte row stores at its tokens' slots (padding
           rows not written).
+
+        TURN (``GluonTile(turns=True)``): the two warpgroups issue their wgmmas in turns on the
+        ``turn`` barriers (``_gluon.block_scaled_mainloop_serial``); a warpgroup of padding rows takes
+        its turns with no wgmma (``skip_turns``).
 
         Both epilogues are written inline, not as functions the walk calls: an inlined function's
         scope puts debug-info labels ($L__tmpN) into the PTX, which ptxas takes as block boundaries;
@@ -273,7 +279,7 @@ if HAS_GLUON:
                     acc0, acc1, c = block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0, HN,
                                                                  HN, as_ptr, a_offs, 0, rows < num_slots,
                                                                  rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                 layout, False, col0 + HN < N)
+                                                                 layout, False, col0 + HN < N, turn, W, TURN)
                     if DOWN:
                         srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
                         slot = gl.load(slots_ptr + srows)
@@ -303,6 +309,7 @@ if HAS_GLUON:
                     for _kk in range(n_k):
                         mbarrier.wait(ready.index(c % S), (c // S) & 1)
                         mbarrier.arrive(empty.index(c % S), count=1)
+                        skip_turns(turn, W, c, TURN)
                         c += 1
                 if not DOWN:
                     # the column indices after the main loop: 32 registers each in the wgmma layout,
@@ -336,10 +343,10 @@ if HAS_GLUON:
     def _moe_wide_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                          stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                         ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+                         ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, turn, TURN: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
-                      GROUP_M, False, (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS))
+                      GROUP_M, False, (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS), turn, TURN)
 
     @gluon.jit
     def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
@@ -354,7 +361,7 @@ if HAS_GLUON:
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                                  stride_bsn, stride_biase, stride_osm, limit, num_progs, STAGES: gl.constexpr,
                                  GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr,
-                                 EPS: gl.constexpr):
+                                 EPS: gl.constexpr, TURN: gl.constexpr = False):
         """The wide gate_up (``GluonTile(block_m=128, promote="serial")``, the serial promotion loop):
         128 x 256 tiles over 128-row segments, 48 KB of loads per K block for twice the 64 x 256
         tile's work (40 KB): 1.67x the FLOPs per byte."""
@@ -369,15 +376,21 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
+        if TURN:  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+        else:
+            turn = empty  # (not used)
         gl.warp_specialize([
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                              stride_biase, num_progs, GROUP_M, False,
-                             (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS))),
+                             (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS), turn, TURN)),
             (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                 out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
                                 stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs,
-                                GROUP_M, ALPHA, FP8_MAX_C, EPS)),
+                                GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN)),
             (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                   out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                                   num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit,
@@ -391,10 +404,11 @@ if HAS_GLUON:
     @gluon.jit
     def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                     stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
+                     stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr, turn,
+                     TURN: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
-                      GROUP_M, True, (y_ptr, stride_ym))
+                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN)
 
     @gluon.jit
     def _down_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
@@ -406,7 +420,7 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_moe_down_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr, block_expert_ptr, num_m, N,
                             K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_ym,
-                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, TURN: gl.constexpr = False):
         """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128,
         promote="serial"))``): the wide gate_up's main loop (the serial promotion), 1.67x the 64 x 256
         tile's FLOPs per byte; output scattered to the slots' rows (the earlier 64 x 256 Gluon down,
@@ -423,29 +437,44 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
+        if TURN:  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+        else:
+            turn = empty  # (not used)
         gl.warp_specialize([
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
-                             stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym))),
+                             stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym), turn, TURN)),
             (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                             slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
+                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, turn, TURN)),
             (_down_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                               slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                               stride_bse, stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
         ], [4, 1], [232, 40])
 
 
+def check_turns(turns: bool, block_m: int) -> None:
+    """ValueError for ``GluonTile(turns=True)`` on the 64 x 256 gate_up (one consumer warpgroup a
+    column half, no turns to take): turns are for the wide gate_up (block_m=128) and the Gluon down."""
+    if turns and block_m != WIDE_M:
+        raise ValueError(f"GluonTile(turns=True) is for the wide gate_up (block_m={WIDE_M}) and the Gluon down only, "
+                         f"not the {block_m} x {TILE_N} gate_up")
+
+
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
-                promote: str = "serial") -> None:
+                promote: str = "serial", turns: bool = False) -> None:
     """The down GEMM on 128 x 256 tiles: y[slot] = act[row] @ W2[expert]^T + b2[expert] (bf16), for
     the sorted rows of 128-row segments (``moe_expert_slots`` checks the shapes and is the entry
     point). a = act [max_rows, I] fp8 with a_scale [max_rows, ceil(I/128)]; w [E, H, I] fp8 with
     w_scale_inv [E, ceil(H/128), ceil(I/128)]; bias [E, H]; y [num_slots, H] bf16 (rows of padding
     slots are not written). Its one main loop is ``_gluon.block_scaled_mainloop_serial`` (the
-    promotion numerics, no C7514): promote must be "serial" (ValueError otherwise)."""
+    promotion numerics, no C7514): promote must be "serial" (ValueError otherwise). turns: the
+    consumer warpgroups issue their wgmmas in turns (``GluonTile.turns``)."""
     check_promote(promote, True, "the Gluon MoE down")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -456,7 +485,7 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     _ws_moe_down_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
         a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
-        STAGES=stages, GROUP_M=group_m, num_warps=4,
+        STAGES=stages, GROUP_M=group_m, num_warps=4, **({"TURN": True} if turns else {}),
     )
 
 
@@ -464,7 +493,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, sorted_slots: torch.Tensor,
                 block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
                 fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, block_m: int = TILE_M,
-                balance: bool = False, promote: str = "pipelined") -> None:
+                balance: bool = False, promote: str = "pipelined", turns: bool = False) -> None:
     """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of block_m rows: 64, or 128 for the
@@ -472,8 +501,10 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     ceil(K/128)], bias [E, N]; out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)]
     (sorted rows). balance: ``_gluon.num_programs``; promote: the 64 x 256 kernel's main loop,
     "pipelined" (``_gluon.block_scaled_mainloop``) or "serial" (``_gluon.block_scaled_mainloop_serial``,
-    no C7514); the wide form has only "serial" (ValueError otherwise)."""
+    no C7514); the wide form has only "serial" (ValueError otherwise). turns: the wide form's consumer
+    warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile)."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
+    check_turns(turns, block_m)
     check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -488,6 +519,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),
             bias.stride(0), out_scale.stride(0), float(limit), num_progs,
             STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
+            **({"TURN": True} if turns else {}),
         )
         return
     serial = dict(SERIAL=True) if promote == "serial" else {}  # the pipelined launch keeps its exact signature

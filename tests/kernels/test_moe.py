@@ -286,10 +286,13 @@ def test_fused_moe_ws_gpu(t, h, i, e, e0, n_local, plan):
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
 
 
-def _wide_plan(stages=4, group_m=8, balance=False, down=None):
+_TURNS_DOWN = GluonTile(4, 16, block_m=128, promote="serial", turns=True)
+
+
+def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False):
     """The wide gate_up (128 x 256 tiles over 128-row segments, the serial promotion: its only loop)
-    with the default down tile, or ``down``."""
-    gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial")
+    with the default down tile, or ``down``; ``turns``: GluonTile.turns."""
+    gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial", turns=turns)
     plan = KernelConfig(moe_gluon_gate_up=gu, moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
@@ -309,15 +312,23 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None):
     (700, 640, 1440, 8, 2, 4, _wide_plan(down=GluonTile(4, 4, block_m=128, promote="serial"))),
     (1500, 720, 2880, 16, 0, 16, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
     (1, 2880, 2880, 32, 0, 32, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, down=_TURNS_DOWN)),
+    (2000, 2880, 2880, 128, 0, 128, _wide_plan(stages=3, balance=True, turns=True,
+                                               down=GluonTile(3, 8, block_m=128, balance=True, promote="serial",
+                                                              turns=True))),
+    (700, 640, 1440, 8, 2, 4, _wide_plan(turns=True, down=_TURNS_DOWN)),
+    (1500, 720, 2880, 16, 0, 16, _wide_plan(turns=True, down=_TURNS_DOWN)),
+    (1, 2880, 2880, 32, 0, 32, _wide_plan(turns=True, down=_TURNS_DOWN)),
 ], ids=["gate_up", "e128-3stages", "e128-group4-bal", "i720", "h640", "down128", "t1", "gdown", "gdown-e128-s3-bal",
-        "gdown-h640", "gdown-h720", "gdown-t1"])
+        "gdown-h640", "gdown-h720", "gdown-t1", "turns", "turns-e128-s3-bal", "turns-h640", "turns-h720", "turns-t1"])
 def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     """The wide gate_up (and the Gluon down, "gdown"), both on the serial promotion loop (their
     only one; the in-place accumulation they had failed these cases and was removed), against the
     reference: padding-only
     warpgroups (every expert's last tile), a right half past N (h640: 2I = 2880 and H = 640 = 2.5
     tiles of 256; i720: 32 of its 128 columns valid; h720: down's last tile 80 of 256 columns),
-    expert-parallel shards, one token."""
+    expert-parallel shards, one token. "turns": both with GluonTile.turns (the warpgroups' wgmmas in
+    turns; padding-only warpgroups and right halves past N take empty turns: a miscount hangs)."""
     m = _model(t, h, i, e, seed=t + h + i + 1)
     ex = _shard(m["experts"], e0, n_local)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
@@ -325,9 +336,22 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
 
 
-def test_moe_ws_wide_compiles_for_sm90():
+_TURNS = [False, pytest.param(True, marks=pytest.mark.slow)]  # GluonTile.turns: compile-only, ~5 s each
+
+
+def _turn_barriers(ptx: str, turns: bool, stages: int = 4) -> None:
+    """The ring's empty / ready barriers (and with turns the two turn barriers) initialized; with turns
+    a turn is taken (waited for) and passed (arrived at) around each wgmma group and empty turn."""
+    assert ptx.count("mbarrier.init") == 2 * stages + 2 * turns
+    if turns:
+        assert ptx.count("mbarrier.try_wait") > 2 * 7 and ptx.count("mbarrier.arrive") > 2 * 7
+
+
+@pytest.mark.parametrize("turns", _TURNS)
+def test_moe_ws_wide_compiles_for_sm90(turns):
     """Without a GPU: the wide gate_up (the serial promotion loop) compiles for sm_90, no spills in
-    ptxas's report, no wgmma serialization, within one SM's shared memory (4 stages of 48 KB)."""
+    ptxas's report, no wgmma serialization, within one SM's shared memory (4 stages of 48 KB); with
+    and without GluonTile.turns."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -341,9 +365,10 @@ def test_moe_ws_wide_compiles_for_sm90():
              "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
              "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
-    consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)
+    consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, **({"TURN": True} if turns else {}))
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, consts)
     ptx = k["ptx"]
+    _turn_barriers(ptx, turns)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert "cp.async.bulk.tensor.2d.global.shared" in ptx, "TMA store of gate_up's FP8 output"
@@ -353,9 +378,11 @@ def test_moe_ws_wide_compiles_for_sm90():
         assert not k["wgmma_serialized"], "ptxas serialized the wide gate_up's wgmmas (C7514)"
 
 
-def test_moe_ws_down_compiles_for_sm90():
+@pytest.mark.parametrize("turns", _TURNS)
+def test_moe_ws_down_compiles_for_sm90(turns):
     """Without a GPU: the Gluon down compiles for sm_90 without spills; compiled as a launch
-    specializes its 16-divisible arguments, its scattered row stores are 16 bytes wide."""
+    specializes its 16-divisible arguments, its scattered row stores are 16 bytes wide; with and
+    without GluonTile.turns."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -369,8 +396,10 @@ def test_moe_ws_down_compiles_for_sm90():
              "slots_ptr": "*i32", "block_expert_ptr": "*i32"}
     div16 = ("as_ptr", "bs_ptr", "bias_ptr", "y_ptr", "slots_ptr", "block_expert_ptr", "N", "K", "stride_biase",
              "stride_ym")
-    k = _gluon.compile_for_sm90(moe_ws._ws_moe_down_kernel, types, dict(STAGES=4, GROUP_M=8), divisible16=div16)
+    k = _gluon.compile_for_sm90(moe_ws._ws_moe_down_kernel, types,
+                                dict(STAGES=4, GROUP_M=8, **({"TURN": True} if turns else {})), divisible16=div16)
     ptx = k["ptx"]
+    _turn_barriers(ptx, turns)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert re.search(r"st\.global\.v4\.b32", ptx) and not re.search(r"st\.global\.b16", ptx), "16-byte row stores"
     assert ".local" not in ptx and k["num_warps"] == 12 and k["shared"] <= 227 * 1024
@@ -529,6 +558,11 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
                    GluonTile(block_m=128))
     with pytest.raises(ValueError, match="Gluon MoE down runs only the serial promotion"):
         moe_experts(m["x"], w, ids, *m["experts"], plan=plan)
+    # GluonTile.turns: for the two consumer warpgroups of the wide gate_up and the down only
+    with pytest.raises(ValueError, match="turns=True.*not the 64 x 256 gate_up"):
+        moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", turns=True)
+    moe_ws.check_turns(True, 128)
+    moe_ws.check_turns(False, 64)
 
 
 @pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
