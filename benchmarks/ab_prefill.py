@@ -14,7 +14,8 @@ expert GEMMs on the Triton kernels: moe_gluon=False), "triton-attention" (attent
 "triton-all" (gluon=False), "gu-s<stages>-g<GROUP_M>", e.g. "gu-s5-g16" (the Gluon gate_up's ring
 depth and tile-order group instead of 4 stages, GROUP_M 8; tenth session), "wide-g<GROUP_M>", e.g. "wide-g16" (the
 heavy-load MoE plan's wide gate_up and Gluon down with that tile-order group instead of 16; twenty-seventh session),
-"wide-turns" (both with ``GluonTile.turns``: their warpgroups' wgmmas in turns).
+"wide-turns" (both with ``GluonTile.turns``: their warpgroups' wgmmas in turns), "dense-turns" (the dense
+wide tiles with turns), "all-turns" (both).
 ``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -60,9 +61,11 @@ def _config(name: str) -> KernelConfig | None:
     if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
         st, gr = (int(v) for v in name[4:].split("-g"))
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
-    if name == "wide-turns":  # the heavy-load MoE tiles' warpgroups take turns at the tensor core
-        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, turns=True),
-                       moe_gluon_down=replace(base.moe_gluon_down, turns=True))
+    if name in ("wide-turns", "dense-turns", "all-turns"):  # the wide tiles' warpgroups take turns at the tensor core
+        moe = dict(moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, turns=True),
+                   moe_gluon_down=replace(base.moe_gluon_down, turns=True))
+        dense = dict(dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, turns=True))
+        return replace(base, **{"wide-turns": moe, "dense-turns": dense, "all-turns": moe | dense}[name])
     if name.startswith("wide-g"):  # wide-g<GROUP_M>: the heavy-load MoE tiles' tile order
         tile = replace(base.moe_gluon_wide_gate_up, group_m=int(name[6:]))
         return replace(base, moe_gluon_wide_gate_up=tile, moe_gluon_down=replace(base.moe_gluon_down, group_m=tile.group_m))

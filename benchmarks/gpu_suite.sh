@@ -99,11 +99,12 @@ if has moe-turns; then
   # issue 34: GluonTile.turns (built without a GPU in the 27th session): the heavy-load MoE tiles' two consumer
   # warpgroups issue their wgmmas in turns. Its GPU tests first (a miscounted turn hangs: time-limited), then the
   # plans at the power cap (moe_parts.py --plans, "turns" among them) and the whole 20b beside the default
-  timeout -s INT 240 python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py -k "wide_gpu" > "$OUT/moe_turns_tests.log" 2>&1
+  timeout -s INT 240 python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py \
+    -k "wide_gpu or turns" > "$OUT/moe_turns_tests.log" 2>&1
   tail -4 "$OUT/moe_turns_tests.log"
   timeout 240 python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
     | tee "$OUT/moe_turns_plans.log"
-  timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768,128000 --runs 4 --variants default,wide-turns \
+  timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768,128000 --runs 4 --variants default,wide-turns,all-turns \
     --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab.log"
 fi
 

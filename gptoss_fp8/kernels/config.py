@@ -53,11 +53,11 @@ class GluonTile:
     ``GluonTile(block_n=256, promote="serial")`` etc. (The in-place accumulation, FP8 wgmma
     accumulating over all of K in its limited internal precision, lost accuracy on the H200 and
     was removed.)
-    turns: the two consumer warpgroups of the MoE's wide gate_up and Gluon down issue their wgmmas
-    in turns (``_gluon.block_scaled_mainloop_serial``'s TURN, FlashAttention-3's ping-pong applied to
-    the promotion loop: one warpgroup's product on the tensor core while the other promotes).
-    Opt-in, built without a GPU in the twenty-seventh session: measure it (``benchmarks/moe_parts.py
-    --plans``) before making it a default; the other Gluon GEMMs ignore it."""
+    turns: the two consumer warpgroups of the wide tiles (the MoE's wide gate_up and Gluon down, the
+    dense 256 x 128 / 128 x 256) issue their wgmmas in turns (``_gluon.block_scaled_mainloop_serial``'s
+    TURN, FlashAttention-3's ping-pong applied to the promotion loop: one warpgroup's product on the
+    tensor core while the other promotes). Opt-in, built without a GPU in the twenty-seventh session:
+    measure it (``gpu_suite.sh moe-turns``) before making it a default; the base tiles refuse it."""
 
     stages: int = 4
     group_m: int = 8

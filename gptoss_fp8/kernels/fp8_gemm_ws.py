@@ -166,13 +166,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                      M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+                      M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      turn, TURN: gl.constexpr):
         """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_serial``):
         256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
         128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
         each A stage (the second skipped where it lies wholly past N). Each 64 x 128 piece leaves
         through its own TMA store. c_bufs [2 * NB, 64, 128]: NB store buffers per warpgroup (with
-        one, the second piece waits until the first piece's store has read the buffer)."""
+        one, the second piece waits until the first piece's store has read the buffer). TURN
+        (``GluonTile(turns=True)``): the two warpgroups issue their wgmmas in turns on the ``turn``
+        barriers (``_gluon.block_scaled_mainloop_serial``)."""
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -201,17 +204,20 @@ if HAS_GLUON:
                 if col1 < N:
                     acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
                                                                   HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
-                                                                  stride_bsn, c, n_k, layout, True, True)
+                                                                  stride_bsn, c, n_k, layout, True, True, turn, W,
+                                                                  TURN)
                 else:
                     acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
                                                                   HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
-                                                                  stride_bsn, c, n_k, layout, True, False)
+                                                                  stride_bsn, c, n_k, layout, True, False, turn, W,
+                                                                  TURN)
             else:
                 row1 = row0 + R
                 col1 = col0
                 acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
                                                              as_ptr, a_offs, R * stride_asm, rows0 < M,
-                                                             rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True)
+                                                             rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True,
+                                                             turn, W, TURN)
             if HAS_BIAS:
                 cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
                 acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
@@ -231,14 +237,14 @@ if HAS_GLUON:
     @gluon.jit
     def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                               M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
-                              HAS_BIAS: gl.constexpr):
+                              HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr):
         _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
-                      stride_bsn, num_progs, GROUP_M, HAS_BIAS)
+                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN)
 
     @gluon.jit
     def _ws_fp8_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
                                  num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                 C_BUFS: gl.constexpr):
+                                 C_BUFS: gl.constexpr, TURN: gl.constexpr = False):
         """The wide forms (``GluonTile(block_m=256, promote="serial")``: 256 x 128 tiles, DeepGEMM's
         choice for these shapes; ``GluonTile(block_n=256, promote="serial")``: 128 x 256), always on
         the serial promotion loop: per K block 48 KB of loads for 256 x 128 x 128
@@ -257,11 +263,18 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
+        if TURN:  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+        else:
+            turn = empty  # (not used)
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
+                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN)),
             (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
-                                     c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
+                                     c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn,
+                                     TURN)),
             (_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                          M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
         ], [4, 1], [232, 40])
@@ -280,7 +293,7 @@ def wide_c_bufs(stages: int) -> int:
 def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
                 block_m: int = BM, block_n: int = BN, balance: bool = False,
-                promote: str = "pipelined") -> torch.Tensor:
+                promote: str = "pipelined", turns: bool = False) -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
     [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
@@ -288,9 +301,12 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     balance: ``_gluon.num_programs``; promote: the 128 x 128 kernel's main loop, "pipelined"
     (``_gluon.block_scaled_mainloop``, the shipped one) or "serial" (every K block's wgmma waited
     for within its iteration, ``_gluon.block_scaled_mainloop_serial``, no C7514); the wide forms
-    have only "serial" (ValueError otherwise)."""
+    have only "serial" (ValueError otherwise). turns: the wide forms' two consumer warpgroups issue
+    their wgmmas in turns (``GluonTile.turns``; ValueError for the 128 x 128 tile)."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
+    if turns and not wide:
+        raise ValueError(f"GluonTile(turns=True) is for the wide dense tiles (256 x 128, 128 x 256), not {BM} x {BN}")
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
@@ -307,5 +323,6 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                                           num_warps=4, **serial)
     else:
         _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
-                                               C_BUFS=wide_c_bufs(stages), num_warps=4)
+                                               C_BUFS=wide_c_bufs(stages), num_warps=4,
+                                               **({"TURN": True} if turns else {}))
     return out

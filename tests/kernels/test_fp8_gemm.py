@@ -229,6 +229,8 @@ def test_gluon_wide_tiles_refuse_pipelined():
             fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, block_m=bm, block_n=bn)
     with pytest.raises(ValueError, match="promote="):
         fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="bogus")
+    with pytest.raises(ValueError, match="turns=True.*not 128 x 128"):
+        fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="serial", turns=True)
     with pytest.raises(ValueError, match="promote"):
         GluonTile(promote="inplace")
 
@@ -281,8 +283,11 @@ def test_host_helpers_match_triton():
 SERIAL_TILES = [GluonTile(stages=5, promote="serial"), GluonTile(stages=4, balance=True, promote="serial"),
                 GluonTile(stages=3, block_m=256, promote="serial"), GluonTile(stages=4, block_m=256, promote="serial"),
                 GluonTile(stages=3, block_n=256, promote="serial"),
-                GluonTile(stages=4, block_n=256, balance=True, promote="serial")]
-SERIAL_IDS = ["128x128-s5", "128x128-s4-bal", "256x128-s3", "256x128-s4", "128x256-s3", "128x256-s4-bal"]
+                GluonTile(stages=4, block_n=256, balance=True, promote="serial"),
+                GluonTile(stages=3, block_n=256, promote="serial", turns=True),
+                GluonTile(stages=4, block_m=256, promote="serial", turns=True)]
+SERIAL_IDS = ["128x128-s5", "128x128-s4-bal", "256x128-s3", "256x128-s4", "128x256-s3", "128x256-s4-bal",
+              "128x256-s3-turns", "256x128-s4-turns"]
 
 
 def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
@@ -290,7 +295,7 @@ def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
 
     return fp8_gemm_ws.ws_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out, stages=tile.stages, group_m=tile.group_m,
                                    block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
-                                   balance=tile.balance, promote=tile.promote)
+                                   balance=tile.balance, promote=tile.promote, turns=tile.turns)
 
 
 @pytest.mark.gpu
@@ -332,16 +337,19 @@ def test_fp8_gemm_ws_serial_extreme_scales():
 # rows. By default the square kernel and that wide tile (each form compiles in ~6 s on the 2-core box);
 # under -m slow the other wide forms (256 x 128 at 3 and 4 stages, 128 x 256 at 4: the same
 # _ws_fp8_gemm_wide_kernel as the default's 128 x 256 s3, other block shapes / stages).
-SERIAL_COMPILES = [pytest.param(128, 128, 5, id="128x128-s5"), pytest.param(128, 256, 3, id="128x256-s3"),
-                   *(pytest.param(*c, id=f"{c[0]}x{c[1]}-s{c[2]}", marks=pytest.mark.slow)
-                     for c in ((256, 128, 3), (256, 128, 4), (128, 256, 4)))]
+# (with GluonTile.turns, slow: the wide kernel with its warpgroups' wgmmas in turns, 128 x 256 s3)
+SERIAL_COMPILES = [pytest.param(128, 128, 5, False, id="128x128-s5"), pytest.param(128, 256, 3, False, id="128x256-s3"),
+                   *(pytest.param(*c, False, id=f"{c[0]}x{c[1]}-s{c[2]}", marks=pytest.mark.slow)
+                     for c in ((256, 128, 3), (256, 128, 4), (128, 256, 4))),
+                   pytest.param(128, 256, 3, True, id="128x256-s3-turns", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("bm,bn,stages", SERIAL_COMPILES)
-def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages):
+@pytest.mark.parametrize("bm,bn,stages,turns", SERIAL_COMPILES)
+def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
     """Without a GPU: the serial-promotion forms compile for sm_90 with ptxas pipelining their wgmmas
     (no C7514) and, for 128 x 128 and 128 x 256, no spills (256 x 128: ptxas's report; measured
-    96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block)."""
+    96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block); with
+    turns, two more barriers (the warpgroups' turns) and a wait and an arrive around each product."""
     import re
 
     from gptoss_fp8.kernels import _gluon, fp8_gemm_ws
@@ -358,10 +366,12 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages):
         fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
     else:
         fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
-        consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages))
+        consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages),
+                      **({"TURN": True} if turns else {}))
     k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
                                                                 "stride_asm", "stride_bsn"))
     ptx = k["ptx"]
+    assert ptx.count("mbarrier.init") == 2 * stages + 2 * turns
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
