@@ -349,6 +349,18 @@ if HAS_GLUON:
         return acc0, acc1, c
 
     @gluon.jit
+    def turn_barriers(dummy, TURN: gl.constexpr):
+        """The two consumer warpgroups' turn barriers (``GluonTile.turns``), initialized; without TURN
+        ``dummy`` (any shared-memory descriptor: the callers pass it on unused)."""
+        if TURN:
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+        else:
+            turn = dummy
+        return turn
+
+    @gluon.jit
     def skip_turns(turn, W: gl.constexpr, c, TURN: gl.constexpr):
         """Stage c's two turns taken and passed with no wgmma: a warpgroup that skips a tile's products (its
         rows all padding) calls it for each stage it keeps the ring in step on, so that the rotation stays in

@@ -58,6 +58,7 @@ if HAS_GLUON:
         mbarrier,
         tile_coords,
         tma,
+        turn_barriers,
     )
 
 BM, BN, BK = 128, 128, 128  # output tile and K block (= the scale group)
@@ -263,12 +264,7 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
-        if TURN:  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(turn.index(0), count=1)
-            mbarrier.init(turn.index(1), count=1)
-        else:
-            turn = empty  # (not used)
+        turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                              M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN)),

@@ -53,6 +53,7 @@ if HAS_GLUON:
         skip_turns,
         tile_coords,
         tma,
+        turn_barriers,
     )
 
 TILE_M, TILE_N, BK = 64, 256, 128  # rows (= the experts' segment alignment), columns, K block
@@ -376,12 +377,7 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
-        if TURN:  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(turn.index(0), count=1)
-            mbarrier.init(turn.index(1), count=1)
-        else:
-            turn = empty  # (not used)
+        turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         gl.warp_specialize([
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
@@ -437,12 +433,7 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
-        if TURN:  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(turn.index(0), count=1)
-            mbarrier.init(turn.index(1), count=1)
-        else:
-            turn = empty  # (not used)
+        turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         gl.warp_specialize([
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
