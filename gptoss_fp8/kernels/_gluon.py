@@ -90,6 +90,15 @@ def check_promote(promote: str, wide: bool, what: str) -> None:
                          f"(got promote={promote!r})")
 
 
+def check_turns(turns: bool, wide: bool, what: str) -> None:
+    """ValueError for ``GluonTile(turns=True)`` on a base tile (``what``): turns order the two consumer
+    warpgroups of the wide tiles, the MoE's 128-row gate_up and Gluon down and the dense 256 x 128 /
+    128 x 256 (``block_scaled_mainloop_serial``'s TURN)."""
+    if turns and not wide:
+        raise ValueError(f"GluonTile(turns=True) is for the wide tiles' two consumer warpgroups (the MoE's 128-row "
+                         f"gate_up and Gluon down, the dense 256 x 128 / 128 x 256), not {what}")
+
+
 def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4,
                      divisible16: tuple[str, ...] = ()) -> dict:
     """Compile a Gluon kernel for sm_90 with no GPU present (types: argument -> triton type string,

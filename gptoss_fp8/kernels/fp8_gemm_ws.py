@@ -43,7 +43,13 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels._gluon import HAS_GLUON, check_promote, num_programs, supported  # noqa: F401 - re-exported
+from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
+    HAS_GLUON,
+    check_promote,
+    check_turns,
+    num_programs,
+    supported,
+)
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
@@ -301,8 +307,7 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     their wgmmas in turns (``GluonTile.turns``; ValueError for the 128 x 128 tile)."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
-    if turns and not wide:
-        raise ValueError(f"GluonTile(turns=True) is for the wide dense tiles (256 x 128, 128 x 256), not {BM} x {BN}")
+    check_turns(turns, wide, f"{block_m} x {block_n} (the base dense tile)")
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"

@@ -253,7 +253,7 @@ def moe_expert_slots(
             f"ALIGN_M={gu_rows} (got {align})")
         moe_ws.check_promote(plan.gate_up.promote, gu_rows == moe_ws.WIDE_M,
                              f"the {gu_rows} x {moe_ws.TILE_N} Gluon MoE gate_up")
-        moe_ws.check_turns(plan.gate_up.turns, gu_rows)
+        moe_ws.check_turns(plan.gate_up.turns, gu_rows == moe_ws.WIDE_M, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 

@@ -36,7 +36,13 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels import sm_count
-from gptoss_fp8.kernels._gluon import HAS_GLUON, check_promote, num_programs, supported  # noqa: F401 - re-exported
+from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
+    HAS_GLUON,
+    check_promote,
+    check_turns,
+    num_programs,
+    supported,
+)
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
@@ -447,14 +453,6 @@ if HAS_GLUON:
         ], [4, 1], [232, 40])
 
 
-def check_turns(turns: bool, block_m: int) -> None:
-    """ValueError for ``GluonTile(turns=True)`` on the 64 x 256 gate_up (one consumer warpgroup a
-    column half, no turns to take): turns are for the wide gate_up (block_m=128) and the Gluon down."""
-    if turns and block_m != WIDE_M:
-        raise ValueError(f"GluonTile(turns=True) is for the wide gate_up (block_m={WIDE_M}) and the Gluon down only, "
-                         f"not the {block_m} x {TILE_N} gate_up")
-
-
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
@@ -495,7 +493,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     no C7514); the wide form has only "serial" (ValueError otherwise). turns: the wide form's consumer
     warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile)."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
-    check_turns(turns, block_m)
+    check_turns(turns, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
     max_rows, k = a.shape
     e, n, _ = w.shape

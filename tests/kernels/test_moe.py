@@ -561,8 +561,8 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
     # GluonTile.turns: for the two consumer warpgroups of the wide gate_up and the down only
     with pytest.raises(ValueError, match="turns=True.*not the 64 x 256 gate_up"):
         moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", turns=True)
-    moe_ws.check_turns(True, 128)
-    moe_ws.check_turns(False, 64)
+    moe_ws.check_turns(True, True, "the 128 x 256 gate_up")
+    moe_ws.check_turns(False, False, "the 64 x 256 gate_up")
 
 
 @pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
