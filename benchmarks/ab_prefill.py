@@ -15,7 +15,9 @@ expert GEMMs on the Triton kernels: moe_gluon=False), "triton-attention" (attent
 depth and tile-order group instead of 4 stages, GROUP_M 8; tenth session), "wide-g<GROUP_M>", e.g. "wide-g16" (the
 heavy-load MoE plan's wide gate_up and Gluon down with that tile-order group instead of 16; twenty-seventh session),
 "wide-turns" (both with ``GluonTile.turns``: their warpgroups' wgmmas in turns), "dense-turns" (the dense
-wide tiles with turns), "all-turns" (both).
+wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE tiles with
+``GluonTile.stage_scales``: the scales through the stages, twenty-eighth session), "wide-turns-scales" (both
+options on the MoE tiles).
 ``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -61,6 +63,10 @@ def _config(name: str) -> KernelConfig | None:
     if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
         st, gr = (int(v) for v in name[4:].split("-g"))
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
+    if name in ("wide-scales", "wide-turns-scales"):  # the heavy-load MoE tiles' scales through the stages
+        opts = dict(stage_scales=True, **({"turns": True} if name == "wide-turns-scales" else {}))
+        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, **opts),
+                       moe_gluon_down=replace(base.moe_gluon_down, **opts))
     if name in ("wide-turns", "dense-turns", "all-turns"):  # the wide tiles' warpgroups take turns at the tensor core
         moe = dict(moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, turns=True),
                    moe_gluon_down=replace(base.moe_gluon_down, turns=True))

@@ -45,6 +45,8 @@ PLANS = {
     "group_m 32": _wide(group_m=32),
     "stages 3": _wide(stages=3),
     "turns (the warpgroups' wgmmas in turns)": _wide(turns=True),
+    "stage scales (the scales through the stages, TMA)": _wide(stage_scales=True),
+    "turns + stage scales": _wide(turns=True, stage_scales=True),
     "64x256 gate_up + Triton down": MoePlan(64, GluonTile(promote="serial"), TritonTile(64, 128, group_m=8, num_warps=4,
                                                                                          num_stages=4)),
 }

@@ -31,6 +31,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAY = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
        "fp4_padded=False, cga_layout=[])")
 GU_CONSTS = dict(ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)  # spec.SWIGLU_ALPHA, fp8.FP8_MAX, fp8.ACT_EPS
+# the wide gate_up's out_scale column stride: 1 (row-major, specialized as a launch does) unless the down reads it
+# MN-major (GluonTile.stage_scales)
+WIDE_CONSTS = dict(GU_CONSTS, stride_osn=1)
+L1 = ("NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1, transposed=False, fp4_padded=False, "
+      "cga_layout=[])")
+SC_TYPES = {"sa_desc": f"tensordesc<fp32[128],{L1}>", "sb_desc": f"tensordesc<fp32[4],{L1}>"}
 
 
 def gu_types(block_m):
@@ -72,7 +78,7 @@ def variants():
               dict(STAGES=4, GROUP_M=8, SERIAL=False, **GU_CONSTS), ()))
     # the wide gate_up: ws_moe_gemm(block_m=128); stages 4 (default) / 3, group_m 8 / 4
     for stages, group_m, spec in itertools.product((4, 3), (8, 4), ("plain", "launch")):
-        c = dict(STAGES=stages, GROUP_M=group_m, **GU_CONSTS)
+        c = dict(STAGES=stages, GROUP_M=group_m, **WIDE_CONSTS)
         v.append((f"wide_s{stages}_g{group_m}_{spec}", "_ws_moe_gemm_wide_kernel", gu_types(128), c,
                   GU_WIDE_DIV16 if spec == "launch" else ()))
     # the down: ws_moe_down; stages 4 / 3, group_m 8 / 4
@@ -81,12 +87,21 @@ def variants():
                   dict(STAGES=stages, GROUP_M=group_m), DOWN_DIV16 if spec == "launch" else ()))
     # the consumer warpgroups' turns at the tensor core (GluonTile(turns=True), opt-in since the 27th session)
     v.append(("wide_s4_g16_turn_launch", "_ws_moe_gemm_wide_kernel", gu_types(128),
-              dict(STAGES=4, GROUP_M=16, TURN=True, **GU_CONSTS), GU_WIDE_DIV16))
+              dict(STAGES=4, GROUP_M=16, TURN=True, **WIDE_CONSTS), GU_WIDE_DIV16))
     v.append(("down_s4_g16_turn_launch", "_ws_moe_down_kernel", DOWN_TYPES, dict(STAGES=4, GROUP_M=16, TURN=True),
               DOWN_DIV16))
+    # the scales through the stages (GluonTile.stage_scales, opt-in since the 28th session), with and without turns;
+    # the gate_up writing its out_scale MN-major (the down's A scales then)
+    for turn in (False, True):
+        t = dict(TURN=True) if turn else {}
+        v.append((f"wide_s4_g16_sc{'_turn' if turn else ''}_launch", "_ws_moe_gemm_wide_kernel",
+                  gu_types(128) | SC_TYPES, dict(STAGES=4, GROUP_M=16, SC=True, **t, **GU_CONSTS, stride_osm=1),
+                  GU_WIDE_DIV16))
+        v.append((f"down_s4_g16_sc{'_turn' if turn else ''}_launch", "_ws_moe_down_kernel", DOWN_TYPES | SC_TYPES,
+                  dict(STAGES=4, GROUP_M=16, SC=True, **t), DOWN_DIV16))
     # a launch's value-1 specialization (an int arg == 1 becomes a constexpr): one row tile (t = 1)
     v.append(("wide_s4_g8_launch_numm1", "_ws_moe_gemm_wide_kernel", gu_types(128),
-              dict(STAGES=4, GROUP_M=8, num_m=1, **GU_CONSTS), GU_WIDE_DIV16))
+              dict(STAGES=4, GROUP_M=8, num_m=1, **WIDE_CONSTS), GU_WIDE_DIV16))
     v.append(("down_s4_g8_launch_numm1", "_ws_moe_down_kernel", DOWN_TYPES,
               dict(STAGES=4, GROUP_M=8, num_m=1), DOWN_DIV16))
     v.append(("gemm_s4_g8_serial_launch_numm1", "_ws_moe_gemm_kernel", gu_types(64),

@@ -60,6 +60,19 @@ def descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), t.dtype))
 
 
+@functools.cache
+def _flat_f32_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def scale_descriptor(t: torch.Tensor, box: int):
+    """TMA descriptor over a 1-D fp32 tensor of block scales (16-byte aligned), copied ``box`` floats
+    at a time (a multiple of 4, at most 256) into unswizzled shared memory at any element offset:
+    ``load_stage``'s scales (``GluonTile.stage_scales``)."""
+    assert t.dim() == 1 and t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and box % 4 == 0, (t.shape, box)
+    return TensorDescriptor.from_tensor(t, [box], _flat_f32_layout())
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -90,6 +103,14 @@ def check_promote(promote: str, wide: bool, what: str) -> None:
                          f"(got promote={promote!r})")
 
 
+def check_stage_scales(stage_scales: bool, moe_wide: bool, what: str) -> None:
+    """ValueError for ``GluonTile(stage_scales=True)`` on a tile other than the MoE's heavy-load ones (the
+    128-row gate_up and the Gluon down, ``moe_wide``): only their producer copies the scales into the stages."""
+    if stage_scales and not moe_wide:
+        raise ValueError(f"GluonTile(stage_scales=True) is for the MoE's 128 x 256 gate_up and Gluon down, "
+                         f"not {what}")
+
+
 def check_turns(turns: bool, wide: bool, what: str) -> None:
     """ValueError for ``GluonTile(turns=True)`` on a base tile (``what``): turns order the two consumer
     warpgroups of the wide tiles, the MoE's 128-row gate_up and Gluon down and the dense 256 x 128 /
@@ -102,7 +123,7 @@ def check_turns(turns: bool, wide: bool, what: str) -> None:
 def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4,
                      divisible16: tuple[str, ...] = ()) -> dict:
     """Compile a Gluon kernel for sm_90 with no GPU present (types: argument -> triton type string,
-    "i32" for the ones not named). Returns {"ptx", "num_warps", "shared"} and ptxas's report
+    "i32" for the ones not named, None for those that default to None). Returns {"ptx", "num_warps", "shared"} and ptxas's report
     (``ptxas_resources``: registers, spill bytes, stack). ``divisible16``: arguments to compile as
     a launch specializes them when they are multiples of 16 (pointers 16-byte aligned, strides, sizes:
     what lets row stores vectorize). Runs in a child process
@@ -124,8 +145,10 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    # constexprs the caller leaves out take their defaults, as at a launch
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
+    # constexprs the caller leaves out take their defaults, as at a launch; so do arguments defaulting to
+    # None that the caller neither types nor passes (a launch leaving them out specializes them as None)
+    constexprs = {**{p.name: p.default for p in fn.params if p.has_default
+                     and (p.is_constexpr or (p.default is None and p.name not in types))}, **constexprs}
     sig = {a: ("constexpr" if a in constexprs else types.get(a, "i32")) for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible16}
     k = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
@@ -188,6 +211,45 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(a_desc, a_coord, ready.index(s), a_bufs.index(s))
         tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(s), b_bufs.index(s))
         return c + 1
+
+    @gluon.jit
+    def load_stage_scaled(a_desc, b_desc, sa_desc, sb_desc, empty, ready, a_bufs, b_bufs, sa_bufs, sb_bufs, c,
+                          a_coord, b_coord, sa_off, sb_off, sb_step):
+        """``load_stage`` with the K block's scales in the stage too (``GluonTile.stage_scales``, DeepGEMM's
+        way): the A tile's row scales (sa_desc: the scales MN-major, flat; sa_off: this K block's first
+        row) into sa_bufs[stage], and the two 128-column weight-scale blocks of the B tile's halves
+        (sb_desc: the weight scales flat; sb_off and sb_off + sb_step: this K block's scale of each half,
+        the box's first element) into sb_bufs[2 * stage] and [2 * stage + 1]; all on the stage's ready
+        barrier. A half past N copies what lies there (or TMA's zeros past the end), never read."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        s = c % S
+        mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                        + sa_desc.block_type.nbytes + 2 * sb_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, a_coord, ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(s), b_bufs.index(s))
+        tma.async_copy_global_to_shared(sa_desc, [sa_off], ready.index(s), sa_bufs.index(s))
+        tma.async_copy_global_to_shared(sb_desc, [sb_off], ready.index(s), sb_bufs.index(2 * s))
+        tma.async_copy_global_to_shared(sb_desc, [sb_off + sb_step], ready.index(s), sb_bufs.index(2 * s + 1))
+        return c + 1
+
+    @gluon.jit
+    def stage_scale_buffers(sa_desc, sb_desc, dummy, STAGES: gl.constexpr, ROWS: gl.constexpr, SC: gl.constexpr):
+        """The stages' scale buffers of ``load_stage_scaled`` (row scales [STAGES, ROWS], weight scales
+        [2 * STAGES, box]); without SC ``dummy`` twice (any shared-memory descriptor, passed on unused)."""
+        if SC:
+            sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], sa_desc.layout)
+            sb_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, sb_desc.block_type.shape[0]], sb_desc.layout)
+        else:
+            sa_bufs = dummy
+            sb_bufs = dummy
+        return sa_bufs, sb_bufs
+
+    @gluon.jit
+    def _smem_scalar(buf):
+        """buf[0] (a shared-memory fp32 vector) as a scalar: one broadcast load (max over one element, so
+        the replicated layout's copies cannot add up)."""
+        return gl.max(buf.slice(0, 1).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
 
     @gluon.jit
     def _a_scale(a_s_ptr, rmask, MASK_A: gl.constexpr):
@@ -266,7 +328,8 @@ if HAS_GLUON:
                                      AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr, turn=None,
-                                     W: gl.constexpr = 0, TURN: gl.constexpr = False):
+                                     W: gl.constexpr = 0, TURN: gl.constexpr = False, sa_bufs=None, sb_bufs=None,
+                                     SC: gl.constexpr = False):
         """Two block-scaled FP8 products of one consumer warpgroup over the same stages, with the
         package's promotion numerics: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1 of
         A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a wide tile as two m64 x n128
@@ -301,8 +364,17 @@ if HAS_GLUON:
         second an empty turn without DO1, so that both count 2 * c), so that the tensor core runs one
         warpgroup's product while the other promotes, instead of both in step and both promoting at
         once (DeepGEMM's gate_up keeps its tensor pipe 80% active, ours 65%: BENCHMARKS.md, 27th
-        session). Warpgroups that skip a tile's products must take the same turns (``skip_turns``)."""
+        session). Warpgroups that skip a tile's products must take the same turns (``skip_turns``).
+
+        SC (opt-in, ``GluonTile(stage_scales=True)``; products sharing their A rows, A0 == A1): the scales
+        come from the stage (``load_stage_scaled``): rows A0 .. A0 + AR of sa_bufs[stage] and the scalars
+        sb_bufs[2 * stage] / [2 * stage + 1], read from shared memory once the stage is ready, instead of
+        global loads issued behind the wgmma (the promotion's multiply waited on them: 21.7% of our
+        gate_up's warp samples against DeepGEMM's 8.9%, BENCHMARKS.md, 27th session). The pointer
+        arguments are then unused; the products and sums are the same, so the results are the same bits."""
         S: gl.constexpr = a_bufs.type.shape[0]
+        if SC:
+            gl.static_assert(A0 == A1, "stage scales: both products on the same A rows")
         # t: the temporary. Each wgmma is issued with use_acc=False on the previous (promoted, dead)
         # temporary, whose values it ignores (ptxas's !UPT: no zeros written per block). With DO1,
         # ptxas may still hoist product 1's wgmma above product 0's promotion into a second
@@ -318,9 +390,15 @@ if HAS_GLUON:
             t = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), t,
                               use_acc=False, is_async=True)
             pass_turn(turn, W, TURN)
-            sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
-            if DO1:  # product 1's scales too: loaded once product 0 is issued
-                sc1 = _scale_prod(as_ptr, a_offs + (a_off1 + kk), rmask1, b_s_ptr + (b_off1 + kk), MASK_A)
+            if SC:
+                sa = sa_bufs.index(s).slice(A0, AR).load(gl.SliceLayout(1, layout))
+                sc0 = sa * _smem_scalar(sb_bufs.index(2 * s))
+                if DO1:
+                    sc1 = sa * _smem_scalar(sb_bufs.index(2 * s + 1))
+            else:
+                sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
+                if DO1:  # product 1's scales too: loaded once product 0 is issued
+                    sc1 = _scale_prod(as_ptr, a_offs + (a_off1 + kk), rmask1, b_s_ptr + (b_off1 + kk), MASK_A)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
             if DO1:
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
@@ -344,17 +422,20 @@ if HAS_GLUON:
                                      AR: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, BR: gl.constexpr,
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, second, turn=None,
-                                     W: gl.constexpr = 0, TURN: gl.constexpr = False):
+                                     W: gl.constexpr = 0, TURN: gl.constexpr = False, sa_bufs=None, sb_bufs=None,
+                                     SC: gl.constexpr = False):
         """``block_scaled_mainloop_serial`` of a tile split in two column halves, the second product
         run only where ``second`` (run time: False where the right half lies wholly past N)."""
         if second:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
-                                                         c, n_k, layout, MASK_A, True, turn, W, TURN)
+                                                         c, n_k, layout, MASK_A, True, turn, W, TURN, sa_bufs,
+                                                         sb_bufs, SC)
         else:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
-                                                         c, n_k, layout, MASK_A, False, turn, W, TURN)
+                                                         c, n_k, layout, MASK_A, False, turn, W, TURN, sa_bufs,
+                                                         sb_bufs, SC)
         return acc0, acc1, c
 
     @gluon.jit

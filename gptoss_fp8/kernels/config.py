@@ -57,7 +57,13 @@ class GluonTile:
     dense 256 x 128 / 128 x 256) issue their wgmmas in turns (``_gluon.block_scaled_mainloop_serial``'s
     TURN, FlashAttention-3's ping-pong applied to the promotion loop: one warpgroup's product on the
     tensor core while the other promotes). Opt-in, built without a GPU in the twenty-seventh session:
-    measure it (``gpu_suite.sh moe-turns``) before making it a default; the base tiles refuse it."""
+    measure it (``gpu_suite.sh moe-turns``) before making it a default; the base tiles refuse it.
+    stage_scales: the MoE's heavy-load tiles (128-row gate_up, Gluon down) only: the producer copies each
+    K block's row scales (MN-major, as ``gather_act_quant(scale_mn_major=True)`` and the wide gate_up
+    write them for the next GEMM) and weight scales into the stage with TMA, and the consumers read
+    them from shared memory (DeepGEMM's way) instead of global loads the promotion waits on. Same
+    bits. Opt-in, built without a GPU in the twenty-eighth session (``_gluon.load_stage_scaled``):
+    measure it before making it a default; other tiles refuse it (``_gluon.check_stage_scales``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -66,6 +72,7 @@ class GluonTile:
     balance: bool = False
     promote: str = "pipelined"
     turns: bool = False
+    stage_scales: bool = False
 
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:

@@ -224,7 +224,8 @@ def fp8_gemm(
                     "Gluon, bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
         fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
                                 block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
-                                balance=tile.balance, promote=tile.promote, turns=tile.turns)
+                                balance=tile.balance, promote=tile.promote, turns=tile.turns,
+                                stage_scales=tile.stage_scales)
         return out.reshape(*lead, n)
     bm, bn = tile.block_m, tile.block_n
     assert bn in (16, 32, 64, 128), f"BLOCK_N={bn}: tiles must lie inside one 128-column weight block"

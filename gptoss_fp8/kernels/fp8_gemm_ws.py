@@ -46,6 +46,7 @@ from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     HAS_GLUON,
     check_promote,
+    check_stage_scales,
     check_turns,
     num_programs,
     supported,
@@ -295,7 +296,7 @@ def wide_c_bufs(stages: int) -> int:
 def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
                 block_m: int = BM, block_n: int = BN, balance: bool = False,
-                promote: str = "pipelined", turns: bool = False) -> torch.Tensor:
+                promote: str = "pipelined", turns: bool = False, stage_scales: bool = False) -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
     [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
@@ -304,10 +305,12 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     (``_gluon.block_scaled_mainloop``, the shipped one) or "serial" (every K block's wgmma waited
     for within its iteration, ``_gluon.block_scaled_mainloop_serial``, no C7514); the wide forms
     have only "serial" (ValueError otherwise). turns: the wide forms' two consumer warpgroups issue
-    their wgmmas in turns (``GluonTile.turns``; ValueError for the 128 x 128 tile)."""
+    their wgmmas in turns (``GluonTile.turns``; ValueError for the 128 x 128 tile). stage_scales: the
+    MoE's tiles only (``GluonTile.stage_scales``): ValueError here."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
     check_turns(turns, wide, f"{block_m} x {block_n} (the base dense tile)")
+    check_stage_scales(stage_scales, False, f"the {block_m} x {block_n} Gluon dense GEMM")
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"

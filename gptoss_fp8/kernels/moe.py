@@ -116,7 +116,7 @@ def zero_foreign_rows(topk_ids: torch.Tensor, y: torch.Tensor, expert_start: int
 @triton.jit
 def _gather_act_quant_kernel(
     x_ptr, xs_ptr, slots_ptr, q_ptr, s_ptr,
-    M, K, num_slots, stride_xm, stride_xsm, stride_qm, stride_sm,
+    M, K, num_slots, stride_xm, stride_xsm, stride_qm, stride_sm, stride_sg,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
     FROM_QUANT: tl.constexpr = False, GROUPS: tl.constexpr = 1,
 ):
@@ -144,7 +144,7 @@ def _gather_act_quant_kernel(
             q, scale = quantize_group_rows(x.to(tl.float32), FP8_MAX_C, EPS)
         tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & k_ok[None, :])
-        tl.store(s_ptr + rows * stride_sm + g, scale, mask=m_ok & (g * GROUP < K))
+        tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=m_ok & (g * GROUP < K))
 
 
 def gather_tile(rows: int, groups: int) -> tuple[int, int]:
@@ -157,19 +157,25 @@ def gather_tile(rows: int, groups: int) -> tuple[int, int]:
 
 def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
                      x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tile: tuple[int, int] | None = None,
+                     scale_mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate_up GEMM's A operand in padded sorted row order: row r is the 1x128 FP8 quantization
     of x[sorted_slots[r] // top_k] (``act_quant``'s numerics; a token routed to k experts is
     quantized k times, identically); padding rows (slot >= T*k) are zeros. Lets gate_up read A
     through TMA like the down GEMM, instead of gathering rows with pointer loads.
     x_quant: ``act_quant(x)`` (x_fp8 [T, H], scale [T, ceil(H/128)], last dims contiguous) when the
     caller has it; its rows are then copied (half the bytes of x read, no quantization), same bits.
-    tile: (rows, groups of 128 columns) a program (None: ``gather_tile``'s)."""
+    tile: (rows, groups of 128 columns) a program (None: ``gather_tile``'s). scale_mn_major: the
+    scales [M, g] laid out MN-major (stride (1, M): a group's rows contiguous, what the wide gate_up
+    with ``GluonTile.stage_scales`` copies into its stages), same values."""
     t, h = x.shape
     m = sorted_slots.shape[0]
     g = cdiv(h, BLOCK)
     q = torch.empty((m, h), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if scale_mn_major:
+        s = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if x_quant is not None:
         xq, xs = x_quant
         assert xq.shape == x.shape and xq.dtype == FP8_DTYPE and xq.stride(-1) == 1, (
@@ -182,6 +188,7 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
         block_m, groups = tile or gather_tile(m, g)
         _gather_act_quant_kernel[(cdiv(m, block_m), cdiv(g, groups))](
             src, src_s, sorted_slots, out, s, m, h, t * top_k, src.stride(0), src_s.stride(0), q.stride(0), s.stride(0),
+            s.stride(1),
             TOP_K=top_k, BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, FROM_QUANT=x_quant is not None,
             GROUPS=groups, num_warps=4,
         )
@@ -254,20 +261,29 @@ def moe_expert_slots(
         moe_ws.check_promote(plan.gate_up.promote, gu_rows == moe_ws.WIDE_M,
                              f"the {gu_rows} x {moe_ws.TILE_N} Gluon MoE gate_up")
         moe_ws.check_turns(plan.gate_up.turns, gu_rows == moe_ws.WIDE_M, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
+        moe_ws.check_stage_scales(plan.gate_up.stage_scales, gu_rows == moe_ws.WIDE_M,
+                                  f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
     sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
     max_rows = sorted_slots.shape[0]
     act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
-    act_scale = torch.empty((max_rows, cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
+    # GluonTile.stage_scales: the down's A scales MN-major where the wide gate_up writes them (else its launcher
+    # transposes them)
+    if isinstance(plan.down, GluonTile) and plan.down.stage_scales and gluon_gu and gu_rows == moe_ws.WIDE_M:
+        act_scale = torch.empty((cdiv(i, BLOCK), max_rows), dtype=torch.float32, device=x.device).t()
+    else:
+        act_scale = torch.empty((max_rows, cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
     if gluon_gu:
         # A quantized straight into sorted row order (rows copied from x_quant when given: same bits)
-        a_fp8, a_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant)
+        a_fp8, a_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant,
+                                          scale_mn_major=plan.gate_up.stage_scales)
         moe_ws.ws_moe_gemm(a_fp8, a_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
                            stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,
-                           balance=plan.gate_up.balance, promote=plan.gate_up.promote, turns=plan.gate_up.turns)
+                           balance=plan.gate_up.balance, promote=plan.gate_up.promote, turns=plan.gate_up.turns,
+                           stage_scales=plan.gate_up.stage_scales)
     else:
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         gate_up_triton(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert, k,
@@ -278,7 +294,7 @@ def moe_expert_slots(
             f"(got {align})")
         moe_ws.ws_moe_down(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots,
                            stages=plan.down.stages, group_m=plan.down.group_m, balance=plan.down.balance,
-                           promote=plan.down.promote, turns=plan.down.turns)
+                           promote=plan.down.promote, turns=plan.down.turns, stage_scales=plan.down.stage_scales)
     else:
         down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, k, align, plan.tma,
                     plan.down)

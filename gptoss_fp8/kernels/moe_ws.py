@@ -39,8 +39,10 @@ from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     HAS_GLUON,
     check_promote,
+    check_stage_scales,
     check_turns,
     num_programs,
+    scale_descriptor,
     supported,
 )
 from gptoss_fp8.quant.fp8 import cdiv
@@ -55,8 +57,10 @@ if HAS_GLUON:
         gl,
         gluon,
         load_stage,
+        load_stage_scaled,
         mbarrier,
         skip_turns,
+        stage_scale_buffers,
         tile_coords,
         tma,
         turn_barriers,
@@ -81,7 +85,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
-                     num_progs, GROUP_M: gl.constexpr):
+                     num_progs, GROUP_M: gl.constexpr, scales=None, SC: gl.constexpr = False):
+        """The 1-warp producer: each tile's K blocks of A rows and W rows into the stage ring. SC
+        (``GluonTile.stage_scales``; ``scales`` = (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse,
+        stride_bsn)): each K block's row scales (A's scales MN-major) and the two column halves'
+        weight scales too (``_gluon.load_stage_scaled``)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -92,9 +100,17 @@ if HAS_GLUON:
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             expert = gl.load(block_expert_ptr + pid_m)
             if expert < num_experts:
-                for kk in range(n_k):
-                    c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
-                                   [expert * N + pid_n * TN, kk * TK])
+                if SC:
+                    sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn = scales
+                    sb0 = expert * stride_bse + (pid_n * (TN // TK)) * stride_bsn
+                    for kk in range(n_k):
+                        c = load_stage_scaled(a_desc, b_desc, sa_desc, sb_desc, empty, ready, a_bufs, b_bufs, sa_bufs,
+                                              sb_bufs, c, [pid_m * TM, kk * TK], [expert * N + pid_n * TN, kk * TK],
+                                              kk * (num_m * TM) + pid_m * TM, sb0 + kk, stride_bsn)
+                else:
+                    for kk in range(n_k):
+                        c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
+                                       [expert * N + pid_n * TN, kk * TK])
 
     @gluon.jit
     def _moe_consume(W: gl.constexpr, empty, ready, xbar, a_bufs, b_bufs, x_smem, o_smem, as_ptr, bs_ptr, bias_ptr,
@@ -231,14 +247,14 @@ if HAS_GLUON:
     def _wide_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, out_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                       block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                       stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out, turn,
-                      TURN: gl.constexpr):
+                      TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
         """Consumer warpgroup W of the two 128 x 256 kernels, the wide gate_up and (DOWN) the down:
         rows W*64 .. W*64 + 64 of every tile, all 256 columns as two 128-column products sharing each
         A stage (``block_scaled_mainloop_halves``; the right half is skipped where it lies wholly past
         N). A warpgroup whose first row is padding (a segment's padding rows come last, so all its
         rows are) skips its products and only keeps the stage ring in step. Then + bias and
 
-        - gate_up (``out`` = (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS)): the
+        - gate_up (``out`` = (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS)): the
           clamped SwiGLU; the tile's 128 SwiGLU outputs (one FP8 group) sit in one warpgroup, so no
           row-max exchange; FP8 out through out_bufs[2W], out_bufs[2W + 1] and TMA stores, the row
           scales at out_s_ptr. Padding rows are written too (their outputs: the bias's SwiGLU).
@@ -249,6 +265,9 @@ if HAS_GLUON:
         TURN (``GluonTile(turns=True)``): the two warpgroups issue their wgmmas in turns on the
         ``turn`` barriers (``_gluon.block_scaled_mainloop_serial``); a warpgroup of padding rows takes
         its turns with no wgmma (``skip_turns``).
+
+        SC (``GluonTile(stage_scales=True)``): the K blocks' scales from the stages (sa_bufs, sb_bufs;
+        ``_gluon.load_stage_scaled``), not from as_ptr / bs_ptr.
 
         Both epilogues are written inline, not as functions the walk calls: an inlined function's
         scope puts debug-info labels ($L__tmpN) into the PTX, which ptxas takes as block boundaries;
@@ -267,7 +286,7 @@ if HAS_GLUON:
             store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
             c_smem = out_bufs.index(W)
         else:
-            out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS = out
+            out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS = out
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
         c = 0
@@ -286,7 +305,8 @@ if HAS_GLUON:
                     acc0, acc1, c = block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0, HN,
                                                                  HN, as_ptr, a_offs, 0, rows < num_slots,
                                                                  rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
-                                                                 layout, False, col0 + HN < N, turn, W, TURN)
+                                                                 layout, False, col0 + HN < N, turn, W, TURN,
+                                                                 sa_bufs, sb_bufs, SC)
                     if DOWN:
                         srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
                         slot = gl.load(slots_ptr + srows)
@@ -342,36 +362,40 @@ if HAS_GLUON:
                     tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN], out_bufs.index(2 * W))
                     tma.async_copy_shared_to_global(out_desc, [row0, pid_n * HN + HN // 2], out_bufs.index(2 * W + 1))
                     srows = row0 + gl.arange(0, R, layout=amax.type.layout)
-                    gl.store(out_s_ptr + srows * stride_osm + pid_n, scale_o)
+                    gl.store(out_s_ptr + srows * stride_osm + pid_n * stride_osn, scale_o)
         if not DOWN:
             tma.store_wait(0)
 
     @gluon.jit
     def _moe_wide_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                         stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                         ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, turn, TURN: gl.constexpr):
+                         stride_bse, stride_bsn, stride_biase, stride_osm, stride_osn, limit, num_progs,
+                         GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, turn,
+                         TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
-                      GROUP_M, False, (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS), turn, TURN)
+                      GROUP_M, False, (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
+                      TURN, sa_bufs, sb_bufs, SC)
 
     @gluon.jit
-    def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, out_desc,
-                           out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                           stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs, GROUP_M: gl.constexpr,
-                           ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+    def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
+                           num_progs, GROUP_M: gl.constexpr, scales, SC: gl.constexpr):
         _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
-                     num_progs, GROUP_M)
+                     num_progs, GROUP_M, scales, SC)
 
     @gluon.jit
     def _ws_moe_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr, slots_ptr,
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                                 stride_bsn, stride_biase, stride_osm, limit, num_progs, STAGES: gl.constexpr,
-                                 GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr,
-                                 EPS: gl.constexpr, TURN: gl.constexpr = False):
+                                 stride_bsn, stride_biase, stride_osm, stride_osn, limit, num_progs,
+                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
+                                 FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TURN: gl.constexpr = False,
+                                 sa_desc=None, sb_desc=None, SC: gl.constexpr = False):
         """The wide gate_up (``GluonTile(block_m=128, promote="serial")``, the serial promotion loop):
         128 x 256 tiles over 128-row segments, 48 KB of loads per K block for twice the 64 x 256
-        tile's work (40 KB): 1.67x the FLOPs per byte."""
+        tile's work (40 KB): 1.67x the FLOPs per byte. out_s_ptr's rows and columns strided (stride_osn
+        1: row-major, the default; the rows: MN-major, what the down reads with stage scales). SC
+        (``GluonTile.stage_scales``): the scales through the stages, sa_desc over the row scales
+        MN-major and sb_desc over the weight scales, both flat (``ws_moe_gemm``)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -384,19 +408,20 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
+        sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
         gl.warp_specialize([
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                              stride_biase, num_progs, GROUP_M, False,
-                             (out_desc, out_s_ptr, stride_osm, limit, ALPHA, FP8_MAX_C, EPS), turn, TURN)),
+                             (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn, TURN,
+                             sa_bufs, sb_bufs, SC)),
             (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                 out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
-                                stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit, num_progs,
-                                GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN)),
-            (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
-                                  out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
-                                  num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, limit,
-                                  num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS)),
+                                stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, stride_osn, limit,
+                                num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN, sa_bufs, sb_bufs, SC)),
+            (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
+                                  num_experts, num_progs, GROUP_M,
+                                  (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
         ], [4, 1], [232, 40])
 
 
@@ -407,26 +432,21 @@ if HAS_GLUON:
     def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr, turn,
-                     TURN: gl.constexpr):
+                     TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
-                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN)
-
-    @gluon.jit
-    def _down_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
-                       slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                       stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr):
-        _moe_produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
-                     num_progs, GROUP_M)
+                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs, SC)
 
     @gluon.jit
     def _ws_moe_down_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr, block_expert_ptr, num_m, N,
                             K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_ym,
-                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, TURN: gl.constexpr = False):
+                            num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, TURN: gl.constexpr = False,
+                            sa_desc=None, sb_desc=None, SC: gl.constexpr = False):
         """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128,
         promote="serial"))``): the wide gate_up's main loop (the serial promotion), 1.67x the 64 x 256
         tile's FLOPs per byte; output scattered to the slots' rows (the earlier 64 x 256 Gluon down,
-        4-byte stores from the wgmma layout, ran 5-10% behind the Triton down)."""
+        4-byte stores from the wgmma layout, ran 5-10% behind the Triton down). SC: as the wide
+        gate_up's."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -440,30 +460,46 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
+        sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
         gl.warp_specialize([
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
-                             stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym), turn, TURN)),
+                             stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs,
+                             SC)),
             (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                             slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, turn, TURN)),
-            (_down_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
-                              slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
-                              stride_bse, stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M)),
+                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, turn, TURN, sa_bufs, sb_bufs, SC)),
+            (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
+                                  num_experts, num_progs, GROUP_M,
+                                  (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
         ], [4, 1], [232, 40])
+
+
+def _stage_scales(a_scale: torch.Tensor, w_scale_inv: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """``GluonTile.stage_scales``'s launch arguments: TMA descriptors over the row scales MN-major (K block
+    kk's rows contiguous: a_scale as written by ``gather_act_quant(scale_mn_major=True)`` or the wide gate_up
+    into an MN-major out_scale, else transposed here, a copy) and over the weight scales (a copy only where
+    they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both flat; and the
+    weight scales the kernel's strides then refer to."""
+    sa = a_scale.t().contiguous()  # a view when a_scale is MN-major already
+    ws = w_scale_inv
+    if not (ws.is_contiguous() and ws.data_ptr() % 16 == 0):
+        ws = ws.clone(memory_format=torch.contiguous_format)
+    return dict(sa_desc=scale_descriptor(sa.view(-1), WIDE_M), sb_desc=scale_descriptor(ws.view(-1), 4), SC=True), ws
 
 
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
-                promote: str = "serial", turns: bool = False) -> None:
+                promote: str = "serial", turns: bool = False, stage_scales: bool = False) -> None:
     """The down GEMM on 128 x 256 tiles: y[slot] = act[row] @ W2[expert]^T + b2[expert] (bf16), for
     the sorted rows of 128-row segments (``moe_expert_slots`` checks the shapes and is the entry
     point). a = act [max_rows, I] fp8 with a_scale [max_rows, ceil(I/128)]; w [E, H, I] fp8 with
     w_scale_inv [E, ceil(H/128), ceil(I/128)]; bias [E, H]; y [num_slots, H] bf16 (rows of padding
     slots are not written). Its one main loop is ``_gluon.block_scaled_mainloop_serial`` (the
     promotion numerics, no C7514): promote must be "serial" (ValueError otherwise). turns: the
-    consumer warpgroups issue their wgmmas in turns (``GluonTile.turns``)."""
+    consumer warpgroups issue their wgmmas in turns (``GluonTile.turns``). stage_scales: the scales
+    through the stages (``GluonTile.stage_scales``; a_scale best MN-major, ``_stage_scales``)."""
     check_promote(promote, True, "the Gluon MoE down")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -471,10 +507,11 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     a_desc, b_desc = descriptor(a, [WIDE_M, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     num_m = max_rows // WIDE_M
     num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
+    sc, w_scale_inv = _stage_scales(a_scale, w_scale_inv) if stage_scales else ({}, w_scale_inv)
     _ws_moe_down_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
         a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
-        STAGES=stages, GROUP_M=group_m, num_warps=4, **({"TURN": True} if turns else {}),
+        STAGES=stages, GROUP_M=group_m, num_warps=4, **({"TURN": True} if turns else {}), **sc,
     )
 
 
@@ -482,18 +519,23 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 bias: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, sorted_slots: torch.Tensor,
                 block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
                 fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, block_m: int = TILE_M,
-                balance: bool = False, promote: str = "pipelined", turns: bool = False) -> None:
+                balance: bool = False, promote: str = "pipelined", turns: bool = False,
+                stage_scales: bool = False) -> None:
     """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of block_m rows: 64, or 128 for the
     wide form), a_scale [max_rows, ceil(K/128)]; w [E, N, K] fp8 with w_scale_inv [E, ceil(N/128),
     ceil(K/128)], bias [E, N]; out = act [max_rows, N/2] fp8 and out_scale [max_rows, ceil(N/256)]
-    (sorted rows). balance: ``_gluon.num_programs``; promote: the 64 x 256 kernel's main loop,
+    (sorted rows; the wide form also writes an MN-major out_scale, the 64 x 256 only row-major).
+    balance: ``_gluon.num_programs``; promote: the 64 x 256 kernel's main loop,
     "pipelined" (``_gluon.block_scaled_mainloop``) or "serial" (``_gluon.block_scaled_mainloop_serial``,
     no C7514); the wide form has only "serial" (ValueError otherwise). turns: the wide form's consumer
-    warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile)."""
+    warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile).
+    stage_scales: the wide form's scales through the stages (``GluonTile.stage_scales``, ValueError for
+    the 64 x 256 tile; a_scale best MN-major, ``_stage_scales``)."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
     check_turns(turns, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
+    check_stage_scales(stage_scales, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -503,14 +545,16 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     num_m = max_rows // block_m
     num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
     if block_m == WIDE_M:
+        sc, w_scale_inv = _stage_scales(a_scale, w_scale_inv) if stage_scales else ({}, w_scale_inv)
         _ws_moe_gemm_wide_kernel[(num_progs,)](
             a_desc, b_desc, a_scale, w_scale_inv, bias, out_desc, out_scale, sorted_slots, block_expert,
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),
-            bias.stride(0), out_scale.stride(0), float(limit), num_progs,
+            bias.stride(0), out_scale.stride(0), out_scale.stride(1), float(limit), num_progs,
             STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
-            **({"TURN": True} if turns else {}),
+            **({"TURN": True} if turns else {}), **sc,
         )
         return
+    assert out_scale.stride(1) == 1, "the 64 x 256 gate_up writes a row-major out_scale"
     serial = dict(SERIAL=True) if promote == "serial" else {}  # the pipelined launch keeps its exact signature
     _ws_moe_gemm_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, out, out_desc, out_scale, sorted_slots, block_expert,

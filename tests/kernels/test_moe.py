@@ -10,6 +10,8 @@ which can flip a rare fp8 rounding of the intermediate):
 - CPU interpreter (two truncating bf16 stores): ||y - ref|| / ||ref|| <= 1.2e-2, max <= 3e-2 max|ref|.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -225,6 +227,12 @@ def test_gather_act_quant_rows_are_act_quant_of_their_tokens(tile):
     assert (s2[~valid] > 0).all()
     with pytest.raises(AssertionError, match="x_quant scale"):
         gather_act_quant(x, slots, k, x_quant=(qr, sr[:, :1]))
+    # MN-major scales (GluonTile.stage_scales: a group's rows contiguous), both forms: the same values
+    for xq in (None, (qr, sr)):
+        q3, s3 = gather_act_quant(x, slots, k, x_quant=xq, tile=tile, scale_mn_major=True)
+        assert s3.shape == (8, 2) and s3.stride() == (1, 8)
+        assert torch.equal(q3.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(s3[valid], s[valid]) and torch.equal(s3, s if xq is None else s2)
 
 
 @pytest.mark.parametrize("t,e", [(30, 8)] + ([(1000, 32), (4096, 128)] if HAS_CUDA else []))
@@ -289,10 +297,15 @@ def test_fused_moe_ws_gpu(t, h, i, e, e0, n_local, plan):
 _TURNS_DOWN = GluonTile(4, 16, block_m=128, promote="serial", turns=True)
 
 
-def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False):
+_SC_DOWN = GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True)
+
+
+def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage_scales=False):
     """The wide gate_up (128 x 256 tiles over 128-row segments, the serial promotion: its only loop)
-    with the default down tile, or ``down``; ``turns``: GluonTile.turns."""
-    gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial", turns=turns)
+    with the default down tile, or ``down``; ``turns``: GluonTile.turns; ``stage_scales``:
+    GluonTile.stage_scales."""
+    gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial", turns=turns,
+                   stage_scales=stage_scales)
     plan = KernelConfig(moe_gluon_gate_up=gu, moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
@@ -319,8 +332,23 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False):
     (700, 640, 1440, 8, 2, 4, _wide_plan(turns=True, down=_TURNS_DOWN)),
     (1500, 720, 2880, 16, 0, 16, _wide_plan(turns=True, down=_TURNS_DOWN)),
     (1, 2880, 2880, 32, 0, 32, _wide_plan(turns=True, down=_TURNS_DOWN)),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, stage_scales=True, down=_SC_DOWN)),
+    (2000, 2880, 2880, 128, 0, 128, _wide_plan(stages=3, balance=True, stage_scales=True,
+                                               down=GluonTile(3, 8, block_m=128, balance=True, promote="serial",
+                                                              stage_scales=True))),
+    (700, 640, 1440, 8, 2, 4, _wide_plan(stage_scales=True, down=_SC_DOWN)),
+    (1500, 720, 2880, 16, 0, 16, _wide_plan(stage_scales=True, down=_SC_DOWN)),
+    (1, 2880, 2880, 32, 0, 32, _wide_plan(stage_scales=True, down=_SC_DOWN)),
+    (3000, 2880, 2880, 32, 0, 32, _wide_plan(stage_scales=True)),
+    (3000, 2880, 2880, 32, 0, 32, _wide_plan(down=_SC_DOWN)),
+    (1000, 2880, 2880, 32, 0, 32, MoePlan(128, TritonTile(64, 256, group_m=8, num_warps=8, num_stages=4, split_n=False),
+                                          _SC_DOWN)),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, stage_scales=True,
+                                             down=replace(_SC_DOWN, turns=True))),
 ], ids=["gate_up", "e128-3stages", "e128-group4-bal", "i720", "h640", "down128", "t1", "gdown", "gdown-e128-s3-bal",
-        "gdown-h640", "gdown-h720", "gdown-t1", "turns", "turns-e128-s3-bal", "turns-h640", "turns-h720", "turns-t1"])
+        "gdown-h640", "gdown-h720", "gdown-t1", "turns", "turns-e128-s3-bal", "turns-h640", "turns-h720", "turns-t1",
+        "sc", "sc-e128-s3-bal", "sc-h640", "sc-h720", "sc-t1", "sc-gate_up-only", "sc-down-only", "sc-down-triton-gate_up",
+        "sc-turns"])
 def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     """The wide gate_up (and the Gluon down, "gdown"), both on the serial promotion loop (their
     only one; the in-place accumulation they had failed these cases and was removed), against the
@@ -328,12 +356,21 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     warpgroups (every expert's last tile), a right half past N (h640: 2I = 2880 and H = 640 = 2.5
     tiles of 256; i720: 32 of its 128 columns valid; h720: down's last tile 80 of 256 columns),
     expert-parallel shards, one token. "turns": both with GluonTile.turns (the warpgroups' wgmmas in
-    turns; padding-only warpgroups and right halves past N take empty turns: a miscount hangs)."""
+    turns; padding-only warpgroups and right halves past N take empty turns: a miscount hangs). "sc":
+    GluonTile.stage_scales (the scales through the stages; sc-h640: the shard's gate_up weight scales
+    start 8 bytes off a 16-byte boundary, copied by the launcher; sc-down-triton-gate_up: the down
+    reading the Triton gate_up's row-major act_scale, transposed by its launcher): the same bits as the
+    plan without it."""
     m = _model(t, h, i, e, seed=t + h + i + 1)
     ex = _shard(m["experts"], e0, n_local)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
     y = moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plan)
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
+    sc = [isinstance(tile, GluonTile) and tile.stage_scales for tile in (plan.gate_up, plan.down)]
+    if any(sc):  # the scales' route changes no bit
+        plain = MoePlan(128, *(replace(tile, stage_scales=False) if on else tile
+                               for tile, on in zip((plan.gate_up, plan.down), sc, strict=True)))
+        assert torch.equal(y, moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plain))
 
 
 _TURNS = [False, pytest.param(True, marks=pytest.mark.slow)]  # GluonTile.turns: compile-only, ~5 s each
@@ -376,6 +413,45 @@ def test_moe_ws_wide_compiles_for_sm90(turns):
     if "regs" in k:
         assert k["spill_stores"] == 0 and k["stack"] == 0, k
         assert not k["wgmma_serialized"], "ptxas serialized the wide gate_up's wgmmas (C7514)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["wide", "down"])
+def test_moe_ws_stage_scales_compile_for_sm90(kernel):
+    """Without a GPU: GluonTile.stage_scales compiles for sm_90 without spills or wgmma serialization
+    within one SM's shared memory (the down's 4 stages with their scales: 231832 of 232448 bytes): the
+    producer's three 1-D TMA copies a stage (the rows' scales, the two halves' weight scales) on the
+    ready barrier's byte count (A + B tiles + 512 + 2 x 16 bytes: a wrong count hangs), the consumers'
+    scale reads from shared memory."""
+    import re
+
+    from gptoss_fp8.kernels import _gluon, moe_ws
+
+    if not _gluon.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
+    lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    flat = ("NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1, transposed=False, "
+            "fp4_padded=False, cga_layout=[])")
+    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>",
+             "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
+             "sa_desc": f"tensordesc<fp32[128],{flat}>", "sb_desc": f"tensordesc<fp32[4],{flat}>",
+             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "slots_ptr": "*i32", "block_expert_ptr": "*i32"}
+    if kernel == "wide":
+        types |= {"out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>", "out_s_ptr": "*fp32", "limit": "fp32"}
+        fn, consts = moe_ws._ws_moe_gemm_wide_kernel, dict(ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, stride_osm=1)
+    else:
+        types |= {"y_ptr": "*bf16"}
+        fn, consts = moe_ws._ws_moe_down_kernel, {}
+    k = _gluon.compile_for_sm90(fn, types, dict(STAGES=4, GROUP_M=16, SC=True, **consts))
+    ptx = k["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 3
+    assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*49696;", ptx), "48 KB + 544 bytes a stage"
+    assert len(re.findall(r"ld\.shared\.b32", ptx)) >= 2 * 3, "each consumer's row and weight scales from the stage"
+    assert ".local" not in ptx and k["num_warps"] == 12 and k["shared"] <= 227 * 1024
+    if "regs" in k:
+        assert k["spill_stores"] == 0 and k["stack"] == 0, k
+        assert not k["wgmma_serialized"], "ptxas serialized the wgmmas (C7514)"
 
 
 @pytest.mark.parametrize("turns", _TURNS)
@@ -545,8 +621,9 @@ def test_moe_ws_wide_3_stages_compiles_for_sm90():
 
 def test_moe_ws_wide_and_down_refuse_pipelined():
     """The wide gate_up and the Gluon down have only the serial promotion loop: promote="pipelined"
-    (GluonTile's default) is refused before any launch (on any device)."""
-    from gptoss_fp8.kernels import moe_ws
+    (GluonTile's default) is refused before any launch (on any device); turns and stage scales are
+    refused by the tiles that lack them."""
+    from gptoss_fp8.kernels import fp8_gemm_ws, moe_ws
 
     with pytest.raises(ValueError, match="only the serial promotion"):
         moe_ws.ws_moe_gemm(*[None] * 14, block_m=128)
@@ -563,6 +640,12 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
         moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", turns=True)
     moe_ws.check_turns(True, True, "the 128 x 256 gate_up")
     moe_ws.check_turns(False, False, "the 64 x 256 gate_up")
+    # GluonTile.stage_scales: for the MoE's 128 x 256 gate_up and Gluon down only
+    with pytest.raises(ValueError, match="stage_scales=True.*not the 64 x 256 gate_up"):
+        moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", stage_scales=True)
+    with pytest.raises(ValueError, match="stage_scales=True.*not the 128 x 128 Gluon dense GEMM"):
+        fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="serial", stage_scales=True)
+    moe_ws.check_stage_scales(True, True, "the 128 x 256 gate_up")
 
 
 @pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
