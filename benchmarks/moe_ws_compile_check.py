@@ -36,7 +36,7 @@ GU_CONSTS = dict(ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)  # spec.SWIGLU_ALPHA, 
 WIDE_CONSTS = dict(GU_CONSTS, stride_osn=1)
 L1 = ("NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1, transposed=False, fp4_padded=False, "
       "cga_layout=[])")
-SC_TYPES = {"sa_desc": f"tensordesc<fp32[128],{L1}>", "sb_desc": f"tensordesc<fp32[4],{L1}>"}
+SC_TYPES = {"sa_desc": f"tensordesc<fp32[128],{L1}>", "sb_desc": f"tensordesc<fp32[32],{L1}>"}
 
 
 def gu_types(block_m):

@@ -67,9 +67,10 @@ def _flat_f32_layout():
 
 def scale_descriptor(t: torch.Tensor, box: int):
     """TMA descriptor over a 1-D fp32 tensor of block scales (16-byte aligned), copied ``box`` floats
-    at a time (a multiple of 4, at most 256) into unswizzled shared memory at any element offset:
-    ``load_stage``'s scales (``GluonTile.stage_scales``)."""
-    assert t.dim() == 1 and t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and box % 4 == 0, (t.shape, box)
+    at a time (a power of two, 4 to 256) into unswizzled shared memory from any element offset:
+    ``load_stage_scaled``'s scales (``GluonTile.stage_scales``)."""
+    assert t.dim() == 1 and t.dtype == torch.float32 and t.data_ptr() % 16 == 0, (t.shape, t.dtype)
+    assert 4 <= box <= 256 and box & (box - 1) == 0, box
     return TensorDescriptor.from_tensor(t, [box], _flat_f32_layout())
 
 
@@ -214,42 +215,46 @@ if HAS_GLUON:
 
     @gluon.jit
     def load_stage_scaled(a_desc, b_desc, sa_desc, sb_desc, empty, ready, a_bufs, b_bufs, sa_bufs, sb_bufs, c,
-                          a_coord, b_coord, sa_off, sb_off, sb_step):
+                          a_coord, b_coord, sa_off, sb_off):
         """``load_stage`` with the K block's scales in the stage too (``GluonTile.stage_scales``, DeepGEMM's
         way): the A tile's row scales (sa_desc: the scales MN-major, flat; sa_off: this K block's first
-        row) into sa_bufs[stage], and the two 128-column weight-scale blocks of the B tile's halves
-        (sb_desc: the weight scales flat; sb_off and sb_off + sb_step: this K block's scale of each half,
-        the box's first element) into sb_bufs[2 * stage] and [2 * stage + 1]; all on the stage's ready
-        barrier. A half past N copies what lies there (or TMA's zeros past the end), never read."""
+        row) into sa_bufs[stage], and the weight scales from this K block's scale of the B tile's first
+        128-column block on (sb_desc: the weight scales flat, a box longer than one block's row of K
+        blocks, so that the second block's scale of this K block is in it too; sb_off: its first
+        element) into sb_bufs[stage]; all on the stage's ready barrier. Every destination starts on a
+        128-byte boundary (the scale buffers' rows are 512 and 128 bytes, NVMMA allocations 128-byte
+        aligned), as TMA wants. Past the tensor's end TMA writes zeros (never read)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         s = c % S
         mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
         mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes
-                        + sa_desc.block_type.nbytes + 2 * sb_desc.block_type.nbytes)
+                        + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, a_coord, ready.index(s), a_bufs.index(s))
         tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(s), b_bufs.index(s))
         tma.async_copy_global_to_shared(sa_desc, [sa_off], ready.index(s), sa_bufs.index(s))
-        tma.async_copy_global_to_shared(sb_desc, [sb_off], ready.index(s), sb_bufs.index(2 * s))
-        tma.async_copy_global_to_shared(sb_desc, [sb_off + sb_step], ready.index(s), sb_bufs.index(2 * s + 1))
+        tma.async_copy_global_to_shared(sb_desc, [sb_off], ready.index(s), sb_bufs.index(s))
         return c + 1
 
     @gluon.jit
     def stage_scale_buffers(sa_desc, sb_desc, dummy, STAGES: gl.constexpr, ROWS: gl.constexpr, SC: gl.constexpr):
         """The stages' scale buffers of ``load_stage_scaled`` (row scales [STAGES, ROWS], weight scales
-        [2 * STAGES, box]); without SC ``dummy`` twice (any shared-memory descriptor, passed on unused)."""
+        [STAGES, box]); without SC ``dummy`` twice (any shared-memory descriptor, passed on unused)."""
         if SC:
             sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], sa_desc.layout)
-            sb_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, sb_desc.block_type.shape[0]], sb_desc.layout)
+            sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, sb_desc.block_type.shape[0]], sb_desc.layout)
         else:
             sa_bufs = dummy
             sb_bufs = dummy
         return sa_bufs, sb_bufs
 
     @gluon.jit
-    def _smem_scalar(buf):
-        """buf[0] (a shared-memory fp32 vector) as a scalar: one broadcast load (max over one element, so
-        the replicated layout's copies cannot add up)."""
-        return gl.max(buf.slice(0, 1).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+    def _smem_scalar(bufs, s, off):
+        """bufs[s, off] (a [stages, box] fp32 buffer; off a run-time offset) as a scalar: one broadcast load
+        (max over one element, so the replicated layout's copies cannot add up)."""
+        S: gl.constexpr = bufs.type.shape[0]
+        BOX: gl.constexpr = bufs.type.shape[1]
+        flat = bufs._reinterpret(gl.float32, [S * BOX, 1], bufs.type.layout)
+        return gl.max(flat.index(s * BOX + off).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
 
     @gluon.jit
     def _a_scale(a_s_ptr, rmask, MASK_A: gl.constexpr):
@@ -368,7 +373,7 @@ if HAS_GLUON:
 
         SC (opt-in, ``GluonTile(stage_scales=True)``; products sharing their A rows, A0 == A1): the scales
         come from the stage (``load_stage_scaled``): rows A0 .. A0 + AR of sa_bufs[stage] and the scalars
-        sb_bufs[2 * stage] / [2 * stage + 1], read from shared memory once the stage is ready, instead of
+        sb_bufs[stage, 0] / [stage, b_off1], read from shared memory once the stage is ready, instead of
         global loads issued behind the wgmma (the promotion's multiply waited on them: 21.7% of our
         gate_up's warp samples against DeepGEMM's 8.9%, BENCHMARKS.md, 27th session). The pointer
         arguments are then unused; the products and sums are the same, so the results are the same bits."""
@@ -392,9 +397,9 @@ if HAS_GLUON:
             pass_turn(turn, W, TURN)
             if SC:
                 sa = sa_bufs.index(s).slice(A0, AR).load(gl.SliceLayout(1, layout))
-                sc0 = sa * _smem_scalar(sb_bufs.index(2 * s))
+                sc0 = sa * _smem_scalar(sb_bufs, s, 0)
                 if DO1:
-                    sc1 = sa * _smem_scalar(sb_bufs.index(2 * s + 1))
+                    sc1 = sa * _smem_scalar(sb_bufs, s, b_off1)
             else:
                 sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
                 if DO1:  # product 1's scales too: loaded once product 0 is issued

@@ -106,7 +106,7 @@ if HAS_GLUON:
                     for kk in range(n_k):
                         c = load_stage_scaled(a_desc, b_desc, sa_desc, sb_desc, empty, ready, a_bufs, b_bufs, sa_bufs,
                                               sb_bufs, c, [pid_m * TM, kk * TK], [expert * N + pid_n * TN, kk * TK],
-                                              kk * (num_m * TM) + pid_m * TM, sb0 + kk, stride_bsn)
+                                              kk * (num_m * TM) + pid_m * TM, sb0 + kk)
                 else:
                     for kk in range(n_k):
                         c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
@@ -479,13 +479,18 @@ def _stage_scales(a_scale: torch.Tensor, w_scale_inv: torch.Tensor) -> tuple[dic
     """``GluonTile.stage_scales``'s launch arguments: TMA descriptors over the row scales MN-major (K block
     kk's rows contiguous: a_scale as written by ``gather_act_quant(scale_mn_major=True)`` or the wide gate_up
     into an MN-major out_scale, else transposed here, a copy) and over the weight scales (a copy only where
-    they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both flat; and the
-    weight scales the kernel's strides then refer to."""
+    they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both flat, the
+    weight scales' box the power of two past one 128-row block's ceil(K/128) scales (32 for K = 2880: a
+    K block's scales of both column blocks of a 256-wide tile in one copy); and the weight scales the
+    kernel's strides then refer to."""
     sa = a_scale.t().contiguous()  # a view when a_scale is MN-major already
     ws = w_scale_inv
     if not (ws.is_contiguous() and ws.data_ptr() % 16 == 0):
         ws = ws.clone(memory_format=torch.contiguous_format)
-    return dict(sa_desc=scale_descriptor(sa.view(-1), WIDE_M), sb_desc=scale_descriptor(ws.view(-1), 4), SC=True), ws
+    box = max(4, 1 << ws.shape[-1].bit_length())  # > ceil(K/128): both blocks' scales of a K block
+    assert box <= 256, f"stage scales: K of {ws.shape[-1]} blocks of 128 (at most 255)"
+    return dict(sa_desc=scale_descriptor(sa.view(-1), WIDE_M), sb_desc=scale_descriptor(ws.view(-1), box),
+                SC=True), ws
 
 
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
