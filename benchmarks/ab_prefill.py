@@ -17,7 +17,8 @@ heavy-load MoE plan's wide gate_up and Gluon down with that tile-order group ins
 "wide-turns" (both with ``GluonTile.turns``: their warpgroups' wgmmas in turns), "dense-turns" (the dense
 wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE tiles with
 ``GluonTile.stage_scales``: the scales through the stages, twenty-eighth session), "wide-turns-scales" (both
-options on the MoE tiles).
+options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
+"all-turns-scales" (both options on both).
 ``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -63,10 +64,13 @@ def _config(name: str) -> KernelConfig | None:
     if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
         st, gr = (int(v) for v in name[4:].split("-g"))
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
-    if name in ("wide-scales", "wide-turns-scales"):  # the heavy-load MoE tiles' scales through the stages
-        opts = dict(stage_scales=True, **({"turns": True} if name == "wide-turns-scales" else {}))
-        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, **opts),
-                       moe_gluon_down=replace(base.moe_gluon_down, **opts))
+    if name in ("wide-scales", "wide-turns-scales", "dense-scales", "all-scales", "all-turns-scales"):
+        # the 128 x 256 tiles' scales through the stages (GluonTile.stage_scales), with turns in the "-turns-" ones
+        opts = dict(stage_scales=True, **({"turns": True} if "turns" in name else {}))
+        moe = dict(moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, **opts),
+                   moe_gluon_down=replace(base.moe_gluon_down, **opts))
+        dense = dict(dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, **opts))
+        return replace(base, **(moe if name.startswith("wide") else dense if name == "dense-scales" else moe | dense))
     if name in ("wide-turns", "dense-turns", "all-turns"):  # the wide tiles' warpgroups take turns at the tensor core
         moe = dict(moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, turns=True),
                    moe_gluon_down=replace(base.moe_gluon_down, turns=True))

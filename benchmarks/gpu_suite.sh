@@ -6,8 +6,9 @@
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   moe-energy  the MoE GEMMs back to back at the power cap: DeepGEMM's against ours, clock and power (.peers/ carried)
 #   moe-turns  GluonTile.turns (the MoE GEMMs' warpgroups in turns at the tensor core) and GluonTile.stage_scales
-#            (their scales through the stages): the GPU tests, the plans at the power cap, the whole 20b beside
-#            the default (issue 34; both built without a GPU, measure them first)
+#            (the 128 x 256 tiles' scales through the stages, MoE and dense): the GPU tests, the MoE plans at the
+#            power cap (issue 34; both built without a GPU, measure them first)
+#   moe-turns-ab  the whole 20b with them beside the default, same process (a call of its own)
 #   moe-ncu  Nsight Compute on one launch of DeepGEMM's grouped gate_up and of our gate_up / down (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
@@ -98,18 +99,25 @@ fi
 
 if has moe-turns; then
   # issue 34: GluonTile.turns (built without a GPU in the 27th session): the heavy-load MoE tiles' two consumer
-  # warpgroups issue their wgmmas in turns; GluonTile.stage_scales (28th session): their scales through the
-  # stages. The GPU tests first (a miscounted turn hangs: time-limited; "sc" cases check the stage scales' bits
-  # against the plain plan), then the plans at the power cap (moe_parts.py --plans) and the whole 20b beside the
-  # default
-  timeout -s INT 300 python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py \
-    -k "wide_gpu or turns or stage_scales or gather_act_quant" > "$OUT/moe_turns_tests.log" 2>&1
+  # warpgroups issue their wgmmas in turns; GluonTile.stage_scales (28th session): the 128 x 256 tiles' scales
+  # through the stages (MoE and dense). The GPU tests first (a miscounted turn or byte count hangs: time-limited;
+  # the "sc" cases check the stage scales' bits against the tile without them), then the MoE plans at the power cap
+  # (moe_parts.py --plans). The whole model: target moe-turns-ab (a call of its own: both exceed one call's 600 s)
+  timeout -s INT 240 python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py \
+    -k "wide_gpu or turns or stage_scales or gather_act_quant or serial_gpu" > "$OUT/moe_turns_tests.log" 2>&1
   tail -4 "$OUT/moe_turns_tests.log"
-  timeout 240 python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
+  timeout 200 python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
     | tee "$OUT/moe_turns_plans.log"
-  timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768,128000 --runs 4 \
-    --variants default,wide-turns,wide-scales,wide-turns-scales,all-turns --attention fp8 2>&1 | grep -v Warn \
-    | tee "$OUT/moe_turns_ab.log"
+fi
+
+if has moe-turns-ab; then
+  # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py)
+  timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
+    --variants default,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales --attention fp8 \
+    2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
+  timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
+    --variants default,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 | grep -v Warn \
+    | tee "$OUT/moe_turns_ab128k.log"
 fi
 
 if has moe-ncu; then

@@ -104,12 +104,39 @@ def check_promote(promote: str, wide: bool, what: str) -> None:
                          f"(got promote={promote!r})")
 
 
-def check_stage_scales(stage_scales: bool, moe_wide: bool, what: str) -> None:
-    """ValueError for ``GluonTile(stage_scales=True)`` on a tile other than the MoE's heavy-load ones (the
-    128-row gate_up and the Gluon down, ``moe_wide``): only their producer copies the scales into the stages."""
-    if stage_scales and not moe_wide:
-        raise ValueError(f"GluonTile(stage_scales=True) is for the MoE's 128 x 256 gate_up and Gluon down, "
-                         f"not {what}")
+def check_stage_scales(stage_scales: bool, ok: bool, what: str) -> None:
+    """ValueError for ``GluonTile(stage_scales=True)`` on a tile other than the 128 x 256 ones (``ok``: the
+    MoE's 128-row gate_up and Gluon down, the dense block_n=256), whose two products per warpgroup share
+    their A rows: only their producers copy the scales into the stages (``load_stage_scaled``)."""
+    if stage_scales and not ok:
+        raise ValueError(f"GluonTile(stage_scales=True) is for the 128 x 256 tiles (the MoE's gate_up and Gluon down, "
+                         f"the dense block_n=256), not {what}")
+
+
+def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int) -> tuple[dict, torch.Tensor]:
+    """``GluonTile.stage_scales``'s launch arguments (``load_stage_scaled``): TMA descriptors over the row
+    scales MN-major (K block kk's rows contiguous: a_scale [M, ceil(K/128)] with strides (1, M), as
+    ``gather_act_quant(scale_mn_major=True)`` and the wide MoE gate_up write them; else transposed here, a
+    copy) in boxes of ``rows`` (the tile's rows), and over the weight scales [..., ceil(K/128)] (a copy
+    only where they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both
+    flat, the weight scales' box the power of two past one 128-row block's ceil(K/128) scales (32 for
+    K = 2880: a K block's scales of both 128-column blocks of a 256-wide tile in one copy); and the
+    weight scales the kernel's strides must then refer to."""
+    sa = a_scale.t().contiguous()  # a view when a_scale is MN-major already
+    ws = w_scale_inv
+    if not (ws.is_contiguous() and ws.data_ptr() % 16 == 0):
+        ws = ws.clone(memory_format=torch.contiguous_format)
+    box = stage_scale_box(ws.shape[-1])
+    return dict(sa_desc=scale_descriptor(sa.view(-1), rows), sb_desc=scale_descriptor(ws.view(-1), box), SC=True), ws
+
+
+def stage_scale_box(k_blocks: int) -> int:
+    """The weight scales' TMA box of ``stage_scale_args`` for ceil(K/128) = k_blocks: the power of two
+    above it (at least 4 floats, 16 bytes)."""
+    box = max(4, 1 << k_blocks.bit_length())
+    if box > 256:
+        raise ValueError(f"GluonTile(stage_scales=True) takes K up to 255 blocks of 128, not {k_blocks}")
+    return box
 
 
 def check_turns(turns: bool, wide: bool, what: str) -> None:

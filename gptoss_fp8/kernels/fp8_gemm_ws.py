@@ -49,6 +49,8 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     check_stage_scales,
     check_turns,
     num_programs,
+    stage_scale_args,
+    stage_scale_box,
     supported,
 )
 from gptoss_fp8.quant.fp8 import cdiv
@@ -62,7 +64,9 @@ if HAS_GLUON:
         gl,
         gluon,
         load_stage,
+        load_stage_scaled,
         mbarrier,
+        stage_scale_buffers,
         tile_coords,
         tma,
         turn_barriers,
@@ -79,8 +83,11 @@ SMEM_BYTES = 227 * 1024  # one sm_90 block's shared memory
 if HAS_GLUON:
 
     @gluon.jit
-    def _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr):
-        """TMA producer: every K block of every tile of this program, in the consumers' order."""
+    def _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr,
+                 scales=None, SC: gl.constexpr = False):
+        """TMA producer: every K block of every tile of this program, in the consumers' order. SC
+        (``GluonTile.stage_scales``, 128 x 256 tiles; ``scales`` = (sa_desc, sb_desc, sa_bufs, sb_bufs,
+        stride_bsn)): each K block's row and weight scales too (``_gluon.load_stage_scaled``)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -91,8 +98,14 @@ if HAS_GLUON:
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             for kk in range(n_k):
-                c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
-                               [pid_n * TN, kk * TK])
+                if SC:
+                    sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bsn = scales
+                    c = load_stage_scaled(a_desc, b_desc, sa_desc, sb_desc, empty, ready, a_bufs, b_bufs, sa_bufs,
+                                          sb_bufs, c, [pid_m * TM, kk * TK], [pid_n * TN, kk * TK],
+                                          kk * M + pid_m * TM, (pid_n * (TN // TK)) * stride_bsn + kk)
+                else:
+                    c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
+                                   [pid_n * TN, kk * TK])
 
     @gluon.jit
     def _consume(ROW0: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_smem,
@@ -175,7 +188,7 @@ if HAS_GLUON:
     @gluon.jit
     def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                       M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      turn, TURN: gl.constexpr):
+                      turn, TURN: gl.constexpr, sa_bufs=None, sb_bufs=None, SC: gl.constexpr = False):
         """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_serial``):
         256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
         128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
@@ -183,7 +196,8 @@ if HAS_GLUON:
         through its own TMA store. c_bufs [2 * NB, 64, 128]: NB store buffers per warpgroup (with
         one, the second piece waits until the first piece's store has read the buffer). TURN
         (``GluonTile(turns=True)``): the two warpgroups issue their wgmmas in turns on the ``turn``
-        barriers (``_gluon.block_scaled_mainloop_serial``)."""
+        barriers (``_gluon.block_scaled_mainloop_serial``). SC (``GluonTile(stage_scales=True)``, 128 x 256
+        only): the scales from the stages (sa_bufs, sb_bufs)."""
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -213,12 +227,12 @@ if HAS_GLUON:
                     acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
                                                                   HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
                                                                   stride_bsn, c, n_k, layout, True, True, turn, W,
-                                                                  TURN)
+                                                                  TURN, sa_bufs, sb_bufs, SC)
                 else:
                     acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
                                                                   HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
                                                                   stride_bsn, c, n_k, layout, True, False, turn, W,
-                                                                  TURN)
+                                                                  TURN, sa_bufs, sb_bufs, SC)
             else:
                 row1 = row0 + R
                 col1 = col0
@@ -245,20 +259,27 @@ if HAS_GLUON:
     @gluon.jit
     def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                               M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
-                              HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr):
+                              HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
         _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
-                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN)
+                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs, sb_bufs, SC)
+
+    @gluon.jit
+    def _wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr, scales,
+                       SC: gl.constexpr):
+        _produce(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M, scales, SC)
 
     @gluon.jit
     def _ws_fp8_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
                                  num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                 C_BUFS: gl.constexpr, TURN: gl.constexpr = False):
+                                 C_BUFS: gl.constexpr, TURN: gl.constexpr = False, sa_desc=None, sb_desc=None,
+                                 SC: gl.constexpr = False):
         """The wide forms (``GluonTile(block_m=256, promote="serial")``: 256 x 128 tiles, DeepGEMM's
         choice for these shapes; ``GluonTile(block_n=256, promote="serial")``: 128 x 256), always on
         the serial promotion loop: per K block 48 KB of loads for 256 x 128 x 128
         MACs (the 128 x 128 tile: 32 KB for half of that), i.e. 1.5x the FLOPs per byte through L2
         and shared memory. The producer is the base kernel's; C_BUFS: TMA-store buffers per consumer
-        warpgroup (1 or 2)."""
+        warpgroup (1 or 2). SC (``GluonTile.stage_scales``, 128 x 256): the scales through the stages,
+        sa_desc over the row scales MN-major and sb_desc over the weight scales, both flat."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -272,20 +293,23 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(ready.index(i), count=1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
+        sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN)),
+                             M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs,
+                             sb_bufs, SC)),
             (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
                                      c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn,
-                                     TURN)),
-            (_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
-                         M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS)),
+                                     TURN, sa_bufs, sb_bufs, SC)),
+            (_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M,
+                              (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bsn), SC)),
         ], [4, 1], [232, 40])
 
 
-def wide_c_bufs(stages: int) -> int:
-    """Store buffers per consumer warpgroup of the wide kernel that fit beside ``stages`` stages."""
-    stage = (WIDE + BN) * BK  # fp8 A and B blocks
+def wide_c_bufs(stages: int, scale_bytes: int = 0) -> int:
+    """Store buffers per consumer warpgroup of the wide kernel that fit beside ``stages`` stages (with
+    ``scale_bytes`` of scales a stage: ``GluonTile.stage_scales``)."""
+    stage = (WIDE + BN) * BK + scale_bytes  # fp8 A and B blocks
     c_buf = WARPGROUP_ROWS * BN * 2  # one bf16 64 x 128 store buffer
     for bufs in (2, 1):
         if stages * stage + 2 * bufs * c_buf + 1024 <= SMEM_BYTES:
@@ -306,11 +330,12 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     for within its iteration, ``_gluon.block_scaled_mainloop_serial``, no C7514); the wide forms
     have only "serial" (ValueError otherwise). turns: the wide forms' two consumer warpgroups issue
     their wgmmas in turns (``GluonTile.turns``; ValueError for the 128 x 128 tile). stage_scales: the
-    MoE's tiles only (``GluonTile.stage_scales``): ValueError here."""
+    128 x 256 form's scales through the stages (``GluonTile.stage_scales``; ValueError for the other
+    tiles; a_scale best MN-major, else transposed here, ``_gluon.stage_scale_args``)."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
     check_turns(turns, wide, f"{block_m} x {block_n} (the base dense tile)")
-    check_stage_scales(stage_scales, False, f"the {block_m} x {block_n} Gluon dense GEMM")
+    check_stage_scales(stage_scales, (block_m, block_n) == (BM, WIDE), f"the {block_m} x {block_n} Gluon dense GEMM")
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
@@ -319,6 +344,10 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w, [block_n, BK])
     c_desc = descriptor(out, [WARPGROUP_ROWS, BN])
     num_progs = num_programs(cdiv(m, block_m) * cdiv(n, block_n), sm_count(a.device), balance)
+    sc, scale_bytes = {}, 0
+    if stage_scales:
+        sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, block_m)
+        scale_bytes = 4 * (block_m + stage_scale_box(w_scale_inv.shape[-1]))
     args = (a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
             a_scale.stride(0), w_scale_inv.stride(0), num_progs)
     if not wide:
@@ -327,6 +356,6 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                                           num_warps=4, **serial)
     else:
         _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
-                                               C_BUFS=wide_c_bufs(stages), num_warps=4,
-                                               **({"TURN": True} if turns else {}))
+                                               C_BUFS=wide_c_bufs(stages, scale_bytes), num_warps=4,
+                                               **({"TURN": True} if turns else {}), **sc)
     return out

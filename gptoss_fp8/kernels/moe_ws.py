@@ -42,7 +42,7 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     check_stage_scales,
     check_turns,
     num_programs,
-    scale_descriptor,
+    stage_scale_args,
     supported,
 )
 from gptoss_fp8.quant.fp8 import cdiv
@@ -475,24 +475,6 @@ if HAS_GLUON:
         ], [4, 1], [232, 40])
 
 
-def _stage_scales(a_scale: torch.Tensor, w_scale_inv: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """``GluonTile.stage_scales``'s launch arguments: TMA descriptors over the row scales MN-major (K block
-    kk's rows contiguous: a_scale as written by ``gather_act_quant(scale_mn_major=True)`` or the wide gate_up
-    into an MN-major out_scale, else transposed here, a copy) and over the weight scales (a copy only where
-    they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both flat, the
-    weight scales' box the power of two past one 128-row block's ceil(K/128) scales (32 for K = 2880: a
-    K block's scales of both column blocks of a 256-wide tile in one copy); and the weight scales the
-    kernel's strides then refer to."""
-    sa = a_scale.t().contiguous()  # a view when a_scale is MN-major already
-    ws = w_scale_inv
-    if not (ws.is_contiguous() and ws.data_ptr() % 16 == 0):
-        ws = ws.clone(memory_format=torch.contiguous_format)
-    box = max(4, 1 << ws.shape[-1].bit_length())  # > ceil(K/128): both blocks' scales of a K block
-    assert box <= 256, f"stage scales: K of {ws.shape[-1]} blocks of 128 (at most 255)"
-    return dict(sa_desc=scale_descriptor(sa.view(-1), WIDE_M), sb_desc=scale_descriptor(ws.view(-1), box),
-                SC=True), ws
-
-
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
@@ -504,7 +486,7 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     slots are not written). Its one main loop is ``_gluon.block_scaled_mainloop_serial`` (the
     promotion numerics, no C7514): promote must be "serial" (ValueError otherwise). turns: the
     consumer warpgroups issue their wgmmas in turns (``GluonTile.turns``). stage_scales: the scales
-    through the stages (``GluonTile.stage_scales``; a_scale best MN-major, ``_stage_scales``)."""
+    through the stages (``GluonTile.stage_scales``; a_scale best MN-major, ``_gluon.stage_scale_args``)."""
     check_promote(promote, True, "the Gluon MoE down")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -512,7 +494,7 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     a_desc, b_desc = descriptor(a, [WIDE_M, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     num_m = max_rows // WIDE_M
     num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
-    sc, w_scale_inv = _stage_scales(a_scale, w_scale_inv) if stage_scales else ({}, w_scale_inv)
+    sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, WIDE_M) if stage_scales else ({}, w_scale_inv)
     _ws_moe_down_kernel[(num_progs,)](
         a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
         a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
@@ -537,7 +519,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     no C7514); the wide form has only "serial" (ValueError otherwise). turns: the wide form's consumer
     warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile).
     stage_scales: the wide form's scales through the stages (``GluonTile.stage_scales``, ValueError for
-    the 64 x 256 tile; a_scale best MN-major, ``_stage_scales``)."""
+    the 64 x 256 tile; a_scale best MN-major, ``_gluon.stage_scale_args``)."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
     check_turns(turns, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_stage_scales(stage_scales, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
@@ -550,7 +532,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     num_m = max_rows // block_m
     num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
     if block_m == WIDE_M:
-        sc, w_scale_inv = _stage_scales(a_scale, w_scale_inv) if stage_scales else ({}, w_scale_inv)
+        sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, WIDE_M) if stage_scales else ({}, w_scale_inv)
         _ws_moe_gemm_wide_kernel[(num_progs,)](
             a_desc, b_desc, a_scale, w_scale_inv, bias, out_desc, out_scale, sorted_slots, block_expert,
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),

@@ -9,6 +9,8 @@ The reference is computed in fp32 (before the bf16 cast). Tolerances:
 The output is poisoned with NaN first, so every element must be written.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gemm_cases import DEV, check_close, dense_problem
@@ -231,6 +233,9 @@ def test_gluon_wide_tiles_refuse_pipelined():
         fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="bogus")
     with pytest.raises(ValueError, match="turns=True.*not 128 x 128"):
         fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="serial", turns=True)
+    for bm, bn in ((128, 128), (256, 128)):  # stage scales: the 128 x 256 tile's only (its products share A rows)
+        with pytest.raises(ValueError, match=f"stage_scales=True.*not the {bm} x {bn} Gluon dense GEMM"):
+            fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, block_m=bm, block_n=bn, promote="serial", stage_scales=True)
     with pytest.raises(ValueError, match="promote"):
         GluonTile(promote="inplace")
 
@@ -285,9 +290,11 @@ SERIAL_TILES = [GluonTile(stages=5, promote="serial"), GluonTile(stages=4, balan
                 GluonTile(stages=3, block_n=256, promote="serial"),
                 GluonTile(stages=4, block_n=256, balance=True, promote="serial"),
                 GluonTile(stages=3, block_n=256, promote="serial", turns=True),
-                GluonTile(stages=4, block_m=256, promote="serial", turns=True)]
+                GluonTile(stages=4, block_m=256, promote="serial", turns=True),
+                GluonTile(stages=3, block_n=256, promote="serial", stage_scales=True),
+                GluonTile(stages=3, block_n=256, balance=True, promote="serial", turns=True, stage_scales=True)]
 SERIAL_IDS = ["128x128-s5", "128x128-s4-bal", "256x128-s3", "256x128-s4", "128x256-s3", "128x256-s4-bal",
-              "128x256-s3-turns", "256x128-s4-turns"]
+              "128x256-s3-turns", "256x128-s4-turns", "128x256-s3-sc", "128x256-s3-bal-turns-sc"]
 
 
 def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
@@ -295,7 +302,8 @@ def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
 
     return fp8_gemm_ws.ws_fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, out, stages=tile.stages, group_m=tile.group_m,
                                    block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
-                                   balance=tile.balance, promote=tile.promote, turns=tile.turns)
+                                   balance=tile.balance, promote=tile.promote, turns=tile.turns,
+                                   stage_scales=tile.stage_scales)
 
 
 @pytest.mark.gpu
@@ -304,7 +312,9 @@ def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
 def test_fp8_gemm_ws_serial_gpu(m, n, k, bias, tile):
     """The serial-promotion forms against the reference, and as accurate as the shipped promotion
     loop (the removed in-place forms measured 2.09e-3 relative against its 1.66e-3 on the H200:
-    Hopper's FP8 wgmma accumulates in limited precision)."""
+    Hopper's FP8 wgmma accumulates in limited precision). GluonTile.stage_scales (the scales through
+    the stages; rows past M and K blocks past the last read what TMA finds there, or its zeros): the
+    same bits as the tile without it."""
     x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=m + 7 * n + k, bias=bias is not None)
     if bias == "fp32":
         b = b.float()
@@ -316,6 +326,9 @@ def test_fp8_gemm_ws_serial_gpu(m, n, k, bias, tile):
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     rel0 = ((y0 - ref).norm() / ref.norm()).item()
     assert rel <= 1.02 * rel0 + 1e-5, f"serial {rel:.3e} vs the promotion loop's {rel0:.3e}"
+    if tile.stage_scales:
+        plain = _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, torch.empty_like(out), replace(tile, stage_scales=False))
+        assert torch.equal(y, plain)
 
 
 @pytest.mark.gpu
@@ -341,7 +354,8 @@ def test_fp8_gemm_ws_serial_extreme_scales():
 SERIAL_COMPILES = [pytest.param(128, 128, 5, False, id="128x128-s5"), pytest.param(128, 256, 3, False, id="128x256-s3"),
                    *(pytest.param(*c, False, id=f"{c[0]}x{c[1]}-s{c[2]}", marks=pytest.mark.slow)
                      for c in ((256, 128, 3), (256, 128, 4), (128, 256, 4))),
-                   pytest.param(128, 256, 3, True, id="128x256-s3-turns", marks=pytest.mark.slow)]
+                   pytest.param(128, 256, 3, True, id="128x256-s3-turns", marks=pytest.mark.slow),
+                   pytest.param(128, 256, 3, "sc", id="128x256-s3-sc", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("bm,bn,stages,turns", SERIAL_COMPILES)
@@ -349,7 +363,9 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
     """Without a GPU: the serial-promotion forms compile for sm_90 with ptxas pipelining their wgmmas
     (no C7514) and, for 128 x 128 and 128 x 256, no spills (256 x 128: ptxas's report; measured
     96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block); with
-    turns, two more barriers (the warpgroups' turns) and a wait and an arrive around each product."""
+    turns, two more barriers (the warpgroups' turns) and a wait and an arrive around each product; with
+    "sc" (GluonTile.stage_scales, o_proj's K = 4096: a weight-scale box of 64) the two 1-D TMA copies
+    of the scales on each stage's byte count (48 KB + 512 + 256 bytes), within shared memory."""
     import re
 
     from gptoss_fp8.kernels import _gluon, fp8_gemm_ws
@@ -362,12 +378,19 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
              "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lay.format(8)}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
              "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
+    sc = turns == "sc"
+    if sc:
+        flat = ("NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1, transposed=False, "
+                "fp4_padded=False, cga_layout=[])")
+        types |= {"sa_desc": f"tensordesc<fp32[128],{flat}>", "sb_desc": f"tensordesc<fp32[64],{flat}>"}
+        turns = False
     if bm == bn:
         fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
     else:
         fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
-        consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(stages),
-                      **({"TURN": True} if turns else {}))
+        consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True,
+                      C_BUFS=fp8_gemm_ws.wide_c_bufs(stages, 4 * (128 + 64) if sc else 0),
+                      **({"TURN": True} if turns else {}), **({"SC": True} if sc else {}))
     k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
                                                                 "stride_asm", "stride_bsn"))
     ptx = k["ptx"]
@@ -379,6 +402,9 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
         assert not k["wgmma_serialized"], ("ptxas serialized the serial promotion's wgmmas (C7514)", bm, bn, k)
         if bm == 128:
             assert k["spill_stores"] == 0 and k["stack"] == 0, (bm, bn, k)
+    if sc:
+        assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 2
+        assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*49920;", ptx)
 
 
 @pytest.mark.parametrize("m,skinny", [(16, True), (17, False)])
