@@ -9,6 +9,7 @@
 #            (the 128 x 256 tiles' scales through the stages, MoE and dense): the GPU tests, the MoE plans at the
 #            power cap (issue 34; both built without a GPU, measure them first)
 #   moe-turns-ab  the whole 20b with them beside the default, same process (a call of its own)
+#   moe-ncu-plans  Nsight Compute on our MoE gate_up / down under those plans and the default (tensor pipe active)
 #   moe-ncu  Nsight Compute on one launch of DeepGEMM's grouped gate_up and of our gate_up / down (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
@@ -135,6 +136,28 @@ if has moe-ncu; then
     "$NCU" --import "/tmp/$1$2.ncu-rep" --page source --csv --print-source sass > "/tmp/$1$2_sass.csv" 2>&1
     "$NCU" --import "/tmp/$1$2.ncu-rep" --page details > "$rep.details.txt" 2>&1
     python3 benchmarks/ncu_digest.py "/tmp/$1$2_raw.csv" "/tmp/$1$2_sass.csv" > "$rep.digest.txt" 2>&1
+  done
+fi
+
+if has moe-ncu-plans; then
+  # issue 34: Nsight Compute on one launch of our MoE gate_up and down under the plans of GluonTile.turns /
+  # stage_scales against the default (E 32, T 32768): does the tensor pipe's 65% active (27th session) move?
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/ncu"
+  for plan in "default" "turns (" "stage scales" "turns + stage"; do
+    tag=$(echo "$plan" | tr -dc 'a-z')
+    for kern in _ws_moe_gemm_wide_kernel _ws_moe_down_kernel; do
+      rep="$OUT/ncu/plan_${tag}$kern"
+      timeout ${NCU_S:-120} "$NCU" --clock-control none --set full --import-source no -k regex:$kern --launch-skip 2 \
+        --launch-count 1 -f -o "/tmp/plan_${tag}$kern" python3 benchmarks/moe_parts.py --launch "$plan" --launches 4 \
+        2>&1 | tail -2
+      "$NCU" --import "/tmp/plan_${tag}$kern.ncu-rep" --page raw --csv > "/tmp/plan_${tag}${kern}_raw.csv" 2>&1
+      "$NCU" --import "/tmp/plan_${tag}$kern.ncu-rep" --page source --csv --print-source sass \
+        > "/tmp/plan_${tag}${kern}_sass.csv" 2>&1
+      python3 benchmarks/ncu_digest.py "/tmp/plan_${tag}${kern}_raw.csv" "/tmp/plan_${tag}${kern}_sass.csv" \
+        > "$rep.digest.txt" 2>&1
+      grep -i -m3 "tensor\|pipe" "$rep.digest.txt"
+    done
   done
 fi
 

@@ -8,6 +8,9 @@
    to back for S seconds, two passes interleaved, each checked against the default's output first. At the 700 W
    cap a launch's time back to back is its energy: a tile that wins a short burst can lose here.
 
+4. with --launch PLAN: that plan (a key of PLANS, or a prefix of one) launched --launches times and nothing else
+   timed (for Nsight Compute to pick one launch of its gate_up / down: gpu_suite.sh moe-ncu-plans).
+
     PYTHONPATH=$(pwd) python3 benchmarks/moe_parts.py [--tokens 32768] [--experts 32] [--seconds 5] [--plans 3]
 
 Each tile's output is compared with the 16 x 1 tile's (bit for bit) before it is timed.
@@ -58,6 +61,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=0.0)
     ap.add_argument("--plans", type=float, default=0.0, help="seconds back to back for each of PLANS (0: none)")
+    ap.add_argument("--launch", default=None, help="only launch this plan (a PLANS key or its prefix), --launches times")
+    ap.add_argument("--launches", type=int, default=8)
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     t, e = a.tokens, a.experts
@@ -69,17 +74,22 @@ def main() -> None:
     xq = act_quant(x)
     plan = DEFAULT.moe_plan(t, TOP_K, e, True)
     slots, _ = moe_align(ids, 0, e, plan.align_m)
-    ref = gather_act_quant(x, slots, TOP_K, xq, tile=(16, 1))
-    nbytes = 2 * slots.shape[0] * (HIDDEN + 4 * triton.cdiv(HIDDEN, 128))
-    print(f"# gather_act_quant: {slots.shape[0]} rows x {HIDDEN} (T {t}, E {e}, align {plan.align_m}); "
-          f"the default tile {gather_tile(slots.shape[0], triton.cdiv(HIDDEN, 128))}")
-    for tile in TILES:
-        got = gather_act_quant(x, slots, TOP_K, xq, tile=tile)
-        same = torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[1], ref[1])
-        ms = triton.testing.do_bench(lambda tile=tile: gather_act_quant(x, slots, TOP_K, xq, tile=tile),
-                                     warmup=20, rep=200, return_mode="median")
-        print(f"tile {tile}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s  {'same bits' if same else 'DIFFERS'}")
-    if a.seconds > 0 or a.plans > 0:
+    if a.launch is None:  # the gather's tiles
+        ref = gather_act_quant(x, slots, TOP_K, xq, tile=(16, 1))
+        nbytes = 2 * slots.shape[0] * (HIDDEN + 4 * triton.cdiv(HIDDEN, 128))
+        print(f"# gather_act_quant: {slots.shape[0]} rows x {HIDDEN} (T {t}, E {e}, align {plan.align_m}); "
+              f"the default tile {gather_tile(slots.shape[0], triton.cdiv(HIDDEN, 128))}")
+        for tile in TILES:
+            got = gather_act_quant(x, slots, TOP_K, xq, tile=tile)
+            same = torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[1], ref[1])
+            ms = triton.testing.do_bench(lambda tile=tile: gather_act_quant(x, slots, TOP_K, xq, tile=tile),
+                                         warmup=20, rep=200, return_mode="median")
+            print(f"tile {tile}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s  {'same bits' if same else 'DIFFERS'}")
+    if a.launch is not None:
+        names = [a.launch] if a.launch in PLANS else [name for name in PLANS if name.startswith(a.launch)]
+        assert len(names) == 1, f"--launch {a.launch!r}: one of {list(PLANS)}"
+        a.seconds = a.plans = 0.0
+    if a.seconds > 0 or a.plans > 0 or a.launch is not None:
         w13, s13 = quantize_weight_blocks(torch.randn(e, 2 * INTER, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5)
         w2, s2 = quantize_weight_blocks(torch.randn(e, HIDDEN, INTER, device="cuda", generator=g) / INTER**0.5)
         b13 = (0.3 * torch.randn(e, 2 * INTER, device="cuda", generator=g)).to(torch.bfloat16)
@@ -89,6 +99,11 @@ def main() -> None:
             return moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq, plan=plan)
 
         flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+        if a.launch is not None:
+            for _ in range(a.launches):
+                run(PLANS[names[0]])
+            torch.cuda.synchronize()
+            print(f"launched plan {names[0]!r} {a.launches} times")
         if a.seconds > 0:
             ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
             n, dt = back_to_back(run, a.seconds)
