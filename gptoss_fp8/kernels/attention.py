@@ -41,7 +41,9 @@ scale the output), P is rounded as e4m3(P * 256) against an integral running max
 power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P, and each block's P V
 is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer
 bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
-ragged batches and later chunks this Triton kernel; no fused rope. The interpreter casts fp32 -> e4m3 wrongly where the
+ragged batches and later chunks this Triton kernel. With ``rope``, q is rotated in its quantization's
+pass (one sequence on the GPU: kernels/attn_quant.py; else kernels/rope.py first, the same bits). The
+interpreter casts fp32 -> e4m3 wrongly where the
 rounding carries into the exponent (31.94 -> 16): there P's rounding is done arithmetically.
 
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated).
@@ -268,8 +270,9 @@ def _attn_prefill_kernel(
         c = tl.load(Cos + cs, mask=row_ok[:, None], other=0.0)
         s = tl.load(Sin + cs, mask=row_ok[:, None], other=0.0)
         q = tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
-        if not UPCAST:
-            q = q.to(Q.dtype.element_ty)
+        q = q.to(Q.dtype.element_ty)  # on every device: the rotated q of the unfused rope + this kernel
+        if UPCAST:
+            q = q.to(tl.float32)
     else:
         q_ptrs = Q + row0 * stride_qt + offs_m[:, None] * stride_qt + head_off + offs_d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
@@ -352,7 +355,7 @@ def attention_prefill(
     ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this Triton launch instead of
     the config's choice (and never the Gluon kernel). ``fp8``: Q, K, V quantized to e4m3 here
     (quant/attn_fp8.py, torch ops) and both products on e4m3 operands, P as e4m3(P * 256): the
-    numerics of ``spec.attention_fp8_varlen`` (no fused rope; one causal sequence on sm_90 runs the Gluon
+    numerics of ``spec.attention_fp8_varlen`` (a rope rotates q in its quantization; one causal sequence on sm_90 runs the Gluon
     e4m3 kernel, kernels/attention_ws_fp8.py, unless ``config.attention_gluon_fp8`` is off).
     ``q_offset`` > 0 (one sequence, cu_seqlens None): a prompt chunk after cached keys, q's row t at
     key position q_offset + t of k / v [q_offset + T, Hkv, D] (the keys before the chunk, then its
@@ -398,10 +401,11 @@ def attention_prefill(
     window = sliding_window if 0 < sliding_window < max_seqlen + q_offset else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = config or DEFAULT
-    if tile is None and fp8 and cfg.attention_gluon_fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
+    if tile is None and fp8 and cfg.attention_gluon_fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, None, cfg):
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
-        return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale)
+        # (a rope: q rotated in its quantization's pass)
+        return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope)
     if tile is None and not fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
@@ -427,10 +431,16 @@ def attention_prefill(
     grid = (Hq // pack, num_pid_m, B)
     fp8_args = {}
     if fp8:
-        assert rope is None, "fp8 attention takes q already rotated (no fused rope)"
-        # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass
+        # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass; a rope
+        # rotates q there (one sequence on the GPU) or first (kernels/rope.py: ragged positions, the CPU)
         quant = attn_quant if on_gpu else attn_fp8
-        q8, sq = quant.quantize_qk(q)
+        if rope is not None and on_gpu and not ragged:
+            q8, sq = attn_quant.quantize_qk(q, rope=rope, pos0=q_offset)
+        else:
+            if rope is not None:
+                q = _rotated(q, cos, sin, cu_seqlens, q_offset)
+            q8, sq = quant.quantize_qk(q)
+        rope = None  # (q8 is rotated)
         k8, sk = quant.quantize_qk(k)
         v8t, sv = quant.quantize_v(v)  # [Hkv, D, T], keys contiguous
         q, k, v = q8, k8, v8t.permute(2, 0, 1)  # v as a [T, Hkv, D] view: stride(0) == 1
@@ -447,6 +457,20 @@ def attention_prefill(
         **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}), **fp8_args,
     )
     return out
+
+
+def _rotated(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             q_offset: int) -> torch.Tensor:
+    """q [T, H, D] rotated by kernels/rope.py at its rows' positions: q_offset + t for one sequence,
+    t - its sequence's start in a ragged batch (cu_seqlens)."""
+    from gptoss_fp8.kernels.rope import rope_qk
+
+    T = q.shape[0]
+    pos = torch.arange(T, dtype=torch.int32, device=q.device)
+    if cu_seqlens is not None:
+        starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff(), output_size=T)
+        pos = pos - starts
+    return rope_qk(None, q, pos + q_offset, cos, sin)[1]
 
 
 def _ws_ok(q, k, v, ragged, window, rope, cfg: KernelConfig) -> bool:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_fp8 import spec
 from gptoss_fp8.kernels import attn_quant
 from gptoss_fp8.kernels._gluon import HAS_GLUON
 from gptoss_fp8.quant.attn_fp8 import P_SCALE, QK_BLOCK, quantize_qk, quantize_v
@@ -499,19 +500,24 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n, h * d), (t.stride(0), 1))
 
 
-def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
+def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
     kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
     [T, Hkv, D], sk [Hkv, nb], vt [Hkv * D, Tpad] e4m3: V transposed, T padded with zero keys to a
     multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's channel scale /
-    256 [Hkv, D])."""
+    256 [Hkv, D]). rope = (cos, sin) fp32 [>= T, D/2]: q not yet rotated (positions 0..T-1), rotated
+    in its quantization's pass (``attn_quant.quantize_qk(rope=)``; on CPU ``spec.apply_rope`` in fp32
+    first)."""
     hkv, d = k.shape[1], k.shape[2]
     if q.is_cuda:
-        q8, sq = attn_quant.quantize_qk(q)
+        q8, sq = attn_quant.quantize_qk(q, rope=rope)
         k8, sk = attn_quant.quantize_qk(k)
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
     else:
+        if rope is not None:
+            q = spec.apply_rope(q, rope[0][:q.shape[0]], rope[1][:q.shape[0]], dtype=torch.float32)
         q8, sq = quantize_qk(q)
         k8, sk = quantize_qk(k)
         v8t, sv = quantize_v(v)  # [Hkv, D, T]
@@ -536,7 +542,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              ones: bool = True, exp_fma: int = 0, turns: int | None = None,
                              pair_release: bool | None = None, pair_ready: bool | None = None,
                              probe: str | None = None,
-                             trace: torch.Tensor | None = None) -> torch.Tensor:
+                             trace: torch.Tensor | None = None,
+                             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
@@ -550,7 +557,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     a model run): probe ("mma": P = the scaled scores, no max or 2^x, no turns; "softmax": no MMA, the scores
     taken from the output tile; "nosum": the row-sum MMAs skipped: wrong values, for time and power), trace (int32
     [programs, 3, steps + 1, 8]: the SM clock at eight points of each step of head 0's programs, ``_stamp``;
-    benchmarks/attn_trace.py)."""
+    benchmarks/attn_trace.py). rope = (cos, sin): q not yet rotated, rotated in its quantization's pass
+    (``fp8_operands``: the rotated bf16 q is never written)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -566,7 +574,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert not pair_release or (pairs and stages % 2 == 0), "pair_release: with pairs and an even ring"
     pair_ready = pair_release if pair_ready is None else pair_ready
     assert not pair_ready or pair_release, "pair_ready: with pair_release"
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale)
+    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),

@@ -59,24 +59,47 @@ def _e4m3_saturated(q, FP8_MAX_C: tl.constexpr):
 
 @triton.jit
 def _quantize_qk_kernel(
-    x_ptr, q_ptr, s_ptr, T, H, NB, stride_xt, stride_xh,
+    x_ptr, q_ptr, s_ptr, cos_ptr, sin_ptr, T, H, NB, stride_xt, stride_xh, pos0,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROPE: tl.constexpr = False,
 ):
-    """One program per (64-row block, BLOCK_H heads): tile [BLOCK_T, BLOCK_H, D], one scale per head."""
+    """One program per (64-row block, BLOCK_H heads): tile [BLOCK_T, BLOCK_H, D], one scale per head.
+    ROPE: x not yet rotated: each head's halves rotated first (row t at position pos0 + t of the cos /
+    sin tables [max_pos, D/2]), kernels/rope.py's fp32 arithmetic rounded once to x's dtype, so the
+    bytes are those of quantizing rope_qk's output (its store not made)."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, D)
     rows = offs_t.to(tl.int64)[:, None, None]
     heads = offs_h.to(tl.int64)[None, :, None]  # int64 offsets: any stride over T and H
     mask = (offs_t < T)[:, None, None] & (heads < H)
-    x = tl.load(x_ptr + rows * stride_xt + heads * stride_xh + offs_d[None, None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    scale = group_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=0), FP8_MAX_C, EPS)  # [BLOCK_H]
-    q = _e4m3_saturated(tl.math.div_rn(x, scale[None, :, None]), FP8_MAX_C)  # IEEE, as torch's
-    tl.store(q_ptr + rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if ROPE:
+        HALF: tl.constexpr = D // 2
+        offs_j = tl.arange(0, HALF)[None, None, :]
+        x_ptrs = x_ptr + rows * stride_xt + heads * stride_xh + offs_j
+        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+        cs = (offs_t.to(tl.int64) + pos0)[:, None, None] * HALF + offs_j
+        c = tl.load(cos_ptr + cs, mask=(offs_t < T)[:, None, None], other=0.0)
+        s = tl.load(sin_ptr + cs, mask=(offs_t < T)[:, None, None], other=0.0)
+        dt = x_ptr.dtype.element_ty
+        o1 = (x1 * c - x2 * s).to(dt).to(tl.float32)  # rope_qk's expressions and its one rounding
+        o2 = (x2 * c + x1 * s).to(dt).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(o1), axis=2), axis=0), tl.max(tl.max(tl.abs(o2), axis=2), axis=0))
+        scale = group_scale(amax, FP8_MAX_C, EPS)  # [BLOCK_H]
+        q1 = _e4m3_saturated(tl.math.div_rn(o1, scale[None, :, None]), FP8_MAX_C)
+        q2 = _e4m3_saturated(tl.math.div_rn(o2, scale[None, :, None]), FP8_MAX_C)
+        q_ptrs = q_ptr + rows * (H * D) + heads * D + offs_j
+        tl.store(q_ptrs, q1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptrs + HALF, q2.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs_d = tl.arange(0, D)
+        x = tl.load(x_ptr + rows * stride_xt + heads * stride_xh + offs_d[None, None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        scale = group_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=0), FP8_MAX_C, EPS)  # [BLOCK_H]
+        q = _e4m3_saturated(tl.math.div_rn(x, scale[None, :, None]), FP8_MAX_C)  # IEEE, as torch's
+        tl.store(q_ptr + rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + offs_h * NB + pid_b, scale, mask=offs_h < H)
 
 
@@ -154,10 +177,20 @@ def _order_on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _ORDERS[key]
 
 
-def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H, D] -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]): ``attn_fp8.quantize_qk``, one launch."""
+def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                pos0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]): ``attn_fp8.quantize_qk``, one launch.
+    rope = (cos, sin) fp32 [max_pos, D/2] contiguous: x not yet rotated; row t is rotated at position
+    pos0 + t first, as kernels/rope.py's ``rope_qk`` would store it (``spec.apply_rope(...,
+    dtype=torch.float32)``): the same bytes as quantizing that, without writing the rotated x."""
     _check_input(x, "x")
     t, h, d = x.shape
+    if rope is not None:
+        cos, sin = rope
+        assert cos.shape == sin.shape and cos.shape[1:] == (d // 2,) and cos.shape[0] >= pos0 + t, (
+            f"rope tables {tuple(cos.shape)} for {t} rows at positions {pos0}..")
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        assert cos.device == x.device and sin.device == x.device
     nb = cdiv(t, QK_BLOCK)
     x8 = torch.empty((t, h, d), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((h, nb), dtype=torch.float32, device=x.device)
@@ -165,9 +198,11 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor
         return x8, scale
     block_h = min(next_pow2(h), max(1, 256 // d))  # a few heads a program: ~256 columns of 64 rows
     grid = (nb, cdiv(h, block_h))
+    cos, sin = rope if rope is not None else (scale, scale)  # (unread without rope)
     _quantize_qk_kernel[grid](
-        x, x8, scale, t, h, nb, x.stride(0), x.stride(1),
+        x, x8, scale, cos, sin, t, h, nb, x.stride(0), x.stride(1), pos0,
         BLOCK_T=QK_BLOCK, BLOCK_H=block_h, D=d, FP8_MAX_C=fp8_max, EPS=ACT_EPS, num_warps=4,
+        **({"ROPE": True} if rope is not None else {}),
     )
     return x8, scale
 

@@ -706,6 +706,28 @@ def test_prefill_fp8_cpu(lens, hq, hkv, window, tile):
     _check_fp8(out, q, k, v, sinks, cu, window, gpu=False)
 
 
+@pytest.mark.parametrize("lens,window,q_offset", [([130], 0, 0), ([70, 1, 129], 64, 0), ([50], 0, 77)]
+                         + ([([4099], 0, 0), ([1000, 3000], 0, 0), ([777], 128, 64)] if HAS_CUDA else []))
+def test_prefill_fp8_fused_q_rope(lens, window, q_offset):
+    """attention_prefill(fp8=True, rope=(cos, sin)): q rotated in its quantization's pass (one sequence on the
+    GPU, the Gluon kernel's and the Triton kernel's: kernels/attn_quant.py) or by kernels/rope.py first (a
+    ragged batch, the CPU): the bits of rotating q first and the same attention."""
+    gen = torch.Generator().manual_seed(sum(lens) + window + q_offset)
+    T = sum(lens)
+    hq, hkv = (64, 8) if T > 1000 else (8, 2)
+    q, k, v = _qkv(q_offset + T, hq, hkv, gen)
+    q = q[q_offset:]
+    sinks = _sinks(hq, gen)
+    cu = _cu(lens) if len(lens) > 1 else None
+    cos, sin = spec.rope_table(q_offset + max(lens), D, device=DEV)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(DEV, torch.int32) + q_offset
+    q_r = rope_qk(None, q, pos, cos, sin)[1]
+    want = attention_prefill(q_r, k, v, sinks, cu, max(lens), sliding_window=window, fp8=True, q_offset=q_offset)
+    got = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, fp8=True, q_offset=q_offset,
+                            rope=(cos, sin))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens,window", [([4096], 0), ([1000, 3000, 77], 0), ([4096], 128), ([333, 2000], 128)])
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 2)])

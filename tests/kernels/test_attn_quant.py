@@ -154,6 +154,31 @@ def test_zero_block_and_channel():
     _check(attn_quant.quantize_v(x), attn_fp8.quantize_v(x))
 
 
+@pytest.mark.parametrize("T,pos0", [(1, 0), (65, 0), (130, 7)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_qk_with_rope(T, pos0, dtype):
+    """rope=(cos, sin): x rotated in the kernel (row t at position pos0 + t) before its quantization,
+    kernels/rope.py's arithmetic and its one rounding to x's dtype: the bytes and scales of quantizing
+    rope_qk's output (the unfused kernels; on a fused qkv view's strides), and on the GPU (or in fp32)
+    within the module's tolerance of ``spec.apply_rope(..., dtype=torch.float32)`` quantized by the
+    reference (Triton's interpreter truncates fp32 to bf16 where torch rounds to nearest)."""
+    from gptoss_fp8 import spec
+    from gptoss_fp8.kernels.rope import rope_qk
+
+    q, k, _ = _fused_qkv(T, 3, 1, 64, dtype, seed=T + pos0)
+    cos, sin = spec.rope_table(pos0 + T + 5, 64, device=DEV)
+    rows = slice(pos0, pos0 + T)
+    pos = torch.arange(pos0, pos0 + T, device=DEV, dtype=torch.int32)
+    for x in (q, k):
+        got = attn_quant.quantize_qk(x, rope=(cos, sin), pos0=pos0)
+        unfused = attn_quant.quantize_qk(rope_qk(None, x, pos, cos, sin)[1])
+        assert torch.equal(got[0].view(torch.uint8), unfused[0].view(torch.uint8)) and torch.equal(got[1], unfused[1])
+        if DEV == "cuda" or dtype == torch.float32:
+            _check(got, attn_fp8.quantize_qk(spec.apply_rope(x, cos[rows], sin[rows], dtype=torch.float32)))
+    with pytest.raises(AssertionError, match="rope tables"):
+        attn_quant.quantize_qk(q, rope=(cos[: pos0 + T - 1], sin[: pos0 + T - 1]), pos0=pos0)
+
+
 def test_bad_inputs():
     x = _inputs((8, 2, 64), seed=10)
     with pytest.raises(AssertionError, match=r"x \(8, 2, 32\).*head_dim must be contiguous"):
