@@ -38,12 +38,12 @@ def _mutated(ops, name: str):
 
         Mutated.expert_ffn = expert_ffn
     elif name in ("no_sinks", "no_window", "double_sinks"):
-        def attention(self, q, k, v, sinks, sm_scale, window):
+        def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
             if name == "no_sinks":
                 sinks = torch.full_like(sinks, -1e4)  # exp(sink - max) = 0: the extra column is gone
             if name == "double_sinks":  # the sink's column counted twice: exp(s + ln 2) = 2 exp(s)
                 sinks = (sinks.float() + 0.6931471805599453).to(sinks.dtype)
-            return base.attention(self, q, k, v, sinks, sm_scale, 0 if name == "no_window" else window)
+            return base.attention(self, q, k, v, sinks, sm_scale, 0 if name == "no_window" else window, rope=rope)
 
         Mutated.attention = attention
     elif name in ("softmax_all_experts", "no_softmax"):

@@ -501,6 +501,46 @@ def test_rope_append_fused_and_unfused_agree_and_follow_an_overridden_rope():
 
 
 
+
+@pytest.mark.parametrize("kind,window", [("fp8", 0), ("bf16", 64), ("bf16", 0), ("bf16", 200)])
+def test_attention_rope_fused_and_unfused_agree_and_follow_an_overridden_rope(monkeypatch, kind, window):
+    """``attention(..., rope=)`` (q not yet rotated): TritonOps rotates q in a pass it makes anyway, the FP8
+    quantization (full layers under --attention fp8) and the window kernel (a window shorter than the
+    prompt), with no ``rope`` call and the bits of rotating first; elsewhere (the bf16 full layers' Gluon
+    kernel, a window no shorter than the prompt) by ``rope`` first. A subclass's own rope (tests/mutations.py)
+    acts either way; ReferenceOps rotates by its rope."""
+    from gptoss_fp8 import spec
+    from gptoss_fp8.model.ops import ReferenceOps
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(11 + window)
+    t, kvh, m, d = 130, 2, 4, 64
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dev, torch.bfloat16) for h in (kvh * m, kvh, kvh))
+    q = q.view(t, kvh, m, d)
+    sinks = torch.randn(kvh * m, generator=g).to(dev, torch.bfloat16)
+    cos, sin = (x.to(dev) for x in spec.rope_table(t, d))
+    calls = []
+    real = TritonOps.rope
+    monkeypatch.setattr(TritonOps, "rope", lambda self, x, c, s: calls.append(x.shape) or real(self, x, c, s))
+    ops = TritonOps().with_attention(kind)
+    got = ops.attention(q, k, v, sinks, 0.125, window, rope=(cos, sin))
+    fused = 0 < window < t or kind == "fp8"
+    assert len(calls) == (0 if fused else 1)
+    assert torch.equal(got, ops.attention(ops._rotated_q(q, (cos, sin)), k, v, sinks, 0.125, window))
+
+    class NoRope(TritonOps):
+        def rope(self, x, cos, sin):
+            return x
+
+    no_rope = NoRope().with_attention(kind)
+    assert torch.equal(no_rope.attention(q, k, v, sinks, 0.125, window, rope=(cos, sin)),
+                       no_rope.attention(q, k, v, sinks, 0.125, window))
+    ref = ReferenceOps().with_attention(kind)
+    q_r = spec.apply_rope(q.reshape(t, kvh * m, d), cos, sin).view(t, kvh, m, d)
+    assert torch.equal(ref.attention(q, k, v, sinks, 0.125, window, rope=(cos, sin)),
+                       ref.attention(q_r, k, v, sinks, 0.125, window))
+
+
 # ------------------------------------------------------------------------------------------------
 # A prompt in chunks: the later chunk's attention on the prefill kernel with its query offset
 

@@ -186,8 +186,8 @@ class TimedOps:
         part = self.PARTS.get(name)
         return fn if part is None else functools.partial(self._timed, part, fn)
 
-    def attention(self, q, k, v, sinks, sm_scale, window):
-        out = self._timed("attention", self.ops.attention, q, k, v, sinks, sm_scale, window)
+    def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
+        out = self._timed("attention", self.ops.attention, q, k, v, sinks, sm_scale, window, rope=rope)
         self.attention_windows[len(self.events) - 1] = int(window)
         return out
 

@@ -406,15 +406,17 @@ class GptOss(nn.Module):
             o = ops.attention_cached(q.view(n, a.n_kv, a.n_heads // a.n_kv, d), cache.k[layer.idx],
                                      cache.v[layer.idx], step.n, a.sinks, 1 / math.sqrt(d), layer.window)  # [B, Hl * D]
         else:
-            q = ops.rope(q.view(n, a.n_heads, d), cos, sin).view(n, a.n_kv, a.n_heads // a.n_kv, d)
+            # q is rotated by the attention (``ops.attention``'s rope: a backend may do it in a pass it makes
+            # anyway), k here (the cache holds it rotated)
+            q = q.view(n, a.n_kv, a.n_heads // a.n_kv, d)
             k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
             if segments is None:
-                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start)
+                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin))
             else:  # each sequence's chunk on its own keys
                 o, r0 = [], 0
                 for b, pos0, m in segments:
                     o.append(self._prefill_attention(layer, q[r0:r0 + m], k[r0:r0 + m], v[r0:r0 + m], ops, cache, b,
-                                                     pos0))
+                                                     pos0, (cos[r0:r0 + m], sin[r0:r0 + m])))
                     r0 += m
                 o = torch.cat(o)
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
@@ -422,18 +424,21 @@ class GptOss(nn.Module):
         return ops.all_reduce(o, self.par)
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
-                           start: int) -> torch.Tensor:
-        """One sequence's prompt rows (q [T, KV, M, D], k / v [T, KV, D], after RoPE) at positions
-        start..: written to the cache's sequence ``row`` (if a cache is given) -> attention [T, Hl * D]."""
+                           start: int, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One sequence's prompt rows (q [T, KV, M, D] before RoPE, k / v [T, KV, D], k after it) at
+        positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
+        cache is given) -> attention [T, Hl * D]."""
         a, d = layer.self_attn, self.cfg.head_dim
         if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
             pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
             ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
             cache.write(layer.idx, row, start, k, v)
+            n, kvh, m, _ = q.shape
+            q = ops.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
             return ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, start - first)
         if cache is not None:
             cache.write(layer.idx, row, 0, k, v)
-        return ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window)  # [T, Hl * D]
+        return ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window, rope=rope)  # [T, Hl * D]
 
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16

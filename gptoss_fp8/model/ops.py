@@ -266,13 +266,23 @@ class ReferenceOps:
         return q
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                  sm_scale: float, window: int) -> torch.Tensor:
+                  sm_scale: float, window: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Causal attention with per-head sinks as an extra softmax column (then dropped).
 
         q [T, KV, M, D], k/v [T, KV, D], sinks [KV * M]; window > 0: key j visible to query i iff
         i - window < j <= i. Returns [T, KV * M * D] in q's dtype (``spec.attention`` in q's dtype).
+        ``rope`` = (cos, sin) [T, D/2] (row t for q's row t): q is not rotated yet; it is rotated here
+        first by ``self.rope`` (k comes rotated). A backend may rotate it in a pass it makes anyway
+        (model/triton_ops.py: in the FP8 quantization, in the window kernel); the values are the same.
         """
+        if rope is not None:
+            q = self._rotated_q(q, rope)
         return self._attend(q, k, v, sinks, sm_scale, window, 0)
+
+    def _rotated_q(self, q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [T, KV, M, D] rotated by ``self.rope`` at rope's rows."""
+        n, kvh, m, d = q.shape
+        return self.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
 
     def fp8_attention(self, window: int) -> bool:
         """Whether a prefill attention of this window runs FP8 arithmetic: with ``attention_kind`` "fp8",

@@ -316,12 +316,27 @@ class TritonOps(W8A8CpuOps):
                              sliding_window=0, sm_scale=sm_scale, config=self.config, ring=ring)
         return o.reshape(b, -1)
 
-    def attention(self, q, k, v, sinks, sm_scale, window):
+    def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
+        """The prefill kernels; with ``rope`` (q not yet rotated) q is rotated where a pass over it is made
+        anyway (``_fused_rope``: the FP8 quantization of a full layer, the window layers' Triton kernel),
+        else by ``rope`` first."""
+        if rope is not None and not (self._fused_rope(window, q.shape[0]) and self._prefill_kernel_ok(q, k, v, sinks)):
+            q, rope = self._rotated_q(q, rope), None
         if not self._prefill_kernel_ok(q, k, v, sinks):
             # attention_prefill takes bf16 q/k/v with a power-of-two head_dim in 16..256.
             self._fallback("attention", q, k, v)
             return super().attention(q, k, v, sinks, sm_scale, window)
-        return self._attention_prefill(q, k, v, sinks, sm_scale, window, 0)
+        return self._attention_prefill(q, k, v, sinks, sm_scale, window, 0, rope)
+
+    def _fused_rope(self, window: int, n: int) -> bool:
+        """Whether the prefill attention of n rows rotates q itself (``attention``'s rope): where it reads q in
+        a pass of its own, the FP8 quantization (full layers under ``--attention fp8``; kernels/attn_quant.py)
+        or the Triton kernel of a window layer longer than its window (kernels/attention.py's ROPE_Q), with
+        this class's rope kernel (a subclass's own ``rope``, e.g. tests/mutations.py's, is applied unfused).
+        The bf16 full layers' Gluon kernel (which also takes a window layer no longer than its window) loads
+        q by TMA: rotated first there (kernels/rope.py), as on FlashInfer's path."""
+        return (type(self).rope is TritonOps.rope and self.rope_kernel and self.config.attention_backend != "flashinfer"
+                and (self.fp8_attention(window) or 0 < window < n))
 
     def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
         """A later prompt chunk: the same kernel with its query offset (q's rows at key positions
@@ -336,7 +351,7 @@ class TritonOps(W8A8CpuOps):
         return (_kernel_device(q) and q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16
                 and q.shape[-1] in (16, 32, 64, 128, 256) and sinks.is_floating_point())
 
-    def _attention_prefill(self, q, k, v, sinks, sm_scale, window, q_offset):
+    def _attention_prefill(self, q, k, v, sinks, sm_scale, window, q_offset, rope=None):
         from gptoss_fp8.kernels import flashinfer_attention as fi
         from gptoss_fp8.kernels.attention import attention_prefill
 
@@ -350,9 +365,11 @@ class TritonOps(W8A8CpuOps):
                               window).reshape(n, -1)
         # k, v may be strided views (v is a column slice of the fused q/k/v GEMM's output): the
         # kernel reads rows by stride, so no copy
+        if rope is not None:  # (the kernels' tables: fp32, contiguous, row t for q's row t)
+            rope = tuple(t.float().contiguous() for t in rope)
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
                               sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              fp8=fp8, q_offset=q_offset)
+                              fp8=fp8, q_offset=q_offset, rope=rope)
         return o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------
