@@ -76,15 +76,17 @@ if has tests; then
 fi
 
 if has pending-tests; then
-  # the GPU tests of what changed since the last complete GPU run (twenty-sixth session's end): the window-128 tile
-  # with four heads a program and the whole-row MoE gather are in every prefill. --dist load (the default loadfile
-  # put test_attention.py's 466 cases in one worker); six workers, the MoE's three (twelve ran the GPU out of memory);
-  # -rf under SIGINT: the names of failures survive a cut, the whole log comes back
-  timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 6 --dist load tests/kernels/test_attention.py \
-    tests/test_triton_ops.py tests/test_model_chunks.py tests/test_hf_attention.py tests/test_verify_attention_fp8.py \
-    > "$OUT/pending_tests.log" 2>&1
-  timeout -s INT ${PENDING_LIMIT:-400} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
-    > "$OUT/pending_tests_moe.log" 2>&1
+  # the GPU tests of what changed since the last complete GPU run (twenty-eighth session, built without a GPU):
+  # q's rope inside the FP8 quantization and the window kernel (attention, attn_quant, triton_ops, model chunks,
+  # the verdict's FP8 attention), the gather's MN-major scales (test_moe; the turns / stage-scales GEMM cases are
+  # target moe-turns's). --dist load (the default loadfile put test_attention.py's 466 cases in one worker); six
+  # workers, the MoE's three (twelve ran the GPU out of memory); -rf under SIGINT: the names of failures survive a
+  # cut, the whole log comes back
+  timeout -s INT ${PENDING_LIMIT:-360} python3 -m pytest -q -rf -n 6 --dist load tests/kernels/test_attention.py \
+    tests/kernels/test_attn_quant.py tests/test_triton_ops.py tests/test_model_chunks.py tests/test_hf_attention.py \
+    tests/test_verify_attention_fp8.py > "$OUT/pending_tests.log" 2>&1
+  timeout -s INT ${PENDING_MOE_LIMIT:-200} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
+    -k "not wide_gpu" > "$OUT/pending_tests_moe.log" 2>&1
   tail -4 "$OUT/pending_tests.log" "$OUT/pending_tests_moe.log"
 fi
 

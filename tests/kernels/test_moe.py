@@ -294,10 +294,14 @@ def test_fused_moe_ws_gpu(t, h, i, e, e0, n_local, plan):
     _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
 
 
-_TURNS_DOWN = GluonTile(4, 16, block_m=128, promote="serial", turns=True)
-
-
 _SC_DOWN = GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True)
+# (the shapes, gate_up tile) that exercise an option of both wide tiles: expert-parallel shards; 128 experts on 3
+# stages with balanced programs; right halves past N (h640: 2I = 2880, H = 640 = 2.5 tiles of 256; h720: the
+# down's last tile 80 of 256 columns); one token
+_OPTION_SHAPES = [((3000, 2880, 2880, 32, 4, 16), dict(group_m=16)), ((2000, 2880, 2880, 128, 0, 128),
+                                                                      dict(stages=3, balance=True)),
+                  ((700, 640, 1440, 8, 2, 4), {}), ((1500, 720, 2880, 16, 0, 16), {}), ((1, 2880, 2880, 32, 0, 32), {})]
+_OPTION_IDS = ["", "-e128-s3-bal", "-h640", "-h720", "-t1"]
 
 
 def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage_scales=False):
@@ -309,6 +313,17 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage
     plan = KernelConfig(moe_gluon_gate_up=gu, moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
+
+
+def _option_cases(**opt):
+    """test_fused_moe_ws_wide_gpu's cases of a GluonTile option (turns, stage_scales) on both wide tiles, over
+    _OPTION_SHAPES (the down on the gate_up's ring depth and balance, tile order 16, or 8 when balanced)."""
+    cases = []
+    for shape, tile in _OPTION_SHAPES:
+        stages, balance = tile.get("stages", 4), tile.get("balance", False)
+        down = GluonTile(stages, 8 if balance else 16, block_m=128, balance=balance, promote="serial", **opt)
+        cases.append((*shape, _wide_plan(**tile, **opt, down=down)))
+    return cases
 
 
 @pytest.mark.gpu
@@ -325,20 +340,8 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage
     (700, 640, 1440, 8, 2, 4, _wide_plan(down=GluonTile(4, 4, block_m=128, promote="serial"))),
     (1500, 720, 2880, 16, 0, 16, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
     (1, 2880, 2880, 32, 0, 32, _wide_plan(down=GluonTile(4, 8, block_m=128, promote="serial"))),
-    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, down=_TURNS_DOWN)),
-    (2000, 2880, 2880, 128, 0, 128, _wide_plan(stages=3, balance=True, turns=True,
-                                               down=GluonTile(3, 8, block_m=128, balance=True, promote="serial",
-                                                              turns=True))),
-    (700, 640, 1440, 8, 2, 4, _wide_plan(turns=True, down=_TURNS_DOWN)),
-    (1500, 720, 2880, 16, 0, 16, _wide_plan(turns=True, down=_TURNS_DOWN)),
-    (1, 2880, 2880, 32, 0, 32, _wide_plan(turns=True, down=_TURNS_DOWN)),
-    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, stage_scales=True, down=_SC_DOWN)),
-    (2000, 2880, 2880, 128, 0, 128, _wide_plan(stages=3, balance=True, stage_scales=True,
-                                               down=GluonTile(3, 8, block_m=128, balance=True, promote="serial",
-                                                              stage_scales=True))),
-    (700, 640, 1440, 8, 2, 4, _wide_plan(stage_scales=True, down=_SC_DOWN)),
-    (1500, 720, 2880, 16, 0, 16, _wide_plan(stage_scales=True, down=_SC_DOWN)),
-    (1, 2880, 2880, 32, 0, 32, _wide_plan(stage_scales=True, down=_SC_DOWN)),
+    *_option_cases(turns=True),
+    *_option_cases(stage_scales=True),
     (3000, 2880, 2880, 32, 0, 32, _wide_plan(stage_scales=True)),
     (3000, 2880, 2880, 32, 0, 32, _wide_plan(down=_SC_DOWN)),
     (1000, 2880, 2880, 32, 0, 32, MoePlan(128, TritonTile(64, 256, group_m=8, num_warps=8, num_stages=4, split_n=False),
@@ -346,9 +349,8 @@ def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage
     (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, stage_scales=True,
                                              down=replace(_SC_DOWN, turns=True))),
 ], ids=["gate_up", "e128-3stages", "e128-group4-bal", "i720", "h640", "down128", "t1", "gdown", "gdown-e128-s3-bal",
-        "gdown-h640", "gdown-h720", "gdown-t1", "turns", "turns-e128-s3-bal", "turns-h640", "turns-h720", "turns-t1",
-        "sc", "sc-e128-s3-bal", "sc-h640", "sc-h720", "sc-t1", "sc-gate_up-only", "sc-down-only", "sc-down-triton-gate_up",
-        "sc-turns"])
+        "gdown-h640", "gdown-h720", "gdown-t1", *(f"turns{i}" for i in _OPTION_IDS), *(f"sc{i}" for i in _OPTION_IDS),
+        "sc-gate_up-only", "sc-down-only", "sc-down-triton-gate_up", "sc-turns"])
 def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     """The wide gate_up (and the Gluon down, "gdown"), both on the serial promotion loop (their
     only one; the in-place accumulation they had failed these cases and was removed), against the
