@@ -6,7 +6,9 @@ Usage (GPU machine): python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 
     [--variants default,graph,unfused-combine,torch-router]
 Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (the MoE's weighted
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
-"graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "torch-router" (the
+"graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "unfused-rope" (q's rope
+as its own pass, not in the FP8 quantization / window kernel: before the twenty-eighth session;
+"unfused-window-rope": only before the window layers), "torch-router" (the
 router as torch's bf16 linear + topk + softmax instead of kernels/router.py), and kernel configs
 (``dataclasses.replace`` of the default ``KernelConfig``, kernels/config.py): "triton-gemm" (the
 dense GEMMs on the Triton kernel at every size: dense_gluon_min_rows=None), "triton-moe" (the
@@ -46,6 +48,21 @@ class UnfusedCombine(TritonOps):
     """The combine kernel, then the add + norm kernel (the spec's composition on our kernels)."""
 
     moe_combine_add_rms_norm = ReferenceOps.moe_combine_add_rms_norm
+
+
+class UnfusedRope(TritonOps):
+    """q's rope as its own pass before every prefill attention (as before the twenty-eighth session), not in the
+    FP8 quantization / the window kernel (``TritonOps._fused_rope``)."""
+
+    def _fused_rope(self, window, n):
+        return False
+
+
+class UnfusedWindowRope(TritonOps):
+    """q's rope in the FP8 quantization of the full layers, its own pass before the window layers' kernel."""
+
+    def _fused_rope(self, window, n):
+        return not window and super()._fused_rope(window, n)
 
 
 class TorchRouter(TritonOps):
@@ -103,6 +120,9 @@ def main() -> None:
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: _forward(model, UnfusedCombine(config=ops.config).with_attention(a.attention)),
             "torch-router": lambda: _forward(model, TorchRouter(config=ops.config).with_attention(a.attention)),
+            "unfused-rope": lambda: _forward(model, UnfusedRope(config=ops.config).with_attention(a.attention)),
+            "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
+                a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),
         }
         for name in a.variants.split(","):

@@ -114,12 +114,14 @@ if has moe-turns; then
 fi
 
 if has moe-turns-ab; then
-  # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py)
+  # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py); and
+  # q's rope as its own pass ("unfused-rope", as before the 28th session) against its fusion (the default now)
   timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
-    --variants default,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales --attention fp8 \
+    --variants default,unfused-rope,unfused-window-rope,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales \
+    --attention fp8 \
     2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
   timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 | grep -v Warn \
+    --variants default,unfused-rope,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/moe_turns_ab128k.log"
 fi
 
