@@ -334,6 +334,24 @@ def test_bench_prefill_forward_is_the_models_last_row():
     assert usd_per_million_tokens(0.239, 8192) == pytest.approx(0.239 / 3600 * 3 * 1e6 / 8192)
 
 
+def test_moe_combine_into_rows_of_a_buffer():
+    """``moe_combine(..., out=)`` (the chunked MoE writes each chunk's rows in place): the bits of the returned
+    form, in out's rows; TritonOps's kernel writes there itself (no fallback, no copy), ReferenceOps copies."""
+    from gptoss_fp8.model.ops import ReferenceOps
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(9, 4, 72, generator=g).to(dev, torch.bfloat16)
+    w = torch.softmax(torch.randn(9, 4, generator=g), -1).to(dev, torch.bfloat16)
+    triton_ops = TritonOps()
+    for ops in (triton_ops, ReferenceOps()):
+        buf = torch.zeros(12, 72, dtype=torch.bfloat16, device=dev)
+        got = ops.moe_combine(y, w, out=buf[3:12])
+        assert got.data_ptr() == buf[3].data_ptr() and torch.equal(got, ops.moe_combine(y, w))
+        assert not buf[:3].any()
+    assert triton_ops.spec_fallbacks["moe_combine"] == 0
+
+
 @pytest.mark.gpu
 def test_graphed_prefill_replays_the_eager_forward_gpu():
     """``bench prefill --cuda-graph``: the captured forward, replayed with other token ids, gives

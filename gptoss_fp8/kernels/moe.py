@@ -63,17 +63,21 @@ def _moe_combine_kernel(
 
 def moe_combine(
     y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor | None = None, expert_start: int = 0,
-    num_experts: int = 0,
+    num_experts: int = 0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of per-slot expert outputs: y [T*k, H] or [T, k, H] (bf16/fp32, last dim
     contiguous), weights [T, k] -> bf16 [T, H]. With ``ids`` (int32 [T, k] global expert ids), only
     slots routed to experts [expert_start, expert_start + num_experts) count (the others' rows of y
-    are never read)."""
+    are never read). ``out``: bf16 [T, H] with a contiguous last dim (e.g. rows of a larger buffer)
+    to write into and return, instead of a new tensor."""
     t, k = weights.shape
     h = y.shape[-1]
     y2 = y.reshape(t * k, h)
     assert y2.stride(-1) == 1, "y needs a contiguous last dimension"
-    out = torch.empty((t, h), dtype=torch.bfloat16, device=y.device)
+    if out is None:
+        out = torch.empty((t, h), dtype=torch.bfloat16, device=y.device)
+    assert out.shape == (t, h) and out.dtype == torch.bfloat16 and out.stride(-1) == 1, (
+        f"out {tuple(out.shape)} {out.dtype} strides {out.stride()}: want bf16 [{t}, {h}], last dim contiguous")
     if t == 0:
         return out
     block_h = min(1024, next_pow2(h))

@@ -369,8 +369,8 @@ class GptOss(nn.Module):
         got: dict[str, list[torch.Tensor]] = {"router": [], "ids": [], "weights": []}
         for s in range(0, n, chunk):
             part: dict | None = {} if capture is not None else None
-            out[s:s + chunk] = ops.moe_combine(*self._moe(layer, t.rows(s, s + chunk), ops, part,
-                                                          route_keys=part is not None))
+            ops.moe_combine(*self._moe(layer, t.rows(s, s + chunk), ops, part, route_keys=part is not None),
+                            out=out[s:s + chunk])  # (written in place: no copy of the chunk's [rows, H])
             if part is not None:
                 for key, v in got.items():
                     v.append(part[f"{layer.idx}.{key}"])

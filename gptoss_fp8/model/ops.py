@@ -211,10 +211,16 @@ class ReferenceOps:
         return spec.moe_experts_bf16(x, idx, *_expert_tensors(experts), first_expert, limit, partial,
                                      weight=self._expert_weight(torch.bfloat16))
 
-    def moe_combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def moe_combine(self, y: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted sum of per-slot expert outputs: y bf16 [T, k, H], weights bf16 [T, k] -> bf16
-        [T, H] (``spec.moe_combine``: the reference's einsum, fp32 accumulation, one rounding)."""
-        return spec.moe_combine(y, weights)
+        [T, H] (``spec.moe_combine``: the reference's einsum, fp32 accumulation, one rounding).
+        ``out`` (bf16 [T, H], e.g. rows of a larger buffer): written and returned (a backend writes
+        there directly; here a copy)."""
+        r = spec.moe_combine(y, weights)
+        if out is None:
+            return r
+        out.copy_(r)
+        return out
 
     # --- the rest: identical in every CPU backend ----------------------------------------------
     def all_reduce(self, t: torch.Tensor, par: Parallel) -> torch.Tensor:

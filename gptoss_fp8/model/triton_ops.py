@@ -253,13 +253,14 @@ class TritonOps(W8A8CpuOps):
             bias_out = torch.where(here[..., None], b2[local.clamp(0, n_local - 1)].float(), bias_out)
         return y, bias_out
 
-    def moe_combine(self, y, weights):
-        if not _kernel_device(y) or y.dtype not in (BF16, F32) or y.stride(-1) != 1:
+    def moe_combine(self, y, weights, out=None):
+        if (not _kernel_device(y) or y.dtype not in (BF16, F32) or y.stride(-1) != 1
+                or (out is not None and (out.dtype != BF16 or out.stride(-1) != 1))):
             self._fallback("moe_combine", y, weights)
-            return super().moe_combine(y, weights)
+            return super().moe_combine(y, weights, out)
         from gptoss_fp8.kernels.moe import moe_combine
 
-        return moe_combine(y, weights)
+        return moe_combine(y, weights, out=out)  # (into out's rows: no copy)
 
     def moe_combine_add_rms_norm(self, x, y, weights, norm_weight, eps):
         """The MoE's weighted combine, the residual add and the next norm in one pass (norm.py)."""

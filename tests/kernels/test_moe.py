@@ -264,6 +264,13 @@ def test_moe_combine_matches_einsum():
     got = moe_combine(y, w, ids, 2, 4).float()
     want = torch.einsum("bec,be->bc", y.float(), w.float() * here)
     assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-5)
+    # into rows of a larger buffer (the chunked MoE's): the same bits, returned as that view, nothing else touched
+    buf = torch.full((t + 5, h), float("nan"), dtype=torch.bfloat16, device=DEV)
+    into = moe_combine(y, w, out=buf[2:2 + t])
+    assert into.data_ptr() == buf[2].data_ptr() and torch.equal(into, moe_combine(y, w))
+    assert torch.isnan(buf[:2]).all() and torch.isnan(buf[2 + t:]).all()
+    with pytest.raises(AssertionError, match="want bf16"):
+        moe_combine(y, w, out=buf[:t].float())
 
 
 # The warp-specialized Gluon gate_up (kernels/moe_ws.py, sm_90 only; the default where the
