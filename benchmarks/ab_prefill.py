@@ -8,7 +8,8 @@ Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "unfused-rope" (q's rope
 as its own pass, not in the FP8 quantization / window kernel: before the twenty-eighth session;
-"unfused-window-rope": only before the window layers), "torch-router" (the
+"unfused-window-rope": only before the window layers), "moe-unchunked" (the MoE over all tokens at once, not
+in chunks of 32768: bench prefill's ``--moe-chunk``; its combine then fused into the next norm), "torch-router" (the
 router as torch's bf16 linear + topk + softmax instead of kernels/router.py), and kernel configs
 (``dataclasses.replace`` of the default ``KernelConfig``, kernels/config.py): "triton-gemm" (the
 dense GEMMs on the Triton kernel at every size: dense_gluon_min_rows=None), "triton-moe" (the
@@ -121,6 +122,7 @@ def main() -> None:
             "unfused-combine": lambda: _forward(model, UnfusedCombine(config=ops.config).with_attention(a.attention)),
             "torch-router": lambda: _forward(model, TorchRouter(config=ops.config).with_attention(a.attention)),
             "unfused-rope": lambda: _forward(model, UnfusedRope(config=ops.config).with_attention(a.attention)),
+            "moe-unchunked": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=None)),
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
                 a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),

@@ -121,7 +121,8 @@ if has moe-turns-ab; then
     --attention fp8 \
     2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
   timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,unfused-rope,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 | grep -v Warn \
+    --variants default,unfused-rope,moe-unchunked,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 \
+    | grep -v Warn \
     | tee "$OUT/moe_turns_ab128k.log"
 fi
 
