@@ -21,7 +21,7 @@ heavy-load MoE plan's wide gate_up and Gluon down with that tile-order group ins
 wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE tiles with
 ``GluonTile.stage_scales``: the scales through the stages, twenty-eighth session), "wide-turns-scales" (both
 options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
-"all-turns-scales" (both options on both).
+"all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``).
 ``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -82,6 +82,8 @@ def _config(name: str) -> KernelConfig | None:
     if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
         st, gr = (int(v) for v in name[4:].split("-g"))
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
+    if name == "fp8-qreg":  # the FP8 attention's Q in registers (twenty-eighth session, opt-in)
+        return replace(base, attention_fp8_q_registers=True)
     if name in ("wide-scales", "wide-turns-scales", "dense-scales", "all-scales", "all-turns-scales"):
         # the 128 x 256 tiles' scales through the stages (GluonTile.stage_scales), with turns in the "-turns-" ones
         opts = dict(stage_scales=True, **({"turns": True} if "turns" in name else {}))

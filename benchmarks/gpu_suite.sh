@@ -8,7 +8,8 @@
 #   moe-turns  GluonTile.turns (the MoE GEMMs' warpgroups in turns at the tensor core) and GluonTile.stage_scales
 #            (the 128 x 256 tiles' scales through the stages, MoE and dense): the GPU tests, the MoE plans at the
 #            power cap (issue 34; both built without a GPU, measure them first)
-#   moe-turns-ab  the whole 20b with them beside the default, same process (a call of its own)
+#   moe-turns-ab  the whole 20b with them, the rope fusion, the FP8 attention's Q in registers and (128000) the MoE
+#            unchunked, beside the default, same process (a call of its own)
 #   moe-ncu-plans  Nsight Compute on our MoE gate_up / down under those plans and the default (tensor pipe active)
 #   moe-ncu  Nsight Compute on one launch of DeepGEMM's grouped gate_up and of our gate_up / down (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
@@ -114,14 +115,16 @@ if has moe-turns; then
 fi
 
 if has moe-turns-ab; then
-  # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py); and
-  # q's rope as its own pass ("unfused-rope", as before the 28th session) against its fusion (the default now)
+  # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py); q's
+  # rope as its own pass ("unfused-rope", as before the 28th session) against its fusion (the default now); the FP8
+  # attention's Q in registers ("fp8-qreg"); at 128000 the MoE unchunked. The kernel alone:
+  # ATTN_VARIANTS=fp8,fp8-qreg bash benchmarks/gpu_suite.sh fp8-probe
   timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
-    --variants default,unfused-rope,unfused-window-rope,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales \
+    --variants default,unfused-rope,unfused-window-rope,fp8-qreg,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales \
     --attention fp8 \
     2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
   timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,unfused-rope,moe-unchunked,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 \
+    --variants default,unfused-rope,moe-unchunked,fp8-qreg,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 \
     | grep -v Warn \
     | tee "$OUT/moe_turns_ab128k.log"
 fi

@@ -405,7 +405,8 @@ def attention_prefill(
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
         # (a rope: q rotated in its quantization's pass)
-        return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope)
+        return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
+                                        q_in_registers=cfg.attention_fp8_q_registers)
     if tile is None and not fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 

@@ -362,9 +362,11 @@ if HAS_GLUON:
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
+                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
-        block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core)."""
+        block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
+        QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
+        kernel's q_in_registers, 3% there), not read from shared memory by every QK^T."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NW: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -397,6 +399,8 @@ if HAS_GLUON:
             zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, row_layout))
             gl.thread_barrier()
         mbarrier.wait(q_bar, 0)
+        if QREG:
+            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
             # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
             n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
@@ -420,23 +424,25 @@ if HAS_GLUON:
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
+                     QREG)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
+                     QREG)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr):
+                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
         _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                       True, PAIRS, REL)
 
@@ -447,7 +453,8 @@ if HAS_GLUON:
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T,
                                  num_pid_m, nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
-                                 REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
+                                 REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
+                                 QREG: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -473,16 +480,16 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL,
-                            TRACE, PROBE)),
+                            TRACE, PROBE, QREG)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE)),
+                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -543,7 +550,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              pair_release: bool | None = None, pair_ready: bool | None = None,
                              probe: str | None = None,
                              trace: torch.Tensor | None = None,
-                             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                             rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             q_in_registers: bool = False) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
     ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
@@ -558,7 +566,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     taken from the output tile; "nosum": the row-sum MMAs skipped: wrong values, for time and power), trace (int32
     [programs, 3, steps + 1, 8]: the SM clock at eight points of each step of head 0's programs, ``_stamp``;
     benchmarks/attn_trace.py). rope = (cos, sin): q not yet rotated, rotated in its quantization's pass
-    (``fp8_operands``: the rotated bf16 q is never written)."""
+    (``fp8_operands``: the rotated bf16 q is never written). q_in_registers (opt-in, built without a GPU in the
+    twenty-eighth session, unmeasured): each warpgroup's Q tile loaded into registers once, QK^T's A operand
+    from there (the bf16 kernel's 3% win), not re-read from shared memory by every QK^T wgmma."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -574,6 +584,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert not pair_release or (pairs and stages % 2 == 0), "pair_release: with pairs and an even ring"
     pair_ready = pair_release if pair_ready is None else pair_ready
     assert not pair_ready or pair_release, "pair_ready: with pair_release"
+    assert not q_in_registers or pairs, "q_in_registers: with pairs (one block a step spills with it)"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
@@ -584,7 +595,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
-        num_warps=4,
+        num_warps=4, **({"QREG": True} if q_in_registers else {}),
     )
     return out
 

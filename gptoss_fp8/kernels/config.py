@@ -223,6 +223,9 @@ class KernelConfig:
     # ``--attention fp8`` on one causal sequence: the Gluon e4m3 kernel (kernels/attention_ws_fp8.py)
     # instead of the Triton kernel's FP8 path (issue 34, BENCHMARKS.md)
     attention_gluon_fp8: bool = True
+    # its QK^T's A operand (Q) from registers, loaded once (``ws_attention_prefill_fp8(q_in_registers=)``): opt-in,
+    # built without a GPU in the twenty-eighth session (the bf16 kernel's 3% win); measure before a default
+    attention_fp8_q_registers: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

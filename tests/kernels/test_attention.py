@@ -771,9 +771,9 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
 @pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
 @pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2), dict(exp_fma=1), dict(turns=1),
                                   dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(pair_ready=False),
-                                  dict(stages=6)],
+                                  dict(stages=6), dict(q_in_registers=True)],
                          ids=["64-key", "fp32-sum", "2-stages", "fma25", "turns", "turns-half-2-stages",
-                              "turns-quarter-pair-release", "ready-a-block", "6-stages"])
+                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers"])
 def test_ws_fp8_options_gpu(T, opts):
     """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
@@ -874,7 +874,8 @@ def test_fp8_operands_layout(T):
 def test_prefill_ws_fp8_compiles_for_sm90():
     """Without a GPU: the FP8 Gluon attention compiles for sm_90 into e4m3 wgmma (QK^T from shared memory,
     PV with P from registers), P packed four values a register right before its wgmma (no e4m3 tensor
-    carried across the loop: its bytes would be repacked), no local memory, the consumers at 160 registers."""
+    carried across the loop: its bytes would be repacked), no local memory, the consumers at 160 registers;
+    with QREG (``q_in_registers``) QK^T's Q from registers too, still no spills."""
     import re
 
     from gptoss_fp8.kernels import _gluon, attention_ws_fp8
@@ -892,14 +893,16 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     # release and one ready barrier a step), one 64-key block a step, and
     # the default with a quarter of the 2^x on the FMA pipes
     for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True, TURN=2, REL=2), 12), (dict(PAIRS=False, ONES=False), 0),
-                               (dict(PAIRS=True, ONES=True, FMA=1), 12)):
+                               (dict(PAIRS=True, ONES=True, FMA=1), 12),
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
         main = [line for line in ops if "m64n64k32.f32.e4m3.e4m3" in line]
         assert len(ops) - len(main) == row_sum_mmas and all("m64n8k32.f32.e4m3.e4m3" in x for x in ops if x not in main)
         from_regs = [line for line in main if re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)]
-        assert len(from_regs) == len(main) // 2  # PV's A (P) from registers, QK^T's (Q) from shared memory
+        # PV's A (P) from registers, QK^T's (Q) from shared memory, or with QREG (Q in registers) both
+        assert len(from_regs) == (len(main) if opts.get("QREG") else len(main) // 2)
         assert ".local" not in ptx and "cvt.u16.u32" not in ptx  # no byte-per-register e4m3 values
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
         if "spill_stores" in k:
