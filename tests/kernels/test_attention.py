@@ -779,7 +779,7 @@ def test_ws_fp8_options_gpu(T, opts):
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
     pipes' polynomial, within the tolerance of the e4m3 rounding it feeds; the warpgroups taking turns at the
     exponentials, which must not deadlock when their step counts differ; one release of a step's two ring
-    stages) against spec.attention_fp8,
+    stages; Q from registers, also bit for bit the default's) against spec.attention_fp8,
     one program per head (T <= 192: the compile that once returned wrong rows) and several, under poison."""
     from gptoss_fp8.kernels.attention_ws_fp8 import spec_row_sum, ws_attention_prefill_fp8
 
@@ -796,6 +796,8 @@ def test_ws_fp8_options_gpu(T, opts):
     assert torch.isfinite(o).all()
     rel = ((o - ref).norm() / ref.norm()).item()
     assert rel <= 1e-2 and rel < 0.25 * ((o - exact).norm() / exact.norm()).item(), f"rel {rel:.2e} vs the spec"
+    if opts.get("q_in_registers"):  # the same operands from registers instead of shared memory: the same bits
+        assert torch.equal(out, ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5))
 
 
 def test_gluon_tile_refuses_the_timing_probes():
