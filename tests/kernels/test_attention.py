@@ -714,7 +714,7 @@ def test_prefill_fp8_fused_q_rope(lens, window, q_offset):
     ragged batch, the CPU): the bits of rotating q first and the same attention."""
     gen = torch.Generator().manual_seed(sum(lens) + window + q_offset)
     T = sum(lens)
-    hq, hkv = (64, 8) if T > 1000 else (8, 2)
+    hq, hkv = (64, 8) if T > 1000 else (4, 2)
     q, k, v = _qkv(q_offset + T, hq, hkv, gen)
     q = q[q_offset:]
     sinks = _sinks(hq, gen)
