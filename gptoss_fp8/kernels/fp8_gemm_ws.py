@@ -50,7 +50,6 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     check_turns,
     num_programs,
     stage_scale_args,
-    stage_scale_box,
     supported,
 )
 from gptoss_fp8.quant.fp8 import cdiv
@@ -347,7 +346,7 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     sc, scale_bytes = {}, 0
     if stage_scales:
         sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, block_m)
-        scale_bytes = 4 * (block_m + stage_scale_box(w_scale_inv.shape[-1]))
+        scale_bytes = 4 * (block_m + sc["sb_desc"].block_shape[0])  # a stage's row and weight scales
     args = (a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
             a_scale.stride(0), w_scale_inv.stride(0), num_progs)
     if not wide:
