@@ -21,7 +21,9 @@ heavy-load MoE plan's wide gate_up and Gluon down with that tile-order group ins
 wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE tiles with
 ``GluonTile.stage_scales``: the scales through the stages, twenty-eighth session), "wide-turns-scales" (both
 options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
-"all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``).
+"all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
+"full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
+off, before the twenty-ninth session).
 ``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -107,6 +109,17 @@ def _forward(model, ops):
     return lambda t: prefill_logits(model, t, ops)
 
 
+def _full_last_layer(model, ops):
+    """The prefill with the last layer on every row (``prune_last_layer`` off for the call only)."""
+    def run(t):
+        model.prune_last_layer = False
+        try:
+            return prefill_logits(model, t, ops)
+        finally:
+            model.prune_last_layer = True
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="20b")
@@ -128,6 +141,7 @@ def main() -> None:
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
                 a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),
+            "full-last-layer": lambda: _full_last_layer(model, ops),
         }
         for name in a.variants.split(","):
             cfg = _config(name)

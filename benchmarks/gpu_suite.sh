@@ -82,10 +82,11 @@ if has pending-tests; then
   # the verdict's FP8 attention), the gather's MN-major scales (test_moe; the turns / stage-scales GEMM cases are
   # target moe-turns's). --dist load (the default loadfile put test_attention.py's 466 cases in one worker); six
   # workers, the MoE's three (twelve ran the GPU out of memory); -rf under SIGINT: the names of failures survive a
-  # cut, the whole log comes back
+  # cut, the whole log comes back. Twenty-ninth session: a prefill's last layer on its last row only past its
+  # K / V (GptOss.prune_last_layer): the chunked-prefill, decode and verdict-decode GPU tests
   timeout -s INT ${PENDING_LIMIT:-360} python3 -m pytest -q -rf -n 6 --dist load tests/kernels/test_attention.py \
     tests/kernels/test_attn_quant.py tests/test_triton_ops.py tests/test_model_chunks.py tests/test_hf_attention.py \
-    tests/test_verify_attention_fp8.py > "$OUT/pending_tests.log" 2>&1
+    tests/test_verify_attention_fp8.py tests/test_decode.py tests/test_verify_decode.py > "$OUT/pending_tests.log" 2>&1
   timeout -s INT ${PENDING_MOE_LIMIT:-200} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
     -k "not wide_gpu" > "$OUT/pending_tests_moe.log" 2>&1
   tail -4 "$OUT/pending_tests.log" "$OUT/pending_tests_moe.log"
@@ -117,14 +118,15 @@ fi
 if has moe-turns-ab; then
   # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py); q's
   # rope as its own pass ("unfused-rope", as before the 28th session) against its fusion (the default now); the FP8
-  # attention's Q in registers ("fp8-qreg"); at 128000 the MoE unchunked. The kernel alone:
+  # attention's Q in registers ("fp8-qreg"); at 128000 the MoE unchunked; the last layer on every row
+  # ("full-last-layer", before the 29th session's GptOss.prune_last_layer). The kernel alone:
   # ATTN_VARIANTS=fp8,fp8-qreg bash benchmarks/gpu_suite.sh fp8-probe
   timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
-    --variants default,unfused-rope,unfused-window-rope,fp8-qreg,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales \
+    --variants default,full-last-layer,unfused-rope,unfused-window-rope,fp8-qreg,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales \
     --attention fp8 \
     2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
   timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,unfused-rope,moe-unchunked,fp8-qreg,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 \
+    --variants default,full-last-layer,unfused-rope,moe-unchunked,fp8-qreg,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 \
     | grep -v Warn \
     | tee "$OUT/moe_turns_ab128k.log"
 fi

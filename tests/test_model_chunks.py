@@ -107,3 +107,42 @@ def test_prefill_many_equals_each_chunk_alone(model, mode):
         model.prefill_many([(1, first, 0), (1, first, 0)], ops, many)
     with pytest.raises(GptOssFp8Error, match="sequence 0 holds 13 tokens"):
         model.prefill_many([(0, first, 5), (1, first, 0)], ops, many)
+
+
+@pytest.mark.parametrize("mode", ["weights", "w8a8"])
+def test_last_layer_on_the_returned_rows_only(model, mode):
+    """A prefill's last layer computes past its K / V only the rows whose logits it returns
+    (``GptOss.prune_last_layer``): the same logits and caches as every row computed (the CPU
+    ops' rows do not depend on the other rows: bit for bit in weights mode, ``_same`` in w8a8),
+    one sequence and several chunks in one forward; forward's last row agrees too."""
+    ops = get_ops(mode)
+    torch.manual_seed(11)
+    v = model.cfg.vocab_size
+    prompt = torch.randint(0, v, (21,))
+    first = torch.randint(0, v, (11,))
+    chunks = [(1, torch.randint(0, v, (6,)), 0), (0, torch.randint(0, v, (13,)), 11)]
+    got, rows = {}, []
+    ffn = ops.expert_ffn
+    ops.expert_ffn = lambda x, *a, **kw: (rows.append(x.shape[0]), ffn(x, *a, **kw))[1]  # the MoE's rows per layer
+    for prune in (True, False):
+        model.prune_last_layer = prune
+        try:
+            cache, last = model.prefill(prompt, ops, max_len=32)
+            many = model.new_cache(32, batch=2)
+            model.prefill(first, ops, cache=many, row=0)
+            got[prune] = (cache, last, many, model.prefill_many(chunks, ops, many),
+                          model.forward(prompt, ops, last_only=True))
+        finally:
+            model.prune_last_layer = True
+    n = len(model.model.layers)
+    pruned = [m for k in (21, 11) for m in [k] * (n - 1) + [1]] + [19] * (n - 1) + [2] + [21] * (n - 1) + [1]
+    assert rows[:4 * n] == pruned and rows[4 * n:] == [21] * n + [11] * n + [19] * n + [21] * n
+    (c1, l1, m1, p1, f1), (c0, l0, m0, p0, f0) = got[True], got[False]
+    assert l1.shape == (1, v) and p1.shape == (2, v)
+    for a, b in ((l1, l0), (p1, p0), (f1, f0)):
+        _same(a, b, mode)
+    _same(l1, model.forward(prompt, ops)[-1:], mode)
+    for i in range(len(c1.k)):  # every layer's K / V, the last included
+        for a, b in ((c1.k[i], c0.k[i]), (c1.v[i], c0.v[i]), (m1.k[i], m0.k[i]), (m1.v[i], m0.v[i])):
+            _same(a, b, mode)
+    assert m1.host_lengths == m0.host_lengths == [24, 6]

@@ -590,7 +590,8 @@ def _spy_offsets(monkeypatch) -> list[int]:
 def _chunked_prefill(model, ops, tokens, split, offsets=None, decode=False):
     """(whole prefill's logits, two-chunk prefill's logits[, their decode logits]); with ``offsets``
     (a spy's list) checks the kernel ran every layer's attention, the second chunk at the keys each
-    layer holds before it (a sliding layer's ring: its rows)."""
+    layer holds before it (a sliding layer's ring: its rows); the last layer's (``prune_last_layer``)
+    the chunk's last query alone, at the last of those keys and the chunk's."""
     n = tokens.shape[0]
     whole, want = model.prefill(tokens, ops, max_len=n + 8)
     cache = model.new_cache(n + 8)
@@ -601,7 +602,8 @@ def _chunked_prefill(model, ops, tokens, split, offsets=None, decode=False):
     assert not ops.spec_fallbacks["attention"], ops.fallback_shapes["attention"]
     if offsets is not None:
         layers = len(cache.k)
-        assert offsets == [0] * layers + [min(split, cache.rows(i)) for i in range(layers)], offsets
+        second = [min(split, cache.rows(i)) for i in range(layers)]
+        assert offsets == [0] * (layers - 1) + [split - 1] + second[:-1] + [second[-1] + n - split - 1], offsets
         assert any(cache.rows(i) < split for i in range(layers)) and any(cache.rows(i) >= n for i in range(layers))
     if not decode:
         return want, got

@@ -109,6 +109,15 @@ def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: i
 # Prefill
 
 
+def last_layer_rows(model: GptOss, full_last_layer: bool, full_depth: bool) -> str:
+    """Set whether the prefill's last layer runs on the last row only past its K / V
+    (``GptOss.prune_last_layer``, the model's default) -> the row's "last_layer" label. A model cut
+    to fewer layers than its preset (``--layers``) runs every layer on every row: its latency is
+    scaled to the full depth, which would count the pruned layer's saving once per cut model."""
+    model.prune_last_layer = not full_last_layer and full_depth
+    return "last row" if model.prune_last_layer else "every row"
+
+
 def prefill_logits(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int = 32768) -> torch.Tensor:
     """tokens int [T] -> logits bf16 [1, V] of the last position (the model's forward, chunked MoE)."""
     return model(tokens, ops, last_only=True, moe_chunk=moe_chunk)
@@ -177,7 +186,7 @@ class TimedOps:
     # model calls runs untimed and lands in "other"
     PARTS = {"linears": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
              "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
-             "attention": "attention", "attention_cached": "attention"}
+             "attention": "attention", "attention_cached": "attention", "attention_chunk": "attention"}
 
     def __getattr__(self, name):
         if name == "ops":  # not set yet (copy / unpickle): no recursion
@@ -191,13 +200,20 @@ class TimedOps:
         self.attention_windows[len(self.events) - 1] = int(window)
         return out
 
+    def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
+        out = self._timed("attention", self.ops.attention_chunk, q, k, v, sinks, sm_scale, window, q_offset)
+        self.attention_windows[len(self.events) - 1] = -1
+        return out
+
     def attention_by_layer_kind(self) -> dict[str, dict[str, float]]:
-        """The prefill attention calls' time split by layer kind: {"full" | "window": {"s": seconds, "calls":
-        n}} (full: no window; the kinds with no call left out)."""
+        """The prefill attention calls' time split by layer kind: {"full" | "window" | "last row": {"s":
+        seconds, "calls": n}} (full: no window; last row: the pruned last layer's query, ``attention_chunk``;
+        the kinds with no call left out)."""
         out: dict[str, dict[str, float]] = {}
         for i, window in self.attention_windows.items():
             _, s, e = self.events[i]
-            d = out.setdefault("window" if window else "full", {"s": 0.0, "calls": 0})
+            kind = "last row" if window < 0 else "window" if window else "full"
+            d = out.setdefault(kind, {"s": 0.0, "calls": 0})
             d["s"] += self._dt(s, e)
             d["calls"] += 1
         return out
@@ -228,20 +244,23 @@ class TimedOps:
         return out
 
 
-def part_flops(cfg: GptOssConfig, n: int) -> dict[str, float]:
+def part_flops(cfg: GptOssConfig, n: int, last_row: bool = False) -> dict[str, float]:
     """FLOPs per part for an n-token prefill (2 per multiply-add; causal attention counts the
-    visible half, windowed layers the window)."""
+    visible half, windowed layers the window). ``last_row``: the last layer's queries, o_proj and
+    MoE on the last row only (``GptOss.prune_last_layer``), its K / V on every row."""
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    dense = cfg.num_hidden_layers * 2 * n * h * (hq * d + 2 * hkv * d + hq * d) + 2 * h * cfg.vocab_size
-    moe = cfg.num_hidden_layers * 2 * n * (h * cfg.num_local_experts + cfg.num_experts_per_tok * 3 * h * cfg.intermediate_size)
-    attn = 0.0
-    for lt in cfg.layer_types:
+    dense = moe = attn = 0.0
+    for i, lt in enumerate(cfg.layer_types):
+        m = 1 if last_row and i == cfg.num_hidden_layers - 1 else n  # the rows past K / V
+        dense += 2 * n * h * 2 * hkv * d + 2 * m * h * 2 * hq * d
+        moe += 2 * m * (h * cfg.num_local_experts + cfg.num_experts_per_tok * 3 * h * cfg.intermediate_size)
         w = cfg.sliding_window if lt == "sliding_attention" and cfg.sliding_window > 0 else n
         w = min(w, n)
-        pairs = w * (w + 1) / 2 + (n - w) * w  # query i sees min(i + 1, w) keys
+        # query i sees min(i + 1, w) keys; the last row alone: w
+        pairs = w if m == 1 else w * (w + 1) / 2 + (n - w) * w
         attn += 4 * pairs * hq * d
-    return {"attention": attn, "moe": moe, "dense": dense}
+    return {"attention": attn, "moe": moe, "dense": dense + 2 * h * cfg.vocab_size}
 
 
 WARMUP_S = 2.0
@@ -258,7 +277,7 @@ def _sync_time(fn) -> float:
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
           moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
           checkpoint: Path | None = None, cuda_graph: bool = False, kernel_config=None,
-          attention: str = "bf16") -> list[dict]:
+          attention: str = "bf16", full_last_layer: bool = False) -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
     (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
     tokens in the same run, after our model is freed. ``checkpoint``: time a converted (tp=1)
@@ -267,7 +286,8 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     eager runs (the row's ``latency_s`` stays the eager figure). ``kernel_config``: the kernels'
     ``KernelConfig`` (None: ``TritonOps``' default). ``attention``: prefill attention's numerics,
     "bf16" or "fp8" (the FP8 Triton kernel, operands quantized per call; the row's ``attention``; the
-    attention floor stays the bf16 one)."""
+    attention floor stays the bf16 one). ``full_last_layer``: the last layer on every row, not only on
+    the last past its K / V (``last_layer_rows``; the row's ``last_layer``)."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
     t0 = time.perf_counter()
@@ -289,6 +309,8 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
     from gptoss_fp8.kernels.config import kernel_paths
 
+    last_layer = last_layer_rows(model, full_last_layer, cfg.num_hidden_layers == full_layers)
+    echo(f"# last layer past its K / V: {last_layer}")
     ops = TritonOps(config=kernel_config).with_attention(attention)
     if attention == "fp8":
         echo("# attention: FP8 in the full-attention layers (Q, K, V and P in e4m3, spec.attention_fp8), "
@@ -316,7 +338,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         total = _sync_time(lambda tokens=tokens, timed=timed: prefill_logits(model, tokens, timed, moe_chunk))
         parts = timed.seconds()
         parts["other"] = max(total - sum(parts.values()), 0.0)
-        flops = part_flops(cfg, n)
+        flops = part_flops(cfg, n, model.prune_last_layer)
         floor = {p: flops[p] / (PEAK_TFLOPS[p] * 1e12) for p in flops}
         scale = full_layers / cfg.num_hidden_layers
         est = lat * scale
@@ -330,7 +352,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "parts_s": parts, "parts_total_s": total, "attention_by_kind": timed.attention_by_layer_kind(),
             "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "transformers_s": None, "transformers_note": None, "attention": attention,
+            "transformers_s": None, "transformers_note": None, "attention": attention, "last_layer": last_layer,
         }
         if cuda_graph:
             row.update(_graph_timing(model, tokens, ops, moe_chunk, runs))
@@ -450,7 +472,7 @@ def format_row(r: dict) -> str:
             f"seed {f(r['seed_s'])} s (x{f(r['seed_s'] / est if r['seed_s'] else None, '{:.2f}')}) | "
             f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "
             f"floor {r['floor_s']:.4f} s (latency / floor x{r['latency_s'] / r['floor_s']:.2f}) | "
-            f"peak mem {r['peak_mem_gib']:.1f} GiB")
+            f"peak mem {r['peak_mem_gib']:.1f} GiB" + (f" | last layer: {r['last_layer']}" if r.get("last_layer") else ""))
     if r.get("graph_latency_s") is not None:
         head += (f"\n  CUDA graph: latency {r['graph_latency_s']:.4f} s (eager / graph "
                  f"x{r['latency_s'] / r['graph_latency_s']:.3f}; "
@@ -466,5 +488,5 @@ def format_row(r: dict) -> str:
     if kinds:
         parts += " | attention by layer: " + ", ".join(
             f"{k} {kinds[k]['s'] * 1e3:.2f} ms / {kinds[k]['calls']} = {kinds[k]['s'] * 1e3 / kinds[k]['calls']:.2f} ms each"
-            for k in ("full", "window") if k in kinds)
+            for k in ("full", "window", "last row") if k in kinds)
     return head + "\n  breakdown (one run with events, " + f"{tot * 1e3:.2f} ms): " + parts

@@ -39,14 +39,15 @@ TARGET_VS_SEED = 1.5  # issue 25: at least 1.5x faster than the seed's row
 def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: int | None = None, runs: int = 5,
                   warmup: int = 2, moe_chunk: int = 32768, seed: int = 0, echo=print, checkpoint: Path | None = None,
                   device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0,
-                  vocab_parallel: bool = False, cuda_graph: bool = False, attention: str = "bf16") -> list[dict]:
+                  vocab_parallel: bool = False, cuda_graph: bool = False, attention: str = "bf16",
+                  full_last_layer: bool = False) -> list[dict]:
     """One row per prompt length (rank 0's). Under torchrun this process is one rank (the other
     ranks get ``[]``); otherwise ``tp`` rank processes are started and their rows returned.
     ``cuda_graph``: also the same prefill as a CUDA graph on every rank (NCCL only)."""
     if checkpoint is None:
         check_layout(preset_config(preset, layers), tp, ep, vocab_parallel)
     job = {"preset": preset, "tokens": token_list, "tp": tp, "ep": ep, "vocab_parallel": vocab_parallel,
-           "cuda_graph": cuda_graph,
+           "cuda_graph": cuda_graph, "full_last_layer": full_last_layer,
            "layers": layers, "runs": runs, "warmup": warmup, "moe_chunk": moe_chunk, "seed": seed, "device": device,
            "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
            # the ranks build TritonOps' default config; of a given one, its GEMM and attention libraries are passed on
@@ -88,6 +89,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
     from gptoss_fp8.bench.prefill import (
         SEED_S,
         TimedOps,
+        last_layer_rows,
         matching_preset,
         part_flops,
         prefill_logits,
@@ -121,6 +123,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
         full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
+        last_layer = last_layer_rows(model, bool(job.get("full_last_layer")), cfg.num_hidden_layers == full_layers)
         ops = rank_ops(dev, job["gemm"], model, job.get("attention_backend", "ours")).with_attention(
             job.get("attention", "bf16"))
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -162,12 +165,12 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             if graph.get("graph_latency_s"):
                 graph["graph_est_full_s"] = graph["graph_latency_s"] * full_layers / cfg.num_hidden_layers
             seed_s = SEED_SHARDED_S.get(preset, {}).get((tp, ep), {}).get(n)
-            flops = part_flops(cfg, n)
+            flops = part_flops(cfg, n, model.prune_last_layer)
             rows.append({
                 "model": preset, "tokens": n, "tp": tp, "ep": ep, "vocab_parallel": model.par.vocab_parallel,
                 "gpus": tp, "collective": collective,
                 "shared_gpu": shared_gpu, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                "layers": cfg.num_hidden_layers, "full_layers": full_layers,
+                "layers": cfg.num_hidden_layers, "full_layers": full_layers, "last_layer": last_layer,
                 "latency_s": lat, "runs_s": times, "slowest_rank_median_s": statistics.median(slowest.tolist()),
                 "est_full_s": est, "usd_per_1m_tokens": usd_per_million_tokens(est, n) * tp,
                 "seed_s": seed_s, "vs_seed": seed_s / est if seed_s else None,

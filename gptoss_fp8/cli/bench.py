@@ -134,6 +134,10 @@ def prefill(
         help="Also time the same forward captured as a CUDA graph per length (no host launches; "
              "eager latency stays the headline).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
+    full_last_layer: Annotated[bool, typer.Option(
+        help="Run the last layer on every row, as a forward of all rows' logits would. Default: past its K / V "
+             "only on the last row, the one whose logits a prefill returns (a model cut by --layers runs every "
+             "row).")] = False,
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
     attention_backend: AttentionBackendOption = AttentionBackend.ours,
@@ -172,11 +176,12 @@ def prefill(
                        "(the mechanics run; the figures are not a measurement)")
         rows = bench_sharded(model, token_list, tp, ep, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk,
                              echo=typer.echo, checkpoint=checkpoint, kernel_config=kernel_config,
-                             vocab_parallel=vocab_parallel, cuda_graph=cuda_graph, attention=attention.value)
+                             vocab_parallel=vocab_parallel, cuda_graph=cuda_graph, attention=attention.value,
+                             full_last_layer=full_last_layer)
     else:
         rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                            peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,
-                           kernel_config=kernel_config, attention=attention.value)
+                           kernel_config=kernel_config, attention=attention.value, full_last_layer=full_last_layer)
     if json_out is not None and rows:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 

@@ -139,6 +139,12 @@ class GptOss(nn.Module):
     lm_head: ``embed`` looks up the tokens in its slice and all-reduces the rows, the logits of
     each slice are all-gathered; every rank returns the full [T, V]."""
 
+    # A prefill returns the logits of one row per sequence (its last), so past its K / V (which the
+    # cache keeps) the last layer's work on every other row feeds nothing: its attention, o_proj,
+    # MoE and norms run on the returned rows only (``_run``). False: every row, as ``forward``
+    # without ``last_only`` (bench prefill ``--full-last-layer`` measures the difference).
+    prune_last_layer: bool = True
+
     def __init__(self, cfg: GptOssConfig, par: Parallel = SINGLE, *, attn_fp8: bool = True):
         super().__init__()
         check_layout(cfg, par.tp, par.ep, par.vocab_parallel)
@@ -301,13 +307,25 @@ class GptOss(nn.Module):
         eps = self.cfg.rms_norm_eps
         x = self.embed(tokens, ops)  # [T, H] bf16
         layers = self.model.layers
+        # the rows whose logits are returned; with ``prune_last_layer`` the last layer computes only
+        # those past its K / V (the other rows' outputs of it would feed nothing)
+        ends = None  # (one sequence: a slice, no tensor made from host values: a CUDA graph may capture it)
+        if self.prune_last_layer and step is None and capture is None and force is None:
+            if segments is not None:
+                ends = torch.tensor([n for _, _, n in segments], device=x.device).cumsum(0) - 1
+            elif last_only:
+                ends = slice(x.shape[0] - 1, x.shape[0])
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
             if force is not None and i > 0:  # teacher forcing: the given stream enters the layer
                 x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
-            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments),
-                                    layer.post_attention_layernorm.weight, eps)
+            last_rows = ends is not None and i == len(layers) - 1
+            delta = self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments,
+                                    last_rows=ends if last_rows else None)
+            if last_rows:
+                x = x[ends] if isinstance(ends, slice) else x.index_select(0, ends)
+            x, h = ops.add_rms_norm(x, delta, layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
             routing = None
@@ -322,6 +340,8 @@ class GptOss(nn.Module):
                 x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
+        if ends is not None:  # h holds the returned rows only
+            return self._logits(h.y, ops)
         if segments is not None:
             ends = torch.tensor([n for _, _, n in segments], device=h.y.device).cumsum(0) - 1
             return self._logits(h.y.index_select(0, ends), ops)
@@ -385,7 +405,8 @@ class GptOss(nn.Module):
 
     def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps, cache: KVCache | None = None,
                    row: int = 0, step: DecodeStep | None = None, start: int = 0,
-                   segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+                   segments: list[tuple[int, int, int]] | None = None,
+                   last_rows: slice | torch.Tensor | None = None) -> torch.Tensor:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
         once). Without ``step`` the rows are one sequence at positions 0..T - 1 (written to the
@@ -394,12 +415,21 @@ class GptOss(nn.Module):
         and it attends to the cached keys (``ops.attention_cached``). ``start`` > 0: the rows are a
         prompt chunk at positions start.., attending to the sequence's cached keys before them and
         to their own (``ops.attention_chunk``). ``segments``: the rows are several sequences' chunks
-        (``prefill_many``), each attending as one chunk of its sequence would."""
+        (``prefill_many``), each attending as one chunk of its sequence would. ``last_rows`` (a
+        prefill's last layer, ``prune_last_layer``: each sequence's last row, a slice or int rows):
+        every row's K / V as without it, but the queries, the attention and o_proj of those rows only
+        -> [sequences, H]."""
         a, d = layer.self_attn, self.cfg.head_dim
-        q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)],
-                              xq=t.quant)
-        # q [T, Hl * D], k / v [T, KVl * D]
         n = t.y.shape[0]
+        if last_rows is not None:  # K / V of every row (one GEMM), Q of each sequence's last row
+            k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.k_proj, a.v_proj)],
+                               xq=t.quant)
+            qn = t.rows(last_rows.start, last_rows.stop) if isinstance(last_rows, slice) else t.select(last_rows)
+            q = ops.linear(qn.y, a.q_proj.weight, a.q_proj.weight_scale_inv, a.q_proj.bias, xq=qn.quant)
+        else:
+            q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj,
+                                                                                           a.v_proj)], xq=t.quant)
+        # q [T, Hl * D] ([sequences, Hl * D] with last_rows), k / v [T, KVl * D]
         v = v.view(n, a.n_kv, d)
         if step is not None:  # decode: k / v [B, KVl, D], one new token per sequence, into the cache
             q = ops.rope_append(q.view(n, a.n_heads, d), k.view(n, a.n_kv, d), v, cos, sin, cache, layer.idx, step)
@@ -408,15 +438,17 @@ class GptOss(nn.Module):
         else:
             # q is rotated by the attention (``ops.attention``'s rope: a backend may do it in a pass it makes
             # anyway), k here (the cache holds it rotated)
-            q = q.view(n, a.n_kv, a.n_heads // a.n_kv, d)
+            q = q.view(q.shape[0], a.n_kv, a.n_heads // a.n_kv, d)
             k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
+            last = last_rows is not None
             if segments is None:
-                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin))
+                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin), last)
             else:  # each sequence's chunk on its own keys
                 o, r0 = [], 0
-                for b, pos0, m in segments:
-                    o.append(self._prefill_attention(layer, q[r0:r0 + m], k[r0:r0 + m], v[r0:r0 + m], ops, cache, b,
-                                                     pos0, (cos[r0:r0 + m], sin[r0:r0 + m])))
+                for j, (b, pos0, m) in enumerate(segments):
+                    o.append(self._prefill_attention(layer, q[j:j + 1] if last else q[r0:r0 + m], k[r0:r0 + m],
+                                                     v[r0:r0 + m], ops, cache, b, pos0,
+                                                     (cos[r0:r0 + m], sin[r0:r0 + m]), last))
                     r0 += m
                 o = torch.cat(o)
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
@@ -424,18 +456,25 @@ class GptOss(nn.Module):
         return ops.all_reduce(o, self.par)
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
-                           start: int, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                           start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False) -> torch.Tensor:
         """One sequence's prompt rows (q [T, KV, M, D] before RoPE, k / v [T, KV, D], k after it) at
         positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
-        cache is given) -> attention [T, Hl * D]."""
+        cache is given) -> attention [T, Hl * D]. ``last_row``: q is the last row's alone ([1, KV, M, D])
+        -> its attention over every key, [1, Hl * D]."""
         a, d = layer.self_attn, self.cfg.head_dim
-        if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
-            pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
-            ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
-            cache.write(layer.idx, row, start, k, v)
+        if start or last_row:
+            if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
+                pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
+                ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
+            else:
+                ka, va, first = k, v, 0
+            if cache is not None:
+                cache.write(layer.idx, row, start, k, v)
             n, kvh, m, _ = q.shape
-            q = ops.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
-            return ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, start - first)
+            cos, sin = (t[-1:] for t in rope) if last_row else rope
+            q = ops.rope(q.reshape(n, kvh * m, d), cos, sin).view(n, kvh, m, d)
+            return ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window,
+                                       ka.shape[0] - n if last_row else start - first)
         if cache is not None:
             cache.write(layer.idx, row, 0, k, v)
         return ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window, rope=rope)  # [T, Hl * D]

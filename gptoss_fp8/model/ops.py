@@ -72,6 +72,11 @@ class Normed(NamedTuple):
         q = None if self.quant is None else (self.quant[0][a:b], self.quant[1][a:b])
         return Normed(self.y[a:b], q)
 
+    def select(self, idx: torch.Tensor) -> Normed:
+        """The rows idx (int tensor) of both (a prefill's last layer: the rows whose logits are returned)."""
+        q = None if self.quant is None else (self.quant[0].index_select(0, idx), self.quant[1].index_select(0, idx))
+        return Normed(self.y.index_select(0, idx), q)
+
 
 class PreparedWeights:
     """Dequantized copies of FP8 weights, made on first use and returned by every later call with
