@@ -590,8 +590,8 @@ def _spy_offsets(monkeypatch) -> list[int]:
 def _chunked_prefill(model, ops, tokens, split, offsets=None, decode=False):
     """(whole prefill's logits, two-chunk prefill's logits[, their decode logits]); with ``offsets``
     (a spy's list) checks the kernel ran every layer's attention, the second chunk at the keys each
-    layer holds before it (a sliding layer's ring: its rows); the last layer's (``prune_last_layer``)
-    the chunk's last query alone, at the last of those keys and the chunk's."""
+    layer holds before it (a sliding layer's ring: its rows); the last layer (``prune_last_layer``) the
+    chunk's last query alone: a full layer's by the decode kernel, a window layer's at the last of the keys."""
     n = tokens.shape[0]
     whole, want = model.prefill(tokens, ops, max_len=n + 8)
     cache = model.new_cache(n + 8)
@@ -603,7 +603,9 @@ def _chunked_prefill(model, ops, tokens, split, offsets=None, decode=False):
     if offsets is not None:
         layers = len(cache.k)
         second = [min(split, cache.rows(i)) for i in range(layers)]
-        assert offsets == [0] * (layers - 1) + [split - 1] + second[:-1] + [second[-1] + n - split - 1], offsets
+        window = model.model.layers[-1].window
+        last = ([[split - 1], [second[-1] + n - split - 1]]) if window else [[], []]
+        assert offsets == [0] * (layers - 1) + last[0] + second[:-1] + last[1], offsets
         assert any(cache.rows(i) < split for i in range(layers)) and any(cache.rows(i) >= n for i in range(layers))
     if not decode:
         return want, got

@@ -205,10 +205,15 @@ class TimedOps:
         self.attention_windows[len(self.events) - 1] = -1
         return out
 
+    def attention_cached(self, q, k_cache, v_cache, lengths, sinks, sm_scale, window):
+        out = self._timed("attention", self.ops.attention_cached, q, k_cache, v_cache, lengths, sinks, sm_scale, window)
+        self.attention_windows[len(self.events) - 1] = -1
+        return out
+
     def attention_by_layer_kind(self) -> dict[str, dict[str, float]]:
         """The prefill attention calls' time split by layer kind: {"full" | "window" | "last row": {"s":
-        seconds, "calls": n}} (full: no window; last row: the pruned last layer's query, ``attention_chunk``;
-        the kinds with no call left out)."""
+        seconds, "calls": n}} (full: no window; last row: the pruned last layer's query, ``attention_cached``
+        / ``attention_chunk``; the kinds with no call left out)."""
         out: dict[str, dict[str, float]] = {}
         for i, window in self.attention_windows.items():
             _, s, e = self.events[i]

@@ -460,7 +460,8 @@ class GptOss(nn.Module):
         """One sequence's prompt rows (q [T, KV, M, D] before RoPE, k / v [T, KV, D], k after it) at
         positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
         cache is given) -> attention [T, Hl * D]. ``last_row``: q is the last row's alone ([1, KV, M, D])
-        -> its attention over every key, [1, Hl * D]."""
+        -> its attention over every key, [1, Hl * D] (a full layer's: the decode attention, split over the
+        keys, ``ops.attention_cached`` on them as a one-sequence cache)."""
         a, d = layer.self_attn, self.cfg.head_dim
         if start or last_row:
             if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
@@ -473,6 +474,9 @@ class GptOss(nn.Module):
             n, kvh, m, _ = q.shape
             cos, sin = (t[-1:] for t in rope) if last_row else rope
             q = ops.rope(q.reshape(n, kvh * m, d), cos, sin).view(n, kvh, m, d)
+            if last_row and not layer.window:  # (a fill, not a copy from the host: a CUDA graph may capture it)
+                keys = torch.full((1,), ka.shape[0], dtype=torch.int32, device=ka.device)
+                return ops.attention_cached(q, ka.unsqueeze(0), va.unsqueeze(0), keys, a.sinks, 1 / math.sqrt(d), 0)
             return ops.attention_chunk(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window,
                                        ka.shape[0] - n if last_row else start - first)
         if cache is not None:
