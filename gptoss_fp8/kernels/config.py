@@ -224,7 +224,9 @@ class KernelConfig:
     # instead of the Triton kernel's FP8 path (issue 34, BENCHMARKS.md)
     attention_gluon_fp8: bool = True
     # its QK^T's A operand (Q) from registers, loaded once (``ws_attention_prefill_fp8(q_in_registers=)``): opt-in,
-    # built without a GPU in the twenty-eighth session (the bf16 kernel's 3% win); measure before a default
+    # rebuilt without a GPU in the twenty-eighth session (the bf16 kernel's 3% win), not knowing that the twenty-
+    # fourth had timed the same option on the FP8 kernel of then (``q_regs``, b092d9f): equal (216.9 / 215.8 against
+    # 216.2 / 215.9 ms at 128000, 14.51 against 14.40 at 32768). One A/B on today's kernel; removed unless it wins
     attention_fp8_q_registers: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
