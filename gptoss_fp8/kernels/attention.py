@@ -360,7 +360,8 @@ def attention_prefill(
     ``q_offset`` > 0 (one sequence, cu_seqlens None): a prompt chunk after cached keys, q's row t at
     key position q_offset + t of k / v [q_offset + T, Hkv, D] (the keys before the chunk, then its
     own): ``spec.attention(..., q_offset=)`` (``spec.attention_fp8`` with ``fp8``); masks on absolute
-    positions, fused rope at positions q_offset.., always the Triton kernel. Returns out [T, Hq, D] bf16.
+    positions, fused rope at positions q_offset.., the Triton kernel (with ``fp8`` and
+    ``config.attention_gluon_fp8_offset``, opt-in, a causal chunk on sm_90: the Gluon e4m3 kernel). Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
     T, Hq, D = q.shape
@@ -401,12 +402,13 @@ def attention_prefill(
     window = sliding_window if 0 < sliding_window < max_seqlen + q_offset else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = config or DEFAULT
-    if tile is None and fp8 and cfg.attention_gluon_fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, None, cfg):
+    if (tile is None and fp8 and cfg.attention_gluon_fp8 and (not q_offset or cfg.attention_gluon_fp8_offset)
+            and _ws_ok(q, k, v, ragged, window, None, cfg)):
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
-        # (a rope: q rotated in its quantization's pass)
+        # (a rope: q rotated in its quantization's pass, at positions q_offset..)
         return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
-                                        q_in_registers=cfg.attention_fp8_q_registers)
+                                        q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset)
     if tile is None and not fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 

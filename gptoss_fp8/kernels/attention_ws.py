@@ -61,13 +61,14 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
-                      PAIR_RELEASE: gl.constexpr = 0):
+                      PAIR_RELEASE: gl.constexpr = 0, P=None):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
         PAIR_RELEASE (with PAIRS, an even ring): the consumers release a pair's two stages by one arrive, on the
         odd stage's barrier; both stages' next loads wait for it. PAIR_RELEASE 2: the pair's four loads also
-        signal one ready barrier, the odd stage's."""
+        signal one ready barrier, the odd stage's. P: a later chunk's query offset (``_wg_blocks``): the P
+        cached keys come first, every program reads them."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -78,7 +79,10 @@ if HAS_GLUON:
         mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
         for w in gl.static_range(NWG):
             tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
-        n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
+        if P is None:
+            n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
+        else:
+            n_blocks = gl.cdiv(P + gl.minimum(m0 + NWG * R, T), BN)
         if PAIRS:
             n_blocks = 2 * gl.cdiv(n_blocks, 2)
         S: gl.constexpr = k_bufs.type.shape[0]
@@ -237,16 +241,23 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wg_blocks(W: gl.constexpr, NWG: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, T, num_pid_m,
-                   row_layout: gl.constexpr):
+                   row_layout: gl.constexpr, P=None):
         """Consumer warpgroup W's share of the program (the longest row blocks first): (head, its first
         query row r0, its rows, the program's key blocks, the blocks all its queries see in full, the
-        blocks it reads: the rest lie wholly in its future)."""
+        blocks it reads: the rest lie wholly in its future). P (a later prompt chunk: q's rows at key
+        positions P.., the keys before them cached; None: 0, R == BN): rows are the queries' key
+        positions (r0 stays q's row), so the diagonal may cross two key blocks."""
         head = gl.program_id(0)
         m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
         r0 = m0 + W * R
-        rows = r0 + gl.arange(0, R, layout=row_layout)
-        n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
-        return head, r0, rows, n_blocks, (r0 + 1) // BN, gl.minimum(r0 // BN + 1, n_blocks)
+        if P is None:
+            rows = r0 + gl.arange(0, R, layout=row_layout)
+            n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
+            return head, r0, rows, n_blocks, (r0 + 1) // BN, gl.minimum(r0 // BN + 1, n_blocks)
+        else:
+            rows = P + r0 + gl.arange(0, R, layout=row_layout)
+            n_blocks = gl.cdiv(P + gl.minimum(m0 + NWG * R, T), BN)
+            return head, r0, rows, n_blocks, (P + r0 + 1) // BN, gl.minimum((P + r0 + R - 1) // BN + 1, n_blocks)
 
     @gluon.jit
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,

@@ -360,9 +360,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
+                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
+                     OFFSET: gl.constexpr = False):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
         QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
@@ -376,7 +377,10 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
+        if OFFSET:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout, q_offset)
+        else:
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
         kv = head // GROUP
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
@@ -403,7 +407,10 @@ if HAS_GLUON:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
             # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
-            n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
+            if OFFSET:
+                n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout, q_offset)[5], 2)
+            else:
+                n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
                                   zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE)
@@ -422,39 +429,49 @@ if HAS_GLUON:
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
+                     OFFSET: gl.constexpr = False):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
-                     QREG)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
+                     PROBE,
+                     QREG, OFFSET)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
+                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
+                     OFFSET: gl.constexpr = False):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
-                     QREG)
+                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
+                     PROBE,
+                     QREG, OFFSET)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP: gl.constexpr,
+                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False):
-        _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
-                      True, PAIRS, REL)
+                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
+                     OFFSET: gl.constexpr = False):
+        if OFFSET:
+            _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
+                          True, PAIRS, REL, q_offset)
+        else:
+            _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
+                          True, PAIRS, REL)
 
     # (num_pid_m, T and the scale widths are never specialized as constants: compiled for num_pid_m == 1, as
     # Triton specializes an integer argument equal to 1, the 128-key step returned wrong rows for every
     # T <= 192 on the H200 while the same program's work inside a larger grid was right: 2026-12-04)
-    @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk"])
+    @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk", "q_offset"])
     def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T,
-                                 num_pid_m, nbq, nbk, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr = False,
+                                 num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                                 PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
                                  REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                                 QREG: gl.constexpr = False):
+                                 QREG: gl.constexpr = False, OFFSET: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -479,17 +496,21 @@ if HAS_GLUON:
         # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS, ONES, FMA, TURN, REL,
-                            TRACE, PROBE, QREG)),
+                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
+                            REL,
+                            TRACE, PROBE, QREG, OFFSET)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
+                              PAIRS,
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG)),
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
+                              PAIRS,
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, GROUP, PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG)),
+                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
+                             PAIRS,
+                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -508,23 +529,24 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0):
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
     kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
-    [T, Hkv, D], sk [Hkv, nb], vt [Hkv * D, Tpad] e4m3: V transposed, T padded with zero keys to a
-    multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's channel scale /
-    256 [Hkv, D]). rope = (cos, sin) fp32 [>= T, D/2]: q not yet rotated (positions 0..T-1), rotated
-    in its quantization's pass (``attn_quant.quantize_qk(rope=)``; on CPU ``spec.apply_rope`` in fp32
-    first)."""
+    [Tk, Hkv, D], sk [Hkv, nbk], vt [Hkv * D, Tpad] e4m3: V transposed, its Tk keys padded with zero keys
+    to a multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's channel scale /
+    256 [Hkv, D]). rope = (cos, sin) fp32 [>= pos0 + T, D/2]: q not yet rotated (positions pos0..pos0 + T
+    - 1: a later chunk's q_offset), rotated in its quantization's pass (``attn_quant.quantize_qk(rope=)``;
+    on CPU ``spec.apply_rope`` in fp32 first)."""
     hkv, d = k.shape[1], k.shape[2]
     if q.is_cuda:
-        q8, sq = attn_quant.quantize_qk(q, rope=rope)
+        q8, sq = attn_quant.quantize_qk(q, rope=rope, pos0=pos0)
         k8, sk = attn_quant.quantize_qk(k)
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
     else:
         if rope is not None:
-            q = spec.apply_rope(q, rope[0][:q.shape[0]], rope[1][:q.shape[0]], dtype=torch.float32)
+            rows = slice(pos0, pos0 + q.shape[0])
+            q = spec.apply_rope(q, rope[0][rows], rope[1][rows], dtype=torch.float32)
         q8, sq = quantize_qk(q)
         k8, sk = quantize_qk(k)
         v8t, sv = quantize_v(v)  # [Hkv, D, T]
@@ -551,12 +573,13 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              probe: str | None = None,
                              trace: torch.Tensor | None = None,
                              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             q_in_registers: bool = False) -> torch.Tensor:
+                             q_in_registers: bool = False, q_offset: int = 0) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
-    k / v [T, Hkv, 64] bf16, out [T, Hq, 64] bf16 whose [H, D] part is contiguous per row (checked by
-    ``attention_prefill``, which calls this). Q, K, V quantized here (``fp8_operands``: on the GPU the
-    fused kernels of kernels/attn_quant.py, 0.66 ms at 128000 tokens on the H200 against 9.4 ms for the
-    torch ops they replace and ~220 ms of attention). Options: pairs (128 keys a step), ones (its row sum
+    k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
+    q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
+    part is contiguous per row (checked by ``attention_prefill``, which calls this). Q, K, V quantized
+    here (``fp8_operands``: on the GPU the fused kernels of kernels/attn_quant.py, 0.66 ms at 128000
+    tokens on the H200 against 9.4 ms for the torch ops they replace and ~220 ms of attention). Options: pairs (128 keys a step), ones (its row sum
     by the tensor core; the spec's row_sum="p8"; without it, or without pairs, row_sum="p"), stages,
     exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes: 8% / 20% slower on the H200),
     turns (0 / 1 / 2 / 3: the warpgroups take turns at the exponentials: never, of both blocks, of the first
@@ -572,6 +595,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+    assert q_offset >= 0 and k.shape[0] == v.shape[0] == q_offset + T, (
+        f"q_offset {q_offset}: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = {q_offset + T} rows")
+    assert not q_offset or trace is None, "trace: one sequence from position 0 (its stamps pick rows by position)"
     ones = ones and pairs  # (the row sum by the tensor core is built for the 128-key step)
     assert exp_fma in (0, 1, 2) and (exp_fma == 0 or pairs), f"exp_fma {exp_fma}: 0, 1 or 2 (with pairs)"
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
@@ -585,17 +611,17 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pair_ready = pair_release if pair_ready is None else pair_ready
     assert not pair_ready or pair_release, "pair_ready: with pair_release"
     assert not q_in_registers or pairs, "q_in_registers: with pairs (one block a step spills with it)"
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope)
+    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace, T, num_pid_m,
-        sq.shape[1], sk.shape[1],
+        sq.shape[1], sk.shape[1], q_offset,
         GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns,
         REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
-        num_warps=4, **({"QREG": True} if q_in_registers else {}),
+        num_warps=4, **({"QREG": True} if q_in_registers else {}), **({"OFFSET": True} if q_offset else {}),
     )
     return out
 

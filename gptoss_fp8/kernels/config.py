@@ -223,6 +223,11 @@ class KernelConfig:
     # ``--attention fp8`` on one causal sequence: the Gluon e4m3 kernel (kernels/attention_ws_fp8.py)
     # instead of the Triton kernel's FP8 path (issue 34, BENCHMARKS.md)
     attention_gluon_fp8: bool = True
+    # ... and a later prompt chunk's (q_offset > 0: the serving engine's chunks after the first, a prefill's
+    # pruned last row in a window layer) on it too, not on the Triton kernel's FP8 path (1.86x the Gluon
+    # kernel's time for a whole 128000-token prompt, eighteenth / twenty-third sessions). Opt-in: built without
+    # a GPU in the twenty-ninth session; on once its GPU tests pass (tests/kernels/test_attention.py "offset")
+    attention_gluon_fp8_offset: bool = False
     # its QK^T's A operand (Q) from registers, loaded once (``ws_attention_prefill_fp8(q_in_registers=)``): opt-in,
     # rebuilt without a GPU in the twenty-eighth session (the bf16 kernel's 3% win), not knowing that the twenty-
     # fourth had timed the same option on the FP8 kernel of then (``q_regs``, b092d9f): equal (216.9 / 215.8 against

@@ -800,6 +800,41 @@ def test_ws_fp8_options_gpu(T, opts):
         assert torch.equal(out, ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,q_offset", [(1, 1), (1, 4095), (63, 1), (64, 64), (65, 63), (129, 200), (200, 1000),
+                                        (777, 64), (1000, 3001), (300, 8192), (4099, 5)])
+@pytest.mark.parametrize("opts", [{}, dict(pairs=False), dict(turns=0, pair_release=False)],
+                         ids=["default", "64-key", "no-turns"])
+def test_ws_fp8_offset_gpu(T, q_offset, opts):
+    """The FP8 Gluon kernel on a later prompt chunk (``q_offset``: q's T rows at key positions q_offset.. of k / v
+    [q_offset + T]; the serving engine's chunks after the first) against spec.attention_fp8(q_offset=): offsets
+    that put the diagonal across two 64-key blocks and a step's two, chunks of one row to several programs, under
+    poison; through ``attention_prefill`` only with ``KernelConfig.attention_gluon_fp8_offset`` (the Triton kernel
+    otherwise), with the same bits as the launcher called directly."""
+    from gptoss_fp8.kernels import attention_ws_fp8
+
+    hq, hkv = (64, 8) if T == 1000 else (16, 2)
+    gen = torch.Generator().manual_seed(T * 7 + q_offset + len(opts))
+    q_all, k, v = _qkv(q_offset + T, hq, hkv, gen)
+    q = q_all[q_offset:]
+    sinks = _sinks(hq, gen)
+    _poison(T, hq, D)
+    out = attention_ws_fp8.ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, q_offset=q_offset,
+                                                    **opts)
+    _check_fp8(out, q, k, v, sinks, None, 0, gpu=True, q_offset=q_offset)
+    if opts:
+        return
+    calls = []
+    real = attention_ws_fp8.ws_attention_prefill_fp8
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_ws_fp8, "ws_attention_prefill_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        on = attention_prefill(q, k, v, sinks, fp8=True, q_offset=q_offset,
+                               config=KernelConfig(attention_gluon_fp8_offset=True))
+        off = attention_prefill(q, k, v, sinks, fp8=True, q_offset=q_offset)
+    assert calls == [1] and torch.equal(on, out)
+    _check_fp8(off, q, k, v, sinks, None, 0, gpu=True, q_offset=q_offset)
+
+
 def test_gluon_tile_refuses_the_timing_probes():
     """kernels/attention_ws.py's probes (the MMAs alone, the softmax alone) compute wrong values: a
     GluonAttentionTile, which model runs take, never names them; ws_attention_prefill takes them."""
@@ -872,12 +907,30 @@ def test_fp8_operands_layout(T):
     torch.testing.assert_close(p[:, perm] @ vt.double().t(), p @ vf.t())
 
 
+def test_fp8_operands_rotate_a_later_chunk_at_its_positions():
+    """fp8_operands(rope=, pos0=) (CPU: spec.apply_rope first): a later chunk's q rows rotated at key positions
+    pos0.. (the FP8 Gluon kernel's q_offset), K and V over all the keys."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import fp8_operands
+    from gptoss_fp8.quant.attn_fp8 import quantize_qk
+
+    gen = torch.Generator().manual_seed(29)
+    T, P = 10, 15
+    q = torch.randn(T, 4, D, generator=gen).bfloat16()
+    k, v = (torch.randn(P + T, 2, D, generator=gen).bfloat16() for _ in range(2))
+    cos, sin = spec.rope_table(P + T, D, device="cpu")
+    q8, _, k8, _, vt, _ = fp8_operands(q, k, v, 0.125, rope=(cos, sin), pos0=P)
+    want = quantize_qk(spec.apply_rope(q, cos[P:], sin[P:], dtype=torch.float32))[0]
+    assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(q8.view(torch.uint8), fp8_operands(q, k, v, 0.125, rope=(cos, sin))[0].view(torch.uint8))
+    assert k8.shape == (P + T, 2, D) and vt.shape == (2 * D, 64)
+
+
 @pytest.mark.slow  # ~15 s on the 2-core box (compile only); the GPU tests run it: test_prefill_ws_fp8_gpu
 def test_prefill_ws_fp8_compiles_for_sm90():
     """Without a GPU: the FP8 Gluon attention compiles for sm_90 into e4m3 wgmma (QK^T from shared memory,
     PV with P from registers), P packed four values a register right before its wgmma (no e4m3 tensor
     carried across the loop: its bytes would be repacked), no local memory, the consumers at 160 registers;
-    with QREG (``q_in_registers``) QK^T's Q from registers too, still no spills."""
+    with QREG (``q_in_registers``) QK^T's Q from registers too, still no spills; so with OFFSET (a later chunk)."""
     import re
 
     from gptoss_fp8.kernels import _gluon, attention_ws_fp8
@@ -894,9 +947,11 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     # the launcher's default (128 keys a step, the row sum by the tensor core, turns at the first block's 2^x, one
     # release and one ready barrier a step), one 64-key block a step, and
     # the default with a quarter of the 2^x on the FMA pipes
+    # the default on a later chunk (OFFSET: its diagonal at any key position)
     for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True, TURN=2, REL=2), 12), (dict(PAIRS=False, ONES=False), 0),
                                (dict(PAIRS=True, ONES=True, FMA=1), 12),
-                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12)):
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12),
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
