@@ -580,7 +580,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     part is contiguous per row (checked by ``attention_prefill``, which calls this). Q, K, V quantized
     here (``fp8_operands``: on the GPU the fused kernels of kernels/attn_quant.py, 0.66 ms at 128000
     tokens on the H200 against 9.4 ms for the torch ops they replace and ~220 ms of attention). Options:
-    pairs (128 keys a step), ones (its row sum by the tensor core; the spec's row_sum="p8"; without it, or without pairs, row_sum="p"), stages,
+    pairs (128 keys a step), ones (its row sum by the tensor core; the spec's row_sum="p8"; without it, or
+    without pairs, row_sum="p"), stages,
     exp_fma (1 / 2: a quarter / half of the unmasked steps' 2^x on the FMA pipes: 8% / 20% slower on the H200),
     turns (0 / 1 / 2 / 3: the warpgroups take turns at the exponentials: never, of both blocks, of the first
     block (the default with pairs: 1.5-3% faster than none on the H200), of its first half), pair_release (one
