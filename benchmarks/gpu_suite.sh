@@ -10,6 +10,8 @@
 #            power cap (issue 34; both built without a GPU, measure them first)
 #   moe-turns-ab  the whole 20b with them, the rope fusion, the FP8 attention's Q in registers and (128000) the MoE
 #            unchunked, beside the default, same process (a call of its own)
+#   attn-offset  the Gluon attention kernels (bf16, FP8) on a later prompt chunk (q_offset): their GPU tests, then
+#            benchmarks/attn_offset.py against the Triton kernel (issue 34; built without a GPU, opt-in until then)
 #   moe-ncu-plans  Nsight Compute on our MoE gate_up / down under those plans and the default (tensor pipe active)
 #   moe-ncu  Nsight Compute on one launch of DeepGEMM's grouped gate_up and of our gate_up / down (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
@@ -113,6 +115,15 @@ if has moe-turns; then
   tail -4 "$OUT/moe_turns_tests.log"
   timeout 200 python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
     | tee "$OUT/moe_turns_plans.log"
+fi
+
+if has attn-offset; then
+  # issue 34 (29th session): KernelConfig.attention_gluon_offset / attention_gluon_fp8_offset. If the tests pass and
+  # the Gluon rows win, turn both on (kernels/config.py) and say so in BENCHMARKS.md
+  timeout -s INT 300 python3 -m pytest -q -rf -n 4 --dist load tests/kernels/test_attention.py -k "offset" \
+    > "$OUT/attn_offset_tests.log" 2>&1
+  tail -4 "$OUT/attn_offset_tests.log"
+  timeout 240 python3 benchmarks/attn_offset.py 2>&1 | grep -v Warn | tee "$OUT/attn_offset.log"
 fi
 
 if has moe-turns-ab; then

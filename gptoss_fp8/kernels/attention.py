@@ -360,8 +360,9 @@ def attention_prefill(
     ``q_offset`` > 0 (one sequence, cu_seqlens None): a prompt chunk after cached keys, q's row t at
     key position q_offset + t of k / v [q_offset + T, Hkv, D] (the keys before the chunk, then its
     own): ``spec.attention(..., q_offset=)`` (``spec.attention_fp8`` with ``fp8``); masks on absolute
-    positions, fused rope at positions q_offset.., the Triton kernel (with ``fp8`` and
-    ``config.attention_gluon_fp8_offset``, opt-in, a causal chunk on sm_90: the Gluon e4m3 kernel). Returns out [T, Hq, D] bf16.
+    positions, fused rope at positions q_offset.., the Triton kernel (opt-in, a causal chunk on sm_90: the
+    Gluon kernels, ``config.attention_gluon_offset`` / with ``fp8`` ``config.attention_gluon_fp8_offset``).
+    Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
     T, Hq, D = q.shape
@@ -409,14 +410,15 @@ def attention_prefill(
         # (a rope: q rotated in its quantization's pass, at positions q_offset..)
         return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
                                         q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset)
-    if tile is None and not fp8 and not q_offset and _ws_ok(q, k, v, ragged, window, rope, cfg):
+    g = cfg.attention_gluon_tile
+    if (tile is None and not fp8 and (not q_offset or (cfg.attention_gluon_offset and not g.ordered))
+            and _ws_ok(q, k, v, ragged, window, rope, cfg)):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
-        g = cfg.attention_gluon_tile
         return ws_attention_prefill(q, k, v, sinks, out, sm_scale, block_n=g.block_n, stages=g.stages,
                                     warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
                                     exp=g.exp, rescale_threshold=g.rescale_threshold, ordered=g.ordered,
-                                    tree=g.tree, sync=g.sync)
+                                    tree=g.tree, sync=g.sync, q_offset=q_offset)
     tile = tile or cfg.prefill_tile(on_gpu, window != _NO_WINDOW, Hq // Hkv)
     BLOCK_M, BLOCK_N, pack = tile.block_m, tile.block_n, tile.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"

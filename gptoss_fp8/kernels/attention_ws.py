@@ -261,9 +261,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
-                      T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
+                      T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
                       EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr,
-                      SYNC: gl.constexpr):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head.
         QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
         DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
@@ -280,7 +280,10 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout)
+        if OFFSET:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout, q_offset)
+        else:
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout)
         last = my_blocks - 1
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + sink
@@ -407,44 +410,48 @@ if HAS_GLUON:
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _attn_second_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                              sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
+                              sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr,
                               DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
                               TREE: gl.constexpr,
-                      SYNC: gl.constexpr):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
         _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)
+                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)
 
     @gluon.jit
     def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                             sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
+                             sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr,
                              DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
                              TREE: gl.constexpr,
-                      SYNC: gl.constexpr):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
         _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)
+                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)
 
     @gluon.jit
     def _attn_fourth_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                              sinks_ptr, T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr,
+                              sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr,
                               DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
                               TREE: gl.constexpr,
-                      SYNC: gl.constexpr):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
         _attn_consume(3, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)
+                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)
 
     @gluon.jit
     def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
-                       T, num_pid_m, qk_scale, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
+                       T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
                        EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr,
-                      SYNC: gl.constexpr):
-        _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
+        if OFFSET:
+            _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
+                          P=q_offset)
+        else:
+            _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP)
 
-    @gluon.jit
-    def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale,
+    @gluon.jit(do_not_specialize=["q_offset"])
+    def _ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, T, num_pid_m, qk_scale, q_offset,
                              GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
                              QREG: gl.constexpr = True, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
                              THRESH: gl.constexpr = 0.0, ORDER: gl.constexpr = False, TREE: gl.constexpr = False,
-                             SYNC: gl.constexpr = False):
+                             SYNC: gl.constexpr = False, OFFSET: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -465,35 +472,44 @@ if HAS_GLUON:
         if NWG == 4:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
+                                         TREE, SYNC, OFFSET)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                        sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
+                                        TREE, SYNC, OFFSET)),
                 (_attn_fourth_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
+                                         TREE, SYNC, OFFSET)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE,
+                                  SYNC, OFFSET)),
             ], [4, 4, 4, 1], [REGS, REGS, REGS, 24])
         elif NWG == 3:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
+                                         TREE, SYNC, OFFSET)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                        sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                        sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
+                                        TREE, SYNC, OFFSET)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE,
+                                  SYNC, OFFSET)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                         sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                         sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
+                                         TREE, SYNC, OFFSET)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
-                                  sinks_ptr, T, num_pid_m, qk_scale, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC)),
+                                  sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE,
+                                  SYNC, OFFSET)),
             ], [4, 1], [REGS, 40])
 
 
@@ -516,9 +532,10 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
                          sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2,
                          q_in_registers: bool = True, deep: bool = False, exp: str = "mufu",
                          rescale_threshold: float = 0.0, ordered: bool = False, tree: bool = False,
-                         sync: bool = False) -> torch.Tensor:
-    """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [T, Hkv, 64] bf16 whose [H, D]
-    part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments).
+                         sync: bool = False, q_offset: int = 0) -> torch.Tensor:
+    """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [q_offset + T, Hkv, 64] bf16 whose [H, D]
+    part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments). q_offset > 0:
+    a later prompt chunk, q's rows at key positions q_offset.. after the cached keys (``spec.attention(q_offset=)``).
     Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (blocks in
     pairs, QK^T one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
     rescale_threshold (> 0: conditional rescaling of the running max, log2 units), ordered (the consumer
@@ -541,11 +558,14 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     assert not ordered or stages >= cdiv((warpgroups - 1) * WG_ROWS, block_n), (
         f"ordered turns need stages >= {cdiv((warpgroups - 1) * WG_ROWS, block_n)} with {warpgroups} warpgroups "
         f"of {block_n}-key blocks (got {stages})")
+    assert q_offset >= 0 and k.shape[0] == v.shape[0] == q_offset + T, (
+        f"q_offset {q_offset}: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = {q_offset + T} rows")
+    assert not (q_offset and ordered), "ordered turns: one sequence from position 0 (their ring depth is sized for it)"
     num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
-        sm_scale * LOG2E, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
+        sm_scale * LOG2E, q_offset, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
         QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
-        ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4,
+        ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4, **({"OFFSET": True} if q_offset else {}),
     )
     return out

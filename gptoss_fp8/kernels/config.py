@@ -220,6 +220,10 @@ class KernelConfig:
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True
     attention_gluon_tile: GluonAttentionTile = field(default_factory=GluonAttentionTile)
+    # ... and a later prompt chunk's (q_offset > 0: the serving engine's chunks after the first) on it too, not on
+    # the Triton kernel (Gluon 460-463 against 431-439 TFLOP/s on whole prompts, above). Opt-in: built without a
+    # GPU in the twenty-ninth session; on once its GPU tests pass (tests/kernels/test_attention.py "offset")
+    attention_gluon_offset: bool = False
     # ``--attention fp8`` on one causal sequence: the Gluon e4m3 kernel (kernels/attention_ws_fp8.py)
     # instead of the Triton kernel's FP8 path (issue 34, BENCHMARKS.md)
     attention_gluon_fp8: bool = True

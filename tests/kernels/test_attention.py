@@ -593,6 +593,45 @@ def test_prefill_ws_gpu(T, hq, hkv, variant):
     _check(out, attention_ref(q, k, v, sinks), gpu=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,q_offset", [(1, 1), (1, 4095), (63, 1), (64, 64), (65, 63), (129, 200), (200, 1000),
+                                        (1000, 3001), (300, 8192), (4099, 5)])
+@pytest.mark.parametrize("variant", ["default", "4wg", "n128-sync", "deep", "n128-2wg"])
+def test_prefill_ws_offset_gpu(T, q_offset, variant):
+    """The bf16 Gluon kernel on a later prompt chunk (``q_offset``: q's T rows at key positions q_offset.. of k /
+    v [q_offset + T]) against spec.attention(q_offset=), the default tile and others whose diagonal bookkeeping
+    differs (four warpgroups, 128-key blocks, blocks in pairs, two warpgroups), under poison; through
+    ``attention_prefill`` only with ``KernelConfig.attention_gluon_offset``, the same bits as the launcher."""
+    from gptoss_fp8.kernels import attention_ws
+
+    tile = GluonAttentionTile() if variant == "default" else WS_VARIANTS[variant]
+    hq, hkv = (64, 8) if T in (1000, 4099) else (8, 1)
+    gen = torch.Generator().manual_seed(T * 11 + q_offset)
+    q_all, k, v = _qkv(q_offset + T, hq, hkv, gen)
+    q = q_all[q_offset:]
+    sinks = torch.linspace(-10, 10, hq, device=DEV)
+    ref = attention_prefill_ref(*_fp32(q, k, v), sinks, q_offset=q_offset)
+    _poison(T, hq, D)
+    cfg = KernelConfig(attention_gluon_tile=tile, attention_gluon_offset=True)
+    calls = []
+    real = attention_ws.ws_attention_prefill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_ws, "ws_attention_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        out = attention_prefill(q, k, v, sinks, q_offset=q_offset, config=cfg)
+        attention_prefill(q, k, v, sinks, q_offset=q_offset, config=KernelConfig(attention_gluon_tile=tile))
+    assert calls == [1], "a later chunk runs the Gluon kernel with attention_gluon_offset only"
+    _check(out, ref, gpu=True)
+
+
+@pytest.mark.slow  # (compile only, ~5 s)
+def test_prefill_ws_offset_compiles_for_sm90():
+    """Without a GPU: the bf16 Gluon attention for a later chunk (OFFSET, run-time q_offset) compiles as the
+    default does (the same wgmmas, Q and P from registers), no local memory."""
+    base, off = _ws_compile(), _ws_compile(OFFSET=True)
+    assert _wgmma_by_a(off["ptx"]) == _wgmma_by_a(base["ptx"]) == (48, 0)
+    assert ".local" not in off["ptx"] and not off.get("spill_stores")
+
+
 def test_prefill_ws_compiles_for_sm90():
     """Without a GPU: the Gluon attention compiles for sm_90 into warp-specialized code (registers
     moved between partitions, bf16 wgmma with Q and P from registers, TMA, no local memory)."""
