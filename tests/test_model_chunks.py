@@ -109,12 +109,29 @@ def test_prefill_many_equals_each_chunk_alone(model, mode):
         model.prefill_many([(0, first, 5), (1, first, 0)], ops, many)
 
 
-@pytest.mark.parametrize("mode", ["weights", "w8a8"])
-def test_last_layer_on_the_returned_rows_only(model, mode):
+@pytest.fixture(scope="module")
+def window_last(tmp_path_factory):
+    """Three layers: the last a sliding-window one (its pruned row runs the chunk attention, not the decode one)."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+    from gptoss_fp8.model.load import load_model
+
+    root = tmp_path_factory.mktemp("chunks3")
+    write_synthetic(root / "src", "tiny", layers=3, seed=6, layout="hf", sliding_window=8)
+    convert_checkpoint(root / "src", root / "fp8")
+    m = load_model(root / "fp8")
+    assert m.cfg.layer_types[-1] == "sliding_attention"
+    return m
+
+
+@pytest.mark.parametrize("mode,which", [("weights", "full"), ("w8a8", "full"), ("weights", "window")])
+def test_last_layer_on_the_returned_rows_only(model, window_last, mode, which):
     """A prefill's last layer computes past its K / V only the rows whose logits it returns
     (``GptOss.prune_last_layer``): the same logits and caches as every row computed (the CPU
     ops' rows do not depend on the other rows: bit for bit in weights mode, ``_same`` in w8a8),
-    one sequence and several chunks in one forward; forward's last row agrees too."""
+    one sequence and several chunks in one forward (one after 11 cached keys, past the 8-key
+    ring); forward's last row agrees too. The last layer a full one, or a sliding-window one."""
+    model = model if which == "full" else window_last
     ops = get_ops(mode)
     torch.manual_seed(11)
     v = model.cfg.vocab_size
