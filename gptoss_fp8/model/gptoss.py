@@ -464,13 +464,18 @@ class GptOss(nn.Module):
         keys, ``ops.attention_cached`` on them as a one-sequence cache)."""
         a, d = layer.self_attn, self.cfg.head_dim
         if start or last_row:
-            if start:  # a chunk: the keys before it, copied out before the chunk's own overwrite a ring's rows
+            if start and not cache.is_ring(layer.idx):  # a full layer's rows hold positions in order: the chunk
+                # written after the cached keys, all of them are one view (no copy of the cached keys per chunk)
+                cache.write(layer.idx, row, start, k, v)
+                ka, va, first = cache.read(layer.idx, row, start + k.shape[0])
+            elif start:  # a ring: the keys before the chunk, copied out before the chunk's own overwrite its rows
                 pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
                 ka, va = torch.cat([pk, k.to(pk.dtype)]), torch.cat([pv, v.to(pv.dtype)])
+                cache.write(layer.idx, row, start, k, v)
             else:
                 ka, va, first = k, v, 0
-            if cache is not None:
-                cache.write(layer.idx, row, start, k, v)
+                if cache is not None:
+                    cache.write(layer.idx, row, start, k, v)
             n, kvh, m, _ = q.shape
             cos, sin = (t[-1:] for t in rope) if last_row else rope
             q = ops.rope(q.reshape(n, kvh * m, d), cos, sin).view(n, kvh, m, d)
