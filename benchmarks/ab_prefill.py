@@ -112,11 +112,11 @@ def _forward(model, ops):
 def _full_last_layer(model, ops):
     """The prefill with the last layer on every row (``prune_last_layer`` off for the call only)."""
     def run(t):
-        model.prune_last_layer = False
+        was, model.prune_last_layer = model.prune_last_layer, False
         try:
             return prefill_logits(model, t, ops)
         finally:
-            model.prune_last_layer = True
+            model.prune_last_layer = was
     return run
 
 

@@ -319,7 +319,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     ops = TritonOps(config=kernel_config).with_attention(attention)
     if attention == "fp8":
         echo("# attention: FP8 in the full-attention layers (Q, K, V and P in e4m3, spec.attention_fp8), "
-             "bf16 in the sliding-window layers")
+             "bf16 in the sliding-window layers and in the last layer's one query (the decode attention)")
     if ops.config.gemm == "deep_gemm":  # DeepGEMM's K-padded weights replace ours: no second copy
         from gptoss_fp8.kernels.deepgemm import adopt_padded
 

@@ -141,8 +141,9 @@ class GptOss(nn.Module):
 
     # A prefill returns the logits of one row per sequence (its last), so past its K / V (which the
     # cache keeps) the last layer's work on every other row feeds nothing: its attention, o_proj,
-    # MoE and norms run on the returned rows only (``_run``). False: every row, as ``forward``
-    # without ``last_only`` (bench prefill ``--full-last-layer`` measures the difference).
+    # MoE and norms run on the returned rows only (``_run``; a full layer's one query by the decode
+    # attention, bf16 under ``--attention fp8`` too, as decode steps are). False: every row, as
+    # ``forward`` without ``last_only`` (bench prefill ``--full-last-layer`` measures the difference).
     prune_last_layer: bool = True
 
     def __init__(self, cfg: GptOssConfig, par: Parallel = SINGLE, *, attn_fp8: bool = True):
