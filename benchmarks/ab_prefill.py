@@ -23,7 +23,10 @@ wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE ti
 options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
 "full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
-off, before the twenty-ninth session).
+off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in chunks of 8192, as the
+serving engine's default feeds a long one: every chunk after the first attends to cached keys) and "chunked-gluon"
+(the same with those chunks on the Gluon attention kernels, ``KernelConfig.attention_gluon_offset`` /
+``attention_gluon_fp8_offset``, twenty-ninth session).
 ``--attention fp8``: every variant with the FP8 prefill attention.
 (Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
 / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -120,6 +123,18 @@ def _full_last_layer(model, ops):
     return run
 
 
+def _chunked(model, ops, chunk: int = 8192):
+    """The prefill of the prompt in chunks through ``GptOss.prefill`` into one KV cache (the serving engine's
+    way): the last chunk's logits."""
+    def run(t):
+        n = t.shape[0]
+        cache = model.new_cache(n + 1)
+        for s in range(0, n, chunk):
+            _, logits = model.prefill(t[s:s + chunk], ops, cache=cache, start=s)
+        return logits
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="20b")
@@ -142,6 +157,9 @@ def main() -> None:
                 a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),
             "full-last-layer": lambda: _full_last_layer(model, ops),
+            "chunked": lambda: _chunked(model, ops),
+            "chunked-gluon": lambda: _chunked(model, TritonOps(config=replace(
+                ops.config, attention_gluon_offset=True, attention_gluon_fp8_offset=True)).with_attention(a.attention)),
         }
         for name in a.variants.split(","):
             cfg = _config(name)
