@@ -120,7 +120,7 @@ fi
 if has attn-offset; then
   # issue 34 (29th session): KernelConfig.attention_gluon_offset / attention_gluon_fp8_offset. If the tests pass and
   # the Gluon rows win, turn both on (kernels/config.py) and say so in BENCHMARKS.md
-  timeout -s INT 300 python3 -m pytest -q -rf -n 4 --dist load tests/kernels/test_attention.py -k "offset" \
+  timeout -s INT 240 python3 -m pytest -q -rf -n 4 --dist load tests/kernels/test_attention.py -k "offset" \
     > "$OUT/attn_offset_tests.log" 2>&1
   tail -4 "$OUT/attn_offset_tests.log"
   timeout 180 python3 benchmarks/attn_offset.py 2>&1 | grep -v Warn | tee "$OUT/attn_offset.log"
