@@ -10,6 +10,8 @@
 #            power cap (issue 34; both built without a GPU, measure them first)
 #   moe-turns-ab  the whole 20b with them, the rope fusion, the FP8 attention's Q in registers and (128000) the MoE
 #            unchunked, beside the default, same process (a call of its own)
+#   moe-unchunked-120b  the 120b at 128000 with its MoE over all tokens at once beside chunks of 32768 (bench
+#            prefill's --moe-chunk; 128 experts: a chunk's ~1024 rows an expert pad ~6% of the MoE's tiles)
 #   attn-offset  the Gluon attention kernels (bf16, FP8) on a later prompt chunk (q_offset): their GPU tests, then
 #            benchmarks/attn_offset.py against the Triton kernel (issue 34; built without a GPU, opt-in until then)
 #   moe-ncu-plans  Nsight Compute on our MoE gate_up / down under those plans and the default (tensor pipe active)
@@ -115,6 +117,15 @@ if has moe-turns; then
   tail -4 "$OUT/moe_turns_tests.log"
   timeout 200 python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
     | tee "$OUT/moe_turns_plans.log"
+fi
+
+if has moe-unchunked-120b; then
+  # issue 34: the 120b's MoE in chunks of 32768 tokens (bench prefill's default) pads each expert's rows to 128-row
+  # tiles four times at 128000 tokens (128 experts x ~1024 rows a chunk: ~64 rows of padding an expert a chunk,
+  # ~6% of the MoE's work; ~1.6% unchunked) and leaves its combine unfused; same process, interleaved
+  timeout 420 python3 benchmarks/ab_prefill.py --model 120b --tokens 128000 --runs 3 \
+    --variants default,moe-unchunked --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_unchunked_120b.log"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/moe_unchunked_120b.log"
 fi
 
 if has attn-offset; then
