@@ -308,24 +308,26 @@ class GptOss(nn.Module):
         eps = self.cfg.rms_norm_eps
         x = self.embed(tokens, ops)  # [T, H] bf16
         layers = self.model.layers
-        # the rows whose logits are returned; with ``prune_last_layer`` the last layer computes only
-        # those past its K / V (the other rows' outputs of it would feed nothing)
-        ends = None  # (one sequence: a slice, no tensor made from host values: a CUDA graph may capture it)
-        if self.prune_last_layer and step is None and capture is None and force is None:
-            if segments is not None:
-                ends = torch.tensor([n for _, _, n in segments], device=x.device).cumsum(0) - 1
-            elif last_only:
-                ends = slice(x.shape[0] - 1, x.shape[0])
+        # the rows whose logits are returned (None: all; one sequence's last: a slice, no tensor made from
+        # host values, which a CUDA graph may capture); with ``prune_last_layer`` the last layer computes
+        # only those past its K / V (the other rows' outputs of it would feed nothing)
+        ends = None
+        if segments is not None:
+            ends = torch.tensor([n for _, _, n in segments], device=x.device).cumsum(0) - 1
+        elif last_only:
+            ends = slice(x.shape[0] - 1, x.shape[0])
+        prune = (ends is not None and self.prune_last_layer and step is None and capture is None
+                 and force is None)
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)  # Normed: rows (+ their FP8 quantization)
         for i, layer in enumerate(layers):
             if force is not None and i > 0:  # teacher forcing: the given stream enters the layer
                 x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
-            last_rows = ends is not None and i == len(layers) - 1
+            last_rows = prune and i == len(layers) - 1
             delta = self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments,
                                     last_rows=ends if last_rows else None)
             if last_rows:
-                x = x[ends] if isinstance(ends, slice) else x.index_select(0, ends)
+                x = _take(x, ends)
             x, h = ops.add_rms_norm(x, delta, layer.post_attention_layernorm.weight, eps)
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
@@ -341,12 +343,9 @@ class GptOss(nn.Module):
                 x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
-        if ends is not None:  # h holds the returned rows only
+        if prune or ends is None:  # (pruned: h holds the returned rows only)
             return self._logits(h.y, ops)
-        if segments is not None:
-            ends = torch.tensor([n for _, _, n in segments], device=h.y.device).cumsum(0) - 1
-            return self._logits(h.y.index_select(0, ends), ops)
-        return self._logits(h.y[-1:] if last_only else h.y, ops)
+        return self._logits(_take(h.y, ends), ops)
 
     def embed(self, tokens: torch.Tensor, ops: ReferenceOps | None = None) -> torch.Tensor:
         """tokens int [T] (ids in 0..V-1, checked by the callers) -> their embedding rows, bf16
@@ -556,6 +555,11 @@ class GptOss(nn.Module):
             both = ops.all_reduce(torch.stack([y, yb]), self.par)
             y = ops.add_bias_after_sum(both[0], both[1])
         return y, weights
+
+
+def _take(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """Rows of t: a slice (a view) or int indices."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
 def _layer_of(name: str) -> str:
