@@ -21,7 +21,8 @@ YaRN rotary embedding
     ``apply_rope(x, cos, sin, ...)``     rotate the two halves of each head (bf16 as the reference, or fp32).
 Attention
     ``attention(q, k, v, sinks, ...)``   causal / sliding-window GQA attention, sinks as an extra softmax column.
-    ``attention_varlen(...)``            ``attention`` per sequence of a ragged batch (cu_seqlens).
+    ``attention_varlen(...)``            ``attention`` per sequence of a ragged batch (cu_seqlens; chunks
+                                         after cached keys with k_starts / q_offsets).
     ``attention_fp8(q, k, v, sinks, ...)`` ``attention`` with Q, K, V and P in e4m3 (``--attention fp8``).
     ``attention_fp8_varlen(...)``        ``attention_fp8`` of a ragged batch (operands quantized packed).
 Experts (the MoE after routing)
@@ -248,17 +249,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                      cu_seqlens: torch.Tensor | None = None, sm_scale: float | None = None, window: int = 0,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None, k_starts: torch.Tensor | None = None,
+                     q_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """``attention`` of a ragged batch: sequences [cu_seqlens[i], cu_seqlens[i + 1]) of the rows of
     q [T, Hq, D], k / v [T, Hkv, D] attend only within themselves (each from position 0); None: one
-    sequence. Returns [T, Hq, D] in q's dtype."""
+    sequence. Returns [T, Hq, D] in q's dtype.
+
+    With ``k_starts`` and ``q_offsets`` (int [B], both): several sequences' prompt chunks after their
+    cached keys (the serving engine's prompts of one step): sequence i's query rows
+    cu_seqlens[i]..cu_seqlens[i + 1] - 1 sit at key positions q_offsets[i].. of its keys, rows
+    k_starts[i] .. k_starts[i] + q_offsets[i] + n_i - 1 of k / v (any number of rows: a KV cache's
+    rows, keys packed per sequence): ``attention(..., q_offset=q_offsets[i])`` on each."""
+    if (k_starts is None) != (q_offsets is None):
+        raise ValueError("attention_varlen: k_starts and q_offsets come together")
     if cu_seqlens is None:
+        assert k_starts is None, "k_starts / q_offsets need cu_seqlens"
         return attention(q, k, v, sinks, sm_scale, window, dtype=dtype)
     cu = cu_seqlens.tolist()
+    ks = k_starts.tolist() if k_starts is not None else cu[:-1]
+    qo = q_offsets.tolist() if q_offsets is not None else [0] * (len(cu) - 1)
     out = torch.empty_like(q)
-    for s, e in zip(cu[:-1], cu[1:], strict=True):
+    for s, e, k0, off in zip(cu[:-1], cu[1:], ks, qo, strict=True):
         if e > s:
-            out[s:e] = attention(q[s:e], k[s:e], v[s:e], sinks, sm_scale, window, dtype=dtype)
+            n_k = off + e - s
+            out[s:e] = attention(q[s:e], k[k0:k0 + n_k], v[k0:k0 + n_k], sinks, sm_scale, window, q_offset=off,
+                                 dtype=dtype)
     return out
 
 

@@ -632,6 +632,54 @@ def test_chunked_prefill_runs_the_offset_kernel(checkpoints, monkeypatch):
     assert rel(model.prefill(tokens, W8A8CpuOps())[1].float(), want.float()) > 1e-3
 
 
+def _prefill_many_case(model, ops, v):
+    """``prefill_many`` of three sequences' chunks (two fresh, one after 11 cached tokens: past the window-8 ring,
+    at an offset no multiple of the kernel's blocks) into rows 3, 0, 2 -> (logits, cache)."""
+    gen = torch.Generator().manual_seed(12)
+    cache = model.new_cache(32, batch=4)
+    model.prefill(torch.randint(0, v, (11,), generator=gen), ops, cache=cache, row=2)
+    chunks = [(3, torch.randint(0, v, (6,), generator=gen), 0), (0, torch.randint(0, v, (13,), generator=gen), 0),
+              (2, torch.randint(0, v, (9,), generator=gen), 11)]
+    return model.prefill_many(chunks, ops, cache), cache
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_prefill_many_attends_in_one_launch_a_layer(checkpoints, monkeypatch, prune):
+    """The serving engine's prompts of a step (``prefill_many``): each layer's attention over all chunks in one
+    ``attention_prefill`` (k_starts / q_offsets: a full layer's keys in the cache, sequence b's at rows b * 32..; a
+    ring's packed), bit for bit the chunk-by-chunk launches (``KernelConfig.attention_segments`` off) in logits
+    and every cache row; the pruned last layer keeps its per-row path."""
+    if HAS_CUDA:
+        pytest.skip("interpreter test on CPU tensors; the gpu-marked test covers the GPU")
+    from gptoss_fp8.kernels import attention as attn_mod
+    from gptoss_fp8.kernels.config import KernelConfig
+
+    model = load_model(checkpoints("tiny"), device="cpu")
+    v, real, calls = model.cfg.vocab_size, attn_mod.attention_prefill, []
+
+    def spy(*a, k_starts=None, q_offsets=None, **kw):
+        if k_starts is not None:
+            calls.append((k_starts.tolist(), q_offsets.tolist(), kw.get("sliding_window")))
+        return real(*a, k_starts=k_starts, q_offsets=q_offsets, **kw)
+
+    monkeypatch.setattr(attn_mod, "attention_prefill", spy)
+    model.prune_last_layer = prune
+    try:
+        got = {on: _prefill_many_case(model, _AttentionKernelOnly(config=KernelConfig(attention_segments=on)), v)
+               for on in (True, False)}
+    finally:
+        model.prune_last_layer = True
+    windows = [layer.window for layer in model.model.layers]
+    assert windows == [8, 0]
+    # layer 0, a ring of 8: chunk 2's 8 cached keys (positions 3..10) then its own, packed after chunks 0 and 1
+    ring = ([0, 6, 19], [0, 0, 8], 8)
+    assert calls == ([ring] if prune else [ring, ([96, 0, 64], [0, 0, 11], 0)]), calls
+    (l1, c1), (l0, c0) = got[True], got[False]
+    assert l1.shape == (3, v) and torch.equal(l1, l0)
+    for i in range(len(c1.k)):
+        assert torch.equal(c1.k[i], c0.k[i]) and torch.equal(c1.v[i], c0.v[i])
+
+
 @pytest.mark.slow  # every op through the interpreter
 def test_pruned_last_layer_kernels_interpreter(checkpoints):
     """A prefill's last layer on its last row only (``GptOss.prune_last_layer``) on the whole ``triton`` backend:

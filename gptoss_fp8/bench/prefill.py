@@ -186,7 +186,8 @@ class TimedOps:
     # model calls runs untimed and lands in "other"
     PARTS = {"linears": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
              "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
-             "attention": "attention", "attention_cached": "attention", "attention_chunk": "attention"}
+             "attention": "attention", "attention_cached": "attention", "attention_chunk": "attention",
+             "attention_segments": "attention"}
 
     def __getattr__(self, name):
         if name == "ops":  # not set yet (copy / unpickle): no recursion
@@ -203,6 +204,11 @@ class TimedOps:
     def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
         out = self._timed("attention", self.ops.attention_chunk, q, k, v, sinks, sm_scale, window, q_offset)
         self.attention_windows[len(self.events) - 1] = -1
+        return out
+
+    def attention_segments(self, q, k, v, sinks, sm_scale, window, keys):
+        out = self._timed("attention", self.ops.attention_segments, q, k, v, sinks, sm_scale, window, keys)
+        self.attention_windows[len(self.events) - 1] = int(window)
         return out
 
     def attention_cached(self, q, k_cache, v_cache, lengths, sinks, sm_scale, window):

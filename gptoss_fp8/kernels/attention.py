@@ -27,9 +27,15 @@ With ``PrefillTile.pack = p`` a program takes p query heads of one KV head for B
 positions, stacked in the tile's rows (tile row r: position m0 + r % (BLOCK_M / p), head
 p * pid + r // (BLOCK_M / p)); the K/V tiles it loads then serve p heads. The window default packs 2.
 
+Several sequences' chunks after their cached keys run in one launch (``k_starts`` / ``q_offsets`` with
+cu_seqlens: sequence b's keys are rows k_starts[b].. of k / v, e.g. a KV cache's [batch * rows] view,
+and its queries sit at key positions q_offsets[b]..; the serving engine's prompts of one step,
+model/gptoss.py ``prefill_many``).
+
 On sm_90, one-sequence causal calls with head_dim 64 and no q_offset go to the warp-specialized
 Gluon kernel of attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon``
-and its tile); a later chunk (q_offset > 0) always runs the Triton kernel.
+and its tile); a later chunk (q_offset > 0) runs the Triton kernel unless its Gluon option is on
+(``attention_gluon_offset``), and ragged batches and segments always do.
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
 FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
@@ -221,6 +227,10 @@ def _attn_prefill_kernel(
     # V is V^T e4m3 [Hkv, D, T] (stride_vt = 1, stride_vd its D stride) with channel scales Sv [Hkv, D] / 256.
     Sq=None, Sk=None, Sv=None, stride_sqh=0, stride_skh=0, stride_vd=1,
     FP8: tl.constexpr = False,
+    # SEGMENTS (RAGGED): sequence b's keys are rows KStarts[b].. of K / V (not its query rows) and its
+    # query rows sit at key positions QOffsets[b].. (prompt chunks after cached keys, one launch)
+    KStarts=None, QOffsets=None,
+    SEGMENTS: tl.constexpr = False,
 ):
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
@@ -229,12 +239,20 @@ def _attn_prefill_kernel(
     if RAGGED:
         seq_start = tl.load(CuSeqlens + pid_b)
         seqlen = tl.load(CuSeqlens + pid_b + 1) - seq_start
+        if SEGMENTS:
+            k_start = tl.load(KStarts + pid_b)
+            q_offset = tl.load(QOffsets + pid_b)
+        else:
+            k_start = seq_start
     else:  # one sequence of all T rows: no cu_seqlens tensor (building one per call would sync)
         seq_start = 0
+        k_start = 0
         seqlen = total_tokens
     seqlen_k = seqlen + q_offset  # keys: the q_offset before the query rows, then theirs
-    # Row offsets of the sequence in int64 (T * H * D can pass 2^31); offsets inside it stay int32.
+    # Row offsets of the sequence in int64 (T * H * D, a cache's rows * H * D, can pass 2^31); offsets
+    # inside it stay int32.
     row0 = tl.full([], seq_start, tl.int64)
+    krow0 = tl.full([], k_start, tl.int64)
     m0 = pid_m * QB
     if m0 >= seqlen:
         return
@@ -278,8 +296,8 @@ def _attn_prefill_kernel(
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         if UPCAST and not FP8:
             q = q.to(tl.float32)
-    k_src = K + row0 * stride_kt + kv_h * stride_kh
-    v_src = V + row0 * stride_vt + kv_h * stride_vh
+    k_src = K + krow0 * stride_kt + kv_h * stride_kh
+    v_src = V + krow0 * stride_vt + kv_h * stride_vh
     if FP8:
         sq = tl.load(Sq + head * stride_sqh + (row0 + offs_m) // 64, mask=row_ok, other=0.0)
         sk_src = Sk + kv_h * stride_skh
@@ -308,15 +326,15 @@ def _attn_prefill_kernel(
     full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, diag_lo)
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
+        seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
+        seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, row0, stride_vd, FP8,
+        seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
     )
 
     if FP8:  # V's channel scale / 256 (P's fixed scale), then the row sum (spec.attention_fp8's order)
@@ -346,6 +364,8 @@ def attention_prefill(
     tile: PrefillTile | None = None,
     fp8: bool = False,
     q_offset: int = 0,
+    k_starts: torch.Tensor | None = None,
+    q_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (or sliding-window) attention with sinks over a ragged batch of packed sequences.
 
@@ -362,6 +382,12 @@ def attention_prefill(
     own): ``spec.attention(..., q_offset=)`` (``spec.attention_fp8`` with ``fp8``); masks on absolute
     positions, fused rope at positions q_offset.., the Triton kernel (opt-in, a causal chunk on sm_90: the
     Gluon kernels, ``config.attention_gluon_offset`` / with ``fp8`` ``config.attention_gluon_fp8_offset``).
+    ``k_starts`` / ``q_offsets`` (int32 [B] on q's device, with cu_seqlens and max_seqlen; bf16): several
+    sequences' chunks after their cached keys in one launch (``spec.attention_varlen``'s contract):
+    sequence b's query rows at key positions q_offsets[b].., its keys rows k_starts[b] ..
+    k_starts[b] + q_offsets[b] + n_b - 1 of k / v, which may hold any number of rows (a KV cache's
+    [batch * rows, Hkv, D] view); the caller keeps those rows inside k / v (not read back here: no sync).
+    A rope rotates q at positions q_offsets[b] + t. The Triton kernel.
     Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
@@ -371,7 +397,10 @@ def attention_prefill(
     if q_offset and cu_seqlens is not None:
         raise GptOssFp8Error(f"attention_prefill: q_offset {q_offset} takes one sequence (cu_seqlens None), "
                              f"not a ragged batch")
-    if k.shape[0] != q_offset + T or v.shape[0] != q_offset + T:
+    segments = k_starts is not None or q_offsets is not None
+    if segments:
+        _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, tile)
+    elif k.shape[0] != q_offset + T or v.shape[0] != q_offset + T:
         raise GptOssFp8Error(f"attention_prefill: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = "
                              f"{q_offset} + {T} = {q_offset + T} rows (the keys before q's rows, then theirs)")
     assert k.shape == v.shape and k.shape[2] == D, f"q {q.shape} k {k.shape} v {v.shape}"
@@ -400,10 +429,10 @@ def attention_prefill(
         return out
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
-    window = sliding_window if 0 < sliding_window < max_seqlen + q_offset else _NO_WINDOW
+    window = sliding_window if 0 < sliding_window and (segments or sliding_window < max_seqlen + q_offset) else _NO_WINDOW
     on_gpu = q.device.type == "cuda"
     cfg = config or DEFAULT
-    if (tile is None and fp8 and cfg.attention_gluon_fp8 and (not q_offset or cfg.attention_gluon_fp8_offset)
+    if (tile is None and fp8 and not segments and cfg.attention_gluon_fp8 and (not q_offset or cfg.attention_gluon_fp8_offset)
             and _ws_ok(q, k, v, ragged, window, None, cfg)):
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
@@ -411,7 +440,7 @@ def attention_prefill(
         return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
                                         q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset)
     g = cfg.attention_gluon_tile
-    if (tile is None and not fp8 and (not q_offset or (cfg.attention_gluon_offset and not g.ordered))
+    if (tile is None and not fp8 and not segments and (not q_offset or (cfg.attention_gluon_offset and not g.ordered))
             and _ws_ok(q, k, v, ragged, window, rope, cfg)):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
@@ -460,8 +489,37 @@ def attention_prefill(
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
         ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}), **fp8_args,
+        **(dict(KStarts=k_starts, QOffsets=q_offsets, SEGMENTS=True) if segments else {}),
     )
     return out
+
+
+def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, tile) -> None:
+    """``attention_prefill``'s chunks after cached keys (k_starts / q_offsets): what they take."""
+    if k_starts is None or q_offsets is None:
+        raise GptOssFp8Error("attention_prefill: k_starts and q_offsets come together (sequence b's keys at rows "
+                             "k_starts[b].. of k / v, its queries at key positions q_offsets[b]..)")
+    if cu_seqlens is None or max_seqlen is None:
+        raise GptOssFp8Error("attention_prefill: k_starts / q_offsets need cu_seqlens (the query rows) and max_seqlen "
+                             "(the longest chunk: reading it back would sync)")
+    if fp8:
+        raise GptOssFp8Error("attention_prefill: fp8 takes one sequence or a packed batch, not chunks after cached "
+                             "keys (k_starts / q_offsets): its K blocks are 64 packed rows; run each chunk (q_offset)")
+    b = cu_seqlens.numel() - 1
+    for name, t in (("k_starts", k_starts), ("q_offsets", q_offsets)):
+        if t.dtype != torch.int32 or t.shape != (b,) or not t.is_contiguous() or t.device != q.device:
+            raise GptOssFp8Error(f"attention_prefill: {name} {t.dtype} {tuple(t.shape)} on {t.device}: want contiguous "
+                                 f"int32 [{b}] (one per sequence of cu_seqlens) on {q.device}")
+    if k.shape != v.shape:
+        raise GptOssFp8Error(f"attention_prefill: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if q.device.type == "cpu":  # host tensors: the rows each sequence reads, checked (on a GPU that would sync)
+        n = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        end = k_starts.long() + q_offsets.long() + n
+        if b and (int(k_starts.min()) < 0 or int(q_offsets.min()) < 0 or int(end.max()) > k.shape[0]
+                  or int(n.max()) > max_seqlen):
+            raise GptOssFp8Error(f"attention_prefill: the segments read key rows up to {int(end.max())} of k's "
+                                 f"{k.shape[0]} (k_starts {k_starts.tolist()[:8]}, q_offsets {q_offsets.tolist()[:8]}, "
+                                 f"max_seqlen {max_seqlen}): each needs k_starts + q_offsets + its rows <= k's rows")
 
 
 def _rotated(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,

@@ -232,6 +232,11 @@ class KernelConfig:
     # kernel's time for a whole 128000-token prompt, eighteenth / twenty-third sessions). Opt-in: built without
     # a GPU in the twenty-ninth session; on once its GPU tests pass (tests/kernels/test_attention.py "offset")
     attention_gluon_fp8_offset: bool = False
+    # Several sequences' prompt chunks of a serving step (``GptOss.prefill_many``, bf16) in one launch of the Triton
+    # prefill kernel per layer (kernels/attention.py k_starts / q_offsets: keys where the cache holds them), not a
+    # launch per chunk (the Gluon kernel on first chunks, the Triton one after). Thirtieth session, no device: the
+    # CPU tests (interpreter) pass; the GPU test and the served A/B wait (gpu_suite.sh segments)
+    attention_segments: bool = True
     # its QK^T's A operand (Q) from registers, loaded once (``ws_attention_prefill_fp8(q_in_registers=)``): opt-in,
     # rebuilt without a GPU in the twenty-eighth session (the bf16 kernel's 3% win), not knowing that the twenty-
     # fourth had timed the same option on the FP8 kernel of then (``q_regs``, b092d9f): equal (216.9 / 215.8 against

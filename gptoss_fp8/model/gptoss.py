@@ -19,7 +19,7 @@ from torch import nn
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import DecodeStep, KVCache, decode_tokens
-from gptoss_fp8.model.ops import Normed, ReferenceOps
+from gptoss_fp8.model.ops import ChunkKeys, Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
 from gptoss_fp8.spec import rope_cos_sin
@@ -234,7 +234,7 @@ class GptOss(nn.Module):
         rows = [row for row, _, _ in chunks]
         if len(set(rows)) != len(rows):
             raise GptOssFp8Error(f"prefill_many: sequences {rows} repeat; one chunk per sequence")
-        segs = []
+        segs = _Segments()
         for row, tokens, start in chunks:
             n = tokens.shape[0]
             _check_chunk(cache, row, n, start)
@@ -443,12 +443,13 @@ class GptOss(nn.Module):
             last = last_rows is not None
             if segments is None:
                 o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin), last)
-            else:  # each sequence's chunk on its own keys
+            elif not last:  # each sequence's chunk on its own keys, one ``ops.attention_segments``
+                o = self._segments_attention(layer, q, k, v, ops, cache, segments, (cos, sin))
+            else:  # the last layer's: each sequence's last row
                 o, r0 = [], 0
                 for j, (b, pos0, m) in enumerate(segments):
-                    o.append(self._prefill_attention(layer, q[j:j + 1] if last else q[r0:r0 + m], k[r0:r0 + m],
-                                                     v[r0:r0 + m], ops, cache, b, pos0,
-                                                     (cos[r0:r0 + m], sin[r0:r0 + m]), last))
+                    o.append(self._prefill_attention(layer, q[j:j + 1], k[r0:r0 + m], v[r0:r0 + m], ops, cache, b,
+                                                     pos0, (cos[r0:r0 + m], sin[r0:r0 + m]), last))
                     r0 += m
                 o = torch.cat(o)
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
@@ -487,6 +488,49 @@ class GptOss(nn.Module):
         if cache is not None:
             cache.write(layer.idx, row, 0, k, v)
         return ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window, rope=rope)  # [T, Hl * D]
+
+    def _segments_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache, segments: _Segments,
+                            rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Several sequences' prompt chunks (``prefill_many``: q [T, KV, M, D] before RoPE, k / v [T, KV, D], k
+        after it; rope: the rows' cos / sin): each chunk written to its sequence's cache rows, then one
+        ``ops.attention_segments`` over all of them -> [T, Hl * D]. A full layer's keys are the cache itself
+        (sequence b's at rows b * rows.. of its [batch * rows] view: no copy); a ring's are each chunk's cached
+        keys (copied before its own overwrite them) and its own, packed chunk after chunk. Each chunk's rows as
+        ``_prefill_attention`` on it alone (the CPU ops: bit for bit)."""
+        a, d = layer.self_attn, self.cfg.head_dim
+        i, (n, kvh, m, _) = layer.idx, q.shape
+        q = ops.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
+        rows = [0]
+        for _, _, c in segments:
+            rows.append(rows[-1] + c)
+        if not cache.is_ring(i):
+            for (b, pos0, c), r0 in zip(segments, rows, strict=False):
+                cache.write(i, b, pos0, k[r0:r0 + c], v[r0:r0 + c])
+            keys = segments.keys.get(0)
+            if keys is None:
+                keys = segments.keys[0] = ChunkKeys(rows, [b * cache.rows(i) for b, _, _ in segments],
+                                                    [pos0 for _, pos0, _ in segments])
+            ka, va = cache.k[i].flatten(0, 1), cache.v[i].flatten(0, 1)
+        else:
+            parts_k, parts_v, starts, offsets, kn = [], [], [], [], 0
+            for (b, pos0, c), r0 in zip(segments, rows, strict=False):
+                first = pos0
+                if pos0:  # the keys before the chunk still in the ring (views: copied by the cat below)
+                    pk, pv, first = cache.read(i, b, pos0)
+                    parts_k.append(pk)
+                    parts_v.append(pv)
+                parts_k.append(k[r0:r0 + c].to(cache.k[i].dtype))
+                parts_v.append(v[r0:r0 + c].to(cache.v[i].dtype))
+                starts.append(kn)
+                offsets.append(pos0 - first)
+                kn += pos0 - first + c
+            ka, va = torch.cat(parts_k), torch.cat(parts_v)
+            for (b, pos0, c), r0 in zip(segments, rows, strict=False):
+                cache.write(i, b, pos0, k[r0:r0 + c], v[r0:r0 + c])
+            keys = segments.keys.get(cache.rows(i))
+            if keys is None:
+                keys = segments.keys[cache.rows(i)] = ChunkKeys(rows, starts, offsets)
+        return ops.attention_segments(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, keys)
 
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16
@@ -555,6 +599,15 @@ class GptOss(nn.Module):
             both = ops.all_reduce(torch.stack([y, yb]), self.par)
             y = ops.add_bias_after_sum(both[0], both[1])
         return y, weights
+
+
+class _Segments(list):
+    """``prefill_many``'s chunks (cache row, start, rows), and the key layouts of their attention made once a
+    forward (``keys``: ``ChunkKeys`` by a ring's rows, 0 for the full layers' cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: dict[int, ChunkKeys] = {}
 
 
 def _take(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,45 @@ class Normed(NamedTuple):
         return Normed(self.y.index_select(0, idx), q)
 
 
+class ChunkKeys:
+    """Where several sequences' prompt chunks find their keys (``ReferenceOps.attention_segments``, the
+    serving engine's prompts of one step): chunk i is q's rows ``rows[i]``..``rows[i + 1] - 1``, at key
+    positions ``offsets[i]``.. of its keys, which are rows ``starts[i]`` .. ``starts[i] + offsets[i] + n_i
+    - 1`` of the key tensor (a KV cache's [batch * rows] view, or keys packed per chunk). Host ints;
+    ``device`` gives the kernels' int32 tensors (cu_seqlens, k_starts, q_offsets), copied once per device
+    from pinned memory without a host sync."""
+
+    def __init__(self, rows: list[int], starts: list[int], offsets: list[int]):
+        assert len(rows) == len(starts) + 1 == len(offsets) + 1, f"rows {rows} starts {starts} offsets {offsets}"
+        self.rows, self.starts, self.offsets = list(rows), list(starts), list(offsets)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def chunks(self):
+        """(first query row, end query row, first key row, query offset) of each chunk."""
+        return zip(self.rows[:-1], self.rows[1:], self.starts, self.offsets, strict=True)
+
+    @property
+    def max_rows(self) -> int:
+        """The longest chunk's query rows."""
+        return max((b - a for a, b in zip(self.rows[:-1], self.rows[1:], strict=True)), default=0)
+
+    def device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cu_seqlens int32 [B + 1], k_starts int32 [B], q_offsets int32 [B]) on ``dev``."""
+        dev = torch.device(dev)
+        got = self._on.get(dev)
+        if got is None:
+            host = torch.tensor(self.rows + self.starts + self.offsets, dtype=torch.int32)
+            if dev.type == "cuda":
+                host = host.pin_memory()
+            t = host.to(dev, non_blocking=True)
+            b = len(self)
+            got = self._on[dev] = (t[:b + 1], t[b + 1:2 * b + 1], t[2 * b + 1:])
+        return got
+
+
 class PreparedWeights:
     """Dequantized copies of FP8 weights, made on first use and returned by every later call with
     the same weight: bit for bit what the call would have made (``make()``), without making it
@@ -320,6 +359,17 @@ class ReferenceOps:
         Here the spec; the ``triton`` backend runs its prefill kernel with the query offset
         (kernels/attention.py ``attention_prefill(q_offset=)``)."""
         return self._attend(q, k, v, sinks, sm_scale, window, q_offset)
+
+    def attention_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                           sm_scale: float, window: int, keys: ChunkKeys) -> torch.Tensor:
+        """``attention_chunk`` of several sequences' prompt chunks at once (``prefill_many``): q [T, KV, M, D]
+        (rotated) holds the chunks' rows one after another, k / v [N, KV, D] their keys, where ``keys`` says
+        (``ChunkKeys``: chunk i at key positions offsets[i].. of rows starts[i].. of k / v) -> [T, KV * M * D],
+        each chunk's rows those of its own ``attention_chunk``. Here chunk by chunk; the ``triton`` backend
+        runs them in one launch of its prefill kernel (kernels/attention.py ``k_starts`` / ``q_offsets``)."""
+        out = [self.attention_chunk(q[a:b], k[k0:k0 + off + b - a], v[k0:k0 + off + b - a], sinks, sm_scale, window,
+                                    off) for a, b, k0, off in keys.chunks()]
+        return torch.cat(out) if len(out) != 1 else out[0]
 
     def attention_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          lengths: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int) -> torch.Tensor:

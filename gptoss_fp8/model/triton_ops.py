@@ -347,6 +347,23 @@ class TritonOps(W8A8CpuOps):
             return super().attention_chunk(q, k, v, sinks, sm_scale, window, q_offset)
         return self._attention_prefill(q, k, v, sinks, sm_scale, window, q_offset)
 
+    def attention_segments(self, q, k, v, sinks, sm_scale, window, keys):
+        """Several sequences' chunks after their cached keys (``prefill_many``) in one launch of the Triton prefill
+        kernel (``attention_prefill``'s k_starts / q_offsets: each chunk's keys where they lie, a full layer's in the
+        cache), bf16; one chunk, ``--attention fp8`` on a full layer (its K blocks are per packed rows: each chunk on
+        the FP8 kernels), FlashInfer or ``config.attention_segments`` off: chunk by chunk (``attention_chunk``)."""
+        if (len(keys) < 2 or not self.config.attention_segments or self.fp8_attention(window)
+                or self.config.attention_backend == "flashinfer" or not self._prefill_kernel_ok(q, k, v, sinks)):
+            return super().attention_segments(q, k, v, sinks, sm_scale, window, keys)
+        from gptoss_fp8.kernels.attention import attention_prefill
+
+        n, kvh, m, d = q.shape
+        cu, k_starts, q_offsets = keys.device(q.device)
+        o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(), cu,
+                              keys.max_rows, sliding_window=window, sm_scale=sm_scale, config=self.config,
+                              k_starts=k_starts, q_offsets=q_offsets)
+        return o.reshape(n, -1)
+
     @staticmethod
     def _prefill_kernel_ok(q, k, v, sinks) -> bool:
         return (_kernel_device(q) and q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16

@@ -325,6 +325,107 @@ def test_prefill_q_offset_rejects_bad_inputs():
         attention_prefill(q, k, k, sinks, q_offset=3.0)
 
 
+# ----------------------------------------------------------------------------- several chunks after cached keys
+# (k_starts / q_offsets: the serving engine's prompts of one step in one launch) sequence b's query rows
+# sit at key positions q_offsets[b].. of its keys, rows k_starts[b].. of k / v: a KV cache's
+# [batch * rows] view (the full layers) or keys packed per sequence (the window layers' rings).
+SEGMENT_CASES = [
+    # (chunks [(query rows, q_offset)], key rows per sequence (None: packed), Hq, Hkv, window)
+    ([(40, 0), (33, 21), (1, 45), (17, 64)], 128, 8, 4, 0),  # cache rows: starts b * 128, offsets 0 / straddling / one query
+    ([(29, 19), (50, 37), (5, 0)], None, 4, 2, 16),  # packed keys, window 16 crossed by the offsets
+    ([(1, 100), (37, 3)], 160, 8, 1, 8),  # GQA 8, window 8, a one-row chunk far into its keys
+]
+
+
+def _segment_inputs(chunks, rows, hq, hkv, gen):
+    """q [T, hq, D] (the chunks' rows packed), k / v: the sequences' keys at rows k_starts[b].. (cache rows b *
+    rows with poisoned rows in between, or packed back to back), sinks, cu, k_starts, q_offsets."""
+    lens = [n for n, _ in chunks]
+    q, _, _ = _qkv(sum(lens), hq, hkv, gen, device="cpu")
+    n_keys = [n + off for n, off in chunks]
+    starts = [b * rows for b in range(len(chunks))] if rows else [sum(n_keys[:b]) for b in range(len(chunks))]
+    total = rows * len(chunks) if rows else sum(n_keys)
+    k = torch.full((total, hkv, D), float("nan"), dtype=torch.bfloat16)  # rows no sequence owns: NaN
+    v = k.clone()
+    for s0, nk in zip(starts, n_keys, strict=True):
+        k[s0:s0 + nk], v[s0:s0 + nk] = _rand(nk, hkv, D, device="cpu", gen=gen), _rand(nk, hkv, D, device="cpu", gen=gen)
+    i32 = dict(dtype=torch.int32)
+    return (q, k, v, _sinks(hq, gen, device="cpu"), _cu(lens, device="cpu"), torch.tensor(starts, **i32),
+            torch.tensor([off for _, off in chunks], **i32))
+
+
+@interpreter_only
+@pytest.mark.parametrize("chunks,rows,hq,hkv,window", SEGMENT_CASES)
+def test_prefill_segments_cpu(chunks, rows, hq, hkv, window):
+    """One launch of several chunks after their cached keys: spec.attention_varlen(k_starts, q_offsets), and bit
+    for bit each chunk's own launch (q_offset: the same kernel and tile); rows no sequence owns are NaN."""
+    gen = torch.Generator().manual_seed(3000 + sum(n for n, _ in chunks) + window)
+    q, k, v, sinks, cu, ks, qo = _segment_inputs(chunks, rows, hq, hkv, gen)
+    lens = [n for n, _ in chunks]
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, k_starts=ks, q_offsets=qo)
+    ref = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, window, torch.float32, ks, qo)
+    _check(out, ref, gpu=False)
+    for b, (n, off) in enumerate(chunks):
+        a, k0 = int(cu[b]), int(ks[b])
+        one = attention_prefill(q[a:a + n], k[k0:k0 + off + n], v[k0:k0 + off + n], sinks, sliding_window=window,
+                                q_offset=off)
+        assert torch.equal(out[a:a + n], one), f"chunk {b}: the one-launch rows differ from its own launch"
+
+
+@interpreter_only
+def test_prefill_segments_fused_q_rope_cpu():
+    """With a rope, sequence b's query row t is rotated at position q_offsets[b] + t."""
+    gen = torch.Generator().manual_seed(3100)
+    chunks, hq, hkv = [(21, 19), (9, 0), (4, 30)], 4, 2
+    q, k, v, sinks, cu, ks, qo = _segment_inputs(chunks, 64, hq, hkv, gen)
+    cos, sin = spec.rope_table(64, D, device="cpu")
+    pos = torch.cat([torch.arange(off, off + n) for n, off in chunks])
+    q_r = spec.apply_rope(q, cos, sin, pos, dtype=torch.float32)
+    fused = attention_prefill(q, k, v, sinks, cu, 21, rope=(cos, sin), k_starts=ks, q_offsets=qo)
+    _check(fused, spec.attention_varlen(*_fp32(q_r, k, v), sinks, cu, None, 0, torch.float32, ks, qo), gpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 128])
+def test_prefill_segments_gpu(window):
+    """gpt-oss's heads (64 / 8, head_dim 64), five chunks in one launch against a cache of 8192 rows a sequence
+    (offsets 0, past a window, one query at the last row, block-aligned and not) and packed: the spec, and each
+    chunk's own launch on the Triton kernel (the same arithmetic, its own compile) within a bf16 ulp, under poison."""
+    chunks = [(1000, 0), (517, 3000), (1, 8191), (64, 64), (300, 7000)]
+    for rows in (8192, None):
+        gen = torch.Generator().manual_seed(3300 + window + (rows or 0))
+        q, k, v, sinks, cu, ks, qo = (t.to(DEV) for t in _segment_inputs(chunks, rows, 64, 8, gen))
+        _poison(*q.shape)
+        out = attention_prefill(q, k, v, sinks, cu, 1000, sliding_window=window, k_starts=ks, q_offsets=qo)
+        ref = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, window, torch.float32, ks, qo)
+        _check(out, ref, gpu=True)
+        cfg = KernelConfig(attention_gluon=False)
+        for b, (n, off) in enumerate(chunks):
+            a, k0 = int(cu[b]), int(ks[b])
+            one = attention_prefill(q[a:a + n], k[k0:k0 + off + n], v[k0:k0 + off + n], sinks, sliding_window=window,
+                                    q_offset=off, config=cfg)
+            torch.testing.assert_close(out[a:a + n].float(), one.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_prefill_segments_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(3200)
+    q, k, v, sinks, cu, ks, qo = _segment_inputs([(8, 3), (4, 0)], 16, 4, 2, gen)
+    with pytest.raises(GptOssFp8Error, match="come together"):
+        attention_prefill(q, k, v, sinks, cu, 8, k_starts=ks)
+    with pytest.raises(GptOssFp8Error, match="need cu_seqlens"):
+        attention_prefill(q, k, v, sinks, k_starts=ks, q_offsets=qo)
+    with pytest.raises(GptOssFp8Error, match="need cu_seqlens"):
+        attention_prefill(q, k, v, sinks, cu, k_starts=ks, q_offsets=qo)
+    with pytest.raises(GptOssFp8Error, match="fp8 takes one sequence"):
+        attention_prefill(q, k, v, sinks, cu, 8, fp8=True, k_starts=ks, q_offsets=qo)
+    with pytest.raises(GptOssFp8Error, match=r"q_offsets torch.int64 \(2,\)"):
+        attention_prefill(q, k, v, sinks, cu, 8, k_starts=ks, q_offsets=qo.long())
+    with pytest.raises(GptOssFp8Error, match=r"read key rows up to 34 of k's 32"):
+        attention_prefill(q, k, v, sinks, cu, 8, k_starts=ks + 14, q_offsets=qo)
+    with pytest.raises(GptOssFp8Error, match="k_starts"):
+        attention_prefill(q, k, v, sinks, cu, 8, k_starts=ks[:1], q_offsets=qo)
+
+
 # ----------------------------------------------------------------------------- decode, CPU
 DECODE_CASES = [
     # (kv_lens, L_max, NQ, Hq, Hkv, window, num_splits)
@@ -1077,6 +1178,51 @@ for d in (16, 32, 64, 128):
         out[f"{d}-{window}"] = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx)))
 print(json.dumps(out))
 """
+
+
+_SEGMENTS_COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gptoss_fp8.kernels import attention as A
+from gptoss_fp8.kernels.config import DEFAULT
+
+fn, out = A._attn_prefill_kernel, {}
+for window in (False, True):
+    for seg in (False, True):
+        tile = DEFAULT.prefill_tile(True, window, 8)
+        const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
+                     RAGGED=True, PACK=tile.pack, FP8=False, SEGMENTS=seg, Sq=None, Sk=None, Sv=None,
+                     **({} if seg else dict(KStarts=None, QOffsets=None)))
+        types = dict(Q="*bf16", K="*bf16", V="*bf16", Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32",
+                     Sin="*fp32", qk_scale="fp32", KStarts="*i32", QOffsets="*i32")
+        sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(
+            num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
+        out[f"{window}-{seg}"] = [sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx))),
+                                  len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)), ".local" in ptx]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # ~8 s on the 2-core box: four sm_90 compiles
+def test_prefill_segments_compile_for_sm90():
+    """Without a GPU: the Triton prefill kernel with chunks after cached keys (SEGMENTS: k_starts / q_offsets, the
+    serving engine's prompts of a step) compiles for sm_90 with the GPU's default tiles (causal, window) into the
+    same MMAs as the ragged batch's, no local memory. Its numerics: the interpreter tests, the GPU test."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SEGMENTS_COMPILE], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for window in ("False", "True"):
+        assert got[f"{window}-True"] == got[f"{window}-False"], got
+        assert got[f"{window}-True"][1] > 0 and not got[f"{window}-True"][2], got
 
 
 @pytest.mark.slow  # ~20 s on the 2-core box: eight sm_90 compiles
