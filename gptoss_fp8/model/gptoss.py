@@ -18,7 +18,7 @@ from torch import nn
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import DecodeStep, KVCache, decode_tokens
+from gptoss_fp8.model.cache import DecodeStep, KVCache, decode_tokens, device_ints
 from gptoss_fp8.model.ops import ChunkKeys, Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
@@ -313,7 +313,7 @@ class GptOss(nn.Module):
         # only those past its K / V (the other rows' outputs of it would feed nothing)
         ends = None
         if segments is not None:
-            ends = torch.tensor([n for _, _, n in segments], device=x.device).cumsum(0) - 1
+            ends = device_ints([n for _, _, n in segments], x.device).cumsum(0) - 1
         elif last_only:
             ends = slice(x.shape[0] - 1, x.shape[0])
         prune = (ends is not None and self.prune_last_layer and step is None and capture is None

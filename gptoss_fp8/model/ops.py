@@ -42,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8 import spec
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.model.cache import device_ints
 from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_dequantized, dequantize_weight_blocks, quantize_act
 
@@ -108,10 +109,7 @@ class ChunkKeys:
         dev = torch.device(dev)
         got = self._on.get(dev)
         if got is None:
-            host = torch.tensor(self.rows + self.starts + self.offsets, dtype=torch.int32)
-            if dev.type == "cuda":
-                host = host.pin_memory()
-            t = host.to(dev, non_blocking=True)
+            t = device_ints(self.rows + self.starts + self.offsets, dev, torch.int32)
             b = len(self)
             got = self._on[dev] = (t[:b + 1], t[b + 1:2 * b + 1], t[2 * b + 1:])
         return got

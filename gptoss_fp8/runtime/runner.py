@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_fp8.model.cache import KVCache
+from gptoss_fp8.model.cache import KVCache, device_ints
 
 
 class ModelRunner:
@@ -59,7 +59,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """Prompt tokens at positions start.. of sequence ``slot`` -> logits bf16 [1, V] of the last."""
-        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        t = device_ints(tokens, self.device)  # (no host sync: the step's decode may still run)
         _, logits = self.model.prefill(t, self.ops, cache=self.cache, row=slot, start=start)
         return logits
 
@@ -70,7 +70,7 @@ class ModelRunner:
         if len(chunks) == 1:
             (slot, tokens, start), = chunks
             return self.prefill(slot, tokens, start)
-        return self.model.prefill_many([(slot, torch.tensor(tokens, dtype=torch.long, device=self.device), start)
+        return self.model.prefill_many([(slot, device_ints(tokens, self.device), start)
                                         for slot, tokens, start in chunks], self.ops, self.cache)
 
     @torch.inference_mode()
