@@ -6,7 +6,10 @@ Usage (GPU machine): python3 benchmarks/ab_prefill_many.py [--model 20b] [--runs
     [--mixes 64x128,16x512,8x1024,8x1024@4096,2x4096]
 A mix "BxN[@S]": B sequences' chunks of N tokens each, after S cached tokens (S 0: fresh prompts); the cache's
 lengths are set back to S before every run. Prints each variant's median / min / max seconds and its logits'
-relative difference from the first variant's (the same attention arithmetic: bf16 noise at most).
+relative difference from the first variant's (the same attention arithmetic: bf16 noise at most). Both variants
+write the cache and gather a ring's keys for all chunks at once (``KVCache.chunk_rows``, the same session): the
+A/B is the attention's launches alone; what the step gained before that shows in ``bench serve`` against the
+nineteenth session's figures (another machine: about ±2%).
 """
 
 from __future__ import annotations

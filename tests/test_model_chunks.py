@@ -163,3 +163,47 @@ def test_last_layer_on_the_returned_rows_only(model, window_last, mode, which):
         for a, b in ((c1.k[i], c0.k[i]), (c1.v[i], c0.v[i]), (m1.k[i], m0.k[i]), (m1.v[i], m0.v[i])):
             _same(a, b, mode)
     assert m1.host_lengths == m0.host_lengths == [24, 6]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunk_rows_write_and_read_as_each_chunk_does(seed):
+    """``KVCache.chunk_rows`` / ``write_chunks`` / ``chunk_keys`` (a step's chunks in a few copies a layer) against
+    ``write`` / ``read`` chunk by chunk: random chunks (fresh, after cached keys, longer than the ring, wrapping it)
+    on a full layer and a ring of 8, the same cache rows, and each chunk's keys where ``starts`` / ``offsets`` say."""
+    from gptoss_fp8.model.cache import KVCache
+
+    gen = torch.Generator().manual_seed(seed)
+    rope = (torch.zeros(64, 4), torch.zeros(64, 4))
+    a, b = (KVCache.empty([0, 8], 2, 8, 64, rope, batch=5) for _ in range(2))
+    for t in (*a.k, *a.v):  # earlier tokens, the same in both
+        t.copy_(torch.randn(t.shape, generator=gen))
+    b.k = [t.clone() for t in a.k]
+    b.v = [t.clone() for t in a.v]
+    slots = torch.randperm(5, generator=gen)[:4].tolist()
+    chunks = [(s, int(torch.randint(0, 30, (1,), generator=gen)) * (j % 3 != 0), int(torch.randint(1, 20, (1,),
+              generator=gen))) for j, s in enumerate(slots)]
+    t = sum(n for _, _, n in chunks)
+    k, v = torch.randn(t, 2, 8, generator=gen).bfloat16(), torch.randn(t, 2, 8, generator=gen).bfloat16()
+    for i in (0, 1):
+        plan = a.chunk_rows(i, chunks)
+        assert plan.dst.unique().numel() == plan.dst.numel()  # no row written twice (a GPU's order is not fixed)
+        ka, va = a.chunk_keys(i, plan, k, v) if plan.packed else (None, None)
+        a.write_chunks(i, plan, k, v)
+        if not plan.packed:
+            ka, va = a.chunk_keys(i, plan, k, v)
+        r0 = 0
+        for j, (s, pos0, n) in enumerate(chunks):
+            pk, pv, first = b.read(i, s, pos0) if pos0 else (k[:0], v[:0], pos0)
+            want_k, want_v = torch.cat([pk, k[r0:r0 + n]]), torch.cat([pv, v[r0:r0 + n]])
+            b.write(i, s, pos0, k[r0:r0 + n], v[r0:r0 + n])
+            k0, off = plan.starts[j], plan.offsets[j]
+            assert off == pos0 - first
+            if plan.packed:
+                assert torch.equal(ka[k0:k0 + off + n], want_k) and torch.equal(va[k0:k0 + off + n], want_v)
+            r0 += n
+        if not plan.packed:  # a full layer: keys read from the cache after the writes
+            for j, (s, pos0, n) in enumerate(chunks):
+                k0 = plan.starts[j]
+                want_k, want_v, _ = b.read(i, s, pos0 + n)
+                assert torch.equal(ka[k0:k0 + pos0 + n], want_k) and torch.equal(va[k0:k0 + pos0 + n], want_v)
+        assert torch.equal(a.k[i], b.k[i]) and torch.equal(a.v[i], b.v[i])

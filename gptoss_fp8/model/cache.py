@@ -48,6 +48,25 @@ class DecodeStep:
         return s
 
 
+@dataclass
+class ChunkRows:
+    """``KVCache.chunk_rows``: several chunks' rows in one layer kind's cache (device int64 indices). ``dst``: the
+    flat cache rows (b * rows + position % rows) the chunks' kept rows go to; ``src``: those rows of the chunks
+    (None: all, in order); ``packed``: a ring's packed key rows (0: a full layer, whose keys the cache holds);
+    ``new_dst`` / ``prev_src`` / ``prev_dst``: where a ring's chunk rows and its cached keys before them go in the
+    packed keys; ``starts`` / ``offsets``: each chunk's first key row there (or in the cache's flat view) and its
+    query position among its keys."""
+
+    dst: torch.Tensor
+    src: torch.Tensor | None
+    packed: int
+    new_dst: torch.Tensor | None
+    prev_src: torch.Tensor | None
+    prev_dst: torch.Tensor | None
+    starts: list[int]
+    offsets: list[int]
+
+
 @dataclass(eq=False)  # identity: model/graph.py keys its graphs by the cache object
 class KVCache:
     """Per layer i: ``k[i]`` / ``v[i]`` bf16 [B, rows, kv heads, head_dim] (module docstring);
@@ -173,6 +192,66 @@ class KVCache:
     def rope_rows(self, pos0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) rows of positions pos0..pos0 + n - 1."""
         return self.cos[pos0:pos0 + n], self.sin[pos0:pos0 + n]
+
+    # --- several sequences' prompt chunks at once (``GptOss.prefill_many``) ----------------------------
+    def chunk_rows(self, i: int, chunks: list[tuple[int, int, int]]) -> ChunkRows:
+        """Where chunks (sequence b, start, rows; their rows one after another) go in layer i's rows and where their
+        attention finds its keys, as device indices made once (the same for every layer of this one's rows): the
+        writes and reads of ``write`` / ``read`` on each chunk, a few launches a layer instead of a few a chunk."""
+        rows, ring = self.rows(i), self.is_ring(i)
+        dst, src, prev_src, prev_dst, new_dst, starts, offsets = [], [], [], [], [], [], []
+        r0 = kn = 0
+        for b, pos0, n in chunks:
+            if pos0 + n > self.max_len:
+                raise GptOssFp8Error(f"KV cache full: {pos0 + n} tokens, max_len {self.max_len}")
+            keep = min(n, rows)  # a ring keeps the last rows of a chunk longer than itself
+            dst += [b * rows + p % rows for p in range(pos0 + n - keep, pos0 + n)]
+            src += range(r0 + n - keep, r0 + n)
+            first = max(0, pos0 - rows) if ring else 0  # a ring: the keys before the chunk it still holds
+            if ring:
+                prev_src += [b * rows + p % rows for p in range(first, pos0)]
+                prev_dst += range(kn, kn + pos0 - first)
+                new_dst += range(kn + pos0 - first, kn + pos0 - first + n)
+                starts.append(kn)
+                kn += pos0 - first + n
+            else:
+                starts.append(b * rows)
+            offsets.append(pos0 - first)
+            r0 += n
+        dev = self.k[i].device
+        return ChunkRows(device_ints(dst, dev), None if src == list(range(r0)) else device_ints(src, dev),
+                         kn if ring else 0, device_ints(new_dst, dev) if ring else None,
+                         device_ints(prev_src, dev) if prev_src else None, device_ints(prev_dst, dev) if prev_dst else None,
+                         starts, offsets)
+
+    def _flat(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V as [batch * rows, kv heads, D] views (row b * rows + r: sequence b's row r)."""
+        return self.k[i].view(-1, *self.k[i].shape[2:]), self.v[i].view(-1, *self.v[i].shape[2:])
+
+    def chunk_keys(self, i: int, plan: ChunkRows, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys / values the chunks' attention reads (``plan.starts`` / ``plan.offsets`` say where each chunk's
+        are), k / v [T, kv heads, D] the chunks' own: a full layer's are the cache itself (its flat view: the chunks
+        are written first, ``write_chunks``), a ring's each chunk's cached keys then its own, packed (call this before
+        ``write_chunks``, which overwrites ring rows)."""
+        fk, fv = self._flat(i)
+        if not plan.packed:
+            return fk, fv
+        pk = fk.new_empty((plan.packed, *fk.shape[1:]))
+        pv = fv.new_empty((plan.packed, *fv.shape[1:]))
+        pk.index_copy_(0, plan.new_dst, k.to(pk.dtype))
+        pv.index_copy_(0, plan.new_dst, v.to(pv.dtype))
+        if plan.prev_src is not None:
+            pk.index_copy_(0, plan.prev_dst, fk.index_select(0, plan.prev_src))
+            pv.index_copy_(0, plan.prev_dst, fv.index_select(0, plan.prev_src))
+        return pk, pv
+
+    def write_chunks(self, i: int, plan: ChunkRows, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` of every chunk (k / v [T, kv heads, D], the chunks' rows one after another), in one copy each."""
+        fk, fv = self._flat(i)
+        if plan.src is not None:
+            k, v = k.index_select(0, plan.src), v.index_select(0, plan.src)
+        fk.index_copy_(0, plan.dst, k.to(fk.dtype))
+        fv.index_copy_(0, plan.dst, v.to(fv.dtype))
 
     # --- decode (device positions, no host reads) ------------------------------------------------
     def step(self) -> DecodeStep:

@@ -18,7 +18,7 @@ from torch import nn
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import DecodeStep, KVCache, decode_tokens, device_ints
+from gptoss_fp8.model.cache import ChunkRows, DecodeStep, KVCache, decode_tokens, device_ints
 from gptoss_fp8.model.ops import ChunkKeys, Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
@@ -492,44 +492,30 @@ class GptOss(nn.Module):
     def _segments_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache, segments: _Segments,
                             rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Several sequences' prompt chunks (``prefill_many``: q [T, KV, M, D] before RoPE, k / v [T, KV, D], k
-        after it; rope: the rows' cos / sin): each chunk written to its sequence's cache rows, then one
-        ``ops.attention_segments`` over all of them -> [T, Hl * D]. A full layer's keys are the cache itself
-        (sequence b's at rows b * rows.. of its [batch * rows] view: no copy); a ring's are each chunk's cached
-        keys (copied before its own overwrite them) and its own, packed chunk after chunk. Each chunk's rows as
+        after it; rope: the rows' cos / sin): written to their sequences' cache rows and attended in one
+        ``ops.attention_segments`` -> [T, Hl * D], with a few launches a layer however many chunks
+        (``KVCache.chunk_rows``, made once a forward for each kind of layer). A full layer's keys are the cache
+        itself (sequence b's at rows b * rows.. of its flat view: no copy); a ring's are each chunk's cached keys
+        (gathered before the chunks overwrite them) and its own, packed chunk after chunk. Each chunk's rows as
         ``_prefill_attention`` on it alone (the CPU ops: bit for bit)."""
         a, d = layer.self_attn, self.cfg.head_dim
         i, (n, kvh, m, _) = layer.idx, q.shape
         q = ops.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
-        rows = [0]
-        for _, _, c in segments:
-            rows.append(rows[-1] + c)
-        if not cache.is_ring(i):
-            for (b, pos0, c), r0 in zip(segments, rows, strict=False):
-                cache.write(i, b, pos0, k[r0:r0 + c], v[r0:r0 + c])
-            keys = segments.keys.get(0)
-            if keys is None:
-                keys = segments.keys[0] = ChunkKeys(rows, [b * cache.rows(i) for b, _, _ in segments],
-                                                    [pos0 for _, pos0, _ in segments])
-            ka, va = cache.k[i].flatten(0, 1), cache.v[i].flatten(0, 1)
+        key = cache.rows(i) if cache.is_ring(i) else 0
+        got = segments.keys.get(key)
+        if got is None:
+            plan = cache.chunk_rows(i, list(segments))
+            rows = [0]
+            for _, _, c in segments:
+                rows.append(rows[-1] + c)
+            got = segments.keys[key] = (plan, ChunkKeys(rows, plan.starts, plan.offsets))
+        plan, keys = got
+        if plan.packed:  # a ring: its cached keys read before the chunks' rows overwrite them
+            ka, va = cache.chunk_keys(i, plan, k, v)
+            cache.write_chunks(i, plan, k, v)
         else:
-            parts_k, parts_v, starts, offsets, kn = [], [], [], [], 0
-            for (b, pos0, c), r0 in zip(segments, rows, strict=False):
-                first = pos0
-                if pos0:  # the keys before the chunk still in the ring (views: copied by the cat below)
-                    pk, pv, first = cache.read(i, b, pos0)
-                    parts_k.append(pk)
-                    parts_v.append(pv)
-                parts_k.append(k[r0:r0 + c].to(cache.k[i].dtype))
-                parts_v.append(v[r0:r0 + c].to(cache.v[i].dtype))
-                starts.append(kn)
-                offsets.append(pos0 - first)
-                kn += pos0 - first + c
-            ka, va = torch.cat(parts_k), torch.cat(parts_v)
-            for (b, pos0, c), r0 in zip(segments, rows, strict=False):
-                cache.write(i, b, pos0, k[r0:r0 + c], v[r0:r0 + c])
-            keys = segments.keys.get(cache.rows(i))
-            if keys is None:
-                keys = segments.keys[cache.rows(i)] = ChunkKeys(rows, starts, offsets)
+            cache.write_chunks(i, plan, k, v)
+            ka, va = cache.chunk_keys(i, plan, k, v)
         return ops.attention_segments(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, keys)
 
     def _partial_dtype(self) -> torch.dtype:
@@ -602,12 +588,12 @@ class GptOss(nn.Module):
 
 
 class _Segments(list):
-    """``prefill_many``'s chunks (cache row, start, rows), and the key layouts of their attention made once a
-    forward (``keys``: ``ChunkKeys`` by a ring's rows, 0 for the full layers' cache)."""
+    """``prefill_many``'s chunks (cache row, start, rows), and their cache rows and attention keys made once a
+    forward (``keys``: (``ChunkRows``, ``ChunkKeys``) by a ring's rows, 0 for the full layers)."""
 
     def __init__(self):
         super().__init__()
-        self.keys: dict[int, ChunkKeys] = {}
+        self.keys: dict[int, tuple[ChunkRows, ChunkKeys]] = {}
 
 
 def _take(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
