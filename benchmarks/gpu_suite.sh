@@ -90,7 +90,9 @@ if has pending-tests; then
   # target moe-turns's). --dist load (the default loadfile put test_attention.py's 466 cases in one worker); six
   # workers, the MoE's three (twelve ran the GPU out of memory); -rf under SIGINT: the names of failures survive a
   # cut, the whole log comes back. Twenty-ninth session: a prefill's last layer on its last row only past its
-  # K / V (GptOss.prune_last_layer): the chunked-prefill, decode and verdict-decode GPU tests
+  # K / V (GptOss.prune_last_layer): the chunked-prefill, decode and verdict-decode GPU tests. Thirtieth session: a
+  # serving step's chunks in one attention launch a layer (test_attention.py "segments", test_triton_ops.py; target
+  # segments adds the engine under concurrency and the A/B)
   timeout -s INT ${PENDING_LIMIT:-330} python3 -m pytest -q -rf -n 6 --dist load tests/kernels/test_attention.py \
     tests/kernels/test_attn_quant.py tests/test_triton_ops.py tests/test_model_chunks.py tests/test_hf_attention.py \
     tests/test_verify_attention_fp8.py > "$OUT/pending_tests.log" 2>&1
