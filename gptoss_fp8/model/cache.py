@@ -146,6 +146,16 @@ class KVCache:
         self.lengths[b] = n
         self.host_lengths[b] = n
 
+    def set_lengths(self, rows: list[int], ns: list[int]) -> None:
+        """Sequence rows[j] holds ns[j] tokens, for every j (one device copy, no host sync)."""
+        for n in ns:
+            if not 0 <= n <= self.max_len:
+                raise GptOssFp8Error(f"KV cache length {n} outside 0..{self.max_len}")
+        dev = self.lengths.device
+        self.lengths.index_copy_(0, device_ints(rows, dev), device_ints(ns, dev, self.lengths.dtype))
+        for b, n in zip(rows, ns, strict=True):
+            self.host_lengths[b] = n
+
     def check_room(self, n: int = 1) -> None:
         """Raise unless every sequence has room for n more tokens (host mirror only)."""
         top = max(self.host_lengths)

@@ -243,8 +243,7 @@ class GptOss(nn.Module):
         cos, sin = (torch.cat(parts) for parts in zip(*(cache.rope_rows(start, n) for _, start, n in segs),
                                                       strict=True))
         logits = self._run(tokens, ops, cos, sin, None, last_only=False, cache=cache, segments=segs)
-        for row, start, n in segs:
-            cache.set_length(row, start + n)
+        cache.set_lengths([row for row, _, _ in segs], [start + n for _, start, n in segs])
         return logits
 
     @torch.inference_mode()
@@ -445,13 +444,9 @@ class GptOss(nn.Module):
                 o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin), last)
             elif not last:  # each sequence's chunk on its own keys, one ``ops.attention_segments``
                 o = self._segments_attention(layer, q, k, v, ops, cache, segments, (cos, sin))
-            else:  # the last layer's: each sequence's last row
-                o, r0 = [], 0
-                for j, (b, pos0, m) in enumerate(segments):
-                    o.append(self._prefill_attention(layer, q[j:j + 1], k[r0:r0 + m], v[r0:r0 + m], ops, cache, b,
-                                                     pos0, (cos[r0:r0 + m], sin[r0:r0 + m]), last))
-                    r0 += m
-                o = torch.cat(o)
+            else:  # the last layer's: each sequence's last row, as a decode step over the cache
+                o = self._segments_last_rows(layer, q, k, v, ops, cache, segments,
+                                             (cos.index_select(0, last_rows), sin.index_select(0, last_rows)))
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
         return ops.all_reduce(o, self.par)
@@ -501,6 +496,45 @@ class GptOss(nn.Module):
         a, d = layer.self_attn, self.cfg.head_dim
         i, (n, kvh, m, _) = layer.idx, q.shape
         q = ops.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
+        plan, keys = self._segments_plan(cache, i, segments)
+        if plan.packed:  # a ring: its cached keys read before the chunks' rows overwrite them
+            ka, va = cache.chunk_keys(i, plan, k, v)
+            cache.write_chunks(i, plan, k, v)
+        else:
+            cache.write_chunks(i, plan, k, v)
+            ka, va = cache.chunk_keys(i, plan, k, v)
+        return ops.attention_segments(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, keys)
+
+    def _segments_last_rows(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache, segments: _Segments,
+                            rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A pruned last layer's attention in ``prefill_many``: q [chunks, KV, M, D] each chunk's last row before
+        RoPE (rope: their cos / sin), k / v [T, KV, D] every row's -> [chunks, Hl * D]. The chunks' K / V written
+        (``KVCache.write_chunks``), then each last row is its sequence's newest token: one ``ops.attention_cached``
+        (the decode attention, bf16 under ``--attention fp8`` too, as a single prefill's last row) over the cache's
+        first sequences, those of no chunk given no keys; the rows of the chunks' sequences taken."""
+        a, d = layer.self_attn, self.cfg.head_dim
+        i, (n, kvh, m, _) = layer.idx, q.shape
+        q = ops.rope(q.reshape(n, kvh * m, d), *rope).view(n, kvh, m, d)
+        plan = self._segments_plan(cache, i, segments)[0]
+        cache.write_chunks(i, plan, k, v)
+        got = segments.keys.get("last")
+        if got is None:
+            top = max(b for b, _, _ in segments) + 1
+            lengths = [0] * top
+            for b, pos0, c in segments:
+                lengths[b] = pos0 + c
+            dev = q.device
+            got = segments.keys["last"] = (top, device_ints([b for b, _, _ in segments], dev),
+                                           device_ints(lengths, dev, torch.int32))
+        top, slots, lengths = got
+        qs = q.new_zeros((top, kvh, m, d)).index_copy_(0, slots, q)
+        o = ops.attention_cached(qs, cache.k[i][:top], cache.v[i][:top], lengths, a.sinks, 1 / math.sqrt(d),
+                                 layer.window)
+        return o.index_select(0, slots)
+
+    def _segments_plan(self, cache: KVCache, i: int, segments: _Segments) -> tuple[ChunkRows, ChunkKeys]:
+        """Layer i's ``KVCache.chunk_rows`` and the attention's ``ChunkKeys`` of the chunks, made once a forward for
+        each kind of layer (a ring by its rows, the full layers as 0)."""
         key = cache.rows(i) if cache.is_ring(i) else 0
         got = segments.keys.get(key)
         if got is None:
@@ -509,14 +543,7 @@ class GptOss(nn.Module):
             for _, _, c in segments:
                 rows.append(rows[-1] + c)
             got = segments.keys[key] = (plan, ChunkKeys(rows, plan.starts, plan.offsets))
-        plan, keys = got
-        if plan.packed:  # a ring: its cached keys read before the chunks' rows overwrite them
-            ka, va = cache.chunk_keys(i, plan, k, v)
-            cache.write_chunks(i, plan, k, v)
-        else:
-            cache.write_chunks(i, plan, k, v)
-            ka, va = cache.chunk_keys(i, plan, k, v)
-        return ops.attention_segments(q, ka, va, a.sinks, 1 / math.sqrt(d), layer.window, keys)
+        return got
 
     def _partial_dtype(self) -> torch.dtype:
         return F32 if self.par.world > 1 else BF16
@@ -589,11 +616,11 @@ class GptOss(nn.Module):
 
 class _Segments(list):
     """``prefill_many``'s chunks (cache row, start, rows), and their cache rows and attention keys made once a
-    forward (``keys``: (``ChunkRows``, ``ChunkKeys``) by a ring's rows, 0 for the full layers)."""
+    forward (``keys``)."""
 
     def __init__(self):
         super().__init__()
-        self.keys: dict[int, tuple[ChunkRows, ChunkKeys]] = {}
+        self.keys: dict = {}  # ring rows (0: full) -> (ChunkRows, ChunkKeys); "last": the pruned layer's slots
 
 
 def _take(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
