@@ -33,7 +33,7 @@ from gptoss_fp8.convert.synth import write_synthetic
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.model.load import load_model
-from gptoss_fp8.model.ops import W8A8CpuOps
+from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps
 from gptoss_fp8.model.triton_ops import TritonOps
 from gptoss_fp8.quant.fp8 import (
     quantize_weight_blocks,
@@ -286,6 +286,25 @@ def test_ops_on_the_same_inputs_gpu(checkpoints, shape):
 
 # ------------------------------------------------------------------------------------------------
 # Fallbacks and the benchmark's forward
+
+
+@pytest.mark.parametrize("window,rows", [(0, 40), (8, 8)])
+def test_decode_attention_of_a_sequence_given_no_keys_is_zero(window, rows):
+    """``prefill_many``'s pruned last layer gives the cache's sequences of no chunk no keys: their rows come back
+    zero (the sink alone: no value), the others as the spec, on the decode kernel (a full cache and a ring) and the
+    CPU ops (on a GPU: the compiled kernel)."""
+    gen = torch.Generator().manual_seed(window)
+    q = torch.randn(3, 2, 2, 16, generator=gen).bfloat16()
+    kc, vc = (torch.randn(3, rows, 2, 16, generator=gen).bfloat16() for _ in range(2))
+    sinks = torch.randn(4, generator=gen).bfloat16()
+    lengths = torch.tensor([0, 13, 0], dtype=torch.int32)
+    ops, dev = TritonOps(), "cuda" if HAS_CUDA else "cpu"
+    got = ops.attention_cached(*(t.to(dev) for t in (q, kc, vc, lengths, sinks)), 0.25, window).cpu()
+    want = ReferenceOps().attention_cached(q, kc, vc, lengths, sinks, 0.25, window)
+    assert not ops.spec_fallbacks["attention"]
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.equal(got[2], torch.zeros_like(got[2]))
+    assert torch.equal(want[0], torch.zeros_like(want[0]))
+    torch.testing.assert_close(got[1].float(), want[1].float(), atol=1e-2, rtol=1e-2)
 
 
 def test_unsupported_shapes_fall_back_to_the_spec():
