@@ -1,6 +1,7 @@
 """The serving engine's prompts of one step (``GptOss.prefill_many``) with each layer's attention in one launch
 over all chunks (``KernelConfig.attention_segments``, thirtieth session) against a launch per chunk, same process,
-runs interleaved (A, B, A, B, ...), on the random 20b (or --model) at real shapes.
+runs interleaved (A, B, A, B, ...), on the random 20b (or --model) at real shapes: "segments" (the Triton kernel,
+the default), "gluon-segments" (the full layers' on the bf16 Gluon kernel, ``attention_gluon_segments``), "per-chunk".
 
 Usage (GPU machine): python3 benchmarks/ab_prefill_many.py [--model 20b] [--runs 10] \\
     [--mixes 64x128,16x512,8x1024,8x1024@4096,2x4096]
@@ -45,6 +46,7 @@ def main() -> None:
     model = random_model(cfg, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     variants = {"segments": TritonOps(config=KernelConfig(attention_segments=True)),
+                "gluon-segments": TritonOps(config=KernelConfig(attention_gluon_segments=True)),
                 "per-chunk": TritonOps(config=KernelConfig(attention_segments=False))}
     for text in a.mixes.split(","):
         b, n, start = _mix(text)

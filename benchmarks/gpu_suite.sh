@@ -15,8 +15,9 @@
 #   attn-offset  the Gluon attention kernels (bf16, FP8) on a later prompt chunk (q_offset): their GPU tests, then
 #            benchmarks/attn_offset.py against the Triton kernel (issue 34; built without a GPU, opt-in until then)
 #   segments  prefill_many's attention in one launch a layer over all chunks (KernelConfig.attention_segments, on;
-#            thirtieth session, built without a GPU): the kernel's GPU test, the engine under concurrency, then
-#            benchmarks/ab_prefill_many.py (one launch against a launch per chunk, the 20b, same process)
+#            thirtieth session, built without a GPU): the kernels' GPU tests (Triton; Gluon, opt-in
+#            attention_gluon_segments), the engine under concurrency, then benchmarks/ab_prefill_many.py (one launch
+#            on either kernel against a launch per chunk, the 20b, same process)
 #   moe-ncu-plans  Nsight Compute on our MoE gate_up / down under those plans and the default (tensor pipe active)
 #   moe-ncu  Nsight Compute on one launch of DeepGEMM's grouped gate_up and of our gate_up / down (.peers/ carried)
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
@@ -128,7 +129,7 @@ if has segments; then
   # thirtieth session (no device lent): the serving engine's prompts of a step attend in one Triton launch a layer
   # (k_starts / q_offsets: a full layer's keys read where the cache holds them), not a launch per chunk
   timeout -s INT ${SEGMENTS_TEST_S:-240} python3 -m pytest -q -rf tests/kernels/test_attention.py \
-    tests/test_runtime_gpu.py tests/test_triton_ops.py -k "segments or greedy or prefill_many" \
+    tests/test_runtime_gpu.py tests/test_triton_ops.py -k "segments or greedy or prefill_many or given_no_keys" \
     > "$OUT/segments_tests.log" 2>&1
   tail -4 "$OUT/segments_tests.log"
   timeout ${SEGMENTS_S:-300} python3 benchmarks/ab_prefill_many.py --runs 10 2>&1 | grep -v Warn \

@@ -35,7 +35,8 @@ model/gptoss.py ``prefill_many``).
 On sm_90, one-sequence causal calls with head_dim 64 and no q_offset go to the warp-specialized
 Gluon kernel of attention_ws.py (same semantics and arithmetic; ``KernelConfig.attention_gluon``
 and its tile); a later chunk (q_offset > 0) runs the Triton kernel unless its Gluon option is on
-(``attention_gluon_offset``), and ragged batches and segments always do.
+(``attention_gluon_offset``), and so do chunks after cached keys (``attention_gluon_segments``); ragged batches
+always run the Triton kernel.
 Tiles: ``KernelConfig.prefill_tile`` (kernels/config.py) unless a ``tile`` is given.
 
 FP8 (``fp8=True``, ``--attention fp8``; reference ``spec.attention_fp8_varlen``): the launcher
@@ -387,7 +388,8 @@ def attention_prefill(
     sequence b's query rows at key positions q_offsets[b].., its keys rows k_starts[b] ..
     k_starts[b] + q_offsets[b] + n_b - 1 of k / v, which may hold any number of rows (a KV cache's
     [batch * rows, Hkv, D] view); the caller keeps those rows inside k / v (not read back here: no sync).
-    A rope rotates q at positions q_offsets[b] + t. The Triton kernel.
+    A rope rotates q at positions q_offsets[b] + t. The Triton kernel (opt-in, full causal bf16 on sm_90: the Gluon
+    kernel, ``config.attention_gluon_segments``).
     Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
@@ -440,6 +442,14 @@ def attention_prefill(
         return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
                                         q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset)
     g = cfg.attention_gluon_tile
+    if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
+            and _ws_ok(q, k, v, False, window, rope, cfg)):
+        from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
+
+        return ws_attention_prefill(q, k, v, sinks, out, sm_scale, block_n=g.block_n, stages=g.stages,
+                                    warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
+                                    exp=g.exp, rescale_threshold=g.rescale_threshold, tree=g.tree, sync=g.sync,
+                                    segments=(cu_seqlens, k_starts, q_offsets, max_seqlen))
     if (tile is None and not fp8 and not segments and (not q_offset or (cfg.attention_gluon_offset and not g.ordered))
             and _ws_ok(q, k, v, ragged, window, rope, cfg)):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill

@@ -18,6 +18,13 @@ Structure (FlashAttention-3's, on 64 queries per consumer warpgroup x one head p
   released); the diagonal blocks get the causal mask.
 - epilogue: O / l in bf16 through shared memory (the Q tile's buffer) and a TMA store.
 
+Several sequences' chunks after their cached keys in one launch (``segments``: a serving step's prompts,
+``attention_prefill``'s k_starts / q_offsets, opt-in ``KernelConfig.attention_gluon_segments``): the grid's third
+axis is the sequence, each partition reads its row bases and query offset (``_segment``) and returns where the
+sequence has no rows for its program; the producer loads from those rows, and the consumers store their rows through
+a mask (a TMA store of a tile crossing a sequence's end would write the next one's rows). A sequence's last key
+block may hold rows past its keys (the next sequence's, a cache's stale rows): masked scores, so they must be finite.
+
 Options toward the exp bound (issue 34; ``ws_attention_prefill``'s keywords, ``GluonAttentionTile``'s
 fields), measured side by side on the H200 (benchmarks/attn_variants.py; BENCHMARKS.md "Attention
 prefill"): Q as the register operand of QK^T (the default: +3%), blocks in pairs with QK^T one block
@@ -61,14 +68,15 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
-                      PAIR_RELEASE: gl.constexpr = 0, P=None):
+                      PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
         PAIR_RELEASE (with PAIRS, an even ring): the consumers release a pair's two stages by one arrive, on the
         odd stage's barrier; both stages' next loads wait for it. PAIR_RELEASE 2: the pair's four loads also
         signal one ready barrier, the odd stage's. P: a later chunk's query offset (``_wg_blocks``): the P
-        cached keys come first, every program reads them."""
+        cached keys come first, every program reads them. QR / KR: the sequence's first row of q and of k / v (a
+        ragged batch's segment, ``_segment``)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -78,7 +86,7 @@ if HAS_GLUON:
         kv_col = (head // GROUP) * D
         mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
         for w in gl.static_range(NWG):
-            tma.async_copy_global_to_shared(q_desc, [m0 + w * R, head * D], q_bar, q_smem.index(w))
+            tma.async_copy_global_to_shared(q_desc, [QR + m0 + w * R, head * D], q_bar, q_smem.index(w))
         if P is None:
             n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         else:
@@ -97,14 +105,16 @@ if HAS_GLUON:
                     bar = ready.index((j + 1) % S) if PAIR_RELEASE == 2 else ready.index((j + h) % S)
                     if PAIR_RELEASE == 1:
                         mbarrier.expect(bar, nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [(j + h) * BN, kv_col], bar, k_bufs.index((j + h) % S))
-                    tma.async_copy_global_to_shared(v_desc, [kv_col, (j + h) * BN], bar, v_bufs.index((j + h) % S))
+                    tma.async_copy_global_to_shared(k_desc, [KR + (j + h) * BN, kv_col], bar, k_bufs.index((j + h) % S))
+                    tma.async_copy_global_to_shared(v_desc, [kv_col, KR + (j + h) * BN], bar, v_bufs.index((j + h) % S))
         else:
             for j in range(n_blocks):
                 if VT:
-                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [kv_col, j * BN])
+                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [KR + j * BN, kv_col],
+                               [kv_col, KR + j * BN])
                 else:
-                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [j * BN, kv_col], [j * BN, kv_col])
+                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [KR + j * BN, kv_col],
+                               [KR + j * BN, kv_col])
 
     @gluon.jit
     def _exp2_fma(x):
@@ -240,6 +250,19 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
+    def _segment(seg_ptr, NWG: gl.constexpr, R: gl.constexpr, num_pid_m):
+        """A ragged batch's segment for this program (``program_id(2)``; seg_ptr int32 [B, 4]: its first q row, its
+        query rows, its first k / v row, its query offset) and whether the program has rows of it (the grid covers
+        the longest segment's row blocks: the others' programs past their rows return)."""
+        b = gl.program_id(2)
+        qr = gl.load(seg_ptr + 4 * b)
+        t = gl.load(seg_ptr + 4 * b + 1)
+        kr = gl.load(seg_ptr + 4 * b + 2)
+        p = gl.load(seg_ptr + 4 * b + 3)
+        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
+        return qr, t, kr, p, m0 < t
+
+    @gluon.jit
     def _wg_blocks(W: gl.constexpr, NWG: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, T, num_pid_m,
                    row_layout: gl.constexpr, P=None):
         """Consumer warpgroup W's share of the program (the longest row blocks first): (head, its first
@@ -263,13 +286,16 @@ if HAS_GLUON:
     def _attn_consume(W: gl.constexpr, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
                       T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
                       EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr,
-                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False, SEG: gl.constexpr = False, seg_ptr=None,
+                      out_ptr=None, stride_o=0):
         """Consumer warpgroup W: queries m0 + 64 W .. m0 + 64 W + 63 of the program's head.
         QREG: Q is the register operand of QK^T (read from shared memory once, not per block).
         DEEP: blocks in pairs, QK^T of the pair's second block issued before the first one's softmax (two
         score tiles in registers), so PV(j - 1) and QK^T(j + 1) are both on the tensor cores while it runs.
         ORDER: the warpgroups take turns to issue (``take_turn``): n_blocks + 1 turns each, the ones past a
-        warpgroup's own blocks only passed on. TREE: row max / sum folded as a tree (``_tree``)."""
+        warpgroup's own blocks only passed on. TREE: row max / sum folded as a tree (``_tree``). SEG: a ragged batch
+        (``_segment``: the program's sequence, its rows and query offset), its rows stored through out_ptr
+        (row stride stride_o) under a mask: a TMA store of the tile would write the next sequence's rows."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
@@ -280,7 +306,11 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        if OFFSET:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
+        if SEG:
+            qr, T, kr, q_offset, has_rows = _segment(seg_ptr, NWG, R, num_pid_m)
+            if not has_rows:
+                return
+        if OFFSET or SEG:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
             head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout, q_offset)
         else:
             head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout)
@@ -402,10 +432,16 @@ if HAS_GLUON:
                 pass_turn(turn, W, ORDER)
 
         out = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
-        q.store(out.to(gl.bfloat16))  # the Q tile's buffer is free now
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [r0, head * D], q)
-        tma.store_wait(0)
+        if SEG:  # the sequence's rows only, under a mask (int64 offsets: T * Hq * D may pass 2^31)
+            orows = r0 + gl.arange(0, R, layout=orow_layout)
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            offs = gl.expand_dims((qr + orows).to(gl.int64) * stride_o, 1) + gl.expand_dims(head * D + cols, 0)
+            gl.store(out_ptr + offs, out.to(gl.bfloat16), mask=gl.expand_dims(orows < T, 1))
+        else:
+            q.store(out.to(gl.bfloat16))  # the Q tile's buffer is free now
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [r0, head * D], q)
+            tma.store_wait(0)
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
@@ -413,34 +449,48 @@ if HAS_GLUON:
                               sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr,
                               DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
                               TREE: gl.constexpr,
-                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False, SEG: gl.constexpr = False, seg_ptr=None,
+                      out_ptr=None, stride_o=0):
         _attn_consume(1, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)
+                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET, SEG, seg_ptr,
+                      out_ptr, stride_o)
 
     @gluon.jit
     def _attn_third_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                              sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr,
                              DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
                              TREE: gl.constexpr,
-                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False, SEG: gl.constexpr = False, seg_ptr=None,
+                      out_ptr=None, stride_o=0):
         _attn_consume(2, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)
+                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET, SEG, seg_ptr,
+                      out_ptr, stride_o)
 
     @gluon.jit
     def _attn_fourth_consumer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                               sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr,
                               DEEP: gl.constexpr, EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr,
                               TREE: gl.constexpr,
-                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False, SEG: gl.constexpr = False, seg_ptr=None,
+                      out_ptr=None, stride_o=0):
         _attn_consume(3, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T, num_pid_m,
-                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)
+                      qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET, SEG, seg_ptr,
+                      out_ptr, stride_o)
 
     @gluon.jit
     def _attn_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr,
                        T, num_pid_m, qk_scale, q_offset, GROUP: gl.constexpr, QREG: gl.constexpr, DEEP: gl.constexpr,
                        EXP: gl.constexpr, THRESH: gl.constexpr, ORDER: gl.constexpr, TREE: gl.constexpr,
-                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False):
-        if OFFSET:
+                      SYNC: gl.constexpr, OFFSET: gl.constexpr = False, SEG: gl.constexpr = False, seg_ptr=None,
+                      out_ptr=None, stride_o=0):
+        if SEG:  # a ragged batch's segment: its rows of q and of k / v, its query offset
+            NWG: gl.constexpr = q_smem.type.shape[0]
+            R: gl.constexpr = q_smem.type.shape[1]
+            qr, t, kr, p, has_rows = _segment(seg_ptr, NWG, R, num_pid_m)
+            if has_rows:
+                _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, t, num_pid_m, GROUP,
+                              P=p, QR=qr, KR=kr)
+        elif OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           P=q_offset)
         else:
@@ -451,7 +501,8 @@ if HAS_GLUON:
                              GROUP: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, REGS: gl.constexpr,
                              QREG: gl.constexpr = True, DEEP: gl.constexpr = False, EXP: gl.constexpr = 0,
                              THRESH: gl.constexpr = 0.0, ORDER: gl.constexpr = False, TREE: gl.constexpr = False,
-                             SYNC: gl.constexpr = False, OFFSET: gl.constexpr = False):
+                             SYNC: gl.constexpr = False, OFFSET: gl.constexpr = False, SEG: gl.constexpr = False,
+                             seg_ptr=None, out_ptr=None, stride_o=0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -472,44 +523,47 @@ if HAS_GLUON:
         if NWG == 4:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)),
+                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET, SEG,
+                                 seg_ptr, out_ptr, stride_o)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                          sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
-                                         TREE, SYNC, OFFSET)),
+                                         TREE, SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                         sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
-                                        TREE, SYNC, OFFSET)),
+                                        TREE, SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
                 (_attn_fourth_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                          sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
-                                         TREE, SYNC, OFFSET)),
+                                         TREE, SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                   sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE,
-                                  SYNC, OFFSET)),
+                                  SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
             ], [4, 4, 4, 1], [REGS, REGS, REGS, 24])
         elif NWG == 3:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)),
+                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET, SEG,
+                                 seg_ptr, out_ptr, stride_o)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                          sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
-                                         TREE, SYNC, OFFSET)),
+                                         TREE, SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
                 (_attn_third_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                         sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
-                                        TREE, SYNC, OFFSET)),
+                                        TREE, SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                   sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE,
-                                  SYNC, OFFSET)),
+                                  SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
                 (_attn_consume, (0, q_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs, sinks_ptr, T,
-                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET)),
+                                 num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE, SYNC, OFFSET, SEG,
+                                 seg_ptr, out_ptr, stride_o)),
                 (_attn_second_consumer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                          sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER,
-                                         TREE, SYNC, OFFSET)),
+                                         TREE, SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
                 (_attn_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, q_smem, k_bufs, v_bufs,
                                   sinks_ptr, T, num_pid_m, qk_scale, q_offset, GROUP, QREG, DEEP, EXP, THRESH, ORDER, TREE,
-                                  SYNC, OFFSET)),
+                                  SYNC, OFFSET, SEG, seg_ptr, out_ptr, stride_o)),
             ], [4, 1], [REGS, 40])
 
 
@@ -532,10 +586,13 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
                          sm_scale: float, block_n: int = 64, stages: int = 3, warpgroups: int = 2,
                          q_in_registers: bool = True, deep: bool = False, exp: str = "mufu",
                          rescale_threshold: float = 0.0, ordered: bool = False, tree: bool = False,
-                         sync: bool = False, q_offset: int = 0) -> torch.Tensor:
+                         sync: bool = False, q_offset: int = 0,
+                         segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """Causal attention with sinks, one sequence: q [T, Hq, 64], k/v [q_offset + T, Hkv, 64] bf16 whose [H, D]
     part is contiguous per row, out [T, Hq, 64] (``attention_prefill`` checks the arguments). q_offset > 0:
     a later prompt chunk, q's rows at key positions q_offset.. after the cached keys (``spec.attention(q_offset=)``).
+    ``segments`` = (cu_seqlens, k_starts, q_offsets, max_seqlen): several sequences' chunks after their cached keys
+    (``attention_prefill``'s k_starts / q_offsets: k / v any rows, e.g. a KV cache's flat view), one launch.
     Options (``GluonAttentionTile``): q_in_registers (Q the register operand of QK^T), deep (blocks in
     pairs, QK^T one block ahead), exp (``EXP_MODES``: how the unmasked blocks' 2^x is computed),
     rescale_threshold (> 0: conditional rescaling of the running max, log2 units), ordered (the consumer
@@ -558,9 +615,22 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     assert not ordered or stages >= cdiv((warpgroups - 1) * WG_ROWS, block_n), (
         f"ordered turns need stages >= {cdiv((warpgroups - 1) * WG_ROWS, block_n)} with {warpgroups} warpgroups "
         f"of {block_n}-key blocks (got {stages})")
-    assert q_offset >= 0 and k.shape[0] == v.shape[0] == q_offset + T, (
+    assert segments is not None or (q_offset >= 0 and k.shape[0] == v.shape[0] == q_offset + T), (
         f"q_offset {q_offset}: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = {q_offset + T} rows")
-    assert not (q_offset and ordered), "ordered turns: one sequence from position 0 (their ring depth is sized for it)"
+    assert not ((q_offset or segments is not None) and ordered), (
+        "ordered turns: one sequence from position 0 (their ring depth is sized for it)")
+    if segments is not None:  # [B, 4]: each sequence's first q row, its rows, its first k / v row, its query offset
+        cu, k_starts, q_offsets, max_seqlen = segments
+        seg = torch.stack([cu[:-1], cu[1:] - cu[:-1], k_starts, q_offsets], 1).to(torch.int32).contiguous()
+        num_pid_m = cdiv(max_seqlen, warpgroups * WG_ROWS)
+        _ws_attention_kernel[(hq, num_pid_m, seg.shape[0])](
+            desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
+            sm_scale * LOG2E, 0, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
+            QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
+            ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4, SEG=True, seg_ptr=seg, out_ptr=out,
+            stride_o=out.stride(0),
+        )
+        return out
     num_pid_m = cdiv(T, warpgroups * WG_ROWS)
     _ws_attention_kernel[(hq, num_pid_m)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,

@@ -237,6 +237,11 @@ class KernelConfig:
     # launch per chunk (the Gluon kernel on first chunks, the Triton one after). Thirtieth session, no device: the
     # CPU tests (interpreter) pass; the GPU test and the served A/B wait (gpu_suite.sh segments)
     attention_segments: bool = True
+    # ... on the bf16 Gluon kernel where it applies (full causal layers, head_dim 64, sm_90: ``ws_attention_prefill(
+    # segments=)``, each sequence's rows stored under a mask), not the Triton one (1.07x the Gluon kernel's time on a
+    # long prompt, issue 34 tables). Opt-in: built without a GPU in the thirtieth session; on once its GPU tests pass
+    # (tests/kernels/test_attention.py "gluon_segments")
+    attention_gluon_segments: bool = False
     # its QK^T's A operand (Q) from registers, loaded once (``ws_attention_prefill_fp8(q_in_registers=)``): opt-in,
     # rebuilt without a GPU in the twenty-eighth session (the bf16 kernel's 3% win), not knowing that the twenty-
     # fourth had timed the same option on the FP8 kernel of then (``q_regs``, b092d9f): equal (216.9 / 215.8 against

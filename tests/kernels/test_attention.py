@@ -407,6 +407,35 @@ def test_prefill_segments_gpu(window):
             torch.testing.assert_close(out[a:a + n].float(), one.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8192, None])
+def test_prefill_gluon_segments_gpu(rows):
+    """The bf16 Gluon kernel on several chunks after cached keys (``KernelConfig.attention_gluon_segments``): chunks of
+    one row to several programs (192 query rows a program), offsets crossing key blocks, against a cache of 8192 rows
+    a sequence and packed keys: the spec, the Triton kernel's segments, each sequence's rows only written (the
+    output poisoned, rows no sequence owns in k / v finite but large: a KV cache's stale rows; the kernel reads them
+    in a sequence's last key block, masked)."""
+    from gptoss_fp8.kernels import attention_ws
+
+    chunks = [(1000, 0), (517, 3000), (1, 8191), (192, 64), (193, 7), (63, 5000), (300, 7000)]
+    gen = torch.Generator().manual_seed(3400 + (rows or 0))
+    q, k, v, sinks, cu, ks, qo = (t.to(DEV) for t in _segment_inputs(chunks, rows, 64, 8, gen))
+    stale = torch.isnan(k)
+    k[stale] = 60.0
+    v[stale] = -60.0
+    _poison(*q.shape)
+    ref = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, 0, torch.float32, ks, qo)
+    calls, real = [], attention_ws.ws_attention_prefill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_ws, "ws_attention_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        out = attention_prefill(q, k, v, sinks, cu, 1000, k_starts=ks, q_offsets=qo,
+                                config=KernelConfig(attention_gluon_segments=True))
+        tri = attention_prefill(q, k, v, sinks, cu, 1000, k_starts=ks, q_offsets=qo)
+    assert calls == [1], "segments run the Gluon kernel with attention_gluon_segments only"
+    _check(out, ref, gpu=True)
+    torch.testing.assert_close(out.float(), tri.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_prefill_segments_rejects_bad_inputs():
     gen = torch.Generator().manual_seed(3200)
     q, k, v, sinks, cu, ks, qo = _segment_inputs([(8, 3), (4, 0)], 16, 4, 2, gen)
@@ -725,6 +754,18 @@ def test_prefill_ws_offset_gpu(T, q_offset, variant):
 
 
 @pytest.mark.slow  # (compile only, ~5 s)
+def test_prefill_ws_segments_compiles_for_sm90():
+    """Without a GPU: the bf16 Gluon attention for several chunks after cached keys (SEG: each program's sequence from
+    a table, its rows stored under a mask, not by TMA) compiles as the default does (the same wgmmas, Q and P from
+    registers), no local memory; the default stores by TMA, never through global stores."""
+    types = dict(seg_ptr="*i32", out_ptr="*bf16")
+    base, seg = _ws_compile(), _ws_compile(types=types, SEG=True)
+    assert _wgmma_by_a(seg["ptx"]) == _wgmma_by_a(base["ptx"]) == (48, 0)
+    assert ".local" not in seg["ptx"] and not seg.get("spill_stores")
+    assert "st.global" in seg["ptx"] and "st.global" not in base["ptx"]
+
+
+@pytest.mark.slow  # (compile only, ~5 s)
 def test_prefill_ws_offset_compiles_for_sm90():
     """Without a GPU: the bf16 Gluon attention for a later chunk (OFFSET, run-time q_offset) compiles as the
     default does (the same wgmmas, Q and P from registers), no local memory."""
@@ -748,14 +789,14 @@ def test_prefill_ws_compiles_for_sm90():
     assert k["num_warps"] == 16  # three consumer warpgroups and the producer's
 
 
-def _ws_compile(**options):
+def _ws_compile(types=None, **options):
     from gptoss_fp8.kernels import _gluon, attention_ws
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; attention uses its Triton kernel")
     lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
            "fp4_padded=False, cga_layout=[])")
-    types = {n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
+    types = {**{n: f"tensordesc<bf16[64, 64],{lay}>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}, **(types or {})}
     types.update(sinks_ptr="*bf16", qk_scale="fp32")
     return _gluon.compile_for_sm90(attention_ws._ws_attention_kernel, types,
                                    {**dict(GROUP=8, STAGES=4, NWG=3, REGS=160), **options})
