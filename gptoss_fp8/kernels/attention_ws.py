@@ -619,23 +619,16 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
         f"q_offset {q_offset}: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = {q_offset + T} rows")
     assert not ((q_offset or segments is not None) and ordered), (
         "ordered turns: one sequence from position 0 (their ring depth is sized for it)")
+    grid, extra = (hq, cdiv(T, warpgroups * WG_ROWS)), ({"OFFSET": True} if q_offset else {})
     if segments is not None:  # [B, 4]: each sequence's first q row, its rows, its first k / v row, its query offset
         cu, k_starts, q_offsets, max_seqlen = segments
         seg = torch.stack([cu[:-1], cu[1:] - cu[:-1], k_starts, q_offsets], 1).to(torch.int32).contiguous()
-        num_pid_m = cdiv(max_seqlen, warpgroups * WG_ROWS)
-        _ws_attention_kernel[(hq, num_pid_m, seg.shape[0])](
-            desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
-            sm_scale * LOG2E, 0, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
-            QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
-            ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4, SEG=True, seg_ptr=seg, out_ptr=out,
-            stride_o=out.stride(0),
-        )
-        return out
-    num_pid_m = cdiv(T, warpgroups * WG_ROWS)
-    _ws_attention_kernel[(hq, num_pid_m)](
-        desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, num_pid_m,
+        grid = (hq, cdiv(max_seqlen, warpgroups * WG_ROWS), seg.shape[0])
+        extra = dict(SEG=True, seg_ptr=seg, out_ptr=out, stride_o=out.stride(0))
+    _ws_attention_kernel[grid](
+        desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, grid[1],
         sm_scale * LOG2E, q_offset, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
         QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
-        ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4, **({"OFFSET": True} if q_offset else {}),
+        ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4, **extra,
     )
     return out
