@@ -70,8 +70,12 @@ class ModelRunner:
         if len(chunks) == 1:
             (slot, tokens, start), = chunks
             return self.prefill(slot, tokens, start)
-        return self.model.prefill_many([(slot, device_ints(tokens, self.device), start)
-                                        for slot, tokens, start in chunks], self.ops, self.cache)
+        flat = device_ints([t for _, tokens, _ in chunks for t in tokens], self.device)  # (one copy for all)
+        parts, r0 = [], 0
+        for slot, tokens, start in chunks:
+            parts.append((slot, flat[r0:r0 + len(tokens)], start))
+            r0 += len(tokens)
+        return self.model.prefill_many(parts, self.ops, self.cache)
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
