@@ -651,15 +651,42 @@ def test_chunked_prefill_runs_the_offset_kernel(checkpoints, monkeypatch):
     assert rel(model.prefill(tokens, W8A8CpuOps())[1].float(), want.float()) > 1e-3
 
 
-def _prefill_many_case(model, ops, v):
-    """``prefill_many`` of three sequences' chunks (two fresh, one after 11 cached tokens: past the window-8 ring,
-    at an offset no multiple of the kernel's blocks) into rows 3, 0, 2 -> (logits, cache)."""
+def _prefill_many_case(model, ops, v, sizes=(11, 6, 13, 9), max_len=32, device="cpu"):
+    """``prefill_many`` of three sequences' chunks (two fresh, one after ``sizes[0]`` cached tokens: past the window-8
+    ring, at an offset no multiple of the kernel's blocks) into rows 3, 0, 2 -> (logits, cache)."""
     gen = torch.Generator().manual_seed(12)
-    cache = model.new_cache(32, batch=4)
-    model.prefill(torch.randint(0, v, (11,), generator=gen), ops, cache=cache, row=2)
-    chunks = [(3, torch.randint(0, v, (6,), generator=gen), 0), (0, torch.randint(0, v, (13,), generator=gen), 0),
-              (2, torch.randint(0, v, (9,), generator=gen), 11)]
+    cached, a, b, c = sizes
+    cache = model.new_cache(max_len, batch=4)
+    model.prefill(torch.randint(0, v, (cached,), generator=gen).to(device), ops, cache=cache, row=2)
+    chunks = [(3, torch.randint(0, v, (a,), generator=gen).to(device), 0),
+              (0, torch.randint(0, v, (b,), generator=gen).to(device), 0),
+              (2, torch.randint(0, v, (c,), generator=gen).to(device), cached)]
     return model.prefill_many(chunks, ops, cache), cache
+
+
+@pytest.mark.gpu
+def test_prefill_many_one_launch_a_layer_gpu(checkpoints):
+    """On the GPU, head_dim 64 (the Gluon kernel's), window 16: a step's chunks attended in one launch a layer on the
+    Triton kernel (the default) and on the Gluon one (``attention_gluon_segments``) against a launch per chunk: the
+    first layer's cache equal (the same K / V GEMMs), the later layers' and the logits within the kernels' rounding,
+    each row's top token no further below the per-chunk run's best than the logits moved."""
+    from gptoss_fp8.kernels.config import KernelConfig
+
+    model = load_model(checkpoints("wide"), device="cuda")
+    v = model.cfg.vocab_size
+    got = {name: _prefill_many_case(model, TritonOps(config=cfg), v, (150, 200, 310, 90), 512, "cuda")
+           for name, cfg in (("per-chunk", KernelConfig(attention_segments=False)), ("segments", KernelConfig()),
+                             ("gluon", KernelConfig(attention_gluon_segments=True)))}
+    want, want_cache = got.pop("per-chunk")
+    for name, (logits, cache) in got.items():
+        w, g = want.float(), logits.float()
+        r, move = rel(w, g), float((w - g).abs().max())
+        gap = (w.max(-1).values - w.gather(1, g.argmax(-1, keepdim=True))[:, 0]).max().item()
+        print(f"METRIC prefill_many {name} vs per chunk: rel {r:.2e}, top-1 gap {gap:.3f} (move {move:.3f})")
+        assert r < 2e-2 and gap <= move, (name, r, gap, move)
+        assert torch.equal(cache.k[0], want_cache.k[0]) and torch.equal(cache.v[0], want_cache.v[0]), name
+        for i in range(1, len(cache.k)):
+            assert rel(want_cache.k[i].float(), cache.k[i].float()) < 2e-2, (name, i)
 
 
 @pytest.mark.parametrize("prune", [False, True])
