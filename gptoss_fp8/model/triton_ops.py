@@ -350,8 +350,9 @@ class TritonOps(W8A8CpuOps):
     def attention_segments(self, q, k, v, sinks, sm_scale, window, keys):
         """Several sequences' chunks after their cached keys (``prefill_many``) in one launch of the Triton prefill
         kernel (``attention_prefill``'s k_starts / q_offsets: each chunk's keys where they lie, a full layer's in the
-        cache; with ``config.attention_gluon_segments`` a full layer's on the Gluon kernel), bf16; one chunk, ``--attention fp8`` on a full layer (its K blocks are per packed rows: each chunk on
-        the FP8 kernels), FlashInfer or ``config.attention_segments`` off: chunk by chunk (``attention_chunk``)."""
+        cache; with ``config.attention_gluon_segments`` a full layer's on the Gluon kernel), bf16; one chunk,
+        ``--attention fp8`` on a full layer (its K blocks are per packed rows: each chunk on the FP8 kernels),
+        FlashInfer or ``config.attention_segments`` off: chunk by chunk (``attention_chunk``)."""
         if (len(keys) < 2 or not self.config.attention_segments or self.fp8_attention(window)
                 or self.config.attention_backend == "flashinfer" or not self._prefill_kernel_ok(q, k, v, sinks)):
             return super().attention_segments(q, k, v, sinks, sm_scale, window, keys)
