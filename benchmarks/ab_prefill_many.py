@@ -39,15 +39,18 @@ def main() -> None:
     p.add_argument("--model", default="20b")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--mixes", default="64x128,16x512,8x1024,8x1024@4096,2x4096")
+    p.add_argument("--attention", choices=("bf16", "fp8"), default="bf16",
+                   help="prefill attention numerics (fp8: the full layers' chunks one by one on the FP8 kernels)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run through Triton's interpreter (TRITON_INTERPRET=1)")
     a = p.parse_args()
     cfg = preset_config(a.model)
     dev = torch.device(a.device)
     model = random_model(cfg, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    variants = {"segments": TritonOps(config=KernelConfig(attention_segments=True)),
-                "gluon-segments": TritonOps(config=KernelConfig(attention_gluon_segments=True)),
-                "per-chunk": TritonOps(config=KernelConfig(attention_segments=False))}
+    variants = {name: TritonOps(config=cfg).with_attention(a.attention) for name, cfg in (
+        ("segments", KernelConfig(attention_segments=True)),
+        ("gluon-segments", KernelConfig(attention_gluon_segments=True)),
+        ("per-chunk", KernelConfig(attention_segments=False)))}
     for text in a.mixes.split(","):
         b, n, start = _mix(text)
         cache = model.new_cache(start + n + 1, batch=b)
