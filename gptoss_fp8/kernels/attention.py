@@ -235,8 +235,12 @@ def _attn_prefill_kernel(
 ):
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
-    pid_m = num_pid_m - 1 - tl.program_id(1)  # longest query blocks first
-    pid_b = tl.program_id(2)
+    if SEGMENTS:  # the query blocks slowest: every sequence's last (longest) blocks first, whatever its order
+        pid_m = num_pid_m - 1 - tl.program_id(2)
+        pid_b = tl.program_id(1)
+    else:
+        pid_m = num_pid_m - 1 - tl.program_id(1)  # longest query blocks first
+        pid_b = tl.program_id(2)
     if RAGGED:
         seq_start = tl.load(CuSeqlens + pid_b)
         seqlen = tl.load(CuSeqlens + pid_b + 1) - seq_start
@@ -472,7 +476,7 @@ def attention_prefill(
     else:
         cos = sin = sinks  # unused
     num_pid_m = cdiv(max_seqlen, BLOCK_M // pack)
-    grid = (Hq // pack, num_pid_m, B)
+    grid = (Hq // pack, B, num_pid_m) if segments else (Hq // pack, num_pid_m, B)
     fp8_args = {}
     if fp8:
         # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass; a rope
