@@ -68,7 +68,7 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
-                      PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0):
+                      PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0, M_AXIS: gl.constexpr = 1):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
@@ -76,13 +76,13 @@ if HAS_GLUON:
         odd stage's barrier; both stages' next loads wait for it. PAIR_RELEASE 2: the pair's four loads also
         signal one ready barrier, the odd stage's. P: a later chunk's query offset (``_wg_blocks``): the P
         cached keys come first, every program reads them. QR / KR: the sequence's first row of q and of k / v (a
-        ragged batch's segment, ``_segment``)."""
+        ragged batch's segment, ``_segment``). M_AXIS: the grid axis of the program's row block (2 for segments)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         head = gl.program_id(0)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
+        m0 = (num_pid_m - 1 - gl.program_id(M_AXIS)) * (NWG * R)
         kv_col = (head // GROUP) * D
         mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
         for w in gl.static_range(NWG):
@@ -253,25 +253,26 @@ if HAS_GLUON:
     def _segment(seg_ptr, NWG: gl.constexpr, R: gl.constexpr, num_pid_m):
         """A ragged batch's segment for this program (``program_id(2)``; seg_ptr int32 [B, 4]: its first q row, its
         query rows, its first k / v row, its query offset) and whether the program has rows of it (the grid covers
-        the longest segment's row blocks: the others' programs past their rows return)."""
-        b = gl.program_id(2)
+        the longest segment's row blocks: the others' programs past their rows return). The grid is (heads, sequences,
+        row blocks): the row blocks vary slowest, so every sequence's last (longest) blocks go first."""
+        b = gl.program_id(1)
         qr = gl.load(seg_ptr + 4 * b)
         t = gl.load(seg_ptr + 4 * b + 1)
         kr = gl.load(seg_ptr + 4 * b + 2)
         p = gl.load(seg_ptr + 4 * b + 3)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
+        m0 = (num_pid_m - 1 - gl.program_id(2)) * (NWG * R)
         return qr, t, kr, p, m0 < t
 
     @gluon.jit
     def _wg_blocks(W: gl.constexpr, NWG: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, T, num_pid_m,
-                   row_layout: gl.constexpr, P=None):
+                   row_layout: gl.constexpr, P=None, M_AXIS: gl.constexpr = 1):
         """Consumer warpgroup W's share of the program (the longest row blocks first): (head, its first
         query row r0, its rows, the program's key blocks, the blocks all its queries see in full, the
         blocks it reads: the rest lie wholly in its future). P (a later prompt chunk: q's rows at key
         positions P.., the keys before them cached; None: 0, R == BN): rows are the queries' key
         positions (r0 stays q's row), so the diagonal may cross two key blocks."""
         head = gl.program_id(0)
-        m0 = (num_pid_m - 1 - gl.program_id(1)) * (NWG * R)
+        m0 = (num_pid_m - 1 - gl.program_id(M_AXIS)) * (NWG * R)
         r0 = m0 + W * R
         if P is None:
             rows = r0 + gl.arange(0, R, layout=row_layout)
@@ -310,7 +311,10 @@ if HAS_GLUON:
             qr, T, kr, q_offset, has_rows = _segment(seg_ptr, NWG, R, num_pid_m)
             if not has_rows:
                 return
-        if OFFSET or SEG:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
+        if SEG:  # (the row block on the grid's third axis)
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout, q_offset,
+                                                                     M_AXIS=2)
+        elif OFFSET:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
             head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout, q_offset)
         else:
             head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NWG, R, BN, T, num_pid_m, row_layout)
@@ -489,7 +493,7 @@ if HAS_GLUON:
             qr, t, kr, p, has_rows = _segment(seg_ptr, NWG, R, num_pid_m)
             if has_rows:
                 _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, t, num_pid_m, GROUP,
-                              P=p, QR=qr, KR=kr)
+                              P=p, QR=qr, KR=kr, M_AXIS=2)
         elif OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           P=q_offset)
@@ -619,14 +623,16 @@ def ws_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
         f"q_offset {q_offset}: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = {q_offset + T} rows")
     assert not ((q_offset or segments is not None) and ordered), (
         "ordered turns: one sequence from position 0 (their ring depth is sized for it)")
-    grid, extra = (hq, cdiv(T, warpgroups * WG_ROWS)), ({"OFFSET": True} if q_offset else {})
+    n_row_blocks = cdiv(T, warpgroups * WG_ROWS)
+    grid, extra = (hq, n_row_blocks), ({"OFFSET": True} if q_offset else {})
     if segments is not None:  # [B, 4]: each sequence's first q row, its rows, its first k / v row, its query offset
         cu, k_starts, q_offsets, max_seqlen = segments
+        n_row_blocks = cdiv(max_seqlen, warpgroups * WG_ROWS)
         seg = torch.stack([cu[:-1], cu[1:] - cu[:-1], k_starts, q_offsets], 1).to(torch.int32).contiguous()
-        grid = (hq, cdiv(max_seqlen, warpgroups * WG_ROWS), seg.shape[0])
+        grid = (hq, seg.shape[0], n_row_blocks)  # (row blocks slowest: ``_segment``)
         extra = dict(SEG=True, seg_ptr=seg, out_ptr=out, stride_o=out.stride(0))
     _ws_attention_kernel[grid](
-        desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, grid[1],
+        desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), sinks, T, n_row_blocks,
         sm_scale * LOG2E, q_offset, GROUP=hq // hkv, STAGES=stages, NWG=warpgroups, REGS=REGS[warpgroups],
         QREG=q_in_registers, DEEP=deep, EXP={**EXP_MODES, **PROBES}[exp], THRESH=float(rescale_threshold),
         ORDER=ordered, TREE=tree, SYNC=sync, num_warps=4, **extra,
