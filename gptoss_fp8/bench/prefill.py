@@ -196,25 +196,24 @@ class TimedOps:
         part = self.PARTS.get(name)
         return fn if part is None else functools.partial(self._timed, part, fn)
 
-    def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
-        out = self._timed("attention", self.ops.attention, q, k, v, sinks, sm_scale, window, rope=rope)
-        self.attention_windows[len(self.events) - 1] = int(window)
+    def _attention(self, fn, kind: int, *a, **kw):
+        """A timed attention call, its layer kind recorded for ``attention_by_layer_kind`` (the window; -1: a last
+        row's or a later chunk's)."""
+        out = self._timed("attention", fn, *a, **kw)
+        self.attention_windows[len(self.events) - 1] = kind
         return out
+
+    def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
+        return self._attention(self.ops.attention, int(window), q, k, v, sinks, sm_scale, window, rope=rope)
 
     def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
-        out = self._timed("attention", self.ops.attention_chunk, q, k, v, sinks, sm_scale, window, q_offset)
-        self.attention_windows[len(self.events) - 1] = -1
-        return out
+        return self._attention(self.ops.attention_chunk, -1, q, k, v, sinks, sm_scale, window, q_offset)
 
     def attention_segments(self, q, k, v, sinks, sm_scale, window, keys):
-        out = self._timed("attention", self.ops.attention_segments, q, k, v, sinks, sm_scale, window, keys)
-        self.attention_windows[len(self.events) - 1] = int(window)
-        return out
+        return self._attention(self.ops.attention_segments, int(window), q, k, v, sinks, sm_scale, window, keys)
 
     def attention_cached(self, q, k_cache, v_cache, lengths, sinks, sm_scale, window):
-        out = self._timed("attention", self.ops.attention_cached, q, k_cache, v_cache, lengths, sinks, sm_scale, window)
-        self.attention_windows[len(self.events) - 1] = -1
-        return out
+        return self._attention(self.ops.attention_cached, -1, q, k_cache, v_cache, lengths, sinks, sm_scale, window)
 
     def attention_by_layer_kind(self) -> dict[str, dict[str, float]]:
         """The prefill attention calls' time split by layer kind: {"full" | "window" | "last row": {"s":
