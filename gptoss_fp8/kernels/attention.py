@@ -405,7 +405,7 @@ def attention_prefill(
                              f"not a ragged batch")
     segments = k_starts is not None or q_offsets is not None
     if segments:
-        _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, tile)
+        _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8)
     elif k.shape[0] != q_offset + T or v.shape[0] != q_offset + T:
         raise GptOssFp8Error(f"attention_prefill: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = "
                              f"{q_offset} + {T} = {q_offset + T} rows (the keys before q's rows, then theirs)")
@@ -508,7 +508,7 @@ def attention_prefill(
     return out
 
 
-def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, tile) -> None:
+def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8) -> None:
     """``attention_prefill``'s chunks after cached keys (k_starts / q_offsets): what they take."""
     if k_starts is None or q_offsets is None:
         raise GptOssFp8Error("attention_prefill: k_starts and q_offsets come together (sequence b's keys at rows "
