@@ -4,6 +4,7 @@
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
+#   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   moe-energy  the MoE GEMMs back to back at the power cap: DeepGEMM's against ours, clock and power (.peers/ carried)
 #   moe-turns  GluonTile.turns (the MoE GEMMs' warpgroups in turns at the tensor core) and GluonTile.stage_scales
 #            (the 128 x 256 tiles' scales through the stages, MoE and dense): the GPU tests, the MoE plans at the
@@ -104,6 +105,11 @@ if has pending-tests; then
   tail -4 "$OUT"/pending_tests*.log
 fi
 
+if has rope-diag; then
+  # the FP8 attention's q rotated in its quantization against rotated first (31st session's failed bit-equality)
+  timeout ${ROPE_DIAG_S:-150} python3 benchmarks/fused_rope_diag.py 2>&1 | grep -v Warn | tee "$OUT/fused_rope_diag.log"
+fi
+
 if has moe-energy; then
   # issue 34: the MoE GEMMs back to back at the power cap, DeepGEMM's two grouped GEMMs against our gather + gate_up +
   # down (E 32, T 32768), each under the clock / power watch: the clock each holds at 700 W is its energy a FLOP
@@ -120,10 +126,11 @@ if has moe-turns; then
   # through the stages (MoE and dense). The GPU tests first (a miscounted turn or byte count hangs: time-limited;
   # the "sc" cases check the stage scales' bits against the tile without them), then the MoE plans at the power cap
   # (moe_parts.py --plans). The whole model: target moe-turns-ab (a call of its own: both exceed one call's 600 s)
-  timeout -s INT 240 python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py \
+  timeout -s INT ${MOE_TURNS_TEST_S:-240} python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py \
     -k "wide_gpu or turns or stage_scales or gather_act_quant or serial_gpu" > "$OUT/moe_turns_tests.log" 2>&1
   tail -4 "$OUT/moe_turns_tests.log"
-  timeout 200 python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
+  # (MOE_TURNS_PLANS_S=0: the tests only)
+  [[ ${MOE_TURNS_PLANS_S:-200} == 0 ]] || timeout ${MOE_TURNS_PLANS_S:-200} python3 benchmarks/moe_parts.py --tokens 32768 --plans 3 2>&1 | grep -v Warn | grep "plan" \
     | tee "$OUT/moe_turns_plans.log"
 fi
 
@@ -168,14 +175,13 @@ if has moe-turns-ab; then
   # attention's Q in registers ("fp8-qreg"); at 128000 the MoE unchunked; the last layer on every row
   # ("full-last-layer", before the 29th session's GptOss.prune_last_layer). The kernel alone:
   # ATTN_VARIANTS=fp8,fp8-qreg bash benchmarks/gpu_suite.sh fp8-probe
-  timeout 240 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
-    --variants default,full-last-layer,unfused-rope,unfused-window-rope,fp8-qreg,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales \
-    --attention fp8 \
-    2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
-  timeout 300 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,full-last-layer,unfused-rope,moe-unchunked,fp8-qreg,wide-turns-scales,all-turns-scales,all-scales --attention fp8 2>&1 \
-    | grep -v Warn \
-    | tee "$OUT/moe_turns_ab128k.log"
+  # (AB32K / AB128K: the variants at 32768 / 128000 tokens, "" skips that length; AB32K_S / AB128K_S their limits)
+  v32=${AB32K-default,full-last-layer,unfused-rope,unfused-window-rope,fp8-qreg,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales}
+  v128=${AB128K-default,full-last-layer,unfused-rope,moe-unchunked,fp8-qreg,wide-turns-scales,all-turns-scales,all-scales}
+  [[ -z $v32 ]] || timeout ${AB32K_S:-240} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
+    --variants "$v32" --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
+  [[ -z $v128 ]] || timeout ${AB128K_S:-300} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
+    --variants "$v128" --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab128k.log"
 fi
 
 if has moe-ncu; then

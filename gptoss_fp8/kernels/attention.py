@@ -72,6 +72,7 @@ import triton.language as tl
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels import attn_quant
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
+from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant import attn_fp8
 from gptoss_fp8.quant.attn_fp8 import P_SCALE
 from gptoss_fp8.quant.fp8 import cdiv
@@ -292,7 +293,8 @@ def _attn_prefill_kernel(
         cs = pos_m[:, None] * HALF + offs_j[None, :]
         c = tl.load(Cos + cs, mask=row_ok[:, None], other=0.0)
         s = tl.load(Sin + cs, mask=row_ok[:, None], other=0.0)
-        q = tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
+        o1, o2 = rotate(x1, x2, c, s)
+        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
         q = q.to(Q.dtype.element_ty)  # on every device: the rotated q of the unfused rope + this kernel
         if UPCAST:
             q = q.to(tl.float32)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
+from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant.attn_fp8 import QK_BLOCK
 from gptoss_fp8.quant.fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
@@ -84,8 +85,9 @@ def _quantize_qk_kernel(
         c = tl.load(cos_ptr + cs, mask=(offs_t < T)[:, None, None], other=0.0)
         s = tl.load(sin_ptr + cs, mask=(offs_t < T)[:, None, None], other=0.0)
         dt = x_ptr.dtype.element_ty
-        o1 = (x1 * c - x2 * s).to(dt).to(tl.float32)  # rope_qk's expressions and its one rounding
-        o2 = (x2 * c + x1 * s).to(dt).to(tl.float32)
+        o1, o2 = rotate(x1, x2, c, s)  # rope_qk's arithmetic and its one rounding
+        o1 = o1.to(dt).to(tl.float32)
+        o2 = o2.to(dt).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(o1), axis=2), axis=0), tl.max(tl.max(tl.abs(o2), axis=2), axis=0))
         scale = group_scale(amax, FP8_MAX_C, EPS)  # [BLOCK_H]
         q1 = _e4m3_saturated(tl.math.div_rn(o1, scale[None, :, None]), FP8_MAX_C)

@@ -8,7 +8,12 @@ with angle(pos, j) = pos * inv_freq[j] and cos/sin multiplied by the YaRN concen
 table exactly as the reference does (fp32, torch), once per model; the kernel gathers its rows by position, so any
 positions work (ragged batches, decode at the end of a cache). Arithmetic is fp32, rounded once
 to bf16 at the store (the reference rounds cos/sin to bf16 and computes in bf16: they differ by
-bf16 noise; ``spec.apply_rope(..., dtype=torch.float32)`` is this kernel's arithmetic).
+bf16 noise; ``spec.apply_rope(..., dtype=torch.float32)`` is this kernel's arithmetic). Every kernel that
+rotates (this one, the decode step's rope + append, q's rope fused into the FP8 quantization and into the window
+attention) computes the pair by ``rotate`` (one explicit FMA and one product each): left to the compiler, ``x1 c - x2 s``
+was contracted differently from kernel to kernel on the GPU (which product is rounded), so a rotation fused into
+another kernel was not bit-equal to this one's (the thirty-first session's failing FP8 test); the interpreter fuses
+nothing, the same bits as before there.
 
 Layout: q [T, Hq, D], k [T, Hkv, D], any row/head strides with a contiguous last dim (views into a
 fused qkv projection output work), positions int32/int64 [T], cos/sin fp32 [max_pos, D/2].
@@ -22,6 +27,12 @@ import triton.language as tl
 
 from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import cdiv, next_pow2
+
+
+@triton.jit
+def rotate(x1, x2, c, s):
+    """(x1 c - x2 s, x2 c + x1 s) in fp32, each one FMA over the other product rounded: the same bits in every kernel."""
+    return tl.fma(x1, c, -(x2 * s)), tl.fma(x2, c, x1 * s)
 
 
 @triton.jit
@@ -57,8 +68,7 @@ def _rope_kernel(
     y_ptr = tl.where(is_q, QOut + t3 * stride_qot + h3 * stride_qoh, KOut + t3 * stride_kot + hk * stride_koh) + j3
     x1 = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
+    o1, o2 = rotate(x1, x2, c, s)
     tl.store(y_ptr, o1.to(QOut.dtype.element_ty), mask=ok)
     tl.store(y_ptr + HALF, o2.to(QOut.dtype.element_ty), mask=ok)
 
@@ -152,8 +162,9 @@ def _rope_append_kernel(
                             VC + t * stride_vcb + row * stride_vcr + hv * stride_vch)) + j2
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = tl.where(is_v, x1, x1 * c - x2 * s)
-    o2 = tl.where(is_v, x2, x2 * c + x1 * s)
+    r1, r2 = rotate(x1, x2, c, s)
+    o1 = tl.where(is_v, x1, r1)
+    o2 = tl.where(is_v, x2, r2)
     tl.store(dst, o1.to(QOut.dtype.element_ty), mask=ok)
     tl.store(dst + HALF, o2.to(QOut.dtype.element_ty), mask=ok)
 
