@@ -665,18 +665,22 @@ def _prefill_many_case(model, ops, v, sizes=(11, 6, 13, 9), max_len=32, device="
 
 
 @pytest.mark.gpu
-def test_prefill_many_one_launch_a_layer_gpu(checkpoints):
+@pytest.mark.parametrize("attention", ["bf16", "fp8"])
+def test_prefill_many_one_launch_a_layer_gpu(checkpoints, attention):
     """On the GPU, head_dim 64 (the Gluon kernel's), window 16: a step's chunks attended in one launch a layer on the
-    Triton kernel (the default) and on the Gluon one (``attention_gluon_segments``) against a launch per chunk: the
-    first layer's cache equal (the same K / V GEMMs), the later layers' and the logits within the kernels' rounding,
-    each row's top token no further below the per-chunk run's best than the logits moved."""
+    Triton kernel (the default) and on the Gluon one (``attention_gluon_segments``, bf16) against a launch per chunk:
+    the first layer's cache equal (the same K / V GEMMs), the later layers' and the logits within the kernels'
+    rounding, each row's top token no further below the per-chunk run's best than the logits moved. ``fp8``: the
+    full layers' chunks on e4m3 operands (attn_quant.SegmentPlan) against each chunk's own FP8 launch."""
     from gptoss_fp8.kernels.config import KernelConfig
 
     model = load_model(checkpoints("wide"), device="cuda")
     v = model.cfg.vocab_size
-    got = {name: _prefill_many_case(model, TritonOps(config=cfg), v, (150, 200, 310, 90), 512, "cuda")
-           for name, cfg in (("per-chunk", KernelConfig(attention_segments=False)), ("segments", KernelConfig()),
-                             ("gluon", KernelConfig(attention_gluon_segments=True)))}
+    cfgs = [("per-chunk", KernelConfig(attention_segments=False)), ("segments", KernelConfig())]
+    if attention == "bf16":
+        cfgs.append(("gluon", KernelConfig(attention_gluon_segments=True)))
+    got = {name: _prefill_many_case(model, TritonOps(config=cfg).with_attention(attention), v, (150, 200, 310, 90), 512,
+                                    "cuda") for name, cfg in cfgs}
     want, want_cache = got.pop("per-chunk")
     for name, (logits, cache) in got.items():
         w, g = want.float(), logits.float()
@@ -689,12 +693,13 @@ def test_prefill_many_one_launch_a_layer_gpu(checkpoints):
             assert rel(want_cache.k[i].float(), cache.k[i].float()) < 2e-2, (name, i)
 
 
-@pytest.mark.parametrize("prune", [False, True])
-def test_prefill_many_attends_in_one_launch_a_layer(checkpoints, monkeypatch, prune):
+@pytest.mark.parametrize("prune,attention", [(False, "bf16"), (True, "bf16"), (False, "fp8")])
+def test_prefill_many_attends_in_one_launch_a_layer(checkpoints, monkeypatch, prune, attention):
     """The serving engine's prompts of a step (``prefill_many``): each layer's attention over all chunks in one
     ``attention_prefill`` (k_starts / q_offsets: a full layer's keys in the cache, sequence b's at rows b * 32..; a
     ring's packed), bit for bit the chunk-by-chunk launches (``KernelConfig.attention_segments`` off) in logits
-    and every cache row; the pruned last layer keeps its per-row path."""
+    and every cache row; the pruned last layer keeps its per-row path. ``--attention fp8``: the full layer's chunks
+    on e4m3 operands in that one launch (attn_quant.SegmentPlan), each quantized as its own launch would."""
     if HAS_CUDA:
         pytest.skip("interpreter test on CPU tensors; the gpu-marked test covers the GPU")
     from gptoss_fp8.kernels import attention as attn_mod
@@ -705,21 +710,22 @@ def test_prefill_many_attends_in_one_launch_a_layer(checkpoints, monkeypatch, pr
 
     def spy(*a, k_starts=None, q_offsets=None, **kw):
         if k_starts is not None:
-            calls.append((k_starts.tolist(), q_offsets.tolist(), kw.get("sliding_window")))
+            calls.append((k_starts.tolist(), q_offsets.tolist(), kw.get("sliding_window"), kw.get("fp8", False)))
         return real(*a, k_starts=k_starts, q_offsets=q_offsets, **kw)
 
     monkeypatch.setattr(attn_mod, "attention_prefill", spy)
     model.prune_last_layer = prune
     try:
-        got = {on: _prefill_many_case(model, _AttentionKernelOnly(config=KernelConfig(attention_segments=on)), v)
-               for on in (True, False)}
+        got = {on: _prefill_many_case(model, _AttentionKernelOnly(config=KernelConfig(attention_segments=on))
+                                      .with_attention(attention), v) for on in (True, False)}
     finally:
         model.prune_last_layer = True
     windows = [layer.window for layer in model.model.layers]
     assert windows == [8, 0]
     # layer 0, a ring of 8: chunk 2's 8 cached keys (positions 3..10) then its own, packed after chunks 0 and 1
-    ring = ([0, 6, 19], [0, 0, 8], 8)
-    assert calls == ([ring] if prune else [ring, ([96, 0, 64], [0, 0, 11], 0)]), calls
+    ring = ([0, 6, 19], [0, 0, 8], 8, False)
+    full = ([96, 0, 64], [0, 0, 11], 0, attention == "fp8")
+    assert calls == ([ring] if prune else [ring, full]), calls
     (l1, c1), (l0, c0) = got[True], got[False]
     assert l1.shape == (3, v) and torch.equal(l1, l0)
     for i in range(len(c1.k)):

@@ -233,6 +233,9 @@ def _attn_prefill_kernel(
     # query rows sit at key positions QOffsets[b].. (prompt chunks after cached keys, one launch)
     KStarts=None, QOffsets=None,
     SEGMENTS: tl.constexpr = False,
+    # FP8 + SEGMENTS (attn_quant.SegmentPlan): each chunk's Q scales from column QScaleBase[b] of Sq, its keys packed
+    # from KStarts[b] (a multiple of 64: its K scales from column KStarts[b] / 64), its V scales Sv[b] [Hkv, D]
+    QScaleBase=None, SV_STRIDE_B: tl.constexpr = 0,
 ):
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
@@ -306,7 +309,10 @@ def _attn_prefill_kernel(
     k_src = K + krow0 * stride_kt + kv_h * stride_kh
     v_src = V + krow0 * stride_vt + kv_h * stride_vh
     if FP8:
-        sq = tl.load(Sq + head * stride_sqh + (row0 + offs_m) // 64, mask=row_ok, other=0.0)
+        if SEGMENTS:  # the chunk's own 64-row blocks from its first row
+            sq = tl.load(Sq + head * stride_sqh + tl.load(QScaleBase + pid_b) + offs_m // 64, mask=row_ok, other=0.0)
+        else:
+            sq = tl.load(Sq + head * stride_sqh + (row0 + offs_m) // 64, mask=row_ok, other=0.0)
         sk_src = Sk + kv_h * stride_skh
     else:
         sq = row0  # unused
@@ -345,7 +351,10 @@ def _attn_prefill_kernel(
     )
 
     if FP8:  # V's channel scale / 256 (P's fixed scale), then the row sum (spec.attention_fp8's order)
-        acc = acc * tl.load(Sv + kv_h * HEAD_DIM + offs_d)[None, :]
+        if SEGMENTS:
+            acc = acc * tl.load(Sv + pid_b * SV_STRIDE_B + kv_h * HEAD_DIM + offs_d)[None, :]
+        else:
+            acc = acc * tl.load(Sv + kv_h * HEAD_DIM + offs_d)[None, :]
     out = acc / l_i[:, None]
     o_head = head * stride_oh
     if PACK > 1:
@@ -373,6 +382,7 @@ def attention_prefill(
     q_offset: int = 0,
     k_starts: torch.Tensor | None = None,
     q_offsets: torch.Tensor | None = None,
+    fp8_plan: attn_quant.SegmentPlan | None = None,
 ) -> torch.Tensor:
     """Causal (or sliding-window) attention with sinks over a ragged batch of packed sequences.
 
@@ -395,7 +405,9 @@ def attention_prefill(
     k_starts[b] + q_offsets[b] + n_b - 1 of k / v, which may hold any number of rows (a KV cache's
     [batch * rows, Hkv, D] view); the caller keeps those rows inside k / v (not read back here: no sync).
     A rope rotates q at positions q_offsets[b] + t. The Triton kernel (opt-in, full causal bf16 on sm_90: the Gluon
-    kernel, ``config.attention_gluon_segments``).
+    kernel, ``config.attention_gluon_segments``). With ``fp8`` (q rotated, no rope) ``fp8_plan``
+    (``attn_quant.SegmentPlan`` of the same chunks) quantizes each chunk's Q, keys and V as ``spec.attention_fp8`` of
+    that chunk alone: each sequence's rows those of its own ``q_offset`` call.
     Returns out [T, Hq, D] bf16.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
@@ -407,7 +419,7 @@ def attention_prefill(
                              f"not a ragged batch")
     segments = k_starts is not None or q_offsets is not None
     if segments:
-        _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8)
+        _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, fp8_plan, rope)
     elif k.shape[0] != q_offset + T or v.shape[0] != q_offset + T:
         raise GptOssFp8Error(f"attention_prefill: k {tuple(k.shape)} / v {tuple(v.shape)} need q_offset + T = "
                              f"{q_offset} + {T} = {q_offset + T} rows (the keys before q's rows, then theirs)")
@@ -480,7 +492,13 @@ def attention_prefill(
     num_pid_m = cdiv(max_seqlen, BLOCK_M // pack)
     grid = (Hq // pack, B, num_pid_m) if segments else (Hq // pack, num_pid_m, B)
     fp8_args = {}
-    if fp8:
+    if fp8 and segments:  # (no rope: _check_segments)
+        q8, sq, k8, sk, v8t, sv = fp8_plan.operands(q, k, v)
+        q, k, v, k_starts = q8, k8, v8t.permute(2, 0, 1), fp8_plan.k_starts8
+        sq = sq * (sm_scale * LOG2E)
+        fp8_args = dict(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
+                        stride_vd=v8t.stride(1), FP8=True, QScaleBase=fp8_plan.q_scale_base, SV_STRIDE_B=sv[0].numel())
+    elif fp8:
         # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass; a rope
         # rotates q there (one sequence on the GPU) or first (kernels/rope.py: ragged positions, the CPU)
         quant = attn_quant if on_gpu else attn_fp8
@@ -510,7 +528,7 @@ def attention_prefill(
     return out
 
 
-def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8) -> None:
+def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, fp8_plan, rope) -> None:
     """``attention_prefill``'s chunks after cached keys (k_starts / q_offsets): what they take."""
     if k_starts is None or q_offsets is None:
         raise GptOssFp8Error("attention_prefill: k_starts and q_offsets come together (sequence b's keys at rows "
@@ -518,10 +536,14 @@ def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8) -
     if cu_seqlens is None or max_seqlen is None:
         raise GptOssFp8Error("attention_prefill: k_starts / q_offsets need cu_seqlens (the query rows) and max_seqlen "
                              "(the longest chunk: reading it back would sync)")
-    if fp8:
-        raise GptOssFp8Error("attention_prefill: fp8 takes one sequence or a packed batch, not chunks after cached "
-                             "keys (k_starts / q_offsets): its K blocks are 64 packed rows; run each chunk (q_offset)")
     b = cu_seqlens.numel() - 1
+    if fp8 and (fp8_plan is None or fp8_plan.segments != b or fp8_plan.q_rows != q.shape[0] or rope is not None):
+        raise GptOssFp8Error(
+            f"attention_prefill: fp8 chunks after cached keys (k_starts / q_offsets) take q rotated (rope None, got "
+            f"{'a rope' if rope is not None else 'none'}) and fp8_plan, attn_quant.SegmentPlan of the same {b} chunks "
+            f"of {q.shape[0]} rows (got {None if fp8_plan is None else (fp8_plan.segments, fp8_plan.q_rows)})")
+    if not fp8 and fp8_plan is not None:
+        raise GptOssFp8Error("attention_prefill: fp8_plan is for fp8=True")
     for name, t in (("k_starts", k_starts), ("q_offsets", q_offsets)):
         if t.dtype != torch.int32 or t.shape != (b,) or not t.is_contiguous() or t.device != q.device:
             raise GptOssFp8Error(f"attention_prefill: {name} {t.dtype} {tuple(t.shape)} on {t.device}: want contiguous "

@@ -63,18 +63,30 @@ def _quantize_qk_kernel(
     x_ptr, q_ptr, s_ptr, cos_ptr, sin_ptr, T, H, NB, stride_xt, stride_xh, pos0,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROPE: tl.constexpr = False,
+    blk_ptr=None, BLOCKED: tl.constexpr = False,
 ):
     """One program per (64-row block, BLOCK_H heads): tile [BLOCK_T, BLOCK_H, D], one scale per head.
     ROPE: x not yet rotated: each head's halves rotated first (row t at position pos0 + t of the cos /
     sin tables [max_pos, D/2]), kernels/rope.py's fp32 arithmetic rounded once to x's dtype, so the
-    bytes are those of quantizing rope_qk's output (its store not made)."""
+    bytes are those of quantizing rope_qk's output (its store not made).
+    BLOCKED (no ROPE): program b's block is the int32 row (first source row, rows, first output row) b of blk_ptr
+    [NB, 3] (``quantize_qk_blocks``: the blocks of several row ranges), its scale column b."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
-    offs_t = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    rows = offs_t.to(tl.int64)[:, None, None]
-    heads = offs_h.to(tl.int64)[None, :, None]  # int64 offsets: any stride over T and H
-    mask = (offs_t < T)[:, None, None] & (heads < H)
+    if BLOCKED:
+        r = tl.arange(0, BLOCK_T)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        rows = (tl.load(blk_ptr + 3 * pid_b).to(tl.int64) + r)[:, None, None]
+        out_rows = (tl.load(blk_ptr + 3 * pid_b + 2).to(tl.int64) + r)[:, None, None]
+        heads = offs_h.to(tl.int64)[None, :, None]
+        mask = (r < tl.load(blk_ptr + 3 * pid_b + 1))[:, None, None] & (heads < H)
+    else:
+        offs_t = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        rows = offs_t.to(tl.int64)[:, None, None]
+        out_rows = rows
+        heads = offs_h.to(tl.int64)[None, :, None]  # int64 offsets: any stride over T and H
+        mask = (offs_t < T)[:, None, None] & (heads < H)
     if ROPE:
         HALF: tl.constexpr = D // 2
         offs_j = tl.arange(0, HALF)[None, None, :]
@@ -101,7 +113,7 @@ def _quantize_qk_kernel(
         x = x.to(tl.float32)
         scale = group_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=0), FP8_MAX_C, EPS)  # [BLOCK_H]
         q = _e4m3_saturated(tl.math.div_rn(x, scale[None, :, None]), FP8_MAX_C)  # IEEE, as torch's
-        tl.store(q_ptr + rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + out_rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + offs_h * NB + pid_b, scale, mask=offs_h < H)
 
 
@@ -109,14 +121,21 @@ def _quantize_qk_kernel(
 def _v_amax_kernel(
     v_ptr, amax_ptr, T, H, stride_vt, stride_vh,
     CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+    blk_ptr=None, BLOCKED: tl.constexpr = False,
 ):
-    """One program per (CHUNK rows, head): amax over the chunk's rows per channel -> amax [n_chunks, H, D]."""
+    """One program per (CHUNK rows, head): amax over the chunk's rows per channel -> amax [n_chunks, H, D].
+    BLOCKED: program c's rows are blk_ptr's int32 row c (first row, rows, -, -) of [n_chunks, 4]."""
     pid_c = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
-    t_end = tl.minimum(pid_c * CHUNK + CHUNK, T)
-    for t0 in range(pid_c * CHUNK, t_end, BLOCK_T):
+    if BLOCKED:
+        t_start = tl.load(blk_ptr + 4 * pid_c)
+        t_end = t_start + tl.load(blk_ptr + 4 * pid_c + 1)
+    else:
+        t_start = pid_c * CHUNK
+        t_end = tl.minimum(pid_c * CHUNK + CHUNK, T)
+    for t0 in range(t_start, t_end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         ptrs = v_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + h.to(tl.int64) * stride_vh + offs_d[None, :]
         x = tl.load(ptrs, mask=(offs_t < t_end)[:, None], other=0.0)
@@ -128,24 +147,37 @@ def _v_amax_kernel(
 def _quantize_v_kernel(
     v_ptr, s_ptr, order_ptr, out_ptr, T, T_OUT, stride_vt, stride_vh,
     BLOCK_T: tl.constexpr, KEY_BLOCK: tl.constexpr, D: tl.constexpr, ORDERED: tl.constexpr,
-    FP8_MAX_C: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, blk_ptr=None, BLOCKED: tl.constexpr = False,
 ):
     """One program per (BLOCK_T output keys, head): tile [D, BLOCK_T] gathered from V's rows in
-    key_order (a transposed load), quantized by channel, stored as a plain tile of v8t [H, D, T_OUT]."""
+    key_order (a transposed load), quantized by channel, stored as a plain tile of v8t [H, D, T_OUT].
+    BLOCKED (not ORDERED): program b's keys are blk_ptr's int32 row b (first source row, rows, first output
+    key, segment) of [n_blocks, 4], quantized with the segment's scales s_ptr [segments, H, D]."""
     pid_b = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_T)
-    if ORDERED:
-        src = (offs_k // KEY_BLOCK) * KEY_BLOCK + tl.load(order_ptr + offs_k % KEY_BLOCK)
+    if BLOCKED:
+        t_src = tl.load(blk_ptr + 4 * pid_b).to(tl.int64) + offs_k
+        t_dst = tl.load(blk_ptr + 4 * pid_b + 2).to(tl.int64) + offs_k
+        n_valid = tl.load(blk_ptr + 4 * pid_b + 1)
+        s_row = tl.load(blk_ptr + 4 * pid_b + 3) * tl.num_programs(1) + h  # (the grid's heads)
     else:
-        src = offs_k
-    t_src = pid_b * BLOCK_T + src
-    t_dst = pid_b * BLOCK_T + offs_k
+        if ORDERED:
+            src = (offs_k // KEY_BLOCK) * KEY_BLOCK + tl.load(order_ptr + offs_k % KEY_BLOCK)
+        else:
+            src = offs_k
+        t_src = pid_b * BLOCK_T + src
+        t_dst = pid_b * BLOCK_T + offs_k
+        s_row = h
     offs_d = tl.arange(0, D)
     # keys T..T_OUT load as zeros and quantize to zero: the padding
     ptrs = v_ptr + t_src.to(tl.int64)[None, :] * stride_vt + h.to(tl.int64) * stride_vh + offs_d[:, None]
-    x = tl.load(ptrs, mask=(t_src < T)[None, :], other=0.0).to(tl.float32)  # [D, BLOCK_T]
-    scale = tl.load(s_ptr + h * D + offs_d)
+    if BLOCKED:
+        valid = offs_k < n_valid
+    else:
+        valid = t_src < T
+    x = tl.load(ptrs, mask=valid[None, :], other=0.0).to(tl.float32)  # [D, BLOCK_T]
+    scale = tl.load(s_ptr + s_row * D + offs_d)
     q = _e4m3_saturated(tl.math.div_rn(x, scale[:, None]), FP8_MAX_C)
     rows = (h * D + offs_d).to(tl.int64)[:, None]
     tl.store(out_ptr + rows * T_OUT + t_dst[None, :], q.to(out_ptr.dtype.element_ty), mask=(t_dst < T_OUT)[None, :])
@@ -207,6 +239,113 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Ten
         **({"ROPE": True} if rope is not None else {}),
     )
     return x8, scale
+
+
+def quantize_qk_blocks(x: torch.Tensor, blocks: torch.Tensor, rows_out: int,
+                       fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_qk`` of several row ranges of x [N, H, D] in one launch, each range's 64-row blocks counted from
+    its own first row: blocks int32 [NB, 3] on x's device, one row per block (first row in x, rows 1..64, first row
+    of the output) -> (x8 e4m3 [rows_out, H, D], scale fp32 [H, NB], column b block b's). Output rows no block
+    writes are left as they are (uninitialised). ``SegmentPlan`` makes the tables."""
+    _check_input(x, "x")
+    _, h, d = x.shape
+    nb = blocks.shape[0]
+    assert blocks.dtype == torch.int32 and blocks.shape == (nb, 3) and blocks.is_contiguous(), (
+        f"blocks {blocks.dtype} {tuple(blocks.shape)}: want contiguous int32 [NB, 3]")
+    assert blocks.device == x.device, f"blocks on {blocks.device}, x on {x.device}"
+    x8 = torch.empty((rows_out, h, d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((h, nb), dtype=torch.float32, device=x.device)
+    if nb == 0 or h == 0:
+        return x8, scale
+    block_h = min(next_pow2(h), max(1, 256 // d))
+    _quantize_qk_kernel[(nb, cdiv(h, block_h))](
+        x, x8, scale, scale, scale, 0, h, nb, x.stride(0), x.stride(1), 0,
+        BLOCK_T=QK_BLOCK, BLOCK_H=block_h, D=d, FP8_MAX_C=fp8_max, EPS=ACT_EPS, num_warps=4,
+        blk_ptr=blocks, BLOCKED=True,
+    )
+    return x8, scale
+
+
+def quantize_v_segments(v: torch.Tensor, chunks: torch.Tensor, chunk_segment: torch.Tensor, blocks: torch.Tensor,
+                        segments: int, keys_out: int, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_v`` of several row ranges (segments) of v [N, H, D] in one pass, each with its own channel scales:
+    chunks int32 [NC, 4] (first row, rows <= V_CHUNK, -, -) cover each segment's rows, chunk_segment int64 [NC]
+    their segments; blocks int32 [NB, 4] (first source row, rows 1..64, first output key, segment) -> (v8t e4m3
+    [H, D, keys_out], each block's 64 keys from its output key on, the keys past its rows zero; scale fp32
+    [segments, H, D]). Keys no block writes are left as they are. ``SegmentPlan`` makes the tables."""
+    _check_input(v, "v")
+    _, h, d = v.shape
+    for name, t, w in (("chunks", chunks, 4), ("blocks", blocks, 4)):
+        assert t.dtype == torch.int32 and t.dim() == 2 and t.shape[1] == w and t.is_contiguous(), (
+            f"{name} {t.dtype} {tuple(t.shape)}: want contiguous int32 [n, {w}]")
+        assert t.device == v.device, f"{name} on {t.device}, v on {v.device}"
+    partial = torch.empty((chunks.shape[0], h, d), dtype=torch.float32, device=v.device)
+    v8t = torch.empty((h, d, keys_out), dtype=FP8_DTYPE, device=v.device)
+    if chunks.shape[0]:
+        _v_amax_kernel[(chunks.shape[0], h)](
+            v, partial, 0, h, v.stride(0), v.stride(1), CHUNK=V_CHUNK, BLOCK_T=64, D=d, num_warps=4,
+            blk_ptr=chunks, BLOCKED=True,
+        )
+    # each segment's amax from its chunks' (exact), then quantize_v's own ops on it
+    amax = torch.zeros((segments, h, d), dtype=torch.float32, device=v.device)
+    amax.scatter_reduce_(0, chunk_segment[:, None, None].expand_as(partial), partial, "amax")
+    scale = amax.clamp(min=ACT_EPS) / fp8_max
+    if blocks.shape[0]:
+        _quantize_v_kernel[(blocks.shape[0], h)](
+            v, scale, scale, v8t, 0, keys_out, v.stride(0), v.stride(1),
+            BLOCK_T=KEY_BLOCK, KEY_BLOCK=KEY_BLOCK, D=d, ORDERED=False, FP8_MAX_C=fp8_max, num_warps=4,
+            blk_ptr=blocks, BLOCKED=True,
+        )
+    return v8t, scale
+
+
+class SegmentPlan:
+    """The FP8 operands' block tables for several sequences' prompt chunks after their cached keys (the serving
+    step's ``attention_segments`` under ``--attention fp8``), each chunk quantized as ``spec.attention_fp8`` of that
+    chunk alone would: its query rows in 64-row blocks from its first row; its keys (rows starts[i] .. starts[i] +
+    offsets[i] + n_i - 1 of the key tensor, a KV cache's [batch * rows] view) in 64-key blocks from its first key,
+    copied to ``k_starts8[i]``.. of packed operands where each chunk's keys start at a multiple of 64; V's channel
+    scales over each chunk's keys. Host ints in (``rows`` [B + 1] the chunks' query rows, ``starts``, ``offsets``
+    [B]); one host-to-device copy (from pinned memory on CUDA: no sync)."""
+
+    def __init__(self, rows: list[int], starts: list[int], offsets: list[int], device: torch.device | str):
+        assert len(rows) == len(starts) + 1 == len(offsets) + 1, f"rows {rows} starts {starts} offsets {offsets}"
+        q_blocks, k_blocks, v_chunks, v_blocks, q_base, k_starts8, chunk_seg = [], [], [], [], [], [], []
+        keys_out = 0
+        for i, (a, b, k0, off) in enumerate(zip(rows[:-1], rows[1:], starts, offsets, strict=True)):
+            n, nk = b - a, off + b - a
+            assert n > 0 and off >= 0 and k0 >= 0, f"chunk {i}: rows {a}..{b}, keys from row {k0}, offset {off}"
+            q_base.append(len(q_blocks))
+            q_blocks += [(a + j, min(QK_BLOCK, n - j), a + j) for j in range(0, n, QK_BLOCK)]
+            k_starts8.append(keys_out)
+            k_blocks += [(k0 + j, min(QK_BLOCK, nk - j), keys_out + j) for j in range(0, nk, QK_BLOCK)]
+            v_blocks += [(k0 + j, min(KEY_BLOCK, nk - j), keys_out + j, i) for j in range(0, nk, KEY_BLOCK)]
+            v_chunks += [(k0 + j, min(V_CHUNK, nk - j), 0, 0) for j in range(0, nk, V_CHUNK)]
+            chunk_seg += [i] * cdiv(nk, V_CHUNK)
+            keys_out += cdiv(nk, QK_BLOCK) * QK_BLOCK
+        self.segments, self.keys_out, self.q_rows = len(starts), keys_out, rows[-1]
+        flat = [x for t in (q_blocks, k_blocks) for r in t for x in r] + [x for t in (v_chunks, v_blocks) for r in t
+                                                                          for x in r] + q_base + k_starts8
+        dev = torch.device(device)
+        t = torch.tensor(flat, dtype=torch.int32)
+        t = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+        cuts = [3 * len(q_blocks), 3 * len(k_blocks), 4 * len(v_chunks), 4 * len(v_blocks), len(q_base)]
+        q_b, k_b, v_c, v_b, qb, ks = torch.split(t, cuts + [len(k_starts8)])
+        self.q_blocks, self.k_blocks = q_b.view(-1, 3), k_b.view(-1, 3)
+        self.v_chunks, self.v_blocks = v_c.view(-1, 4), v_b.view(-1, 4)
+        self.q_scale_base, self.k_starts8 = qb, ks  # int32 [B]: each chunk's first Q scale column, first packed key
+        cs = torch.tensor(chunk_seg, dtype=torch.int64)
+        self.chunk_segment = cs.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cs.to(dev)
+
+    def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8_max: float = FP8_MAX):
+        """q [rows[-1], Hq, D], k / v [N, Hkv, D] -> (q8 [rows[-1], Hq, D], sq [Hq, q blocks], k8 [keys_out, Hkv, D],
+        sk [Hkv, keys_out / 64], v8t [Hkv, D, keys_out], sv [B, Hkv, D])."""
+        assert q.shape[0] == self.q_rows, f"q {tuple(q.shape)}: the plan's chunks hold {self.q_rows} rows"
+        q8, sq = quantize_qk_blocks(q, self.q_blocks, q.shape[0], fp8_max)
+        k8, sk = quantize_qk_blocks(k, self.k_blocks, self.keys_out, fp8_max)
+        v8t, sv = quantize_v_segments(v, self.v_chunks, self.chunk_segment, self.v_blocks, self.segments,
+                                      self.keys_out, fp8_max)
+        return q8, sq, k8, sk, v8t, sv
 
 
 def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX, key_order: torch.Tensor | None = None,

@@ -91,6 +91,7 @@ class ChunkKeys:
         assert len(rows) == len(starts) + 1 == len(offsets) + 1, f"rows {rows} starts {starts} offsets {offsets}"
         self.rows, self.starts, self.offsets = list(rows), list(starts), list(offsets)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.memo: dict = {}  # what a backend derives from these chunks once a step (TritonOps: its FP8 block tables)
 
     def __len__(self) -> int:
         return len(self.starts)

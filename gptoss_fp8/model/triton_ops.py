@@ -350,19 +350,26 @@ class TritonOps(W8A8CpuOps):
     def attention_segments(self, q, k, v, sinks, sm_scale, window, keys):
         """Several sequences' chunks after their cached keys (``prefill_many``) in one launch of the Triton prefill
         kernel (``attention_prefill``'s k_starts / q_offsets: each chunk's keys where they lie, a full layer's in the
-        cache; with ``config.attention_gluon_segments`` a full layer's on the Gluon kernel), bf16; one chunk,
-        ``--attention fp8`` on a full layer (its K blocks are per packed rows: each chunk on the FP8 kernels),
-        FlashInfer or ``config.attention_segments`` off: chunk by chunk (``attention_chunk``)."""
-        if (len(keys) < 2 or not self.config.attention_segments or self.fp8_attention(window)
+        cache; with ``config.attention_gluon_segments`` a full layer's bf16 on the Gluon kernel). ``--attention fp8``
+        on a full layer: the same launch on e4m3 operands, each chunk quantized as its own ``attention_chunk`` would
+        (``attn_quant.SegmentPlan``, made once a step and kept on ``keys``), so each sequence's rows are those of
+        its chunk alone. One chunk, FlashInfer or ``config.attention_segments`` off: chunk by chunk."""
+        if (len(keys) < 2 or not self.config.attention_segments
                 or self.config.attention_backend == "flashinfer" or not self._prefill_kernel_ok(q, k, v, sinks)):
             return super().attention_segments(q, k, v, sinks, sm_scale, window, keys)
         from gptoss_fp8.kernels.attention import attention_prefill
+        from gptoss_fp8.kernels.attn_quant import SegmentPlan
 
         n, kvh, m, d = q.shape
         cu, k_starts, q_offsets = keys.device(q.device)
+        plan = None
+        if self.fp8_attention(window):
+            plan = keys.memo.get(("fp8", q.device))
+            if plan is None:
+                plan = keys.memo[("fp8", q.device)] = SegmentPlan(keys.rows, keys.starts, keys.offsets, q.device)
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(), cu,
                               keys.max_rows, sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              k_starts=k_starts, q_offsets=q_offsets)
+                              k_starts=k_starts, q_offsets=q_offsets, fp8=plan is not None, fp8_plan=plan)
         return o.reshape(n, -1)
 
     @staticmethod

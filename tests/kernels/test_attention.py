@@ -385,6 +385,68 @@ def test_prefill_segments_fused_q_rope_cpu():
     _check(fused, spec.attention_varlen(*_fp32(q_r, k, v), sinks, cu, None, 0, torch.float32, ks, qo), gpu=True)
 
 
+def _segment_plan(cu, ks, qo):
+    from gptoss_fp8.kernels.attn_quant import SegmentPlan
+
+    return SegmentPlan(cu.tolist(), ks.tolist(), qo.tolist(), cu.device)
+
+
+@interpreter_only
+@pytest.mark.parametrize("chunks,rows,hq,hkv,window", SEGMENT_CASES)
+def test_prefill_segments_fp8_cpu(chunks, rows, hq, hkv, window):
+    """``--attention fp8``'s chunks after cached keys in one launch (attn_quant.SegmentPlan): each chunk's rows bit for
+    bit its own ``q_offset`` launch (Q in 64-row blocks from its first row, its keys in 64-key blocks from its first
+    key, V's channel scales over its own keys: spec.attention_fp8 of the chunk alone), and the spec within the FP8
+    tolerance; rows no sequence owns are NaN (never read)."""
+    gen = torch.Generator().manual_seed(3200 + sum(n for n, _ in chunks) + window)
+    q, k, v, sinks, cu, ks, qo = _segment_inputs(chunks, rows, hq, hkv, gen)
+    lens = [n for n, _ in chunks]
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, k_starts=ks, q_offsets=qo, fp8=True,
+                            fp8_plan=_segment_plan(cu, ks, qo))
+    assert torch.isfinite(out).all()
+    for b, (n, off) in enumerate(chunks):
+        a, k0 = int(cu[b]), int(ks[b])
+        kk, vv = k[k0:k0 + off + n], v[k0:k0 + off + n]
+        one = attention_prefill(q[a:a + n], kk, vv, sinks, sliding_window=window, q_offset=off, fp8=True)
+        assert torch.equal(out[a:a + n], one), f"chunk {b}: the one-launch rows differ from its own launch"
+        _check_fp8(out[a:a + n], q[a:a + n], kk, vv, sinks, None, window, gpu=False, q_offset=off)
+
+
+def test_prefill_segments_fp8_refuses_without_its_plan():
+    gen = torch.Generator().manual_seed(3250)
+    q, k, v, sinks, cu, ks, qo = _segment_inputs([(5, 3), (7, 0)], 16, 4, 2, gen)
+    with pytest.raises(GptOssFp8Error, match="fp8_plan"):
+        attention_prefill(q, k, v, sinks, cu, 7, k_starts=ks, q_offsets=qo, fp8=True)
+    other = _segment_plan(cu[:2], ks[:1], qo[:1])  # another batch's plan
+    with pytest.raises(GptOssFp8Error, match="fp8_plan"):
+        attention_prefill(q, k, v, sinks, cu, 7, k_starts=ks, q_offsets=qo, fp8=True, fp8_plan=other)
+    with pytest.raises(GptOssFp8Error, match="fp8_plan is for fp8"):
+        attention_prefill(q, k, v, sinks, cu, 7, k_starts=ks, q_offsets=qo, fp8_plan=_segment_plan(cu, ks, qo))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 128])
+def test_prefill_segments_fp8_gpu(window):
+    """The FP8 segments on gpt-oss's heads against a cache of 8192 rows a sequence and packed: each chunk's own FP8
+    launch on the Triton kernel (``attention_gluon_fp8`` off: the same arithmetic, its own compile) within a bf16 ulp,
+    and spec.attention_fp8 of the chunk alone, under poison."""
+    chunks = [(1000, 0), (517, 3000), (1, 8191), (64, 64), (300, 7000)]
+    for rows in (8192, None):
+        gen = torch.Generator().manual_seed(3400 + window + (rows or 0))
+        q, k, v, sinks, cu, ks, qo = (t.to(DEV) for t in _segment_inputs(chunks, rows, 64, 8, gen))
+        _poison(*q.shape)
+        out = attention_prefill(q, k, v, sinks, cu, 1000, sliding_window=window, k_starts=ks, q_offsets=qo, fp8=True,
+                                fp8_plan=_segment_plan(cu.cpu(), ks.cpu(), qo.cpu()))
+        assert torch.isfinite(out).all()
+        cfg = KernelConfig(attention_gluon_fp8=False)
+        for b, (n, off) in enumerate(chunks):
+            a, k0 = int(cu[b]), int(ks[b])
+            kk, vv = k[k0:k0 + off + n], v[k0:k0 + off + n]
+            one = attention_prefill(q[a:a + n], kk, vv, sinks, sliding_window=window, q_offset=off, fp8=True, config=cfg)
+            torch.testing.assert_close(out[a:a + n].float(), one.float(), atol=1e-2, rtol=1e-2)
+            _check_fp8(out[a:a + n], q[a:a + n], kk, vv, sinks, None, window, gpu=True, q_offset=off)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [0, 128])
 def test_prefill_segments_gpu(window):
@@ -445,7 +507,7 @@ def test_prefill_segments_rejects_bad_inputs():
         attention_prefill(q, k, v, sinks, k_starts=ks, q_offsets=qo)
     with pytest.raises(GptOssFp8Error, match="need cu_seqlens"):
         attention_prefill(q, k, v, sinks, cu, k_starts=ks, q_offsets=qo)
-    with pytest.raises(GptOssFp8Error, match="fp8 takes one sequence"):
+    with pytest.raises(GptOssFp8Error, match="fp8_plan"):  # (test_prefill_segments_fp8_refuses_without_its_plan)
         attention_prefill(q, k, v, sinks, cu, 8, fp8=True, k_starts=ks, q_offsets=qo)
     with pytest.raises(GptOssFp8Error, match=r"q_offsets torch.int64 \(2,\)"):
         attention_prefill(q, k, v, sinks, cu, 8, k_starts=ks, q_offsets=qo.long())
@@ -1214,7 +1276,7 @@ for d in (16, 32, 64, 128):
     for window in (False, True):
         tile = DEFAULT.prefill_tile(True, window, 4)
         const = dict(GROUP=4, HEAD_DIM=d, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
-                     RAGGED=False, PACK=tile.pack, FP8=True)
+                     RAGGED=False, PACK=tile.pack, FP8=True, SEGMENTS=False, SV_STRIDE_B=0)
         types = dict(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Sinks="*bf16", Out="*bf16", CuSeqlens="*bf16",
                      Cos="*bf16", Sin="*bf16", qk_scale="fp32", Sq="*fp32", Sk="*fp32", Sv="*fp32")
         sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
@@ -1234,28 +1296,35 @@ from gptoss_fp8.kernels import attention as A
 from gptoss_fp8.kernels.config import DEFAULT
 
 fn, out = A._attn_prefill_kernel, {}
-for window in (False, True):
-    for seg in (False, True):
-        tile = DEFAULT.prefill_tile(True, window, 8)
-        const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
-                     RAGGED=True, PACK=tile.pack, FP8=False, SEGMENTS=seg, Sq=None, Sk=None, Sv=None,
-                     **({} if seg else dict(KStarts=None, QOffsets=None)))
-        types = dict(Q="*bf16", K="*bf16", V="*bf16", Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32",
-                     Sin="*fp32", qk_scale="fp32", KStarts="*i32", QOffsets="*i32")
-        sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(
-            num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
-        out[f"{window}-{seg}"] = [sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx))),
-                                  len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)), ".local" in ptx]
+for fp8 in (False, True):
+    for window in (False, True):
+        for seg in (False, True):
+            tile = DEFAULT.prefill_tile(True, window, 8)
+            const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
+                         RAGGED=True, PACK=tile.pack, FP8=fp8, SEGMENTS=seg, SV_STRIDE_B=512 if fp8 and seg else 0,
+                         **({} if fp8 else dict(Sq=None, Sk=None, Sv=None)),
+                         **({} if seg else dict(KStarts=None, QOffsets=None)),
+                         **({} if fp8 and seg else dict(QScaleBase=None)))
+            op = "*fp8e4nv" if fp8 else "*bf16"
+            types = dict(Q=op, K=op, V=op, Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32", Sin="*fp32",
+                         qk_scale="fp32", KStarts="*i32", QOffsets="*i32", Sq="*fp32", Sk="*fp32", Sv="*fp32",
+                         QScaleBase="*i32")
+            sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
+            ptx = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(
+                num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
+            out[f"{fp8}-{window}-{seg}"] = [
+                sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx))),
+                len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)), ".local" in ptx]
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # ~8 s on the 2-core box: four sm_90 compiles
+@pytest.mark.slow  # ~16 s on the 2-core box: eight sm_90 compiles
 def test_prefill_segments_compile_for_sm90():
     """Without a GPU: the Triton prefill kernel with chunks after cached keys (SEGMENTS: k_starts / q_offsets, the
-    serving engine's prompts of a step) compiles for sm_90 with the GPU's default tiles (causal, window) into the
-    same MMAs as the ragged batch's, no local memory. Its numerics: the interpreter tests, the GPU test."""
+    serving engine's prompts of a step), bf16 and FP8, compiles for sm_90 with the GPU's default tiles (causal,
+    window) into the same MMAs as the ragged batch's, no local memory. Its numerics: the interpreter tests, the GPU
+    test."""
     import json
     import os
     import subprocess
@@ -1265,9 +1334,10 @@ def test_prefill_segments_compile_for_sm90():
     r = subprocess.run([sys.executable, "-c", _SEGMENTS_COMPILE], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    for window in ("False", "True"):
-        assert got[f"{window}-True"] == got[f"{window}-False"], got
-        assert got[f"{window}-True"][1] > 0 and not got[f"{window}-True"][2], got
+    for case in ("False-False", "False-True", "True-False", "True-True"):  # fp8, window
+        assert got[f"{case}-True"] == got[f"{case}-False"], got
+        assert got[f"{case}-True"][1] > 0 and not got[f"{case}-True"][2], got
+    assert got["True-False-True"][0] != got["False-False-True"][0], got  # (the FP8 kernel's MMAs are e4m3 ones)
 
 
 @pytest.mark.slow  # ~20 s on the 2-core box: eight sm_90 compiles
