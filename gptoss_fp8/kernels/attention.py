@@ -48,7 +48,9 @@ scale the output), P is rounded as e4m3(P * 256) against an integral running max
 power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P, and each block's P V
 is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer
 bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
-ragged batches and later chunks this Triton kernel. With ``rope``, q is rotated in its quantization's
+ragged batches and later chunks this Triton kernel, and so do several sequences' chunks after their cached keys
+(``k_starts`` / ``q_offsets`` with ``fp8_plan``, attn_quant.SegmentPlan: each chunk quantized in 64-row / 64-key
+blocks from its own first row / key, V's scales over its own keys, as ``spec.attention_fp8`` of the chunk alone). With ``rope``, q is rotated in its quantization's
 pass (one sequence on the GPU: kernels/attn_quant.py; else kernels/rope.py first, the same bits). The
 interpreter casts fp32 -> e4m3 wrongly where the
 rounding carries into the exponent (31.94 -> 16): there P's rounding is done arithmetically.
