@@ -2,6 +2,8 @@
 over all chunks (``KernelConfig.attention_segments``, thirtieth session) against a launch per chunk, same process,
 runs interleaved (A, B, A, B, ...), on the random 20b (or --model) at real shapes: "segments" (the Triton kernel,
 the default), "gluon-segments" (the full layers' on the bf16 Gluon kernel, ``attention_gluon_segments``), "per-chunk".
+``--attention fp8`` (thirty-second session): the full layers' chunks on e4m3 operands in one launch
+(attn_quant.SegmentPlan) against one FP8 launch (and quantization) per chunk.
 
 Usage (GPU machine): python3 benchmarks/ab_prefill_many.py [--model 20b] [--runs 10] \\
     [--mixes 64x128,16x512,8x1024,8x1024@4096,2x4096]
@@ -40,7 +42,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--mixes", default="64x128,16x512,8x1024,8x1024@4096,2x4096")
     p.add_argument("--attention", choices=("bf16", "fp8"), default="bf16",
-                   help="prefill attention numerics (fp8: the full layers' chunks one by one on the FP8 kernels)")
+                   help="prefill attention numerics (fp8: the full layers' chunks on e4m3 operands, in one launch by "
+                        "attn_quant.SegmentPlan or one by one; no gluon-segments row: the Gluon one is bf16's)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run through Triton's interpreter (TRITON_INTERPRET=1)")
     a = p.parse_args()
     cfg = preset_config(a.model)
@@ -50,7 +53,7 @@ def main() -> None:
     variants = {name: TritonOps(config=cfg).with_attention(a.attention) for name, cfg in (
         ("segments", KernelConfig(attention_segments=True)),
         ("gluon-segments", KernelConfig(attention_gluon_segments=True)),
-        ("per-chunk", KernelConfig(attention_segments=False)))}
+        ("per-chunk", KernelConfig(attention_segments=False))) if a.attention == "bf16" or name != "gluon-segments"}
     for text in a.mixes.split(","):
         b, n, start = _mix(text)
         cache = model.new_cache(start + n + 1, batch=b)

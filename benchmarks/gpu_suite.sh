@@ -145,6 +145,10 @@ if has segments; then
     timeout ${SEGMENTS_S:-300} python3 benchmarks/ab_prefill_many.py --runs 10 2>&1 | grep -v Warn \
       | tee "$OUT/ab_prefill_many.log"
   fi
+  if [[ ${SEGMENTS_FP8_S:-200} != 0 ]]; then  # (thirty-second session) the same under --attention fp8: SegmentPlan
+    timeout ${SEGMENTS_FP8_S:-200} python3 benchmarks/ab_prefill_many.py --runs 6 --attention fp8 2>&1 | grep -v Warn \
+      | tee "$OUT/ab_prefill_many_fp8.log"
+  fi
 fi
 
 if has moe-unchunked-120b; then
