@@ -50,10 +50,10 @@ is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accu
 bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
 ragged batches and later chunks this Triton kernel, and so do several sequences' chunks after their cached keys
 (``k_starts`` / ``q_offsets`` with ``fp8_plan``, attn_quant.SegmentPlan: each chunk quantized in 64-row / 64-key
-blocks from its own first row / key, V's scales over its own keys, as ``spec.attention_fp8`` of the chunk alone). With ``rope``, q is rotated in its quantization's
-pass (one sequence on the GPU: kernels/attn_quant.py; else kernels/rope.py first, the same bits). The
-interpreter casts fp32 -> e4m3 wrongly where the
-rounding carries into the exponent (31.94 -> 16): there P's rounding is done arithmetically.
+blocks from its own first row / key, V's scales over its own keys, as ``spec.attention_fp8`` of the chunk alone).
+With ``rope``, q is rotated in its quantization's pass (one sequence on the GPU: kernels/attn_quant.py; else
+kernels/rope.py first, the same bits). The interpreter casts fp32 -> e4m3 wrongly where the rounding carries into
+the exponent (31.94 -> 16): there P's rounding is done arithmetically.
 
 Options: ``rope=(cos, sin)`` rotates q inside the kernel (YaRN, see ``rope.py``; k comes rotated).
 In the Triton interpreter (CPU) bf16 arithmetic is wrong, so the kernel upcasts tiles to fp32 after

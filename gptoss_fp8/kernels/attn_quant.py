@@ -35,6 +35,7 @@ on both sides); Q and K scales within 1 ulp. The tests hold the GPU to act_quant
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -299,6 +300,20 @@ def quantize_v_segments(v: torch.Tensor, chunks: torch.Tensor, chunk_segment: to
     return v8t, scale
 
 
+def _blocks(lengths: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ranges of ``lengths`` cut into blocks of ``size``: (each block's range, its first offset in the range)."""
+    counts = -(-lengths // size)
+    i = np.repeat(np.arange(len(lengths)), counts)
+    first = np.concatenate([[0], np.cumsum(counts)])[:-1]
+    return i, (np.arange(len(i)) - first[i]) * size
+
+
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``: on CUDA from pinned memory, asynchronously (no wait for the stream's work)."""
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 class SegmentPlan:
     """The FP8 operands' block tables for several sequences' prompt chunks after their cached keys (the serving
     step's ``attention_segments`` under ``--attention fp8``), each chunk quantized as ``spec.attention_fp8`` of that
@@ -310,32 +325,30 @@ class SegmentPlan:
 
     def __init__(self, rows: list[int], starts: list[int], offsets: list[int], device: torch.device | str):
         assert len(rows) == len(starts) + 1 == len(offsets) + 1, f"rows {rows} starts {starts} offsets {offsets}"
-        q_blocks, k_blocks, v_chunks, v_blocks, q_base, k_starts8, chunk_seg = [], [], [], [], [], [], []
-        keys_out = 0
-        for i, (a, b, k0, off) in enumerate(zip(rows[:-1], rows[1:], starts, offsets, strict=True)):
-            n, nk = b - a, off + b - a
-            assert n > 0 and off >= 0 and k0 >= 0, f"chunk {i}: rows {a}..{b}, keys from row {k0}, offset {off}"
-            q_base.append(len(q_blocks))
-            q_blocks += [(a + j, min(QK_BLOCK, n - j), a + j) for j in range(0, n, QK_BLOCK)]
-            k_starts8.append(keys_out)
-            k_blocks += [(k0 + j, min(QK_BLOCK, nk - j), keys_out + j) for j in range(0, nk, QK_BLOCK)]
-            v_blocks += [(k0 + j, min(KEY_BLOCK, nk - j), keys_out + j, i) for j in range(0, nk, KEY_BLOCK)]
-            v_chunks += [(k0 + j, min(V_CHUNK, nk - j), 0, 0) for j in range(0, nk, V_CHUNK)]
-            chunk_seg += [i] * cdiv(nk, V_CHUNK)
-            keys_out += cdiv(nk, QK_BLOCK) * QK_BLOCK
-        self.segments, self.keys_out, self.q_rows = len(starts), keys_out, rows[-1]
-        flat = [x for t in (q_blocks, k_blocks) for r in t for x in r] + [x for t in (v_chunks, v_blocks) for r in t
-                                                                          for x in r] + q_base + k_starts8
-        dev = torch.device(device)
-        t = torch.tensor(flat, dtype=torch.int32)
-        t = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
-        cuts = [3 * len(q_blocks), 3 * len(k_blocks), 4 * len(v_chunks), 4 * len(v_blocks), len(q_base)]
-        q_b, k_b, v_c, v_b, qb, ks = torch.split(t, cuts + [len(k_starts8)])
+        r, k0, off = np.asarray(rows, np.int64), np.asarray(starts, np.int64), np.asarray(offsets, np.int64)
+        n = r[1:] - r[:-1]
+        bad = np.flatnonzero((n <= 0) | (off < 0) | (k0 < 0))
+        assert not len(bad), f"chunk {bad[0]}: rows {r[bad[0]]}..{r[bad[0] + 1]}, keys from row {k0[bad[0]]}, offset " \
+                             f"{off[bad[0]]}"
+        nk = off + n
+        k8 = np.concatenate([[0], np.cumsum(-(-nk // QK_BLOCK) * QK_BLOCK)])  # each chunk's first packed key
+        i, j = _blocks(n, QK_BLOCK)
+        q_blocks = np.stack([r[i] + j, np.minimum(QK_BLOCK, n[i] - j), r[i] + j], 1)
+        q_base = np.concatenate([[0], np.cumsum(-(-n // QK_BLOCK))])[:-1]
+        i, j = _blocks(nk, QK_BLOCK)  # (= KEY_BLOCK: V's blocks are K's)
+        rest = np.minimum(QK_BLOCK, nk[i] - j)
+        k_blocks = np.stack([k0[i] + j, rest, k8[i] + j], 1)
+        v_blocks = np.stack([k0[i] + j, rest, k8[i] + j, i], 1)
+        i, j = _blocks(nk, V_CHUNK)
+        v_chunks = np.stack([k0[i] + j, np.minimum(V_CHUNK, nk[i] - j), 0 * j, 0 * j], 1)
+        self.segments, self.keys_out, self.q_rows = len(starts), int(k8[-1]), rows[-1]
+        tables = [t.astype(np.int32).reshape(-1) for t in (q_blocks, k_blocks, v_chunks, v_blocks, q_base, k8[:-1])]
+        t = _to_device(torch.from_numpy(np.concatenate(tables)), device)
+        q_b, k_b, v_c, v_b, qb, ks = torch.split(t, [x.size for x in tables])
         self.q_blocks, self.k_blocks = q_b.view(-1, 3), k_b.view(-1, 3)
         self.v_chunks, self.v_blocks = v_c.view(-1, 4), v_b.view(-1, 4)
         self.q_scale_base, self.k_starts8 = qb, ks  # int32 [B]: each chunk's first Q scale column, first packed key
-        cs = torch.tensor(chunk_seg, dtype=torch.int64)
-        self.chunk_segment = cs.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cs.to(dev)
+        self.chunk_segment = _to_device(torch.from_numpy(i), device)  # int64: the V chunks' segments
 
     def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8_max: float = FP8_MAX):
         """q [rows[-1], Hq, D], k / v [N, Hkv, D] -> (q8 [rows[-1], Hq, D], sq [Hq, q blocks], k8 [keys_out, Hkv, D],
