@@ -342,6 +342,7 @@ class SegmentPlan:
         i, j = _blocks(nk, V_CHUNK)
         v_chunks = np.stack([k0[i] + j, np.minimum(V_CHUNK, nk[i] - j), 0 * j, 0 * j], 1)
         self.segments, self.keys_out, self.q_rows = len(starts), int(k8[-1]), rows[-1]
+        self.key_rows = int((k0 + nk).max(initial=0))  # the key tensor's rows the chunks read
         tables = [t.astype(np.int32).reshape(-1) for t in (q_blocks, k_blocks, v_chunks, v_blocks, q_base, k8[:-1])]
         t = _to_device(torch.from_numpy(np.concatenate(tables)), device)
         q_b, k_b, v_c, v_b, qb, ks = torch.split(t, [x.size for x in tables])
@@ -354,6 +355,8 @@ class SegmentPlan:
         """q [rows[-1], Hq, D], k / v [N, Hkv, D] -> (q8 [rows[-1], Hq, D], sq [Hq, q blocks], k8 [keys_out, Hkv, D],
         sk [Hkv, keys_out / 64], v8t [Hkv, D, keys_out], sv [B, Hkv, D])."""
         assert q.shape[0] == self.q_rows, f"q {tuple(q.shape)}: the plan's chunks hold {self.q_rows} rows"
+        assert k.shape == v.shape and k.shape[0] >= self.key_rows, (
+            f"k {tuple(k.shape)} / v {tuple(v.shape)}: the plan's chunks read key rows up to {self.key_rows}")
         q8, sq = quantize_qk_blocks(q, self.q_blocks, q.shape[0], fp8_max)
         k8, sk = quantize_qk_blocks(k, self.k_blocks, self.keys_out, fp8_max)
         v8t, sv = quantize_v_segments(v, self.v_chunks, self.chunk_segment, self.v_blocks, self.segments,

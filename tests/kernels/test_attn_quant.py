@@ -179,6 +179,34 @@ def test_quantize_qk_with_rope(T, pos0, dtype):
         attn_quant.quantize_qk(q, rope=(cos[: pos0 + T - 1], sin[: pos0 + T - 1]), pos0=pos0)
 
 
+@pytest.mark.parametrize("fp8_max", [448.0, 240.0])
+def test_segment_plan(fp8_max):
+    """attn_quant.SegmentPlan (a serving step's chunks after cached keys under ``--attention fp8``): each chunk's Q
+    rows, keys (a cache's rows; rows no chunk owns NaN, never read) and V quantized in one pass each against
+    quantizing that chunk's own tensors: its Q / K blocks of 64 from its first row / key, V's channel scales over
+    its own keys (a chunk of 1100 keys: V's amax over two partial chunks), the padded keys of V zero."""
+    x = _inputs((2430, 2, 64), seed=20 + int(fp8_max))
+    k = torch.full_like(x, float("nan"))
+    q = _inputs((1300, 4, 64), seed=21)
+    rows, starts, offsets = [0, 70, 71, 1171, 1300], [0, 200, 1000, 2300], [5, 0, 30, 1]  # keys 75, 1, 1130, 130
+    for a, b, k0, off in zip(rows[:-1], rows[1:], starts, offsets, strict=True):
+        k[k0:k0 + off + b - a] = x[k0:k0 + off + b - a]
+    plan = attn_quant.SegmentPlan(rows, starts, offsets, DEV)
+    q8, sq, k8, sk, v8t, sv = plan.operands(q, k, k * 0.5, fp8_max)
+    assert plan.keys_out == 128 + 64 + 1152 + 192 and sv.shape == (4, 2, 64)
+    assert plan.k_starts8.tolist() == [0, 128, 192, 1344] and plan.q_scale_base.tolist() == [0, 2, 3, 21]
+    for i, (a, b, k0, off) in enumerate(zip(rows[:-1], rows[1:], starts, offsets, strict=True)):
+        nq, nk, qs, ks = b - a, off + b - a, plan.q_scale_base[i].item(), plan.k_starts8[i].item()
+        _check((q8[a:b].contiguous(), sq[:, qs:qs + cdiv(nq, 64)].contiguous()), attn_fp8.quantize_qk(q[a:b], fp8_max))
+        kk = k[k0:k0 + nk]
+        _check((k8[ks:ks + nk].contiguous(), sk[:, ks // 64:ks // 64 + cdiv(nk, 64)].contiguous()),
+               attn_fp8.quantize_qk(kk, fp8_max))
+        _check((v8t[:, :, ks:ks + nk].contiguous(), sv[i]), attn_fp8.quantize_v(kk * 0.5, fp8_max))
+        assert not v8t[:, :, ks + nk:ks + cdiv(nk, 64) * 64].float().any(), f"chunk {i}: V's padded keys not zero"
+    with pytest.raises(AssertionError, match="read key rows up to 2430"):
+        plan.operands(q, k[:2429], k[:2429])
+
+
 def test_bad_inputs():
     x = _inputs((8, 2, 64), seed=10)
     with pytest.raises(AssertionError, match=r"x \(8, 2, 32\).*head_dim must be contiguous"):
