@@ -3,7 +3,12 @@ kernel against the Gluon kernels (``KernelConfig.attention_gluon_offset`` / ``at
 without a GPU in the twenty-ninth session), bf16 and FP8, side by side in one process (issue 34).
 
 Run on the GPU machine from the repository root:
-    PYTHONPATH=$PWD python3 benchmarks/attn_offset.py [--chunks 8192@0,8192@32768,8192@119808] [--passes 2]
+    PYTHONPATH=$PWD python3 benchmarks/attn_offset.py [--chunks 8192@0,8192@32768,8192@119808] [--passes 2] \
+        [--fp8-tiles 128x64x8x3r128,128x64x8x3,128x64x8x4,128x32x4x3]
+``--fp8-tiles`` (thirty-second session): FP8 rows of the Triton kernel on each tile BMxBNxWARPSxSTAGES[rMAXNREG]
+too (``attention_prefill(tile=)``): the causal tile it shares with bf16, 128x64x8x3r128, spills 236 bytes since
+its row sum moved to the tensor core (sm_90 compile), 128x64x8x3 / x4 (no cap: 250 registers, no spills) and
+128x32x4x3 do not.
 Each case T@P: q of T rows at key positions P.. of P + T keys (64 query / 8 KV heads, head_dim 64, fresh
 random inputs, sinks -10..10). Per case and numerics: each path's relative error against fp32 attention
 (``spec.attention(q_offset=)`` on sampled rows; FP8's includes its operands' rounding) and the two paths'
@@ -19,7 +24,7 @@ import torch
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.attention import attention_prefill
-from gptoss_fp8.kernels.config import KernelConfig
+from gptoss_fp8.kernels.config import KernelConfig, PrefillTile
 
 HQ, HKV, D = 64, 8, 64
 
@@ -45,7 +50,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunks", default="8192@0,8192@32768,8192@119808")
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--fp8-tiles", default="", help="Triton FP8 tiles BMxBNxWARPSxSTAGES[rMAXNREG], comma-separated")
     a = p.parse_args()
+    tiles = {}
+    for t in filter(None, a.fp8_tiles.split(",")):
+        dims, _, cap = t.partition("r")
+        bm, bn, w, st = (int(x) for x in dims.split("x"))
+        tiles[f"triton-{t}"] = PrefillTile(bm, bn, w, st, maxnreg=int(cap) if cap else None)
     gen = torch.Generator(device="cuda").manual_seed(0)
     sinks = torch.linspace(-10, 10, HQ, device="cuda")
     configs = {"triton": KernelConfig(),
@@ -59,6 +70,9 @@ def main() -> None:
         for fp8 in (False, True):
             runs = {n: (lambda c=c: attention_prefill(q, k, v, sinks, fp8=fp8, q_offset=P, config=c))
                     for n, c in configs.items()}
+            if fp8:
+                runs.update({n: (lambda t=t: attention_prefill(q, k, v, sinks, fp8=True, q_offset=P, tile=t))
+                             for n, t in tiles.items()})
             outs = {n: f() for n, f in runs.items()}
             for n, o in outs.items():  # (FP8: against fp32 attention, the error of the e4m3 operands included)
                 print(f"{T}@{P} {'fp8' if fp8 else 'bf16'} {n}: rel. error vs fp32 attention "

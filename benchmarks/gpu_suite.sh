@@ -166,7 +166,8 @@ if has attn-offset; then
   timeout -s INT 240 python3 -m pytest -q -rf -n 4 --dist load tests/kernels/test_attention.py -k "offset" \
     > "$OUT/attn_offset_tests.log" 2>&1
   tail -4 "$OUT/attn_offset_tests.log"
-  timeout 180 python3 benchmarks/attn_offset.py 2>&1 | grep -v Warn | tee "$OUT/attn_offset.log"
+  timeout 240 python3 benchmarks/attn_offset.py --fp8-tiles 128x64x8x3r128,128x64x8x3,128x64x8x4,128x32x4x3 2>&1 \
+    | grep -v Warn | tee "$OUT/attn_offset.log"
   # the whole 20b prefilled as the serving engine feeds a long prompt (chunks of 8192 into a cache) beside the whole
   # prompt at once, the later chunks on the Triton / the Gluon attention
   timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 3 \
