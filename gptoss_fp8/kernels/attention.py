@@ -45,7 +45,8 @@ quantizes with quant/attn_fp8.py's roundings (Q, K e4m3 per 64 packed rows per h
 in one pass by kernels/attn_quant.py, on CPU by quant/attn_fp8.py's torch ops); both
 dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
 scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
-power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P, and each block's P V
+power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P (by the tensor core: P8 times a
+tile of ones, thirty-second session; it was ~12 fp32 instructions a score), and each block's P V
 is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer
 bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
 ragged batches and later chunks this Triton kernel, and so do several sequences' chunks after their cached keys
