@@ -1340,6 +1340,59 @@ def test_prefill_segments_compile_for_sm90():
     assert got["True-False-True"][0] != got["False-False-True"][0], got  # (the FP8 kernel's MMAs are e4m3 ones)
 
 
+_FP8_SPILL_COMPILE = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gptoss_fp8.kernels import attention as A
+from gptoss_fp8.kernels._gluon import ptxas_resources
+from gptoss_fp8.kernels.config import DEFAULT
+
+fn, out = A._attn_prefill_kernel, {}
+tile = DEFAULT.prefill_tile(True, False, 8)
+for seg in (False, True):
+    const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
+                 RAGGED=seg, PACK=tile.pack, FP8=True, SEGMENTS=seg, SV_STRIDE_B=512 if seg else 0, stride_vt=1,
+                 **({} if seg else dict(KStarts=None, QOffsets=None, QScaleBase=None)))
+    types = dict(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32",
+                 Sin="*fp32", qk_scale="fp32", Sq="*fp32", Sk="*fp32", Sv="*fp32", KStarts="*i32", QOffsets="*i32",
+                 QScaleBase="*i32")
+    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
+    # as a launch specializes them: pointers and the strides of gpt-oss's shapes divisible by 16
+    div = [a for a in ("Q", "K", "V", "Sinks", "Out", "Sq", "Sk", "Sv", "CuSeqlens", "KStarts", "QOffsets", "QScaleBase",
+                       "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vh", "stride_ot", "stride_oh",
+                       "stride_sqh", "stride_skh", "stride_vd") if a in sig and sig[a] != "constexpr"]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
+    ptx = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
+    out[str(seg)] = ptxas_resources(ptx)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # ~10 s on the 2-core box: two sm_90 compiles
+def test_prefill_fp8_triton_kernel_fits_its_registers_sm90():
+    """Without a GPU: the FP8 Triton prefill kernel on the GPU's causal tile, compiled as a launch specializes it,
+    stays within the tile's 128-register cap: one sequence without spilling, the serving step's segments (their
+    row bases and offsets read per program, 64-bit) within 64 bytes (52 in the thirty-second session). Its row
+    sum comes from the cast's bytes; until then ~12 fp32 instructions a score rounded P and one sequence's kernel
+    spilled 252 bytes at the cap."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _FP8_SPILL_COMPILE], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    if not got["False"]:
+        pytest.skip("no ptxas in this triton: nothing to read the registers from")
+    for seg, res in got.items():
+        assert res["regs"] <= 128 and res["spill_stores"] <= (64 if seg == "True" else 0), (seg, res)
+
+
 @pytest.mark.slow  # ~20 s on the 2-core box: eight sm_90 compiles
 def test_prefill_fp8_triton_kernel_compiles_for_sm90_at_every_head_dim():
     """Without a GPU: the FP8 Triton prefill kernel (sliding windows, ragged batches, chunks, head dims the Gluon
