@@ -39,3 +39,15 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+def device_ints(values, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host ints (a list or a numpy array) as a tensor on ``device`` without a host synchronisation: on CUDA copied
+    from pinned memory, asynchronously (a copy from pageable memory waits for everything queued on the stream first,
+    e.g. the decode step launched just before a serving step's prompt chunks; the pinned block is not reused before
+    the copy ends)."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -516,12 +516,10 @@ def attention_prefill(
     num_pid_m = cdiv(max_seqlen, BLOCK_M // pack)
     grid = (Hq // pack, B, num_pid_m) if segments else (Hq // pack, num_pid_m, B)
     fp8_args = {}
-    if fp8 and segments:  # (no rope: _check_segments)
+    if fp8 and segments:  # each chunk quantized as its own launch would (no rope: _check_segments)
         q8, sq, k8, sk, v8t, sv = fp8_plan.operands(q, k, v)
-        q, k, v, k_starts = q8, k8, v8t.permute(2, 0, 1), fp8_plan.k_starts8
-        sq = sq * (sm_scale * LOG2E)
-        fp8_args = dict(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
-                        stride_vd=v8t.stride(1), FP8=True, QScaleBase=fp8_plan.q_scale_base, SV_STRIDE_B=sv[0].numel())
+        k_starts = fp8_plan.k_starts8  # (its packed keys, 64-aligned)
+        fp8_args = dict(QScaleBase=fp8_plan.q_scale_base, SV_STRIDE_B=sv[0].numel())
     elif fp8:
         # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass; a rope
         # rotates q there (one sequence on the GPU) or first (kernels/rope.py: ragged positions, the CPU)
@@ -535,9 +533,10 @@ def attention_prefill(
         rope = None  # (q8 is rotated)
         k8, sk = quant.quantize_qk(k)
         v8t, sv = quant.quantize_v(v)  # [Hkv, D, T], keys contiguous
+    if fp8:
         q, k, v = q8, k8, v8t.permute(2, 0, 1)  # v as a [T, Hkv, D] view: stride(0) == 1
         sq = sq * (sm_scale * LOG2E)
-        fp8_args = dict(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
+        fp8_args.update(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
                         stride_vd=v8t.stride(1), FP8=True)
     _attn_prefill_kernel[grid](
         q, k, v, sinks, out, cu_seqlens if ragged else sinks, cos, sin,

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_fp8.kernels import device_ints
 from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
 from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant.attn_fp8 import QK_BLOCK
@@ -308,12 +309,6 @@ def _blocks(lengths: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return i, (np.arange(len(i)) - first[i]) * size
 
 
-def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device``: on CUDA from pinned memory, asynchronously (no wait for the stream's work)."""
-    device = torch.device(device)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 class SegmentPlan:
     """The FP8 operands' block tables for several sequences' prompt chunks after their cached keys (the serving
     step's ``attention_segments`` under ``--attention fp8``), each chunk quantized as ``spec.attention_fp8`` of that
@@ -344,12 +339,12 @@ class SegmentPlan:
         self.segments, self.keys_out, self.q_rows = len(starts), int(k8[-1]), rows[-1]
         self.key_rows = int((k0 + nk).max(initial=0))  # the key tensor's rows the chunks read
         tables = [t.astype(np.int32).reshape(-1) for t in (q_blocks, k_blocks, v_chunks, v_blocks, q_base, k8[:-1])]
-        t = _to_device(torch.from_numpy(np.concatenate(tables)), device)
+        t = device_ints(np.concatenate(tables), device, torch.int32)
         q_b, k_b, v_c, v_b, qb, ks = torch.split(t, [x.size for x in tables])
         self.q_blocks, self.k_blocks = q_b.view(-1, 3), k_b.view(-1, 3)
         self.v_chunks, self.v_blocks = v_c.view(-1, 4), v_b.view(-1, 4)
         self.q_scale_base, self.k_starts8 = qb, ks  # int32 [B]: each chunk's first Q scale column, first packed key
-        self.chunk_segment = _to_device(torch.from_numpy(i), device)  # int64: the V chunks' segments
+        self.chunk_segment = device_ints(i, device)  # int64: the V chunks' segments
 
     def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8_max: float = FP8_MAX):
         """q [rows[-1], Hq, D], k / v [N, Hkv, D] -> (q8 [rows[-1], Hq, D], sq [Hq, q blocks], k8 [keys_out, Hkv, D],

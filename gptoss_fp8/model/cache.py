@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.kernels import device_ints
 
 
 @dataclass
@@ -283,17 +284,6 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-
-def device_ints(values: list[int], device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host ints as a tensor on ``device`` without a host synchronisation: on CUDA copied from pinned memory,
-    asynchronously (a copy from pageable memory waits for everything queued on the stream first, e.g. the decode
-    step launched just before a serving step's prompt chunks; the pinned block is not reused before the copy ends)."""
-    t = torch.tensor(values, dtype=dtype)
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def decode_tokens(cache: KVCache, token, device: torch.device | str | None = None) -> torch.Tensor:

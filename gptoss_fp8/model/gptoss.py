@@ -18,7 +18,8 @@ from torch import nn
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import ChunkRows, DecodeStep, KVCache, decode_tokens, device_ints
+from gptoss_fp8.kernels import device_ints
+from gptoss_fp8.model.cache import ChunkRows, DecodeStep, KVCache, decode_tokens
 from gptoss_fp8.model.ops import ChunkKeys, Normed, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid

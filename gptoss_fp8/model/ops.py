@@ -42,7 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8 import spec
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.cache import device_ints
+from gptoss_fp8.kernels import device_ints
 from gptoss_fp8.parallel import Parallel
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_dequantized, dequantize_weight_blocks, quantize_act
 
