@@ -22,6 +22,7 @@ wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE ti
 ``GluonTile.stage_scales``: the scales through the stages, twenty-eighth session), "wide-turns-scales" (both
 options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
+"fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
 "full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
 off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in chunks of 8192, as the
 serving engine's default feeds a long one: every chunk after the first attends to cached keys) and "chunked-gluon"
@@ -89,6 +90,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
     if name == "fp8-qreg":  # the FP8 attention's Q in registers (twenty-eighth session, opt-in)
         return replace(base, attention_fp8_q_registers=True)
+    if name == "fp8-lanemax":  # the FP8 attention's row max with one shuffle pair a step (thirty-third session)
+        return replace(base, attention_fp8_lane_max=True)
     if name in ("wide-scales", "wide-turns-scales", "dense-scales", "all-scales", "all-turns-scales"):
         # the 128 x 256 tiles' scales through the stages (GluonTile.stage_scales), with turns in the "-turns-" ones
         opts = dict(stage_scales=True, **({"turns": True} if "turns" in name else {}))

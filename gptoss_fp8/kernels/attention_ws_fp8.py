@@ -61,6 +61,7 @@ if HAS_GLUON:
     from gptoss_fp8.kernels.attention_ws import (
         _attn_produce,
         _exp2_fma,
+        _fold,
         _halves,
         _row_reduce,
         _unhalves,
@@ -147,9 +148,26 @@ if HAS_GLUON:
             return y
 
     @gluon.jit
+    def _lane_max(x):
+        """A score tile's row maxima folded within each thread only: [R, N] (the wgmma accumulator layout) ->
+        [R, 4], a row's maximum over the columns each lane of its quad holds (``attention_ws._tree``'s folds, then
+        the pair of adjacent columns in a thread's registers; no data moved, no shuffle)."""
+        R: gl.constexpr = x.type.shape[0]
+        x = _fold(_fold(_fold(x, False), False), False)  # 64 -> 8 columns: 2 a lane of the quad
+        gl.static_assert(x.type.shape[1] == 8, "_lane_max: 64-key blocks")
+        a, b = gl.split(gl.reshape(x, [R, 4, 2]))
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _quad_max(x, rows):
+        """[R, 4] lane maxima (``_lane_max``) -> the rows' maxima [R] across the quad's lanes (two shuffles), in
+        the layout of ``rows`` (the score tile's rows)."""
+        return gl.convert_layout(gl.max(x, 1), rows.type.layout)
+
+    @gluon.jit
     def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0,
                       turn=None, zrow=None, W: gl.constexpr = 0, k=0, TURN: gl.constexpr = 0, trace_ptr=None,
-                      TRACE: gl.constexpr = 0):
+                      TRACE: gl.constexpr = 0, LMAX: gl.constexpr = False):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
@@ -160,7 +178,10 @@ if HAS_GLUON:
         exponential phases follow each other instead of sharing the unit at once."""
         BN: gl.constexpr = sa.type.shape[1]
         if a + 1 < n_full:
-            m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
+            if LMAX:  # (each block's maxima scaled per lane: max and a positive scale commute, the same m)
+                m_blk = _quad_max(gl.maximum(_lane_max(sa) * ca, _lane_max(sb) * cb), rows)
+            else:
+                m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
             m_new = gl.maximum(m_i, _ceil(m_blk))
             _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
             m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
@@ -172,7 +193,11 @@ if HAS_GLUON:
             cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
             sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
             sb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
-            m_new = gl.maximum(m_i, _ceil(gl.maximum(_row_reduce(sa, False, True), _row_reduce(sb, False, True))))
+            if LMAX:
+                m_blk = _quad_max(gl.maximum(_lane_max(sa), _lane_max(sb)), rows)
+            else:
+                m_blk = gl.maximum(_row_reduce(sa, False, True), _row_reduce(sb, False, True))
+            m_new = gl.maximum(m_i, _ceil(m_blk))
             _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
             m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
             _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
@@ -265,7 +290,8 @@ if HAS_GLUON:
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
-                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
+                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
+                   LMAX: gl.constexpr = False):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -316,7 +342,7 @@ if HAS_GLUON:
                 alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
-                                                        zrow, W, i, TURN, trace_ptr, TRACE)
+                                                        zrow, W, i, TURN, trace_ptr, TRACE, LMAX)
             p8a = _e4m3(_relabel(pa, p_layout))
             p8b = _e4m3(_relabel(pb, p_layout))
             if PROBE == 2:
@@ -363,7 +389,7 @@ if HAS_GLUON:
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
         QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
@@ -413,7 +439,7 @@ if HAS_GLUON:
                 n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
-                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE)
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -432,29 +458,29 @@ if HAS_GLUON:
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET)
+                     QREG, OFFSET, LMAX)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET)
+                     QREG, OFFSET, LMAX)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
         if OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           True, PAIRS, REL, q_offset)
@@ -471,7 +497,8 @@ if HAS_GLUON:
                                  PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
                                  REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                                 QREG: gl.constexpr = False, OFFSET: gl.constexpr = False):
+                                 QREG: gl.constexpr = False, OFFSET: gl.constexpr = False,
+                                 LMAX: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -498,19 +525,19 @@ if HAS_GLUON:
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
                             REL,
-                            TRACE, PROBE, QREG, OFFSET)),
+                            TRACE, PROBE, QREG, OFFSET, LMAX)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                              PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET)),
+                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -573,7 +600,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              probe: str | None = None,
                              trace: torch.Tensor | None = None,
                              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             q_in_registers: bool = False, q_offset: int = 0) -> torch.Tensor:
+                             q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -592,7 +619,10 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     benchmarks/attn_trace.py). rope = (cos, sin): q not yet rotated, rotated in its quantization's pass
     (``fp8_operands``: the rotated bf16 q is never written). q_in_registers (opt-in, built without a GPU in the
     twenty-eighth session, unmeasured): each warpgroup's Q tile loaded into registers once, QK^T's A operand
-    from there (the bf16 kernel's 3% win), not re-read from shared memory by every QK^T wgmma."""
+    from there (the bf16 kernel's 3% win), not re-read from shared memory by every QK^T wgmma. lane_max (opt-in,
+    thirty-third session, unmeasured): a 128-key step's row max reduced across the quad's lanes once, not once a
+    block (``_lane_max``: each block's maxima folded and scaled within the threads; max and a positive factor's
+    rounding commute, so m is the same bit for bit): 4 shuffles and 4 FMNMX fewer a thread and step."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -623,6 +653,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
         num_warps=4, **({"QREG": True} if q_in_registers else {}), **({"OFFSET": True} if q_offset else {}),
+        **({"LMAX": True} if lane_max else {}),
     )
     return out
 

@@ -247,6 +247,11 @@ class KernelConfig:
     # fourth had timed the same option on the FP8 kernel of then (``q_regs``, b092d9f): equal (216.9 / 215.8 against
     # 216.2 / 215.9 ms at 128000, 14.51 against 14.40 at 32768). One A/B on today's kernel; removed unless it wins
     attention_fp8_q_registers: bool = False
+    # The FP8 Gluon kernel's row max with one reduction across the quad's lanes a 128-key step (each block's
+    # maxima folded within the threads and scaled there, then one pair of shuffles; the same m bit for bit): 4 SHFL
+    # and 4 FMNMX fewer a thread and step (~2% of its instructions; static SASS, thirty-third session, no device).
+    # Opt-in until an A/B times it (``attn_variants.py fp8-lanemax``, ``ab_prefill.py fp8-lanemax``)
+    attention_fp8_lane_max: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

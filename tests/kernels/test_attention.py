@@ -1014,15 +1014,16 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
 @pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
 @pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2), dict(exp_fma=1), dict(turns=1),
                                   dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(pair_ready=False),
-                                  dict(stages=6), dict(q_in_registers=True)],
+                                  dict(stages=6), dict(q_in_registers=True), dict(lane_max=True)],
                          ids=["64-key", "fp32-sum", "2-stages", "fma25", "turns", "turns-half-2-stages",
-                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers"])
+                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers", "lane-max"])
 def test_ws_fp8_options_gpu(T, opts):
     """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
     pipes' polynomial, within the tolerance of the e4m3 rounding it feeds; the warpgroups taking turns at the
     exponentials, which must not deadlock when their step counts differ; one release of a step's two ring
-    stages; Q from registers, also bit for bit the default's) against spec.attention_fp8,
+    stages; Q from registers, and the row max reduced across lanes once a step, both bit for bit the default's)
+    against spec.attention_fp8,
     one program per head (T <= 192: the compile that once returned wrong rows) and several, under poison."""
     from gptoss_fp8.kernels.attention_ws_fp8 import spec_row_sum, ws_attention_prefill_fp8
 
@@ -1039,7 +1040,8 @@ def test_ws_fp8_options_gpu(T, opts):
     assert torch.isfinite(o).all()
     rel = ((o - ref).norm() / ref.norm()).item()
     assert rel <= 1e-2 and rel < 0.25 * ((o - exact).norm() / exact.norm()).item(), f"rel {rel:.2e} vs the spec"
-    if opts.get("q_in_registers"):  # the same operands from registers instead of shared memory: the same bits
+    if opts.get("q_in_registers") or opts.get("lane_max"):  # the same operands from registers instead of shared
+        # memory; the same maxima, reduced across the lanes once: the same bits
         assert torch.equal(out, ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5))
 
 
@@ -1053,7 +1055,7 @@ def test_ws_fp8_offset_gpu(T, q_offset, opts):
     [q_offset + T]; the serving engine's chunks after the first) against spec.attention_fp8(q_offset=): offsets
     that put the diagonal across two 64-key blocks and a step's two, chunks of one row to several programs, under
     poison; through ``attention_prefill`` only with ``KernelConfig.attention_gluon_fp8_offset`` (the Triton kernel
-    otherwise), with the same bits as the launcher called directly."""
+    otherwise), with the same bits as the launcher called directly, and with ``attention_fp8_lane_max`` too."""
     from gptoss_fp8.kernels import attention_ws_fp8
 
     assert set(opts) <= {"pairs", "turns", "pair_release"}  # (else the row sum below needs them)
@@ -1078,7 +1080,10 @@ def test_ws_fp8_offset_gpu(T, q_offset, opts):
         on = attention_prefill(q, k, v, sinks, fp8=True, q_offset=q_offset,
                                config=KernelConfig(attention_gluon_fp8_offset=True))
         off = attention_prefill(q, k, v, sinks, fp8=True, q_offset=q_offset)
-    assert calls == [1] and torch.equal(on, out)
+        # the row max reduced across lanes once a step (KernelConfig.attention_fp8_lane_max): the same bits
+        lane = attention_prefill(q, k, v, sinks, fp8=True, q_offset=q_offset,
+                                 config=KernelConfig(attention_gluon_fp8_offset=True, attention_fp8_lane_max=True))
+    assert calls == [1, 1] and torch.equal(on, out) and torch.equal(lane, out)
     _check_fp8(off, q, k, v, sinks, None, 0, gpu=True, q_offset=q_offset)
 
 
@@ -1177,7 +1182,9 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     """Without a GPU: the FP8 Gluon attention compiles for sm_90 into e4m3 wgmma (QK^T from shared memory,
     PV with P from registers), P packed four values a register right before its wgmma (no e4m3 tensor
     carried across the loop: its bytes would be repacked), no local memory, the consumers at 160 registers;
-    with QREG (``q_in_registers``) QK^T's Q from registers too, still no spills; so with OFFSET (a later chunk)."""
+    with QREG (``q_in_registers``) QK^T's Q from registers too, still no spills; so with OFFSET (a later chunk);
+    with LMAX (``lane_max``) 24 shuffles and 24 max fewer (4 each a step's row max, masked and unmasked, three
+    consumer warpgroups)."""
     import re
 
     from gptoss_fp8.kernels import _gluon, attention_ws_fp8
@@ -1198,7 +1205,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     for opts, row_sum_mmas in ((dict(PAIRS=True, ONES=True, TURN=2, REL=2), 12), (dict(PAIRS=False, ONES=False), 0),
                                (dict(PAIRS=True, ONES=True, FMA=1), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12),
-                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12)):
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12),
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
@@ -1211,6 +1219,11 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
         if "spill_stores" in k:
             assert k["spill_stores"] <= (0 if opts["PAIRS"] else 8), (opts, k)
+        counts = (ptx.count("shfl.sync"), ptx.count("max.f32"))
+        if opts == dict(PAIRS=True, ONES=True, TURN=2, REL=2):
+            default = counts
+        elif opts.get("LMAX"):
+            assert counts == (default[0] - 24, default[1] - 24), (counts, default)
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
