@@ -4,11 +4,15 @@ Contract (gptoss_fp8.quant.fp8): x [..., K] bf16/fp16/fp32 -> x_fp8 float8_e4m3f
 scale float32 [..., ceil(K/128)], scale = max(amax, 1e-10) / 448 over each group of 128 (the last
 group may be partial, e.g. K = 2880 = 22*128 + 64), x_fp8 = rne(x / scale) saturated at +-448.
 
-The rounding to e4m3 is done in fp32 by ``round_to_e4m3`` (integer arithmetic on the fp32 bits)
-before the cast, so the cast only ever sees representable values. This makes the result exact in
-Triton's interpreter too, whose fp32 -> fp8 cast drops the carry when rounding crosses a binade
-(e.g. 124.8 -> 64 instead of 128); on the GPU it costs a few integer ops per element.
-``round_to_e4m3`` is shared with the fused SwiGLU-quantize epilogue of the MoE (moe.py).
+The rounding to e4m3 (``e4m3``): on the GPU the cast Triton emits, ``cvt.rn.satfinite.e4m3x2.f32``
+(round to nearest even, saturating; the Gluon MoE epilogues' cast), one instruction a pair of values.
+In Triton's interpreter, whose fp32 -> fp8 cast drops the carry when rounding crosses a binade (e.g.
+124.8 -> 64 instead of 128), ``round_to_e4m3`` first (integer arithmetic on the fp32 bits), so the cast
+only sees representable values there. The two give the same values; a negative value rounding to
+zero is -0 (0x80) from the hardware, as torch's cast, and +0 from ``round_to_e4m3``. Until the
+thirty-third session the GPU took ``round_to_e4m3`` too (~10 instructions a value more). ``e4m3`` is
+shared with the norm's quantization (norm.py), the MoE's (moe.py, moe_gemm.py, moe_gemv.py,
+swiglu_quant.py) and the attention operands' (attn_quant.py).
 
 Division on the GPU: Triton's fp32 ``/`` is not IEEE-rounded (measured on the H200: 29% of
 quotients 1 ulp off, max relative 1.7e-7), and neither is torch's CUDA division by a scalar (a
@@ -20,12 +24,29 @@ reason not found within the session (see the notes), so it is not used.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, quantize_act
+
+# Whether kernels run in Triton's interpreter: read when this module is imported, as triton.jit reads
+# TRITON_INTERPRET when it decorates them (tests/conftest.py sets it first on a machine without a GPU).
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@triton.jit
+def e4m3(q):
+    """fp32 values already clamped to [-fp8_max, fp8_max] -> their e4m3 values, round to nearest even, for a
+    store: on the GPU the hardware cast (float8e4nv), in the interpreter ``round_to_e4m3``'s fp32 (the store's
+    cast is then exact)."""
+    if INTERPRETED:
+        return round_to_e4m3(q)
+    else:
+        return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -55,15 +76,15 @@ def group_scale(amax, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def quantize_with_scale(x, scale, FP8_MAX_C: tl.constexpr):
-    """x [BLOCK_M, G] fp32, scale [BLOCK_M] -> fp32 e4m3 values rne(x / scale) saturated."""
+    """x [BLOCK_M, G] fp32, scale [BLOCK_M] -> e4m3 values rne(x / scale) saturated (``e4m3``: for a store)."""
     q = x / scale[:, None]
     q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-    return round_to_e4m3(q)
+    return e4m3(q)
 
 
 @triton.jit
 def quantize_group_rows(x, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
-    """x [BLOCK_M, G] fp32 (one group per row, masked entries 0) -> (q fp32 e4m3 values, scale [BLOCK_M])."""
+    """x [BLOCK_M, G] fp32 (one group per row, masked entries 0) -> (q e4m3 values, scale [BLOCK_M])."""
     scale = group_scale(tl.max(tl.abs(x), axis=1), FP8_MAX_C, EPS)
     return quantize_with_scale(x, scale, FP8_MAX_C), scale
 

@@ -13,8 +13,8 @@ Contract (reference: ``gptoss_fp8.quant.attn_fp8``, which owns the layouts and t
 Inputs: bf16 / fp16 / fp32, any stride over T and H (e.g. q, k, v as views of a fused qkv buffer),
 D contiguous, a power of two in 16..256 (attention.py's range).
 
-Rounding: as kernels/act_quant.py (``round_to_e4m3`` before the cast, so the interpreter is exact),
-plus the sign of zero: a negative value that rounds to zero gives -0 (byte 0x80) as torch's cast
+Rounding: as kernels/act_quant.py (``e4m3``: the hardware cast on the GPU, ``round_to_e4m3`` before it in
+the interpreter), plus the sign of zero: a negative value that rounds to zero gives -0 (byte 0x80) as torch's cast
 does, so the bytes, not only the values, equal the reference's. V's scale comes from a partial-amax
 kernel and torch's own ops on the [H, D] amax (the reference's ops on the same exact values).
 
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels import device_ints
-from gptoss_fp8.kernels.act_quant import group_scale, round_to_e4m3
+from gptoss_fp8.kernels.act_quant import INTERPRETED, e4m3, group_scale
 from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant.attn_fp8 import QK_BLOCK
 from gptoss_fp8.quant.fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
@@ -53,11 +53,14 @@ V_BLOCK_T = 64  # keys per program of V's quantization (a multiple of KEY_BLOCK)
 
 @triton.jit
 def _e4m3_saturated(q, FP8_MAX_C: tl.constexpr):
-    """fp32 quotients -> fp32 holding their e4m3 values (RNE, saturated at +-FP8_MAX_C), -0 kept."""
-    r = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C))
-    # round_to_e4m3's subnormal path returns +0 for a tiny negative; torch's cast gives -0 (0x80)
-    sign = q.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 == 0x80000000 as int32
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    """fp32 quotients -> their e4m3 values (RNE, saturated at +-FP8_MAX_C), -0 kept (act_quant.e4m3: on the GPU
+    the hardware cast, which keeps it; in the interpreter fp32 values, the sign put back)."""
+    r = e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C))
+    if INTERPRETED:
+        # round_to_e4m3's subnormal path returns +0 for a tiny negative; torch's cast gives -0 (0x80)
+        sign = q.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 == 0x80000000 as int32
+        r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return r
 
 
 @triton.jit

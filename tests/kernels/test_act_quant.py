@@ -1,16 +1,19 @@
 """act_quant (Triton) against quant/fp8.quantize_act.
 
-Tolerances: through the interpreter (CPU), exact: identical scales and FP8 bytes (the kernel
+Tolerances: through the interpreter (CPU), exact: identical scales and FP8 values (there the kernel
 rounds to e4m3 with integer arithmetic before the cast, so the interpreter's own faulty fp32 -> fp8
-cast never rounds). On the GPU, Triton's fp32 division is not IEEE-rounded (and torch's CUDA
-division by a scalar is a multiplication by its reciprocal), so: scales within 1 fp32 ulp, and at
-most 1e-4 of the FP8 values (two on small tensors) one e4m3 step away from torch's, none further.
+cast never rounds; on the GPU the hardware cast rounds, to the same values: test_e4m3_cast_gpu). On
+the GPU, Triton's fp32 division is not IEEE-rounded (and torch's CUDA division by a scalar is a
+multiplication by its reciprocal), so: scales within 1 fp32 ulp, and at most 1e-4 of the FP8 values
+(two on small tensors) one e4m3 step away from torch's, none further.
 """
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from gptoss_fp8.kernels.act_quant import act_quant, act_quant_reference
+from gptoss_fp8.kernels.act_quant import act_quant, act_quant_reference, e4m3, round_to_e4m3
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,3 +68,39 @@ def test_act_quant_zero_group():
 @pytest.mark.parametrize("shape", [(8192, 2880), (1, 2880), (4099, 4096), (131072, 160)])
 def test_act_quant_gpu(shape):
     _check(_inputs(shape, torch.bfloat16, seed=shape[0]))
+
+
+@triton.jit
+def _both_roundings(x_ptr, hw_ptr, sw_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.minimum(tl.maximum(tl.load(x_ptr + i, mask=i < n, other=0.0), -448.0), 448.0)
+    tl.store(hw_ptr + i, e4m3(x).to(tl.float8e4nv), mask=i < n)
+    tl.store(sw_ptr + i, round_to_e4m3(x), mask=i < n)
+
+
+def _e4m3_sweep() -> torch.Tensor:
+    """fp32 values over e4m3's range: every finite e4m3 value, every midpoint between neighbours (the ties) and
+    one fp32 ulp either side of each, both signs; random values over 22 binades (normals, subnormals, beyond 448)."""
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    v = v[torch.isfinite(v)].unique()  # ascending, -448 .. 448
+    mid = (v[1:] + v[:-1]) / 2
+    near = torch.cat([mid, torch.nextafter(mid, torch.tensor(float("inf"))), torch.nextafter(mid, torch.tensor(-float("inf")))])
+    g = torch.Generator().manual_seed(34)
+    rnd = torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-14, 10, (1 << 20,), generator=g).float())
+    return torch.cat([v, near, rnd, torch.tensor([500.0, -1e6, 1e-30, -1e-30, 0.0, -0.0])])
+
+
+@pytest.mark.gpu
+def test_e4m3_cast_gpu():
+    """``e4m3`` on the GPU (the hardware cast, cvt.rn.satfinite) rounds every value of the sweep as torch's cast of
+    the clamped value does, bytes and all (a negative rounding to zero gives -0, 0x80), and as ``round_to_e4m3``
+    (the interpreter's rounding, integer arithmetic) does, values equal (its zeros are +0): the two ways the
+    quantizing kernels round (act_quant, the norm, attn_quant, the MoE's) agree."""
+    x = _e4m3_sweep().cuda()
+    hw = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    sw = torch.empty_like(x)
+    _both_roundings[(triton.cdiv(x.numel(), 1024),)](x, hw, sw, x.numel(), BLOCK=1024)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(hw.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(sw, want.float())  # (+0 == -0)
+    assert (want.view(torch.uint8) == 0x80).any() and (want.float().abs() == 448).any()  # the sweep reaches both
