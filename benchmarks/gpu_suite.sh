@@ -5,6 +5,9 @@
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
+#   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
+#            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
+#            rounding (GPTOSS_FP8_E4M3=soft): time and the outputs' digests, which must agree
 #   moe-energy  the MoE GEMMs back to back at the power cap: DeepGEMM's against ours, clock and power (.peers/ carried)
 #   moe-turns  GluonTile.turns (the MoE GEMMs' warpgroups in turns at the tensor core) and GluonTile.stage_scales
 #            (the 128 x 256 tiles' scales through the stages, MoE and dense): the GPU tests, the MoE plans at the
@@ -108,6 +111,23 @@ fi
 if has rope-diag; then
   # the FP8 attention's q rotated in its quantization against rotated first (31st session's failed bit-equality)
   timeout ${ROPE_DIAG_S:-150} python3 benchmarks/fused_rope_diag.py 2>&1 | grep -v Warn | tee "$OUT/fused_rope_diag.log"
+fi
+
+if has quant; then
+  # thirty-third session (no device): act_quant.e4m3, the hardware cast in every quantizing kernel instead of
+  # round_to_e4m3's integer arithmetic; the same values (test_e4m3_cast_gpu against torch's cast on every tie)
+  timeout -s INT ${QUANT_TEST_S:-200} python3 -m pytest -q -rf -n 4 --dist load tests/kernels/test_act_quant.py \
+    tests/kernels/test_norm.py tests/kernels/test_attn_quant.py tests/kernels/test_gemv_norm.py \
+    tests/kernels/test_moe_gemv.py tests/kernels/test_moe.py -k "not wide_gpu and not turns and not stage_scales" \
+    > "$OUT/quant_tests.log" 2>&1
+  tail -4 "$OUT/quant_tests.log"
+  for mode in soft ""; do
+    GPTOSS_FP8_E4M3=$mode timeout ${QUANT_AB_S:-90} python3 benchmarks/quant_ab.py --tokens ${QUANT_TOKENS:-32768,128000} \
+      2>&1 | grep -v Warn | tee -a "$OUT/quant_ab.log"
+  done
+  # (the digests: each kernel and length must print one digest in both modes)
+  grep "| digest" "$OUT/quant_ab.log" | sed -E 's/^[a-z]+ +//; s/ *\| .* \| / /' | sort -u \
+    | sed -E 's/ digest [0-9a-f]+$//' | uniq -d | sed 's/^/DIGESTS DIFFER: /' | tee -a "$OUT/quant_ab.log"
 fi
 
 if has moe-energy; then

@@ -36,6 +36,9 @@ from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, q
 # Whether kernels run in Triton's interpreter: read when this module is imported, as triton.jit reads
 # TRITON_INTERPRET when it decorates them (tests/conftest.py sets it first on a machine without a GPU).
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+# GPTOSS_FP8_E4M3=soft (measurement only, benchmarks/quant_ab.py): the GPU rounds as the interpreter does, with
+# round_to_e4m3 before the cast (the kernels before the thirty-third session); the same values.
+SOFT_E4M3 = tl.constexpr(INTERPRETED.value or os.environ.get("GPTOSS_FP8_E4M3", "") == "soft")
 
 
 @triton.jit
@@ -43,7 +46,7 @@ def e4m3(q):
     """fp32 values already clamped to [-fp8_max, fp8_max] -> their e4m3 values, round to nearest even, for a
     store: on the GPU the hardware cast (float8e4nv), in the interpreter ``round_to_e4m3``'s fp32 (the store's
     cast is then exact)."""
-    if INTERPRETED:
+    if SOFT_E4M3:
         return round_to_e4m3(q)
     else:
         return q.to(tl.float8e4nv)
