@@ -478,6 +478,55 @@ def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch)
     assert set(ops.spec_fallbacks.values()) == {0}
 
 
+
+def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoints):
+    """A norm asked for ``rows=False`` writes no bf16 rows (``Normed.y`` None), the same new x and FP8 rows;
+    linear / linears given x = None beside xq compute what they compute from the rows; ``needs_rows`` is False only
+    where every projection is our FP8 GEMM (not for a bf16 weight, nor under DeepGEMM). The model asks for it before
+    each layer but the first (the last norm keeps its rows, the logits read them) and gives the same logits bit for
+    bit as with every norm's rows written."""
+    from gptoss_fp8.kernels.config import KernelConfig
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(9)
+    h = 192
+    x = torch.randn(20, h, generator=g).bfloat16().to(dev)
+    d = torch.randn(20, h, generator=g).bfloat16().to(dev)
+    nw = (torch.rand(h, generator=g) + 0.5).to(dev)
+    w, s = quantize_weight_blocks(torch.randn(256, h, generator=g) / 14)
+    w, s, b = w.to(dev), s.to(dev), (0.1 * torch.randn(256, generator=g)).bfloat16().to(dev)
+    ops = get_ops("triton")
+    xo, n = ops.add_rms_norm(x, d, nw, 1e-5)
+    xo2, n2 = ops.add_rms_norm(x, d, nw, 1e-5, rows=False)
+    assert n2.y is None and n2.n == 20 and torch.equal(xo2, xo)
+    assert torch.equal(n2.quant[0].view(torch.uint8), n.quant[0].view(torch.uint8)) and torch.equal(n2.quant[1], n.quant[1])
+    projs = [(w, s, b), (w[:128], s[:1], None)]
+    assert not ops.needs_rows(projs)
+    assert all(torch.equal(a, c) for a, c in zip(ops.linears(None, projs, xq=n2.quant), ops.linears(n.y, projs, xq=n.quant),
+                                                  strict=True))
+    assert torch.equal(ops.linear(None, w, s, b, xq=n2.quant), ops.linear(n.y, w, s, b, xq=n.quant))
+    assert n2.rows(3, 9).y is None and n2.rows(3, 9).n == 6
+    assert ops.needs_rows([(w, s, b), (w.bfloat16(), None, None)])  # a bf16 weight reads the rows
+    assert TritonOps(config=KernelConfig(gemm="deep_gemm")).needs_rows(projs)
+    assert ReferenceOps().needs_rows(projs) and ReferenceOps().add_rms_norm(x, d, nw, 1e-5, rows=False)[1].y is not None
+
+    class RowsEverywhere(TritonOps):
+        def needs_rows(self, projs):
+            return True
+
+    class Counting(TritonOps):
+        left_out = 0
+
+        def moe_combine_add_rms_norm(self, *a, rows=True, **kw):
+            Counting.left_out += not rows
+            return super().moe_combine_add_rms_norm(*a, rows=rows, **kw)
+
+    model = load_model(checkpoints("tiny"), device=dev)
+    tokens = _tokens(model.cfg, 12).to(dev)
+    got = model(tokens, Counting())
+    assert Counting.left_out == model.cfg.num_hidden_layers - 1
+    assert torch.equal(got, model(tokens, RowsEverywhere()))
+
 def test_kernel_config_is_held_and_passed(monkeypatch):
     """``TritonOps(config=...)`` holds the one KernelConfig its launches get; the default honours
     GPTOSS_FP8_GLUON=0 (read once, at construction)."""

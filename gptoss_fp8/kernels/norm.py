@@ -42,12 +42,13 @@ from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, n
 def add_rms_norm_rows(
     x, d, w, rows, cols, mask, M, H, eps, xo_ptr, y_ptr, q_ptr, s_ptr, stride_xo, stride_y, stride_q, stride_s,
     HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, STORE_Y: tl.constexpr = True,
 ):
     """The row arithmetic of the norm on loaded rows: x [BLOCK_M, BLOCK_H] (x's dtype; masked
     entries 0), d the delta's rows (any dtype; unused without HAS_DELTA), w float32 [BLOCK_H] the
     norm weight; ``rows`` (int64) / ``cols`` / ``mask`` address the tile in [M, H]. Stores x + d
-    (HAS_DELTA) into xo, the normed rows into y and (QUANT) their 1x128 FP8 groups into q, s.
+    (HAS_DELTA) into xo, the normed rows into y (STORE_Y: with QUANT a caller may leave them unwritten) and
+    (QUANT) their 1x128 FP8 groups into q, s.
     Shared by ``_rms_norm_kernel`` and the fused epilogue of fp8_gemv.py, so both compute the same
     bits from the same rows (the sum of squares' order is the layout's: same tile and warps)."""
     if HAS_DELTA:
@@ -57,7 +58,8 @@ def add_rms_norm_rows(
     t = x.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(t * t, axis=1) / H + eps)
     y = ((t * r[:, None]) * w[None, :]).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if STORE_Y:
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     if QUANT:
         # act_quant of the rounded output, group by group (masked columns are 0: no effect on amax)
         NG: tl.constexpr = BLOCK_H // GROUP
@@ -77,7 +79,7 @@ def _rms_norm_kernel(
     M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
     HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
-    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False, STORE_Y: tl.constexpr = True,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -99,7 +101,7 @@ def _rms_norm_kernel(
         else:
             d = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
     add_rms_norm_rows(x, d, w, rows, cols, mask, M, H, eps, xo_ptr, y_ptr, q_ptr, s_ptr, stride_xo, stride_y, stride_q,
-                      stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS)
+                      stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS, STORE_Y)
 
 
 def norm_tile(h: int, quant: bool) -> tuple[int, int, int]:
@@ -112,11 +114,12 @@ def norm_tile(h: int, quant: bool) -> tuple[int, int, int]:
 
 
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
-            combine: torch.Tensor | None = None, pdl: bool = False):
+            combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
-    y = torch.empty_like(x)
+    assert rows or quant, "the normed rows may be left out only beside their FP8 quantization"
+    y = torch.empty_like(x) if rows else x  # (rows=False: y_ptr unread and unwritten)
     xo = torch.empty_like(x) if delta is not None else x
     top_k = 0
     if combine is not None:  # delta: per-slot rows [T, k, H] / [T * k, H], combined with these weights
@@ -134,7 +137,7 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if quant else y
     s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
-        return xo, y, (q, s) if quant else None
+        return xo, y if rows else None, (q, s) if quant else None
     block_h, block_m, num_warps = norm_tile(h, quant)
     d = delta if delta is not None else x
     _rms_norm_kernel[(cdiv(m, block_m),)](
@@ -142,9 +145,9 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
-        PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
+        PDL=pdl, num_warps=num_warps, **({} if rows else {"STORE_Y": False}), **launch_kwargs(pdl),
     )
-    return xo, y, (q, s) if quant else None
+    return xo, y if rows else None, (q, s) if quant else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,12 +163,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rms_norm_quant(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    combine: torch.Tensor | None = None, pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
     """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
     returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass.
     ``combine`` (weights [T, k]): delta is the MoE's per-slot rows [T, k, H] (or [T * k, H]) and the
     residual delta is their weighted combine, ``moe.moe_combine(delta, combine)`` bit for bit,
     computed in the same pass (the [T, H] combine is never written). ``pdl``: launch with
-    programmatic dependent launch (kernels/pdl.py; the norm's weight is read before the wait)."""
-    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl)
+    programmatic dependent launch (kernels/pdl.py; the norm's weight is read before the wait). ``rows=False``:
+    the normed bf16 rows are not written (returned as None), for a caller that reads only their quantization
+    (the next layer's q / k / v GEMM): one [T, H] write fewer."""
+    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows)

@@ -337,10 +337,13 @@ class GptOss(nn.Module):
                 h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
                 routing = (force[f"{i}.ids"], force[f"{i}.weights"])
             y, weights = self._moe_chunked(layer, h, ops, capture, moe_chunk, routing)
+            # the next layer's input norm: its bf16 rows only where the q / k / v projections read them (a backend
+            # whose GEMMs take the norm's FP8 rows leaves them unwritten: ``ops.needs_rows``)
+            rows = i + 1 == len(layers) or ops.needs_rows(self._qkv_projs(layers[i + 1]))
             if weights is None:  # already combined (chunked)
-                x, h = ops.add_rms_norm(x, y, self._next_norm(i), eps)
+                x, h = ops.add_rms_norm(x, y, self._next_norm(i), eps, rows=rows)
             else:
-                x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps)
+                x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps, rows=rows)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
         if prune or ends is None:  # (pruned: h holds the returned rows only)
@@ -380,7 +383,7 @@ class GptOss(nn.Module):
         """The MoE block on the normed stream t (rows [T, H]): (per-slot outputs [T, k, H], their
         weights [T, k]) for the caller to combine with the residual add, or (combined delta [T, H],
         None) when run in chunks. ``routing``: given (ids, weights), see ``_moe`` (not chunked)."""
-        n = t.y.shape[0]
+        n = t.n
         if not chunk or n <= chunk or routing is not None:
             return self._moe(layer, t, ops, capture, routing, route_keys=capture is not None)
         if chunk < 1:
@@ -397,6 +400,12 @@ class GptOss(nn.Module):
         if capture is not None:
             capture |= {f"{layer.idx}.{key}": torch.cat(v) for key, v in got.items()}
         return out, None
+
+    @staticmethod
+    def _qkv_projs(layer: Layer) -> list[tuple]:
+        """Layer's q / k / v projections as (weight, scale_inv, bias), the ``linears`` form."""
+        a = layer.self_attn
+        return [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)]
 
     def _next_norm(self, i: int) -> torch.Tensor:
         """The norm scale applied after layer i's MLP residual: layer i + 1's input norm, or the final norm."""
@@ -420,15 +429,14 @@ class GptOss(nn.Module):
         every row's K / V as without it, but the queries, the attention and o_proj of those rows only
         -> [sequences, H]."""
         a, d = layer.self_attn, self.cfg.head_dim
-        n = t.y.shape[0]
+        n = t.n
+        projs = self._qkv_projs(layer)  # (t.y is None where ops.needs_rows(projs) said so: the GEMMs take t.quant)
         if last_rows is not None:  # K / V of every row (one GEMM), Q of each sequence's last row
-            k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.k_proj, a.v_proj)],
-                               xq=t.quant)
+            k, v = ops.linears(t.y, projs[1:], xq=t.quant)
             qn = t.rows(last_rows.start, last_rows.stop) if isinstance(last_rows, slice) else t.select(last_rows)
-            q = ops.linear(qn.y, a.q_proj.weight, a.q_proj.weight_scale_inv, a.q_proj.bias, xq=qn.quant)
+            q = ops.linear(qn.y, *projs[0], xq=qn.quant)
         else:
-            q, k, v = ops.linears(t.y, [(p.weight, p.weight_scale_inv, p.bias) for p in (a.q_proj, a.k_proj,
-                                                                                           a.v_proj)], xq=t.quant)
+            q, k, v = ops.linears(t.y, projs, xq=t.quant)
         # q [T, Hl * D] ([sequences, Hl * D] with last_rows), k / v [T, KVl * D]
         v = v.view(n, a.n_kv, d)
         if step is not None:  # decode: k / v [B, KVl, D], one new token per sequence, into the cache

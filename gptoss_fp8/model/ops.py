@@ -28,7 +28,10 @@ selected expert per call, as the spec does), so a large model's experts are not 
 Quantized activations travel explicitly: a norm returns ``Normed`` (the normed rows and, when a
 backend computed it in the same pass, their ``quantize_act``), and the linears and the expert FFN
 that read those rows take it as ``xq``. The CPU backends return ``quant=None`` and ignore ``xq``
-(they quantize themselves: the spec depends on nothing a kernel computed).
+(they quantize themselves: the spec depends on nothing a kernel computed). Where a backend's GEMMs
+read only ``xq`` (``needs_rows(projs)`` False: the triton backend's FP8 q / k / v), the model asks the
+norm before them for ``rows=False`` and passes their x as None: the bf16 rows are never written (one
+[T, H] write a layer fewer); every backend that says True gets its rows as before.
 """
 
 from __future__ import annotations
@@ -63,20 +66,27 @@ Quant = tuple[torch.Tensor, torch.Tensor]  # (x_fp8 [T, K], scale float32 [T, ce
 
 class Normed(NamedTuple):
     """A norm's output: ``y`` bf16 [T, H], and ``quant`` = quant/fp8.quantize_act(y) (fp8 [T, H],
-    float32 scale [T, ceil(H/128)]) when the backend computed it in the same pass, else None."""
+    float32 scale [T, ceil(H/128)]) when the backend computed it in the same pass, else None. ``y`` is None
+    when the caller asked for the quantization alone (a norm's ``rows=False``, given only where
+    ``ReferenceOps.needs_rows`` said the consumers take ``quant``)."""
 
-    y: torch.Tensor
+    y: torch.Tensor | None
     quant: Quant | None = None
+
+    @property
+    def n(self) -> int:
+        """The number of rows."""
+        return (self.y if self.y is not None else self.quant[0]).shape[0]
 
     def rows(self, a: int, b: int) -> Normed:
         """Rows a..b of both (the chunked MoE's slices)."""
         q = None if self.quant is None else (self.quant[0][a:b], self.quant[1][a:b])
-        return Normed(self.y[a:b], q)
+        return Normed(None if self.y is None else self.y[a:b], q)
 
     def select(self, idx: torch.Tensor) -> Normed:
         """The rows idx (int tensor) of both (a prefill's last layer: the rows whose logits are returned)."""
         q = None if self.quant is None else (self.quant[0].index_select(0, idx), self.quant[1].index_select(0, idx))
-        return Normed(self.y.index_select(0, idx), q)
+        return Normed(None if self.y is None else self.y.index_select(0, idx), q)
 
 
 class ChunkKeys:
@@ -287,17 +297,25 @@ class ReferenceOps:
         return Normed(spec.rms_norm(x, weight, eps))
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, Normed]:
+                     eps: float, *, rows: bool = True) -> tuple[torch.Tensor, Normed]:
         """Residual add of the bf16 stream (x + delta.to(x.dtype)), then ``rms_norm`` of the sum:
-        (new x, normed) (``spec.add_rms_norm``)."""
+        (new x, normed) (``spec.add_rms_norm``). ``rows=False``: the caller reads only the normed rows'
+        quantization (``needs_rows`` said so); a backend that computes one may leave ``y`` out (None).
+        This one computes no quantization: it returns the rows."""
         xo, y = spec.add_rms_norm(x, delta, weight, eps)
         return xo, Normed(y)
 
     def moe_combine_add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
-                                 norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, Normed]:
-        """``add_rms_norm(x, moe_combine(y, weights), ...)``: the MoE's residual add and the next
+                                 norm_weight: torch.Tensor, eps: float, *, rows: bool = True) -> tuple[torch.Tensor, Normed]:
+        """``add_rms_norm(x, moe_combine(y, weights), ..., rows=rows)``: the MoE's residual add and the next
         norm. A backend may fuse the three; the values are the same."""
-        return self.add_rms_norm(x, self.moe_combine(y, weights), norm_weight, eps)
+        return self.add_rms_norm(x, self.moe_combine(y, weights), norm_weight, eps, rows=rows)
+
+    def needs_rows(self, projs: list[tuple]) -> bool:
+        """Whether ``linear`` / ``linears`` over these projections (weight, scale_inv, bias) read a norm's bf16
+        rows, not only their quantization (``Normed.quant``): when False, a norm feeding only them may be asked
+        for ``rows=False`` and their x passed as None beside ``xq``. This backend quantizes for itself: True."""
+        return True
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate halves of each head: x [T, heads, D]; cos/sin float32 [T, D/2], cast to x's dtype

@@ -143,8 +143,21 @@ class TritonOps(W8A8CpuOps):
         return act_quant(x, pdl=self._pdl(x))
 
     # --- dense ---------------------------------------------------------------------------------
+    def _fp8_linear_ok(self, w, scale_inv, out_dtype=BF16) -> bool:
+        """Whether ``linear`` runs our FP8 GEMM on this weight (from x's quantization) for a bf16 x on a
+        kernel device: the only path that takes x = None beside xq."""
+        return (w.dtype == FP8_DTYPE and scale_inv is not None and w.dim() == 2 and w.shape[1] % 16 == 0
+                and out_dtype in (BF16, F32) and self.config.gemm != "deep_gemm")
+
+    def needs_rows(self, projs):
+        """False when every projection runs our FP8 GEMM on x's quantization (the FP8 checkpoint's q / k / v):
+        the norm before them may leave its bf16 rows out (``rows=False``). DeepGEMM's path keeps them."""
+        return not all(self._fp8_linear_ok(w, s) for w, s, _ in projs)
+
     def linear(self, x, w, scale_inv, bias, out_dtype=BF16, *, xq=None):
-        if (w.dtype != FP8_DTYPE or scale_inv is None or not _kernel_device(x) or x.dtype != BF16
+        if x is None:  # a norm's quantization alone (``needs_rows`` False): our GEMM on it, below
+            assert xq is not None and self._fp8_linear_ok(w, scale_inv, out_dtype), "x = None needs xq and an FP8 weight"
+        elif (w.dtype != FP8_DTYPE or scale_inv is None or not _kernel_device(x) or x.dtype != BF16
                 or w.dim() != 2 or w.shape[1] % 16 or out_dtype not in (BF16, F32)):
             # bf16 weights (router, lm_head, bf16 attention: torch by design) and shapes fp8_gemm rejects
             if w.dtype == FP8_DTYPE:
@@ -163,11 +176,16 @@ class TritonOps(W8A8CpuOps):
 
     def linears(self, x, projs, *, xq=None):
         """One activation quantization for all; one GEMM over the weights concatenated along N
-        when every one is FP8 with N a multiple of 128 (block scales then stack), else one GEMM each."""
-        if len(projs) < 2 or not all(w.dtype == FP8_DTYPE and s is not None and w.dim() == 2 for w, s, _ in projs) \
+        when every one is FP8 with N a multiple of 128 (block scales then stack), else one GEMM each.
+        x = None: a norm's quantization alone (``needs_rows`` False for these projections)."""
+        if x is None:
+            assert xq is not None and not self.needs_rows(projs), "x = None needs xq and FP8 weights"
+        elif len(projs) < 2 or not all(w.dtype == FP8_DTYPE and s is not None and w.dim() == 2 for w, s, _ in projs) \
                 or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1 \
                 or projs[0][0].shape[1] % 16:
             return super().linears(x, projs, xq=xq)  # one ``linear`` each (counted there)
+        if x is None and (len(projs) < 2 or len({w.shape[1] for w, _, _ in projs}) != 1):
+            return [self.linear(None, w, s, b, xq=xq) for w, s, b in projs]
         if self.config.gemm == "deep_gemm":
             from gptoss_fp8.kernels import deepgemm
 
@@ -262,13 +280,13 @@ class TritonOps(W8A8CpuOps):
 
         return moe_combine(y, weights, out=out)  # (into out's rows: no copy)
 
-    def moe_combine_add_rms_norm(self, x, y, weights, norm_weight, eps):
+    def moe_combine_add_rms_norm(self, x, y, weights, norm_weight, eps, *, rows=True):
         """The MoE's weighted combine, the residual add and the next norm in one pass (norm.py)."""
         if (not self._norm_ok(x, norm_weight) or y.dtype not in (BF16, F32) or y.stride(-1) != 1
                 or y.shape[-1] != x.shape[-1] or y.numel() != weights.numel() * x.shape[-1]):
             self._fallback("moe_combine_add_rms_norm", x, y, weights)
-            return super().moe_combine_add_rms_norm(x, y, weights, norm_weight, eps)
-        return self._norm(x, y, norm_weight, eps, combine=weights)
+            return super().moe_combine_add_rms_norm(x, y, weights, norm_weight, eps, rows=rows)
+        return self._norm(x, y, norm_weight, eps, combine=weights, rows=rows)
 
     # --- norms ---------------------------------------------------------------------------------
     def _norm_ok(self, x, weight) -> bool:
@@ -281,17 +299,18 @@ class TritonOps(W8A8CpuOps):
             return super().rms_norm(x, weight, eps)
         return self._norm(x, None, weight, eps)[1]
 
-    def add_rms_norm(self, x, delta, weight, eps):
+    def add_rms_norm(self, x, delta, weight, eps, *, rows=True):
         if not self._norm_ok(x, weight) or delta.shape != x.shape or delta.stride(-1) != 1:
             self._fallback("add_rms_norm", x, delta, weight)
-            return super().add_rms_norm(x, delta, weight, eps)
-        return self._norm(x, delta, weight, eps)
+            return super().add_rms_norm(x, delta, weight, eps, rows=rows)
+        return self._norm(x, delta, weight, eps, rows=rows)
 
-    def _norm(self, x, delta, weight, eps, combine=None):
-        """The norm kernel with the output's FP8 quantization in the same pass: (new x, Normed)."""
+    def _norm(self, x, delta, weight, eps, combine=None, rows=True):
+        """The norm kernel with the output's FP8 quantization in the same pass: (new x, Normed). ``rows=False``
+        (a bf16 stream: the one ``linears`` takes as None): the bf16 rows not written, ``Normed.y`` None."""
         from gptoss_fp8.kernels.norm import rms_norm_quant
 
-        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x))
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows or x.dtype != BF16)
         return xo, Normed(y, quant)
 
     # --- attention -----------------------------------------------------------------------------

@@ -101,3 +101,5 @@ def test_norm_with_the_moe_combine_fused_equals_combine_then_norm(t, k, h, dtype
     assert not torch.equal(xo, x)  # the delta was added
     xo2, _, _ = rms_norm_quant(x, y.reshape(t * k, h), nw, 1e-5, combine=wts)  # flat slot rows
     assert torch.equal(xo2, xr)
+    xo3, y3, (q3, s3) = rms_norm_quant(x, y, nw, 1e-5, combine=wts, rows=False)  # the bf16 rows left out
+    assert y3 is None and torch.equal(xo3, xr) and torch.equal(s3, sr) and torch.equal(q3.view(torch.uint8), qr.view(torch.uint8))
