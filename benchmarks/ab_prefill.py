@@ -10,7 +10,8 @@ combine as its own kernel before the residual-add + norm, as before 2026-11-29 f
 as its own pass, not in the FP8 quantization / window kernel: before the twenty-eighth session;
 "unfused-window-rope": only before the window layers), "moe-unchunked" (the MoE over all tokens at once, not
 in chunks of 32768: bench prefill's ``--moe-chunk``; its combine then fused into the next norm), "torch-router" (the
-router as torch's bf16 linear + topk + softmax instead of kernels/router.py), and kernel configs
+router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "norm-rows" (every norm's bf16 rows
+written, the input norms' too: before the thirty-third session's ``ops.needs_rows``), and kernel configs
 (``dataclasses.replace`` of the default ``KernelConfig``, kernels/config.py): "triton-gemm" (the
 dense GEMMs on the Triton kernel at every size: dense_gluon_min_rows=None), "triton-moe" (the
 expert GEMMs on the Triton kernels: moe_gluon=False), "triton-attention" (attention_gluon=False),
@@ -70,6 +71,13 @@ class UnfusedWindowRope(TritonOps):
 
     def _fused_rope(self, window, n):
         return not window and super()._fused_rope(window, n)
+
+
+class NormRows(TritonOps):
+    """Every norm's bf16 rows written (as before the thirty-third session): ``needs_rows`` True everywhere."""
+
+    def needs_rows(self, projs):
+        return True
 
 
 class TorchRouter(TritonOps):
@@ -154,6 +162,7 @@ def main() -> None:
             "default": lambda: (lambda t: prefill_logits(model, t, ops)),
             "unfused-combine": lambda: _forward(model, UnfusedCombine(config=ops.config).with_attention(a.attention)),
             "torch-router": lambda: _forward(model, TorchRouter(config=ops.config).with_attention(a.attention)),
+            "norm-rows": lambda: _forward(model, NormRows(config=ops.config).with_attention(a.attention)),
             "unfused-rope": lambda: _forward(model, UnfusedRope(config=ops.config).with_attention(a.attention)),
             "moe-unchunked": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=None)),
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
