@@ -431,6 +431,17 @@ def test_bench_prefill_knows_presets_and_sizes():
         load_checkpoint("anywhere", 2)
 
 
+
+def _norm_and_linear_case(dev, t, h, seed):
+    """A norm's inputs (x, delta bf16 [t, h], weight float32 [h]) and an FP8 linear (weight [256, h], block
+    scales, bf16 bias) on dev."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).bfloat16().to(dev)
+    d = torch.randn(t, h, generator=g).bfloat16().to(dev)
+    nw = (torch.rand(h, generator=g) + 0.5).to(dev)
+    w, s = quantize_weight_blocks(torch.randn(256, h, generator=g) / 14)
+    return x, d, nw, (w.to(dev), s.to(dev), (0.1 * torch.randn(256, generator=g)).bfloat16().to(dev))
+
 def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch):
     """The norm's fused FP8 quantization (``Normed.quant``) is what the following linear / linears /
     MoE consume when handed it as ``xq`` (act_quant is not called again, also for a block of rows,
@@ -440,13 +451,8 @@ def test_norm_quantization_is_reused_by_the_next_linear_and_the_moe(monkeypatch)
     from gptoss_fp8.quant.fp8 import quantize_act
 
     dev = "cuda" if HAS_CUDA else "cpu"
-    g = torch.Generator().manual_seed(8)
     h = 192
-    x = torch.randn(24, h, generator=g).bfloat16().to(dev)
-    d = torch.randn(24, h, generator=g).bfloat16().to(dev)
-    nw = (torch.rand(h, generator=g) + 0.5).to(dev)
-    w, s = quantize_weight_blocks(torch.randn(256, h, generator=g) / 14)
-    w, s, b = w.to(dev), s.to(dev), (0.1 * torch.randn(256, generator=g)).bfloat16().to(dev)
+    x, d, nw, (w, s, b) = _norm_and_linear_case(dev, 24, h, seed=8)
     ops = get_ops("triton")
     _, n = ops.add_rms_norm(x, d, nw, 1e-5)
     assert isinstance(n, Normed) and n.quant is not None
@@ -488,13 +494,7 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     from gptoss_fp8.kernels.config import KernelConfig
 
     dev = "cuda" if HAS_CUDA else "cpu"
-    g = torch.Generator().manual_seed(9)
-    h = 192
-    x = torch.randn(20, h, generator=g).bfloat16().to(dev)
-    d = torch.randn(20, h, generator=g).bfloat16().to(dev)
-    nw = (torch.rand(h, generator=g) + 0.5).to(dev)
-    w, s = quantize_weight_blocks(torch.randn(256, h, generator=g) / 14)
-    w, s, b = w.to(dev), s.to(dev), (0.1 * torch.randn(256, generator=g)).bfloat16().to(dev)
+    x, d, nw, (w, s, b) = _norm_and_linear_case(dev, 20, 192, seed=9)
     ops = get_ops("triton")
     xo, n = ops.add_rms_norm(x, d, nw, 1e-5)
     xo2, n2 = ops.add_rms_norm(x, d, nw, 1e-5, rows=False)
