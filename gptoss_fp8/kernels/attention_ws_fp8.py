@@ -642,6 +642,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pair_ready = pair_release if pair_ready is None else pair_ready
     assert not pair_ready or pair_release, "pair_ready: with pair_release"
     assert not q_in_registers or pairs, "q_in_registers: with pairs (one block a step spills with it)"
+    assert not lane_max or pairs, "lane_max: with pairs (one block a step reduces each block's maxima once anyway)"
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
