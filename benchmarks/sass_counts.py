@@ -1,0 +1,137 @@
+"""Static SASS counts of the kernels, no GPU needed (issue 34: instructions an exact result does not need).
+
+Compiles for sm_90a with Triton's own compiler and ptxas (``benchmarks/moe_ws_compile_check.py``'s ``sass_of``: ptxas,
+then ``cuobjdump -sass``) and counts opcodes:
+
+    python benchmarks/sass_counts.py attention [--opts '{"LMAX": true}']
+        the FP8 Gluon attention (kernels/attention_ws_fp8.py, the launcher's default tile plus OPTS): the whole
+        kernel's counts, and one consumer warp's 128-key step (consumer 0's loop, its unmasked and masked paths
+        followed through the branches)
+    python benchmarks/sass_counts.py quant
+        the quantizing Triton kernels at the 20b's shapes, as a launch specializes them (whole-kernel totals)
+
+Run from the repository root with the venv active (TRITON_INTERPRET unset: the GPU's code paths). BENCHMARKS.md
+("Fewer instructions where the exact result allows") quotes both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_ws_compile_check import sass_of  # noqa: E402
+
+OPS = ("FFMA", "FMNMX", "MUFU", "F2FP", "PRMT", "SHFL", "QGMMA", "FMUL", "FADD", "BAR", "LDS", "STS")
+_OP = re.compile(r"(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")
+
+
+def instructions(sass: str) -> list[str]:
+    return [line for line in sass.splitlines() if _OP.match(line) and not line.startswith("Function")]
+
+
+def opcode(line: str) -> str:
+    return _OP.match(line).group(2)
+
+
+def counts(lines: list[str]) -> dict:
+    c = collections.Counter(opcode(x) for x in lines)
+    return {"instructions": len(lines), **{k: c[k] for k in OPS}, "uniform": sum(v for k, v in c.items()
+                                                                                 if k.startswith("U") or k == "R2UR")}
+
+
+def _target(line: str) -> int | None:
+    m = re.search(r"BRA (0x[0-9a-f]+)", line)
+    return int(m.group(1), 16) // 16 if m else None  # (16 bytes an instruction)
+
+
+def step_paths(ins: list[str]) -> tuple[list[int], list[int]]:
+    """Consumer 0's 128-key step loop (the first backward branch spanning > 300 instructions) -> the instruction
+    indices of its two paths: the fall-through one (unmasked) and the taken one (masked)."""
+    for i, line in enumerate(ins):
+        t = _target(line)
+        if t is not None and t < i and i - t > 300:
+            start, back = t, i
+            break
+    else:
+        raise SystemExit("no step loop found")
+    fwd = [(j, _target(ins[j])) for j in range(start, back) if _target(ins[j]) is not None]
+    # the branch to the masked path: the first conditional forward branch that lands inside the loop
+    split = next((j, t) for j, t in fwd if start < t < back and ins[j].startswith("@"))
+    # the unconditional jump over the masked path back to the common tail
+    join = next((j, t) for j, t in fwd if j > split[0] and not ins[j].startswith("@") and split[1] <= t <= back)
+    head = list(range(start, split[0] + 1))
+    tail = list(range(join[1], back + 1))
+    return head + list(range(split[0] + 1, join[0] + 1)) + tail, head + list(range(split[1], join[1])) + tail
+
+
+def attention(opts: dict) -> dict:
+    from gptoss_fp8.kernels import _gluon, attention_ws_fp8
+
+    def lay(bits, sw):
+        return (f"NVMMASharedLayout(swizzle_byte_width={sw}, element_bitwidth={bits}, rank=2, transposed=False, "
+                "fp4_padded=False, cga_layout=[])")
+    types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
+    types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
+                 sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32")
+    consts = dict(GROUP=8, STAGES=4, PAIRS=True, ONES=True, TURN=2, REL=2) | opts  # the launcher's default
+    k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
+    ins = instructions(sass_of(k["ptx"]))
+    unmasked, masked = step_paths(ins)
+    return {"opts": consts, "kernel": counts(ins), "unmasked step": counts([ins[i] for i in unmasked]),
+            "masked step": counts([ins[i] for i in masked]), "spill_stores": k.get("spill_stores")}
+
+
+def quant() -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gptoss_fp8.kernels import act_quant, attn_quant, norm
+
+    def total(fn, ptrs, consts, num_warps, div16=()):
+        sig = {a: ("constexpr" if a in consts else ptrs.get(a, "i32")) for a in fn.arg_names}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+        c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps))
+        return len(instructions(sass_of(c.asm["ptx"])))
+
+    nsig = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "xo_ptr": "*bf16", "y_ptr": "*bf16",
+            "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "cw_ptr": "*bf16", "eps": "fp32"}
+    ncon = dict(HAS_DELTA=True, BLOCK_M=1, BLOCK_H=4096, QUANT=True, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10, PDL=False)
+    qsig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    qcon = dict(BLOCK_T=64, BLOCK_H=2, D=64, FP8_MAX_C=448.0, EPS=1e-10, blk_ptr=None, BLOCKED=False)
+    return {
+        "act_quant (16 rows x 128)": total(act_quant._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                           "s_ptr": "*fp32"}, dict(BLOCK_M=16, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10,
+                                                                   PDL=False), 4, ("x_ptr", "q_ptr", "stride_xm", "stride_qm")),
+        "norm + FP8 rows (one row of 2880)": total(norm._rms_norm_kernel, nsig, ncon | dict(TOP_K=0), 8),
+        "norm + FP8 rows, the MoE's combine of 4": total(norm._rms_norm_kernel, nsig, ncon | dict(TOP_K=4), 8),
+        "quantize_qk with rope (64 rows x 2 heads)": total(attn_quant._quantize_qk_kernel, qsig, qcon | dict(ROPE=True), 4,
+                                                           ("x_ptr", "q_ptr", "stride_xt")),
+        "quantize_qk (64 rows x 2 heads)": total(attn_quant._quantize_qk_kernel, qsig, qcon | dict(ROPE=False), 4,
+                                                 ("x_ptr", "q_ptr", "stride_xt")),
+        "quantize_v (64 keys, key order)": total(attn_quant._quantize_v_kernel, {"v_ptr": "*bf16", "s_ptr": "*fp32",
+                                                 "order_ptr": "*i64", "out_ptr": "*fp8e4nv"},
+                                                 dict(BLOCK_T=64, KEY_BLOCK=64, D=64, ORDERED=True, FP8_MAX_C=448.0,
+                                                      blk_ptr=None, BLOCKED=False), 4, ("v_ptr", "out_ptr", "stride_vt")),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("attention", "quant"))
+    ap.add_argument("--opts", default="{}", help="attention: constexprs over the launcher's default, JSON")
+    a = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the counts are of the GPU's code")
+    out = attention(json.loads(a.opts)) if a.what == "attention" else quant()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
