@@ -72,12 +72,7 @@ def step_paths(ins: list[str]) -> tuple[list[int], list[int]]:
 def attention(opts: dict) -> dict:
     from gptoss_fp8.kernels import _gluon, attention_ws_fp8
 
-    def lay(bits, sw):
-        return (f"NVMMASharedLayout(swizzle_byte_width={sw}, element_bitwidth={bits}, rank=2, transposed=False, "
-                "fp4_padded=False, cga_layout=[])")
-    types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
-    types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
-                 sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32")
+    types = attention_ws_fp8.compile_types()
     consts = dict(GROUP=8, STAGES=4, PAIRS=True, ONES=True, TURN=2, REL=2) | opts  # the launcher's default
     k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
     ins = instructions(sass_of(k["ptx"]))

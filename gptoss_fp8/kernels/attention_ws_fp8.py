@@ -541,6 +541,17 @@ if HAS_GLUON:
         ], [4, 4, 1], [160, 160, 40])
 
 
+def compile_types() -> dict[str, str]:
+    """The kernel's argument types as ``_gluon.compile_for_sm90`` takes them (the launcher's descriptors: 64 x 64 e4m3
+    tiles of Q / K / V^T, 64 x 64 bf16 of O): for compile-only checks without a GPU (tests, benchmarks/sass_counts.py)."""
+    def lay(bits, sw):
+        return (f"NVMMASharedLayout(swizzle_byte_width={sw}, element_bitwidth={bits}, rank=2, transposed=False, "
+                "fp4_padded=False, cga_layout=[])")
+    types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
+    return types | dict(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
+                        sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32")
+
+
 def key_order(device=None) -> torch.Tensor:
     """KEY_ORDER: position k of a 64-key block holds key sigma(k), sigma the bit map k5 k4 k3 k2 k1 k0 ->
     key bits k5 k4 k1 k3 k2 k0 (what _relabel reads P's columns as)."""

@@ -143,22 +143,22 @@ class TritonOps(W8A8CpuOps):
         return act_quant(x, pdl=self._pdl(x))
 
     # --- dense ---------------------------------------------------------------------------------
-    def _fp8_linear_ok(self, w, scale_inv, out_dtype=BF16) -> bool:
-        """Whether ``linear`` runs our FP8 GEMM on this weight (from x's quantization) for a bf16 x on a
-        kernel device: the only path that takes x = None beside xq."""
+    @staticmethod
+    def _fp8_weight_ok(w, scale_inv, out_dtype=BF16) -> bool:
+        """Whether a weight (and output dtype) is one the FP8 GEMMs take: fp8 [N, K] with block scales, K % 16 == 0."""
         return (w.dtype == FP8_DTYPE and scale_inv is not None and w.dim() == 2 and w.shape[1] % 16 == 0
-                and out_dtype in (BF16, F32) and self.config.gemm != "deep_gemm")
+                and out_dtype in (BF16, F32))
 
     def needs_rows(self, projs):
         """False when every projection runs our FP8 GEMM on x's quantization (the FP8 checkpoint's q / k / v):
         the norm before them may leave its bf16 rows out (``rows=False``). DeepGEMM's path keeps them."""
-        return not all(self._fp8_linear_ok(w, s) for w, s, _ in projs)
+        return self.config.gemm == "deep_gemm" or not all(self._fp8_weight_ok(w, s) for w, s, _ in projs)
 
     def linear(self, x, w, scale_inv, bias, out_dtype=BF16, *, xq=None):
         if x is None:  # a norm's quantization alone (``needs_rows`` False): our GEMM on it, below
-            assert xq is not None and self._fp8_linear_ok(w, scale_inv, out_dtype), "x = None needs xq and an FP8 weight"
-        elif (w.dtype != FP8_DTYPE or scale_inv is None or not _kernel_device(x) or x.dtype != BF16
-                or w.dim() != 2 or w.shape[1] % 16 or out_dtype not in (BF16, F32)):
+            assert xq is not None and not self.needs_rows([(w, scale_inv, bias)]) and out_dtype in (BF16, F32), (
+                "x = None needs xq and an FP8 weight")
+        elif not self._fp8_weight_ok(w, scale_inv, out_dtype) or not _kernel_device(x) or x.dtype != BF16:
             # bf16 weights (router, lm_head, bf16 attention: torch by design) and shapes fp8_gemm rejects
             if w.dtype == FP8_DTYPE:
                 self._fallback("linear", x, w)
@@ -178,14 +178,12 @@ class TritonOps(W8A8CpuOps):
         """One activation quantization for all; one GEMM over the weights concatenated along N
         when every one is FP8 with N a multiple of 128 (block scales then stack), else one GEMM each.
         x = None: a norm's quantization alone (``needs_rows`` False for these projections)."""
+        one_gemm = len(projs) >= 2 and len({w.shape[1] for w, _, _ in projs}) == 1
         if x is None:
             assert xq is not None and not self.needs_rows(projs), "x = None needs xq and FP8 weights"
-        elif len(projs) < 2 or not all(w.dtype == FP8_DTYPE and s is not None and w.dim() == 2 for w, s, _ in projs) \
-                or not _kernel_device(x) or x.dtype != BF16 or len({w.shape[1] for w, _, _ in projs}) != 1 \
-                or projs[0][0].shape[1] % 16:
+        if not one_gemm or (x is not None and (not all(self._fp8_weight_ok(w, s) for w, s, _ in projs)
+                                               or not _kernel_device(x) or x.dtype != BF16)):
             return super().linears(x, projs, xq=xq)  # one ``linear`` each (counted there)
-        if x is None and (len(projs) < 2 or len({w.shape[1] for w, _, _ in projs}) != 1):
-            return [self.linear(None, w, s, b, xq=xq) for w, s, b in projs]
         if self.config.gemm == "deep_gemm":
             from gptoss_fp8.kernels import deepgemm
 

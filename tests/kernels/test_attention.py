@@ -1192,12 +1192,7 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API")
 
-    def lay(bits, sw):
-        return (f"NVMMASharedLayout(swizzle_byte_width={sw}, element_bitwidth={bits}, rank=2, transposed=False, "
-                "fp4_padded=False, cga_layout=[])")
-    types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
-    types.update(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
-                 sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32")
+    types = attention_ws_fp8.compile_types()
     # the launcher's default (128 keys a step, the row sum by the tensor core, turns at the first block's 2^x, one
     # release and one ready barrier a step), one 64-key block a step, and
     # the default with a quarter of the 2^x on the FMA pipes
