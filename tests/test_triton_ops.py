@@ -371,6 +371,39 @@ def test_moe_combine_into_rows_of_a_buffer():
     assert triton_ops.spec_fallbacks["moe_combine"] == 0
 
 
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "quant-only"])
+def test_moe_combine_add_rms_norm_into_rows_of_buffers(rows):
+    """``moe_combine_add_rms_norm(..., out=)`` (the chunked MoE: each chunk's combine, residual add and next norm
+    written into its rows of the layer's results, ``norm_out``'s buffers): the returned form's bits in out's rows,
+    the rows around untouched; TritonOps's kernel writes there itself (no fallback), ReferenceOps copies."""
+    from gptoss_fp8.model.ops import ReferenceOps
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 200, generator=g).to(dev, torch.bfloat16)
+    y = torch.randn(9, 4, 200, generator=g).to(dev, torch.bfloat16)
+    w = torch.softmax(torch.randn(9, 4, generator=g), -1).to(dev, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(200, generator=g)).to(dev)
+    triton_ops = TritonOps()
+    for ops in (triton_ops, ReferenceOps()):
+        xo, ho = ops.norm_out(torch.empty(14, 200, dtype=torch.bfloat16, device=dev), rows)
+        parts = [xo, *([] if ho.y is None else [ho.y]), *([] if ho.quant is None else ho.quant)]
+        for t in parts:
+            t.view(torch.uint8).fill_(0x3c)  # poison: the rows out of the slice must keep it
+        want_x, want = ops.moe_combine_add_rms_norm(x, y, w, nw, 1e-5, rows=rows)
+        got_x, got = ops.moe_combine_add_rms_norm(x, y, w, nw, 1e-5, rows=rows, out=(xo[2:11], ho.rows(2, 11)))
+        assert got_x.data_ptr() == xo[2].data_ptr() and torch.equal(got_x, want_x)
+        assert (got.y is None) == (want.y is None) == (ho.y is None) and (got.y is None or torch.equal(got.y, want.y))
+        if ops is triton_ops:
+            assert (ho.y is None) == (not rows) and got.quant[0].data_ptr() == ho.quant[0][2].data_ptr()
+            assert torch.equal(got.quant[0].view(torch.uint8), want.quant[0].view(torch.uint8))
+            assert torch.equal(got.quant[1], want.quant[1])
+        for t in parts:
+            u = t.view(torch.uint8)
+            assert (u[:2] == 0x3c).all() and (u[11:] == 0x3c).all()
+    assert triton_ops.spec_fallbacks["moe_combine_add_rms_norm"] == 0
+
+
 @pytest.mark.gpu
 def test_graphed_prefill_replays_the_eager_forward_gpu():
     """``bench prefill --cuda-graph``: the captured forward, replayed with other token ids, gives
@@ -490,7 +523,7 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     linear / linears given x = None beside xq compute what they compute from the rows; ``needs_rows`` is False only
     where every projection is our FP8 GEMM (not for a bf16 weight, nor under DeepGEMM). The model asks for it before
     each layer but the first (the last norm keeps its rows, the logits read them) and gives the same logits bit for
-    bit as with every norm's rows written."""
+    bit as with every norm's rows written (and with the MoE in chunks)."""
     from gptoss_fp8.kernels.config import KernelConfig
 
     dev = "cuda" if HAS_CUDA else "cpu"
@@ -511,8 +544,14 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     assert ReferenceOps().needs_rows(projs) and ReferenceOps().add_rms_norm(x, d, nw, 1e-5, rows=False)[1].y is not None
 
     class RowsEverywhere(TritonOps):
+        outs = []
+
         def needs_rows(self, projs):
             return True
+
+        def moe_combine_add_rms_norm(self, *a, out=None, **kw):
+            RowsEverywhere.outs.append(out is not None)
+            return super().moe_combine_add_rms_norm(*a, out=out, **kw)
 
     class Counting(TritonOps):
         left_out = 0
@@ -525,7 +564,13 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     tokens = _tokens(model.cfg, 12).to(dev)
     got = model(tokens, Counting())
     assert Counting.left_out == model.cfg.num_hidden_layers - 1
-    assert torch.equal(got, model(tokens, RowsEverywhere()))
+    # and the MoE in chunks (``moe_chunk``: each chunk's combine, residual add and next norm written into its rows
+    # of the layer's results, ``out=``, no [T, H] combine written and read back): the same bits (a row's kernels do
+    # not depend on the other rows), every chunk through the fused kernel (5 + 5 + 2 rows a layer), no fallback
+    rows_chunked = RowsEverywhere()
+    assert torch.equal(got, model(tokens, rows_chunked, moe_chunk=5))
+    assert RowsEverywhere.outs == [True] * 3 * model.cfg.num_hidden_layers
+    assert rows_chunked.spec_fallbacks["moe_combine_add_rms_norm"] == 0
 
 def test_kernel_config_is_held_and_passed(monkeypatch):
     """``TritonOps(config=...)`` holds the one KernelConfig its launches get; the default honours

@@ -113,14 +113,32 @@ def norm_tile(h: int, quant: bool) -> tuple[int, int, int]:
     return block_h, block_m, 8 if block_h >= 4096 else 4
 
 
+def norm_buffers(x: torch.Tensor, rows: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Empty (new x, normed rows or None, y_fp8, scale) for ``rms_norm_quant`` of x's rows [T, H], its ``out``
+    form: each row-sliceable (a row's values at one row index of each)."""
+    m, h = x.shape
+    return (torch.empty_like(x), torch.empty_like(x) if rows else None,
+            torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device))
+
+
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
-            combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True):
+            combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
     assert rows or quant, "the normed rows may be left out only beside their FP8 quantization"
-    y = torch.empty_like(x) if rows else x  # (rows=False: y_ptr unread and unwritten)
-    xo = torch.empty_like(x) if delta is not None else x
+    if out is not None:  # ``norm_buffers``' form, or row slices of it: written in place
+        assert quant and delta is not None, "out= is for rms_norm_quant with a delta"
+        xo, y, q, s = out
+        want = [(xo, x.dtype, (m, h)), (q, FP8_DTYPE, (m, h)), (s, torch.float32, (m, cdiv(h, ACT_GROUP)))]
+        for t, dtype, shape in want + ([(y, x.dtype, (m, h))] if rows else []):
+            assert t is not None and t.dtype == dtype and tuple(t.shape) == shape and t.stride(-1) == 1, (
+                f"out {None if t is None else (tuple(t.shape), t.dtype)} does not fit {shape} {dtype}")
+        y = y if rows else x
+    else:
+        y = torch.empty_like(x) if rows else x  # (rows=False: y_ptr unread and unwritten)
+        xo = torch.empty_like(x) if delta is not None else x
     top_k = 0
     if combine is not None:  # delta: per-slot rows [T, k, H] / [T * k, H], combined with these weights
         assert delta is not None and combine.dim() == 2 and combine.shape[0] == m, \
@@ -134,8 +152,9 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         assert delta.shape == x.shape, f"delta {tuple(delta.shape)} does not fit x {tuple(x.shape)}"
     if delta is not None:
         assert delta.stride(-1) == 1, f"delta {tuple(delta.shape)} needs a contiguous last dim"
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if quant else y
-    s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
+    if out is None:
+        q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if quant else y
+        s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
         return xo, y if rows else None, (q, s) if quant else None
     block_h, block_m, num_warps = norm_tile(h, quant)
@@ -163,7 +182,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rms_norm_quant(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True,
+    combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
     """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
     returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass.
@@ -172,5 +191,6 @@ def rms_norm_quant(
     computed in the same pass (the [T, H] combine is never written). ``pdl``: launch with
     programmatic dependent launch (kernels/pdl.py; the norm's weight is read before the wait). ``rows=False``:
     the normed bf16 rows are not written (returned as None), for a caller that reads only their quantization
-    (the next layer's q / k / v GEMM): one [T, H] write fewer."""
-    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows)
+    (the next layer's q / k / v GEMM): one [T, H] write fewer. ``out`` (with a delta): ``norm_buffers``' four
+    (or row slices of them) to write instead of new tensors, returned the same way."""
+    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows, out=out)

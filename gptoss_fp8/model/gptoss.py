@@ -336,13 +336,13 @@ class GptOss(nn.Module):
                 x = force[f"{i}.attn"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
                 routing = (force[f"{i}.ids"], force[f"{i}.weights"])
-            y, weights = self._moe_chunked(layer, h, ops, capture, moe_chunk, routing)
             # the next layer's input norm: its bf16 rows only where the q / k / v projections read them (a backend
             # whose GEMMs take the norm's FP8 rows leaves them unwritten: ``ops.needs_rows``)
             rows = i + 1 == len(layers) or ops.needs_rows(self._qkv_projs(layers[i + 1]))
-            if weights is None:  # already combined (chunked)
-                x, h = ops.add_rms_norm(x, y, self._next_norm(i), eps, rows=rows)
+            if moe_chunk and h.n > moe_chunk and routing is None:
+                x, h = self._moe_chunked(layer, x, h, ops, capture, moe_chunk, self._next_norm(i), rows)
             else:
+                y, weights = self._moe(layer, h, ops, capture, routing, route_keys=capture is not None)
                 x, h = ops.moe_combine_add_rms_norm(x, y, weights, self._next_norm(i), eps, rows=rows)
             if capture is not None:
                 capture[f"{layer.idx}.mlp"] = x
@@ -377,29 +377,28 @@ class GptOss(nn.Module):
             return logits
         return ops.all_gather(logits, self.par, self.par.vocab_sizes(self.cfg.vocab_size))
 
-    def _moe_chunked(self, layer: Layer, t: Normed, ops: ReferenceOps, capture: dict | None,
-                     chunk: int | None, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The MoE block on the normed stream t (rows [T, H]): (per-slot outputs [T, k, H], their
-        weights [T, k]) for the caller to combine with the residual add, or (combined delta [T, H],
-        None) when run in chunks. ``routing``: given (ids, weights), see ``_moe`` (not chunked)."""
-        n = t.n
-        if not chunk or n <= chunk or routing is not None:
-            return self._moe(layer, t, ops, capture, routing, route_keys=capture is not None)
+    def _moe_chunked(self, layer: Layer, x: torch.Tensor, t: Normed, ops: ReferenceOps, capture: dict | None,
+                     chunk: int, norm_weight: torch.Tensor, rows: bool) -> tuple[torch.Tensor, Normed]:
+        """The MoE block on the normed stream t (rows [T, H]) in chunks of at most ``chunk`` rows, each chunk's
+        combine, residual add onto x's rows and the next norm (``norm_weight``, ``rows`` as
+        ``moe_combine_add_rms_norm``'s) written straight into that chunk's rows of the layer's results (``ops.norm_out``:
+        no [T, H] combine written and read back) -> (new x, Normed). Per token the same arithmetic as unchunked."""
         if chunk < 1:
             raise GptOssFp8Error(f"moe_chunk must be a positive number of tokens, got {chunk}")
-        out = torch.empty_like(t.y)
+        eps = self.cfg.rms_norm_eps
+        xo, ho = ops.norm_out(x, rows)
         got: dict[str, list[torch.Tensor]] = {"router": [], "ids": [], "weights": []}
-        for s in range(0, n, chunk):
+        for s in range(0, t.n, chunk):
+            e = min(s + chunk, t.n)
             part: dict | None = {} if capture is not None else None
-            ops.moe_combine(*self._moe(layer, t.rows(s, s + chunk), ops, part, route_keys=part is not None),
-                            out=out[s:s + chunk])  # (written in place: no copy of the chunk's [rows, H])
+            y, weights = self._moe(layer, t.rows(s, e), ops, part, route_keys=part is not None)
+            ops.moe_combine_add_rms_norm(x[s:e], y, weights, norm_weight, eps, rows=rows, out=(xo[s:e], ho.rows(s, e)))
             if part is not None:
                 for key, v in got.items():
                     v.append(part[f"{layer.idx}.{key}"])
         if capture is not None:
             capture |= {f"{layer.idx}.{key}": torch.cat(v) for key, v in got.items()}
-        return out, None
+        return xo, ho
 
     @staticmethod
     def _qkv_projs(layer: Layer) -> list[tuple]:

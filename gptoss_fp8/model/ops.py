@@ -89,6 +89,20 @@ class Normed(NamedTuple):
         return Normed(None if self.y is None else self.y.index_select(0, idx), q)
 
 
+def _write_normed(out: tuple[torch.Tensor, Normed], x: torch.Tensor, h: Normed) -> tuple[torch.Tensor, Normed]:
+    """Copy a residual add + norm's results (x, h) into the rows ``out`` (``norm_out``'s form) and return
+    ``out``: the quantization out holds is h's, or the spec's of h's rows where h has none (the same values)."""
+    xo, ho = out
+    xo.copy_(x)
+    if ho.y is not None:
+        ho.y.copy_(h.y)
+    if ho.quant is not None:
+        q, s = h.quant if h.quant is not None else quantize_act(h.y)
+        ho.quant[0].copy_(q)
+        ho.quant[1].copy_(s)
+    return out
+
+
 class ChunkKeys:
     """Where several sequences' prompt chunks find their keys (``ReferenceOps.attention_segments``, the
     serving engine's prompts of one step): chunk i is q's rows ``rows[i]``..``rows[i + 1] - 1``, at key
@@ -306,10 +320,20 @@ class ReferenceOps:
         return xo, Normed(y)
 
     def moe_combine_add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
-                                 norm_weight: torch.Tensor, eps: float, *, rows: bool = True) -> tuple[torch.Tensor, Normed]:
+                                 norm_weight: torch.Tensor, eps: float, *, rows: bool = True,
+                                 out: tuple[torch.Tensor, Normed] | None = None) -> tuple[torch.Tensor, Normed]:
         """``add_rms_norm(x, moe_combine(y, weights), ..., rows=rows)``: the MoE's residual add and the next
-        norm. A backend may fuse the three; the values are the same."""
-        return self.add_rms_norm(x, self.moe_combine(y, weights), norm_weight, eps, rows=rows)
+        norm. A backend may fuse the three; the values are the same. ``out`` (new x, Normed): rows of larger
+        results (``norm_out``'s buffers, ``Normed.rows`` of them: the chunked MoE, each chunk's rows of the
+        layer's whole), written and returned (a backend writes there directly; here a copy)."""
+        got = self.add_rms_norm(x, self.moe_combine(y, weights), norm_weight, eps, rows=rows)
+        return got if out is None else _write_normed(out, *got)
+
+    def norm_out(self, x: torch.Tensor, rows: bool = True) -> tuple[torch.Tensor, Normed]:
+        """Empty buffers for a residual add + norm of x's rows (bf16 [T, H]) in the form this backend's
+        ``moe_combine_add_rms_norm(..., rows=rows)`` returns them, for its ``out`` (row slices of them). This
+        backend: the new x and the normed rows (no quantization: see ``Normed``)."""
+        return torch.empty_like(x), Normed(torch.empty_like(x))
 
     def needs_rows(self, projs: list[tuple]) -> bool:
         """Whether ``linear`` / ``linears`` over these projections (weight, scale_inv, bias) read a norm's bf16

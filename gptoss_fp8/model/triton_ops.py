@@ -278,13 +278,38 @@ class TritonOps(W8A8CpuOps):
 
         return moe_combine(y, weights, out=out)  # (into out's rows: no copy)
 
-    def moe_combine_add_rms_norm(self, x, y, weights, norm_weight, eps, *, rows=True):
-        """The MoE's weighted combine, the residual add and the next norm in one pass (norm.py)."""
+    def moe_combine_add_rms_norm(self, x, y, weights, norm_weight, eps, *, rows=True, out=None):
+        """The MoE's weighted combine, the residual add and the next norm in one pass (norm.py); ``out``'s rows
+        written by the kernel itself (the chunked MoE: no [T, H] combine written and read back)."""
         if (not self._norm_ok(x, norm_weight) or y.dtype not in (BF16, F32) or y.stride(-1) != 1
-                or y.shape[-1] != x.shape[-1] or y.numel() != weights.numel() * x.shape[-1]):
+                or y.shape[-1] != x.shape[-1] or y.numel() != weights.numel() * x.shape[-1]
+                or (out is not None and not self._out_ok(x, out, rows))):
             self._fallback("moe_combine_add_rms_norm", x, y, weights)
-            return super().moe_combine_add_rms_norm(x, y, weights, norm_weight, eps, rows=rows)
-        return self._norm(x, y, norm_weight, eps, combine=weights, rows=rows)
+            return super().moe_combine_add_rms_norm(x, y, weights, norm_weight, eps, rows=rows, out=out)
+        return self._norm(x, y, norm_weight, eps, combine=weights, rows=rows, out=out)
+
+    def norm_out(self, x, rows=True):
+        """The norm kernel's form where it runs on x: the new x, the normed rows (None for ``rows=False`` in
+        bf16) and their quantization (fp8 [T, H], float32 scale [T, ceil(H/128)])."""
+        if not (_kernel_device(x) and x.dim() == 2 and x.dtype in (BF16, torch.float16)):
+            return super().norm_out(x, rows)
+        from gptoss_fp8.kernels.norm import norm_buffers
+
+        xo, y, q, s = norm_buffers(x, rows or x.dtype != BF16)
+        return xo, Normed(y, (q, s))
+
+    @staticmethod
+    def _out_ok(x, out, rows) -> bool:
+        """Whether ``out`` is ``norm_out``'s form for x's rows (the kernel writes there)."""
+        xo, h = out
+
+        def fits(t, dtype, shape) -> bool:
+            return t is not None and tuple(t.shape) == shape and t.dtype == dtype and t.stride(-1) == 1
+
+        n = tuple(x.shape)
+        return (fits(xo, x.dtype, n) and h.quant is not None and fits(h.quant[0], FP8_DTYPE, n)
+                and fits(h.quant[1], F32, (n[0], -(-n[1] // 128)))
+                and (fits(h.y, x.dtype, n) if h.y is not None or rows or x.dtype != BF16 else True))
 
     # --- norms ---------------------------------------------------------------------------------
     def _norm_ok(self, x, weight) -> bool:
@@ -303,12 +328,15 @@ class TritonOps(W8A8CpuOps):
             return super().add_rms_norm(x, delta, weight, eps, rows=rows)
         return self._norm(x, delta, weight, eps, rows=rows)
 
-    def _norm(self, x, delta, weight, eps, combine=None, rows=True):
+    def _norm(self, x, delta, weight, eps, combine=None, rows=True, out=None):
         """The norm kernel with the output's FP8 quantization in the same pass: (new x, Normed). ``rows=False``
-        (a bf16 stream: the one ``linears`` takes as None): the bf16 rows not written, ``Normed.y`` None."""
+        (a bf16 stream: the one ``linears`` takes as None): the bf16 rows not written, ``Normed.y`` None.
+        ``out``: ``norm_out``'s rows to write (checked by ``_out_ok``)."""
         from gptoss_fp8.kernels.norm import rms_norm_quant
 
-        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows or x.dtype != BF16)
+        into = None if out is None else (out[0], out[1].y, *out[1].quant)
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows or x.dtype != BF16,
+                                      out=into)
         return xo, Normed(y, quant)
 
     # --- attention -----------------------------------------------------------------------------
