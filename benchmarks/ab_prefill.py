@@ -9,7 +9,8 @@ combine as its own kernel before the residual-add + norm, as before 2026-11-29 f
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "unfused-rope" (q's rope
 as its own pass, not in the FP8 quantization / window kernel: before the twenty-eighth session;
 "unfused-window-rope": only before the window layers), "moe-unchunked" (the MoE over all tokens at once, not
-in chunks of 32768: bench prefill's ``--moe-chunk``; its combine then fused into the next norm), "torch-router" (the
+in chunks of 32768: bench prefill's ``--moe-chunk``), "chunk-combine" (the chunked MoE's combine written as a [T, H]
+tensor and read back by the next norm: before the thirty-fourth session's ``out=``), "torch-router" (the
 router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "norm-rows" (every norm's bf16 rows
 written, the input norms' too: before the thirty-third session's ``ops.needs_rows``), and kernel configs
 (``dataclasses.replace`` of the default ``KernelConfig``, kernels/config.py): "triton-gemm" (the
@@ -134,6 +135,24 @@ def _full_last_layer(model, ops):
     return run
 
 
+def _chunk_combine(model, ops):
+    """The chunked MoE as before the thirty-fourth session: each chunk's combine into a [T, H] tensor, then one
+    residual add + norm over all rows reading it back (not each chunk's combine into the norm's rows, ``out=``)."""
+    def old(layer, x, t, ops, capture, chunk, norm_weight, rows):
+        out = torch.empty_like(x)
+        for s in range(0, t.n, chunk):
+            ops.moe_combine(*model._moe(layer, t.rows(s, s + chunk), ops), out=out[s:s + chunk])
+        return ops.add_rms_norm(x, out, norm_weight, model.cfg.rms_norm_eps, rows=rows)
+
+    def run(t):
+        model._moe_chunked = old  # (an instance attribute over the method, for the call only)
+        try:
+            return prefill_logits(model, t, ops)
+        finally:
+            del model._moe_chunked
+    return run
+
+
 def _chunked(model, ops, chunk: int = 8192):
     """The prefill of the prompt in chunks through ``GptOss.prefill`` into one KV cache (the serving engine's
     way): the last chunk's logits."""
@@ -165,6 +184,7 @@ def main() -> None:
             "norm-rows": lambda: _forward(model, NormRows(config=ops.config).with_attention(a.attention)),
             "unfused-rope": lambda: _forward(model, UnfusedRope(config=ops.config).with_attention(a.attention)),
             "moe-unchunked": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=None)),
+            "chunk-combine": lambda: _chunk_combine(model, ops),
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
                 a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),
