@@ -198,11 +198,12 @@ if has moe-turns-ab; then
   # issue 34: the whole 20b with GluonTile.turns / stage_scales beside the default, same process (ab_prefill.py); q's
   # rope as its own pass ("unfused-rope", as before the 28th session) against its fusion (the default now); the FP8
   # attention's Q in registers ("fp8-qreg"); at 128000 the MoE unchunked; the last layer on every row
-  # ("full-last-layer", before the 29th session's GptOss.prune_last_layer). The kernel alone:
+  # ("full-last-layer", before the 29th session's GptOss.prune_last_layer); at 128000 the chunked MoE's combine
+  # written and read back ("chunk-combine", before the 34th session's out= rows). The kernel alone:
   # ATTN_VARIANTS=fp8,fp8-qreg bash benchmarks/gpu_suite.sh fp8-probe
   # (AB32K / AB128K: the variants at 32768 / 128000 tokens, "" skips that length; AB32K_S / AB128K_S their limits)
   v32=${AB32K-default,full-last-layer,unfused-rope,unfused-window-rope,fp8-qreg,wide-turns,wide-scales,wide-turns-scales,all-turns,all-scales,all-turns-scales}
-  v128=${AB128K-default,full-last-layer,unfused-rope,moe-unchunked,fp8-qreg,wide-turns-scales,all-turns-scales,all-scales}
+  v128=${AB128K-default,chunk-combine,moe-unchunked,fp8-lanemax,wide-turns-scales,all-turns-scales,all-scales}
   [[ -z $v32 ]] || timeout ${AB32K_S:-240} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
     --variants "$v32" --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_turns_ab32k.log"
   [[ -z $v128 ]] || timeout ${AB128K_S:-300} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
