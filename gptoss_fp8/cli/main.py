@@ -10,11 +10,16 @@ from __future__ import annotations
 import signal
 import sys
 
+from gptoss_fp8 import cli as _package
+
 # Ctrl-C while this module starts up (its imports, then building the app below) is one line too, not a
 # traceback: SIGINT is held until the module's last line, which lets a pending one through inside a guard.
 # (Guarding the imports alone left the app's construction open: one run in three of
-# tests/test_cli_faults.py's 0.1 s case exited by the signal with a traceback.)
+# tests/test_cli_faults.py's 0.1 s case exited by the signal with a traceback.) The program holds it from
+# cli/__init__.py on (the loading of this file included): the mask to restore is the one from before that.
 _held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
+if _package.SIGINT_MASK is not None:
+    _held = _package.SIGINT_MASK
 
 try:  # Ctrl-C while starting up is one line too, not a traceback through the imports
     import os

@@ -20,6 +20,7 @@ import torch
 try:  # Gluon's Hopper API as of triton 3.6; absent or renamed elsewhere -> the Triton kernels are used
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: F401 - re-exported
     from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - re-exported
         fence_async_shared,
         mbarrier,
@@ -137,6 +138,13 @@ def stage_scale_box(k_blocks: int) -> int:
     if box > 256:
         raise ValueError(f"GluonTile(stage_scales=True) takes K up to 255 blocks of 128, not {k_blocks}")
     return box
+
+
+def check_gather(gather: bool, ok: bool, what: str) -> None:
+    """ValueError for ``GluonTile(gather=True)`` on a tile other than the MoE's 128-row gate_up without
+    stage_scales (``ok``): only its producer copies A rows by token (``moe_ws._gather_produce``)."""
+    if gather and not ok:
+        raise ValueError(f"GluonTile(gather=True) is for the MoE's 128 x 256 gate_up without stage_scales, not {what}")
 
 
 def check_turns(turns: bool, wide: bool, what: str) -> None:
@@ -361,7 +369,7 @@ if HAS_GLUON:
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr, turn=None,
                                      W: gl.constexpr = 0, TURN: gl.constexpr = False, sa_bufs=None, sb_bufs=None,
-                                     SC: gl.constexpr = False):
+                                     SC: gl.constexpr = False, FENCE: gl.constexpr = False):
         """Two block-scaled FP8 products of one consumer warpgroup over the same stages, with the
         package's promotion numerics: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1 of
         A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a wide tile as two m64 x n128
@@ -403,7 +411,10 @@ if HAS_GLUON:
         sb_bufs[stage, 0] / [stage, b_off1], read from shared memory once the stage is ready, instead of
         global loads issued behind the wgmma (the promotion's multiply waited on them: 21.7% of our
         gate_up's warp samples against DeepGEMM's 8.9%, BENCHMARKS.md, 27th session). The pointer
-        arguments are then unused; the products and sums are the same, so the results are the same bits."""
+        arguments are then unused; the products and sums are the same, so the results are the same bits.
+
+        FENCE (the gathered gate_up, ``GluonTile.gather``): the A stage was written by the producer's cp.async
+        (the generic proxy), which the wgmma reads through the async proxy: a proxy fence after each ready wait."""
         S: gl.constexpr = a_bufs.type.shape[0]
         if SC:
             gl.static_assert(A0 == A1, "stage scales: both products on the same A rows")
@@ -418,6 +429,8 @@ if HAS_GLUON:
         for kk in range(n_k):
             s = c % S
             mbarrier.wait(ready.index(s), (c // S) & 1)
+            if FENCE:
+                fence_async_shared()
             take_turn(turn, W, 2 * c, TURN)
             t = warpgroup_mma(a_bufs.index(s).slice(A0, AR), b_bufs.index(s).slice(B0, BR).permute((1, 0)), t,
                               use_acc=False, is_async=True)
@@ -455,19 +468,19 @@ if HAS_GLUON:
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, second, turn=None,
                                      W: gl.constexpr = 0, TURN: gl.constexpr = False, sa_bufs=None, sb_bufs=None,
-                                     SC: gl.constexpr = False):
+                                     SC: gl.constexpr = False, FENCE: gl.constexpr = False):
         """``block_scaled_mainloop_serial`` of a tile split in two column halves, the second product
         run only where ``second`` (run time: False where the right half lies wholly past N)."""
         if second:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
                                                          c, n_k, layout, MASK_A, True, turn, W, TURN, sa_bufs,
-                                                         sb_bufs, SC)
+                                                         sb_bufs, SC, FENCE)
         else:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
                                                          c, n_k, layout, MASK_A, False, turn, W, TURN, sa_bufs,
-                                                         sb_bufs, SC)
+                                                         sb_bufs, SC, FENCE)
         return acc0, acc1, c
 
     @gluon.jit

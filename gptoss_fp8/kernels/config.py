@@ -63,7 +63,13 @@ class GluonTile:
     write them for the next GEMM) and weight scales into the stage with TMA, and the consumers read
     them from shared memory (DeepGEMM's way) instead of global loads the promotion waits on. Same
     bits. Opt-in, built without a GPU in the twenty-eighth session (``_gluon.load_stage_scaled``):
-    measure it before making it a default; other tiles refuse it (``_gluon.check_stage_scales``)."""
+    measure it before making it a default; other tiles refuse it (``_gluon.check_stage_scales``).
+    gather: the MoE's 128-row gate_up only, without stage_scales: its producer copies each K block's A rows by
+    cp.async straight from the tokens' own FP8 rows (the norm's quantization, row slot // top_k) instead of TMA
+    from rows pre-gathered in sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer
+    fewer: ~0.25 ms a layer at 32768 tokens); the consumers read the tokens' row scales. Same bits. Opt-in,
+    built without a GPU in the thirty-fourth session: measure it before making it a default; other tiles refuse
+    it (``_gluon.check_gather``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -73,6 +79,7 @@ class GluonTile:
     promote: str = "pipelined"
     turns: bool = False
     stage_scales: bool = False
+    gather: bool = False
 
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:

@@ -267,6 +267,8 @@ def moe_expert_slots(
         moe_ws.check_turns(plan.gate_up.turns, gu_rows == moe_ws.WIDE_M, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
         moe_ws.check_stage_scales(plan.gate_up.stage_scales, gu_rows == moe_ws.WIDE_M,
                                   f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
+        moe_ws.check_gather(plan.gate_up.gather, gu_rows == moe_ws.WIDE_M and not plan.gate_up.stage_scales,
+                            f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
@@ -280,14 +282,18 @@ def moe_expert_slots(
     else:
         act_scale = torch.empty((max_rows, cdiv(i, BLOCK)), dtype=torch.float32, device=x.device)
     if gluon_gu:
-        # A quantized straight into sorted row order (rows copied from x_quant when given: same bits)
-        a_fp8, a_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant,
-                                          scale_mn_major=plan.gate_up.stage_scales)
+        gather = 0
+        if plan.gate_up.gather:  # the tokens' own FP8 rows, copied into sorted order by the GEMM's producer
+            a_fp8, a_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
+            gather = k if h % 16 == 0 and a_fp8.data_ptr() % 16 == 0 and a_fp8.stride(0) % 16 == 0 else 0
+        if not gather:  # A quantized straight into sorted row order (rows copied from x_quant when given: same bits)
+            a_fp8, a_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant,
+                                              scale_mn_major=plan.gate_up.stage_scales)
         moe_ws.ws_moe_gemm(a_fp8, a_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
                            stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,
                            balance=plan.gate_up.balance, promote=plan.gate_up.promote, turns=plan.gate_up.turns,
-                           stage_scales=plan.gate_up.stage_scales)
+                           stage_scales=plan.gate_up.stage_scales, gather_top_k=gather)
     else:
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         gate_up_triton(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert, k,

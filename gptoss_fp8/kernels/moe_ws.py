@@ -38,6 +38,7 @@ import torch
 from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     HAS_GLUON,
+    check_gather,
     check_promote,
     check_stage_scales,
     check_turns,
@@ -49,6 +50,7 @@ from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
+        async_copy,
         block_scaled_mainloop,
         block_scaled_mainloop_halves,
         block_scaled_mainloop_serial,
@@ -247,7 +249,7 @@ if HAS_GLUON:
     def _wide_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, out_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                       block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                       stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out, turn,
-                      TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
+                      TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k=1, GATHER: gl.constexpr = False):
         """Consumer warpgroup W of the two 128 x 256 kernels, the wide gate_up and (DOWN) the down:
         rows W*64 .. W*64 + 64 of every tile, all 256 columns as two 128-column products sharing each
         A stage (``block_scaled_mainloop_halves``; the right half is skipped where it lies wholly past
@@ -268,6 +270,11 @@ if HAS_GLUON:
 
         SC (``GluonTile(stage_scales=True)``): the K blocks' scales from the stages (sa_bufs, sb_bufs;
         ``_gluon.load_stage_scaled``), not from as_ptr / bs_ptr.
+
+        GATHER (the gate_up, ``GluonTile(gather=True)``): the A rows are the tokens' own (``_gather_produce``
+        copies them by cp.async), so the row scales are the tokens' too: as_ptr holds the [T, ceil(K/128)]
+        scales of the unsorted rows, read at row slot // top_k (padding rows: row 0's, times their zero A
+        rows); a proxy fence after each ready wait (the mainloop's FENCE).
 
         Both epilogues are written inline, not as functions the walk calls: an inlined function's
         scope puts debug-info labels ($L__tmpN) into the PTX, which ptxas takes as block boundaries;
@@ -298,7 +305,11 @@ if HAS_GLUON:
                 row0 = pid_m * TM + W * R
                 col0 = pid_n * TN
                 rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-                a_offs = rows * stride_asm
+                if GATHER:
+                    slot_r = gl.load(slots_ptr + rows)
+                    a_offs = gl.where(slot_r < num_slots, slot_r // top_k, 0) * stride_asm
+                else:
+                    a_offs = rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 live = gl.load(slots_ptr + row0) < num_slots
                 if live:
@@ -306,7 +317,7 @@ if HAS_GLUON:
                                                                  HN, as_ptr, a_offs, 0, rows < num_slots,
                                                                  rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
                                                                  layout, False, col0 + HN < N, turn, W, TURN,
-                                                                 sa_bufs, sb_bufs, SC)
+                                                                 sa_bufs, sb_bufs, SC, GATHER)
                     if DOWN:
                         srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
                         slot = gl.load(slots_ptr + srows)
@@ -371,11 +382,11 @@ if HAS_GLUON:
                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                          stride_bse, stride_bsn, stride_biase, stride_osm, stride_osn, limit, num_progs,
                          GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, turn,
-                         TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
+                         TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k, GATHER: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
                       GROUP_M, False, (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
-                      TURN, sa_bufs, sb_bufs, SC)
+                      TURN, sa_bufs, sb_bufs, SC, top_k, GATHER)
 
     @gluon.jit
     def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
@@ -384,18 +395,69 @@ if HAS_GLUON:
                      num_progs, GROUP_M, scales, SC)
 
     @gluon.jit
+    def _gather_produce(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr, num_m, N,
+                        K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr):
+        """The wide gate_up's 1-warp producer with A gathered (``GluonTile(gather=True)``): each K block's A
+        rows copied by cp.async straight from the tokens' FP8 rows x[slot // top_k] (16 bytes a thread, 32
+        rows a step: ~20 registers of pointers) into the stage, padding rows and columns past K zero-filled (as
+        the pre-gathered rows and TMA give), W rows by TMA. Hopper's TMA loads boxes, not lists of rows; the
+        cp.async copies arrive on the stage's ready barrier when they land (``async_copy.mbarrier_arrive``,
+        before the TMA's expect-arrive so that the phase waits for both)."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        TM: gl.constexpr = a_bufs.type.shape[1]
+        TK: gl.constexpr = a_bufs.type.shape[2]
+        TN: gl.constexpr = b_desc.block_type.shape[0]
+        CH: gl.constexpr = 16
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
+        num_n = gl.cdiv(N, TN)
+        n_k = gl.cdiv(K, TK)
+        cols = gl.arange(0, TK, layout=gl.SliceLayout(0, copy_layout))
+        c = 0
+        for tile in range(gl.program_id(0), num_m * num_n, num_progs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            expert = gl.load(block_expert_ptr + pid_m)
+            if expert < num_experts:
+                for kk in range(n_k):
+                    s = c % S
+                    mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+                    kcols = kk * TK + cols
+                    kmask = gl.expand_dims(kcols < K, 0)
+                    for h in gl.static_range(TM // CH):
+                        rows = pid_m * TM + h * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, copy_layout))
+                        slot = gl.load(slots_ptr + rows)
+                        live = slot < num_slots
+                        tok = gl.where(live, slot // top_k, 0)
+                        ptrs = x_ptr + gl.expand_dims(tok.to(gl.int64) * stride_xm, 1) + gl.expand_dims(kcols, 0)
+                        async_copy.async_copy_global_to_shared(a_bufs.index(s).slice(h * CH, CH), ptrs,
+                                                               mask=gl.expand_dims(live, 1) & kmask)
+                    async_copy.mbarrier_arrive(ready.index(s))
+                    mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(b_desc, [expert * N + pid_n * TN, kk * TK], ready.index(s),
+                                                    b_bufs.index(s))
+                    c += 1
+
+    @gluon.jit
+    def _moe_gather_producer(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr,
+                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr):
+        _gather_produce(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr, num_m, N,
+                        K, num_slots, num_experts, top_k, num_progs, GROUP_M)
+
+    @gluon.jit
     def _ws_moe_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr, slots_ptr,
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                                  stride_bsn, stride_biase, stride_osm, stride_osn, limit, num_progs,
                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
                                  FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TURN: gl.constexpr = False,
-                                 sa_desc=None, sb_desc=None, SC: gl.constexpr = False):
+                                 sa_desc=None, sb_desc=None, SC: gl.constexpr = False, x_ptr=None, stride_xm=0,
+                                 top_k=1, GATHER: gl.constexpr = False):
         """The wide gate_up (``GluonTile(block_m=128, promote="serial")``, the serial promotion loop):
         128 x 256 tiles over 128-row segments, 48 KB of loads per K block for twice the 64 x 256
         tile's work (40 KB): 1.67x the FLOPs per byte. out_s_ptr's rows and columns strided (stride_osn
         1: row-major, the default; the rows: MN-major, what the down reads with stage scales). SC
         (``GluonTile.stage_scales``): the scales through the stages, sa_desc over the row scales
-        MN-major and sb_desc over the weight scales, both flat (``ws_moe_gemm``)."""
+        MN-major and sb_desc over the weight scales, both flat (``ws_moe_gemm``). GATHER (``GluonTile.gather``):
+        A from the tokens' own rows x_ptr [T, K] (row stride stride_xm) by ``_gather_produce``, as_ptr their
+        scales [T, ceil(K/128)] (a_desc: over x, only its block shape and layout used)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -409,20 +471,40 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
-        gl.warp_specialize([
-            (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
-                             block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
-                             stride_biase, num_progs, GROUP_M, False,
-                             (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn, TURN,
-                             sa_bufs, sb_bufs, SC)),
-            (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
-                                out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts,
-                                stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm, stride_osn, limit,
-                                num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN, sa_bufs, sb_bufs, SC)),
-            (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
-                                  num_experts, num_progs, GROUP_M,
-                                  (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
-        ], [4, 1], [232, 40])
+        # (the partitions' argument tuples written out in each branch: a tuple held in a variable loses its
+        # elements' constexpr-ness)
+        if GATHER:
+            gl.warp_specialize([
+                (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
+                                 block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                                 stride_bsn, stride_biase, num_progs, GROUP_M, False,
+                                 (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
+                                 TURN, sa_bufs, sb_bufs, SC, top_k, GATHER)),
+                (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
+                                    out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
+                                    num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm,
+                                    stride_osn, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN, sa_bufs,
+                                    sb_bufs, SC, top_k, GATHER)),
+                (_moe_gather_producer, (x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr,
+                                        block_expert_ptr, num_m, N, K, num_slots, num_experts, top_k, num_progs,
+                                        GROUP_M)),
+            ], [4, 1], [232, 40])
+        else:
+            gl.warp_specialize([
+                (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
+                                 block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
+                                 stride_bsn, stride_biase, num_progs, GROUP_M, False,
+                                 (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
+                                 TURN, sa_bufs, sb_bufs, SC)),
+                (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
+                                    out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
+                                    num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm,
+                                    stride_osn, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN, sa_bufs,
+                                    sb_bufs, SC, top_k, GATHER)),
+                (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
+                                      num_experts, num_progs, GROUP_M,
+                                      (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
+            ], [4, 1], [232, 40])
 
 
 if HAS_GLUON:
@@ -507,7 +589,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
                 fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, block_m: int = TILE_M,
                 balance: bool = False, promote: str = "pipelined", turns: bool = False,
-                stage_scales: bool = False) -> None:
+                stage_scales: bool = False, gather_top_k: int = 0) -> None:
     """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of block_m rows: 64, or 128 for the
@@ -519,20 +601,30 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     no C7514); the wide form has only "serial" (ValueError otherwise). turns: the wide form's consumer
     warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile).
     stage_scales: the wide form's scales through the stages (``GluonTile.stage_scales``, ValueError for
-    the 64 x 256 tile; a_scale best MN-major, ``_gluon.stage_scale_args``)."""
+    the 64 x 256 tile; a_scale best MN-major, ``_gluon.stage_scale_args``). gather_top_k > 0 (``GluonTile.gather``,
+    the wide form without stage_scales): a / a_scale are the tokens' own rows [T, K] and scales [T, ceil(K/128)]
+    (``act_quant``'s), K a multiple of 16 and a 16-byte aligned; the kernel's producer copies row
+    sorted_slots[r] // gather_top_k into sorted row r itself (no ``gather_act_quant``)."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
     check_turns(turns, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_stage_scales(stage_scales, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
-    max_rows, k = a.shape
+    check_gather(gather_top_k > 0, block_m == WIDE_M and not stage_scales, f"the {block_m} x {TILE_N} gate_up")
+    k = a.shape[1]
+    max_rows = sorted_slots.shape[0] if gather_top_k else a.shape[0]
     e, n, _ = w.shape
     assert max_rows % block_m == 0, f"block_m {block_m}, {max_rows} rows"
+    if gather_top_k:
+        assert k % 16 == 0 and a.data_ptr() % 16 == 0 and a.stride(1) == 1 and a.stride(0) % 16 == 0, (
+            f"gathered A rows need 16-byte copies: K {k}, stride {a.stride()}")
     a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     out_desc = descriptor(out, [TILE_M, TILE_N // 4])
     num_m = max_rows // block_m
     num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
     if block_m == WIDE_M:
         sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, WIDE_M) if stage_scales else ({}, w_scale_inv)
+        if gather_top_k:  # (a launch without it keeps its exact signature)
+            sc = dict(x_ptr=a, stride_xm=a.stride(0), top_k=gather_top_k, GATHER=True)
         _ws_moe_gemm_wide_kernel[(num_progs,)](
             a_desc, b_desc, a_scale, w_scale_inv, bias, out_desc, out_scale, sorted_slots, block_expert,
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),

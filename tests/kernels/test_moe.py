@@ -311,12 +311,12 @@ _OPTION_SHAPES = [((3000, 2880, 2880, 32, 4, 16), dict(group_m=16)), ((2000, 288
 _OPTION_IDS = ["", "-e128-s3-bal", "-h640", "-h720", "-t1"]
 
 
-def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage_scales=False):
+def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage_scales=False, gather=False):
     """The wide gate_up (128 x 256 tiles over 128-row segments, the serial promotion: its only loop)
     with the default down tile, or ``down``; ``turns``: GluonTile.turns; ``stage_scales``:
-    GluonTile.stage_scales."""
+    GluonTile.stage_scales; ``gather``: GluonTile.gather."""
     gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial", turns=turns,
-                   stage_scales=stage_scales)
+                   stage_scales=stage_scales, gather=gather)
     plan = KernelConfig(moe_gluon_gate_up=gu, moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
@@ -382,6 +382,35 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
         assert torch.equal(y, moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plain))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,i,e,e0,n_local,plan", [
+    *((*shape, _wide_plan(**tile, gather=True)) for shape, tile in _OPTION_SHAPES),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, gather=True,
+                                             down=GluonTile(4, 16, block_m=128, promote="serial", turns=True))),
+], ids=[*(f"gather{i}" for i in _OPTION_IDS), "gather-turns"])
+def test_fused_moe_ws_gather_gpu(t, h, i, e, e0, n_local, plan):
+    """GluonTile.gather (the wide gate_up's producer copies A rows by cp.async from the tokens' own FP8 rows, no
+    gather_act_quant): against the reference, and the same bits as the plan without it, both with the norm's
+    quantization given (``x_quant``, as the model passes it; here act_quant's, and rows 3.. of a larger one: a
+    chunk's slice) and without (act_quant inside); over expert-parallel shards, 128 experts balanced on 3 stages,
+    right halves past N (h640; its K = 640: five 128-wide K blocks, h720: the last one 80 columns, zero-filled
+    past K), one token (a segment of 127 padding rows, zero-filled), and with GluonTile.turns."""
+    from gptoss_fp8.kernels.act_quant import act_quant
+    from gptoss_fp8.kernels.moe import moe_expert_slots
+
+    m = _model(t, h, i, e, seed=t + h + i + 2)
+    ex = _shard(m["experts"], e0, n_local)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    y = moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plan)
+    _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
+    plain = MoePlan(128, replace(plan.gate_up, gather=False), plan.down)
+    assert torch.equal(y, moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plain))
+    big = act_quant(torch.cat([torch.randn(3, h, device="cuda", dtype=torch.bfloat16), m["x"]]))
+    xq = (big[0][3:], big[1][3:])
+    slots = [moe_expert_slots(m["x"], ids, *ex, expert_start=e0, x_quant=xq, plan=p) for p in (plan, plain)]
+    assert torch.equal(slots[0], slots[1])
+
+
 _TURNS = [False, pytest.param(True, marks=pytest.mark.slow)]  # GluonTile.turns: compile-only, ~5 s each
 
 
@@ -422,6 +451,41 @@ def test_moe_ws_wide_compiles_for_sm90(turns):
     if "regs" in k:
         assert k["spill_stores"] == 0 and k["stack"] == 0, k
         assert not k["wgmma_serialized"], "ptxas serialized the wide gate_up's wgmmas (C7514)"
+
+
+def test_moe_ws_gather_compiles_for_sm90():
+    """Without a GPU: GluonTile.gather compiles for sm_90 without spills (the 1-warp producer's pointers, 16 rows a
+    step, within its 40 registers) or wgmma serialization: each K block's A rows by 16-byte cp.async, zero-filled
+    where masked (32 a thread: 128 rows x 128 bytes over 32 threads), one cp.async arrive on the stage's ready
+    barrier per thread before the TMA's expect-arrive of the W tile's bytes alone (A + W would hang the ring), a
+    proxy fence after each ready wait in the consumers (generic-proxy writes, async-proxy wgmma reads). Compiled as
+    a launch specializes K = 2880 and the rows' stride (multiples of 16): what lets the copies be 16 bytes."""
+    import re
+
+    from gptoss_fp8.kernels import _gluon, moe_ws
+
+    if not _gluon.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
+    lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>",
+             "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
+             "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>", "x_ptr": "*fp8e4nv",
+             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+             "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
+    consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, GATHER=True, stride_osm=1)
+    k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, consts,
+                                divisible16=("x_ptr", "stride_xm", "K"))
+    ptx = k["ptx"]
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10, %r\d+;", ptx)) == 32
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.shared\.b64", ptx)) == 1
+    assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*32768;", ptx), "the W tile's bytes alone"
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, "W by TMA"
+    assert ptx.count("fence.proxy.async") >= 2 + 2, "the consumers' fences (and the epilogue's before its TMA store)"
+    assert ".local" not in ptx and k["num_warps"] == 12 and k["shared"] <= 227 * 1024
+    if "regs" in k:
+        assert k["spill_stores"] == 0 and k["stack"] == 0, k
+        assert not k["wgmma_serialized"], "ptxas serialized the wgmmas (C7514)"
 
 
 @pytest.mark.slow
@@ -655,6 +719,11 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
     with pytest.raises(ValueError, match="stage_scales=True.*not the 128 x 128 Gluon dense GEMM"):
         fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="serial", stage_scales=True)
     moe_ws.check_stage_scales(True, True, "the 128 x 256 gate_up")
+    # GluonTile.gather: for the MoE's 128 x 256 gate_up without stage_scales only
+    with pytest.raises(ValueError, match="gather=True.*not the 64 x 256 gate_up"):
+        moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", gather_top_k=4)
+    with pytest.raises(ValueError, match="gather=True"):
+        moe_ws.ws_moe_gemm(*[None] * 14, block_m=128, promote="serial", stage_scales=True, gather_top_k=4)
 
 
 @pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
