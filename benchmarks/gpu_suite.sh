@@ -8,6 +8,8 @@
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
 #            rounding (GPTOSS_FP8_E4M3=soft): time and the outputs' digests, which must agree
+#   gather   GluonTile.gather (the wide gate_up's A rows copied from the tokens' rows by its producer; 34th
+#            session): its GPU tests, then the 20b at 32768 beside the default
 #   moe-energy  the MoE GEMMs back to back at the power cap: DeepGEMM's against ours, clock and power (.peers/ carried)
 #   moe-turns  GluonTile.turns (the MoE GEMMs' warpgroups in turns at the tensor core) and GluonTile.stage_scales
 #            (the 128 x 256 tiles' scales through the stages, MoE and dense): the GPU tests, the MoE plans at the
@@ -128,6 +130,19 @@ if has quant; then
   # (the digests: each kernel and length must print one digest in both modes)
   grep "| digest" "$OUT/quant_ab.log" | sed -E 's/^[a-z]+ +//; s/ *\| .* \| / /' | sort -u \
     | sed -E 's/ digest [0-9a-f]+$//' | uniq -d | sed 's/^/DIGESTS DIFFER: /' | tee -a "$OUT/quant_ab.log"
+fi
+
+if has gather; then
+  # thirty-fourth session (no device at first): GluonTile.gather, the wide gate_up's A rows by cp.async from the
+  # tokens' own FP8 rows (no gather_act_quant): its GPU tests (bits equal to the pre-gathered plan), then the 20b
+  # at 32768 with it beside the default, same process (GATHER_AB_S; 0 skips)
+  timeout -s INT ${GATHER_TEST_S:-150} python3 -m pytest -q -rf -n 4 --dist load tests/kernels/test_moe.py -k "gather" \
+    > "$OUT/gather_tests.log" 2>&1
+  tail -4 "$OUT/gather_tests.log"
+  if [[ ${GATHER_AB_S:-200} != 0 ]]; then
+    timeout ${GATHER_AB_S:-200} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs 5 \
+      --variants default,wide-gather --attention fp8 2>&1 | grep -v Warn | tee "$OUT/gather_ab32k.log"
+  fi
 fi
 
 if has moe-energy; then
