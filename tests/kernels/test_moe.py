@@ -422,6 +422,17 @@ def _turn_barriers(ptx: str, turns: bool, stages: int = 4) -> None:
         assert ptx.count("mbarrier.try_wait") > 2 * 7 and ptx.count("mbarrier.arrive") > 2 * 7
 
 
+def _wide_gate_up_types() -> dict[str, str]:
+    """The wide gate_up kernel's argument types for ``_gluon.compile_for_sm90`` (the rest i32)."""
+    lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
+           "fp4_padded=False, cga_layout=[])")
+    return {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>",
+            "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
+            "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>",
+            "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+            "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
+
+
 @pytest.mark.parametrize("turns", _TURNS)
 def test_moe_ws_wide_compiles_for_sm90(turns):
     """Without a GPU: the wide gate_up (the serial promotion loop) compiles for sm_90, no spills in
@@ -433,13 +444,7 @@ def test_moe_ws_wide_compiles_for_sm90(turns):
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
-    lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>",
-             "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
-             "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>",
-             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
-             "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
+    types = _wide_gate_up_types()
     consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, **({"TURN": True} if turns else {}))
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, consts)
     ptx = k["ptx"]
@@ -466,13 +471,7 @@ def test_moe_ws_gather_compiles_for_sm90():
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
-    lay = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth=8, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(128)}>",
-             "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
-             "out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>", "x_ptr": "*fp8e4nv",
-             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
-             "out_s_ptr": "*fp32", "slots_ptr": "*i32", "block_expert_ptr": "*i32", "limit": "fp32"}
+    types = _wide_gate_up_types() | {"x_ptr": "*fp8e4nv"}
     consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, GATHER=True, stride_osm=1)
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, consts,
                                 divisible16=("x_ptr", "stride_xm", "K"))
