@@ -31,7 +31,9 @@ that read those rows take it as ``xq``. The CPU backends return ``quant=None`` a
 (they quantize themselves: the spec depends on nothing a kernel computed). Where a backend's GEMMs
 read only ``xq`` (``needs_rows(projs)`` False: the triton backend's FP8 q / k / v), the model asks the
 norm before them for ``rows=False`` and passes their x as None: the bf16 rows are never written (one
-[T, H] write a layer fewer); every backend that says True gets its rows as before.
+[T, H] write a layer fewer); every backend that says True gets its rows as before. The MoE in chunks
+writes each chunk's combine, residual add and next norm into its rows of the layer's results: ``norm_out``
+gives the buffers in the backend's form, ``moe_combine_add_rms_norm(..., out=)`` takes row slices of them.
 """
 
 from __future__ import annotations
