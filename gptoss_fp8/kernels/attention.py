@@ -45,8 +45,8 @@ quantizes with quant/attn_fp8.py's roundings (Q, K e4m3 per 64 packed rows per h
 in one pass by kernels/attn_quant.py, on CPU by quant/attn_fp8.py's torch ops); both
 dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
 scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
-power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P (its bytes read back since the
-thirty-second session; it was ~12 fp32 instructions a score rounding P), and each block's P V
+power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P (by the tensor core: P8 times a
+tile of ones, thirty-second session; it was ~12 fp32 instructions a score), and each block's P V
 is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer
 bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
 ragged batches and later chunks this Triton kernel, and so do several sequences' chunks after their cached keys
@@ -167,11 +167,9 @@ def _attn_inner_fp8(
     """``_attn_inner`` on e4m3 operands, spec.attention_fp8's roundings: scores = (Q8 K8^T) * sq * sk
     in log2 units; the running max is kept an integer (ceil), so rescaling by alpha is an exact
     power of two and e4m3(P * 256) rounds as in the spec's final frame (2^x taken at x + 8 for P * 256
-    directly, as the Gluon kernel); the row sum of that e4m3 P from the cast's bytes read back (~2.5 instructions
-    a score; it was ~12 fp32 ones rounding P arithmetically, with a division; P8 times a tile of ones on the
-    tensor core, the Gluon kernel's way, cost here a conversion of P8 through shared memory and a barrier a block:
-    Triton gives that dot another MMA layout); PV as e4m3 x e4m3 with a fresh fp32 accumulator per block
-    (Hopper's FP8 MMA accumulates imprecisely), added to acc.
+    directly, as the Gluon kernel); the row sum of that e4m3 P by the tensor core (P8 times a tile of ones:
+    exact e4m3 values summed in fp32, not ~12 fp32 instructions a score rounding P arithmetically); PV as e4m3
+    x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates imprecisely), added to acc.
     SK_BLOCK (kbase a multiple of 64, BLOCK_N dividing 64): one K scale a block, folded with the row's into one
     factor c (an fp32 rounding from the spec's order), the row max taken on the raw products (times c > 0 after)
     and the scores scaled and shifted by one FMA; else two products a score, as the spec."""
@@ -211,11 +209,15 @@ def _attn_inner_fp8(
         alpha = tl.math.exp2(m_i - m_new)
         if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
             p8 = _e4m3_round_nonneg(p)
-            p8f = p8
-        else:  # the cast's bytes read back (SASS: an e4m3x2 unpack and two f16 -> f32 a pair, not folded into p)
+            rs = tl.dot(p8, tl.full([BLOCK_N, 16], 1.0, tl.float32))
+        elif BLOCK_N < 32:  # (e4m3 MMAs take K >= 32)
             p8 = p.to(tl.float8e4nv)
-            p8f = p8.to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p8f, 1) * 0.00390625
+            rs = tl.dot(p8.to(tl.float16), tl.full([BLOCK_N, 16], 1.0, tl.float16))
+        else:
+            p8 = p.to(tl.float8e4nv)
+            rs = tl.dot(p8, tl.full([BLOCK_N, 16], 1.0, tl.float16).to(tl.float8e4nv))
+        # every column of rs is the row's sum (the same products): the max of 16 equal values is that value
+        l_i = l_i * alpha + tl.max(rs, 1) * 0.00390625
         if MASK:
             v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd, mask=cols[:, None] < seqlen, other=0.0)
         else:
