@@ -45,8 +45,7 @@ quantizes with quant/attn_fp8.py's roundings (Q, K e4m3 per 64 packed rows per h
 in one pass by kernels/attn_quant.py, on CPU by quant/attn_fp8.py's torch ops); both
 dots take e4m3 operands with fp32 accumulation (the block scales multiply the scores; V's channel
 scale the output), P is rounded as e4m3(P * 256) against an integral running max (exact
-power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P (by the tensor core: P8 times a
-tile of ones, thirty-second session; it was ~12 fp32 instructions a score), and each block's P V
+power-of-two rescaling: the spec's roundings), the row sum is of that e4m3 P, and each block's P V
 is summed in a fresh fp32 accumulator before it joins acc (Hopper's FP8 MMA accumulates with fewer
 bits). One causal sequence on sm_90 runs the Gluon e4m3 kernel (attention_ws_fp8.py); windows,
 ragged batches and later chunks this Triton kernel, and so do several sequences' chunks after their cached keys
@@ -96,11 +95,10 @@ def _attn_inner(
     UPCAST: tl.constexpr,
     sq=None, SK=None, kbase=0, stride_vd=1,  # FP8: q's row scales (times qk_scale), K's block scales of
     FP8: tl.constexpr = False,                # the kv head, the sequence's first packed row, V^T's D stride
-    SK_BLOCK: tl.constexpr = False,  # FP8: kbase a multiple of 64, so one K scale a block of BLOCK_N (<= 64) keys
 ):
     if FP8:
         acc, l_i, m_i = _attn_inner_fp8(acc, l_i, m_i, q, sq, K, SK, kbase, V, stride_kt, stride_vd, offs_m, offs_n,
-                                        offs_d, seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST, SK_BLOCK)
+                                        offs_d, seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -162,29 +160,20 @@ def _attn_inner_fp8(
     MASK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
-    SK_BLOCK: tl.constexpr = False,
 ):
     """``_attn_inner`` on e4m3 operands, spec.attention_fp8's roundings: scores = (Q8 K8^T) * sq * sk
     in log2 units; the running max is kept an integer (ceil), so rescaling by alpha is an exact
-    power of two and e4m3(P * 256) rounds as in the spec's final frame (2^x taken at x + 8 for P * 256
-    directly, as the Gluon kernel); the row sum of that e4m3 P by the tensor core (P8 times a tile of ones:
-    exact e4m3 values summed in fp32, not ~12 fp32 instructions a score rounding P arithmetically); PV as e4m3
-    x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates imprecisely), added to acc.
-    SK_BLOCK (kbase a multiple of 64, BLOCK_N dividing 64): one K scale a block, folded with the row's into one
-    factor c (an fp32 rounding from the spec's order), the row max taken on the raw products (times c > 0 after)
-    and the scores scaled and shifted by one FMA; else two products a score, as the spec."""
+    power of two and e4m3(P * 256) rounds as in the spec's final frame; the row sum of that e4m3 P;
+    PV as e4m3 x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates
+    imprecisely), added to acc."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         if MASK:
             kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < seqlen, other=0.0)
-        else:
-            kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None])
-        if SK_BLOCK:
-            c = sq * tl.load(SK + (kbase + start_n) // 64)  # [BLOCK_M]; the block's first key is a real one
-        elif MASK:
             sk = tl.load(SK + (kbase + cols) // 64, mask=cols < seqlen, other=0.0)
         else:
+            kt = tl.load(K + cols[None, :] * stride_kt + offs_d[:, None])
             sk = tl.load(SK + (kbase + cols) // 64)
         if UPCAST:
             qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
@@ -192,32 +181,22 @@ def _attn_inner_fp8(
             qk = tl.dot(q.to(tl.float16), kt.to(tl.float16))
         else:
             qk = tl.dot(q, kt)
+        qk = qk * sq[:, None] * sk[None, :]
         if MASK:
             rel = offs_m[:, None] - cols[None, :]
             visible = (rel >= 0) & (rel < window)
-        if SK_BLOCK:
-            if MASK:
-                qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1) * c))
-            p = tl.math.exp2(qk * c[:, None] - (m_new - 8.0)[:, None])  # P * 256, in [0, 256]
-        else:
-            qk = qk * sq[:, None] * sk[None, :]
-            if MASK:
-                qk = qk + tl.where(visible, 0.0, float("-inf"))
-            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
-            p = tl.math.exp2(qk - (m_new - 8.0)[:, None])
+            qk = qk + tl.where(visible, 0.0, float("-inf"))
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        # the row sum of the e4m3 P (the spec's), its values rounded in fp32 (not the cast's bytes
+        # converted back, which the compiler may fold into the fp32 P)
+        p8f = _e4m3_round_nonneg(p * 256.0)
         if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
-            p8 = _e4m3_round_nonneg(p)
-            rs = tl.dot(p8, tl.full([BLOCK_N, 16], 1.0, tl.float32))
-        elif BLOCK_N < 32:  # (e4m3 MMAs take K >= 32)
-            p8 = p.to(tl.float8e4nv)
-            rs = tl.dot(p8.to(tl.float16), tl.full([BLOCK_N, 16], 1.0, tl.float16))
+            p8 = p8f
         else:
-            p8 = p.to(tl.float8e4nv)
-            rs = tl.dot(p8, tl.full([BLOCK_N, 16], 1.0, tl.float16).to(tl.float8e4nv))
-        # every column of rs is the row's sum (the same products): the max of 16 equal values is that value
-        l_i = l_i * alpha + tl.max(rs, 1) * 0.00390625
+            p8 = (p * 256.0).to(tl.float8e4nv)
+        l_i = l_i * alpha + tl.sum(p8f, 1) * 0.00390625
         if MASK:
             v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd, mask=cols[:, None] < seqlen, other=0.0)
         else:
@@ -331,14 +310,11 @@ def _attn_prefill_kernel(
             q = q.to(tl.float32)
     k_src = K + krow0 * stride_kt + kv_h * stride_kh
     v_src = V + krow0 * stride_vt + kv_h * stride_vh
-    # FP8: one K scale a key block where the keys' 64-row scale blocks start at the sequence's first key (one
-    # sequence; the segments' packed keys, 64-aligned); a ragged batch's blocks straddle its sequences
-    SK_BLOCK: tl.constexpr = FP8 and (SEGMENTS or not RAGGED) and 64 % BLOCK_N == 0
-    if FP8:  # (rows past the sequence: scale 1, not 0, so that their masked scores stay -inf, not NaN; never stored)
+    if FP8:
         if SEGMENTS:  # the chunk's own 64-row blocks from its first row
-            sq = tl.load(Sq + head * stride_sqh + tl.load(QScaleBase + pid_b) + offs_m // 64, mask=row_ok, other=1.0)
+            sq = tl.load(Sq + head * stride_sqh + tl.load(QScaleBase + pid_b) + offs_m // 64, mask=row_ok, other=0.0)
         else:
-            sq = tl.load(Sq + head * stride_sqh + (row0 + offs_m) // 64, mask=row_ok, other=1.0)
+            sq = tl.load(Sq + head * stride_sqh + (row0 + offs_m) // 64, mask=row_ok, other=0.0)
         sk_src = Sk + kv_h * stride_skh
     else:
         sq = row0  # unused
@@ -365,15 +341,15 @@ def _attn_prefill_kernel(
     full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, diag_lo)
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8, SK_BLOCK,
+        seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8, SK_BLOCK,
+        seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
     )
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8, SK_BLOCK,
+        seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
     )
 
     if FP8:  # V's channel scale / 256 (P's fixed scale), then the row sum (spec.attention_fp8's order)
