@@ -1382,10 +1382,10 @@ print(json.dumps(out))
 @pytest.mark.slow  # ~10 s on the 2-core box: two sm_90 compiles
 def test_prefill_fp8_triton_kernel_fits_its_registers_sm90():
     """Without a GPU: the FP8 Triton prefill kernel on the GPU's causal tile, compiled as a launch specializes it,
-    stays within the tile's 128-register cap: one sequence without spilling, the serving step's segments (their
-    row bases and offsets read per program, 64-bit) within 64 bytes (52 in the thirty-second session). Its row
-    sum comes from the cast's bytes; until then ~12 fp32 instructions a score rounded P and one sequence's kernel
-    spilled 252 bytes at the cap."""
+    stays within the tile's 128-register cap, its spills no worse than the GPU-tested kernel's: 252 bytes one
+    sequence, 564 the serving step's segments (their row bases and offsets read per program, 64-bit). (The
+    thirty-second session's lighter rework, 0 / 52 bytes, was reverted in the thirty-fourth: on the H100 it gave
+    non-finite outputs in test_prefill_fp8_gpu; it is in git history, aba7eda and 51486f4, to debug on a GPU.)"""
     import json
     import os
     import subprocess
@@ -1398,7 +1398,7 @@ def test_prefill_fp8_triton_kernel_fits_its_registers_sm90():
     if not got["False"]:
         pytest.skip("no ptxas in this triton: nothing to read the registers from")
     for seg, res in got.items():
-        assert res["regs"] <= 128 and res["spill_stores"] <= (64 if seg == "True" else 0), (seg, res)
+        assert res["regs"] <= 128 and res["spill_stores"] <= (576 if seg == "True" else 256), (seg, res)
 
 
 @pytest.mark.slow  # ~20 s on the 2-core box: eight sm_90 compiles
