@@ -142,7 +142,7 @@ def stage_scale_box(k_blocks: int) -> int:
 
 def check_gather(gather: bool, ok: bool, what: str) -> None:
     """ValueError for ``GluonTile(gather=True)`` on a tile other than the MoE's 128-row gate_up without
-    stage_scales (``ok``): only its producer copies A rows by token (``moe_ws._gather_produce``)."""
+    stage_scales (``ok``): only its producer copies A rows by token (``moe_ws._moe_gather_producer``)."""
     if gather and not ok:
         raise ValueError(f"GluonTile(gather=True) is for the MoE's 128 x 256 gate_up without stage_scales, not {what}")
 

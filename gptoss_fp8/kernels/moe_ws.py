@@ -271,10 +271,10 @@ if HAS_GLUON:
         SC (``GluonTile(stage_scales=True)``): the K blocks' scales from the stages (sa_bufs, sb_bufs;
         ``_gluon.load_stage_scaled``), not from as_ptr / bs_ptr.
 
-        GATHER (the gate_up, ``GluonTile(gather=True)``): the A rows are the tokens' own (``_gather_produce``
-        copies them by cp.async), so the row scales are the tokens' too: as_ptr holds the [T, ceil(K/128)]
-        scales of the unsorted rows, read at row slot // top_k (padding rows: row 0's, times their zero A
-        rows); a proxy fence after each ready wait (the mainloop's FENCE).
+        GATHER (the gate_up, ``GluonTile(gather=True)``): the A rows are the tokens' own
+        (``_moe_gather_producer`` copies them by cp.async), so the row scales are the tokens' too: as_ptr holds
+        the [T, ceil(K/128)] scales of the unsorted rows, read at row slot // top_k (padding rows: row 0's, times
+        their zero A rows); a proxy fence after each ready wait (the mainloop's FENCE).
 
         Both epilogues are written inline, not as functions the walk calls: an inlined function's
         scope puts debug-info labels ($L__tmpN) into the PTX, which ptxas takes as block boundaries;
@@ -395,14 +395,14 @@ if HAS_GLUON:
                      num_progs, GROUP_M, scales, SC)
 
     @gluon.jit
-    def _gather_produce(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr, num_m, N,
-                        K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr):
+    def _moe_gather_producer(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr,
+                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr):
         """The wide gate_up's 1-warp producer with A gathered (``GluonTile(gather=True)``): each K block's A
-        rows copied by cp.async straight from the tokens' FP8 rows x[slot // top_k] (16 bytes a thread, 32
-        rows a step: ~20 registers of pointers) into the stage, padding rows and columns past K zero-filled (as
-        the pre-gathered rows and TMA give), W rows by TMA. Hopper's TMA loads boxes, not lists of rows; the
-        cp.async copies arrive on the stage's ready barrier when they land (``async_copy.mbarrier_arrive``,
-        before the TMA's expect-arrive so that the phase waits for both)."""
+        rows copied by cp.async straight from the tokens' FP8 rows x[slot // top_k] (16 bytes a thread, 16 rows a
+        step: 4 pointers a thread; 32 rows a step spilled at the producer's 40 registers) into the stage, padding
+        rows and columns past K zero-filled (as the pre-gathered rows and TMA give), W rows by TMA. Hopper's TMA
+        loads boxes, not lists of rows; the cp.async copies arrive on the stage's ready barrier when they land
+        (``async_copy.mbarrier_arrive``, before the TMA's expect-arrive so that the phase waits for both)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -437,12 +437,6 @@ if HAS_GLUON:
                     c += 1
 
     @gluon.jit
-    def _moe_gather_producer(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr,
-                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr):
-        _gather_produce(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr, num_m, N,
-                        K, num_slots, num_experts, top_k, num_progs, GROUP_M)
-
-    @gluon.jit
     def _ws_moe_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, out_desc, out_s_ptr, slots_ptr,
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                                  stride_bsn, stride_biase, stride_osm, stride_osn, limit, num_progs,
@@ -456,7 +450,7 @@ if HAS_GLUON:
         1: row-major, the default; the rows: MN-major, what the down reads with stage scales). SC
         (``GluonTile.stage_scales``): the scales through the stages, sa_desc over the row scales
         MN-major and sb_desc over the weight scales, both flat (``ws_moe_gemm``). GATHER (``GluonTile.gather``):
-        A from the tokens' own rows x_ptr [T, K] (row stride stride_xm) by ``_gather_produce``, as_ptr their
+        A from the tokens' own rows x_ptr [T, K] (row stride stride_xm) by ``_moe_gather_producer``, as_ptr their
         scales [T, ceil(K/128)] (a_desc: over x, only its block shape and layout used)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
