@@ -67,6 +67,7 @@ Reference: ``spec.moe_experts_w8a8``; the grouped ``moe.moe_expert_slots`` (same
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -260,6 +261,19 @@ def _skinny_down_kernel(
         tl.store(dst, y, mask=here[:, None] & n_ok[None, :])
 
 
+@contextlib.contextmanager
+def _tile_fits(tile: MoeSkinnyTile):
+    """Triton's OutOfResources at launch (a tile whose cp.async ring needs more shared memory than this GPU has) as
+    one line naming the tile and what to change."""
+    try:
+        yield
+    except triton.runtime.errors.OutOfResources as err:
+        raise ValueError(
+            f"{tile} needs {err.required} B of {err.name} where this GPU has {err.limit}: "
+            "use fewer num_stages, a smaller k_step or a smaller block_n"
+        ) from None
+
+
 def moe_slots_skinny(
     x_fp8: torch.Tensor,
     x_scale: torch.Tensor,
@@ -319,22 +333,23 @@ def moe_slots_skinny(
     rows = next_pow2(t)
     meta = dict(TOP_K=k, K_PAD=next_pow2(k), MMA_M=max(rows, 16), BLOCK_K=BLOCK, NUM_STAGES=tile.num_stages,
                 K_STEP=tile.k_step)
-    _skinny_gate_up_kernel[(n_slots, cdiv(two_i, tile.block_n1))](
-        x_fp8, x_scale, ids, w13, w13_scale_inv, b13, inter, act, act_scale, arrival_counters(dev, n_slots * groups),
-        t, two_i, h, expert_start, e,
-        x_fp8.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_scale_inv.stride(0),
-        w13_scale_inv.stride(1), b13.stride(0), inter.stride(0), act.stride(0), act_scale.stride(0),
-        float(swiglu_limit),
-        ROWS=rows, BLOCK_N=tile.block_n1, ALPHA=SWIGLU_ALPHA, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, PDL=pdl,
-        num_warps=tile.num_warps, **meta, **launch_kwargs(pdl),
-    )  # fmt: skip
-    pdl_down = pdl and PDL_DOWN
-    _skinny_down_kernel[(n_slots, cdiv(h, tile.block_n2))](
-        act, act_scale, ids, w2, w2_scale_inv, b2, out,
-        t, h, i, expert_start, e,
-        act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), w2_scale_inv.stride(0),
-        w2_scale_inv.stride(1), b2.stride(0), out.stride(0),
-        BLOCK_N=tile.block_n2, ZERO_FOREIGN=zero_foreign, PDL=pdl_down, num_warps=tile.num_warps, **meta,
-        **launch_kwargs(pdl_down),
-    )  # fmt: skip
+    with _tile_fits(tile):  # Triton's OutOfResources as one line
+        _skinny_gate_up_kernel[(n_slots, cdiv(two_i, tile.block_n1))](
+            x_fp8, x_scale, ids, w13, w13_scale_inv, b13, inter, act, act_scale, arrival_counters(dev, n_slots * groups),
+            t, two_i, h, expert_start, e,
+            x_fp8.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_scale_inv.stride(0),
+            w13_scale_inv.stride(1), b13.stride(0), inter.stride(0), act.stride(0), act_scale.stride(0),
+            float(swiglu_limit),
+            ROWS=rows, BLOCK_N=tile.block_n1, ALPHA=SWIGLU_ALPHA, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, PDL=pdl,
+            num_warps=tile.num_warps, **meta, **launch_kwargs(pdl),
+        )  # fmt: skip
+        pdl_down = pdl and PDL_DOWN
+        _skinny_down_kernel[(n_slots, cdiv(h, tile.block_n2))](
+            act, act_scale, ids, w2, w2_scale_inv, b2, out,
+            t, h, i, expert_start, e,
+            act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), w2_scale_inv.stride(0),
+            w2_scale_inv.stride(1), b2.stride(0), out.stride(0),
+            BLOCK_N=tile.block_n2, ZERO_FOREIGN=zero_foreign, PDL=pdl_down, num_warps=tile.num_warps, **meta,
+            **launch_kwargs(pdl_down),
+        )  # fmt: skip
     return out

@@ -221,7 +221,8 @@ def test_k_step_sums_the_same(ks):
     tile = CASES[1][-1]
     assert tile.k_step == 1 and out.dtype == CASES[1][7]
     again = torch.full_like(out, float("nan"))
-    assert moe_slots_skinny(*xq, ids, *experts, 0, 7.0, again, True, replace(tile, k_step=ks)) is again
+    # (two stages: four of k_step 4's 72 KB would not fit an sm_90's shared memory; the ring's depth orders nothing)
+    assert moe_slots_skinny(*xq, ids, *experts, 0, 7.0, again, True, replace(tile, k_step=ks, num_stages=2)) is again
     assert torch.equal(again, out), ks
 
 
@@ -239,6 +240,27 @@ def test_refuses_bad_arguments():
     big = torch.zeros((65, 160), dtype=xq[0].dtype, device=DEV)
     with pytest.raises(AssertionError, match="at most 64"):
         moe_slots_skinny(big, torch.ones(65, 2, device=DEV), ids, *experts, 0, 7.0, out, True)
+
+
+def test_tile_past_shared_memory_is_one_line(monkeypatch):
+    """A tile whose cp.async ring exceeds the GPU's shared memory (Triton's OutOfResources at launch; the
+    interpreter has no such limit, so the launch raises it here as an sm_90 did for 128 x 32 at k_step 4 with
+    four stages) comes back as one line naming the tile and what to change."""
+    import triton
+
+    from gptoss_fp8.kernels import moe_gemv
+
+    def launch(*args, **kwargs):
+        raise triton.runtime.errors.OutOfResources(295740, 232448, "shared memory")
+
+    monkeypatch.setattr(moe_gemv, "_skinny_gate_up_kernel", {(4, 12): launch})  # grid: 4 slots, 2I / 16 programs
+    experts = _experts(4, 160, 96, seed=7)
+    x, ids = _tokens(2, 160, 2, 4, seed=8)
+    tile = MoeSkinnyTile(16, 32, k_step=4)
+    with pytest.raises(ValueError, match=r"^MoeSkinnyTile\(block_n1=16.*k_step=4\) needs 295740 B of shared memory "
+                       r"where this GPU has 232448: use fewer num_stages") as err:
+        moe_slots_skinny(*act_quant(x), ids, *experts, 0, 7.0, torch.empty((4, 160), device=DEV), True, tile)
+    assert "\n" not in str(err.value)
 
 
 _COMPILE = r"""
