@@ -4,6 +4,7 @@ alike.
 
 Usage (GPU machine): python3 benchmarks/ab_prefill.py --model 20b --tokens 8192 --runs 10 \\
     [--variants default,graph,unfused-combine,torch-router]
+Config variants (below) combine with "+": "wide-gather+fp8-lanemax" runs both changes at once.
 Variants: "default" (the ``triton`` ops backend as shipped), "unfused-combine" (the MoE's weighted
 combine as its own kernel before the residual-add + norm, as before 2026-11-29 fifth session),
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "unfused-rope" (q's rope
@@ -44,7 +45,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -90,8 +91,16 @@ class TorchRouter(TritonOps):
 
 
 def _config(name: str) -> KernelConfig | None:
-    """The KernelConfig of a config variant's name, None for the others."""
+    """The KernelConfig of a config variant's name, None for the others; "a+b": config variants a and b together
+    (each one's fields that differ from the default)."""
     base = KernelConfig()
+    if "+" in name:
+        parts = [_config(part) for part in name.split("+")]
+        if any(cfg is None for cfg in parts):
+            raise SystemExit(f"variant {name!r}: only config variants combine with '+'")
+        changed = {f.name: getattr(cfg, f.name) for cfg in parts for f in fields(cfg)
+                   if getattr(cfg, f.name) != getattr(base, f.name)}
+        return replace(base, **changed)
     fixed = {"triton-gemm": replace(base, dense_gluon_min_rows=None), "triton-moe": replace(base, moe_gluon=False),
              "triton-attention": replace(base, attention_gluon=False), "triton-all": replace(base, gluon=False)}
     if name in fixed:
