@@ -67,9 +67,11 @@ class GluonTile:
     gather: the MoE's 128-row gate_up only, without stage_scales: its producer copies each K block's A rows by
     cp.async straight from the tokens' own FP8 rows (the norm's quantization, row slot // top_k) instead of TMA
     from rows pre-gathered in sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer
-    fewer: ~0.25 ms a layer at 32768 tokens); the consumers read the tokens' row scales. Same bits. Opt-in,
-    built without a GPU in the thirty-fourth session: measure it before making it a default; other tiles refuse
-    it (``_gluon.check_gather``)."""
+    fewer: ~0.25 ms a layer at 32768 tokens); the consumers read the tokens' row scales. Same bits. **Slower**:
+    H200, the whole 20b, same process (thirty-fifth session): 0.5219 s against 0.3826 at 32768 tokens, 3.737
+    against 3.283 at 128000 (the gate_up ~2.4x its time: its one producer warp's per-step slot loads and the
+    consumers' scattered scale loads are the suspects, not profiled). Kept opt-in for that work; other tiles
+    refuse it (``_gluon.check_gather``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -257,7 +259,8 @@ class KernelConfig:
     # The FP8 Gluon kernel's row max with one reduction across the quad's lanes a 128-key step (each block's
     # maxima folded within the threads and scaled there, then one pair of shuffles; the same m bit for bit): 4 SHFL
     # and 4 FMNMX fewer a thread and step (~2% of its instructions; static SASS, thirty-third session, no device).
-    # Opt-in until an A/B times it (``attn_variants.py fp8-lanemax``, ``ab_prefill.py fp8-lanemax``)
+    # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
+    # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
