@@ -298,7 +298,8 @@ def moe_slots_skinny(
     expert(x[t]) + bias for slot j of token t; slots routed outside [expert_start, expert_start + E)
     are zero rows (``zero_foreign``) or left unwritten. ``tile``: the launches (None:
     ``moe_skinny_tile``). ``pdl``: gate_up launches with programmatic dependent launch
-    (kernels/pdl.py); down only with ``PDL_DOWN``.
+    (kernels/pdl.py); down only with ``PDL_DOWN``. A tile whose ring needs more shared memory than the GPU has:
+    ValueError, one line.
     """
     assert x_fp8.dim() == 2 and x_fp8.dtype == FP8_DTYPE and x_fp8.stride(-1) == 1, (
         f"x_fp8 {tuple(x_fp8.shape)} {x_fp8.dtype}: fp8 [T, H] with a contiguous last dim expected"
