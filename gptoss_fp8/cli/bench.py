@@ -55,6 +55,19 @@ def _kernel_config(gemm: Gemm, attention_backend: AttentionBackend = AttentionBa
     return replace(default_config(), gemm=gemm.value, attention_backend=attention_backend.value)
 
 
+def _with_kernel_options(config, options: list[str] | None):
+    """--kernel-option NAME=VALUE (repeatable) applied to config (None: the default); one line on a bad one."""
+    if not options:
+        return config
+    from gptoss_fp8.kernels.config import with_options
+    from gptoss_fp8.model.triton_ops import default_config
+
+    try:
+        return with_options(config or default_config(), options)
+    except ValueError as err:
+        raise GptOssFp8Error(f"--kernel-option {err}") from None
+
+
 def _print_rows(rows: list[dict]) -> None:
     cols = ["suite", "case", "ms", "tflops", "peer", "peer_ms", "peer_tflops", "ratio"]
     if any("graph_ratio" in r for r in rows):  # device-time columns (CUDA-graph replay) where measured
@@ -144,6 +157,9 @@ def prefill(
     tp: TpOption = 1,
     ep: EpOption = 1,
     vocab_parallel: BenchVocabParallel = False,
+    kernel_option: Annotated[list[str] | None, typer.Option(
+        help="NAME=VALUE: a KernelConfig field for this run (repeatable), e.g. attention_fp8_lane_max=true or "
+             "moe_gluon_wide_gate_up.stages=3 (kernels/config.py); recorded in --json's rows. One GPU only.")] = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
@@ -156,6 +172,10 @@ def prefill(
     if json_out is not None:
         check_output_path(json_out, overwrite=overwrite_outputs, forbidden=[checkpoint] if checkpoint else [], option="--json")
     check_vocab_parallel(vocab_parallel, tp)
+    if kernel_option and (tp > 1 or ep > 1):
+        raise GptOssFp8Error("--kernel-option is for the one-GPU bench; drop it or --tp / --ep (each rank builds "
+                             "the default config)")
+    kernel_config = _with_kernel_options(_kernel_config(gemm, attention_backend), kernel_option)
     import torch
 
     if not torch.cuda.is_available():
@@ -163,7 +183,8 @@ def prefill(
     if model not in ("20b", "120b"):
         raise GptOssFp8Error(f"unknown model {model!r}; choose 20b or 120b")
     token_list = _lengths(tokens)
-    kernel_config = _kernel_config(gemm, attention_backend)
+    if kernel_option:
+        typer.echo(f"# kernel options: {' '.join(kernel_option)}")
     from gptoss_fp8.bench.prefill import bench as run_prefill
 
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
@@ -182,6 +203,8 @@ def prefill(
         rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                            peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,
                            kernel_config=kernel_config, attention=attention.value, full_last_layer=full_last_layer)
+        for r in rows:
+            r["kernel_options"] = list(kernel_option or [])
     if json_out is not None and rows:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 

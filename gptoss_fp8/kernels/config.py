@@ -11,7 +11,7 @@ What this module does not do: check that a tile fits a GPU (the launchers assert
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
 
@@ -353,6 +353,67 @@ class KernelConfig:
 
 
 DEFAULT = KernelConfig()
+
+_TRUE, _FALSE = ("true", "1", "on", "yes"), ("false", "0", "off", "no")
+
+
+def _parse_value(text: str, current: object, annotation: str, name: str):
+    """VALUE of NAME=VALUE, by the field's type: bool (true / false / 1 / 0 / on / off), int, float, str; "none"
+    where the field's annotation allows None."""
+    low = text.strip().lower()
+    if low == "none":
+        if "None" not in annotation:
+            raise ValueError(f"{name}=none: {name} cannot be None ({annotation})")
+        return None
+    if isinstance(current, bool) or annotation == "bool":
+        if low not in _TRUE + _FALSE:
+            raise ValueError(f"{name}={text}: give true or false")
+        return low in _TRUE
+    if is_dataclass(current):
+        fieldnames = ", ".join(f.name for f in fields(current))
+        raise ValueError(f"{name}={text}: {name} is a {type(current).__name__}; set one of its fields as "
+                         f"{name}.FIELD=VALUE ({fieldnames})")
+    for kind in ("int", "float"):
+        if isinstance(current, {"int": int, "float": float}[kind]) or annotation.split(" |")[0] == kind:
+            try:
+                return {"int": int, "float": float}[kind](text)
+            except ValueError:
+                raise ValueError(f"{name}={text}: give a{'n' if kind == 'int' else ''} {kind}") from None
+    return text.strip()
+
+
+def _set(obj, path: list[str], text: str, name: str):
+    """obj (a frozen dataclass) with the field at path set from text, checked by the dataclass's own __post_init__."""
+    by_name = {f.name: f for f in fields(obj)}
+    f = by_name.get(path[0])
+    if f is None:
+        near = sorted(n for n in by_name if path[0] in n or n in path[0])[:4]
+        hint = f" (did you mean {', '.join(near)}?)" if near else f"; {type(obj).__name__} has {', '.join(by_name)}"
+        raise ValueError(f"{name}: no field {path[0]!r} in {type(obj).__name__}{hint}")
+    current = getattr(obj, f.name)
+    if len(path) > 1:
+        if not is_dataclass(current):
+            raise ValueError(f"{name}: {'.'.join(path[:1])} is a {type(current).__name__}, it has no fields")
+        value = _set(current, path[1:], text, name)
+    else:
+        value = _parse_value(text, current, str(f.type), name)
+    try:
+        return replace(obj, **{f.name: value})
+    except (ValueError, AssertionError, TypeError) as err:
+        raise ValueError(f"{name}={text}: {err}") from None
+
+
+def with_options(config: KernelConfig, options: list[str]) -> KernelConfig:
+    """config with each "NAME=VALUE" applied in turn (``bench prefill --kernel-option``): NAME a KernelConfig
+    field (``attention_fp8_lane_max=true``) or a tile's field (``moe_gluon_wide_gate_up.stages=3``); VALUE by the
+    field's type. ValueError, one line naming the option, on an unknown name or a value the field refuses."""
+    for option in options:
+        name, eq, text = option.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise ValueError(f"kernel option {option!r}: give NAME=VALUE, e.g. attention_fp8_lane_max=true")
+        config = _set(config, name.split("."), text, name)
+    return config
 
 
 def kernel_paths(device: torch.device, config: KernelConfig | None = None) -> str:

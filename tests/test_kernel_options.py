@@ -1,0 +1,48 @@
+"""``kernels.config.with_options`` and ``bench prefill --kernel-option``: a KernelConfig field set by name for one run
+(an opt-in timed by the bench itself), every bad option one line naming it."""
+
+import pytest
+from typer.testing import CliRunner
+
+from gptoss_fp8.cli.main import app
+from gptoss_fp8.kernels.config import GluonTile, KernelConfig, with_options
+
+
+def test_options_set_fields_and_tile_fields():
+    base = KernelConfig()
+    got = with_options(base, ["attention_fp8_lane_max=true", "moe_gluon_wide_gate_up.stages=3",
+                              "moe_gluon_wide_gate_up.gather=on", "dense_gluon_min_rows=none", "gemm=deep_gemm",
+                              "attention_fp8_lane_max = 0"])
+    assert got.attention_fp8_lane_max is False  # the last setting of a name wins
+    assert got.moe_gluon_wide_gate_up.stages == 3 and got.moe_gluon_wide_gate_up.gather is True
+    assert isinstance(got.moe_gluon_wide_gate_up, GluonTile)
+    assert got.dense_gluon_min_rows is None and got.gemm == "deep_gemm"
+    # nothing else moved, the tile's other fields included
+    assert got.moe_gluon_wide_gate_up.group_m == base.moe_gluon_wide_gate_up.group_m
+    assert got.moe_gluon_down == base.moe_gluon_down and got.prefill_causal == base.prefill_causal
+    assert with_options(base, []) is base
+
+
+@pytest.mark.parametrize("option,needle", [
+    ("lane_max=true", "no field 'lane_max' in KernelConfig (did you mean attention_fp8_lane_max?)"),
+    ("attention_fp8_lane_max=maybe", "give true or false"),
+    ("moe_gluon_wide_gate_up=3", "is a GluonTile; set one of its fields as moe_gluon_wide_gate_up.FIELD=VALUE"),
+    ("moe_gluon_wide_gate_up.stages=x", "give an int"),
+    ("moe_gluon_wide_gate_up.nope=1", "no field 'nope' in GluonTile"),
+    ("gemm=cublas", "KernelConfig.gemm must be one of"),
+    ("decode_one_wave_programs_per_sm=none", "cannot be None"),
+    ("gluon.x=1", "gluon is a bool, it has no fields"),
+    ("attention_fp8_lane_max", "give NAME=VALUE"),
+])
+def test_bad_options_are_one_line(option, needle):
+    with pytest.raises(ValueError) as err:
+        with_options(KernelConfig(), [option])
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_bench_prefill_refuses_bad_option_before_anything_else():
+    """A bad option is refused first, on any machine (before the GPU check), and with --tp (ranks build the default)."""
+    r = CliRunner().invoke(app, ["bench", "prefill", "--kernel-option", "lane_max=1"])
+    assert r.exit_code == 1 and "--kernel-option lane_max: no field 'lane_max'" in r.output, r.output
+    r = CliRunner().invoke(app, ["bench", "prefill", "--kernel-option", "attention_fp8_lane_max=1", "--tp", "2"])
+    assert r.exit_code == 1 and "--kernel-option is for the one-GPU bench" in r.output, r.output
