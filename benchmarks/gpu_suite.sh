@@ -468,11 +468,13 @@ fi
 if has prefill-fp8; then
   # issue 34's must-shows: the whole 20b at 32768 / 128000 and the 120b at 128000 with FP8 attention (the breakdown
   # splits attention by layer kind: full / sliding window); PREFILL_FP8_SPECS: ';'-separated "model tokens" pairs
+  # PREFILL_FP8_OPTS: space-separated NAME=VALUE KernelConfig settings (bench prefill --kernel-option)
   IFS=';' read -ra _specs <<< "${PREFILL_FP8_SPECS:-20b 32768,128000;120b 128000}"
+  _opts=(); for o in ${PREFILL_FP8_OPTS:-}; do _opts+=(--kernel-option "$o"); done
   for spec in "${_specs[@]}"; do
     set -- $spec
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
-      --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
+      "${_opts[@]}" --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
   done
 fi
 
