@@ -474,7 +474,7 @@ if has prefill-fp8; then
   for spec in "${_specs[@]}"; do
     set -- $spec
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
-      "${_opts[@]}" --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
+      ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
   done
 fi
 
