@@ -373,12 +373,12 @@ def _parse_value(text: str, current: object, annotation: str, name: str):
         fieldnames = ", ".join(f.name for f in fields(current))
         raise ValueError(f"{name}={text}: {name} is a {type(current).__name__}; set one of its fields as "
                          f"{name}.FIELD=VALUE ({fieldnames})")
-    for kind in ("int", "float"):
-        if isinstance(current, {"int": int, "float": float}[kind]) or annotation.split(" |")[0] == kind:
+    for kind in (int, float):
+        if isinstance(current, kind) or annotation.split(" |")[0] == kind.__name__:
             try:
-                return {"int": int, "float": float}[kind](text)
+                return kind(text)
             except ValueError:
-                raise ValueError(f"{name}={text}: give a{'n' if kind == 'int' else ''} {kind}") from None
+                raise ValueError(f"{name}={text}: give {'an' if kind is int else 'a'} {kind.__name__}") from None
     return text.strip()
 
 
@@ -393,7 +393,7 @@ def _set(obj, path: list[str], text: str, name: str):
     current = getattr(obj, f.name)
     if len(path) > 1:
         if not is_dataclass(current):
-            raise ValueError(f"{name}: {'.'.join(path[:1])} is a {type(current).__name__}, it has no fields")
+            raise ValueError(f"{name}: {path[0]} is a {type(current).__name__}, it has no fields")
         value = _set(current, path[1:], text, name)
     else:
         value = _parse_value(text, current, str(f.type), name)
