@@ -1,4 +1,4 @@
-"""``kernels.config.with_options`` and ``bench prefill --kernel-option``: a KernelConfig field set by name for one run
+"""``kernels.config.with_options`` and ``bench prefill / decode --kernel-option``: a KernelConfig field set by name for one run
 (an opt-in timed by the bench itself), every bad option one line naming it."""
 
 import pytest
@@ -40,9 +40,10 @@ def test_bad_options_are_one_line(option, needle):
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_bench_prefill_refuses_bad_option_before_anything_else():
+@pytest.mark.parametrize("bench", ["prefill", "decode"])
+def test_bench_refuses_bad_option_before_anything_else(bench):
     """A bad option is refused first, on any machine (before the GPU check), and with --tp (ranks build the default)."""
-    r = CliRunner().invoke(app, ["bench", "prefill", "--kernel-option", "lane_max=1"])
+    r = CliRunner().invoke(app, ["bench", bench, "--kernel-option", "lane_max=1"])
     assert r.exit_code == 1 and "--kernel-option lane_max: no field 'lane_max'" in r.output, r.output
-    r = CliRunner().invoke(app, ["bench", "prefill", "--kernel-option", "attention_fp8_lane_max=1", "--tp", "2"])
+    r = CliRunner().invoke(app, ["bench", bench, "--kernel-option", "attention_fp8_lane_max=1", "--tp", "2"])
     assert r.exit_code == 1 and "--kernel-option is for the one-GPU bench" in r.output, r.output

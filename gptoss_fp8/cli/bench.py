@@ -68,6 +68,20 @@ def _with_kernel_options(config, options: list[str] | None):
         raise GptOssFp8Error(f"--kernel-option {err}") from None
 
 
+KernelOptionOption = Annotated[list[str] | None, typer.Option(
+    help="NAME=VALUE: a KernelConfig field for this run (repeatable), e.g. attention_fp8_lane_max=true or "
+         "moe_gluon_wide_gate_up.stages=3 (kernels/config.py); recorded in --json's rows. One GPU only.")]
+
+
+def _one_gpu_kernel_options(config, options: list[str] | None, tp: int, ep: int):
+    """--kernel-option checked before anything else: refused with --tp / --ep (each rank builds the default
+    config), each option parsed onto config (one line on a bad one)."""
+    if options and (tp > 1 or ep > 1):
+        raise GptOssFp8Error("--kernel-option is for the one-GPU bench; drop it or --tp / --ep (each rank builds "
+                             "the default config)")
+    return _with_kernel_options(config, options)
+
+
 def _print_rows(rows: list[dict]) -> None:
     cols = ["suite", "case", "ms", "tflops", "peer", "peer_ms", "peer_tflops", "ratio"]
     if any("graph_ratio" in r for r in rows):  # device-time columns (CUDA-graph replay) where measured
@@ -157,9 +171,7 @@ def prefill(
     tp: TpOption = 1,
     ep: EpOption = 1,
     vocab_parallel: BenchVocabParallel = False,
-    kernel_option: Annotated[list[str] | None, typer.Option(
-        help="NAME=VALUE: a KernelConfig field for this run (repeatable), e.g. attention_fp8_lane_max=true or "
-             "moe_gluon_wide_gate_up.stages=3 (kernels/config.py); recorded in --json's rows. One GPU only.")] = None,
+    kernel_option: KernelOptionOption = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Batch-1 prefill latency (prompt -> last-position logits) on our kernels, random FP8 weights
@@ -172,10 +184,7 @@ def prefill(
     if json_out is not None:
         check_output_path(json_out, overwrite=overwrite_outputs, forbidden=[checkpoint] if checkpoint else [], option="--json")
     check_vocab_parallel(vocab_parallel, tp)
-    if kernel_option and (tp > 1 or ep > 1):
-        raise GptOssFp8Error("--kernel-option is for the one-GPU bench; drop it or --tp / --ep (each rank builds "
-                             "the default config)")
-    kernel_config = _with_kernel_options(_kernel_config(gemm, attention_backend), kernel_option)
+    kernel_config = _one_gpu_kernel_options(_kernel_config(gemm, attention_backend), kernel_option, tp, ep)
     import torch
 
     if not torch.cuda.is_available():
@@ -229,6 +238,7 @@ def decode(
     tp: TpOption = 1,
     ep: EpOption = 1,
     vocab_parallel: BenchVocabParallel = False,
+    kernel_option: KernelOptionOption = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Decode step latency per (batch, context) on our kernels as a replayed CUDA graph, random FP8
@@ -250,6 +260,7 @@ def decode(
     if not peer_modes or any(m not in PEER_MODES for m in peer_modes):
         raise GptOssFp8Error(f"--peer-mode {peer_mode!r}: give one or more of {', '.join(PEER_MODES)}, comma-separated")
     check_vocab_parallel(vocab_parallel, tp)
+    kernel_config = _one_gpu_kernel_options(None, kernel_option, tp, ep)
     import torch
 
     if not torch.cuda.is_available():
@@ -265,8 +276,12 @@ def decode(
     else:
         from gptoss_fp8.bench.decode import bench as run_decode
 
+        if kernel_option:
+            typer.echo(f"# kernel options: {' '.join(kernel_option)}")
         rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo, peer=peer,
-                          peer_steps=peer_steps, peer_modes=peer_modes)
+                          peer_steps=peer_steps, peer_modes=peer_modes, kernel_config=kernel_config)
+        for r in rows:
+            r["kernel_options"] = list(kernel_option or [])
     if json_out is not None and rows:  # under torchrun only rank 0 has rows
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
 
