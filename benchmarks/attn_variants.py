@@ -28,7 +28,7 @@ import torch
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
-from gptoss_fp8.kernels.attention_ws_fp8 import spec_row_sum, ws_attention_prefill_fp8
+from gptoss_fp8.kernels.attention_ws_fp8 import S16_Q_MAX, spec_row_sum, ws_attention_prefill_fp8
 
 # "base" is the tile before Q moved into registers (q_in_registers, the default since 2026-12-03)
 BASE = dict(block_n=64, stages=4, warpgroups=3, q_in_registers=False)
@@ -74,6 +74,7 @@ VARIANTS = {
     "fp8-noturn": dict(fp8=True, turns=0),  # one release a step, no turns
     "fp8-ready2": dict(fp8=True, pair_ready=False),  # two ready barriers a step (the 23rd session's default)
     "fp8-qreg": dict(fp8=True, q_in_registers=True),  # Q loaded into registers once (28th session, unmeasured)
+    "fp8-s16": dict(fp8=True, s16=True),  # QK^T in f16, the unmasked scores on f16 pairs (36th session, unmeasured)
     "fp8-lanemax": dict(fp8=True, lane_max=True),  # the row max, one shuffle pair a step (33rd session, unmeasured)
     # timing probes of the FP8 kernel (wrong values: no check; the MMA probe without turns)
     "fp8-probe-mma": dict(fp8=True, probe="mma"),
@@ -105,8 +106,9 @@ def _spec(cfg):
     """The variant's reference: spec.attention in fp32, or spec.attention_fp8 for the FP8 kernel."""
     if cfg.get("fp8"):
         rs = spec_row_sum(cfg.get("pairs", True), cfg.get("ones", True))  # the e4m3 P's row sum, or the fp32 P's
+        qm = S16_Q_MAX if cfg.get("s16") else None  # (QK^T in f16: Q quantized to 1.75)
         return lambda q, k, v, sinks, q_offset=0: spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0, q_offset,
-                                                                     row_sum=rs)
+                                                                     row_sum=rs, q_max=qm)
     return lambda q, k, v, sinks, q_offset=0: spec.attention(q, k, v, sinks, D ** -0.5, 0, q_offset=q_offset,
                                                              dtype=torch.float32)
 

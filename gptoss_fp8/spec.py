@@ -323,7 +323,7 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   sm_scale: float | None = None, window: int = 0, q_offset: int = 0,
-                  fp8_max: float = FP8_MAX, row_sum: str = "p8") -> torch.Tensor:
+                  fp8_max: float = FP8_MAX, row_sum: str = "p8", q_max: float | None = None) -> torch.Tensor:
     """``attention`` with FP8 operands, for ONE sequence: same contract (shapes, masks, sinks,
     q_offset), returned as [Tq, Hq, D] in q's dtype.
 
@@ -337,6 +337,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     redraw the roundings with other e4m3 values); P's scale is 256 * fp8_max / 448 (256 at 448).
     ``row_sum``: "p8" (the e4m3 P that the PV product uses, the kernels' numerics) or "p" (the fp32 P:
     the FP8 Gluon kernel's measured options ``pairs=False`` / ``ones=False``).
+    ``q_max``: what a Q block's amax maps to, if not ``fp8_max`` (1.75: the FP8 Gluon kernel's ``s16``, whose
+    f16 sums of QK^T it keeps from overflowing; the scores here stay fp32).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -344,7 +346,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, sinks {tuple(sinks.shape)}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    q8, sq = quantize_qk(q, fp8_max)
+    q8, sq = quantize_qk(q, fp8_max if q_max is None else q_max)
     k8, sk = quantize_qk(k, fp8_max)
     v8t, sv = quantize_v(v, fp8_max)
     o = _attention_fp8_core(q8, row_scales(sq, tq), k8, row_scales(sk, tk), v8t.permute(2, 0, 1), sv,

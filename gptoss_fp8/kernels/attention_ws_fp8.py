@@ -42,7 +42,7 @@ import torch
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels import attn_quant
 from gptoss_fp8.kernels._gluon import HAS_GLUON
-from gptoss_fp8.quant.attn_fp8 import P_SCALE, QK_BLOCK, quantize_qk, quantize_v
+from gptoss_fp8.quant.attn_fp8 import FP8_MAX, P_SCALE, QK_BLOCK, quantize_qk, quantize_v
 from gptoss_fp8.quant.fp8 import cdiv
 
 if HAS_GLUON:
@@ -73,6 +73,9 @@ WG_ROWS = 64  # queries per consumer warpgroup (= QK_BLOCK: one Q scale per warp
 BLOCK_N = 64  # keys per block (= QK_BLOCK: one K scale per block)
 HEAD_DIM = 64
 NWG = 3  # consumer warpgroups
+# S16 (QK^T accumulated in f16): Q's e4m3 block maximum, so that 64 products of |q| <= 1.75 and |k| <= 448 sum
+# to at most 50176 < 65504 (f16's largest); 1.75 = 448 / 256, an e4m3 value
+S16_Q_MAX = 1.75
 
 
 if HAS_GLUON:
@@ -134,16 +137,25 @@ if HAS_GLUON:
         return m8
 
     @gluon.jit
-    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr):
+    def _ex2(x, S16: gl.constexpr):
+        if S16 == 1:
+            return _h2exp2(x)
+        elif S16 == 2:
+            return _h2exp2_f32(x)
+        else:
+            return gl.exp2(x)
+
+    @gluon.jit
+    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr, S16: gl.constexpr = 0):
         """2^x of the step's first block, the turn passed on after it (TURN 2) or after its first half of
-        columns (3)."""
+        columns (3). S16: x f16, by packed pairs."""
         if TURN == 3:
             lo, hi = _halves(x)
-            lo = gl.exp2(lo)
+            lo = _ex2(lo, S16)
             pass_turn(turn, W, True)
-            return gl.convert_layout(_unhalves(lo, gl.exp2(hi)), x.type.layout, assert_trivial=True)
+            return gl.convert_layout(_unhalves(lo, _ex2(hi, S16)), x.type.layout, assert_trivial=True)
         else:
-            y = gl.exp2(x)
+            y = _ex2(x, S16)
             pass_turn(turn, W, TURN == 2)
             return y
 
@@ -165,9 +177,67 @@ if HAS_GLUON:
         return gl.convert_layout(gl.max(x, 1), rows.type.layout)
 
     @gluon.jit
+    def _step32(sa, sb, ca, cb, m_i, rows, FMA: gl.constexpr, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr,
+                trace_ptr, TRACE: gl.constexpr, LMAX: gl.constexpr):
+        """``_fp8_softmax2``'s unmasked step in fp32 -> (P * 256 of each block, m)."""
+        if LMAX:  # (each block's maxima scaled per lane: max and a positive scale commute, the same m)
+            m_blk = _quad_max(gl.maximum(_lane_max(sa) * ca, _lane_max(sb) * cb), rows)
+        else:
+            m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
+        m_new = gl.maximum(m_i, _ceil(m_blk))
+        _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
+        m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
+        _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
+        pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256
+        _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
+        pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
+        return pa, pb, m_new
+
+    @gluon.jit
+    def _step16(sa, sb, ca, cb, m_i, rows, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr, trace_ptr,
+                TRACE: gl.constexpr, S16: gl.constexpr):
+        """``_fp8_softmax2``'s unmasked step on f16 scores (S16): the row max exact in f16, scaled in fp32; the
+        scale and shift one ``fma.rn.f16x2`` and 2^x one ``ex2.approx.f16x2`` for two scores -> (P * 256 f16, m)."""
+        m_blk = gl.maximum(_row_reduce(sa, False, True).to(gl.float32) * ca,
+                           _row_reduce(sb, False, True).to(gl.float32) * cb)
+        m_new = gl.maximum(m_i, _ceil(m_blk))
+        _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
+        m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
+        _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
+        shift = gl.expand_dims((0.0 - m8).to(gl.float16), 1)
+        pa = _exp2_passing(_h2fma(sa, ca.to(gl.float16), shift), turn, W, TURN, S16)
+        _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
+        pb = _ex2(_h2fma(sb, cb.to(gl.float16), shift), S16)
+        return pa, pb, m_new
+
+    @gluon.jit
+    def _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr, trace_ptr,
+                     TRACE: gl.constexpr, LMAX: gl.constexpr, S16: gl.constexpr = 0):
+        """``_fp8_softmax2``'s masked step (blocks a, a + 1 from the diagonal on), in fp32 -> (P * 256 of each
+        block in the scores' dtype, m)."""
+        BN: gl.constexpr = sa.type.shape[1]
+        cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
+        xa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa.to(gl.float32) * ca, float("-inf"))
+        xb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb.to(gl.float32) * cb, float("-inf"))
+        if LMAX:
+            m_blk = _quad_max(gl.maximum(_lane_max(xa), _lane_max(xb)), rows)
+        else:
+            m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
+        m_new = gl.maximum(m_i, _ceil(m_blk))
+        _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
+        m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
+        _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
+        pa = _exp2_passing(xa - gl.expand_dims(m8, 1), turn, W, TURN)
+        pb = gl.exp2(xb - gl.expand_dims(m8, 1))
+        if S16 == 1:
+            pa = pa.to(gl.float16)
+            pb = pb.to(gl.float16)
+        return pa, pb, m_new
+
+    @gluon.jit
     def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0,
                       turn=None, zrow=None, W: gl.constexpr = 0, k=0, TURN: gl.constexpr = 0, trace_ptr=None,
-                      TRACE: gl.constexpr = 0, LMAX: gl.constexpr = False):
+                      TRACE: gl.constexpr = 0, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
@@ -175,34 +245,20 @@ if HAS_GLUON:
         quarter (1) or half (2) of the step's 2^x on the FMA pipes (block b's by ``_exp2_split``). TURN: the
         warpgroups take turns at the MUFU (step k's turn, ``take_turn``): the 2^x of both blocks (1), of
         block a (2) or of its first half (3) between taking the turn and passing it on, so that their
-        exponential phases follow each other instead of sharing the unit at once."""
-        BN: gl.constexpr = sa.type.shape[1]
-        if a + 1 < n_full:
-            if LMAX:  # (each block's maxima scaled per lane: max and a positive scale commute, the same m)
-                m_blk = _quad_max(gl.maximum(_lane_max(sa) * ca, _lane_max(sb) * cb), rows)
+        exponential phases follow each other instead of sharing the unit at once. S16: sa, sb are f16 (QK^T
+        accumulated in f16, Q quantized to 1.75 so that no sum can overflow): the unmasked step's scale, shift and
+        2^x on f16 pairs (one instruction for two scores), P returned in f16; the masked steps in fp32 as without
+        it, P rounded to f16 at the end."""
+        if S16:
+            if a + 1 < n_full:
+                pa, pb, m_new = _step16(sa, sb, ca, cb, m_i, rows, turn, zrow, W, k, TURN, trace_ptr, TRACE, S16)
             else:
-                m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
-            m_new = gl.maximum(m_i, _ceil(m_blk))
-            _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
-            m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
-            _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-            pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256
-            _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
-            pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
+                pa, pb, m_new = _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W, k, TURN, trace_ptr, TRACE,
+                                             LMAX, S16)
+        elif a + 1 < n_full:
+            pa, pb, m_new = _step32(sa, sb, ca, cb, m_i, rows, FMA, turn, zrow, W, k, TURN, trace_ptr, TRACE, LMAX)
         else:
-            cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
-            sa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
-            sb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
-            if LMAX:
-                m_blk = _quad_max(gl.maximum(_lane_max(sa), _lane_max(sb)), rows)
-            else:
-                m_blk = gl.maximum(_row_reduce(sa, False, True), _row_reduce(sb, False, True))
-            m_new = gl.maximum(m_i, _ceil(m_blk))
-            _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
-            m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
-            _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-            pa = _exp2_passing(sa - gl.expand_dims(m8, 1), turn, W, TURN)
-            pb = gl.exp2(sb - gl.expand_dims(m8, 1))
+            pa, pb, m_new = _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W, k, TURN, trace_ptr, TRACE, LMAX)
         pass_turn(turn, W, TURN == 1)
         alpha = _pow2(m_i - m_new)
         if ONES:
@@ -228,6 +284,36 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
             "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _e4m3h(x):
+        """f16 -> e4m3, four values to one register (two cvt e4m3x2.f16x2: RNE, saturating): ``_e4m3`` of the
+        S16 step's f16 P."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f16x2 lo, $1; cvt.rn.satfinite.e4m3x2.f16x2 hi, $2; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _h2fma(x, a, b):
+        """x * a + b on f16 pairs (one ``fma.rn.f16x2`` for two scores; a, b broadcast to x's shape)."""
+        a = gl.broadcast(a, x)[0]
+        b = gl.broadcast(b, x)[0]
+        return gl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [x, a, b], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _h2exp2_f32(x):
+        """2^x of f16 pairs to fp32 (each half widened, then ``ex2.approx.ftz.f32``)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $2; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            "ex2.approx.ftz.f32 $0, a; ex2.approx.ftz.f32 $1, b; }", "=f,=f,r", [x], dtype=gl.float32,
+            is_pure=True, pack=2)
+
+    @gluon.jit
+    def _h2exp2(x):
+        """2^x of f16 pairs (``ex2.approx.f16x2``; 0 for -inf)."""
+        return gl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=gl.float16, is_pure=True,
+                                         pack=2)
 
     @gluon.jit
     def _stamp(trace_ptr, dep, rows, slot, i, W: gl.constexpr, TRACE: gl.constexpr):
@@ -291,7 +377,7 @@ if HAS_GLUON:
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
                    PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                   LMAX: gl.constexpr = False):
+                   LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -342,9 +428,13 @@ if HAS_GLUON:
                 alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
-                                                        zrow, W, i, TURN, trace_ptr, TRACE, LMAX)
-            p8a = _e4m3(_relabel(pa, p_layout))
-            p8b = _e4m3(_relabel(pb, p_layout))
+                                                        zrow, W, i, TURN, trace_ptr, TRACE, LMAX, S16)
+            if S16 == 1:
+                p8a = _e4m3h(_relabel(pa, p_layout))
+                p8b = _e4m3h(_relabel(pb, p_layout))
+            else:
+                p8a = _e4m3(_relabel(pa, p_layout))
+                p8b = _e4m3(_relabel(pb, p_layout))
             if PROBE == 2:
                 pv = zero_o
             else:
@@ -389,7 +479,7 @@ if HAS_GLUON:
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
         QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
@@ -412,7 +502,7 @@ if HAS_GLUON:
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
         l_i = gl.exp2(gl.full([R], 0.0, gl.float32, row_layout) + (sink - gl.ceil(sink)))
         acc = gl.zeros([R, D], gl.float32, o_layout)
-        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
+        zero_s = gl.zeros([R, BN], gl.float16 if S16 else gl.float32, s_layout)
         zero_o = gl.zeros([R, D], gl.float32, o_layout)
         # this warpgroup's Q scale (times sm_scale * log2 e, the launcher's); rows past T: any
         cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
@@ -439,7 +529,7 @@ if HAS_GLUON:
                 n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
-                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX)
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX, S16)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -458,29 +548,29 @@ if HAS_GLUON:
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET, LMAX)
+                     QREG, OFFSET, LMAX, S16)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET, LMAX)
+                     QREG, OFFSET, LMAX, S16)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         if OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           True, PAIRS, REL, q_offset)
@@ -498,7 +588,7 @@ if HAS_GLUON:
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
                                  REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
                                  QREG: gl.constexpr = False, OFFSET: gl.constexpr = False,
-                                 LMAX: gl.constexpr = False):
+                                 LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -525,19 +615,19 @@ if HAS_GLUON:
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
                             REL,
-                            TRACE, PROBE, QREG, OFFSET, LMAX)),
+                            TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                              PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX)),
+                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -567,17 +657,17 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0):
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0, q_max: float = FP8_MAX):
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
     kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
     [Tk, Hkv, D], sk [Hkv, nbk], vt [Hkv * D, Tpad] e4m3: V transposed, its Tk keys padded with zero keys
     to a multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's channel scale /
     256 [Hkv, D]). rope = (cos, sin) fp32 [>= pos0 + T, D/2]: q not yet rotated (positions pos0..pos0 + T
     - 1: a later chunk's q_offset), rotated in its quantization's pass (``attn_quant.quantize_qk(rope=)``;
-    on CPU ``spec.apply_rope`` in fp32 first)."""
+    on CPU ``spec.apply_rope`` in fp32 first). q_max: what a Q block's amax maps to (``S16_Q_MAX`` for s16)."""
     hkv, d = k.shape[1], k.shape[2]
     if q.is_cuda:
-        q8, sq = attn_quant.quantize_qk(q, rope=rope, pos0=pos0)
+        q8, sq = attn_quant.quantize_qk(q, q_max, rope=rope, pos0=pos0)
         k8, sk = attn_quant.quantize_qk(k)
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
@@ -585,7 +675,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
         if rope is not None:
             rows = slice(pos0, pos0 + q.shape[0])
             q = spec.apply_rope(q, rope[0][rows], rope[1][rows], dtype=torch.float32)
-        q8, sq = quantize_qk(q)
+        q8, sq = quantize_qk(q, q_max)
         k8, sk = quantize_qk(k)
         v8t, sv = quantize_v(v)  # [Hkv, D, T]
         T = v8t.shape[-1]
@@ -611,7 +701,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              probe: str | None = None,
                              trace: torch.Tensor | None = None,
                              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False) -> torch.Tensor:
+                             q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False,
+                             s16: bool = False) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -633,7 +724,11 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     from there (the bf16 kernel's 3% win), not re-read from shared memory by every QK^T wgmma. lane_max (opt-in,
     thirty-third session, unmeasured): a 128-key step's row max reduced across the quad's lanes once, not once a
     block (``_lane_max``: each block's maxima folded and scaled within the threads; max and a positive factor's
-    rounding commute, so m is the same bit for bit): 4 shuffles and 4 FMNMX fewer a thread and step."""
+    rounding commute, so m is the same bit for bit): 4 shuffles and 4 FMNMX fewer a thread and step. s16 (opt-in,
+    thirty-sixth session): QK^T accumulated in f16 (the wgmma's .f16 form, Q quantized to ``S16_Q_MAX`` so no sum
+    overflows) and the unmasked steps' scale, shift and 2^x on f16 pairs (``_fp8_softmax2``): half the
+    score registers and about half the FP32 pipe's instructions a score; ``spec.attention_fp8(q_max=S16_Q_MAX)``
+    within the f16 rounding of the scores."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -654,7 +749,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert not pair_ready or pair_release, "pair_ready: with pair_release"
     assert not q_in_registers or pairs, "q_in_registers: with pairs (one block a step spills with it)"
     assert not lane_max or pairs, "lane_max: with pairs (one block a step reduces each block's maxima once anyway)"
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset)
+    assert not s16 or (ones and exp_fma == 0 and probe is None and not lane_max), (
+        "s16: with pairs and ones, no exp_fma, probe or lane_max")
+    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX)
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
@@ -665,7 +762,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
         num_warps=4, **({"QREG": True} if q_in_registers else {}), **({"OFFSET": True} if q_offset else {}),
-        **({"LMAX": True} if lane_max else {}),
+        **({"LMAX": True} if lane_max else {}), **({"S16": 1} if s16 else {}),
     )
     return out
 

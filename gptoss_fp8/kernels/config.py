@@ -262,6 +262,12 @@ class KernelConfig:
     # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
     # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
+    # The FP8 Gluon kernel's QK^T accumulated in f16 (``ws_attention_prefill_fp8(s16=True)``; Q quantized to 1.75 so
+    # no sum of 64 products can overflow f16): the unmasked steps' scale, shift and 2^x on f16 pairs. Static SASS
+    # of a 128-key step, one warp (thirty-sixth session, no device yet): 423 -> 401 instructions (FFMA 100 -> 36,
+    # FMNMX 74 -> 14, + 32 HFMA2, 30 HMNMX2 / VHMNMX, 36 PRMT packing the MUFU's f16 halves), the scores' registers
+    # halved. Opt-in until timed; numerics: ``spec.attention_fp8(q_max=1.75)`` within the scores' f16 rounding
+    attention_fp8_s16: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

@@ -1014,18 +1014,18 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
 @pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
 @pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2), dict(exp_fma=1), dict(turns=1),
                                   dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(pair_ready=False),
-                                  dict(stages=6), dict(q_in_registers=True), dict(lane_max=True)],
+                                  dict(stages=6), dict(q_in_registers=True), dict(lane_max=True), dict(s16=True)],
                          ids=["64-key", "fp32-sum", "2-stages", "fma25", "turns", "turns-half-2-stages",
-                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers", "lane-max"])
+                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers", "lane-max", "s16"])
 def test_ws_fp8_options_gpu(T, opts):
     """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
     pipes' polynomial, within the tolerance of the e4m3 rounding it feeds; the warpgroups taking turns at the
     exponentials, which must not deadlock when their step counts differ; one release of a step's two ring
-    stages; Q from registers, and the row max reduced across lanes once a step, both bit for bit the default's)
-    against spec.attention_fp8,
+    stages; Q from registers, and the row max reduced across lanes once a step, both bit for bit the default's;
+    QK^T in f16, against the spec with Q quantized as it is, ``q_max``) against spec.attention_fp8,
     one program per head (T <= 192: the compile that once returned wrong rows) and several, under poison."""
-    from gptoss_fp8.kernels.attention_ws_fp8 import spec_row_sum, ws_attention_prefill_fp8
+    from gptoss_fp8.kernels.attention_ws_fp8 import S16_Q_MAX, spec_row_sum, ws_attention_prefill_fp8
 
     hq, hkv = 16, 2
     gen = torch.Generator().manual_seed(T * 5 + len(opts))
@@ -1034,7 +1034,8 @@ def test_ws_fp8_options_gpu(T, opts):
     _poison(T, hq, D)
     out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, **opts)
     row_sum = spec_row_sum(opts.get("pairs", True), opts.get("ones", True))
-    ref = spec.attention_fp8(q, k, v, sinks, None, 0, row_sum=row_sum).float()
+    ref = spec.attention_fp8(q, k, v, sinks, None, 0, row_sum=row_sum,
+                             q_max=S16_Q_MAX if opts.get("s16") else None).float()
     exact = spec.attention(*_fp32(q, k, v), sinks, None, 0, dtype=torch.float32).float()
     o = out.float()
     assert torch.isfinite(o).all()
@@ -1201,11 +1202,13 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, FMA=1), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12),
-                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12)):
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12),
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=1), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
-        main = [line for line in ops if "m64n64k32.f32.e4m3.e4m3" in line]
+        main = [line for line in ops if "m64n64k32.f32.e4m3.e4m3" in line
+                or (opts.get("S16") and "m64n64k32.f16.e4m3.e4m3" in line)]
         assert len(ops) - len(main) == row_sum_mmas and all("m64n8k32.f32.e4m3.e4m3" in x for x in ops if x not in main)
         from_regs = [line for line in main if re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)]
         # PV's A (P) from registers, QK^T's (Q) from shared memory, or with QREG (Q in registers) both
@@ -1219,6 +1222,9 @@ def test_prefill_ws_fp8_compiles_for_sm90():
             default = counts
         elif opts.get("LMAX"):
             assert counts == (default[0] - 24, default[1] - 24), (counts, default)
+        elif opts.get("S16"):  # QK^T into f16 (half of the main wgmmas), the unmasked step's scores on f16 pairs
+            assert sum(".f16.e4m3.e4m3" in x for x in main) == len(main) // 2
+            assert ptx.count("fma.rn.f16x2") and ptx.count("ex2.approx.f16x2") and ptx.count("e4m3x2.f16x2")
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
