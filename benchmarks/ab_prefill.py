@@ -26,7 +26,6 @@ wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE ti
 options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
 "fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
-"fp8-s16" (its QK^T accumulated in f16, the scores on f16 pairs: ``KernelConfig.attention_fp8_s16``, thirty-sixth);
 "wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``,
 no ``gather_act_quant``: thirty-fourth session);
 "full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
@@ -111,8 +110,6 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
     if name == "fp8-qreg":  # the FP8 attention's Q in registers (twenty-eighth session, opt-in)
         return replace(base, attention_fp8_q_registers=True)
-    if name == "fp8-s16":  # the FP8 attention's QK^T in f16, its scores on f16 pairs (thirty-sixth session)
-        return replace(base, attention_fp8_s16=True)
     if name == "fp8-lanemax":  # the FP8 attention's row max with one shuffle pair a step (thirty-third session)
         return replace(base, attention_fp8_lane_max=True)
     if name in ("wide-scales", "wide-turns-scales", "dense-scales", "all-scales", "all-turns-scales"):

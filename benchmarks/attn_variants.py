@@ -74,7 +74,7 @@ VARIANTS = {
     "fp8-noturn": dict(fp8=True, turns=0),  # one release a step, no turns
     "fp8-ready2": dict(fp8=True, pair_ready=False),  # two ready barriers a step (the 23rd session's default)
     "fp8-qreg": dict(fp8=True, q_in_registers=True),  # Q loaded into registers once (28th session, unmeasured)
-    "fp8-s16": dict(fp8=True, s16=True),  # QK^T in f16, the unmasked scores on f16 pairs (36th session, unmeasured)
+    "fp8-s16": dict(fp8=True, s16=True),  # QK^T in f16, the unmasked scores on f16 pairs (36th session: 7-9% slower)
     "fp8-lanemax": dict(fp8=True, lane_max=True),  # the row max, one shuffle pair a step (33rd session, unmeasured)
     # timing probes of the FP8 kernel (wrong values: no check; the MMA probe without turns)
     "fp8-probe-mma": dict(fp8=True, probe="mma"),

@@ -120,10 +120,19 @@ def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int
     ``gather_act_quant(scale_mn_major=True)`` and the wide MoE gate_up write them; else transposed here, a
     copy) in boxes of ``rows`` (the tile's rows), and over the weight scales [..., ceil(K/128)] (a copy
     only where they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both
-    flat, the weight scales' box the power of two past one 128-row block's ceil(K/128) scales (32 for
-    K = 2880: a K block's scales of both 128-column blocks of a 256-wide tile in one copy); and the
-    weight scales the kernel's strides must then refer to."""
-    sa = a_scale.t().contiguous()  # a view when a_scale is MN-major already
+    flat, the weight scales' box the power of two past one 128-row block's ceil(K/128) scales and 3 more (32 for
+    K = 2880: a K block's scales of both 128-column blocks of a 256-wide tile in one copy, from the 16-byte
+    boundary at or below the first); and the weight scales the kernel's strides must then refer to.
+    A tiled TMA box must start on a 16-byte boundary (``benchmarks/tma1d_probe.py``: "illegal instruction"
+    otherwise), so the row scales' K blocks are ceil(M / 4) * 4 apart (a padded copy where M is not a multiple
+    of 4) and the weight scales' box starts at the boundary below this K block's scale (``load_stage_scaled``)."""
+    m, kb = a_scale.shape
+    mp = _cdiv(m, 4) * 4  # (each K block's rows start 16-byte aligned: where a TMA box may start)
+    if mp == m:
+        sa = a_scale.t().contiguous()  # a view when a_scale is MN-major already
+    else:
+        sa = a_scale.new_zeros(kb, mp)
+        sa[:, :m] = a_scale.t()
     ws = w_scale_inv
     if not (ws.is_contiguous() and ws.data_ptr() % 16 == 0):
         ws = ws.clone(memory_format=torch.contiguous_format)
@@ -133,8 +142,8 @@ def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int
 
 def stage_scale_box(k_blocks: int) -> int:
     """The weight scales' TMA box of ``stage_scale_args`` for ceil(K/128) = k_blocks: the power of two
-    above it (at least 4 floats, 16 bytes)."""
-    box = max(4, 1 << k_blocks.bit_length())
+    above k_blocks + 3 (a box starting up to 3 scales early, at a 16-byte boundary; at least 4 floats)."""
+    box = max(4, 1 << (k_blocks + 3).bit_length())
     if box > 256:
         raise ValueError(f"GluonTile(stage_scales=True) takes K up to 255 blocks of 128, not {k_blocks}")
     return box
@@ -258,7 +267,10 @@ if HAS_GLUON:
         blocks, so that the second block's scale of this K block is in it too; sb_off: its first
         element) into sb_bufs[stage]; all on the stage's ready barrier. Every destination starts on a
         128-byte boundary (the scale buffers' rows are 512 and 128 bytes, NVMMA allocations 128-byte
-        aligned), as TMA wants. Past the tensor's end TMA writes zeros (never read)."""
+        aligned), as TMA wants. Every box starts on a 16-byte boundary too (an "illegal instruction"
+        otherwise, ``benchmarks/tma1d_probe.py``): sa_off is (callers'), the weight scales' box starts at
+        the multiple of 4 at or below sb_off (the consumers read from sb_off % 4 on, ``_sb_start``). Past
+        the tensor's end TMA writes zeros (never read)."""
         S: gl.constexpr = a_bufs.type.shape[0]
         s = c % S
         mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
@@ -267,7 +279,7 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(a_desc, a_coord, ready.index(s), a_bufs.index(s))
         tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(s), b_bufs.index(s))
         tma.async_copy_global_to_shared(sa_desc, [sa_off], ready.index(s), sa_bufs.index(s))
-        tma.async_copy_global_to_shared(sb_desc, [sb_off], ready.index(s), sb_bufs.index(s))
+        tma.async_copy_global_to_shared(sb_desc, [sb_off - sb_off % 4], ready.index(s), sb_bufs.index(s))
         return c + 1
 
     @gluon.jit
@@ -281,6 +293,12 @@ if HAS_GLUON:
             sa_bufs = dummy
             sb_bufs = dummy
         return sa_bufs, sb_bufs
+
+    @gluon.jit
+    def _sb_start(b_s_ptr, kk):
+        """Where this K block's weight scale (b_s_ptr + kk) lies in its stage's box: the box starts at the
+        16-byte boundary at or below it (``load_stage_scaled``; the scale tensor's base is 16-byte aligned)."""
+        return ((b_s_ptr.to(gl.int64, bitcast=True) >> 2) + kk) % 4
 
     @gluon.jit
     def _smem_scalar(bufs, s, off):
@@ -437,9 +455,10 @@ if HAS_GLUON:
             pass_turn(turn, W, TURN)
             if SC:
                 sa = sa_bufs.index(s).slice(A0, AR).load(gl.SliceLayout(1, layout))
-                sc0 = sa * _smem_scalar(sb_bufs, s, 0)
+                sb_at = _sb_start(b_s_ptr, kk).to(gl.int32)
+                sc0 = sa * _smem_scalar(sb_bufs, s, sb_at)
                 if DO1:
-                    sc1 = sa * _smem_scalar(sb_bufs, s, b_off1)
+                    sc1 = sa * _smem_scalar(sb_bufs, s, sb_at + b_off1)
             else:
                 sc0 = _scale_prod(as_ptr, a_offs + kk, rmask0, b_s_ptr + kk, MASK_A)  # latency behind the wgmma
                 if DO1:  # product 1's scales too: loaded once product 0 is issued

@@ -461,7 +461,7 @@ def attention_prefill(
         # (a rope: q rotated in its quantization's pass, at positions q_offset..)
         return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
                                         q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
-                                        lane_max=cfg.attention_fp8_lane_max, s16=cfg.attention_fp8_s16)
+                                        lane_max=cfg.attention_fp8_lane_max)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
             and _ws_ok(q, k, v, False, window, rope, cfg)):

@@ -724,11 +724,12 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     from there (the bf16 kernel's 3% win), not re-read from shared memory by every QK^T wgmma. lane_max (opt-in,
     thirty-third session, unmeasured): a 128-key step's row max reduced across the quad's lanes once, not once a
     block (``_lane_max``: each block's maxima folded and scaled within the threads; max and a positive factor's
-    rounding commute, so m is the same bit for bit): 4 shuffles and 4 FMNMX fewer a thread and step. s16 (opt-in,
-    thirty-sixth session): QK^T accumulated in f16 (the wgmma's .f16 form, Q quantized to ``S16_Q_MAX`` so no sum
-    overflows) and the unmasked steps' scale, shift and 2^x on f16 pairs (``_fp8_softmax2``): half the
-    score registers and about half the FP32 pipe's instructions a score; ``spec.attention_fp8(q_max=S16_Q_MAX)``
-    within the f16 rounding of the scores."""
+    rounding commute, so m is the same bit for bit): 4 shuffles and 4 FMNMX fewer a thread and step. s16 (measurement
+    only, thirty-sixth session): QK^T accumulated in f16 (the wgmma's .f16 form, Q quantized to ``S16_Q_MAX`` so no
+    sum overflows) and the unmasked steps' scale, shift and 2^x on f16 pairs (``_fp8_softmax2``): a step's SASS 423
+    -> 401 instructions a warp (FFMA 100 -> 36, FMNMX 74 -> 14; 32 HFMA2, 30 packed max, 36 PRMT joining the
+    MUFU's f16 halves), yet 7-9% slower on the H100 (14.0 -> 15.2 ms at 32768, 212 -> 227 ms at 128000,
+    benchmarks/attn_variants.py fp8-s16); within ``spec.attention_fp8(q_max=S16_Q_MAX)``'s tolerance."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"

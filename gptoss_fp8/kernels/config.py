@@ -56,14 +56,19 @@ class GluonTile:
     turns: the two consumer warpgroups of the wide tiles (the MoE's wide gate_up and Gluon down, the
     dense 256 x 128 / 128 x 256) issue their wgmmas in turns (``_gluon.block_scaled_mainloop_serial``'s
     TURN, FlashAttention-3's ping-pong applied to the promotion loop: one warpgroup's product on the
-    tensor core while the other promotes). Opt-in, built without a GPU in the twenty-seventh session:
-    measure it (``gpu_suite.sh moe-turns``) before making it a default; the base tiles refuse it.
+    tensor core while the other promotes). Opt-in: its GPU tests pass (H100, thirty-sixth session, 78 with the
+    wide tiles'), but the whole 20b at 32768 tokens, same process, is no faster (0.3992 against 0.4005 s on the
+    H100, inside the runs' spread); the base tiles refuse it.
     stage_scales: the MoE's heavy-load tiles (128-row gate_up, Gluon down) only: the producer copies each
     K block's row scales (MN-major, as ``gather_act_quant(scale_mn_major=True)`` and the wide gate_up
     write them for the next GEMM) and weight scales into the stage with TMA, and the consumers read
     them from shared memory (DeepGEMM's way) instead of global loads the promotion waits on. Same
-    bits. Opt-in, built without a GPU in the twenty-eighth session (``_gluon.load_stage_scaled``):
-    measure it before making it a default; other tiles refuse it (``_gluon.check_stage_scales``).
+    bits. Opt-in, built without a GPU in the twenty-eighth session (``_gluon.load_stage_scaled``). On the
+    GPU (thirty-sixth session) its launches stopped with "illegal instruction" at the scale copies: a TMA box
+    must start on a 16-byte boundary (``benchmarks/tma1d_probe.py``), and the scale boxes started at any
+    element; fixed (the row scales' K blocks 16-byte apart, the weight scales' box from the boundary below)
+    but not yet run on a GPU: its GPU tests first (``gpu_suite.sh moe-turns``), then time it; other tiles
+    refuse it (``_gluon.check_stage_scales``).
     gather: the MoE's 128-row gate_up only, without stage_scales: its producer copies each K block's A rows by
     cp.async straight from the tokens' own FP8 rows (the norm's quantization, row slot // top_k) instead of TMA
     from rows pre-gathered in sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer
@@ -262,12 +267,6 @@ class KernelConfig:
     # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
     # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
-    # The FP8 Gluon kernel's QK^T accumulated in f16 (``ws_attention_prefill_fp8(s16=True)``; Q quantized to 1.75 so
-    # no sum of 64 products can overflow f16): the unmasked steps' scale, shift and 2^x on f16 pairs. Static SASS
-    # of a 128-key step, one warp (thirty-sixth session, no device yet): 423 -> 401 instructions (FFMA 100 -> 36,
-    # FMNMX 74 -> 14, + 32 HFMA2, 30 HMNMX2 / VHMNMX, 36 PRMT packing the MUFU's f16 halves), the scores' registers
-    # halved. Opt-in until timed; numerics: ``spec.attention_fp8(q_max=1.75)`` within the scores' f16 rounding
-    attention_fp8_s16: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

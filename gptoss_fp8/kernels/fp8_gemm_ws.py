@@ -101,7 +101,8 @@ if HAS_GLUON:
                     sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bsn = scales
                     c = load_stage_scaled(a_desc, b_desc, sa_desc, sb_desc, empty, ready, a_bufs, b_bufs, sa_bufs,
                                           sb_bufs, c, [pid_m * TM, kk * TK], [pid_n * TN, kk * TK],
-                                          kk * M + pid_m * TM, (pid_n * (TN // TK)) * stride_bsn + kk)
+                                          kk * (gl.cdiv(M, 4) * 4) + pid_m * TM,
+                                          (pid_n * (TN // TK)) * stride_bsn + kk)
                 else:
                     c = load_stage(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c, [pid_m * TM, kk * TK],
                                    [pid_n * TN, kk * TK])

@@ -80,3 +80,33 @@ def test_attention_launcher(monkeypatch):
     for d, blk in zip(args[:4], (64, 64, 64, 64), strict=True):
         assert list(d.block_shape) == [blk, 64]
     assert kw["NWG"] == 3 and kw["GROUP"] == 8
+
+
+@pytest.mark.parametrize("m,k_blocks", [(4097, 23), (136, 23), (1, 23), (256, 32), (999, 29)])
+def test_stage_scales_boxes_start_16_byte_aligned(m, k_blocks):
+    """``GluonTile.stage_scales``: a tiled TMA box must start on a 16-byte boundary (an "illegal instruction"
+    otherwise, measured: benchmarks/tma1d_probe.py). The row scales' K blocks lie ceil(M / 4) * 4 floats apart in
+    the flat MN-major copy (the same values, zeros between); the weight scales' box, started at the multiple of 4
+    at or below a K block's scale (``load_stage_scaled``), holds that scale and the next 128-column block's."""
+    gen = torch.Generator().manual_seed(m + k_blocks)
+    a_scale = torch.rand(m, k_blocks, generator=gen) + 0.5
+    w_scale = torch.rand(7, 3, k_blocks, generator=gen) + 0.5  # [E, N / 128, K blocks]
+    sc, ws = _gluon.stage_scale_args(a_scale, w_scale, 128)
+    sa = sc["sa_desc"].base
+    mp = -(-m // 4) * 4
+    assert sa.shape == (k_blocks * mp,) and sa.data_ptr() % 16 == 0
+    rows = sa.view(k_blocks, mp)
+    assert torch.equal(rows[:, :m], a_scale.t()) and not rows[:, m:].any()
+    # the producer's row-scale box starts (kk * mp + pid_m * 128) * 4 bytes in: 16-byte aligned
+    assert all((kk * mp + p * 128) % 4 == 0 for kk in range(k_blocks) for p in range(3))
+    box = sc["sb_desc"].block_shape[0]
+    assert box & (box - 1) == 0 and torch.equal(sc["sb_desc"].base, ws.view(-1))
+    flat = ws.view(-1)
+    for e in range(7):
+        for pid_n in range(1):  # (a 256-wide tile: blocks 2 pid_n and 2 pid_n + 1)
+            for kk in range(k_blocks):
+                off = e * ws.stride(0) + 2 * pid_n * ws.stride(1) + kk
+                start = off - off % 4
+                got = flat[start:start + box]
+                at = off % 4  # _gluon._sb_start's index
+                assert got[at] == w_scale[e, 2 * pid_n, kk] and got[at + ws.stride(1)] == w_scale[e, 2 * pid_n + 1, kk]
