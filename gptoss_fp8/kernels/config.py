@@ -74,9 +74,11 @@ class GluonTile:
     from rows pre-gathered in sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer
     fewer: ~0.25 ms a layer at 32768 tokens); the consumers read the tokens' row scales. Same bits. **Slower**:
     H200, the whole 20b, same process (thirty-fifth session): 0.5219 s against 0.3826 at 32768 tokens, 3.737
-    against 3.283 at 128000 (the gate_up ~2.4x its time: its one producer warp's per-step slot loads and the
-    consumers' scattered scale loads are the suspects, not profiled). Kept opt-in for that work; other tiles
-    refuse it (``_gluon.check_gather``)."""
+    against 3.283 at 128000 (the gate_up ~2.4x its time). The cause, by its SASS (thirty-sixth session): the one
+    producer warp recomputed every K block the rows' token offsets (slot loads, a run-time division by top_k,
+    64-bit products), 926 instructions a K block, about the tensor core's time for one; now computed once a tile
+    into shared memory, 399 a K block. Not yet rerun on a GPU: its GPU tests (``gpu_suite.sh gather``), then time
+    it beside the default. Other tiles refuse it (``_gluon.check_gather``)."""
 
     stages: int = 4
     group_m: int = 8

@@ -396,19 +396,24 @@ if HAS_GLUON:
 
     @gluon.jit
     def _moe_gather_producer(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr,
-                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr):
+                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr, row_smem):
         """The wide gate_up's 1-warp producer with A gathered (``GluonTile(gather=True)``): each K block's A
         rows copied by cp.async straight from the tokens' FP8 rows x[slot // top_k] (16 bytes a thread, 16 rows a
         step: 4 pointers a thread; 32 rows a step spilled at the producer's 40 registers) into the stage, padding
         rows and columns past K zero-filled (as the pre-gathered rows and TMA give), W rows by TMA. Hopper's TMA
         loads boxes, not lists of rows; the cp.async copies arrive on the stage's ready barrier when they land
-        (``async_copy.mbarrier_arrive``, before the TMA's expect-arrive so that the phase waits for both)."""
+        (``async_copy.mbarrier_arrive``, before the TMA's expect-arrive so that the phase waits for both).
+        The tile's row offsets (slot // top_k times the row stride, bytes; -16 for padding rows, never read) are
+        computed once a tile into row_smem ([TM] int32) and read from there by each K block: computed in every K block (the thirty-
+        fourth session's form) the slot loads and the run-time division took the loop 926 instructions a K block
+        (SASS), about the time the tensor core needs for one, and the gate_up ran 2.4x its time."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         CH: gl.constexpr = 16
         copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
+        tile_rows: gl.constexpr = gl.BlockedLayout([TM // 32], [32], [1], [0])
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
         cols = gl.arange(0, TK, layout=gl.SliceLayout(0, copy_layout))
@@ -417,19 +422,21 @@ if HAS_GLUON:
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             expert = gl.load(block_expert_ptr + pid_m)
             if expert < num_experts:
+                gl.thread_barrier()  # (the last tile's reads of row_smem done)
+                slot = gl.load(slots_ptr + pid_m * TM + gl.arange(0, TM, layout=tile_rows))
+                row_smem.store(gl.where(slot < num_slots, (slot // top_k) * stride_xm, -16))
+                gl.thread_barrier()
                 for kk in range(n_k):
                     s = c % S
                     mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
                     kcols = kk * TK + cols
                     kmask = gl.expand_dims(kcols < K, 0)
                     for h in gl.static_range(TM // CH):
-                        rows = pid_m * TM + h * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, copy_layout))
-                        slot = gl.load(slots_ptr + rows)
-                        live = slot < num_slots
-                        tok = gl.where(live, slot // top_k, 0)
-                        ptrs = x_ptr + gl.expand_dims(tok.to(gl.int64) * stride_xm, 1) + gl.expand_dims(kcols, 0)
+                        # (byte offsets of 16-byte aligned rows: multiples of 16, -16 for padding rows)
+                        off = gl.multiple_of(row_smem.slice(h * CH, CH).load(gl.SliceLayout(1, copy_layout)), 16)
+                        ptrs = x_ptr + gl.expand_dims(off, 1) + gl.expand_dims(kcols, 0)
                         async_copy.async_copy_global_to_shared(a_bufs.index(s).slice(h * CH, CH), ptrs,
-                                                               mask=gl.expand_dims(live, 1) & kmask)
+                                                               mask=gl.expand_dims(off >= 0, 1) & kmask)
                     async_copy.mbarrier_arrive(ready.index(s))
                     mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(b_desc, [expert * N + pid_n * TN, kk * TK], ready.index(s),
@@ -468,6 +475,8 @@ if HAS_GLUON:
         # (the partitions' argument tuples written out in each branch: a tuple held in a variable loses its
         # elements' constexpr-ness)
         if GATHER:
+            # the gather producer's row offsets of its tile (_moe_gather_producer)
+            row_smem = gl.allocate_shared_memory(gl.int32, [TM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             gl.warp_specialize([
                 (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
@@ -481,7 +490,7 @@ if HAS_GLUON:
                                     sb_bufs, SC, top_k, GATHER)),
                 (_moe_gather_producer, (x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr,
                                         block_expert_ptr, num_m, N, K, num_slots, num_experts, top_k, num_progs,
-                                        GROUP_M)),
+                                        GROUP_M, row_smem)),
             ], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
@@ -611,6 +620,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     if gather_top_k:
         assert k % 16 == 0 and a.data_ptr() % 16 == 0 and a.stride(1) == 1 and a.stride(0) % 16 == 0, (
             f"gathered A rows need 16-byte copies: K {k}, stride {a.stride()}")
+        assert a.shape[0] * a.stride(0) < 2 ** 31, f"gathered A rows: int32 row offsets, {tuple(a.shape)} too large"
     a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     out_desc = descriptor(out, [TILE_M, TILE_N // 4])
     num_m = max_rows // block_m
