@@ -243,3 +243,44 @@ def test_verify_logits_cuda_sharded_on_golden(golden_ckpts, tmp_path, tp, ep):
     # NCCL when every rank has a GPU of its own (a 2-GPU machine), else gloo through host memory
     collective = "nccl" if torch.cuda.device_count() >= tp else "gloo"
     assert rep["parallel"] == {"tp": tp, "ep": ep, "collective": collective}
+
+
+# ------------------------------------------------------------------------------------------------
+# --kernel-option: a KernelConfig setting of the kernels mode (an opt-in's numerics through the verdict)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--kernel-option", "lane_max=1"], "--kernel-option changes the kernels mode only"),
+    (["--mode", "kernels", "--kernel-option", "lane_max=1"], "--kernel-option lane_max: no field 'lane_max'"),
+    (["--mode", "kernels", "--kernel-option", "attention_fp8_lane_max=maybe"], "give true or false"),
+])
+def test_kernel_option_checked_before_anything_runs(tmp_path, extra, match):
+    """One line before any model or reference runs (the checkpoint is empty, the reference absent)."""
+    if not HAS_CUDA and not _interpreter():
+        pytest.skip("--mode kernels needs CUDA or the Triton interpreter")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    r = runner.invoke(app, ["verify-logits", str(ckpt), "--reference", str(tmp_path / "nothing"), *extra])
+    assert r.exit_code == 1, r.output
+    err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and match in err[0], r.output
+
+
+def test_kernel_options_reach_the_kernels_ops():
+    from gptoss_fp8.verify.backends import ops_for
+
+    ops = ops_for("kernels", kernel_options=("attention_fp8_lane_max=true", "moe_gluon_wide_gate_up.stages=3"))
+    assert ops.config.attention_fp8_lane_max is True and ops.config.moe_gluon_wide_gate_up.stages == 3
+    assert ops_for("kernels").config.attention_fp8_lane_max is False
+    assert not hasattr(ops_for("w8a8", kernel_options=("attention_fp8_lane_max=true",)), "config")
+
+
+@needs_interpreter
+@pytest.mark.slow  # a kernels-mode verdict through the interpreter (the test above it covers the unset run)
+def test_kernel_options_recorded_in_the_report(golden_ckpts, tmp_path):
+    ckpt, ref_file = golden_ckpts("odd")
+    r, rep = _verify(ckpt, ref_file, tmp_path, "--mode", "all", "--kernel-option", "dense_skinny_max_rows=0")
+    _check_kernels_report(r, rep, "cpu, Triton interpreter")
+    assert rep["kernel_options"] == ["dense_skinny_max_rows=0"]
+    assert "kernel options dense_skinny_max_rows=0 (--kernel-option)" in r.output

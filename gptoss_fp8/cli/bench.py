@@ -17,6 +17,7 @@ from gptoss_fp8.cli.common import (
     EpOption,
     Gemm,
     GemmOption,
+    KernelOptionOption,
     OverwriteOutputs,
     TorchCommand,
     TpOption,
@@ -66,11 +67,6 @@ def _with_kernel_options(config, options: list[str] | None):
         return with_options(config or default_config(), options)
     except ValueError as err:
         raise GptOssFp8Error(f"--kernel-option {err}") from None
-
-
-KernelOptionOption = Annotated[list[str] | None, typer.Option(
-    help="NAME=VALUE: a KernelConfig field for this run (repeatable), e.g. attention_fp8_lane_max=true or "
-         "moe_gluon_wide_gate_up.stages=3 (kernels/config.py); recorded in --json's rows. One GPU only.")]
 
 
 def _one_gpu_kernel_options(config, options: list[str] | None, tp: int, ep: int):

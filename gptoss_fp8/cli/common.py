@@ -191,6 +191,12 @@ class AttentionBackend(str, enum.Enum):
     flashinfer = "flashinfer"
 
 
+# --kernel-option: a KernelConfig field for one run (kernels.config.with_options), one GPU
+KernelOptionOption = Annotated[list[str] | None, typer.Option(
+    help="NAME=VALUE: a KernelConfig field for this run's kernels (repeatable), e.g. attention_fp8_lane_max=true or "
+         "moe_gluon_wide_gate_up.stages=3 (kernels/config.py); recorded in --json. One GPU only.")]
+
+
 # --attention-backend: KernelConfig.attention_backend of the run's kernels (where --gemm is)
 AttentionBackendOption = Annotated[AttentionBackend, typer.Option(
     help="The library of the kernels' bf16 prefill attention of a whole prompt: ours, or flashinfer "

@@ -16,6 +16,7 @@ from gptoss_fp8.cli.common import (
     AttentionOption,
     Gemm,
     GemmOption,
+    KernelOptionOption,
     OverwriteOutputs,
     check_distinct,
     check_fraction,
@@ -131,6 +132,7 @@ def verify_logits(
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
     attention_backend: AttentionBackendOption = AttentionBackend.ours,
+    kernel_option: KernelOptionOption = None,
     decode: Annotated[int, typer.Option(
         min=0, metavar="N",
         help="Also prefill all but the last N tokens and decode those one at a time through the KV cache; each "
@@ -148,12 +150,15 @@ def verify_logits(
     from gptoss_fp8.checkpoint.outputs import atomic_output, check_output_path, write_atomic
     from gptoss_fp8.verify import report as verdict
     from gptoss_fp8.verify import run
-    from gptoss_fp8.verify.backends import check_attention_backend, check_gemm
+    from gptoss_fp8.verify.backends import check_attention_backend, check_gemm, check_kernel_options
 
     # before any model runs: a mode this device cannot run is one line now, not after the reference
     modes = run.resolve_modes([m.value for m in mode] if mode else None, device.value)
     check_gemm(gemm.value, modes)
     check_attention_backend(attention_backend.value, modes)
+    check_kernel_options(kernel_option, modes)
+    if kernel_option and run.under_torchrun():
+        raise GptOssFp8Error("--kernel-option is for a one-process run (tp 1); each rank builds the default config")
     run.check_attention(attention.value, decode)
     inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
     named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
@@ -174,6 +179,9 @@ def verify_logits(
     opened = Checkpoint.open(ckpt)  # config, layout and conversion record, read once
     cfg = opened.config
     tp, ep = opened.resolve_layout(tp, ep)
+    if kernel_option and tp > 1:
+        raise GptOssFp8Error(f"--kernel-option is for a one-process run; {ckpt} is laid out for tp {tp} (each rank "
+                             "builds the default config)")
     from gptoss_fp8.verify.reference import check_reference_matches
 
     check_reference_matches(reference, cfg, ckpt)  # another model's reference: one line, before anything runs
@@ -219,11 +227,14 @@ def verify_logits(
                                                 overrides=overrides, tokens_from=tokens_from,
                                                 allow_fallback=allow_fallback, gemm=gemm.value, decode=decode,
                                                 attention_backend=attention_backend.value,
-                                                attention=attention.value)
+                                                attention=attention.value, kernel_options=tuple(kernel_option or ()))
+        report["kernel_options"] = list(kernel_option or [])
     if gemm is not Gemm.ours:  # the report names the ops backend; this says which GEMMs it ran
         typer.echo(f"kernels mode: dense and grouped FP8 GEMMs on {gemm.value} (--gemm)")
     if attention_backend is not AttentionBackend.ours:
         typer.echo(f"kernels mode: bf16 prefill attention on {attention_backend.value} (--attention-backend)")
+    if kernel_option:
+        typer.echo(f"kernels mode: kernel options {' '.join(kernel_option)} (--kernel-option)")
     for line in verdict.summary_lines(report):
         typer.echo(line)
     if json_report is not None:

@@ -404,9 +404,10 @@ if HAS_GLUON:
         loads boxes, not lists of rows; the cp.async copies arrive on the stage's ready barrier when they land
         (``async_copy.mbarrier_arrive``, before the TMA's expect-arrive so that the phase waits for both).
         The tile's row offsets (slot // top_k times the row stride, bytes; -16 for padding rows, never read) are
-        computed once a tile into row_smem ([TM] int32) and read from there by each K block: computed in every K block (the thirty-
-        fourth session's form) the slot loads and the run-time division took the loop 926 instructions a K block
-        (SASS), about the time the tensor core needs for one, and the gate_up ran 2.4x its time."""
+        computed once a tile into row_smem ([TM] int32) and read from there by each K block: computed in every K
+        block (the thirty-fourth session's form), the slot loads and the run-time division took the loop 926
+        instructions a K block (SASS; now 399), about the time the tensor core needs for one, and the gate_up ran
+        2.4x its time."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]

@@ -89,19 +89,24 @@ def backend_device(mode: str, device: str) -> str:
 # Ops objects
 
 
-def ops_for(mode: str, gemm: str = "ours", attention: str = "bf16", attention_backend: str = "ours") -> ReferenceOps:
+def ops_for(mode: str, gemm: str = "ours", attention: str = "bf16", attention_backend: str = "ours",
+            kernel_options: tuple[str, ...] = ()) -> ReferenceOps:
     """A fresh ops object for ``mode`` (the ``kernels`` one counts its hand-overs to the spec in
     ``spec_fallbacks``, see the module docstring). ``gemm``: the kernels mode's GEMM library,
     ``KernelConfig.gemm`` ("ours", or "deep_gemm": kernels/deepgemm.py); ``attention``: the
     prefill attention's numerics, "bf16" or "fp8" (``ReferenceOps.with_attention``);
     ``attention_backend``: the kernels mode's prefill attention library,
-    ``KernelConfig.attention_backend`` ("ours", or "flashinfer": kernels/flashinfer_attention.py)."""
-    if MODES[mode] == "triton" and (gemm != "ours" or attention_backend != "ours"):
+    ``KernelConfig.attention_backend`` ("ours", or "flashinfer": kernels/flashinfer_attention.py);
+    ``kernel_options``: NAME=VALUE settings of the kernels mode's ``KernelConfig`` (``with_options``,
+    ``check_kernel_options``)."""
+    if MODES[mode] == "triton" and (gemm != "ours" or attention_backend != "ours" or kernel_options):
         from dataclasses import replace
 
+        from gptoss_fp8.kernels.config import with_options
         from gptoss_fp8.model.triton_ops import TritonOps, default_config
 
-        config = replace(default_config(), gemm=gemm, attention_backend=attention_backend)
+        config = with_options(replace(default_config(), gemm=gemm, attention_backend=attention_backend),
+                              list(kernel_options))
         return TritonOps(config=config).with_attention(attention)
     return get_ops(MODES[mode], attention)
 
@@ -124,6 +129,22 @@ def check_gemm(gemm: str, modes: list[str]) -> None:
         from gptoss_fp8.kernels.config import GEMM_BACKENDS
 
         _check_backend("--gemm", gemm, modes, GEMM_BACKENDS, "deepgemm")
+
+
+def check_kernel_options(options: list[str] | None, modes: list[str]) -> None:
+    """``--kernel-option``: each parses onto the kernels' ``KernelConfig`` (``with_options``) and the run has the
+    kernels mode. Raises GptOssFp8Error (one line) before any model runs."""
+    if not options:
+        return
+    if "kernels" not in modes:
+        raise GptOssFp8Error(f"--kernel-option changes the kernels mode only, which this run does not include "
+                             f"({', '.join(modes)}); add --mode kernels (needs --device cuda)")
+    from gptoss_fp8.kernels.config import KernelConfig, with_options
+
+    try:
+        with_options(KernelConfig(), options)
+    except ValueError as err:
+        raise GptOssFp8Error(f"--kernel-option {err}") from None
 
 
 def check_attention_backend(attention_backend: str, modes: list[str]) -> None:

@@ -54,12 +54,12 @@ def check_attention(attention: str, decode: int) -> None:
 
 def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
               ops_hook: str | None = None, gemm: str = "ours", decode: int = 0, attention: str = "bf16",
-              attention_backend: str = "ours") -> Outputs:
+              attention_backend: str = "ours", kernel_options: tuple[str, ...] = ()) -> Outputs:
     """Run one loaded model (any rank) once per mode (``backends.MODES``): free-running, then, given
     the reference's captures ``forced``, every part teacher-forced on them (verify/parts.py); the
     kernels mode also on the w8a8 spec's own captures when w8a8 ran first (``resolve_modes`` order).
-    ``gemm`` / ``attention_backend``: the kernels mode's GEMM / prefill attention library
-    (``backends.ops_for``). ``decode`` N > 0: also prefill all but the last N tokens and decode
+    ``gemm`` / ``attention_backend``: the kernels mode's GEMM / prefill attention library, ``kernel_options``
+    its KernelConfig settings (``backends.ops_for``). ``decode`` N > 0: also prefill all but the last N tokens and decode
     those one at a time (verify/decode.py), on a fresh ops object of the mode (its own spec
     fallbacks). ``attention``: the prefill attention's
     numerics in every mode, "bf16" or "fp8" (``ReferenceOps.with_attention``; the noise grids too)."""
@@ -75,7 +75,7 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
             from gptoss_fp8.kernels.deepgemm import adopt_padded
 
             adopt_padded(model)
-        ops = ops_for(mode, gemm, attention, attention_backend)
+        ops = ops_for(mode, gemm, attention, attention_backend, kernel_options)
         ops = ops if hook is None else hook(mode, ops)
         t0 = time.perf_counter()
         logits = model(tokens.to(dev), ops, cap)
@@ -96,7 +96,7 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         shapes = getattr(ops, "fallback_shapes", None)
         dec = dec_fallbacks = None
         if decode:
-            dec_ops = ops_for(mode, gemm, attention, attention_backend)
+            dec_ops = ops_for(mode, gemm, attention, attention_backend, kernel_options)
             dec_ops = dec_ops if hook is None else hook(mode, dec_ops)
             dec = run_decode(model, tokens, dec_ops, decode, forward=hidden)
             dec_fallbacks = getattr(dec_ops, "spec_fallbacks", None)
@@ -198,11 +198,11 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
                     device: str = "cpu", timeout_s: float = 3600.0,
                     forced: dict[str, torch.Tensor] | None = None, ops_hook: str | None = None,
                     gemm: str = "ours", decode: int = 0, attention: str = "bf16",
-                    attention_backend: str = "ours") -> Outputs:
+                    attention_backend: str = "ours", kernel_options: tuple[str, ...] = ()) -> Outputs:
     """Our logits and captures for each mode, and with ``forced`` (the reference's captures) the
     teacher-forced parts; ``decode`` N > 0: the last N tokens decoded one at a time too. tp > 1
     starts tp worker processes (gloo on CPU, NCCL on GPUs), each loading only its rank's tensors;
-    rank 0's outputs come back. ``ops_hook``: see ``resolve_ops_hook``."""
+    rank 0's outputs come back (``kernel_options``: one process only). ``ops_hook``: see ``resolve_ops_hook``."""
     ckpt = Checkpoint.of(ckpt)
     ckpt.resolve_layout(tp, ep)  # the checkpoint must have been converted for this layout
     modes = resolve_modes(modes, device)  # and every mode must be able to run on this device
@@ -211,7 +211,9 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
         check_decode_steps(decode, int(tokens.shape[0]))
     if tp == 1:
         return run_modes(load_model(ckpt, Parallel(), device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
-                         decode, attention, attention_backend)
+                         decode, attention, attention_backend, tuple(kernel_options))
+    if kernel_options:
+        raise GptOssFp8Error("--kernel-option is for a one-process run (tp 1); each rank builds the default config")
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
@@ -231,7 +233,7 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
                       device: str = "cpu", overrides: dict | None = None, tokens_from: str = "",
                       allow_fallback: bool = False, ops_hook: str | None = None,
                       gemm: str = "ours", decode: int = 0, attention: str = "bf16",
-                      attention_backend: str = "ours") -> tuple[dict, Outputs]:
+                      attention_backend: str = "ours", kernel_options: tuple[str, ...] = ()) -> tuple[dict, Outputs]:
     """Run our model in each mode (tp/ep sharded when tp > 1) on the reference's tokens and report;
     ``decode`` N > 0 adds the KV-cached decode of the last N tokens (verify/decode.py)."""
     ckpt = Checkpoint.of(ckpt)
@@ -245,7 +247,8 @@ def verify_checkpoint(ckpt: Checkpoint | Path, ref: Reference, *, modes: list[st
     t0 = time.perf_counter()
     target = ref.expected if ref.expected is not None else ref
     outputs = compute_outputs(ckpt, ref.tokens, modes, tp, ep, device, forced=target.hidden or None, ops_hook=ops_hook,
-                              gemm=gemm, decode=decode, attention=attention, attention_backend=attention_backend)
+                              gemm=gemm, decode=decode, attention=attention, attention_backend=attention_backend,
+                              kernel_options=kernel_options)
     total = time.perf_counter() - t0
     return build_report(ckpt, ref, outputs, cfg.num_hidden_layers, tp=tp, ep=ep, device=device,
                         overrides=overrides, seconds=total, tokens_from=tokens_from,
