@@ -4,6 +4,9 @@
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
+#   pending36  the thirty-sixth session's fixes, built after its device time ran out: GluonTile.stage_scales' TMA boxes
+#            16-byte aligned (their "illegal instruction"), GluonTile.gather's row offsets once a tile: their GPU
+#            tests, then the 20b at 32768 beside the default, same process (start here)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
@@ -108,6 +111,16 @@ if has pending-tests; then
       tests/test_decode.py tests/test_verify_decode.py -k "not wide_gpu" > "$OUT/pending_tests_moe.log" 2>&1
   fi
   tail -4 "$OUT"/pending_tests*.log
+fi
+
+if has pending36; then
+  # (a box starting off a 16-byte boundary stops the launch: benchmarks/tma1d_probe.py; the tests' "sc" cases first)
+  timeout -s INT ${P36_TEST_S:-240} python3 -m pytest -q -rf -n 3 tests/kernels/test_moe.py tests/kernels/test_fp8_gemm.py \
+    -k "serial_gpu or wide_gpu or stage_scales or gather" > "$OUT/p36_tests.log" 2>&1
+  tail -4 "$OUT/p36_tests.log"
+  [[ ${P36_AB_S:-300} == 0 ]] || timeout ${P36_AB_S:-300} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
+    --runs 5 --variants "${P36_VARIANTS:-default,wide-scales,wide-gather,all-scales}" --attention fp8 2>&1 | grep -v Warn \
+    | tee "$OUT/p36_ab32k.log"
 fi
 
 if has rope-diag; then
