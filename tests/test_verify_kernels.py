@@ -91,6 +91,11 @@ def test_kernels_without_cuda_or_interpreter_is_one_line(monkeypatch, tmp_path, 
     """Checked before anything runs: the reference path given does not even exist."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _refused_before_anything_runs(tmp_path, extra, match)
+
+
+def _refused_before_anything_runs(tmp_path, extra, match):
+    """verify-logits on an empty checkpoint and an absent reference: exit 1 with one error line holding match."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
@@ -258,13 +263,7 @@ def test_kernel_option_checked_before_anything_runs(tmp_path, extra, match):
     """One line before any model or reference runs (the checkpoint is empty, the reference absent)."""
     if not HAS_CUDA and not _interpreter():
         pytest.skip("--mode kernels needs CUDA or the Triton interpreter")
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
-    r = runner.invoke(app, ["verify-logits", str(ckpt), "--reference", str(tmp_path / "nothing"), *extra])
-    assert r.exit_code == 1, r.output
-    err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(err) == 1 and match in err[0], r.output
+    _refused_before_anything_runs(tmp_path, extra, match)
 
 
 def test_kernel_options_reach_the_kernels_ops():
