@@ -138,15 +138,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ex2(x, S16: gl.constexpr):
-        if S16 == 1:
+        if S16:
             return _h2exp2(x)
-        elif S16 == 2:
-            return _h2exp2_f32(x)
         else:
             return gl.exp2(x)
 
     @gluon.jit
-    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr, S16: gl.constexpr = 0):
+    def _exp2_passing(x, turn, W: gl.constexpr, TURN: gl.constexpr, S16: gl.constexpr = False):
         """2^x of the step's first block, the turn passed on after it (TURN 2) or after its first half of
         columns (3). S16: x f16, by packed pairs."""
         if TURN == 3:
@@ -212,7 +210,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr, trace_ptr,
-                     TRACE: gl.constexpr, LMAX: gl.constexpr, S16: gl.constexpr = 0):
+                     TRACE: gl.constexpr, LMAX: gl.constexpr, S16: gl.constexpr = False):
         """``_fp8_softmax2``'s masked step (blocks a, a + 1 from the diagonal on), in fp32 -> (P * 256 of each
         block in the scores' dtype, m)."""
         BN: gl.constexpr = sa.type.shape[1]
@@ -229,7 +227,7 @@ if HAS_GLUON:
         _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
         pa = _exp2_passing(xa - gl.expand_dims(m8, 1), turn, W, TURN)
         pb = gl.exp2(xb - gl.expand_dims(m8, 1))
-        if S16 == 1:
+        if S16:
             pa = pa.to(gl.float16)
             pb = pb.to(gl.float16)
         return pa, pb, m_new
@@ -237,7 +235,7 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES: gl.constexpr, FMA: gl.constexpr = 0,
                       turn=None, zrow=None, W: gl.constexpr = 0, k=0, TURN: gl.constexpr = 0, trace_ptr=None,
-                      TRACE: gl.constexpr = 0, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                      TRACE: gl.constexpr = 0, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         """Blocks a and a + 1 (raw e4m3 dot products sa, sb; score factors ca, cb) -> (P * 256 of each, alpha,
         m, l): one running-max step for their 128 keys, masked from the first block crossing the diagonal
         (n_full) on; row max and sum folded as trees (attention_ws._row_reduce). ONES: l is left to the
@@ -300,14 +298,6 @@ if HAS_GLUON:
         b = gl.broadcast(b, x)[0]
         return gl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [x, a, b], dtype=gl.float16,
                                          is_pure=True, pack=2)
-
-    @gluon.jit
-    def _h2exp2_f32(x):
-        """2^x of f16 pairs to fp32 (each half widened, then ``ex2.approx.ftz.f32``)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $2; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
-            "ex2.approx.ftz.f32 $0, a; ex2.approx.ftz.f32 $1, b; }", "=f,=f,r", [x], dtype=gl.float32,
-            is_pure=True, pack=2)
 
     @gluon.jit
     def _h2exp2(x):
@@ -377,7 +367,7 @@ if HAS_GLUON:
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
                    PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                   LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                   LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -429,7 +419,7 @@ if HAS_GLUON:
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
                                                         zrow, W, i, TURN, trace_ptr, TRACE, LMAX, S16)
-            if S16 == 1:
+            if S16:
                 p8a = _e4m3h(_relabel(pa, p_layout))
                 p8b = _e4m3h(_relabel(pb, p_layout))
             else:
@@ -479,7 +469,7 @@ if HAS_GLUON:
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
         QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
@@ -548,7 +538,7 @@ if HAS_GLUON:
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
@@ -559,7 +549,7 @@ if HAS_GLUON:
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
@@ -570,7 +560,7 @@ if HAS_GLUON:
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         if OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           True, PAIRS, REL, q_offset)
@@ -588,7 +578,7 @@ if HAS_GLUON:
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
                                  REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
                                  QREG: gl.constexpr = False, OFFSET: gl.constexpr = False,
-                                 LMAX: gl.constexpr = False, S16: gl.constexpr = 0):
+                                 LMAX: gl.constexpr = False, S16: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -763,7 +753,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
         num_warps=4, **({"QREG": True} if q_in_registers else {}), **({"OFFSET": True} if q_offset else {}),
-        **({"LMAX": True} if lane_max else {}), **({"S16": 1} if s16 else {}),
+        **({"LMAX": True} if lane_max else {}), **({"S16": True} if s16 else {}),
     )
     return out
 

@@ -1203,7 +1203,7 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12),
-                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=1), 12)):
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=True), 12)):
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
