@@ -216,10 +216,14 @@ def main() -> None:
         ref = None
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 3.0:  # warm-up: compile all, let clocks settle
-            for fn in variants.values():
-                out = fn(tokens)
+            for name, fn in variants.items():
+                try:
+                    out = fn(tokens)
+                    torch.cuda.synchronize()
+                except Exception as err:  # (which variant broke: a kernel fault surfaces at a later launch)
+                    raise SystemExit(f"variant {name!r} failed in its warm-up forward: {type(err).__name__}: "
+                                     f"{str(err).splitlines()[0] if str(err) else ''}") from err
                 ref = out.clone() if ref is None else ref
-            torch.cuda.synchronize()
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(a.runs):
             for name, fn in variants.items():
