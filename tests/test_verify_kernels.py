@@ -283,3 +283,13 @@ def test_kernel_options_recorded_in_the_report(golden_ckpts, tmp_path):
     _check_kernels_report(r, rep, "cpu, Triton interpreter")
     assert rep["kernel_options"] == ["dense_skinny_max_rows=0"]
     assert "kernel options dense_skinny_max_rows=0 (--kernel-option)" in r.output
+
+
+def test_kernel_options_refused_on_a_sharded_run():
+    from gptoss_fp8.verify.run import check_one_process
+
+    check_one_process(None, 4)
+    check_one_process(["attention_fp8_lane_max=true"], 1)
+    for tp, torchrun, word in ((2, False, "not 2"), (1, True, "not torchrun")):
+        with pytest.raises(GptOssFp8Error, match=f"one-process run \\(tp 1, {word}\\)"):
+            check_one_process(["attention_fp8_lane_max=true"], tp, torchrun)

@@ -56,10 +56,14 @@ def _kernel_config(gemm: Gemm, attention_backend: AttentionBackend = AttentionBa
     return replace(default_config(), gemm=gemm.value, attention_backend=attention_backend.value)
 
 
-def _with_kernel_options(config, options: list[str] | None):
-    """--kernel-option NAME=VALUE (repeatable) applied to config (None: the default); one line on a bad one."""
+def _one_gpu_kernel_options(config, options: list[str] | None, tp: int, ep: int):
+    """--kernel-option NAME=VALUE (repeatable) checked before anything else: refused with --tp / --ep (each rank
+    builds the default config), else applied to config (None: the default); one line on a bad one."""
     if not options:
         return config
+    if tp > 1 or ep > 1:
+        raise GptOssFp8Error("--kernel-option is for the one-GPU bench; drop it or --tp / --ep (each rank builds "
+                             "the default config)")
     from gptoss_fp8.kernels.config import with_options
     from gptoss_fp8.model.triton_ops import default_config
 
@@ -67,15 +71,6 @@ def _with_kernel_options(config, options: list[str] | None):
         return with_options(config or default_config(), options)
     except ValueError as err:
         raise GptOssFp8Error(f"--kernel-option {err}") from None
-
-
-def _one_gpu_kernel_options(config, options: list[str] | None, tp: int, ep: int):
-    """--kernel-option checked before anything else: refused with --tp / --ep (each rank builds the default
-    config), each option parsed onto config (one line on a bad one)."""
-    if options and (tp > 1 or ep > 1):
-        raise GptOssFp8Error("--kernel-option is for the one-GPU bench; drop it or --tp / --ep (each rank builds "
-                             "the default config)")
-    return _with_kernel_options(config, options)
 
 
 def _print_rows(rows: list[dict]) -> None:

@@ -157,8 +157,7 @@ def verify_logits(
     check_gemm(gemm.value, modes)
     check_attention_backend(attention_backend.value, modes)
     check_kernel_options(kernel_option, modes)
-    if kernel_option and run.under_torchrun():
-        raise GptOssFp8Error("--kernel-option is for a one-process run (tp 1); each rank builds the default config")
+    run.check_one_process(kernel_option, 1, run.under_torchrun())
     run.check_attention(attention.value, decode)
     inputs = [p for p in (ckpt, reference, tokens) if p is not None]  # never written into or over
     named = {"--json": json_report, "--plot": plot, "--save-reference": save_reference}
@@ -179,9 +178,7 @@ def verify_logits(
     opened = Checkpoint.open(ckpt)  # config, layout and conversion record, read once
     cfg = opened.config
     tp, ep = opened.resolve_layout(tp, ep)
-    if kernel_option and tp > 1:
-        raise GptOssFp8Error(f"--kernel-option is for a one-process run; {ckpt} is laid out for tp {tp} (each rank "
-                             "builds the default config)")
+    run.check_one_process(kernel_option, tp)  # (the checkpoint's layout)
     from gptoss_fp8.verify.reference import check_reference_matches
 
     check_reference_matches(reference, cfg, ckpt)  # another model's reference: one line, before anything runs

@@ -52,6 +52,14 @@ def check_attention(attention: str, decode: int) -> None:
                              "FP8 (prefill only): run --decode without --attention fp8")
 
 
+def check_one_process(kernel_options, tp: int, torchrun: bool = False) -> None:
+    """``--kernel-option`` is for one process: each rank of a sharded run (tp > 1, or torchrun) builds the default
+    KernelConfig. One line, before any model runs."""
+    if kernel_options and (tp > 1 or torchrun):
+        raise GptOssFp8Error(f"--kernel-option is for a one-process run (tp 1, not {'torchrun' if torchrun else tp}); "
+                             "each rank builds the default config")
+
+
 def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, torch.Tensor] | None = None,
               ops_hook: str | None = None, gemm: str = "ours", decode: int = 0, attention: str = "bf16",
               attention_backend: str = "ours", kernel_options: tuple[str, ...] = ()) -> Outputs:
@@ -212,8 +220,7 @@ def compute_outputs(ckpt: Checkpoint | Path, tokens: torch.Tensor, modes: list[s
     if tp == 1:
         return run_modes(load_model(ckpt, Parallel(), device_for(device, 0)), tokens, modes, forced, ops_hook, gemm,
                          decode, attention, attention_backend, tuple(kernel_options))
-    if kernel_options:
-        raise GptOssFp8Error("--kernel-option is for a one-process run (tp 1); each rank builds the default config")
+    check_one_process(kernel_options, tp)
     with tempfile.TemporaryDirectory(prefix="gptoss-fp8-verify-") as tmp:
         job = {"ckpt": str(ckpt.path.resolve()), "tokens": tokens.tolist(), "modes": modes, "tp": tp, "ep": ep,
                "device": device, "result": str(Path(tmp) / "outputs.safetensors"),
