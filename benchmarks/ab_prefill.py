@@ -27,7 +27,8 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
 "fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
 "wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``,
-no ``gather_act_quant``: thirty-fourth session);
+no ``gather_act_quant``: thirty-fourth session); "wide-no-scales" (the heavy-load MoE tiles without
+``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
 "full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
 off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in chunks of 8192, as the
 serving engine's default feeds a long one: every chunk after the first attends to cached keys) and "chunked-gluon"
@@ -125,7 +126,10 @@ def _config(name: str) -> KernelConfig | None:
         dense = dict(dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, turns=True))
         return replace(base, **{"wide-turns": moe, "dense-turns": dense, "all-turns": moe | dense}[name])
     if name == "wide-gather":  # the wide gate_up's A rows copied from the tokens' rows by its producer (34th session)
-        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, gather=True))
+        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, gather=True, stage_scales=False))
+    if name == "wide-no-scales":  # the heavy-load MoE tiles' scales loaded by the consumers (before the 37th session)
+        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, stage_scales=False),
+                       moe_gluon_down=replace(base.moe_gluon_down, stage_scales=False))
     if name.startswith("wide-g"):  # wide-g<GROUP_M>: the heavy-load MoE tiles' tile order
         tile = replace(base.moe_gluon_wide_gate_up, group_m=int(name[6:]))
         return replace(base, moe_gluon_wide_gate_up=tile, moe_gluon_down=replace(base.moe_gluon_down, group_m=tile.group_m))

@@ -142,8 +142,11 @@ def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int
 
 def stage_scale_box(k_blocks: int) -> int:
     """The weight scales' TMA box of ``stage_scale_args`` for ceil(K/128) = k_blocks: the power of two
-    above k_blocks + 3 (a box starting up to 3 scales early, at a 16-byte boundary; at least 4 floats)."""
-    box = max(4, 1 << (k_blocks + 3).bit_length())
+    above k_blocks + 3 (a box starting up to 3 scales early, at a 16-byte boundary), at least 32 floats: each
+    stage's box lands in a row of its own of the [STAGES, box] buffer, and a TMA destination must start on a
+    128-byte boundary ("misaligned address" otherwise: boxes of 8 and 16 floats, K = 160 and 640, measured on
+    the H100, thirty-seventh session)."""
+    box = max(32, 1 << (k_blocks + 3).bit_length())
     if box > 256:
         raise ValueError(f"GluonTile(stage_scales=True) takes K up to 255 blocks of 128, not {k_blocks}")
     return box
@@ -266,8 +269,8 @@ if HAS_GLUON:
         128-column block on (sb_desc: the weight scales flat, a box longer than one block's row of K
         blocks, so that the second block's scale of this K block is in it too; sb_off: its first
         element) into sb_bufs[stage]; all on the stage's ready barrier. Every destination starts on a
-        128-byte boundary (the scale buffers' rows are 512 and 128 bytes, NVMMA allocations 128-byte
-        aligned), as TMA wants. Every box starts on a 16-byte boundary too (an "illegal instruction"
+        128-byte boundary (the scale buffers' rows are 512 and at least 128 bytes, ``stage_scale_box``;
+        NVMMA allocations 128-byte aligned), as TMA wants. Every box starts on a 16-byte boundary too (an "illegal instruction"
         otherwise, ``benchmarks/tma1d_probe.py``): sa_off is (callers'), the weight scales' box starts at
         the multiple of 4 at or below sb_off (the consumers read from sb_off % 4 on, ``_sb_start``). Past
         the tensor's end TMA writes zeros (never read)."""

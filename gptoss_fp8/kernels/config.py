@@ -63,12 +63,15 @@ class GluonTile:
     K block's row scales (MN-major, as ``gather_act_quant(scale_mn_major=True)`` and the wide gate_up
     write them for the next GEMM) and weight scales into the stage with TMA, and the consumers read
     them from shared memory (DeepGEMM's way) instead of global loads the promotion waits on. Same
-    bits. Opt-in, built without a GPU in the twenty-eighth session (``_gluon.load_stage_scaled``). On the
-    GPU (thirty-sixth session) its launches stopped with "illegal instruction" at the scale copies: a TMA box
+    bits. Built without a GPU in the twenty-eighth session (``_gluon.load_stage_scaled``). On the GPU
+    (thirty-sixth session) its launches stopped with "illegal instruction" at the scale copies: a TMA box
     must start on a 16-byte boundary (``benchmarks/tma1d_probe.py``), and the scale boxes started at any
-    element; fixed (the row scales' K blocks 16-byte apart, the weight scales' box from the boundary below)
-    but not yet run on a GPU: its GPU tests first (``gpu_suite.sh moe-turns``), then time it; other tiles
-    refuse it (``_gluon.check_stage_scales``).
+    element; fixed (the row scales' K blocks 16-byte apart, the weight scales' box from the boundary below),
+    and each stage's weight-scale box 128 bytes at least (a TMA destination starts on a 128-byte boundary:
+    "misaligned address" at K = 160 / 640 otherwise). Thirty-seventh session, H100: its GPU tests pass (98),
+    the whole 20b 1.1% faster at 32768 tokens, 0.5% at 128000, same logits: **on** for the MoE's heavy-load
+    tiles (``KernelConfig``); opt-in on the dense 128 x 256 tile (0.75% / 0.6%, inside the runs' spread at
+    32768). Other tiles refuse it (``_gluon.check_stage_scales``).
     gather: the MoE's 128-row gate_up only, without stage_scales: its producer copies each K block's A rows by
     cp.async straight from the tokens' own FP8 rows (the norm's quantization, row slot // top_k) instead of TMA
     from rows pre-gathered in sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer
@@ -77,8 +80,9 @@ class GluonTile:
     against 3.283 at 128000 (the gate_up ~2.4x its time). The cause, by its SASS (thirty-sixth session): the one
     producer warp recomputed every K block the rows' token offsets (slot loads, a run-time division by top_k,
     64-bit products), 926 instructions a K block, about the tensor core's time for one; now computed once a tile
-    into shared memory, 399 a K block. Not yet rerun on a GPU: its GPU tests (``gpu_suite.sh gather``), then time
-    it beside the default. Other tiles refuse it (``_gluon.check_gather``)."""
+    into shared memory, 399 a K block: its GPU tests pass (H100, thirty-seventh session), but still **3.5% slower**
+    (0.4170 against 0.4030 s, the 20b at 32768, same process). Opt-in (with ``stage_scales=false``, which it
+    refuses). Other tiles refuse it (``_gluon.check_gather``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -230,8 +234,12 @@ class KernelConfig:
     # process, bit-identical; benchmarks/moe_parts.py --plans, ab_prefill.py wide-g16, 27th session).
     moe_wide_min_rows_per_expert: int | None = 256
     moe_wide_min_tokens: int = 4096
-    moe_gluon_wide_gate_up: GluonTile = field(default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial"))
-    moe_gluon_down: GluonTile = field(default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial"))
+    # GluonTile.stage_scales on both (thirty-seventh session, H100, same process, same logits): the 20b 1.1% faster
+    # at 32768 tokens (0.3986 against 0.4030 s), 0.5% at 128000 (3.3731 against 3.3898 s).
+    moe_gluon_wide_gate_up: GluonTile = field(
+        default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True))
+    moe_gluon_down: GluonTile = field(
+        default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True))
     # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True

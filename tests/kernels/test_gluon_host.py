@@ -82,7 +82,7 @@ def test_attention_launcher(monkeypatch):
     assert kw["NWG"] == 3 and kw["GROUP"] == 8
 
 
-@pytest.mark.parametrize("m,k_blocks", [(4097, 23), (136, 23), (1, 23), (256, 32), (999, 29)])
+@pytest.mark.parametrize("m,k_blocks", [(4097, 23), (136, 23), (1, 23), (256, 32), (999, 29), (200, 2), (700, 5), (64, 6)])
 def test_stage_scales_boxes_start_16_byte_aligned(m, k_blocks):
     """``GluonTile.stage_scales``: a tiled TMA box must start on a 16-byte boundary (an "illegal instruction"
     otherwise, measured: benchmarks/tma1d_probe.py). The row scales' K blocks lie ceil(M / 4) * 4 floats apart in
@@ -100,7 +100,9 @@ def test_stage_scales_boxes_start_16_byte_aligned(m, k_blocks):
     # the producer's row-scale box starts (kk * mp + pid_m * 128) * 4 bytes in: 16-byte aligned
     assert all((kk * mp + p * 128) % 4 == 0 for kk in range(k_blocks) for p in range(3))
     box = sc["sb_desc"].block_shape[0]
-    assert box & (box - 1) == 0 and torch.equal(sc["sb_desc"].base, ws.view(-1))
+    # each stage's box a 128-byte row of its buffer: a TMA destination starts on a 128-byte boundary
+    assert box & (box - 1) == 0 and box * 4 % 128 == 0 and box >= k_blocks + 3
+    assert torch.equal(sc["sb_desc"].base, ws.view(-1))
     flat = ws.view(-1)
     for e in range(7):
         for pid_n in range(1):  # (a 256-wide tile: blocks 2 pid_n and 2 pid_n + 1)

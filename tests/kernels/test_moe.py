@@ -139,7 +139,8 @@ def test_default_plans_are_the_measured_ones():
     assert cfg.moe_plan(2048, 4, 32, gluon_ok=True) == MoePlan(64, GluonTile(4, 8, promote="serial"),
                                                                TritonTile(64, 128, 8, 4, 4))
     assert cfg.moe_plan(4096, 4, 128, gluon_ok=True) == cfg.moe_plan(2048, 4, 32, gluon_ok=True)  # 128 rows / expert
-    wide = GluonTile(4, 16, block_m=128, promote="serial")
+    # both with the scales through the stages (GluonTile.stage_scales, thirty-seventh session)
+    wide = GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True)
     assert cfg.moe_plan(8192, 4, 32, gluon_ok=True) == MoePlan(128, wide, wide)
     assert cfg.moe_plan(8192, 4, 128, gluon_ok=True) == MoePlan(128, wide, wide)
     assert KernelConfig(moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True) == \
