@@ -10,8 +10,9 @@ combine as its own kernel before the residual-add + norm, as before 2026-11-29 f
 "graph" (the forward captured as a CUDA graph, bench/prefill.GraphedPrefill), "unfused-rope" (q's rope
 as its own pass, not in the FP8 quantization / window kernel: before the twenty-eighth session;
 "unfused-window-rope": only before the window layers), "moe-unchunked" (the MoE over all tokens at once, not
-in chunks of 32768: bench prefill's ``--moe-chunk``), "chunk-combine" (the chunked MoE's combine written as a [T, H]
-tensor and read back by the next norm: before the thirty-fourth session's ``out=``), "torch-router" (the
+in the model's chunks, ``default_moe_chunk``: bench prefill's ``--moe-chunk``), "moe-chunk32768" (in chunks of
+32768 tokens: every model's chunk before the thirty-seventh session), "chunk-combine" (the chunked MoE's combine
+written as a [T, H] tensor and read back by the next norm: before the thirty-fourth session's ``out=``), "torch-router" (the
 router as torch's bf16 linear + topk + softmax instead of kernels/router.py), "norm-rows" (every norm's bf16 rows
 written, the input norms' too: before the thirty-third session's ``ops.needs_rows``), and kernel configs
 (``dataclasses.replace`` of the default ``KernelConfig``, kernels/config.py): "triton-gemm" (the
@@ -200,7 +201,8 @@ def main() -> None:
             "torch-router": lambda: _forward(model, TorchRouter(config=ops.config).with_attention(a.attention)),
             "norm-rows": lambda: _forward(model, NormRows(config=ops.config).with_attention(a.attention)),
             "unfused-rope": lambda: _forward(model, UnfusedRope(config=ops.config).with_attention(a.attention)),
-            "moe-unchunked": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=None)),
+            "moe-unchunked": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=t.shape[0])),
+            "moe-chunk32768": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=32768)),
             "chunk-combine": lambda: _chunk_combine(model, ops),
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
                 a.attention)),

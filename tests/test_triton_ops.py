@@ -326,6 +326,20 @@ def test_unsupported_shapes_fall_back_to_the_spec():
     assert ops.fallback_shapes["attention"] and not ops.fallback_shapes["rms_norm"]
 
 
+def test_default_moe_chunk_gives_each_expert_4096_rows():
+    """A long prefill's MoE chunk (bench prefill's default ``--moe-chunk``): a multiple of 32768 tokens with each
+    expert's average rows a chunk (tokens x experts a token / experts) at least 4096."""
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.model.gptoss import default_moe_chunk
+
+    chunks = {name: default_moe_chunk(preset_config(name)) for name in ("tiny", "20b", "120b")}
+    assert chunks == {"tiny": 32768, "20b": 32768, "120b": 131072}
+    for name, chunk in chunks.items():
+        cfg = preset_config(name)
+        rows = chunk * cfg.num_experts_per_tok / cfg.num_local_experts
+        assert chunk % 32768 == 0 and rows >= 4096 and (chunk == 32768 or rows < 4096 + 32768 * 4 / 128)
+
+
 def test_bench_prefill_forward_is_the_models_last_row():
     from gptoss_fp8.bench.prefill import (
         prefill_logits,
@@ -340,6 +354,7 @@ def test_bench_prefill_forward_is_the_models_last_row():
     last = prefill_logits(model, tokens, W8A8CpuOps(), moe_chunk=7)
     unchunked = prefill_logits(model, tokens, W8A8CpuOps(), moe_chunk=19)
     assert torch.equal(unchunked[0], full[-1])
+    assert torch.equal(prefill_logits(model, tokens, W8A8CpuOps()), unchunked)  # the model's chunk: 32768 tokens
     # Chunked MoE: the same per-token math; only a GEMM's summation order may change with the
     # number of rows it is given (CPU GEMMs pick kernels by M), so bf16-ulp level differences.
     assert rel(unchunked.float(), last.float()) <= 1e-2

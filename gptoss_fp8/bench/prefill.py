@@ -36,7 +36,7 @@ import torch
 
 from gptoss_fp8.config import GptOssConfig, preset_config
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.model.gptoss import GptOss
+from gptoss_fp8.model.gptoss import GptOss, default_moe_chunk
 from gptoss_fp8.parallel import SINGLE, Parallel
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
@@ -118,9 +118,10 @@ def last_layer_rows(model: GptOss, full_last_layer: bool, full_depth: bool) -> s
     return "last row" if model.prune_last_layer else "every row"
 
 
-def prefill_logits(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int = 32768) -> torch.Tensor:
-    """tokens int [T] -> logits bf16 [1, V] of the last position (the model's forward, chunked MoE)."""
-    return model(tokens, ops, last_only=True, moe_chunk=moe_chunk)
+def prefill_logits(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int | None = None) -> torch.Tensor:
+    """tokens int [T] -> logits bf16 [1, V] of the last position (the model's forward, its MoE in chunks of
+    ``moe_chunk`` tokens; None: the model's ``default_moe_chunk``)."""
+    return model(tokens, ops, last_only=True, moe_chunk=default_moe_chunk(model.cfg) if moe_chunk is None else moe_chunk)
 
 
 class GraphedPrefill:
@@ -137,7 +138,7 @@ class GraphedPrefill:
     replays in the same order.
     """
 
-    def __init__(self, model: GptOss, n: int, ops, moe_chunk: int = 32768):
+    def __init__(self, model: GptOss, n: int, ops, moe_chunk: int | None = None):
         from gptoss_fp8.model.graph import capture_args
 
         self.tokens = torch.zeros(n, dtype=torch.long, device=model.model.embed_tokens.weight.device)
@@ -285,7 +286,7 @@ def _sync_time(fn) -> float:
 
 
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
-          moe_chunk: int = 32768, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
+          moe_chunk: int | None = None, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
           checkpoint: Path | None = None, cuda_graph: bool = False, kernel_config=None,
           attention: str = "bf16", full_last_layer: bool = False) -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
@@ -297,7 +298,8 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     ``KernelConfig`` (None: ``TritonOps``' default). ``attention``: prefill attention's numerics,
     "bf16" or "fp8" (the FP8 Triton kernel, operands quantized per call; the row's ``attention``; the
     attention floor stays the bf16 one). ``full_last_layer``: the last layer on every row, not only on
-    the last past its K / V (``last_layer_rows``; the row's ``last_layer``)."""
+    the last past its K / V (``last_layer_rows``; the row's ``last_layer``). ``moe_chunk``: tokens per MoE call
+    (None: the model's ``default_moe_chunk``; the row's ``moe_chunk``)."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
     t0 = time.perf_counter()
@@ -321,6 +323,8 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
 
     last_layer = last_layer_rows(model, full_last_layer, cfg.num_hidden_layers == full_layers)
     echo(f"# last layer past its K / V: {last_layer}")
+    moe_chunk = default_moe_chunk(cfg) if moe_chunk is None else moe_chunk
+    echo(f"# MoE in chunks of up to {moe_chunk} tokens")
     ops = TritonOps(config=kernel_config).with_attention(attention)
     if attention == "fp8":
         echo("# attention: FP8 in the full-attention layers (Q, K, V and P in e4m3, spec.attention_fp8), "
@@ -363,6 +367,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "transformers_s": None, "transformers_note": None, "attention": attention, "last_layer": last_layer,
+            "moe_chunk": moe_chunk,
         }
         if cuda_graph:
             row.update(_graph_timing(model, tokens, ops, moe_chunk, runs))
@@ -378,7 +383,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     return rows
 
 
-def _graph_timing(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int, runs: int) -> dict:
+def _graph_timing(model: GptOss, tokens: torch.Tensor, ops, moe_chunk: int | None, runs: int) -> dict:
     """Capture the prefill as a CUDA graph and time its replays (tokens copied in included)."""
     eager = prefill_logits(model, tokens, ops, moe_chunk)
     torch.cuda.empty_cache()  # the graph allocates its own pool

@@ -37,7 +37,7 @@ TARGET_VS_SEED = 1.5  # issue 25: at least 1.5x faster than the seed's row
 
 
 def bench_sharded(preset: str, token_list: list[int], tp: int, ep: int, layers: int | None = None, runs: int = 5,
-                  warmup: int = 2, moe_chunk: int = 32768, seed: int = 0, echo=print, checkpoint: Path | None = None,
+                  warmup: int = 2, moe_chunk: int | None = None, seed: int = 0, echo=print, checkpoint: Path | None = None,
                   device: str = "cuda", kernel_config=None, timeout_s: float = 3600.0,
                   vocab_parallel: bool = False, cuda_graph: bool = False, attention: str = "bf16",
                   full_last_layer: bool = False) -> list[dict]:

@@ -142,7 +142,9 @@ def prefill(
     runs: Annotated[int, typer.Option(min=1, help="Timed runs per length (median reported).")] = 5,
     warmup: Annotated[int, typer.Option(
         min=0, help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
-    moe_chunk: Annotated[int, typer.Option(min=1, help="Tokens per MoE call (bounds activation memory).")] = 32768,
+    moe_chunk: Annotated[int | None, typer.Option(
+        min=1, help="Tokens per MoE call (bounds activation memory). Default: the model's, enough for 4096 rows an "
+                    "expert (32768 on the 20b, 131072 on the 120b).")] = None,
     peer: Annotated[bool, typer.Option(
         help="Also time transformers' bf16 GptOss (flex_attention) on the same shapes, when importable.")] = True,
     peer_runs: Annotated[int, typer.Option(min=1, help="Timed runs of the transformers peer per length (median reported).")] = 3,
