@@ -68,10 +68,12 @@ def _flat_f32_layout():
 
 def scale_descriptor(t: torch.Tensor, box: int):
     """TMA descriptor over a 1-D fp32 tensor of block scales (16-byte aligned), copied ``box`` floats
-    at a time (a power of two, 4 to 256) into unswizzled shared memory from any element offset:
-    ``load_stage_scaled``'s scales (``GluonTile.stage_scales``)."""
+    at a time (a power of two, 32 to 256: each box fills a row of its own of a [stages, box] shared buffer,
+    and a TMA destination must start on a 128-byte boundary) into unswizzled shared memory from offsets
+    that are multiples of 4 (a box must start on a 16-byte boundary): ``load_stage_scaled``'s scales
+    (``GluonTile.stage_scales``)."""
     assert t.dim() == 1 and t.dtype == torch.float32 and t.data_ptr() % 16 == 0, (t.shape, t.dtype)
-    assert 4 <= box <= 256 and box & (box - 1) == 0, box
+    assert 32 <= box <= 256 and box & (box - 1) == 0, box
     return TensorDescriptor.from_tensor(t, [box], _flat_f32_layout())
 
 
@@ -290,6 +292,9 @@ if HAS_GLUON:
         """The stages' scale buffers of ``load_stage_scaled`` (row scales [STAGES, ROWS], weight scales
         [STAGES, box]); without SC ``dummy`` twice (any shared-memory descriptor, passed on unused)."""
         if SC:
+            # each stage's boxes start on 128-byte boundaries, as TMA's destinations must ("misaligned address")
+            gl.static_assert(ROWS % 32 == 0 and sb_desc.block_type.shape[0] % 32 == 0,
+                             "stage scales: 128-byte rows of scales a stage")
             sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], sa_desc.layout)
             sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, sb_desc.block_type.shape[0]], sb_desc.layout)
         else:
