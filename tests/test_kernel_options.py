@@ -1,5 +1,7 @@
-"""``kernels.config.with_options`` and ``bench prefill / decode --kernel-option``: a KernelConfig field set by name for one run
-(an opt-in timed by the bench itself), every bad option one line naming it."""
+"""``kernels.config.with_options`` and ``bench prefill / decode / kernels --kernel-option``: a KernelConfig field set
+by name for one run (an opt-in timed by the bench itself), every bad option one line naming it."""
+
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -40,10 +42,46 @@ def test_bad_options_are_one_line(option, needle):
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("bench", ["prefill", "decode"])
+@pytest.mark.parametrize("bench", ["prefill", "decode", "kernels"])
 def test_bench_refuses_bad_option_before_anything_else(bench):
     """A bad option is refused first, on any machine (before the GPU check), and with --tp (ranks build the default)."""
     r = CliRunner().invoke(app, ["bench", bench, "--kernel-option", "lane_max=1"])
     assert r.exit_code == 1 and "--kernel-option lane_max: no field 'lane_max'" in r.output, r.output
+    if bench == "kernels":  # (one GPU, no --tp)
+        return
     r = CliRunner().invoke(app, ["bench", bench, "--kernel-option", "attention_fp8_lane_max=1", "--tp", "2"])
     assert r.exit_code == 1 and "--kernel-option is for the one-GPU bench" in r.output, r.output
+
+
+def test_bench_kernels_hands_its_options_to_the_suites(monkeypatch, tmp_path):
+    """``bench kernels --kernel-option``: each suite times our kernels under the config it names (the GPU and the
+    suites stood in for: what is checked is the config they are given and the rows' record of it)."""
+    import torch
+
+    from gptoss_fp8.bench import kernels_attention, kernels_gemm
+    from gptoss_fp8.kernels import config as kconfig
+
+    got = {}
+
+    def suite(name):
+        def bench(tokens, config=None, **kw):
+            got[name] = config
+            return [{"case": f"{name} T={tokens[0]}", "ms": 1.0}]
+        return bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kconfig, "kernel_paths", lambda device, cfg: "kernels: stood in")
+    monkeypatch.setattr(kernels_gemm, "bench", suite("gemm"))
+    monkeypatch.setattr(kernels_attention, "bench", suite("attention"))
+    out = tmp_path / "rows.json"
+    r = CliRunner().invoke(app, ["bench", "kernels", "--tokens", "64", "--only", "gemm,attention", "--json", str(out),
+                                 "--kernel-option", "moe_gluon_wide_gate_up.stages=3",
+                                 "--kernel-option", "attention_fp8_lane_max=true"])
+    assert r.exit_code == 0, r.output
+    assert "# kernel options: moe_gluon_wide_gate_up.stages=3 attention_fp8_lane_max=true" in r.output
+    for cfg in got.values():
+        assert cfg.moe_gluon_wide_gate_up.stages == 3 and cfg.attention_fp8_lane_max
+        assert cfg.moe_gluon_down == KernelConfig().moe_gluon_down  # the rest as shipped
+    assert set(got) == {"gemm", "attention"}
+    rows = json.loads(out.read_text())
+    assert [r["kernel_options"] for r in rows] == [["moe_gluon_wide_gate_up.stages=3", "attention_fp8_lane_max=true"]] * 2

@@ -151,7 +151,7 @@ def _flex_with_sinks(T: int, window: int):
     return run
 
 
-def _fp8_rows(T: int, bf16_ms: dict[int, float]) -> list[dict]:
+def _fp8_rows(T: int, bf16_ms: dict[int, float], config=None) -> list[dict]:
     """``--attention fp8``: the FP8 prefill kernel at T beside our bf16 one (``bf16_ms``: window -> ms)."""
     from gptoss_fp8.kernels.attention import attention_prefill
 
@@ -161,16 +161,16 @@ def _fp8_rows(T: int, bf16_ms: dict[int, float]) -> list[dict]:
     for window in (0, WINDOW):
         name = f"prefill fp8 {'causal' if not window else f'window{window}'} T={T}"
         pairs = _visible_pairs(T, 0, window)
-        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True))
-        err = _rel(attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True),
-                   attention_prefill(q, k, v, sinks, sliding_window=window))
+        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, config=config))
+        err = _rel(attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, config=config),
+                   attention_prefill(q, k, v, sinks, sliding_window=window, config=config))
         peer = bf16_ms[window]
         rows.append(_row(name, ours, _tflops(pairs, ours), "ours bf16", peer, _tflops(pairs, peer), peer / ours,
                          rel_err_vs_peer=err, quant_ms=quant, pairs_per_s=pairs / (ours * 1e-3)))
     return rows
 
 
-def _flashinfer_rows(T: int, ours_ms: dict[int, float]) -> list[dict]:
+def _flashinfer_rows(T: int, ours_ms: dict[int, float], config=None) -> list[dict]:
     """Our bf16 prefill at T (``ours_ms``: window -> ms) beside FlashInfer's sink prefill."""
     from gptoss_fp8.kernels import flashinfer_attention as fi
     from gptoss_fp8.kernels.attention import attention_prefill
@@ -179,7 +179,8 @@ def _flashinfer_rows(T: int, ours_ms: dict[int, float]) -> list[dict]:
     label = f"flashinfer sink prefill ({fi.backend_for(q.device)})"
     rows = []
     for window in (0, WINDOW):
-        err = _rel(fi.prefill(q, k, v, sinks, window=window), attention_prefill(q, k, v, sinks, sliding_window=window))
+        err = _rel(fi.prefill(q, k, v, sinks, window=window),
+                   attention_prefill(q, k, v, sinks, sliding_window=window, config=config))
         peer = _ms(lambda: fi.prefill(q, k, v, sinks, window=window))
         pairs, ours = _visible_pairs(T, 0, window), ours_ms[window]
         name = f"prefill {'causal' if not window else f'window{window}'} T={T}"
@@ -202,7 +203,7 @@ def _fp8_quant_row(T: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
                 torch_ms, None, torch_ms / fused, floor_ms=floor)
 
 
-def _prefill_rows(T: int) -> list[dict]:
+def _prefill_rows(T: int, config=None) -> list[dict]:
     import torch.nn.functional as F
 
     from gptoss_fp8.kernels.attention import attention_prefill
@@ -214,8 +215,8 @@ def _prefill_rows(T: int) -> list[dict]:
     for window in (0, WINDOW):
         name = f"prefill {'causal' if not window else f'window{window}'} T={T}"
         pairs = _visible_pairs(T, 0, window)
-        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window))
-        out = attention_prefill(q, k, v, sinks, sliding_window=window)
+        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, config=config))
+        out = attention_prefill(q, k, v, sinks, sliding_window=window, config=config)
         try:
             flex = _flex_with_sinks(T, window)
             ref = flex(q4, k4, v4, sinks)[0].transpose(0, 1)
@@ -236,7 +237,7 @@ def _prefill_rows(T: int) -> list[dict]:
     return rows
 
 
-def _decode_rows() -> list[dict]:
+def _decode_rows(config=None) -> list[dict]:
     from gptoss_fp8.kernels.attention_decode import attention_decode
 
     rows = []
@@ -246,7 +247,8 @@ def _decode_rows() -> list[dict]:
         sets = _decode_inputs(B, nq, L, gen)
         sinks = (torch.rand(HQ, device=DEV, generator=gen) * 20 - 10).to(torch.bfloat16)
         kl = torch.full((B,), L, dtype=torch.int32, device=DEV)
-        fns = [lambda q=q, kc=kc, vc=vc: attention_decode(q, kc, vc, kl, sinks, sliding_window=window) for q, kc, vc in sets]
+        fns = [lambda q=q, kc=kc, vc=vc: attention_decode(q, kc, vc, kl, sinks, sliding_window=window, config=config)
+               for q, kc, vc in sets]
         ms = _ms_graph(fns)
         ms_eager = _ms(fns[0])
         keys_read = min(L, window + nq - 1) if window else L
@@ -260,7 +262,7 @@ def _decode_rows() -> list[dict]:
     return rows
 
 
-def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
+def _rope_rows(T: int, causal_ms: float | None, config=None) -> list[dict]:
     from gptoss_fp8 import spec
     from gptoss_fp8.kernels.attention import attention_prefill
     from gptoss_fp8.kernels.rope import rope_qk
@@ -288,11 +290,11 @@ def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
     # rope_qk on q and k followed by the attention kernel.
     def separate(window):
         q_r, k_r = rope_qk(q, k, pos, cos, sin)
-        return attention_prefill(q_r, k_r, v, sinks, sliding_window=window)
+        return attention_prefill(q_r, k_r, v, sinks, sliding_window=window, config=config)
 
     def fused(window):
         _, k_r = rope_qk(None, k, pos, cos, sin)
-        return attention_prefill(q, k_r, v, sinks, sliding_window=window, rope=(cos, sin))
+        return attention_prefill(q, k_r, v, sinks, sliding_window=window, rope=(cos, sin), config=config)
 
     for window in (0, WINDOW):
         err = _rel(fused(window), separate(window))
@@ -305,10 +307,11 @@ def _rope_rows(T: int, causal_ms: float | None) -> list[dict]:
     return rows
 
 
-def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "ours") -> list[dict]:
+def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "ours", config=None) -> list[dict]:
     """Rows of {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (ours vs peer throughput)};
     ``attention`` "fp8": the FP8 prefill rows too (``_fp8_rows``). FlashInfer rows when flashinfer
-    is importable; ``attention_backend="flashinfer"``: they are required (GptOssFp8Error, one line)."""
+    is importable; ``attention_backend="flashinfer"``: they are required (GptOssFp8Error, one line).
+    ``config``: our kernels' ``KernelConfig`` (None: the default; ``bench kernels --kernel-option``)."""
     from gptoss_fp8.kernels import flashinfer_attention as fi
 
     if attention_backend == "flashinfer":
@@ -318,19 +321,20 @@ def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "
         print(f"# FlashInfer rows skipped: flashinfer is not importable ({' '.join(fi._load()[1].split())[:200]})")
     rows: list[dict] = []
     for T in tokens:
-        pre = _prefill_rows(T)
+        pre = _prefill_rows(T, config)
         rows += pre
         if with_fi:
             rows += _flashinfer_rows(T, {0: next(r["ms"] for r in pre if r["case"].startswith("prefill causal")),
-                                         WINDOW: next(r["ms"] for r in pre if r["case"].startswith("prefill window"))})
+                                         WINDOW: next(r["ms"] for r in pre if r["case"].startswith("prefill window"))},
+                                     config)
         if attention == "fp8":
             causal = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
             window = next(r["ms"] for r in pre if r["case"].startswith("prefill window"))
-            rows += _fp8_rows(T, {0: causal, WINDOW: window})
+            rows += _fp8_rows(T, {0: causal, WINDOW: window}, config)
         causal_ms = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
-        rows += _rope_rows(T, causal_ms)
+        rows += _rope_rows(T, causal_ms, config)
         torch.cuda.empty_cache()
-    rows += _decode_rows()
+    rows += _decode_rows(config)
     return rows
 
 

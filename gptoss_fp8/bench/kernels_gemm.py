@@ -151,7 +151,7 @@ def _dense_weights(n: int, k: int, g: torch.Generator, bias_std: float = 1.0):
     return w_fp8, w_scale, bias
 
 
-def bench_dense(tokens: list[int], with_deepgemm: bool = False) -> list[dict]:
+def bench_dense(tokens: list[int], with_deepgemm: bool = False, config=None) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in DENSE_SHAPES:
@@ -159,7 +159,7 @@ def bench_dense(tokens: list[int], with_deepgemm: bool = False) -> list[dict]:
         for m in tokens:
             x_fp8, x_scale = quantize_act(torch.randn(m, k, device="cuda", generator=g))
             flops = 2.0 * m * n * k
-            ours = lambda a=(x_fp8, x_scale, w_fp8, w_scale, bias): fp8_gemm(*a)  # noqa: E731
+            ours = lambda a=(x_fp8, x_scale, w_fp8, w_scale, bias): fp8_gemm(*a, config=config)  # noqa: E731
             ms = _ms(ours)
             try:
                 peer, note = _dense_peer(x_fp8, x_scale, w_fp8, w_scale)
@@ -246,7 +246,8 @@ def moe_bf16_grouped_mm(x, wr, br, w13, b13, w2, b2, top_k: int) -> torch.Tensor
     return out.to(x.dtype)
 
 
-def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS, with_deepgemm: bool = False) -> list[dict]:
+def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS, with_deepgemm: bool = False,
+              config=None) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for e in experts:
@@ -256,7 +257,7 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS, with_deepgemm
         for t in tokens:
             x = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
             flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
-            ours = lambda a=(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2): fused_moe(*a, top_k=TOP_K)  # noqa: E731
+            ours = lambda a=(x, wr, br, w13_fp8, s13, b13, w2_fp8, s2, b2): fused_moe(*a, top_k=TOP_K, config=config)  # noqa: E731
             peer = lambda a=(x, wr, br, w13, b13, w2, b2): moe_bf16_grouped_mm(*a, TOP_K)  # noqa: E731
             ms = _ms(ours)
             try:
@@ -266,7 +267,7 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS, with_deepgemm
                 peer_ms, note = float("nan"), f" (failed: {str(err).splitlines()[0][:80]})"
             rows.append(_row(f"moe ffn E={e} top{TOP_K} T={t}", flops, ms, "bf16 _grouped_mm ffn" + note, peer_ms))
             if with_deepgemm:
-                rows += _moe_deepgemm_rows(e, t, flops, x, wr, br, (w13_fp8, s13, b13, w2_fp8, s2, b2))
+                rows += _moe_deepgemm_rows(e, t, flops, x, wr, br, (w13_fp8, s13, b13, w2_fp8, s2, b2), config)
         del w13, w2, w13_fp8, w2_fp8
         if with_deepgemm:
             from gptoss_fp8.kernels import deepgemm
@@ -276,7 +277,7 @@ def bench_moe(tokens: list[int], experts: list[int] = MOE_EXPERTS, with_deepgemm
     return rows
 
 
-def _moe_deepgemm_rows(e, t, flops, x, wr, br, experts) -> list[dict]:
+def _moe_deepgemm_rows(e, t, flops, x, wr, br, experts, config=None) -> list[dict]:
     """DeepGEMM's two grouped GEMMs alone (rows grouped and padded to 128, A and the intermediate
     prepared beforehand from the same routing, no bias) beside our whole expert FFN after routing
     (``moe_experts``), and our deep_gemm backend's expert FFN + combine beside the same two GEMMs."""
@@ -286,7 +287,7 @@ def _moe_deepgemm_rows(e, t, flops, x, wr, br, experts) -> list[dict]:
 
     w13, s13, b13, w2, s2, b2 = experts
     weights, ids = route(x, wr, br, TOP_K)
-    ours_ms = _ms(lambda: moe_experts(x, weights, ids, *experts))
+    ours_ms = _ms(lambda: moe_experts(x, weights, ids, *experts, config=config))
     slots, block_expert = moe_align(ids, 0, e, deepgemm.ALIGN_M)
     a, a_s, m_indices = deepgemm.gather_rows(*act_quant(x), slots, block_expert, TOP_K, e)
     w13p, s13p = deepgemm.prepared_weight(w13, s13)
@@ -338,11 +339,12 @@ def bench_router(tokens: list[int], experts: list[int] = MOE_EXPERTS) -> list[di
     return rows
 
 
-def bench(tokens: list[int], gemm: str = "ours") -> list[dict]:
+def bench(tokens: list[int], gemm: str = "ours", config=None) -> list[dict]:
     """Rows {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (peer_ms / ms; > 1: ours faster)};
     dense and router rows also graph_ms, peer_graph_ms and graph_ratio (CUDA-graph replay: device
     time only). DeepGEMM rows when deep_gemm is importable; ``gemm="deep_gemm"``: they are required
-    (GptOssFp8Error, one line, when it is not importable)."""
+    (GptOssFp8Error, one line, when it is not importable). ``config``: our dense GEMM's and MoE's
+    ``KernelConfig`` (None: the default; ``bench kernels --kernel-option``)."""
     from gptoss_fp8.kernels import deepgemm
 
     if gemm == "deep_gemm":
@@ -350,7 +352,8 @@ def bench(tokens: list[int], gemm: str = "ours") -> list[dict]:
     with_dg = deepgemm.available()
     if not with_dg:
         print(f"# DeepGEMM rows skipped: deep_gemm is not importable ({deepgemm._load()[1]})")
-    return (bench_dense(tokens, with_dg) + bench_moe(tokens, with_deepgemm=with_dg) + bench_router(tokens))
+    return (bench_dense(tokens, with_dg, config) + bench_moe(tokens, with_deepgemm=with_dg, config=config)
+            + bench_router(tokens))
 
 
 # ------------------------------------------------------------------------------------------------

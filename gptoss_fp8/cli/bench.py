@@ -95,6 +95,7 @@ def kernels(
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
     attention_backend: AttentionBackendOption = AttentionBackend.ours,
+    kernel_option: KernelOptionOption = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Kernel throughput (TFLOP/s) beside peers measured in the same run (needs a CUDA GPU). The
@@ -106,6 +107,7 @@ def kernels(
 
     if json_out is not None:
         check_output_path(json_out, overwrite=overwrite_outputs, option="--json")
+    kernel_config = _one_gpu_kernel_options(_kernel_config(gemm, attention_backend), kernel_option, 1, 1)
     import torch
 
     if not torch.cuda.is_available():
@@ -113,7 +115,8 @@ def kernels(
     token_list = _lengths(tokens)
     from gptoss_fp8.kernels.config import kernel_paths
 
-    kernel_config = _kernel_config(gemm, attention_backend)
+    if kernel_option:
+        typer.echo(f"# kernel options: {' '.join(kernel_option)}")
     typer.echo(f"# {kernel_paths(torch.device('cuda'), kernel_config)}")
     rows: list[dict] = []
     for suite in [s.strip() for s in only.split(",") if s.strip()]:
@@ -123,10 +126,12 @@ def kernels(
             from gptoss_fp8.bench import kernels_gemm as mod
         else:
             from gptoss_fp8.bench import kernels_attention as mod
-        suite_rows = (mod.bench(token_list, gemm=gemm.value) if suite == "gemm"
-                      else mod.bench(token_list, attention=attention.value, attention_backend=attention_backend.value))
+        suite_rows = (mod.bench(token_list, gemm=gemm.value, config=kernel_config) if suite == "gemm"
+                      else mod.bench(token_list, attention=attention.value, attention_backend=attention_backend.value,
+                                     config=kernel_config))
         for r in suite_rows:
             r.setdefault("suite", suite)
+            r["kernel_options"] = list(kernel_option or [])
         _print_rows(suite_rows)
         rows += suite_rows
     if json_out is not None:
