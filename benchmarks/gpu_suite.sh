@@ -4,9 +4,10 @@
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
-#   pending36  the thirty-sixth session's fixes, built after its device time ran out: GluonTile.stage_scales' TMA boxes
-#            16-byte aligned (their "illegal instruction"), GluonTile.gather's row offsets once a tile: their GPU
-#            tests, then the 20b at 32768 beside the default, same process (start here)
+#   pending36  the thirty-sixth session's fixes: GluonTile.stage_scales' TMA boxes 16-byte aligned (and, 37th session,
+#            128 bytes a stage's box), GluonTile.gather's row offsets once a tile: their GPU tests, then the 20b at
+#            32768 beside the default, same process (run in the thirty-seventh session; stage scales now the default,
+#            so P36_VARIANTS=default,wide-no-scales,... for the comparison)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
@@ -20,7 +21,9 @@
 #   moe-turns-ab  the whole 20b with them, the rope fusion, the FP8 attention's Q in registers and (128000) the MoE
 #            unchunked, beside the default, same process (a call of its own)
 #   moe-unchunked-120b  the 120b at 128000 with its MoE over all tokens at once beside chunks of 32768 (bench
-#            prefill's --moe-chunk; 128 experts: a chunk's ~1024 rows an expert pad ~6% of the MoE's tiles)
+#            prefill's --moe-chunk; 128 experts: a chunk's ~1024 rows an expert pad ~6% of the MoE's tiles; 37th
+#            session: -0.7%, now the 120b's default chunk, default_moe_chunk: run it with variants
+#            default,moe-chunk32768 to repeat)
 #   attn-offset  the Gluon attention kernels (bf16, FP8) on a later prompt chunk (q_offset): their GPU tests, then
 #            benchmarks/attn_offset.py against the Triton kernel (issue 34; built without a GPU, opt-in until then)
 #   segments  prefill_many's attention in one launch a layer over all chunks (KernelConfig.attention_segments, on;
@@ -205,7 +208,7 @@ if has moe-unchunked-120b; then
   # tiles four times at 128000 tokens (128 experts x ~1024 rows a chunk: ~64 rows of padding an expert a chunk,
   # ~6% of the MoE's work; ~1.6% unchunked) and leaves its combine unfused; same process, interleaved
   timeout 420 python3 benchmarks/ab_prefill.py --model 120b --tokens 128000 --runs 3 \
-    --variants default,moe-unchunked --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_unchunked_120b.log"
+    --variants default,moe-chunk32768 --attention fp8 2>&1 | grep -v Warn | tee "$OUT/moe_unchunked_120b.log"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/moe_unchunked_120b.log"
 fi
 
