@@ -13,7 +13,8 @@ from gptoss_fp8.kernels.config import GluonTile, KernelConfig, with_options
 def test_options_set_fields_and_tile_fields():
     base = KernelConfig()
     got = with_options(base, ["attention_fp8_lane_max=true", "moe_gluon_wide_gate_up.stages=3",
-                              "moe_gluon_wide_gate_up.gather=on", "dense_gluon_min_rows=none", "gemm=deep_gemm",
+                              "moe_gluon_wide_gate_up.stage_scales=false", "moe_gluon_wide_gate_up.gather=on",
+                              "dense_gluon_min_rows=none", "gemm=deep_gemm",
                               "attention_fp8_lane_max = 0"])
     assert got.attention_fp8_lane_max is False  # the last setting of a name wins
     assert got.moe_gluon_wide_gate_up.stages == 3 and got.moe_gluon_wide_gate_up.gather is True
@@ -35,6 +36,8 @@ def test_options_set_fields_and_tile_fields():
     ("decode_one_wave_programs_per_sm=none", "cannot be None"),
     ("gluon.x=1", "gluon is a bool, it has no fields"),
     ("attention_fp8_lane_max", "give NAME=VALUE"),
+    # the heavy-load MoE tiles' stage scales are on by default; the gathering gate_up refuses them
+    ("moe_gluon_wide_gate_up.gather=true", "gather=True takes stage_scales=False"),
 ])
 def test_bad_options_are_one_line(option, needle):
     with pytest.raises(ValueError) as err:

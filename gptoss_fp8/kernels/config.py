@@ -97,6 +97,9 @@ class GluonTile:
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:
             raise ValueError(f"GluonTile.promote must be one of {', '.join(_gluon.PROMOTES)}, got {self.promote!r}")
+        if self.gather and self.stage_scales:
+            raise ValueError("GluonTile: gather=True takes stage_scales=False (its consumers read the tokens' own row "
+                             "scales); set stage_scales=false before gather=true")
 
 
 @dataclass(frozen=True)
