@@ -7,7 +7,7 @@
 #   pending36  the thirty-sixth session's fixes: GluonTile.stage_scales' TMA boxes 16-byte aligned (and, 37th session,
 #            128 bytes a stage's box), GluonTile.gather's row offsets once a tile: their GPU tests, then the 20b at
 #            32768 beside the default, same process (run in the thirty-seventh session; stage scales now the default,
-#            so P36_VARIANTS=default,wide-no-scales,... for the comparison)
+#            the comparison now default against wide-no-scales)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
@@ -122,7 +122,7 @@ if has pending36; then
     -k "serial_gpu or wide_gpu or stage_scales or gather" > "$OUT/p36_tests.log" 2>&1
   tail -4 "$OUT/p36_tests.log"
   [[ ${P36_AB_S:-300} == 0 ]] || timeout ${P36_AB_S:-300} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
-    --runs 5 --variants "${P36_VARIANTS:-default,wide-scales,wide-gather,all-scales}" --attention fp8 2>&1 | grep -v Warn \
+    --runs 5 --variants "${P36_VARIANTS:-default,wide-no-scales,wide-gather,all-scales}" --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/p36_ab32k.log"
 fi
 
