@@ -122,9 +122,9 @@ def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int
     ``gather_act_quant(scale_mn_major=True)`` and the wide MoE gate_up write them; else transposed here, a
     copy) in boxes of ``rows`` (the tile's rows), and over the weight scales [..., ceil(K/128)] (a copy
     only where they are not contiguous and 16-byte aligned, e.g. an expert-parallel shard's view), both
-    flat, the weight scales' box the power of two past one 128-row block's ceil(K/128) scales and 3 more (32 for
-    K = 2880: a K block's scales of both 128-column blocks of a 256-wide tile in one copy, from the 16-byte
-    boundary at or below the first); and the weight scales the kernel's strides must then refer to.
+    flat, the weight scales' box the power of two past one 128-row block's ceil(K/128) scales and 3 more, at least
+    32 (``stage_scale_box``; 32 for K = 2880: a K block's scales of both 128-column blocks of a 256-wide tile in
+    one copy, from the 16-byte boundary at or below the first); and the weight scales the kernel's strides must then refer to.
     A tiled TMA box must start on a 16-byte boundary (``benchmarks/tma1d_probe.py``: "illegal instruction"
     otherwise), so the row scales' K blocks are ceil(M / 4) * 4 apart (a padded copy where M is not a multiple
     of 4) and the weight scales' box starts at the boundary below this K block's scale (``load_stage_scaled``)."""
