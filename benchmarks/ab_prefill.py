@@ -28,7 +28,8 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
 "fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
 "wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``,
-no ``gather_act_quant``: thirty-fourth session); "wide-no-scales" (the heavy-load MoE tiles without
+no ``gather_act_quant``: thirty-fourth session); "window-rows" (the window layers' attention writes bf16 rows and
+o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "wide-no-scales" (the heavy-load MoE tiles without
 ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
 "full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
 off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in chunks of 8192, as the
@@ -110,6 +111,8 @@ def _config(name: str) -> KernelConfig | None:
     if name.startswith("gu-s"):  # gu-s<stages>-g<GROUP_M>: the Gluon gate_up's ring depth and tile order
         st, gr = (int(v) for v in name[4:].split("-g"))
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
+    if name == "window-rows":  # the window layers' bf16 rows + act_quant for o_proj (before the 38th session)
+        return replace(base, attention_quant_out=False)
     if name == "fp8-qreg":  # the FP8 attention's Q in registers (twenty-eighth session, opt-in)
         return replace(base, attention_fp8_q_registers=True)
     if name == "fp8-lanemax":  # the FP8 attention's row max with one shuffle pair a step (thirty-third session)

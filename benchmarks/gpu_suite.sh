@@ -8,6 +8,8 @@
 #            128 bytes a stage's box), GluonTile.gather's row offsets once a tile: their GPU tests, then the 20b at
 #            32768 beside the default, same process (run in the thirty-seventh session; stage scales now the default,
 #            the comparison now default against wide-no-scales)
+#   quant-out  the window layers' attention writing o_proj's input quantization (38th session): GPU tests, the 20b
+#            beside the bf16 rows + act_quant (window-rows), same process, at 32768 and 128000
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
@@ -479,6 +481,17 @@ if has fp8-probe; then
   timeout 240 python3 benchmarks/attn_variants.py --tokens ${ATTN_TOKENS:-32768,128000} \
     --variants "${ATTN_VARIANTS:-fp8,fp8-free,fp8-turn-q,fp8-sum}" \
     --json "$OUT/attn_variants.json" 2>&1 | grep -v Warn | tee "$OUT/attn_variants.log"
+fi
+
+if has quant-out; then
+  # the window layers' Triton kernel writing o_proj's input quantization instead of its bf16 rows
+  # (KernelConfig.attention_quant_out, thirty-eighth session): its GPU tests, then the 20b beside "window-rows"
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention_quant_out.py tests/test_triton_ops.py \
+    tests/test_model_chunks.py 2>&1 | tail -8 | tee "$OUT/quant_out_tests.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs ${QO_RUNS32K:-7} \
+    --variants default,window-rows --attention fp8 2>&1 | grep -v Warn | tee "$OUT/quant_out_ab32k.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
+    --variants default,window-rows --attention fp8 2>&1 | grep -v Warn | tee "$OUT/quant_out_ab128k.log"
 fi
 
 if has prefill-fp8; then

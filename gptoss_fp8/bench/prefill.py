@@ -187,7 +187,8 @@ class TimedOps:
     # model calls runs untimed and lands in "other"
     PARTS = {"linears": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
              "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
-             "attention": "attention", "attention_cached": "attention", "attention_chunk": "attention",
+             "attention": "attention", "attention_out": "attention", "attention_cached": "attention",
+             "attention_chunk": "attention",
              "attention_segments": "attention"}
 
     def __getattr__(self, name):
@@ -206,6 +207,10 @@ class TimedOps:
 
     def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
         return self._attention(self.ops.attention, int(window), q, k, v, sinks, sm_scale, window, rope=rope)
+
+    def attention_out(self, q, k, v, sinks, sm_scale, window, rope=None, rows=True):
+        return self._attention(self.ops.attention_out, int(window), q, k, v, sinks, sm_scale, window, rope=rope,
+                               rows=rows)
 
     def attention_chunk(self, q, k, v, sinks, sm_scale, window, q_offset):
         return self._attention(self.ops.attention_chunk, -1, q, k, v, sinks, sm_scale, window, q_offset)

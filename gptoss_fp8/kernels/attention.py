@@ -73,11 +73,12 @@ import triton.language as tl
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels import attn_quant
+from gptoss_fp8.kernels.act_quant import act_quant, e4m3, group_scale
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
 from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant import attn_fp8
 from gptoss_fp8.quant.attn_fp8 import P_SCALE
-from gptoss_fp8.quant.fp8 import cdiv
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
 LOG2E = 1.4426950408889634
 
@@ -238,6 +239,11 @@ def _attn_prefill_kernel(
     # FP8 + SEGMENTS (attn_quant.SegmentPlan): each chunk's Q scales from column QScaleBase[b] of Sq, its keys packed
     # from KStarts[b] (a multiple of 64: its K scales from column KStarts[b] / 64), its V scales Sv[b] [Hkv, D]
     QScaleBase=None, SV_STRIDE_B: tl.constexpr = 0,
+    # QUANT_OUT: the output's FP8 quantization (act_quant's 1x128 groups of the bf16 rows, its arithmetic) into
+    # OutQ [T, Hq * D] e4m3 / OutS [T, Hq * D / 128] fp32 instead of the bf16 rows: 128 / HEAD_DIM heads a group,
+    # which PACK must hold whole (o_proj's input, written once)
+    OutQ=None, OutS=None, stride_oq=0, stride_os=0,
+    QUANT_OUT: tl.constexpr = False, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
 ):
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
@@ -358,11 +364,31 @@ def _attn_prefill_kernel(
         else:
             acc = acc * tl.load(Sv + kv_h * HEAD_DIM + offs_d)[None, :]
     out = acc / l_i[:, None]
-    o_head = head * stride_oh
-    if PACK > 1:
-        o_head = o_head[:, None]
-    o_ptrs = Out + row0 * stride_ot + offs_m[:, None] * stride_ot + o_head + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if QUANT_OUT:
+        # act_quant of the bf16 rows the store below would write: each 128-column group of an output row is
+        # GH heads of one position, rows h * QB + i of the tile (h in the group's heads): each row's maximum, then
+        # the group's over its GH rows (only [BLOCK_M] vectors reshaped, not the tile)
+        GH: tl.constexpr = 128 // HEAD_DIM
+        NG: tl.constexpr = PACK // GH
+        y = out.to(Out.dtype.element_ty).to(tl.float32)
+        scale = group_scale(tl.max(tl.reshape(tl.max(tl.abs(y), axis=1), (NG, GH, QB)), axis=1), FP8_MAX_C, EPS)
+        row_scale = tl.reshape(tl.broadcast_to(tl.expand_dims(scale, 1), (NG, GH, QB)), (BLOCK_M,))
+        q8 = e4m3(tl.minimum(tl.maximum(y / row_scale[:, None], -FP8_MAX_C), FP8_MAX_C))
+        q_head = head * HEAD_DIM
+        if PACK > 1:
+            q_head = q_head[:, None]
+        q_ptrs = OutQ + row0 * stride_oq + offs_m[:, None] * stride_oq + q_head + offs_d[None, :]
+        tl.store(q_ptrs, q8.to(OutQ.dtype.element_ty), mask=row_ok[:, None])
+        pos = m0 + tl.arange(0, QB)
+        grp = (pid_h * PACK) // GH + tl.arange(0, NG)
+        tl.store(OutS + row0 * stride_os + pos[None, :] * stride_os + grp[:, None], scale,
+                 mask=(pos < seqlen)[None, :])
+    else:
+        o_head = head * stride_oh
+        if PACK > 1:
+            o_head = o_head[:, None]
+        o_ptrs = Out + row0 * stride_ot + offs_m[:, None] * stride_ot + o_head + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 _NO_WINDOW = 1 << 30
@@ -385,7 +411,8 @@ def attention_prefill(
     k_starts: torch.Tensor | None = None,
     q_offsets: torch.Tensor | None = None,
     fp8_plan: attn_quant.SegmentPlan | None = None,
-) -> torch.Tensor:
+    quant_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal (or sliding-window) attention with sinks over a ragged batch of packed sequences.
 
     q [T, Hq, D] bf16, k/v [T, Hkv, D] bf16 (last dim contiguous), sinks [Hq];
@@ -410,7 +437,10 @@ def attention_prefill(
     kernel, ``config.attention_gluon_segments``). With ``fp8`` (q rotated, no rope) ``fp8_plan``
     (``attn_quant.SegmentPlan`` of the same chunks) quantizes each chunk's Q, keys and V as ``spec.attention_fp8`` of
     that chunk alone: each sequence's rows those of its own ``q_offset`` call.
-    Returns out [T, Hq, D] bf16.
+    Returns out [T, Hq, D] bf16; with ``quant_out`` its FP8 quantization instead, ``act_quant(out.view(T, Hq *
+    D))``'s (x_fp8 [T, Hq * D], scale [T, Hq * D / 128]; o_proj's input): written by the Triton kernel in place of
+    the bf16 rows where its tile holds whole 128-column groups (``quant_out_fused``: head_dim 32 / 64 / 128 and
+    128 / head_dim dividing the tile's heads, the window layers' pack 4), else act_quant after the kernel.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
     T, Hq, D = q.shape
@@ -448,7 +478,8 @@ def attention_prefill(
         B, max_seqlen = 1, T
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0 or T == 0 or max_seqlen == 0:
-        return out
+        return _quantized(out, quant_out)
+    del out  # (allocated where a kernel writes it: not for a fused quant_out)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     window = sliding_window if 0 < sliding_window and (segments or sliding_window < max_seqlen + q_offset) else _NO_WINDOW
@@ -459,26 +490,29 @@ def attention_prefill(
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
         # (a rope: q rotated in its quantization's pass, at positions q_offset..)
-        return ws_attention_prefill_fp8(q, k, v, sinks, out, sm_scale, rope=rope,
-                                        q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
-                                        lane_max=cfg.attention_fp8_lane_max)
+        o = ws_attention_prefill_fp8(q, k, v, sinks, _out(q), sm_scale, rope=rope,
+                                     q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
+                                     lane_max=cfg.attention_fp8_lane_max)
+        return _quantized(o, quant_out)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
             and _ws_ok(q, k, v, False, window, rope, cfg)):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
-        return ws_attention_prefill(q, k, v, sinks, out, sm_scale, block_n=g.block_n, stages=g.stages,
-                                    warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
-                                    exp=g.exp, rescale_threshold=g.rescale_threshold, tree=g.tree, sync=g.sync,
-                                    segments=(cu_seqlens, k_starts, q_offsets, max_seqlen))
+        o = ws_attention_prefill(q, k, v, sinks, _out(q), sm_scale, block_n=g.block_n, stages=g.stages,
+                                 warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
+                                 exp=g.exp, rescale_threshold=g.rescale_threshold, tree=g.tree, sync=g.sync,
+                                 segments=(cu_seqlens, k_starts, q_offsets, max_seqlen))
+        return _quantized(o, quant_out)
     if (tile is None and not fp8 and not segments and (not q_offset or (cfg.attention_gluon_offset and not g.ordered))
             and _ws_ok(q, k, v, ragged, window, rope, cfg)):
         from gptoss_fp8.kernels.attention_ws import ws_attention_prefill
 
-        return ws_attention_prefill(q, k, v, sinks, out, sm_scale, block_n=g.block_n, stages=g.stages,
-                                    warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
-                                    exp=g.exp, rescale_threshold=g.rescale_threshold, ordered=g.ordered,
-                                    tree=g.tree, sync=g.sync, q_offset=q_offset)
+        o = ws_attention_prefill(q, k, v, sinks, _out(q), sm_scale, block_n=g.block_n, stages=g.stages,
+                                 warpgroups=g.warpgroups, q_in_registers=g.q_in_registers, deep=g.deep,
+                                 exp=g.exp, rescale_threshold=g.rescale_threshold, ordered=g.ordered,
+                                 tree=g.tree, sync=g.sync, q_offset=q_offset)
+        return _quantized(o, quant_out)
     tile = tile or cfg.prefill_tile(on_gpu, window != _NO_WINDOW, Hq // Hkv)
     BLOCK_M, BLOCK_N, pack = tile.block_m, tile.block_n, tile.pack
     assert (Hq // Hkv) % pack == 0, f"pack {pack} must divide the {Hq // Hkv} query heads per kv head"
@@ -517,6 +551,14 @@ def attention_prefill(
         sq = sq * (sm_scale * LOG2E)
         fp8_args.update(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
                         stride_vd=v8t.stride(1), FP8=True)
+    fused = quant_out and quant_out_fused(D, pack)
+    # (fused: the kernel takes only the bf16 rows' dtype from ``out``; q may be e4m3 here)
+    out = torch.empty((0 if fused else T, Hq, D), dtype=torch.bfloat16, device=q.device)
+    if fused:  # o_proj's input written in place of the bf16 rows
+        oq = torch.empty((T, Hq * D), dtype=FP8_DTYPE, device=q.device)
+        os_ = torch.empty((T, Hq * D // ACT_GROUP), dtype=torch.float32, device=q.device)
+        fp8_args.update(OutQ=oq, OutS=os_, stride_oq=oq.stride(0), stride_os=os_.stride(0), QUANT_OUT=True,
+                        FP8_MAX_C=FP8_MAX, EPS=ACT_EPS)
     _attn_prefill_kernel[grid](
         q, k, v, sinks, out, cu_seqlens if ragged else sinks, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -527,7 +569,25 @@ def attention_prefill(
         **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}), **fp8_args,
         **(dict(KStarts=k_starts, QOffsets=q_offsets, SEGMENTS=True) if segments else {}),
     )
-    return out
+    return (oq, os_) if fused else _quantized(out, quant_out)
+
+
+def quant_out_fused(head_dim: int, pack: int) -> bool:
+    """Whether the Triton prefill kernel's tile of ``pack`` heads a program writes ``quant_out`` itself: each
+    128-column group of an output row is 128 / head_dim whole heads of the tile."""
+    return head_dim <= ACT_GROUP and ACT_GROUP % head_dim == 0 and pack % (ACT_GROUP // head_dim) == 0
+
+
+def _out(q: torch.Tensor) -> torch.Tensor:
+    """An empty output like q [T, Hq, D] (bf16)."""
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _quantized(out: torch.Tensor, quant_out: bool):
+    """out [T, Hq, D], or with quant_out its act_quant as [T, Hq * D] rows (the kernels that write bf16 rows)."""
+    if not quant_out:
+        return out
+    return act_quant(out.view(out.shape[0], -1))
 
 
 def _check_segments(q, k, v, cu_seqlens, max_seqlen, k_starts, q_offsets, fp8, fp8_plan, rope) -> None:

@@ -280,6 +280,10 @@ class KernelConfig:
     # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
     # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
+    # A window layer's Triton prefill kernel writes o_proj's input quantization (act_quant's bytes) in place of its
+    # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
+    # one [T, Hq * D] bf16 write and read and an act_quant launch fewer a window layer (thirty-eighth session)
+    attention_quant_out: bool = True
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

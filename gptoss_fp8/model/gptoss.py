@@ -464,24 +464,29 @@ class GptOss(nn.Module):
             q = q.view(q.shape[0], a.n_kv, a.n_heads // a.n_kv, d)
             k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
             last = last_rows is not None
-            if segments is None:
-                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin), last)
+            if segments is None:  # (a Normed: o_proj may read its quantization alone, ``attention_out``)
+                o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin), last,
+                                            ops.needs_rows([(a.o_proj.weight, a.o_proj.weight_scale_inv, None)]))
             elif not last:  # each sequence's chunk on its own keys, one ``ops.attention_segments``
                 o = self._segments_attention(layer, q, k, v, ops, cache, segments, (cos, sin))
             else:  # the last layer's: each sequence's last row, as a decode step over the cache
                 o = self._segments_last_rows(layer, q, k, v, ops, cache, segments,
                                              (cos.index_select(0, last_rows), sin.index_select(0, last_rows)))
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
-        o = ops.linear(o, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype())
+        o = o if isinstance(o, Normed) else Normed(o)
+        o = ops.linear(o.y, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype(), xq=o.quant)
         return ops.all_reduce(o, self.par)
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
-                           start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False) -> torch.Tensor:
+                           start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,
+                           rows: bool = True) -> torch.Tensor | Normed:
         """One sequence's prompt rows (q [T, KV, M, D] before RoPE, k / v [T, KV, D], k after it) at
         positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
         cache is given) -> attention [T, Hl * D]. ``last_row``: q is the last row's alone ([1, KV, M, D])
         -> its attention over every key, [1, Hl * D] (a full layer's: the decode attention, split over the
-        keys, ``ops.attention_cached`` on them as a one-sequence cache)."""
+        keys, ``ops.attention_cached`` on them as a one-sequence cache). A whole prompt's (start 0, not
+        ``last_row``): ``ops.attention_out``'s Normed, its rows left out where ``rows`` is False and the backend
+        wrote their quantization instead."""
         a, d = layer.self_attn, self.cfg.head_dim
         if start or last_row:
             if start and not cache.is_ring(layer.idx):  # a full layer's rows hold positions in order: the chunk
@@ -506,7 +511,7 @@ class GptOss(nn.Module):
                                        ka.shape[0] - n if last_row else start - first)
         if cache is not None:
             cache.write(layer.idx, row, 0, k, v)
-        return ops.attention(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window, rope=rope)  # [T, Hl * D]
+        return ops.attention_out(q, k, v, a.sinks, 1 / math.sqrt(d), layer.window, rope=rope, rows=rows)  # [T, Hl * D]
 
     def _segments_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache, segments: _Segments,
                             rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

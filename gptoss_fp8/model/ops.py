@@ -34,6 +34,9 @@ norm before them for ``rows=False`` and passes their x as None: the bf16 rows ar
 [T, H] write a layer fewer); every backend that says True gets its rows as before. The MoE in chunks
 writes each chunk's combine, residual add and next norm into its rows of the layer's results: ``norm_out``
 gives the buffers in the backend's form, ``moe_combine_add_rms_norm(..., out=)`` takes row slices of them.
+The attention before o_proj works the same way: ``attention_out(..., rows=False)`` (asked where ``needs_rows``
+says o_proj reads only ``xq``) returns a ``Normed`` whose rows a backend may leave out, their quantization
+written by the attention kernel itself (the triton backend's window layers).
 """
 
 from __future__ import annotations
@@ -392,6 +395,15 @@ class ReferenceOps:
                                       fp8_max=self.attention_fp8_max).reshape(n, -1)
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
                               q_offset=q_offset).reshape(n, -1)
+
+    def attention_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, sm_scale: float,
+                      window: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None, rows: bool = True) -> Normed:
+        """``attention`` as o_proj's input: ``Normed(y [T, KV * M * D], quant)``. ``rows=False`` (given only where
+        ``needs_rows`` said o_proj reads ``xq`` alone): a backend may return y None beside the rows' quantization
+        (``quantize_act``'s), computed where the attention writes its output. Here (every CPU backend) the rows
+        alone; the ``triton`` backend's window layers write the quantization instead (kernels/attention.py
+        ``quant_out``)."""
+        return Normed(self.attention(q, k, v, sinks, sm_scale, window, rope=rope))
 
     def attention_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                         sm_scale: float, window: int, q_offset: int) -> torch.Tensor:

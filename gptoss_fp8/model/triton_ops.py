@@ -374,6 +374,34 @@ class TritonOps(W8A8CpuOps):
             return super().attention(q, k, v, sinks, sm_scale, window)
         return self._attention_prefill(q, k, v, sinks, sm_scale, window, 0, rope)
 
+    def attention_out(self, q, k, v, sinks, sm_scale, window, rope=None, rows=True):
+        """A window layer longer than its window on the Triton prefill kernel with a tile of whole 128-column
+        groups (the default: four heads a program) and ``rows=False``: the kernel writes o_proj's input
+        quantization in place of its bf16 rows (``attention_prefill(quant_out=True)``, act_quant's bits; one [T,
+        Hq * D] write and read and a launch fewer a layer). Everything else: the rows (``attention``)."""
+        if rows or not self._quant_out_ok(q, k, v, sinks, window):
+            return super().attention_out(q, k, v, sinks, sm_scale, window, rope=rope, rows=rows)
+        from gptoss_fp8.kernels.attention import attention_prefill
+
+        if rope is not None:  # (rotated by the kernel: ``_fused_rope`` holds for these windows)
+            rope = tuple(t.float().contiguous() for t in rope)
+        n, kvh, m, d = q.shape
+        o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
+                              sliding_window=window, sm_scale=sm_scale, config=self.config, rope=rope, quant_out=True)
+        return Normed(None, o)
+
+    def _quant_out_ok(self, q, k, v, sinks, window: int) -> bool:
+        """Whether ``attention_out`` of these inputs runs the Triton window kernel with the quantization fused: the
+        option on, this class's ``attention`` (a subclass's own, e.g. tests/mutations.py's, runs as it is), a bf16
+        window layer longer than its window (``_fused_rope``'s rule), and the tile's heads holding whole groups."""
+        from gptoss_fp8.kernels.attention import quant_out_fused
+
+        n, kvh, m, d = q.shape
+        return (self.config.attention_quant_out and type(self).attention is TritonOps.attention
+                and 0 < window < n and not self.fp8_attention(window) and self._fused_rope(window, n)
+                and self._prefill_kernel_ok(q, k, v, sinks)
+                and quant_out_fused(d, self.config.prefill_tile(q.is_cuda, True, m).pack))
+
     def _fused_rope(self, window: int, n: int) -> bool:
         """Whether the prefill attention of n rows rotates q itself (``attention``'s rope): where it reads q in
         a pass of its own, the FP8 quantization (full layers under ``--attention fp8``; kernels/attn_quant.py)

@@ -1,0 +1,123 @@
+"""attention_prefill(quant_out=True): the output's FP8 quantization (o_proj's input) written by the Triton kernel in
+place of its bf16 rows, against act_quant of the bf16 rows the same launch writes without it: the same bytes and
+scales (the kernel quantizes the rows it would store, with act_quant's arithmetic)."""
+
+import pytest
+import torch
+
+from gptoss_fp8.kernels.act_quant import act_quant
+from gptoss_fp8.kernels.attention import attention_prefill, quant_out_fused
+from gptoss_fp8.kernels.config import KernelConfig, PrefillTile
+from gptoss_fp8.quant.fp8 import FP8_DTYPE
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+HAS_CUDA = torch.cuda.is_available()
+interpreter_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter test on CPU tensors (a GPU is visible)")
+
+
+def _case(lens, hq, hkv, d, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    q, k, v = r(t, hq, d), r(t, hkv, d), r(t, hkv, d)
+    sinks = (torch.rand(hq, generator=gen) * 20 - 10).to(device)
+    cu = None if len(lens) == 1 else torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))],
+                                                  dtype=torch.int32, device=device)
+    return q, k, v, sinks, cu
+
+
+def _rope(t, d, device):
+    pos = torch.arange(t, dtype=torch.float32)[:, None] * (10000.0 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
+    return pos.cos().to(device).contiguous(), pos.sin().to(device).contiguous()
+
+
+def _same(got, want_rows):
+    """got = (x_fp8 [T, Hq * D], scale [T, Hq * D / 128]) equals act_quant of the bf16 rows [T, Hq, D]."""
+    q8, s = got
+    w8, ws = act_quant(want_rows.reshape(want_rows.shape[0], -1))
+    assert q8.dtype == FP8_DTYPE and q8.shape == w8.shape and s.shape == ws.shape and s.dtype == torch.float32
+    assert torch.equal(s, ws), f"scales differ at {(s != ws).nonzero()[:4].tolist()}"
+    assert torch.equal(q8.view(torch.uint8), w8.view(torch.uint8)), (
+        f"{(q8.view(torch.uint8) != w8.view(torch.uint8)).sum().item()} bytes differ")
+
+
+def test_quant_out_fused_rule():
+    assert quant_out_fused(64, 2) and quant_out_fused(64, 4) and quant_out_fused(128, 1) and quant_out_fused(32, 4)
+    assert not quant_out_fused(64, 1) and not quant_out_fused(32, 2) and not quant_out_fused(256, 4)
+
+
+# (lens, hq, hkv, d, window, tile, rope, fp8): each fused case once; the unfusable tile (pack 1 at d 64) takes
+# act_quant after the kernel
+CPU_CASES = [
+    ([37, 64, 1, 50], 8, 2, 64, 16, PrefillTile(32, 16, 4, 1, pack=2), False, False),  # ragged, two heads a group
+    ([150], 8, 2, 64, 40, PrefillTile(64, 16, 4, 1, pack=4), True, False),  # four heads: two groups, fused rope
+    ([90], 4, 1, 128, 24, PrefillTile(16, 16, 4, 1), False, False),  # d 128: one head a group, unpacked
+    ([70], 8, 1, 32, 20, PrefillTile(64, 16, 4, 1, pack=4), False, False),  # d 32: four heads a group
+    ([100], 8, 2, 64, 32, PrefillTile(32, 16, 4, 1, pack=2), False, True),  # the Triton kernel's FP8 path
+    ([60], 4, 2, 64, 16, PrefillTile(16, 16, 4, 1), False, False),  # not fusable: act_quant after
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("lens,hq,hkv,d,window,tile,rope,fp8", CPU_CASES)
+def test_quant_out_cpu(lens, hq, hkv, d, window, tile, rope, fp8):
+    q, k, v, sinks, cu = _case(lens, hq, hkv, d, sum(lens) + d + window, "cpu")
+    kw = dict(cu_seqlens=cu, max_seqlen=max(lens) if cu is not None else None, sliding_window=window, tile=tile,
+              fp8=fp8, rope=_rope(sum(lens), d, "cpu") if rope else None)
+    rows = attention_prefill(q, k, v, sinks, **kw)
+    _same(attention_prefill(q, k, v, sinks, quant_out=True, **kw), rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t,window,fp8", [(4099, 128, False), (777, 128, False), (4099, 0, True), (300, 0, False)])
+def test_quant_out_gpu(t, window, fp8):
+    """gpt-oss's shapes (64 q / 8 kv heads, head_dim 64), q's rope fused: a window layer on the default tile (four
+    heads a program: fused), full causal layers on the Gluon FP8 kernel and the Triton causal tile (act_quant after)."""
+    q, k, v, sinks, _ = _case([t], 64, 8, 64, t + window, "cuda")
+    kw = dict(sliding_window=window, fp8=fp8, rope=_rope(t, 64, "cuda"), config=KernelConfig())
+    torch.full((t, 64 * 64), float("nan"), device="cuda")  # (freed: a later empty output may reuse it)
+    rows = attention_prefill(q, k, v, sinks, **kw)
+    _same(attention_prefill(q, k, v, sinks, quant_out=True, **kw), rows)
+
+
+@interpreter_only
+def test_model_window_layers_write_o_proj_quantization(monkeypatch):
+    """The whole forward through the triton backend (interpreter): with the CPU tile packing two heads of 64 (whole
+    128-column groups), the window layer's attention hands o_proj its quantization alone (no bf16 rows) and the
+    logits are the same bits as with the rows and act_quant (``attention_quant_out`` off); a subclass's own
+    ``attention`` (tests/mutations.py) is not bypassed."""
+    import dataclasses
+
+    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.kernels import attention as attn_mod
+    from gptoss_fp8.kernels import config as cfg_mod
+    from gptoss_fp8.model.triton_ops import TritonOps
+
+    cfg = dataclasses.replace(preset_config("tiny"), head_dim=64, hidden_size=256)  # 8 q / 2 kv heads, window 8
+    model = random_model(cfg, "cpu", seed=3)
+    tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(cfg_mod, "CPU_PREFILL_TILE", PrefillTile(32, 16, 4, 1, pack=2))
+    calls = []
+    real = attn_mod.attention_prefill
+    monkeypatch.setattr(attn_mod, "attention_prefill",
+                        lambda *a, **kw: calls.append((kw.get("sliding_window"), kw.get("quant_out", False))) or real(*a, **kw))
+    on = model(tokens, TritonOps(config=KernelConfig()))
+    assert (8, True) in calls and all(not fused for w, fused in calls if not w)
+    calls.clear()
+    off = model(tokens, TritonOps(config=dataclasses.replace(KernelConfig(), attention_quant_out=False)))
+    assert calls and not any(fused for _, fused in calls)
+    assert torch.equal(on, off)
+
+    class OwnAttention(TritonOps):
+        def attention(self, q, k, v, sinks, sm_scale, window, rope=None):
+            return super().attention(q, k, v, sinks * 0 - 1e4, sm_scale, window, rope=rope)  # no sinks
+
+    calls.clear()
+    assert not torch.equal(model(tokens, OwnAttention(config=KernelConfig())), on)
+    assert not any(fused for _, fused in calls)
