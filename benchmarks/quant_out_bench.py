@@ -2,7 +2,8 @@
 against its bf16 rows alone and the rows + act_quant (the unfused pair), gpt-oss's shapes (64 q / 8 kv heads,
 head_dim 64, window 128, q's rope fused), the default tile. Issue 34, thirty-eighth session.
 
-Usage (GPU machine): python3 benchmarks/quant_out_bench.py [--tokens 32768,128000]
+Usage (GPU machine): python3 benchmarks/quant_out_bench.py [--tokens 32768,128000] [--tiles]
+``--tiles``: the fused form on other tiles too (TILES), each checked against the default's bytes.
 """
 
 from __future__ import annotations
@@ -14,11 +15,23 @@ import triton
 
 from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.attention import attention_prefill
+from gptoss_fp8.kernels.config import PrefillTile
+
+TILES = {  # (the default: 128 x 32, four heads, 4 warps, 2 stages, 128 registers)
+    "128x32 p4 w8 s2": PrefillTile(128, 32, 8, 2, pack=4),
+    "128x32 p4 w4 s2 r-": PrefillTile(128, 32, 4, 2, pack=4),
+    "128x32 p4 w4 s3": PrefillTile(128, 32, 4, 3, maxnreg=128, pack=4),
+    "128x16 p8 w4 s2": PrefillTile(128, 16, 4, 2, maxnreg=128, pack=8),
+    "256x32 p8 w8 s2": PrefillTile(256, 32, 8, 2, pack=8),
+    "64x32 p2 w4 s2": PrefillTile(64, 32, 4, 2, maxnreg=128, pack=2),
+    "128x64 p2 w4 s2": PrefillTile(128, 64, 4, 2, maxnreg=128, pack=2),
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="32768,128000")
+    p.add_argument("--tiles", action="store_true")
     a = p.parse_args()
     for t in [int(x) for x in a.tokens.split(",")]:
         g = torch.Generator(device="cuda").manual_seed(t)
@@ -45,6 +58,14 @@ def main() -> None:
               (("rows", rows), ("rows + act_quant", unfused), ("fused", fused), ("rows again", rows))}
         print(f"{t} tokens: " + ", ".join(f"{n} {m:.4f} ms" for n, m in ms.items()) + f" | fused bytes equal: {same}",
               flush=True)
+        for name, tile in TILES.items() if a.tiles else ():
+            def tiled(tile=tile):
+                return attention_prefill(q, k, v, sinks, quant_out=True, tile=tile, **kw)
+
+            t8, ts = tiled()
+            ok = torch.equal(t8.view(torch.uint8), f8.view(torch.uint8)) and torch.equal(ts, fs)
+            print(f"  fused, {name}: {triton.testing.do_bench(tiled, warmup=50, rep=300):.4f} ms | bytes equal: {ok}",
+                  flush=True)
 
 
 if __name__ == "__main__":
