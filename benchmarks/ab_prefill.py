@@ -29,7 +29,9 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 "fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
 "wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``,
 no ``gather_act_quant``: thirty-fourth session); "window-rows" (the window layers' attention writes bf16 rows and
-o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "wide-no-scales" (the heavy-load MoE tiles without
+o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "qk-tile-old" (the
+FP8 attention's Q / K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``);
+"wide-no-scales" (the heavy-load MoE tiles without
 ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
 "full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
 off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in chunks of 8192, as the
@@ -140,6 +142,22 @@ def _config(name: str) -> KernelConfig | None:
     return None
 
 
+def _old_qk_tile(model, ops):
+    """The FP8 attention's Q / K quantization on its launch before the thirty-eighth session (four heads a program,
+    4 warps, row blocks fastest in the grid; ``attn_quant.qk_tile``), for the call only."""
+    from gptoss_fp8.kernels import attn_quant
+    from gptoss_fp8.quant.fp8 import next_pow2
+
+    def run(t):
+        was = attn_quant.qk_tile
+        attn_quant.qk_tile = lambda h, d, rope: (min(next_pow2(h), max(1, 256 // d)), 4, False)
+        try:
+            return prefill_logits(model, t, ops)
+        finally:
+            attn_quant.qk_tile = was
+    return run
+
+
 def _forward(model, ops):
     """The prefill forward of model on ops, as a function of the tokens (ops built by the caller)."""
     return lambda t: prefill_logits(model, t, ops)
@@ -207,6 +225,7 @@ def main() -> None:
             "moe-unchunked": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=t.shape[0])),
             "moe-chunk32768": lambda: (lambda t: prefill_logits(model, t, ops, moe_chunk=32768)),
             "chunk-combine": lambda: _chunk_combine(model, ops),
+            "qk-tile-old": lambda: _old_qk_tile(model, ops),
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
                 a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),

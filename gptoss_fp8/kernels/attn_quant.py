@@ -68,16 +68,22 @@ def _quantize_qk_kernel(
     x_ptr, q_ptr, s_ptr, cos_ptr, sin_ptr, T, H, NB, stride_xt, stride_xh, pos0,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROPE: tl.constexpr = False,
-    blk_ptr=None, BLOCKED: tl.constexpr = False,
+    blk_ptr=None, BLOCKED: tl.constexpr = False, HEADS_FAST: tl.constexpr = False,
 ):
     """One program per (64-row block, BLOCK_H heads): tile [BLOCK_T, BLOCK_H, D], one scale per head.
+    HEADS_FAST (not BLOCKED): the grid is (head groups, row blocks), a row block's programs one after another (its
+    rope rows read once from L2 for all its heads), else (row blocks, head groups).
     ROPE: x not yet rotated: each head's halves rotated first (row t at position pos0 + t of the cos /
     sin tables [max_pos, D/2]), kernels/rope.py's fp32 arithmetic rounded once to x's dtype, so the
     bytes are those of quantizing rope_qk's output (its store not made).
     BLOCKED (no ROPE): program b's block is the int32 row (first source row, rows, first output row) b of blk_ptr
     [NB, 3] (``quantize_qk_blocks``: the blocks of several row ranges), its scale column b."""
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    if HEADS_FAST:
+        pid_b = tl.program_id(1)
+        pid_h = tl.program_id(0)
+    else:
+        pid_b = tl.program_id(0)
+        pid_h = tl.program_id(1)
     if BLOCKED:
         r = tl.arange(0, BLOCK_T)
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -216,12 +222,23 @@ def _order_on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _ORDERS[key]
 
 
+def qk_tile(h: int, d: int, rope: bool) -> tuple[int, int, bool]:
+    """``quantize_qk``'s launch: (heads a program, warps, heads fastest in the grid). One head of 64 rows a program,
+    8 warps, a row block's heads one after another (its rope rows then read from L2 once): H100, q of 64 heads with
+    its rope at 32768 / 128000 tokens 0.1756 / 0.6492 ms (2.3-2.4 TB/s) against 0.3014 / 1.0871 for the four heads a
+    program of 4 warps, row blocks fastest, before the thirty-eighth session (k 0.0251 / 0.0743 against 0.0329 /
+    0.0891; benchmarks/qk_quant_sweep.py, the same bytes)."""
+    return 1, 8 if d >= 64 else 4, True
+
+
 def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                pos0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                pos0: int = 0, tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]): ``attn_fp8.quantize_qk``, one launch.
     rope = (cos, sin) fp32 [max_pos, D/2] contiguous: x not yet rotated; row t is rotated at position
     pos0 + t first, as kernels/rope.py's ``rope_qk`` would store it (``spec.apply_rope(...,
-    dtype=torch.float32)``): the same bytes as quantizing that, without writing the rotated x."""
+    dtype=torch.float32)``): the same bytes as quantizing that, without writing the rotated x.
+    tile = (heads a program, warps, heads fastest in the grid): the launch's shape (the same bytes whatever it is;
+    measurement, benchmarks/qk_quant_sweep.py); None: ``qk_tile``."""
     _check_input(x, "x")
     t, h, d = x.shape
     if rope is not None:
@@ -235,13 +252,13 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Ten
     scale = torch.empty((h, nb), dtype=torch.float32, device=x.device)
     if t == 0 or h == 0:
         return x8, scale
-    block_h = min(next_pow2(h), max(1, 256 // d))  # a few heads a program: ~256 columns of 64 rows
-    grid = (nb, cdiv(h, block_h))
+    block_h, warps, heads_fast = tile or qk_tile(h, d, rope is not None)
+    grid = (cdiv(h, block_h), nb) if heads_fast else (nb, cdiv(h, block_h))
     cos, sin = rope if rope is not None else (scale, scale)  # (unread without rope)
     _quantize_qk_kernel[grid](
         x, x8, scale, cos, sin, t, h, nb, x.stride(0), x.stride(1), pos0,
-        BLOCK_T=QK_BLOCK, BLOCK_H=block_h, D=d, FP8_MAX_C=fp8_max, EPS=ACT_EPS, num_warps=4,
-        **({"ROPE": True} if rope is not None else {}),
+        BLOCK_T=QK_BLOCK, BLOCK_H=block_h, D=d, FP8_MAX_C=fp8_max, EPS=ACT_EPS, num_warps=warps,
+        **({"ROPE": True} if rope is not None else {}), **({"HEADS_FAST": True} if heads_fast else {}),
     )
     return x8, scale
 
