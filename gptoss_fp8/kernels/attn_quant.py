@@ -232,7 +232,7 @@ def qk_tile(h: int, d: int, rope: bool) -> tuple[int, int, bool]:
 
 
 def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                pos0: int = 0, tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                pos0: int = 0, tile: tuple[int, int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]): ``attn_fp8.quantize_qk``, one launch.
     rope = (cos, sin) fp32 [max_pos, D/2] contiguous: x not yet rotated; row t is rotated at position
     pos0 + t first, as kernels/rope.py's ``rope_qk`` would store it (``spec.apply_rope(...,
@@ -253,6 +253,7 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Ten
     if t == 0 or h == 0:
         return x8, scale
     block_h, warps, heads_fast = tile or qk_tile(h, d, rope is not None)
+    heads_fast = heads_fast and nb < 65536  # (a grid's second dimension holds at most 65535 row blocks)
     grid = (cdiv(h, block_h), nb) if heads_fast else (nb, cdiv(h, block_h))
     cos, sin = rope if rope is not None else (scale, scale)  # (unread without rope)
     _quantize_qk_kernel[grid](
