@@ -1285,12 +1285,14 @@ from triton.compiler import ASTSource
 from gptoss_fp8.kernels import attention as A
 from gptoss_fp8.kernels.config import DEFAULT
 
+# (constexprs a launch leaves at their defaults: given, or a bare compile reads them as run-time ints)
+NO_QUANT_OUT = dict(QUANT_OUT=False, OutQ=None, OutS=None, FP8_MAX_C=448.0, EPS=1e-10)
 fn, out = A._attn_prefill_kernel, {}
 for d in (16, 32, 64, 128):
     for window in (False, True):
         tile = DEFAULT.prefill_tile(True, window, 4)
         const = dict(GROUP=4, HEAD_DIM=d, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
-                     RAGGED=False, PACK=tile.pack, FP8=True, SEGMENTS=False, SV_STRIDE_B=0)
+                     RAGGED=False, PACK=tile.pack, FP8=True, SEGMENTS=False, SV_STRIDE_B=0, **NO_QUANT_OUT)
         types = dict(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Sinks="*bf16", Out="*bf16", CuSeqlens="*bf16",
                      Cos="*bf16", Sin="*bf16", qk_scale="fp32", Sq="*fp32", Sk="*fp32", Sv="*fp32")
         sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
@@ -1309,6 +1311,8 @@ from triton.compiler import ASTSource
 from gptoss_fp8.kernels import attention as A
 from gptoss_fp8.kernels.config import DEFAULT
 
+# (constexprs a launch leaves at their defaults: given, or a bare compile reads them as run-time ints)
+NO_QUANT_OUT = dict(QUANT_OUT=False, OutQ=None, OutS=None, FP8_MAX_C=448.0, EPS=1e-10)
 fn, out = A._attn_prefill_kernel, {}
 for fp8 in (False, True):
     for window in (False, True):
@@ -1318,7 +1322,7 @@ for fp8 in (False, True):
                          RAGGED=True, PACK=tile.pack, FP8=fp8, SEGMENTS=seg, SV_STRIDE_B=512 if fp8 and seg else 0,
                          **({} if fp8 else dict(Sq=None, Sk=None, Sv=None)),
                          **({} if seg else dict(KStarts=None, QOffsets=None)),
-                         **({} if fp8 and seg else dict(QScaleBase=None)))
+                         **({} if fp8 and seg else dict(QScaleBase=None)), **NO_QUANT_OUT)
             op = "*fp8e4nv" if fp8 else "*bf16"
             types = dict(Q=op, K=op, V=op, Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32", Sin="*fp32",
                          qk_scale="fp32", KStarts="*i32", QOffsets="*i32", Sq="*fp32", Sk="*fp32", Sv="*fp32",
@@ -1363,12 +1367,14 @@ from gptoss_fp8.kernels import attention as A
 from gptoss_fp8.kernels._gluon import ptxas_resources
 from gptoss_fp8.kernels.config import DEFAULT
 
+# (constexprs a launch leaves at their defaults: given, or a bare compile reads them as run-time ints)
+NO_QUANT_OUT = dict(QUANT_OUT=False, OutQ=None, OutS=None, FP8_MAX_C=448.0, EPS=1e-10)
 fn, out = A._attn_prefill_kernel, {}
 tile = DEFAULT.prefill_tile(True, False, 8)
 for seg in (False, True):
     const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
                  RAGGED=seg, PACK=tile.pack, FP8=True, SEGMENTS=seg, SV_STRIDE_B=512 if seg else 0, stride_vt=1,
-                 **({} if seg else dict(KStarts=None, QOffsets=None, QScaleBase=None)))
+                 **({} if seg else dict(KStarts=None, QOffsets=None, QScaleBase=None)), **NO_QUANT_OUT)
     types = dict(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32",
                  Sin="*fp32", qk_scale="fp32", Sq="*fp32", Sk="*fp32", Sv="*fp32", KStarts="*i32", QOffsets="*i32",
                  QScaleBase="*i32")
