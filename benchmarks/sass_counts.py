@@ -99,7 +99,7 @@ def quant() -> dict:
             "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "cw_ptr": "*bf16", "eps": "fp32"}
     ncon = dict(HAS_DELTA=True, BLOCK_M=1, BLOCK_H=4096, QUANT=True, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10, PDL=False)
     qsig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    qcon = dict(BLOCK_T=64, BLOCK_H=2, D=64, FP8_MAX_C=448.0, EPS=1e-10, blk_ptr=None, BLOCKED=False)
+    qcon = dict(BLOCK_T=64, BLOCK_H=2, D=64, FP8_MAX_C=448.0, EPS=1e-10, blk_ptr=None, BLOCKED=False, HEADS_FAST=False)
     return {
         "act_quant (16 rows x 128)": total(act_quant._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
                                            "s_ptr": "*fp32"}, dict(BLOCK_M=16, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10,
