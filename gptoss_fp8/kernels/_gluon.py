@@ -195,16 +195,40 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    # constexprs the caller leaves out take their defaults, as at a launch; so do arguments defaulting to
-    # None that the caller neither types nor passes (a launch leaving them out specializes them as None)
-    constexprs = {**{p.name: p.default for p in fn.params if p.has_default
-                     and (p.is_constexpr or (p.default is None and p.name not in types))}, **constexprs}
-    sig = {a: ("constexpr" if a in constexprs else types.get(a, "i32")) for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible16}
+    sig, constexprs, attrs = _as_launched(fn, types, constexprs, divisible16)
     k = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
                        options=dict(num_warps=num_warps, num_stages=1, maxnreg=None))
     return {"ptx": k.asm["ptx"], "num_warps": k.metadata.num_warps, "shared": k.metadata.shared,
             **ptxas_resources(k.asm["ptx"])}
+
+
+def _as_launched(fn, types: dict[str, str], constexprs: dict, divisible16: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attributes) of a bare compile of fn as a launch would specialize it: constexprs the
+    caller leaves out take their defaults (else a bare compile reads them as run-time ints and compiles both sides of
+    their branches); so do arguments defaulting to None that the caller neither types nor passes (a launch leaving
+    them out specializes them as None); ``divisible16`` arguments 16-divisible (those compiled as constexprs
+    aside)."""
+    constexprs = {**{p.name: p.default for p in fn.params if p.has_default
+                     and (p.is_constexpr or (p.default is None and p.name not in types))}, **constexprs}
+    sig = {a: ("constexpr" if a in constexprs else types.get(a, "i32")) for a in fn.arg_names}
+    return sig, constexprs, {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible16
+                             if sig[a] != "constexpr"}
+
+
+def triton_ptx_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                        maxnreg: int | None = None, divisible16: tuple[str, ...] = ()) -> str:
+    """The PTX of a Triton (not Gluon) kernel compiled for sm_90 with no GPU present, its arguments as in
+    ``compile_for_sm90`` (``_as_launched``); read its registers with ``ptxas_resources``. Not under Triton's
+    interpreter (its jit functions cannot be compiled there): the CPU tests call it in a child process."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile outside Triton's interpreter"
+    sig, constexprs, attrs = _as_launched(fn, types, constexprs, divisible16)
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options).asm["ptx"]
 
 
 def ptxas_resources(ptx: str) -> dict:

@@ -1278,26 +1278,20 @@ def test_prefill_fp8_small_head_dims_gpu(d, lens, window):
 
 
 _FP8_PREFILL_COMPILE = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
 from gptoss_fp8.kernels import attention as A
+from gptoss_fp8.kernels._gluon import triton_ptx_for_sm90
 from gptoss_fp8.kernels.config import DEFAULT
 
-# (constexprs a launch leaves at their defaults: given, or a bare compile reads them as run-time ints)
-NO_QUANT_OUT = dict(QUANT_OUT=False, OutQ=None, OutS=None, FP8_MAX_C=448.0, EPS=1e-10)
 fn, out = A._attn_prefill_kernel, {}
 for d in (16, 32, 64, 128):
     for window in (False, True):
         tile = DEFAULT.prefill_tile(True, window, 4)
         const = dict(GROUP=4, HEAD_DIM=d, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
-                     RAGGED=False, PACK=tile.pack, FP8=True, SEGMENTS=False, SV_STRIDE_B=0, **NO_QUANT_OUT)
+                     RAGGED=False, PACK=tile.pack, FP8=True, SEGMENTS=False, SV_STRIDE_B=0)
         types = dict(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Sinks="*bf16", Out="*bf16", CuSeqlens="*bf16",
                      Cos="*bf16", Sin="*bf16", qk_scale="fp32", Sq="*fp32", Sk="*fp32", Sv="*fp32")
-        sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages)).asm["ptx"]
+        ptx = triton_ptx_for_sm90(fn, types, const, tile.num_warps, tile.num_stages)
         out[f"{d}-{window}"] = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx)))
 print(json.dumps(out))
 """
@@ -1305,14 +1299,10 @@ print(json.dumps(out))
 
 _SEGMENTS_COMPILE = r"""
 import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from gptoss_fp8.kernels import attention as A
+from gptoss_fp8.kernels._gluon import triton_ptx_for_sm90
 from gptoss_fp8.kernels.config import DEFAULT
 
-# (constexprs a launch leaves at their defaults: given, or a bare compile reads them as run-time ints)
-NO_QUANT_OUT = dict(QUANT_OUT=False, OutQ=None, OutS=None, FP8_MAX_C=448.0, EPS=1e-10)
 fn, out = A._attn_prefill_kernel, {}
 for fp8 in (False, True):
     for window in (False, True):
@@ -1322,14 +1312,12 @@ for fp8 in (False, True):
                          RAGGED=True, PACK=tile.pack, FP8=fp8, SEGMENTS=seg, SV_STRIDE_B=512 if fp8 and seg else 0,
                          **({} if fp8 else dict(Sq=None, Sk=None, Sv=None)),
                          **({} if seg else dict(KStarts=None, QOffsets=None)),
-                         **({} if fp8 and seg else dict(QScaleBase=None)), **NO_QUANT_OUT)
+                         **({} if fp8 and seg else dict(QScaleBase=None)))
             op = "*fp8e4nv" if fp8 else "*bf16"
             types = dict(Q=op, K=op, V=op, Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32", Sin="*fp32",
                          qk_scale="fp32", KStarts="*i32", QOffsets="*i32", Sq="*fp32", Sk="*fp32", Sv="*fp32",
                          QScaleBase="*i32")
-            sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
-            ptx = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(
-                num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
+            ptx = triton_ptx_for_sm90(fn, types, const, tile.num_warps, tile.num_stages, tile.maxnreg)
             out[f"{fp8}-{window}-{seg}"] = [
                 sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx))),
                 len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)), ".local" in ptx]
@@ -1360,32 +1348,24 @@ def test_prefill_segments_compile_for_sm90():
 
 _FP8_SPILL_COMPILE = r"""
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from gptoss_fp8.kernels import attention as A
-from gptoss_fp8.kernels._gluon import ptxas_resources
+from gptoss_fp8.kernels._gluon import ptxas_resources, triton_ptx_for_sm90
 from gptoss_fp8.kernels.config import DEFAULT
 
-# (constexprs a launch leaves at their defaults: given, or a bare compile reads them as run-time ints)
-NO_QUANT_OUT = dict(QUANT_OUT=False, OutQ=None, OutS=None, FP8_MAX_C=448.0, EPS=1e-10)
 fn, out = A._attn_prefill_kernel, {}
 tile = DEFAULT.prefill_tile(True, False, 8)
 for seg in (False, True):
     const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=False,
                  RAGGED=seg, PACK=tile.pack, FP8=True, SEGMENTS=seg, SV_STRIDE_B=512 if seg else 0, stride_vt=1,
-                 **({} if seg else dict(KStarts=None, QOffsets=None, QScaleBase=None)), **NO_QUANT_OUT)
+                 **({} if seg else dict(KStarts=None, QOffsets=None, QScaleBase=None)))
     types = dict(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Sinks="*bf16", Out="*bf16", CuSeqlens="*i32", Cos="*fp32",
                  Sin="*fp32", qk_scale="fp32", Sq="*fp32", Sk="*fp32", Sv="*fp32", KStarts="*i32", QOffsets="*i32",
                  QScaleBase="*i32")
-    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
     # as a launch specializes them: pointers and the strides of gpt-oss's shapes divisible by 16
-    div = [a for a in ("Q", "K", "V", "Sinks", "Out", "Sq", "Sk", "Sv", "CuSeqlens", "KStarts", "QOffsets", "QScaleBase",
-                       "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vh", "stride_ot", "stride_oh",
-                       "stride_sqh", "stride_skh", "stride_vd") if a in sig and sig[a] != "constexpr"]
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
-    ptx = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
+    div = ("Q", "K", "V", "Sinks", "Out", "Sq", "Sk", "Sv", "CuSeqlens", "KStarts", "QOffsets", "QScaleBase",
+           "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vh", "stride_ot", "stride_oh", "stride_sqh",
+           "stride_skh", "stride_vd")
+    ptx = triton_ptx_for_sm90(fn, types, const, tile.num_warps, tile.num_stages, tile.maxnreg, div)
     out[str(seg)] = ptxas_resources(ptx)
 print(json.dumps(out))
 """

@@ -127,30 +127,21 @@ def test_model_window_layers_write_o_proj_quantization(monkeypatch):
 
 _WINDOW_COMPILE = r"""
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from gptoss_fp8.kernels import attention as A
-from gptoss_fp8.kernels._gluon import ptxas_resources
+from gptoss_fp8.kernels._gluon import ptxas_resources, triton_ptx_for_sm90
 from gptoss_fp8.kernels.config import DEFAULT
 
 fn, out = A._attn_prefill_kernel, {}
 tile = DEFAULT.prefill_tile(True, True, 8)
 for quant in (False, True):
     const = dict(GROUP=8, HEAD_DIM=64, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, UPCAST=False, ROPE_Q=True,
-                 RAGGED=False, PACK=tile.pack, FP8=False, SEGMENTS=False, SV_STRIDE_B=0, Sq=None, Sk=None, Sv=None,
-                 KStarts=None, QOffsets=None, QScaleBase=None, QUANT_OUT=quant, FP8_MAX_C=448.0, EPS=1e-10,
-                 **({} if quant else dict(OutQ=None, OutS=None)))
+                 RAGGED=False, PACK=tile.pack, QUANT_OUT=quant)
     types = dict(Q="*bf16", K="*bf16", V="*bf16", Sinks="*fp32", Out="*bf16", CuSeqlens="*fp32", Cos="*fp32",
-                 Sin="*fp32", qk_scale="fp32", OutQ="*fp8e4nv", OutS="*fp32")
-    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
-    div = [a for a in ("Q", "K", "V", "Out", "OutQ", "OutS", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
-                       "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_oq")
-           if a in sig and sig[a] != "constexpr"]
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
-    ptx = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.maxnreg)).asm["ptx"]
-    out[str(quant)] = ptxas_resources(ptx)
+                 Sin="*fp32", qk_scale="fp32", **(dict(OutQ="*fp8e4nv", OutS="*fp32") if quant else {}))
+    div = ("Q", "K", "V", "Out", "OutQ", "OutS", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+           "stride_vh", "stride_ot", "stride_oh", "stride_oq")
+    out[str(quant)] = ptxas_resources(triton_ptx_for_sm90(fn, types, const, tile.num_warps, tile.num_stages,
+                                                          tile.maxnreg, div))
 print(json.dumps(out))
 """
 
