@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 from gptoss_fp8 import spec
 from gptoss_fp8.errors import GptOssFp8Error
@@ -1331,15 +1332,7 @@ def test_prefill_segments_compile_for_sm90():
     serving engine's prompts of a step), bf16 and FP8, compiles for sm_90 with the GPU's default tiles (causal,
     window) into the same MMAs as the ragged batch's, no local memory. Its numerics: the interpreter tests, the GPU
     test."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _SEGMENTS_COMPILE], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_compile_script(_SEGMENTS_COMPILE)
     for case in ("False-False", "False-True", "True-False", "True-True"):  # fp8, window
         assert got[f"{case}-True"] == got[f"{case}-False"], got
         assert got[f"{case}-True"][1] > 0 and not got[f"{case}-True"][2], got
@@ -1378,15 +1371,7 @@ def test_prefill_fp8_triton_kernel_fits_its_registers_sm90():
     sequence, 564 the serving step's segments (their row bases and offsets read per program, 64-bit). (The
     thirty-second session's lighter rework, 0 / 52 bytes, was reverted in the thirty-fourth: on the H100 it gave
     non-finite outputs in test_prefill_fp8_gpu; it is in git history, aba7eda and 51486f4, to debug on a GPU.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _FP8_SPILL_COMPILE], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_compile_script(_FP8_SPILL_COMPILE)
     if not got["False"]:
         pytest.skip("no ptxas in this triton: nothing to read the registers from")
     for seg, res in got.items():
@@ -1399,15 +1384,7 @@ def test_prefill_fp8_triton_kernel_compiles_for_sm90_at_every_head_dim():
     kernel does not take) compiles for sm_90 at head dims 16..128. e4m3 MMAs need K >= 32: at 16 its QK^T runs in
     fp16 (e4m3 values are fp16 values); the H200 raised a compile error there until 2026-12-04 (a random shape of
     benchmarks/verify_calibration.py with --attention fp8). Its numerics are tested against the spec on the GPU."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _FP8_PREFILL_COMPILE], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    mmas = json.loads(r.stdout.strip().splitlines()[-1])
+    mmas = run_compile_script(_FP8_PREFILL_COMPILE)
     assert len(mmas) == 8
     for key, kinds in mmas.items():
         types = {t for _, t in kinds}

@@ -4,6 +4,7 @@ scales (the kernel quantizes the rows it would store, with act_quant's arithmeti
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.attention import attention_prefill, quant_out_fused
@@ -152,15 +153,7 @@ def test_window_kernel_with_quant_out_fits_its_registers_sm90():
     rope fused), compiled as a launch specializes it, with and without the fused quantization: within the cap, and
     no more than 64 bytes of spill either way (2026-12-05: 48 bytes the bf16 rows, 32 with the quantization; timed on
     the H100 at 0.4580 against 0.4325 ms for the rows alone, benchmarks/quant_out_bench.py)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _WINDOW_COMPILE], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_compile_script(_WINDOW_COMPILE)
     if not got["False"]:
         pytest.skip("no ptxas in this triton: nothing to read the registers from")
     for res in got.values():
