@@ -476,10 +476,8 @@ def attention_prefill(
         B = cu_seqlens.numel() - 1
     else:
         B, max_seqlen = 1, T
-    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0 or T == 0 or max_seqlen == 0:
-        return _quantized(out, quant_out)
-    del out  # (allocated where a kernel writes it: not for a fused quant_out)
+        return _quantized(_out(q), quant_out)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     window = sliding_window if 0 < sliding_window and (segments or sliding_window < max_seqlen + q_offset) else _NO_WINDOW
