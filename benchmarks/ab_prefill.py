@@ -29,7 +29,9 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 "fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
 "wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``,
 no ``gather_act_quant``: thirty-fourth session); "window-rows" (the window layers' attention writes bf16 rows and
-o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "qk-tile-old" (the
+o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual"
+(o_proj's GEMM adds the residual stream in its epilogue, the post-attention norm reads the new stream alone:
+``KernelConfig.gemm_residual``, thirty-ninth session, opt-in); "qk-tile-old" (the
 FP8 attention's Q / K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``);
 "wide-no-scales" (the heavy-load MoE tiles without
 ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
@@ -115,6 +117,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
     if name == "window-rows":  # the window layers' bf16 rows + act_quant for o_proj (before the 38th session)
         return replace(base, attention_quant_out=False)
+    if name == "gemm-residual":  # o_proj's epilogue adds the residual (39th session, opt-in)
+        return replace(base, gemm_residual=True)
     if name == "fp8-qreg":  # the FP8 attention's Q in registers (twenty-eighth session, opt-in)
         return replace(base, attention_fp8_q_registers=True)
     if name == "fp8-lanemax":  # the FP8 attention's row max with one shuffle pair a step (thirty-third session)

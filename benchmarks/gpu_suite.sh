@@ -10,6 +10,10 @@
 #            the comparison now default against wide-no-scales)
 #   quant-out  the window layers' attention writing o_proj's input quantization (38th session): GPU tests, the 20b
 #            beside the bf16 rows + act_quant (window-rows), same process, at 32768 and 128000
+#   residual  o_proj's GEMM adding the residual in its epilogue (KernelConfig.gemm_residual, 39th session, built
+#            without a GPU): its GPU tests, then the 20b beside the default (gemm-residual), same process, 32768 / 128000
+#   attn-inmodel  benchmarks/attn_inmodel_probe.py: the FP8 full attention inside the 20b's forward against alone on
+#            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
@@ -495,6 +499,21 @@ if has quant-out; then
     --variants default,window-rows --attention fp8 2>&1 | grep -v Warn | tee "$OUT/quant_out_ab32k.log"
   timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
     --variants default,window-rows --attention fp8 2>&1 | grep -v Warn | tee "$OUT/quant_out_ab128k.log"
+fi
+
+if has residual; then
+  timeout 200 python3 -m pytest -q -rf -m gpu tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py -k "residual" \
+    2>&1 | tail -8 | tee "$OUT/residual_tests.log"
+  timeout 150 python3 -m pytest -q -m slow tests/kernels/test_fp8_gemm.py -k "res" 2>&1 | tail -3 | tee -a "$OUT/residual_tests.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs ${RES_RUNS32K:-9} \
+    --variants default,gemm-residual --attention fp8 2>&1 | grep -v Warn | tee "$OUT/residual_ab32k.log"
+  timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
+    --variants default,gemm-residual --attention fp8 2>&1 | grep -v Warn | tee "$OUT/residual_ab128k.log"
+fi
+
+if has attn-inmodel; then
+  timeout 300 python3 benchmarks/attn_inmodel_probe.py --model 20b --tokens ${INMODEL_TOKENS:-32768} --reps 10 2>&1 \
+    | grep -v Warn | tee "$OUT/attn_inmodel.log"
 fi
 
 if has prefill-fp8; then

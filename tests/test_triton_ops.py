@@ -587,6 +587,45 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     assert RowsEverywhere.outs == [True] * 3 * model.cfg.num_hidden_layers
     assert rows_chunked.spec_fallbacks["moe_combine_add_rms_norm"] == 0
 
+def test_o_proj_adds_the_residual_in_its_epilogue(checkpoints, monkeypatch):
+    """``KernelConfig.gemm_residual``: o_proj's GEMM adds the residual stream (``linear_add``, ``fp8_gemm(residual=)``)
+    and the post-attention norm reads the new stream alone: the same logits bit for bit as o_proj's delta and the
+    add + norm kernel (the GPU and the interpreter round the delta, then the sum, either way), every layer's o_proj
+    through it at 20 rows; a decode step's rows (the skinny kernel), a subclass's own ``linear`` (tests/mutations.py)
+    and the option off keep the add + norm kernel."""
+    from dataclasses import replace
+
+    from gptoss_fp8.kernels import fp8_gemm as gemm_mod
+    from gptoss_fp8.kernels.config import KernelConfig
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    model = load_model(checkpoints("tiny"), device=dev)
+    tokens = _tokens(model.cfg, 20).to(dev)
+    adds = []
+    real = gemm_mod.fp8_gemm
+    monkeypatch.setattr(gemm_mod, "fp8_gemm", lambda *a, **kw: adds.append(kw.get("residual") is not None) or real(*a, **kw))
+    on = TritonOps(config=replace(KernelConfig(), gemm_residual=True))
+    got = model(tokens, on)
+    assert sum(adds) == model.cfg.num_hidden_layers
+    adds.clear()
+    assert torch.equal(got, model(tokens, TritonOps(config=KernelConfig())))
+    assert not any(adds)
+
+    class OwnLinear(TritonOps):
+        def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
+            return super().linear(x, w, scale_inv, bias, out_dtype, xq=xq)
+
+    x, _, _, (w, s, b) = _norm_and_linear_case(dev, 20, 192, seed=4)
+    r = torch.randn(20, w.shape[0], device=dev).bfloat16()
+    assert OwnLinear(config=on.config).linear_add(x, w, s, b, r) is None
+    assert on.linear_add(x[:16], w, s, b, r[:16]) is None  # decode-sized rows: the skinny kernel adds after
+    assert TritonOps(config=KernelConfig()).linear_add(x, w, s, b, r) is None
+    assert ReferenceOps().linear_add(x, w, s, b, r) is None
+    # the new stream of the add + norm kernel (its store rounds as the GEMM's epilogue does, also interpreted)
+    ones = torch.ones(w.shape[0], device=dev)
+    assert torch.equal(on.linear_add(x, w, s, b, r), on.add_rms_norm(r, on.linear(x, w, s, b), ones, 1e-5)[0])
+
+
 def test_kernel_config_is_held_and_passed(monkeypatch):
     """``TritonOps(config=...)`` holds the one KernelConfig its launches get; the default honours
     GPTOSS_FP8_GLUON=0 (read once, at construction)."""

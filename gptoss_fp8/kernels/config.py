@@ -284,6 +284,12 @@ class KernelConfig:
     # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
     # one [T, Hq * D] bf16 write and read and an act_quant launch fewer a window layer (thirty-eighth session)
     attention_quant_out: bool = True
+    # o_proj's GEMM adds the residual stream in its epilogue (``fp8_gemm(residual=)``, ``TritonOps.linear_add``): the
+    # post-attention norm then reads the new stream alone, not the stream and o_proj's delta, and writes no new
+    # stream: one [T, H] bf16 write and read fewer a layer (~189 MB at 32768 tokens; the skip probe's norms ran at
+    # their bytes floor). Built without a GPU in the thirty-ninth session (the Gluon wide tiles' residual lands by
+    # TMA in their store buffers during the tile before's products): opt-in until timed
+    gemm_residual: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

@@ -114,14 +114,19 @@ def fp8_block_mainloop(
 
 
 @triton.jit
-def store_rows(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr):
-    """c[rows, col0 : col0 + WIDTH] = acc (+ bias[cols]) cast to c's dtype; masked by row_mask and N."""
+def store_rows(c_ptr, rows, row_mask, acc, col0, N, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr,
+               r_ptr=None, HAS_RES: tl.constexpr = False):
+    """c[rows, col0 : col0 + WIDTH] = acc (+ bias[cols]) cast to c's dtype; masked by row_mask and N. HAS_RES: that
+    rounded to bf16, plus r[rows, cols] (bf16, c's strides), rounded again (torch's bf16 ``r + delta``)."""
     offs_n = col0 + tl.arange(0, WIDTH)
     n_mask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    offs = rows[:, None] * stride_cm + offs_n[None, :]
+    mask = row_mask[:, None] & n_mask[None, :]
+    if HAS_RES:
+        acc = acc.to(tl.bfloat16).to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -131,7 +136,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, r_ptr=None, HAS_RES: tl.constexpr = False,
 ):
     # num_progs programs walk the tiles (persistent when it is the SM count); FLATTEN fuses the
     # tile and K loops into one software-pipelined loop (the next tile's loads overlap this
@@ -157,7 +162,8 @@ def _fp8_gemm_kernel(
         )
         rows = offs_m.to(tl.int64)
         row_mask = offs_m < M
-        store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N)
+        store_rows(c_ptr, rows, row_mask, acc_lo, pid_n * BLOCK_N, N, stride_cm, bias_ptr, HAS_BIAS, BLOCK_N, r_ptr,
+                   HAS_RES)
 
 
 def fp8_gemm(
@@ -170,6 +176,7 @@ def fp8_gemm(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
     tile: TritonTile | GluonTile | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 block GEMM with fused bias.
 
@@ -180,6 +187,10 @@ def fp8_gemm(
     ``gptoss_fp8.quant.fp8.block_gemm_reference`` up to fp32 summation order.
     ``config``: the tuning (None: kernels/config.DEFAULT); ``tile``: this launch instead of
     ``config.dense_tile``'s choice (a ``GluonTile`` forces the Gluon kernel).
+    ``residual`` (bf16 [..., N] contiguous, bf16 out, not overlapping ``out``): returns residual + the product
+    + bias rounded to bf16, rounded again (``spec.add_rms_norm``'s x + delta, ``fp8_gemm_reference(residual=)``):
+    added in the epilogue of the Triton kernel and of the Gluon wide tiles (``residual_fused``), after the
+    GEMM elsewhere (the skinny kernel, the Gluon 128 x 128 tile).
     """
     assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
     assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
@@ -206,6 +217,13 @@ def fp8_gemm(
             f"out {tuple(out.shape)} {out.dtype} is not a contiguous {(*lead, n)} {out_dtype}"
         )
         out = out.view(m, n)
+    res = None
+    if residual is not None:
+        assert out_dtype == torch.bfloat16 and residual.dtype == torch.bfloat16 and residual.shape == (*lead, n), (
+            f"residual {tuple(residual.shape)} {residual.dtype}: a bf16 {(*lead, n)} with bf16 out")
+        assert residual.is_contiguous(), "residual must be contiguous"
+        res = residual.view(m, n)
+        assert res.data_ptr() != out.data_ptr() or m == 0, "residual and out must not overlap"
     if m == 0:
         return out.reshape(*lead, n)
     cfg = config or DEFAULT
@@ -214,7 +232,7 @@ def fp8_gemm(
 
         fp8_gemm_skinny(a, a_s, w_fp8, w_scale_inv, bias, out, skinny_tile(m, n, k, sm_count(x_fp8.device)),
                         pdl=pdl_launch(cfg, m, x_fp8.device))
-        return out.reshape(*lead, n)
+        return _plus(out, res).reshape(*lead, n)
     ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
           and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases
           and cfg.gluon_on(x_fp8.device))
@@ -222,11 +240,12 @@ def fp8_gemm(
     if isinstance(tile, GluonTile):
         assert ws, ("a GluonTile needs the Gluon kernel's conditions: config.gluon, an sm_90 GPU, triton with "
                     "Gluon, bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
+        bm, bn = tile.block_m or fp8_gemm_ws.BM, tile.block_n or fp8_gemm_ws.BN
+        fused = res is not None and fp8_gemm_ws.residual_fused(bm, bn, tile.stages, tile.stage_scales, k)
         fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
-                                block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
-                                balance=tile.balance, promote=tile.promote, turns=tile.turns,
-                                stage_scales=tile.stage_scales)
-        return out.reshape(*lead, n)
+                                block_m=bm, block_n=bn, balance=tile.balance, promote=tile.promote, turns=tile.turns,
+                                stage_scales=tile.stage_scales, residual=res if fused else None)
+        return (out if fused else _plus(out, res)).reshape(*lead, n)
     bm, bn = tile.block_m, tile.block_n
     assert bn in (16, 32, 64, 128), f"BLOCK_N={bn}: tiles must lie inside one 128-column weight block"
     num_tiles = cdiv(m, bm) * cdiv(n, bn)
@@ -244,8 +263,29 @@ def fp8_gemm(
         a.stride(0), a_s.stride(0), w_fp8.stride(0), w_scale_inv.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=tile.group_m,
         FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **({} if res is None else dict(r_ptr=res, HAS_RES=True)),
     )
     return out.reshape(*lead, n)
+
+
+def residual_in_epilogue(m: int, n: int, k: int, config: KernelConfig | None = None, gluon_ok: bool = False) -> bool:
+    """Whether ``fp8_gemm(residual=)`` of an [m, k] x [n, k] call on its default launch adds the residual in the
+    GEMM's epilogue (``gluon_ok``: the Gluon kernel can take the call): the Triton tiles and the Gluon wide ones
+    (``fp8_gemm_ws.residual_fused``); not the skinny decode kernel or the Gluon 128 x 128 tile (there the add is
+    a pass of its own)."""
+    cfg = config or DEFAULT
+    if cfg.dense_skinny_max_rows is not None and m <= cfg.dense_skinny_max_rows:
+        return False
+    tile = cfg.dense_tile(m, n, k, gluon_ok)
+    if isinstance(tile, GluonTile):
+        return fp8_gemm_ws.residual_fused(tile.block_m or fp8_gemm_ws.BM, tile.block_n or fp8_gemm_ws.BN, tile.stages,
+                                          tile.stage_scales, k)
+    return True
+
+
+def _plus(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """out <- residual + out in place (bf16: torch's rounding, the fused epilogues' too); out without one."""
+    return out if residual is None else out.add_(residual)
 
 
 def fp8_linear(
@@ -265,10 +305,13 @@ def fp8_gemm_reference(
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The plain-torch specification (quant/fp8.py), accepting [..., K] activations."""
+    """The plain-torch specification (quant/fp8.py), accepting [..., K] activations; ``residual`` (bf16 [..., N],
+    bf16 out): residual + the result, torch's bf16 add (``spec.add_rms_norm``'s x + delta)."""
     k = x_fp8.shape[-1]
     y = block_gemm_reference(
         x_fp8.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1]), w_fp8, w_scale_inv, bias, out_dtype
     )
-    return y.reshape(*x_fp8.shape[:-1], w_fp8.shape[0])
+    y = y.reshape(*x_fp8.shape[:-1], w_fp8.shape[0])
+    return y if residual is None else residual + y

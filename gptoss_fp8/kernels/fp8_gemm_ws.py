@@ -50,6 +50,7 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     check_turns,
     num_programs,
     stage_scale_args,
+    stage_scale_box,
     supported,
 )
 from gptoss_fp8.quant.fp8 import cdiv
@@ -188,7 +189,8 @@ if HAS_GLUON:
     @gluon.jit
     def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                       M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      turn, TURN: gl.constexpr, sa_bufs=None, sb_bufs=None, SC: gl.constexpr = False):
+                      turn, TURN: gl.constexpr, sa_bufs=None, sb_bufs=None, SC: gl.constexpr = False, r_desc=None,
+                      rbar=None, RES: gl.constexpr = False):
         """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_serial``):
         256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
         128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
@@ -197,7 +199,10 @@ if HAS_GLUON:
         one, the second piece waits until the first piece's store has read the buffer). TURN
         (``GluonTile(turns=True)``): the two warpgroups issue their wgmmas in turns on the ``turn``
         barriers (``_gluon.block_scaled_mainloop_serial``). SC (``GluonTile(stage_scales=True)``, 128 x 256
-        only): the scales from the stages (sa_bufs, sb_bufs)."""
+        only): the scales from the stages (sa_bufs, sb_bufs). RES (two store buffers a warpgroup): the epilogue
+        adds the residual r_desc's tile to the bf16-rounded product + bias and rounds again (``spec.add_rms_norm``'s
+        x + delta); each tile's residual lands by TMA in the store buffers (barrier rbar[W]) while the tile before's
+        products run: issued once that tile's stores have read the buffers."""
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -213,6 +218,12 @@ if HAS_GLUON:
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
         c = 0
+        rphase = 0
+        if RES:
+            gl.static_assert(NB == 2, "the residual lands in both store buffers of a warpgroup")
+            if gl.program_id(0) < num_m * num_n:
+                _load_residual(r_desc, rbar.index(W), c_bufs, W, gl.program_id(0), num_m, num_n, GROUP_M, TM, TN, A0,
+                               R, HN, WN)
         for tile in range(gl.program_id(0), num_m * num_n, num_progs):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             row0 = pid_m * TM + A0
@@ -245,7 +256,13 @@ if HAS_GLUON:
                 acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
                 cols1 = col1 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
                 acc1 = acc1 + gl.expand_dims(gl.load(bias_ptr + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
-            tma.store_wait(0)  # the previous tile's stores have left c_bufs
+            if RES:  # (the buffers hold this tile's residual: the stores before it were waited for when it was issued)
+                mbarrier.wait(rbar.index(W), rphase)
+                rphase ^= 1
+                acc0 = _plus_residual(acc0, c_bufs.index(W * NB), layout)
+                acc1 = _plus_residual(acc1, c_bufs.index(W * NB + 1), layout)
+            else:
+                tma.store_wait(0)  # the previous tile's stores have left c_bufs
             c_bufs.index(W * NB).store(acc0.to(gl.bfloat16))
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [row0, col0], c_bufs.index(W * NB))
@@ -254,14 +271,42 @@ if HAS_GLUON:
             c_bufs.index(W * NB + NB - 1).store(acc1.to(gl.bfloat16))
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [row1, col1], c_bufs.index(W * NB + NB - 1))  # clipped past M, N
+            if RES:
+                if tile + num_progs < num_m * num_n:  # the next tile's residual, once these stores have read the buffers
+                    tma.store_wait(0)
+                    _load_residual(r_desc, rbar.index(W), c_bufs, W, tile + num_progs, num_m, num_n, GROUP_M, TM, TN,
+                                   A0, R, HN, WN)
         tma.store_wait(0)
+
+    @gluon.jit
+    def _load_residual(r_desc, bar, c_bufs, W: gl.constexpr, tile, num_m, num_n, GROUP_M: gl.constexpr,
+                       TM: gl.constexpr, TN: gl.constexpr, A0: gl.constexpr, R: gl.constexpr, HN: gl.constexpr,
+                       WN: gl.constexpr):
+        """The residual of consumer warpgroup W's two pieces of ``tile`` into its two store buffers (TMA, on bar;
+        rows / columns past M / N arrive as zeros and are clipped from the store)."""
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        row0 = pid_m * TM + A0
+        col0 = pid_n * TN
+        mbarrier.expect(bar, 2 * r_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(r_desc, [row0, col0], bar, c_bufs.index(W * 2))
+        if WN:
+            tma.async_copy_global_to_shared(r_desc, [row0, col0 + HN], bar, c_bufs.index(W * 2 + 1))
+        else:
+            tma.async_copy_global_to_shared(r_desc, [row0 + R, col0], bar, c_bufs.index(W * 2 + 1))
+
+    @gluon.jit
+    def _plus_residual(acc, buf, layout: gl.constexpr):
+        """The product (+ bias) rounded to bf16, then the bf16 residual added in fp32 (the caller rounds once more):
+        torch's bf16 ``x + delta``."""
+        return acc.to(gl.bfloat16).to(gl.float32) + buf.load(layout).to(gl.float32)
 
     @gluon.jit
     def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                               M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
-                              HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
+                              HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr,
+                              r_desc, rbar, RES: gl.constexpr):
         _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
-                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs, sb_bufs, SC)
+                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES)
 
     @gluon.jit
     def _wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr, scales,
@@ -272,14 +317,15 @@ if HAS_GLUON:
     def _ws_fp8_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
                                  num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
                                  C_BUFS: gl.constexpr, TURN: gl.constexpr = False, sa_desc=None, sb_desc=None,
-                                 SC: gl.constexpr = False):
+                                 SC: gl.constexpr = False, r_desc=None, RES: gl.constexpr = False):
         """The wide forms (``GluonTile(block_m=256, promote="serial")``: 256 x 128 tiles, DeepGEMM's
         choice for these shapes; ``GluonTile(block_n=256, promote="serial")``: 128 x 256), always on
         the serial promotion loop: per K block 48 KB of loads for 256 x 128 x 128
         MACs (the 128 x 128 tile: 32 KB for half of that), i.e. 1.5x the FLOPs per byte through L2
         and shared memory. The producer is the base kernel's; C_BUFS: TMA-store buffers per consumer
         warpgroup (1 or 2). SC (``GluonTile.stage_scales``, 128 x 256): the scales through the stages,
-        sa_desc over the row scales MN-major and sb_desc over the weight scales, both flat."""
+        sa_desc over the row scales MN-major and sb_desc over the weight scales, both flat. RES: out = r_desc's
+        tensor (bf16, out's shape) + the product + bias, each rounded to bf16 (``_consume_wide``)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -294,13 +340,14 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
+        rbar = turn_barriers(empty, RES)  # (two barriers of one arrival: each consumer warpgroup's residual tiles)
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                              M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs,
-                             sb_bufs, SC)),
+                             sb_bufs, SC, r_desc, rbar, RES)),
             (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
                                      c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn,
-                                     TURN, sa_bufs, sb_bufs, SC)),
+                                     TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES)),
             (_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M,
                               (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bsn), SC)),
         ], [4, 1], [232, 40])
@@ -320,7 +367,8 @@ def wide_c_bufs(stages: int, scale_bytes: int = 0) -> int:
 def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
                 block_m: int = BM, block_n: int = BN, balance: bool = False,
-                promote: str = "pipelined", turns: bool = False, stage_scales: bool = False) -> torch.Tensor:
+                promote: str = "pipelined", turns: bool = False, stage_scales: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
     [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
@@ -331,7 +379,10 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     have only "serial" (ValueError otherwise). turns: the wide forms' two consumer warpgroups issue
     their wgmmas in turns (``GluonTile.turns``; ValueError for the 128 x 128 tile). stage_scales: the
     128 x 256 form's scales through the stages (``GluonTile.stage_scales``; ValueError for the other
-    tiles; a_scale best MN-major, else transposed here, ``_gluon.stage_scale_args``)."""
+    tiles; a_scale best MN-major, else transposed here, ``_gluon.stage_scale_args``). residual (bf16, out's shape,
+    contiguous; ``residual_fused`` says where): out = residual + the product + bias rounded to bf16, then rounded
+    again (the residual add of ``spec.add_rms_norm``), added in the wide forms' epilogue; out may be residual
+    itself (each tile reads its residual before it writes)."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
     check_turns(turns, wide, f"{block_m} x {block_n} (the base dense tile)")
@@ -348,6 +399,15 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     if stage_scales:
         sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, block_m)
         scale_bytes = 4 * (block_m + sc["sb_desc"].block_shape[0])  # a stage's row and weight scales
+    c_bufs = wide_c_bufs(stages, scale_bytes) if wide else 0
+    res = {}
+    if residual is not None:
+        if not residual_fused(block_m, block_n, stages, stage_scales, k):
+            raise ValueError(f"residual: the wide tiles with two store buffers a warpgroup add it, not {block_m} x "
+                             f"{block_n} with {stages} stages (residual_fused)")
+        assert residual.shape == out.shape and residual.dtype == torch.bfloat16 and residual.is_contiguous(), (
+            f"residual {tuple(residual.shape)} {residual.dtype}: a contiguous bf16 {tuple(out.shape)}")
+        res = dict(r_desc=descriptor(residual, [WARPGROUP_ROWS, BN]), RES=True)
     args = (a_desc, b_desc, a_scale, w_scale_inv, bias if bias is not None else out, c_desc, m, n, k,
             a_scale.stride(0), w_scale_inv.stride(0), num_progs)
     if not wide:
@@ -356,6 +416,18 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                                           num_warps=4, **serial)
     else:
         _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
-                                               C_BUFS=wide_c_bufs(stages, scale_bytes), num_warps=4,
-                                               **({"TURN": True} if turns else {}), **sc)
+                                               C_BUFS=c_bufs, num_warps=4, **({"TURN": True} if turns else {}),
+                                               **sc, **res)
     return out
+
+
+def residual_fused(block_m: int, block_n: int, stages: int, stage_scales: bool, k: int) -> bool:
+    """Whether ``ws_fp8_gemm`` adds a residual in this tile's epilogue (K = k): the wide forms with two store
+    buffers a consumer warpgroup (``wide_c_bufs``), where each tile's residual lands."""
+    if (block_m, block_n) not in ((WIDE, BN), (BM, WIDE)):
+        return False
+    scale_bytes = 4 * (block_m + stage_scale_box(cdiv(k, BK))) if stage_scales else 0  # (as ``ws_fp8_gemm``'s)
+    try:
+        return wide_c_bufs(stages, scale_bytes) == 2
+    except AssertionError:
+        return False

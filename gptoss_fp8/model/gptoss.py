@@ -340,11 +340,9 @@ class GptOss(nn.Module):
                 x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
             last_rows = prune and i == len(layers) - 1
-            delta = self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments,
-                                    last_rows=ends if last_rows else None)
-            if last_rows:
-                x = _take(x, ends)
-            x, h = ops.add_rms_norm(x, delta, layer.post_attention_layernorm.weight, eps)
+            x, h = self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments,
+                                   last_rows=ends if last_rows else None,
+                                   post=(_take(x, ends) if last_rows else x, layer.post_attention_layernorm.weight))
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
             routing = None
@@ -430,10 +428,14 @@ class GptOss(nn.Module):
     def _attention(self, layer: Layer, t: Normed, cos, sin, ops: ReferenceOps, cache: KVCache | None = None,
                    row: int = 0, step: DecodeStep | None = None, start: int = 0,
                    segments: list[tuple[int, int, int]] | None = None,
-                   last_rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+                   last_rows: slice | torch.Tensor | None = None,
+                   post: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, Normed]:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
-        once). Without ``step`` the rows are one sequence at positions 0..T - 1 (written to the
+        once); with ``post`` = (the stream x, the post-attention norm's weight): (x + delta, its norm), the
+        ``add_rms_norm`` after it, or (one rank) o_proj's GEMM adding x in its epilogue and the norm reading
+        the new stream alone (``ops.linear_add``, where the backend has it). Without ``step`` the rows are
+        one sequence at positions 0..T - 1 (written to the
         cache's sequence ``row`` if a cache is given) and the attention is the prefill's over them;
         with a decode ``step`` row b is sequence b's new token: its K / V are appended to the cache
         and it attends to the cached keys (``ops.attention_cached``). ``start`` > 0: the rows are a
@@ -474,8 +476,13 @@ class GptOss(nn.Module):
                                              (cos.index_select(0, last_rows), sin.index_select(0, last_rows)))
         # o_proj input is split by heads: a partial sum over ranks, kept in fp32 and rounded once
         o = o if isinstance(o, Normed) else Normed(o)
-        o = ops.linear(o.y, a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias, self._partial_dtype(), xq=o.quant)
-        return ops.all_reduce(o, self.par)
+        proj, eps = (a.o_proj.weight, a.o_proj.weight_scale_inv, a.o_proj.bias), self.cfg.rms_norm_eps
+        if post is not None and self.par.world == 1:
+            xo = ops.linear_add(o.y, *proj, post[0], xq=o.quant)
+            if xo is not None:
+                return xo, ops.rms_norm(xo, post[1], eps)
+        delta = ops.all_reduce(ops.linear(o.y, *proj, self._partial_dtype(), xq=o.quant), self.par)
+        return delta if post is None else ops.add_rms_norm(post[0], delta, post[1], eps)
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
                            start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,

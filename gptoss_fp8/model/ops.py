@@ -252,6 +252,14 @@ class ReferenceOps:
             return F.linear(x, wd, bias)
         return F.linear(x.float(), wd.float(), None if bias is None else bias.float()).to(out_dtype)
 
+    def linear_add(self, x: torch.Tensor | None, w: torch.Tensor, scale_inv: torch.Tensor | None,
+                   bias: torch.Tensor | None, residual: torch.Tensor, *, xq: Quant | None = None) -> torch.Tensor | None:
+        """``residual + linear(x, w, scale_inv, bias)`` (bf16 [T, N]: the delta rounded to bf16, then the bf16 add
+        of ``spec.add_rms_norm``) from a GEMM that adds the residual in its epilogue, or None where this backend
+        has none for the call: the caller then runs ``linear`` and ``add_rms_norm`` (whose add it would repeat).
+        This backend: None."""
+        return None
+
     def linears(self, x: torch.Tensor, projs: list[tuple], *, xq: Quant | None = None) -> list[torch.Tensor]:
         """Several projections of the same input (q, k, v): ``[linear(x, w, s, b, xq=xq) for (w, s, b)
         in projs]``. A backend may quantize x once and run them as one GEMM; the results are the same."""

@@ -174,6 +174,24 @@ class TritonOps(W8A8CpuOps):
         return fp8_gemm(x_fp8, x_scale, w.contiguous(), scale_inv.contiguous(),
                         None if bias is None else bias.contiguous(), out_dtype=out_dtype, config=self.config)
 
+    def linear_add(self, x, w, scale_inv, bias, residual, *, xq=None):
+        """``fp8_gemm(residual=)``: the residual added in the GEMM's epilogue, where ``config.gemm_residual`` is on,
+        ``linear`` is this class's own (a subclass's, e.g. tests/mutations.py's, runs as it is), our GEMM takes the
+        FP8 weight and its launch for these rows adds the residual in the epilogue (``residual_in_epilogue``: not
+        the skinny decode kernel); None otherwise."""
+        from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, residual_in_epilogue
+
+        m, (n, k) = residual.shape[0], w.shape
+        if not (self.config.gemm_residual and type(self).linear is TritonOps.linear and self.config.gemm != "deep_gemm"
+                and self._fp8_weight_ok(w, scale_inv) and residual.dtype == BF16 and residual.dim() == 2
+                and residual.is_contiguous() and _kernel_device(residual) and residual.shape[1] == n
+                and (x is not None and x.dtype == BF16 or x is None and xq is not None)
+                and residual_in_epilogue(m, n, k, self.config, self.config.gluon_on(residual.device))):
+            return None
+        x_fp8, x_scale = self._quant(x, xq)
+        return fp8_gemm(x_fp8, x_scale, w.contiguous(), scale_inv.contiguous(),
+                        None if bias is None else bias.contiguous(), config=self.config, residual=residual)
+
     def linears(self, x, projs, *, xq=None):
         """One activation quantization for all; one GEMM over the weights concatenated along N
         when every one is FP8 with N a multiple of 128 (block scales then stack), else one GEMM each.

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gemm_cases import DEV, check_close, dense_problem
+from gemm_cases import DEV, HAS_CUDA, REL_ELEM, check_close, dense_problem
 
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference, fp8_linear
@@ -62,6 +62,68 @@ VARIANTS = [
 def test_fp8_gemm_variants_small(tile, n):
     # N = 200: the last 128-column tile is partial; N = 100 with 128-wide tiles: one partial tile.
     _run(150, n, 288, seed=17 + n, tile=tile)
+
+
+def _residual_case(m, n, k, seed, tile=None, bias=True):
+    """fp8_gemm(residual=r) against r + the same launch without it: equal bit for bit on the GPU (the epilogue
+    rounds the delta to bf16 and the sum again, as torch's bf16 add does), within one bf16 unit of the sum's last
+    place through the interpreter (its bf16 stores truncate); and against the fp32 reference plus r."""
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed, bias=bias)
+    g = torch.Generator().manual_seed(seed + 1)
+    r = (torch.randn(m, n, generator=g) * 4).to(torch.bfloat16).to(DEV)  # residual rows larger than the delta's
+    y0 = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=tile)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=tile, out=out, residual=r)
+    assert y.data_ptr() == out.data_ptr()
+    want = r + y0
+    if HAS_CUDA:
+        assert torch.equal(y, want), f"max diff {(y.float() - want.float()).abs().max().item():.3e}"
+    else:
+        ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-100))) - 7)
+        assert bool(((y.float() - want.float()).abs() <= ulp).all())
+    ref = fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32)
+    # (the product's error as check_close's, then two roundings: the delta's, relative to it, and the sum's)
+    err = (y.float() - r.float() - ref).abs()
+    assert bool((err <= REL_ELEM * (r.float().abs() + 2 * ref.abs()) + 1e-3 * ref.abs().max()).all()), err.max()
+
+
+# The residual added by the GEMM (o_proj's, KernelConfig.gemm_residual): the Triton tiles (default and forced,
+# partial tiles), the skinny decode rows (added after the GEMM), no bias
+@pytest.mark.parametrize("m,n,k,tile,bias", [
+    (37, 320, 160, None, True), (5, 64, 2880, None, True), (130, 200, 288, None, False),
+    (150, 200, 288, VARIANTS[0], True), (150, 100, 288, VARIANTS[4], True)],
+    ids=["default", "skinny", "no-bias", "tma", "n128-2persm"])
+def test_fp8_gemm_residual(m, n, k, tile, bias):
+    _residual_case(m, n, k, seed=m + n, tile=tile, bias=bias)
+
+
+def test_fp8_gemm_residual_rejects_bad_input():
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(20, 64, 160, seed=2)
+    r = torch.zeros(20, 64, dtype=torch.bfloat16, device=DEV) + 1
+    with pytest.raises(AssertionError, match="residual"):
+        fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, residual=r[:, :32])
+    with pytest.raises(AssertionError, match="residual"):
+        fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, residual=r.float())
+    with pytest.raises(AssertionError, match="overlap"):
+        fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, residual=r, out=r)
+
+
+def test_residual_in_epilogue_by_launch():
+    """Where ``fp8_gemm(residual=)`` adds in the epilogue on the default launch: not the skinny decode rows or the
+    Gluon 128 x 128 tile (a pass of its own there); the Triton tiles and the Gluon wide ones (o_proj's, 2880 x 4096,
+    with two store buffers a warpgroup beside 3 stages; also with its stage scales), not the wide tile with 4."""
+    from gptoss_fp8.kernels import fp8_gemm_ws
+    from gptoss_fp8.kernels.fp8_gemm import residual_in_epilogue
+
+    assert not residual_in_epilogue(16, 2880, 4096) and residual_in_epilogue(17, 2880, 4096)
+    assert residual_in_epilogue(32768, 2880, 4096) and residual_in_epilogue(32768, 2880, 4096, gluon_ok=True)
+    assert not residual_in_epilogue(2048, 5120, 2880, gluon_ok=True)  # the 128 x 128 Gluon tile
+    assert fp8_gemm_ws.residual_fused(128, 256, 3, False, 4096) and fp8_gemm_ws.residual_fused(256, 128, 3, False, 2880)
+    assert fp8_gemm_ws.residual_fused(128, 256, 3, True, 4096)
+    assert not fp8_gemm_ws.residual_fused(128, 256, 4, False, 4096)  # one store buffer a warpgroup beside 4 stages
+    assert not fp8_gemm_ws.residual_fused(128, 128, 5, False, 4096)
+    wide4 = KernelConfig(dense_gluon_wide_tile=GluonTile(stages=4, group_m=8, block_n=256, promote="serial"))
+    assert not residual_in_epilogue(32768, 2880, 4096, wide4, gluon_ok=True)
 
 
 def test_default_tiles_are_the_measured_ones():
@@ -297,6 +359,20 @@ SERIAL_IDS = ["128x128-s5", "128x128-s4-bal", "256x128-s3", "256x128-s4", "128x2
               "128x256-s3-turns", "256x128-s4-turns", "128x256-s3-sc", "128x256-s3-bal-turns-sc"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,tile", [
+    (4000, 2880, 4096, GluonTile(stages=3, group_m=8, block_n=256, promote="serial")),
+    (4000, 2880, 4096, GluonTile(stages=3, group_m=8, block_m=256, promote="serial")),
+    (33000, 2880, 4096, None), (1030, 2880, 4096, None), (300, 2880, 4096, None), (2048, 5120, 2880, None)],
+    ids=["128x256", "256x128", "default-32k", "default-1030", "triton-300", "gluon-128x128"])
+def test_fp8_gemm_residual_gpu(m, n, k, tile):
+    """The residual in the Gluon wide tiles' epilogue (o_proj's shape: more tiles than programs, so each
+    program's next residual lands during its tile before; M past the last 64 rows; N = 2880: the last 128 x 256
+    tile's second half wholly past N), the default launches (the wide tile from 1024 rows, the Triton one below,
+    the 128 x 128 Gluon tile adding after its GEMM): bit for bit r + the launch without it."""
+    _residual_case(m, n, k, seed=m + n + k, tile=tile)
+
+
 def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
     from gptoss_fp8.kernels import fp8_gemm_ws
 
@@ -355,7 +431,8 @@ SERIAL_COMPILES = [pytest.param(128, 128, 5, False, id="128x128-s5"), pytest.par
                    *(pytest.param(*c, False, id=f"{c[0]}x{c[1]}-s{c[2]}", marks=pytest.mark.slow)
                      for c in ((256, 128, 3), (256, 128, 4), (128, 256, 4))),
                    pytest.param(128, 256, 3, True, id="128x256-s3-turns", marks=pytest.mark.slow),
-                   pytest.param(128, 256, 3, "sc", id="128x256-s3-sc", marks=pytest.mark.slow)]
+                   pytest.param(128, 256, 3, "sc", id="128x256-s3-sc", marks=pytest.mark.slow),
+                   pytest.param(128, 256, 3, "res", id="128x256-s3-res", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("bm,bn,stages,turns", SERIAL_COMPILES)
@@ -365,7 +442,10 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
     96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block); with
     turns, two more barriers (the warpgroups' turns) and a wait and an arrive around each product; with
     "sc" (GluonTile.stage_scales, o_proj's K = 4096: a weight-scale box of 64) the two 1-D TMA copies
-    of the scales on each stage's byte count (48 KB + 512 + 256 bytes), within shared memory."""
+    of the scales on each stage's byte count (48 KB + 512 + 256 bytes), within shared memory; with "res"
+    (``fp8_gemm(residual=)``): two more barriers (each warpgroup's residual), its two 64 x 128 tiles a
+    warpgroup by TMA on one byte count (32 KB) from two places (before the tile loop, after a tile's stores),
+    no spills."""
     import re
 
     from gptoss_fp8.kernels import _gluon, fp8_gemm_ws
@@ -384,17 +464,22 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
                 "fp4_padded=False, cga_layout=[])")
         types |= {"sa_desc": f"tensordesc<fp32[128],{flat}>", "sb_desc": f"tensordesc<fp32[64],{flat}>"}
         turns = False
+    res = turns == "res"
+    if res:
+        types["r_desc"] = types["c_desc"]
+        turns = False
     if bm == bn:
         fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
     else:
         fn = fp8_gemm_ws._ws_fp8_gemm_wide_kernel
         consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True,
                       C_BUFS=fp8_gemm_ws.wide_c_bufs(stages, 4 * (128 + 64) if sc else 0),
-                      **({"TURN": True} if turns else {}), **({"SC": True} if sc else {}))
+                      **({"TURN": True} if turns else {}), **({"SC": True} if sc else {}),
+                      **({"RES": True} if res else {}))
     k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
                                                                 "stride_asm", "stride_bsn"))
     ptx = k["ptx"]
-    assert ptx.count("mbarrier.init") == 2 * stages + 2 * turns
+    assert ptx.count("mbarrier.init") == 2 * stages + 2 * turns + 2 * res
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert k["num_warps"] == 12 and k["shared"] <= 227 * 1024
@@ -402,6 +487,11 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
         assert not k["wgmma_serialized"], ("ptxas serialized the serial promotion's wgmmas (C7514)", bm, bn, k)
         if bm == 128:
             assert k["spill_stores"] == 0 and k["stack"] == 0, (bm, bn, k)
+    if res:
+        # the producer's A and B loads, then each warpgroup's two residual tiles at both issue points
+        assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 + 2 * 2 * 2
+        assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*32768;", ptx)
+        assert "regs" not in k or k["spill_stores"] == 0
     if sc:
         assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 2
         assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*49920;", ptx)

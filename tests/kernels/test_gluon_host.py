@@ -46,6 +46,26 @@ def test_dense_gemm_launcher(monkeypatch):
     assert kw["STAGES"] == 5 and kw["HAS_BIAS"] is False
 
 
+def test_dense_gemm_residual_launcher(monkeypatch):
+    """``ws_fp8_gemm(residual=)``: the wide kernel gets a descriptor over the residual in the store tiles' blocks and
+    RES; the 128 x 128 tile (its store buffers cannot hold a residual) refuses it in one line."""
+    from gptoss_fp8.kernels import fp8_gemm_ws
+
+    stub = _Stub()
+    monkeypatch.setattr(fp8_gemm_ws, "_ws_fp8_gemm_wide_kernel", stub)
+    m, n, k = 1000, 384, 4096
+    x, w = torch.zeros(m, k, dtype=FP8), torch.zeros(n, k, dtype=FP8)
+    out, r = torch.empty(m, n, dtype=torch.bfloat16), torch.ones(m, n, dtype=torch.bfloat16)
+    fp8_gemm_ws.ws_fp8_gemm(x, torch.ones(m, 32), w, torch.ones(3, 32), None, out, stages=3, block_n=256,
+                            promote="serial", residual=r)
+    (grid, args, kw), = stub.calls
+    _desc(args[5], out, [64, 128])
+    _desc(kw["r_desc"], r, [64, 128])
+    assert kw["RES"] is True and kw["C_BUFS"] == 2
+    with pytest.raises(ValueError, match="residual"):
+        fp8_gemm_ws.ws_fp8_gemm(x, torch.ones(m, 32), w, torch.ones(3, 32), None, out, stages=5, residual=r)
+
+
 def test_moe_launcher(monkeypatch):
     from gptoss_fp8.kernels import moe_ws
 
