@@ -31,7 +31,9 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 no ``gather_act_quant``: thirty-fourth session); "window-rows" (the window layers' attention writes bf16 rows and
 o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual"
 (o_proj's GEMM adds the residual stream in its epilogue, the post-attention norm reads the new stream alone:
-``KernelConfig.gemm_residual``, thirty-ninth session, opt-in); "qk-tile-old" (the
+``KernelConfig.gemm_residual``, thirty-ninth session, opt-in); "rows-from-stream" (the post-attention norm
+writes no bf16 rows, the router remakes them from the stream and the norm's rsqrt factors:
+``KernelConfig.moe_rows_from_stream``, thirty-ninth session, opt-in); "qk-tile-old" (the
 FP8 attention's Q / K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``);
 "wide-no-scales" (the heavy-load MoE tiles without
 ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
@@ -119,6 +121,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, attention_quant_out=False)
     if name == "gemm-residual":  # o_proj's epilogue adds the residual (39th session, opt-in)
         return replace(base, gemm_residual=True)
+    if name == "rows-from-stream":  # the router remakes the post-attention norm's rows (39th session, opt-in)
+        return replace(base, moe_rows_from_stream=True)
     if name == "fp8-qreg":  # the FP8 attention's Q in registers (twenty-eighth session, opt-in)
         return replace(base, attention_fp8_q_registers=True)
     if name == "fp8-lanemax":  # the FP8 attention's row max with one shuffle pair a step (thirty-third session)

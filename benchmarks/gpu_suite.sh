@@ -10,8 +10,9 @@
 #            the comparison now default against wide-no-scales)
 #   quant-out  the window layers' attention writing o_proj's input quantization (38th session): GPU tests, the 20b
 #            beside the bf16 rows + act_quant (window-rows), same process, at 32768 and 128000
-#   residual  o_proj's GEMM adding the residual in its epilogue (KernelConfig.gemm_residual, 39th session, built
-#            without a GPU): its GPU tests, then the 20b beside the default (gemm-residual), same process, 32768 / 128000
+#   residual  o_proj's GEMM adding the residual in its epilogue (KernelConfig.gemm_residual) and the router remaking
+#            the post-attention norm's rows from the stream (moe_rows_from_stream; both 39th session, built without a
+#            GPU): their GPU tests, then the 20b beside the default, each and both, same process, 32768 / 128000
 #   attn-inmodel  benchmarks/attn_inmodel_probe.py: the FP8 full attention inside the 20b's forward against alone on
 #            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
@@ -502,13 +503,16 @@ if has quant-out; then
 fi
 
 if has residual; then
-  timeout 200 python3 -m pytest -q -rf -m gpu tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py -k "residual" \
-    2>&1 | tail -8 | tee "$OUT/residual_tests.log"
-  timeout 150 python3 -m pytest -q -m slow tests/kernels/test_fp8_gemm.py -k "res" 2>&1 | tail -3 | tee -a "$OUT/residual_tests.log"
-  timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs ${RES_RUNS32K:-9} \
-    --variants default,gemm-residual --attention fp8 2>&1 | grep -v Warn | tee "$OUT/residual_ab32k.log"
-  timeout 150 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,gemm-residual --attention fp8 2>&1 | grep -v Warn | tee "$OUT/residual_ab128k.log"
+  # (the model-level ones run on the GPU too: tests/test_triton_ops.py picks CUDA when it is there)
+  timeout 200 python3 -m pytest -q -rf tests/kernels/test_fp8_gemm.py tests/kernels/test_router.py tests/test_triton_ops.py \
+    -m "gpu or not slow" -k "residual or remakes or keep_the_logits or decline" 2>&1 | tail -8 | tee "$OUT/residual_tests.log"
+  timeout 150 python3 -m pytest -q -m slow tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py -k "res or moe_chunks" \
+    2>&1 | tail -3 | tee -a "$OUT/residual_tests.log"
+  _v=default,gemm-residual,rows-from-stream,gemm-residual+rows-from-stream
+  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs ${RES_RUNS32K:-9} \
+    --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/residual_ab32k.log"
+  timeout 200 python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
+    --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/residual_ab128k.log"
 fi
 
 if has attn-inmodel; then

@@ -587,43 +587,99 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     assert RowsEverywhere.outs == [True] * 3 * model.cfg.num_hidden_layers
     assert rows_chunked.spec_fallbacks["moe_combine_add_rms_norm"] == 0
 
-def test_o_proj_adds_the_residual_in_its_epilogue(checkpoints, monkeypatch):
-    """``KernelConfig.gemm_residual``: o_proj's GEMM adds the residual stream (``linear_add``, ``fp8_gemm(residual=)``)
-    and the post-attention norm reads the new stream alone: the same logits bit for bit as o_proj's delta and the
-    add + norm kernel (the GPU and the interpreter round the delta, then the sum, either way), every layer's o_proj
-    through it at 20 rows; a decode step's rows (the skinny kernel), a subclass's own ``linear`` (tests/mutations.py)
-    and the option off keep the add + norm kernel."""
+def _counted_forwards(model, tokens, monkeypatch, runs):
+    """The logits of each (KernelConfig options, moe_chunk) in runs and, for each, how many dense GEMMs added a
+    residual (``fp8_gemm(residual=)``) and how many router launches remade the norm's rows (``router(norm=)``)."""
     from dataclasses import replace
 
     from gptoss_fp8.kernels import fp8_gemm as gemm_mod
+    from gptoss_fp8.kernels import router as router_mod
     from gptoss_fp8.kernels.config import KernelConfig
 
+    seen = []
+    gemm, route = gemm_mod.fp8_gemm, router_mod.router
+    monkeypatch.setattr(gemm_mod, "fp8_gemm", lambda *a, **kw: seen.append("res" if kw.get("residual") is not None else "")
+                        or gemm(*a, **kw))
+    monkeypatch.setattr(router_mod, "router", lambda *a, **kw: seen.append("src" if kw.get("norm") is not None else "")
+                        or route(*a, **kw))
+    out = []
+    for opts, chunk in runs:
+        seen.clear()
+        ops = TritonOps(config=replace(KernelConfig(), **opts))
+        logits = model(tokens, ops, moe_chunk=chunk)
+        assert not ops.spec_fallbacks.get("expert_ffn") and not ops.spec_fallbacks.get("route")
+        out.append((logits, seen.count("res"), seen.count("src")))
+    return out
+
+
+def test_o_proj_residual_and_the_routers_rows_keep_the_logits(checkpoints, monkeypatch):
+    """``KernelConfig.gemm_residual``: o_proj's GEMM adds the residual stream (``linear_add``,
+    ``fp8_gemm(residual=)``) and the post-attention norm reads the new stream alone; ``moe_rows_from_stream``: that
+    norm leaves its bf16 rows out (``moe_needs_rows`` False), the router remakes them from ``Normed.src`` and the
+    experts read the quantization alone. Each, and both, give the same logits bit for bit as the default (the GPU
+    and the interpreter round the delta, then the sum, as the add + norm kernel does; the remade rows are the norm's),
+    every layer through them at 20 rows."""
     dev = "cuda" if HAS_CUDA else "cpu"
     model = load_model(checkpoints("tiny"), device=dev)
     tokens = _tokens(model.cfg, 20).to(dev)
-    adds = []
-    real = gemm_mod.fp8_gemm
-    monkeypatch.setattr(gemm_mod, "fp8_gemm", lambda *a, **kw: adds.append(kw.get("residual") is not None) or real(*a, **kw))
-    on = TritonOps(config=replace(KernelConfig(), gemm_residual=True))
-    got = model(tokens, on)
-    assert sum(adds) == model.cfg.num_hidden_layers
-    adds.clear()
-    assert torch.equal(got, model(tokens, TritonOps(config=KernelConfig())))
-    assert not any(adds)
+    n = model.cfg.num_hidden_layers
+    runs = [({}, None), ({"gemm_residual": True}, None), ({"gemm_residual": True, "moe_rows_from_stream": True}, None)]
+    (want, r0, s0), (res, r1, s1), (both, r2, s2) = _counted_forwards(model, tokens, monkeypatch, runs)
+    assert (r0, s0, r1, s1, r2, s2) == (0, 0, n, 0, n, n)
+    assert torch.equal(want, res) and torch.equal(want, both)
 
-    class OwnLinear(TritonOps):
+
+@pytest.mark.slow
+def test_the_routers_rows_from_the_stream_in_moe_chunks(checkpoints, monkeypatch):
+    """``moe_rows_from_stream`` with the MoE in chunks: each chunk's router on its rows of the source
+    (``Normed.rows``), the same logits as the default."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    model = load_model(checkpoints("tiny"), device=dev)
+    tokens = _tokens(model.cfg, 20).to(dev)
+    (want, _, _), (got, _, src) = _counted_forwards(model, tokens, monkeypatch,
+                                                    [({}, 10), ({"moe_rows_from_stream": True}, 10)])
+    assert torch.equal(want, got) and src == 2 * model.cfg.num_hidden_layers
+
+
+def test_linear_add_and_moe_needs_rows_decline():
+    """Where the options fall back to the unfused forms: ``linear_add`` None for a subclass's own ``linear``
+    (tests/mutations.py), decode-sized rows (the skinny kernel), the option off and the reference backend, else
+    the add + norm kernel's new stream; ``moe_needs_rows`` True for a subclass's own ``route``, DeepGEMM's experts,
+    the option off and the reference backend."""
+    from dataclasses import replace
+
+    from gptoss_fp8.kernels.config import KernelConfig
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    on = TritonOps(config=replace(KernelConfig(), gemm_residual=True, moe_rows_from_stream=True))
+
+    class Own(TritonOps):
         def linear(self, x, w, scale_inv, bias, out_dtype=torch.bfloat16, *, xq=None):
             return super().linear(x, w, scale_inv, bias, out_dtype, xq=xq)
 
+        def route(self, x, weight, bias, top_k):
+            return super().route(x, weight, bias, top_k)
+
     x, _, _, (w, s, b) = _norm_and_linear_case(dev, 20, 192, seed=4)
     r = torch.randn(20, w.shape[0], device=dev).bfloat16()
-    assert OwnLinear(config=on.config).linear_add(x, w, s, b, r) is None
+    own = Own(config=on.config)
+    assert own.linear_add(x, w, s, b, r) is None
     assert on.linear_add(x[:16], w, s, b, r[:16]) is None  # decode-sized rows: the skinny kernel adds after
     assert TritonOps(config=KernelConfig()).linear_add(x, w, s, b, r) is None
     assert ReferenceOps().linear_add(x, w, s, b, r) is None
     # the new stream of the add + norm kernel (its store rounds as the GEMM's epilogue does, also interpreted)
     ones = torch.ones(w.shape[0], device=dev)
     assert torch.equal(on.linear_add(x, w, s, b, r), on.add_rms_norm(r, on.linear(x, w, s, b), ones, 1e-5)[0])
+    e, h, i = 4, 192, 64
+    ex = {"gate_up_proj": torch.zeros(e, 2 * i, h, device=dev).to(torch.float8_e4m3fn),
+          "gate_up_proj_scale_inv": torch.ones(e, 1, 2, device=dev), "gate_up_proj_bias": torch.zeros(e, 2 * i, device=dev),
+          "down_proj": torch.zeros(e, h, i, device=dev).to(torch.float8_e4m3fn),
+          "down_proj_scale_inv": torch.ones(e, 2, 1, device=dev)}
+    wr = torch.randn(e, h, device=dev).bfloat16()
+    assert not on.moe_needs_rows(ex, wr)
+    assert own.moe_needs_rows(ex, wr) and on.moe_needs_rows(ex, wr.float())
+    assert TritonOps(config=replace(on.config, gemm="deep_gemm")).moe_needs_rows(ex, wr)
+    assert TritonOps(config=KernelConfig()).moe_needs_rows(ex, wr) and ReferenceOps().moe_needs_rows(ex, wr)
 
 
 def test_kernel_config_is_held_and_passed(monkeypatch):

@@ -290,6 +290,11 @@ class KernelConfig:
     # their bytes floor). Built without a GPU in the thirty-ninth session (the Gluon wide tiles' residual lands by
     # TMA in their store buffers during the tile before's products): opt-in until timed
     gemm_residual: bool = False
+    # The post-attention norm leaves its bf16 rows out and writes each row's rsqrt factor; the router remakes the rows
+    # from the new stream as it reads them (kernels/router.py ``norm``: the same bits) and the expert GEMMs read the
+    # norm's quantization (``TritonOps.moe_needs_rows``): one [T, H] bf16 write a layer fewer (~189 MB at 32768
+    # tokens). Built without a GPU in the thirty-ninth session: opt-in until timed
+    moe_rows_from_stream: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

@@ -223,9 +223,15 @@ def moe_expert_slots(
     [expert_start, expert_start + E) are zero (``zero_foreign``) or left unwritten. ``x_quant``:
     x's ``act_quant`` (x_fp8 [T, H], scale [T, ceil(H/128)]) when the caller already has it.
     ``config``: the tuning (None: kernels/config.DEFAULT); ``plan``: these launches instead of
-    ``config.moe_plan``'s choice (a ``GluonTile`` gate_up forces the Gluon kernel).
+    ``config.moe_plan``'s choice (a ``GluonTile`` gate_up forces the Gluon kernel). x None: ``x_quant`` alone
+    (a norm that left its bf16 rows out: every launch below reads the quantization when given).
     """
-    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x {tuple(x.shape)} {x.dtype}"
+    if x is None:
+        assert x_quant is not None, "moe_expert_slots needs x or its quantization x_quant"
+        x = x_quant[0]  # (its shape and device; the rows' values are read from x_quant alone)
+    else:
+        assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x {tuple(x.shape)} {x.dtype}"
+    assert x.dim() == 2, f"x {tuple(x.shape)}"
     t, h = x.shape
     e, i = check_experts(w13, w13_scale_inv, b13, w2, w2_scale_inv, b2, h)
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == t, f"topk ids {tuple(topk_ids.shape)} do not fit x {tuple(x.shape)}"

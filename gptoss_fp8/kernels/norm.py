@@ -43,12 +43,14 @@ def add_rms_norm_rows(
     x, d, w, rows, cols, mask, M, H, eps, xo_ptr, y_ptr, q_ptr, s_ptr, stride_xo, stride_y, stride_q, stride_s,
     HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, STORE_Y: tl.constexpr = True,
+    r_ptr=None, STORE_R: tl.constexpr = False,
 ):
     """The row arithmetic of the norm on loaded rows: x [BLOCK_M, BLOCK_H] (x's dtype; masked
     entries 0), d the delta's rows (any dtype; unused without HAS_DELTA), w float32 [BLOCK_H] the
     norm weight; ``rows`` (int64) / ``cols`` / ``mask`` address the tile in [M, H]. Stores x + d
-    (HAS_DELTA) into xo, the normed rows into y (STORE_Y: with QUANT a caller may leave them unwritten) and
-    (QUANT) their 1x128 FP8 groups into q, s.
+    (HAS_DELTA) into xo, the normed rows into y (STORE_Y: with QUANT a caller may leave them unwritten),
+    (QUANT) their 1x128 FP8 groups into q, s and (STORE_R) each row's rsqrt factor into r_ptr [M] (float32: the
+    router remakes the rows from it, kernels/router.py ``norm``).
     Shared by ``_rms_norm_kernel`` and the fused epilogue of fp8_gemv.py, so both compute the same
     bits from the same rows (the sum of squares' order is the layout's: same tile and warps)."""
     if HAS_DELTA:
@@ -57,6 +59,8 @@ def add_rms_norm_rows(
         tl.store(xo_ptr + rows[:, None] * stride_xo + cols[None, :], x, mask=mask)
     t = x.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(t * t, axis=1) / H + eps)
+    if STORE_R:
+        tl.store(r_ptr + rows, r, mask=rows < M)
     y = ((t * r[:, None]) * w[None, :]).to(y_ptr.dtype.element_ty)
     if STORE_Y:
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
@@ -79,7 +83,8 @@ def _rms_norm_kernel(
     M, H, stride_x, stride_d, stride_xo, stride_y, stride_q, stride_s, eps,
     HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 128, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
-    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False, STORE_Y: tl.constexpr = True,
+    TOP_K: tl.constexpr = 0, PDL: tl.constexpr = False, STORE_Y: tl.constexpr = True, r_ptr=None,
+    STORE_R: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -101,7 +106,7 @@ def _rms_norm_kernel(
         else:
             d = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
     add_rms_norm_rows(x, d, w, rows, cols, mask, M, H, eps, xo_ptr, y_ptr, q_ptr, s_ptr, stride_xo, stride_y, stride_q,
-                      stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS, STORE_Y)
+                      stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS, STORE_Y, r_ptr, STORE_R)
 
 
 def norm_tile(h: int, quant: bool) -> tuple[int, int, int]:
@@ -123,7 +128,8 @@ def norm_buffers(x: torch.Tensor, rows: bool = True) -> tuple[torch.Tensor, torc
 
 
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
-            combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None):
+            combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None,
+            rstd: torch.Tensor | None = None):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
@@ -152,6 +158,9 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         assert delta.shape == x.shape, f"delta {tuple(delta.shape)} does not fit x {tuple(x.shape)}"
     if delta is not None:
         assert delta.stride(-1) == 1, f"delta {tuple(delta.shape)} needs a contiguous last dim"
+    if rstd is not None:
+        assert rstd.shape == (m,) and rstd.dtype == torch.float32 and rstd.is_contiguous(), (
+            f"rstd {tuple(rstd.shape)} {rstd.dtype}: a contiguous float32 [{m}]")
     if out is None:
         q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if quant else y
         s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
@@ -164,7 +173,8 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         x.stride(0), d.stride(0), xo.stride(0), y.stride(0), q.stride(0), s.stride(0),
         float(eps), HAS_DELTA=delta is not None, BLOCK_M=block_m, BLOCK_H=block_h,
         QUANT=quant, GROUP=ACT_GROUP, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, TOP_K=top_k,
-        PDL=pdl, num_warps=num_warps, **({} if rows else {"STORE_Y": False}), **launch_kwargs(pdl),
+        PDL=pdl, num_warps=num_warps, **({} if rows else {"STORE_Y": False}),
+        **({} if rstd is None else {"r_ptr": rstd, "STORE_R": True}), **launch_kwargs(pdl),
     )
     return xo, y if rows else None, (q, s) if quant else None
 
@@ -183,6 +193,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 def rms_norm_quant(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
     combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None,
+    rstd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
     """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
     returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass.
@@ -192,5 +203,7 @@ def rms_norm_quant(
     programmatic dependent launch (kernels/pdl.py; the norm's weight is read before the wait). ``rows=False``:
     the normed bf16 rows are not written (returned as None), for a caller that reads only their quantization
     (the next layer's q / k / v GEMM): one [T, H] write fewer. ``out`` (with a delta): ``norm_buffers``' four
-    (or row slices of them) to write instead of new tensors, returned the same way."""
-    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows, out=out)
+    (or row slices of them) to write instead of new tensors, returned the same way. ``rstd`` (float32 [T]):
+    each row's rsqrt factor written there (the router remakes the rows from the new x and it: kernels/router.py
+    ``norm``)."""
+    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows, out=out, rstd=rstd)

@@ -66,13 +66,23 @@ def _partial_logits(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     EVEN_K: tl.constexpr,
+    r_ptr=None,
+    nw_ptr=None,
+    NORM: tl.constexpr = False,
 ):
-    """fp32 [BLOCK_T, BLOCK_E]: x[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi]^T (k_lo a multiple of BLOCK_K)."""
+    """fp32 [BLOCK_T, BLOCK_E]: x[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi]^T (k_lo a multiple of BLOCK_K). NORM: x is
+    the stream before its RMSNorm and the product's rows are the norm's, bf16((x * rstd) * weight) as kernels/norm.py
+    rounds them (rstd r_ptr [T] and the norm weight nw_ptr [H], float32)."""
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if NORM:
+        r = tl.load(r_ptr + rows64, mask=row_ok, other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = (offs_k < H) | EVEN_K  # no K mask when BLOCK_K divides H: Triton then pipelines the loads
         a = tl.load(x_ptr + rows64[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:  # (norm.py's add_rms_norm_rows: t = x in fp32, (t * r) * w, one rounding)
+            nw = tl.load(nw_ptr + offs_k, mask=offs_k < H, other=0.0)
+            a = ((a.to(tl.float32) * r[:, None]) * nw[None, :]).to(x_ptr.dtype.element_ty)
         b = tl.load(w_ptr + cols[None, :] * stride_w + offs_k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:  # the interpreter's bf16 arithmetic is not the GPU's: products in fp32
             a = a.to(tl.float32)
@@ -149,6 +159,9 @@ def _router_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     EVEN_K: tl.constexpr = False,
+    r_ptr=None,
+    nw_ptr=None,
+    NORM: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -156,7 +169,8 @@ def _router_kernel(
     col_ok = cols < E
     rows64 = rows.to(tl.int64)
     acc = _partial_logits(
-        x_ptr, w_ptr, rows64, row_ok, cols, col_ok, 0, H, H, stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_K, UPCAST, EVEN_K
+        x_ptr, w_ptr, rows64, row_ok, cols, col_ok, 0, H, H, stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_K, UPCAST, EVEN_K,
+        r_ptr, nw_ptr, NORM,
     )
     _route_tile(
         acc, b_ptr, logits_ptr, ids_ptr, wts_ptr, rows64, row_ok, cols, col_ok, E, stride_l, HAS_BIAS, TOP_K, KP, BLOCK_T, BLOCK_E
@@ -191,6 +205,9 @@ def _router_split_kernel(
     NUM_SPLITS: tl.constexpr,  # the grid's second dimension: cdiv(H, CHUNK)
     PDL: tl.constexpr = False,
     PF_LINES: tl.constexpr = 1,  # with PDL: 64-element lines of the split's weight rows prefetched before the wait
+    r_ptr=None,
+    nw_ptr=None,
+    NORM: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -206,7 +223,8 @@ def _router_split_kernel(
         prefetch_l2(w_ptr + cols[:, None] * stride_w + offs_l[None, :], col_ok[:, None] & (offs_l < k_hi)[None, :])
     pdl_wait(PDL)
     acc = _partial_logits(
-        x_ptr, w_ptr, rows64, row_ok, cols, col_ok, k_lo, k_hi, H, stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_K, UPCAST, EVEN_K
+        x_ptr, w_ptr, rows64, row_ok, cols, col_ok, k_lo, k_hi, H, stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_K, UPCAST, EVEN_K,
+        r_ptr, nw_ptr, NORM,
     )
     # partials [NUM_SPLITS, T, E] fp32, contiguous
     tile_ok = row_ok[:, None] & col_ok[None, :]
@@ -290,12 +308,16 @@ def router(
     top_k: int,
     config: tuple[int, int, int] | RouterSplit | None = None,
     pdl: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x bf16 [T, H], weight bf16 [E, H], bias bf16 [E] (or None), top_k <= E ->
     (logits bf16 [T, E], ids int32 [T, k] sorted by logit, weights bf16 [T, k] = softmax over them).
     ``config``: instead of ``router_config``'s, a ``RouterSplit`` (the split form, at any T) or a
     (BLOCK_T, num_warps, num_stages) tile (the tiled form, at any T). ``pdl``: the split form
-    launches with programmatic dependent launch (kernels/pdl.py; the tiled form never)."""
+    launches with programmatic dependent launch (kernels/pdl.py; the tiled form never). ``norm`` = (rstd
+    float32 [T], norm weight float32 [H]): x is the stream before its RMSNorm, whose rows (norm.py's
+    bf16((x * rstd) * weight), bit for bit) are made here as the product reads them: the norm that gave rstd
+    (``rms_norm_quant(rstd=)``) need not write them."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     t, h = x.shape
     assert weight.dim() == 2 and weight.shape[1] == h and weight.is_contiguous(), f"router weight {tuple(weight.shape)} for H={h}"
@@ -304,6 +326,12 @@ def router(
     assert x.dtype == weight.dtype == torch.bfloat16, f"x {x.dtype}, weight {weight.dtype}: want bfloat16"
     if bias is not None:
         assert bias.shape == (e,) and bias.is_contiguous(), f"router bias {tuple(bias.shape)} for {e} experts"
+    normed = {}
+    if norm is not None:
+        rstd, nw = norm
+        assert rstd.shape == (t,) and rstd.dtype == torch.float32 and rstd.is_contiguous(), f"rstd {tuple(rstd.shape)}"
+        assert nw.shape == (h,) and nw.dtype == torch.float32 and nw.is_contiguous(), f"norm weight {tuple(nw.shape)}"
+        normed = dict(r_ptr=rstd, nw_ptr=nw, NORM=True)
     logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     wts = torch.empty((t, top_k), dtype=x.dtype, device=x.device)
@@ -337,6 +365,7 @@ def router(
             PF_LINES=next_pow2(cdiv(per_split * cfg.block_k, 64)),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            **normed,
             **launch_kwargs(pdl),
         )
         return logits, ids, wts
@@ -352,5 +381,6 @@ def router(
         EVEN_K=h % block_k == 0,
         num_warps=warps,
         num_stages=stages,
+        **normed,
     )
     return logits, ids, wts

@@ -340,9 +340,11 @@ class GptOss(nn.Module):
                 x = force[f"{i}.in"].to(device=x.device, dtype=x.dtype)
                 h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
             last_rows = prune and i == len(layers) - 1
+            # (the post-attention norm's bf16 rows only where the MoE reads them: ``ops.moe_needs_rows``)
             x, h = self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments,
                                    last_rows=ends if last_rows else None,
-                                   post=(_take(x, ends) if last_rows else x, layer.post_attention_layernorm.weight))
+                                   post=(_take(x, ends) if last_rows else x, layer.post_attention_layernorm.weight,
+                                         force is not None or self._moe_rows(layer, ops)))
             if capture is not None:
                 capture[f"{layer.idx}.attn"] = x
             routing = None
@@ -429,12 +431,14 @@ class GptOss(nn.Module):
                    row: int = 0, step: DecodeStep | None = None, start: int = 0,
                    segments: list[tuple[int, int, int]] | None = None,
                    last_rows: slice | torch.Tensor | None = None,
-                   post: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, Normed]:
+                   post: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+                   ) -> torch.Tensor | tuple[torch.Tensor, Normed]:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
-        once); with ``post`` = (the stream x, the post-attention norm's weight): (x + delta, its norm), the
-        ``add_rms_norm`` after it, or (one rank) o_proj's GEMM adding x in its epilogue and the norm reading
-        the new stream alone (``ops.linear_add``, where the backend has it). Without ``step`` the rows are
+        once); with ``post`` = (the stream x, the post-attention norm's weight, whether its bf16 rows are
+        needed): (x + delta, its norm), the ``add_rms_norm`` after it, or (one rank) o_proj's GEMM adding x in its
+        epilogue and the norm reading the new stream alone (``ops.linear_add``, where the backend has it). Without
+        ``step`` the rows are
         one sequence at positions 0..T - 1 (written to the
         cache's sequence ``row`` if a cache is given) and the attention is the prefill's over them;
         with a decode ``step`` row b is sequence b's new token: its K / V are appended to the cache
@@ -480,9 +484,15 @@ class GptOss(nn.Module):
         if post is not None and self.par.world == 1:
             xo = ops.linear_add(o.y, *proj, post[0], xq=o.quant)
             if xo is not None:
-                return xo, ops.rms_norm(xo, post[1], eps)
+                return xo, ops.rms_norm(xo, post[1], eps, rows=post[2])
         delta = ops.all_reduce(ops.linear(o.y, *proj, self._partial_dtype(), xq=o.quant), self.par)
-        return delta if post is None else ops.add_rms_norm(post[0], delta, post[1], eps)
+        return delta if post is None else ops.add_rms_norm(post[0], delta, post[1], eps, rows=post[2])
+
+    @staticmethod
+    def _moe_rows(layer: Layer, ops: ReferenceOps) -> bool:
+        """Whether layer's MoE block reads its norm's bf16 rows (``ops.moe_needs_rows``)."""
+        m = layer.mlp
+        return ops.moe_needs_rows(dict(m.experts.named_buffers(recurse=False)), m.router.weight)
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
                            start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,
@@ -630,7 +640,10 @@ class GptOss(nn.Module):
         ``route_keys`` (the verdict's combine check)."""
         m = layer.mlp
         # logits [T, E] bf16 (replicated), top-k expert ids [T, k], their softmax weights [T, k] bf16
-        g, ids, weights = ops.route(t.y, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
+        if t.y is not None:
+            g, ids, weights = ops.route(t.y, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok)
+        else:  # (the norm left its rows out, ``moe_needs_rows``: the router remakes them from its source)
+            g, ids, weights = ops.route(None, m.router.weight, m.router.bias, self.cfg.num_experts_per_tok, src=t.src)
         if capture is not None and (routing is not None or route_keys):
             capture[f"{layer.idx}.ids"], capture[f"{layer.idx}.weights"] = ids, weights
         if routing is not None:
@@ -643,7 +656,7 @@ class GptOss(nn.Module):
         y, yb = ops.expert_ffn(t.y, ids, ex, m.experts.first_expert, self.cfg.swiglu_limit,
                                partial=self.par.parts > 1, xq=t.quant)  # [T, k, H] f32 each
         if yb is None:  # whole experts per rank: each (token, slot) is computed by exactly one rank
-            y = ops.all_reduce(y, self.par).to(t.y.dtype)
+            y = ops.all_reduce(y, self.par).to((t.y if t.y is not None else t.src[0]).dtype)
         else:  # intermediate dim split: sum the partial products, round, then add the bias once
             both = ops.all_reduce(torch.stack([y, yb]), self.par)
             y = ops.add_bias_after_sum(both[0], both[1])

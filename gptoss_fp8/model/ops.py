@@ -36,7 +36,12 @@ writes each chunk's combine, residual add and next norm into its rows of the lay
 gives the buffers in the backend's form, ``moe_combine_add_rms_norm(..., out=)`` takes row slices of them.
 The attention before o_proj works the same way: ``attention_out(..., rows=False)`` (asked where ``needs_rows``
 says o_proj reads only ``xq``) returns a ``Normed`` whose rows a backend may leave out, their quantization
-written by the attention kernel itself (the triton backend's window layers).
+written by the attention kernel itself (the triton backend's window layers). The MoE likewise: where
+``moe_needs_rows`` is False (the triton backend's ``moe_rows_from_stream``) the post-attention norm leaves its
+rows out and its ``Normed.src`` (the new stream and each row's rsqrt factor) lets ``route(None, ..., src=)``
+remake them bit for bit; ``expert_ffn`` then gets x None beside ``xq``. o_proj's residual add: ``linear_add``
+returns x + o_proj(o) from a GEMM that adds it in its epilogue, or None (every CPU backend): the model then
+runs ``linear`` and ``add_rms_norm`` as before, else ``rms_norm`` of the new stream.
 """
 
 from __future__ import annotations
@@ -73,10 +78,13 @@ class Normed(NamedTuple):
     """A norm's output: ``y`` bf16 [T, H], and ``quant`` = quant/fp8.quantize_act(y) (fp8 [T, H],
     float32 scale [T, ceil(H/128)]) when the backend computed it in the same pass, else None. ``y`` is None
     when the caller asked for the quantization alone (a norm's ``rows=False``, given only where
-    ``ReferenceOps.needs_rows`` said the consumers take ``quant``)."""
+    ``ReferenceOps.needs_rows`` / ``moe_needs_rows`` said the consumers take ``quant``). ``src`` (a backend's,
+    where it left the rows out): (the normed stream x bf16 [T, H], each row's rsqrt factor float32 [T], the norm
+    weight float32 [H]), from which ``normed_rows`` remakes y bit for bit (the router reads them so)."""
 
     y: torch.Tensor | None
     quant: Quant | None = None
+    src: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n(self) -> int:
@@ -84,14 +92,24 @@ class Normed(NamedTuple):
         return (self.y if self.y is not None else self.quant[0]).shape[0]
 
     def rows(self, a: int, b: int) -> Normed:
-        """Rows a..b of both (the chunked MoE's slices)."""
+        """Rows a..b of each (the chunked MoE's slices)."""
         q = None if self.quant is None else (self.quant[0][a:b], self.quant[1][a:b])
-        return Normed(None if self.y is None else self.y[a:b], q)
+        src = None if self.src is None else (self.src[0][a:b], self.src[1][a:b], self.src[2])
+        return Normed(None if self.y is None else self.y[a:b], q, src)
 
     def select(self, idx: torch.Tensor) -> Normed:
-        """The rows idx (int tensor) of both (a prefill's last layer: the rows whose logits are returned)."""
+        """The rows idx (int tensor) of each (a prefill's last layer: the rows whose logits are returned)."""
         q = None if self.quant is None else (self.quant[0].index_select(0, idx), self.quant[1].index_select(0, idx))
-        return Normed(None if self.y is None else self.y.index_select(0, idx), q)
+        src = None if self.src is None else (self.src[0].index_select(0, idx), self.src[1].index_select(0, idx),
+                                             self.src[2])
+        return Normed(None if self.y is None else self.y.index_select(0, idx), q, src)
+
+
+def normed_rows(src: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``Normed.src``'s rows: bf16((x * rstd) * weight) in fp32, the norm's own rounding (``spec.rms_norm`` with
+    its rsqrt factor given; kernels/norm.py computes the same products)."""
+    x, rstd, weight = src
+    return ((x.float() * rstd[:, None]) * weight.float()).to(x.dtype)
 
 
 def _write_normed(out: tuple[torch.Tensor, Normed], x: torch.Tensor, h: Normed) -> tuple[torch.Tensor, Normed]:
@@ -266,12 +284,18 @@ class ReferenceOps:
         return [self.linear(x, w, s, b, xq=xq) for w, s, b in projs]
 
     # --- experts -------------------------------------------------------------------------------
-    def route(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+              top_k: int, *, src: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The MoE router (``spec.route``): (logits bf16 [T, E] = the bf16 linear with bias, expert
         ids [T, k] of the top-k logits sorted descending, weights bf16 [T, k] = softmax over those k
-        logits in bf16)."""
-        return spec.route(x, weight, bias, top_k)
+        logits in bf16). x None: the rows from ``src`` (``Normed.src``, where a norm left them out)."""
+        return spec.route(normed_rows(src) if x is None else x, weight, bias, top_k)
+
+    def moe_needs_rows(self, experts: dict[str, torch.Tensor | None], router_weight: torch.Tensor) -> bool:
+        """Whether the MoE block (``route``, ``expert_ffn``) reads its norm's bf16 rows: False where this backend's
+        router remakes them from ``Normed.src`` and its expert GEMMs take ``quant``, so the norm before may leave
+        them out (``rows=False``). This backend: True."""
+        return True
 
     def expert_ffn(self, x: torch.Tensor, idx: torch.Tensor, experts: dict[str, torch.Tensor | None],
                    first_expert: int, limit: float, partial: bool = False, *,
@@ -319,8 +343,9 @@ class ReferenceOps:
         the all-reduce)."""
         return y.to(torch.bfloat16) + b.to(torch.bfloat16)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Normed:
-        """``spec.rms_norm`` (fp32 RMSNorm, cast back to x's dtype; weight float32 [H]) as ``Normed``."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, rows: bool = True) -> Normed:
+        """``spec.rms_norm`` (fp32 RMSNorm, cast back to x's dtype; weight float32 [H]) as ``Normed``. ``rows=False``:
+        as ``add_rms_norm``'s (this backend returns the rows)."""
         return Normed(spec.rms_norm(x, weight, eps))
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

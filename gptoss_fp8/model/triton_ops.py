@@ -235,26 +235,51 @@ class TritonOps(W8A8CpuOps):
         return w, s, b
 
     # --- experts ---------------------------------------------------------------------------------
-    def route(self, x, weight, bias, top_k):
-        """kernels/router.py: the bf16 router GEMM + bias, top-k and softmax in one kernel (int32 ids)."""
-        if (not _kernel_device(x) or x.dtype != BF16 or weight.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1
-                or weight.dim() != 2 or not weight.is_contiguous() or (bias is not None and bias.dtype != BF16)):
-            self._fallback("route", x, weight)
-            return super().route(x, weight, bias, top_k)
+    def route(self, x, weight, bias, top_k, *, src=None):
+        """kernels/router.py: the bf16 router GEMM + bias, top-k and softmax in one kernel (int32 ids). x None: the
+        kernel remakes the rows from ``src`` (the stream, rsqrt factors, norm weight: its ``norm``) as it reads them."""
+        xs = x if x is not None else src[0]
+        if (not _kernel_device(xs) or xs.dtype != BF16 or weight.dtype != BF16 or xs.dim() != 2 or xs.stride(-1) != 1
+                or weight.dim() != 2 or not weight.is_contiguous() or (bias is not None and bias.dtype != BF16)
+                or x is None and not (src[1].is_contiguous() and src[2].dtype == F32 and src[2].is_contiguous())):
+            self._fallback("route", xs, weight)
+            return super().route(x, weight, bias, top_k, src=src)
         from gptoss_fp8.kernels.router import router
 
-        return router(x, weight, None if bias is None else bias.contiguous(), top_k, pdl=self._pdl(x))
+        return router(xs, weight, None if bias is None else bias.contiguous(), top_k, pdl=self._pdl(xs),
+                      norm=None if x is not None else src[1:])
+
+    def moe_needs_rows(self, experts, router_weight):
+        """False where ``config.moe_rows_from_stream`` is on, ``route`` and ``expert_ffn`` are this class's own (a
+        subclass's, e.g. tests/mutations.py's, gets the rows), the experts run our FP8 kernels on ``quant``
+        (``_experts_ok``; not DeepGEMM's) and the router weight is one our kernel takes: the router remakes
+        the rows from ``Normed.src`` (kernels/router.py ``norm``), one [T, H] bf16 write a layer fewer."""
+        return not (self.config.moe_rows_from_stream and self.config.gemm != "deep_gemm"
+                    and type(self).route is TritonOps.route and type(self).expert_ffn is TritonOps.expert_ffn
+                    and self._experts_ok(experts, router_weight.shape[-1]) and router_weight.dtype == BF16
+                    and router_weight.dim() == 2 and router_weight.is_contiguous())
+
+    @staticmethod
+    def _experts_ok(experts, h) -> bool:
+        """Whether our expert kernels take these experts (rows of width h): FP8 with scales, a gate_up bias, H and
+        I multiples of 16."""
+        w13, w2 = experts["gate_up_proj"], experts["down_proj"]
+        return (w13.dtype == FP8_DTYPE and w2.dtype == FP8_DTYPE and experts.get("gate_up_proj_scale_inv") is not None
+                and experts.get("down_proj_scale_inv") is not None and experts.get("gate_up_proj_bias") is not None
+                and h % 16 == 0 and w2.shape[-1] % 16 == 0 and w13.shape[1] == 2 * w2.shape[-1])
 
     # --- expert FFN ----------------------------------------------------------------------------
     def expert_ffn(self, x, idx, experts, first_expert, limit, partial=False, *, xq=None):
+        """x None (``moe_needs_rows`` False): the kernels on ``xq`` alone."""
         w13, w2 = experts["gate_up_proj"], experts["down_proj"]
         s13, s2 = experts.get("gate_up_proj_scale_inv"), experts.get("down_proj_scale_inv")
         b13, b2 = experts.get("gate_up_proj_bias"), experts.get("down_proj_bias")
-        h = x.shape[-1]
-        if (not _kernel_device(x) or x.dtype != BF16 or x.dim() != 2 or w13.dtype != FP8_DTYPE
-                or w2.dtype != FP8_DTYPE or s13 is None or s2 is None or b13 is None
-                or h % 16 or w2.shape[-1] % 16 or w13.shape[1] != 2 * w2.shape[-1]):
+        xs = x if x is not None else xq[0]  # (its shape and device)
+        h = xs.shape[-1]
+        if (not _kernel_device(xs) or (x is not None and x.dtype != BF16) or xs.dim() != 2
+                or not self._experts_ok(experts, h)):
             # The kernels need FP8 experts with scales, a gate_up bias, H and I multiples of 16.
+            assert x is not None, "expert_ffn without rows: only where moe_needs_rows said the kernels take xq"
             self._fallback("expert_ffn", x, w13, w2)
             return super().expert_ffn(x, idx, experts, first_expert, limit, partial, xq=xq)
         t, k = idx.shape
@@ -269,7 +294,7 @@ class TritonOps(W8A8CpuOps):
                                       first_expert, limit, F32 if partial else BF16, x_quant=xq)
         else:
             # The kernel always adds a bias; a zero bias leaves the fp32 partial products exact.
-            b2_kernel = b2 if (b2 is not None and not partial) else torch.zeros(n_local, h, dtype=F32, device=x.device)
+            b2_kernel = b2 if (b2 is not None and not partial) else torch.zeros(n_local, h, dtype=F32, device=xs.device)
             from gptoss_fp8.kernels.moe import moe_expert_slots
 
             # per-(token, slot) rows [T*k, H]; slots routed to other ranks are zero. A rank's expert
@@ -280,7 +305,7 @@ class TritonOps(W8A8CpuOps):
         y = y.view(t, k, h)
         if not partial:
             return y, None  # bf16 (see the module docstring): values identical to the float32 contract
-        bias_out = torch.zeros(t, k, h, dtype=F32, device=x.device)
+        bias_out = torch.zeros(t, k, h, dtype=F32, device=xs.device)
         if b2 is not None:
             local = idx.long() - first_expert
             here = (local >= 0) & (local < n_local)
@@ -334,28 +359,31 @@ class TritonOps(W8A8CpuOps):
         return (_kernel_device(x) and x.dim() == 2 and x.dtype in (BF16, torch.float16) and x.stride(-1) == 1
                 and weight.dtype == F32 and weight.is_contiguous())
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, *, rows=True):
         if not self._norm_ok(x, weight):
             self._fallback("rms_norm", x, weight)
-            return super().rms_norm(x, weight, eps)
-        return self._norm(x, None, weight, eps)[1]
+            return super().rms_norm(x, weight, eps, rows=rows)
+        return self._norm(x, None, weight, eps, rows=rows, src=not rows)[1]
 
     def add_rms_norm(self, x, delta, weight, eps, *, rows=True):
+        """``rows=False``: the Normed carries ``src`` (the new x and each row's rsqrt factor: ``moe_needs_rows``)."""
         if not self._norm_ok(x, weight) or delta.shape != x.shape or delta.stride(-1) != 1:
             self._fallback("add_rms_norm", x, delta, weight)
             return super().add_rms_norm(x, delta, weight, eps, rows=rows)
-        return self._norm(x, delta, weight, eps, rows=rows)
+        return self._norm(x, delta, weight, eps, rows=rows, src=not rows)
 
-    def _norm(self, x, delta, weight, eps, combine=None, rows=True, out=None):
+    def _norm(self, x, delta, weight, eps, combine=None, rows=True, out=None, src=False):
         """The norm kernel with the output's FP8 quantization in the same pass: (new x, Normed). ``rows=False``
         (a bf16 stream: the one ``linears`` takes as None): the bf16 rows not written, ``Normed.y`` None.
-        ``out``: ``norm_out``'s rows to write (checked by ``_out_ok``)."""
+        ``out``: ``norm_out``'s rows to write (checked by ``_out_ok``). ``src`` (with rows left out): each row's
+        rsqrt factor written too, ``Normed.src`` = (new x, those, weight), from which the router remakes the rows."""
         from gptoss_fp8.kernels.norm import rms_norm_quant
 
         into = None if out is None else (out[0], out[1].y, *out[1].quant)
-        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows or x.dtype != BF16,
-                                      out=into)
-        return xo, Normed(y, quant)
+        rows = rows or x.dtype != BF16
+        rstd = torch.empty(x.shape[0], dtype=F32, device=x.device) if src and not rows else None
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows, out=into, rstd=rstd)
+        return xo, Normed(y, quant, None if rstd is None else (xo, rstd, weight))
 
     # --- attention -----------------------------------------------------------------------------
     def attention_cached(self, q, k_cache, v_cache, lengths, sinks, sm_scale, window):

@@ -169,3 +169,40 @@ def test_router_split_in_a_cuda_graph_gpu(e):
             assert torch.equal(a, c)
     torch.cuda.synchronize()
     assert int(arrival_counters(x.device, 1).count_nonzero()) == 0
+
+
+def _norm_source(t, h, seed):
+    """A post-attention norm's source: the new stream x, its rows as the norm kernel writes them, each row's rsqrt
+    factor (``rms_norm_quant(rstd=)``, rows and rsqrt from one launch) and the norm weight."""
+    from gptoss_fp8.kernels.norm import rms_norm_quant
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, h, generator=g) * 3).bfloat16().to(DEV)
+    d = torch.randn(t, h, generator=g).bfloat16().to(DEV)
+    nw = (torch.rand(h, generator=g) + 0.5).to(DEV)
+    rstd = torch.full((t,), float("nan"), device=DEV)
+    xo, y, _ = rms_norm_quant(x, d, nw, 1e-5, rstd=rstd)
+    return xo, y, rstd, nw
+
+
+@pytest.mark.parametrize("t,h,e,config", [(5, 200, 32, None), (40, 320, 32, None), (40, 320, 128, RouterSplit(4, 64, 4, 1)),
+                                          (70, 2880, 32, None)], ids=["split", "tiles", "split-tiles", "2880"])
+def test_router_remakes_the_norms_rows(t, h, e, config):
+    """``router(norm=(rstd, weight))`` on the stream before the norm: the rows remade as the product reads them are
+    the norm kernel's bit for bit, so logits, ids and weights equal those of ``router`` on the rows (both forms,
+    H with and without a partial 64-column block); the norm's rsqrt factors are torch's within float32 rounding."""
+    xo, y, rstd, nw = _norm_source(t, h, seed=t + h + e)
+    _, w, b = _case(t, h, e, seed=e)
+    want = router(y, w, b, 4, config=config)
+    got = router(xo, w, b, 4, config=config, norm=(rstd, nw))
+    assert all(torch.equal(a, c) for a, c in zip(want, got, strict=True))
+    torch.testing.assert_close(rstd, torch.rsqrt(xo.float().pow(2).mean(-1) + 1e-5), rtol=2e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e", [(32768, 32), (4099, 128), (1, 32)])
+def test_router_remakes_the_norms_rows_gpu(t, e):
+    xo, y, rstd, nw = _norm_source(t, 2880, seed=t + e)
+    _, w, b = _case(t, 2880, e, seed=e)
+    want, got = router(y, w, b, 4), router(xo, w, b, 4, norm=(rstd, nw))
+    assert all(torch.equal(a, c) for a, c in zip(want, got, strict=True))
