@@ -12,7 +12,9 @@ quantization, ``fp8_operands``, apart) in one process, five ways:
 
 Usage (GPU machine): python3 benchmarks/attn_inmodel_probe.py [--model 20b] [--tokens 32768] [--reps 10]
 Prints one line a way: median ms a call (kernel, operands), min / max, and the SM clock / board power
-where pynvml reads them.
+where pynvml reads them. Then one traced call of model / captured / heated (``ws_attention_prefill_fp8(trace=)``,
+benchmarks/attn_trace.py's analysis of head 0's longest programs): SM cycles a 128-key step. The same cycles a step
+and a longer time say the clock (the power cap after the MoE); more cycles say the data or the memory.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Timer:
         self.first: tuple | None = None
         self.on = False
         self._mark = None
+        self.trace: torch.Tensor | None = None  # given to the next call (then cleared), untimed
 
     def operands(self, *a, **kw):
         r = _operands(*a, **kw)
@@ -51,6 +54,9 @@ class Timer:
         if self.first is None and q.shape[0] == k.shape[0]:
             self.first = (q.clone(), k.clone(), v.clone(), sinks.clone(), sm_scale,
                           {n: tuple(t.clone() for t in x) if isinstance(x, tuple) else x for n, x in kw.items()})
+        if self.trace is not None and q.shape[0] == k.shape[0]:
+            trace, self.trace = self.trace, None
+            return _kernel(q, k, v, sinks, out, sm_scale, trace=trace, **kw)
         if not self.on:
             return _kernel(q, k, v, sinks, out, sm_scale, **kw)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,6 +154,34 @@ def main() -> None:
             timer.on = False
     for n in ways:
         report(n, *results[n], readings[n])
+    traced(timer, ways, T)
+
+
+def traced(timer: Timer, ways: dict, T: int) -> None:
+    """One traced call of the first full layer in the model, of the captured inputs alone and after the heating
+    GEMM: attn_trace.py's step periods (SM cycles) of head 0's longest programs."""
+    import numpy as np
+    from attn_trace import analyse  # (benchmarks/, this script's directory)
+
+    from gptoss_fp8.quant.fp8 import cdiv
+
+    NWG, WG_ROWS = ws8.NWG, ws8.WG_ROWS  # noqa: N806 - the kernel's constants
+    npm, steps = cdiv(T, NWG * WG_ROWS), cdiv(cdiv(T, 64), 2)
+    n_steps = np.zeros((npm, NWG), dtype=np.int64)
+    for p in range(npm):  # (attn_trace.main's count: program p holds rows (npm - 1 - p) * 192 ..)
+        m0 = (npm - 1 - p) * NWG * WG_ROWS
+        for w in range(NWG):
+            r0 = m0 + w * WG_ROWS
+            n_steps[p, w] = cdiv(min(r0 // 64 + 1, cdiv(min(m0 + NWG * WG_ROWS, T), 64)), 2) if r0 < T else 0
+    sel = slice(0, min(48, npm))
+    for n in ("model", "captured", "heated"):
+        timer.trace = torch.zeros(npm, NWG, steps + 1, 8, dtype=torch.int32, device="cuda")
+        trace = timer.trace
+        ways[n]()
+        torch.cuda.synchronize()
+        res = analyse(trace.cpu().numpy().view(np.uint32)[sel], n_steps[sel])
+        periods = {w: r["period_median"] for w, r in res["per_warpgroup"].items()}
+        print(f"{n:12s} traced: step period median (SM cycles) by warpgroup {periods}", flush=True)
 
 
 if __name__ == "__main__":
