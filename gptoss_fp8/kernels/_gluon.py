@@ -116,6 +116,14 @@ def check_stage_scales(stage_scales: bool, ok: bool, what: str) -> None:
                          f"the dense block_n=256), not {what}")
 
 
+def check_narrow(narrow: bool, ok: bool, what: str) -> None:
+    """ValueError for ``GluonTile(narrow=True)`` on a tile other than the 128 x 256 ones (``ok``: the dense
+    block_n=256 and the MoE's Gluon down), whose last column tile it runs as one m64n64 product a warpgroup."""
+    if narrow and not ok:
+        raise ValueError(f"GluonTile(narrow=True) is for the 128 x 256 tiles (the dense block_n=256, the MoE's Gluon "
+                         f"down), not {what}")
+
+
 def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int) -> tuple[dict, torch.Tensor]:
     """``GluonTile.stage_scales``'s launch arguments (``load_stage_scaled``): TMA descriptors over the row
     scales MN-major (K block kk's rows contiguous: a_scale [M, ceil(K/128)] with strides (1, M), as

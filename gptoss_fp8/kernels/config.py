@@ -82,7 +82,12 @@ class GluonTile:
     64-bit products), 926 instructions a K block, about the tensor core's time for one; now computed once a tile
     into shared memory, 399 a K block: its GPU tests pass (H100, thirty-seventh session), but still **3.5% slower**
     (0.4170 against 0.4030 s, the 20b at 32768, same process). Opt-in (with ``stage_scales=false``, which it
-    refuses). Other tiles refuse it (``_gluon.check_gather``)."""
+    refuses). Other tiles refuse it (``_gluon.check_gather``).
+    narrow: the 128 x 256 tiles (dense block_n=256, the MoE's Gluon down): the last column tile, where its valid
+    columns fit 64 (N % 256 in 1..64: o_proj's and the down's N = 2880), runs one m64n64 product a warpgroup instead
+    of an m64n128 one half past N (2.2% of those GEMMs' products at N = 2880). Same bits (each output element the
+    same K blocks' products, promoted alike). Built without a GPU in the thirty-ninth session: opt-in until timed;
+    other tiles refuse it (``_gluon.check_narrow``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -93,6 +98,7 @@ class GluonTile:
     turns: bool = False
     stage_scales: bool = False
     gather: bool = False
+    narrow: bool = False
 
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:

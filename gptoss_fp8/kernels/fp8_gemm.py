@@ -244,7 +244,7 @@ def fp8_gemm(
         fused = res is not None and fp8_gemm_ws.residual_fused(bm, bn, tile.stages, tile.stage_scales, k)
         fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
                                 block_m=bm, block_n=bn, balance=tile.balance, promote=tile.promote, turns=tile.turns,
-                                stage_scales=tile.stage_scales, residual=res if fused else None)
+                                stage_scales=tile.stage_scales, residual=res if fused else None, narrow=tile.narrow)
         return (out if fused else _plus(out, res)).reshape(*lead, n)
     bm, bn = tile.block_m, tile.block_n
     assert bn in (16, 32, 64, 128), f"BLOCK_N={bn}: tiles must lie inside one 128-column weight block"

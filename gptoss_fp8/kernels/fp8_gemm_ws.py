@@ -45,6 +45,7 @@ import torch
 from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     HAS_GLUON,
+    check_narrow,
     check_promote,
     check_stage_scales,
     check_turns,
@@ -190,7 +191,7 @@ if HAS_GLUON:
     def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                       M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
                       turn, TURN: gl.constexpr, sa_bufs=None, sb_bufs=None, SC: gl.constexpr = False, r_desc=None,
-                      rbar=None, RES: gl.constexpr = False):
+                      rbar=None, RES: gl.constexpr = False, NARROW: gl.constexpr = False):
         """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_serial``):
         256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
         128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
@@ -231,46 +232,71 @@ if HAS_GLUON:
             rows0 = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
             a_offs = rows0 * stride_asm
             b_s_ptr = bs_ptr + (col0 // TK) * stride_bsn  # one weight-scale block row per 128 columns
-            if WN:
-                row1 = row0
-                col1 = col0 + HN
-                if col1 < N:
-                    acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
-                                                                  HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
-                                                                  stride_bsn, c, n_k, layout, True, True, turn, W,
-                                                                  TURN, sa_bufs, sb_bufs, SC)
+            if WN and NARROW and col0 + HN // 2 >= N:
+                # the last column tile's valid columns fit one m64n64 product: only that one (N = 2880: 2.2% of the
+                # products were columns past N); its half-width piece leaves through the first buffer's left half
+                # (the box's right half lies past N: clipped)
+                layout_n: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                   instr_shape=[16, HN // 2, 32])
+                rows_n = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout_n))
+                accn, _unused, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN // 2,
+                                                                 as_ptr, rows_n * stride_asm, 0, rows_n < M, rows_n < M,
+                                                                 b_s_ptr, stride_bsn, c, n_k, layout_n, True, False,
+                                                                 turn, W, TURN, sa_bufs, sb_bufs, SC)
+                buf = c_bufs.index(W * NB)
+                if HAS_BIAS:
+                    colsn = col0 + gl.arange(0, HN // 2, layout=gl.SliceLayout(0, layout_n))
+                    accn = accn + gl.expand_dims(gl.load(bias_ptr + colsn, mask=colsn < N, other=0.0).to(gl.float32), 0)
+                if RES:
+                    mbarrier.wait(rbar.index(W), rphase)
+                    rphase ^= 1
+                    accn = _plus_residual(accn, buf.slice(0, HN // 2, dim=1), layout_n)
                 else:
-                    acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
-                                                                  HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M, b_s_ptr,
-                                                                  stride_bsn, c, n_k, layout, True, False, turn, W,
-                                                                  TURN, sa_bufs, sb_bufs, SC)
+                    tma.store_wait(0)  # the previous tile's stores have left c_bufs
+                buf.slice(0, HN // 2, dim=1).store(accn.to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0, col0], buf)
             else:
-                row1 = row0 + R
-                col1 = col0
-                acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
-                                                             as_ptr, a_offs, R * stride_asm, rows0 < M,
-                                                             rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True,
-                                                             turn, W, TURN)
-            if HAS_BIAS:
-                cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
-                acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
-                cols1 = col1 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
-                acc1 = acc1 + gl.expand_dims(gl.load(bias_ptr + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
-            if RES:  # (the buffers hold this tile's residual: the stores before it were waited for when it was issued)
-                mbarrier.wait(rbar.index(W), rphase)
-                rphase ^= 1
-                acc0 = _plus_residual(acc0, c_bufs.index(W * NB), layout)
-                acc1 = _plus_residual(acc1, c_bufs.index(W * NB + 1), layout)
-            else:
-                tma.store_wait(0)  # the previous tile's stores have left c_bufs
-            c_bufs.index(W * NB).store(acc0.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [row0, col0], c_bufs.index(W * NB))
-            if NB == 1:
-                tma.store_wait(0)
-            c_bufs.index(W * NB + NB - 1).store(acc1.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [row1, col1], c_bufs.index(W * NB + NB - 1))  # clipped past M, N
+                if WN:
+                    row1 = row0
+                    col1 = col0 + HN
+                    if col1 < N:
+                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
+                                                                      HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M,
+                                                                      b_s_ptr, stride_bsn, c, n_k, layout, True, True,
+                                                                      turn, W, TURN, sa_bufs, sb_bufs, SC)
+                    else:
+                        acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1,
+                                                                      HN, as_ptr, a_offs, 0, rows0 < M, rows0 < M,
+                                                                      b_s_ptr, stride_bsn, c, n_k, layout, True, False,
+                                                                      turn, W, TURN, sa_bufs, sb_bufs, SC)
+                else:
+                    row1 = row0 + R
+                    col1 = col0
+                    acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, R, 0, B1, HN,
+                                                                 as_ptr, a_offs, R * stride_asm, rows0 < M,
+                                                                 rows0 + R < M, b_s_ptr, 0, c, n_k, layout, True, True,
+                                                                 turn, W, TURN)
+                if HAS_BIAS:
+                    cols0 = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                    acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + cols0, mask=cols0 < N, other=0.0).to(gl.float32), 0)
+                    cols1 = col1 + gl.arange(0, HN, layout=gl.SliceLayout(0, layout))
+                    acc1 = acc1 + gl.expand_dims(gl.load(bias_ptr + cols1, mask=cols1 < N, other=0.0).to(gl.float32), 0)
+                if RES:  # (the buffers hold this tile's residual: the stores before it were waited for when issued)
+                    mbarrier.wait(rbar.index(W), rphase)
+                    rphase ^= 1
+                    acc0 = _plus_residual(acc0, c_bufs.index(W * NB), layout)
+                    acc1 = _plus_residual(acc1, c_bufs.index(W * NB + 1), layout)
+                else:
+                    tma.store_wait(0)  # the previous tile's stores have left c_bufs
+                c_bufs.index(W * NB).store(acc0.to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0, col0], c_bufs.index(W * NB))
+                if NB == 1:
+                    tma.store_wait(0)
+                c_bufs.index(W * NB + NB - 1).store(acc1.to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row1, col1], c_bufs.index(W * NB + NB - 1))  # clipped past M, N
             if RES:
                 if tile + num_progs < num_m * num_n:  # the next tile's residual, once these stores have read the buffers
                     tma.store_wait(0)
@@ -304,9 +330,10 @@ if HAS_GLUON:
     def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                               M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
                               HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr,
-                              r_desc, rbar, RES: gl.constexpr):
+                              r_desc, rbar, RES: gl.constexpr, NARROW: gl.constexpr):
         _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
-                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES)
+                      stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES,
+                      NARROW)
 
     @gluon.jit
     def _wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr, scales,
@@ -317,7 +344,8 @@ if HAS_GLUON:
     def _ws_fp8_gemm_wide_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_desc, M, N, K, stride_asm, stride_bsn,
                                  num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
                                  C_BUFS: gl.constexpr, TURN: gl.constexpr = False, sa_desc=None, sb_desc=None,
-                                 SC: gl.constexpr = False, r_desc=None, RES: gl.constexpr = False):
+                                 SC: gl.constexpr = False, r_desc=None, RES: gl.constexpr = False,
+                                 NARROW: gl.constexpr = False):
         """The wide forms (``GluonTile(block_m=256, promote="serial")``: 256 x 128 tiles, DeepGEMM's
         choice for these shapes; ``GluonTile(block_n=256, promote="serial")``: 128 x 256), always on
         the serial promotion loop: per K block 48 KB of loads for 256 x 128 x 128
@@ -344,10 +372,10 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                              M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs,
-                             sb_bufs, SC, r_desc, rbar, RES)),
+                             sb_bufs, SC, r_desc, rbar, RES, NARROW)),
             (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
                                      c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn,
-                                     TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES)),
+                                     TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES, NARROW)),
             (_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M,
                               (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bsn), SC)),
         ], [4, 1], [232, 40])
@@ -368,7 +396,7 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
                 block_m: int = BM, block_n: int = BN, balance: bool = False,
                 promote: str = "pipelined", turns: bool = False, stage_scales: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, narrow: bool = False) -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
     [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
@@ -382,11 +410,13 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     tiles; a_scale best MN-major, else transposed here, ``_gluon.stage_scale_args``). residual (bf16, out's shape,
     contiguous; ``residual_fused`` says where): out = residual + the product + bias rounded to bf16, then rounded
     again (the residual add of ``spec.add_rms_norm``), added in the wide forms' epilogue; out may be residual
-    itself (each tile reads its residual before it writes)."""
+    itself (each tile reads its residual before it writes). narrow (``GluonTile.narrow``, 128 x 256 only; ValueError
+    for the other tiles): the last column tile as one m64n64 product a warpgroup where its valid columns fit 64."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
     check_turns(turns, wide, f"{block_m} x {block_n} (the base dense tile)")
     check_stage_scales(stage_scales, (block_m, block_n) == (BM, WIDE), f"the {block_m} x {block_n} Gluon dense GEMM")
+    check_narrow(narrow, (block_m, block_n) == (BM, WIDE), f"the {block_m} x {block_n} Gluon dense GEMM")
     m, k = a.shape
     n = w.shape[0]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
@@ -417,7 +447,7 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     else:
         _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
                                                C_BUFS=c_bufs, num_warps=4, **({"TURN": True} if turns else {}),
-                                               **sc, **res)
+                                               **sc, **res, **({"NARROW": True} if narrow else {}))
     return out
 
 

@@ -275,6 +275,7 @@ def moe_expert_slots(
                                   f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
         moe_ws.check_gather(plan.gate_up.gather, gu_rows == moe_ws.WIDE_M and not plan.gate_up.stage_scales,
                             f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
+        moe_ws.check_narrow(plan.gate_up.narrow, False, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
@@ -310,7 +311,8 @@ def moe_expert_slots(
             f"(got {align})")
         moe_ws.ws_moe_down(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots,
                            stages=plan.down.stages, group_m=plan.down.group_m, balance=plan.down.balance,
-                           promote=plan.down.promote, turns=plan.down.turns, stage_scales=plan.down.stage_scales)
+                           promote=plan.down.promote, turns=plan.down.turns, stage_scales=plan.down.stage_scales,
+                           narrow=plan.down.narrow)
     else:
         down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, k, align, plan.tma,
                     plan.down)

@@ -39,6 +39,7 @@ from gptoss_fp8.kernels import sm_count
 from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     HAS_GLUON,
     check_gather,
+    check_narrow,
     check_promote,
     check_stage_scales,
     check_turns,
@@ -249,7 +250,8 @@ if HAS_GLUON:
     def _wide_consume(W: gl.constexpr, empty, ready, a_bufs, b_bufs, out_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                       block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                       stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out, turn,
-                      TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k=1, GATHER: gl.constexpr = False):
+                      TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k=1, GATHER: gl.constexpr = False,
+                      NARROW: gl.constexpr = False):
         """Consumer warpgroup W of the two 128 x 256 kernels, the wide gate_up and (DOWN) the down:
         rows W*64 .. W*64 + 64 of every tile, all 256 columns as two 128-column products sharing each
         A stage (``block_scaled_mainloop_halves``; the right half is skipped where it lies wholly past
@@ -275,6 +277,9 @@ if HAS_GLUON:
         (``_moe_gather_producer`` copies them by cp.async), so the row scales are the tokens' too: as_ptr holds
         the [T, ceil(K/128)] scales of the unsorted rows, read at row slot // top_k (padding rows: row 0's, times
         their zero A rows); a proxy fence after each ready wait (the mainloop's FENCE).
+
+        NARROW (the down, ``GluonTile(narrow=True)``): the last column tile, where its valid columns fit 64
+        (H = 2880), as one m64n64 product a warpgroup, stored through the left half of its buffer.
 
         Both epilogues are written inline, not as functions the walk calls: an inlined function's
         scope puts debug-info labels ($L__tmpN) into the PTX, which ptxas takes as block boundaries;
@@ -312,7 +317,29 @@ if HAS_GLUON:
                     a_offs = rows * stride_asm
                 b_s_ptr = bs_ptr + expert * stride_bse + (col0 // TK) * stride_bsn
                 live = gl.load(slots_ptr + row0) < num_slots
-                if live:
+                if DOWN and NARROW and live and col0 + HN // 2 >= N:
+                    # (GluonTile.narrow) the last column tile's valid columns fit one m64n64 product: only that
+                    layout_n: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                       instr_shape=[16, HN // 2, 32])
+                    store_n: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+                    rows_n = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout_n))
+                    accn, _unused, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0,
+                                                                     HN, HN // 2, as_ptr, rows_n * stride_asm, 0,
+                                                                     rows_n < num_slots, rows_n < num_slots, b_s_ptr,
+                                                                     stride_bsn, c, n_k, layout_n, False, False, turn, W,
+                                                                     TURN, sa_bufs, sb_bufs, SC)
+                    srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_n))
+                    slot = gl.load(slots_ptr + srows)
+                    colsn = col0 + gl.arange(0, HN // 2, layout=gl.SliceLayout(0, layout_n))
+                    accn = accn + gl.expand_dims(
+                        gl.load(bias_ptr + expert * stride_biase + colsn, mask=colsn < N, other=0.0).to(gl.float32), 0)
+                    c_half = c_smem.slice(0, HN // 2, dim=1)
+                    c_half.store(accn.to(gl.bfloat16))
+                    vals = c_half.load(store_n)
+                    scols = col0 + gl.arange(0, HN // 2, layout=gl.SliceLayout(0, store_n))
+                    gl.store(y_ptr + gl.expand_dims(slot.to(gl.int64) * stride_ym, 1) + gl.expand_dims(scols, 0), vals,
+                             mask=gl.expand_dims(slot < num_slots, 1) & gl.expand_dims(scols < N, 0))
+                elif live:
                     acc0, acc1, c = block_scaled_mainloop_halves(ready, empty, a_bufs, b_bufs, W * R, W * R, R, 0, HN,
                                                                  HN, as_ptr, a_offs, 0, rows < num_slots,
                                                                  rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
@@ -518,16 +545,16 @@ if HAS_GLUON:
     def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr, turn,
-                     TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr):
+                     TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, NARROW: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
-                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs, SC)
+                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs, SC, 1, False, NARROW)
 
     @gluon.jit
     def _ws_moe_down_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr, block_expert_ptr, num_m, N,
                             K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_ym,
                             num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, TURN: gl.constexpr = False,
-                            sa_desc=None, sb_desc=None, SC: gl.constexpr = False):
+                            sa_desc=None, sb_desc=None, SC: gl.constexpr = False, NARROW: gl.constexpr = False):
         """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128,
         promote="serial"))``): the wide gate_up's main loop (the serial promotion), 1.67x the 64 x 256
         tile's FLOPs per byte; output scattered to the slots' rows (the earlier 64 x 256 Gluon down,
@@ -551,10 +578,11 @@ if HAS_GLUON:
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                              stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs,
-                             SC)),
+                             SC, 1, False, NARROW)),
             (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                             slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
-                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, turn, TURN, sa_bufs, sb_bufs, SC)),
+                            stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, turn, TURN, sa_bufs, sb_bufs, SC,
+                            NARROW)),
             (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
                                   num_experts, num_progs, GROUP_M,
                                   (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
@@ -564,7 +592,7 @@ if HAS_GLUON:
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
-                promote: str = "serial", turns: bool = False, stage_scales: bool = False) -> None:
+                promote: str = "serial", turns: bool = False, stage_scales: bool = False, narrow: bool = False) -> None:
     """The down GEMM on 128 x 256 tiles: y[slot] = act[row] @ W2[expert]^T + b2[expert] (bf16), for
     the sorted rows of 128-row segments (``moe_expert_slots`` checks the shapes and is the entry
     point). a = act [max_rows, I] fp8 with a_scale [max_rows, ceil(I/128)]; w [E, H, I] fp8 with
@@ -572,7 +600,8 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     slots are not written). Its one main loop is ``_gluon.block_scaled_mainloop_serial`` (the
     promotion numerics, no C7514): promote must be "serial" (ValueError otherwise). turns: the
     consumer warpgroups issue their wgmmas in turns (``GluonTile.turns``). stage_scales: the scales
-    through the stages (``GluonTile.stage_scales``; a_scale best MN-major, ``_gluon.stage_scale_args``)."""
+    through the stages (``GluonTile.stage_scales``; a_scale best MN-major, ``_gluon.stage_scale_args``). narrow: the
+    last column tile as one m64n64 product a warpgroup where its valid columns fit 64 (``GluonTile.narrow``)."""
     check_promote(promote, True, "the Gluon MoE down")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -585,6 +614,7 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
         a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
         STAGES=stages, GROUP_M=group_m, num_warps=4, **({"TURN": True} if turns else {}), **sc,
+        **({"NARROW": True} if narrow else {}),
     )
 
 

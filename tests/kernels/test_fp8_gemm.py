@@ -373,6 +373,22 @@ def test_fp8_gemm_residual_gpu(m, n, k, tile):
     _residual_case(m, n, k, seed=m + n + k, tile=tile)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,residual", [(4097, 2880, 4096, False), (4097, 2880, 4096, True), (300, 300, 160, False),
+                                            (1000, 2880, 2880, True), (1000, 5120, 2880, False), (999, 640, 4096, False)])
+def test_fp8_gemm_narrow_gpu(m, n, k, residual):
+    """GluonTile.narrow on the 128 x 256 tile: where the last column tile's valid columns fit 64 (N = 2880, 300) it
+    runs one m64n64 product a warpgroup; the same bits as without it (N = 5120, 640: unused), with and without the
+    residual in the epilogue, and within the reference's tolerance."""
+    x_fp8, x_scale, w_fp8, w_scale, b = _problem(m, n, k, seed=m + n + k)
+    tile = GluonTile(stages=3, group_m=8, block_n=256, promote="serial")
+    r = torch.randn(m, n, device=DEV).bfloat16() if residual else None
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=replace(tile, narrow=True), residual=r)
+    assert torch.equal(y, fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, b, tile=tile, residual=r))
+    if not residual:
+        check_close(y, fp8_gemm_reference(x_fp8, x_scale, w_fp8, w_scale, b, out_dtype=torch.float32))
+
+
 def _ws_launch(x_fp8, x_scale, w_fp8, w_scale, b, out, tile):
     from gptoss_fp8.kernels import fp8_gemm_ws
 
@@ -432,7 +448,8 @@ SERIAL_COMPILES = [pytest.param(128, 128, 5, False, id="128x128-s5"), pytest.par
                      for c in ((256, 128, 3), (256, 128, 4), (128, 256, 4))),
                    pytest.param(128, 256, 3, True, id="128x256-s3-turns", marks=pytest.mark.slow),
                    pytest.param(128, 256, 3, "sc", id="128x256-s3-sc", marks=pytest.mark.slow),
-                   pytest.param(128, 256, 3, "res", id="128x256-s3-res", marks=pytest.mark.slow)]
+                   pytest.param(128, 256, 3, "res", id="128x256-s3-res", marks=pytest.mark.slow),
+                   pytest.param(128, 256, 3, "narrow", id="128x256-s3-narrow", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("bm,bn,stages,turns", SERIAL_COMPILES)
@@ -441,7 +458,8 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
     (no C7514) and, for 128 x 128 and 128 x 256, no spills (256 x 128: ptxas's report; measured
     96 bytes of spill stores with triton 3.6's ptxas, a few local loads/stores per K block); with
     turns, two more barriers (the warpgroups' turns) and a wait and an arrive around each product; with
-    "sc" (GluonTile.stage_scales, o_proj's K = 4096: a weight-scale box of 64) the two 1-D TMA copies
+    "narrow" (GluonTile.narrow) an m64n64 product too; "sc" (GluonTile.stage_scales, o_proj's K = 4096: a
+    weight-scale box of 64) the two 1-D TMA copies
     of the scales on each stage's byte count (48 KB + 512 + 256 bytes), within shared memory; with "res"
     (``fp8_gemm(residual=)``): two more barriers (each warpgroup's residual), its two 64 x 128 tiles a
     warpgroup by TMA on one byte count (32 KB) from two places (before the tile loop, after a tile's stores),
@@ -464,9 +482,10 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
                 "fp4_padded=False, cga_layout=[])")
         types |= {"sa_desc": f"tensordesc<fp32[128],{flat}>", "sb_desc": f"tensordesc<fp32[64],{flat}>"}
         turns = False
-    res = turns == "res"
+    res, narrow = turns == "res", turns == "narrow"
     if res:
         types["r_desc"] = types["c_desc"]
+    if res or narrow:
         turns = False
     if bm == bn:
         fn, consts = fp8_gemm_ws._ws_fp8_gemm_kernel, dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True, SERIAL=True)
@@ -475,7 +494,7 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
         consts = dict(STAGES=stages, GROUP_M=8, HAS_BIAS=True,
                       C_BUFS=fp8_gemm_ws.wide_c_bufs(stages, 4 * (128 + 64) if sc else 0),
                       **({"TURN": True} if turns else {}), **({"SC": True} if sc else {}),
-                      **({"RES": True} if res else {}))
+                      **({"RES": True} if res else {}), **({"NARROW": True} if narrow else {}))
     k = _gluon.compile_for_sm90(fn, types, consts, divisible16=("as_ptr", "bs_ptr", "bias_ptr", "N", "K",
                                                                 "stride_asm", "stride_bsn"))
     ptx = k["ptx"]
@@ -487,6 +506,8 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
         assert not k["wgmma_serialized"], ("ptxas serialized the serial promotion's wgmmas (C7514)", bm, bn, k)
         if bm == 128:
             assert k["spill_stores"] == 0 and k["stack"] == 0, (bm, bn, k)
+    # (GluonTile.narrow: the last column tile's one m64n64 product a warpgroup beside the m64n128 ones)
+    assert ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx) == narrow
     if res:
         # the producer's A and B loads, then each warpgroup's two residual tiles at both issue points
         assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 + 2 * 2 * 2

@@ -356,9 +356,14 @@ def _option_cases(**opt):
                                           _SC_DOWN)),
     (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, stage_scales=True,
                                              down=replace(_SC_DOWN, turns=True))),
+    *((*shape, _wide_plan(**tile, down=GluonTile(tile.get("stages", 4), 8 if tile.get("balance") else 16, block_m=128,
+                                                  balance=tile.get("balance", False), promote="serial", narrow=True)))
+      for shape, tile in _OPTION_SHAPES),
+    (3000, 2880, 2880, 32, 0, 32, _wide_plan(down=replace(_SC_DOWN, narrow=True, turns=True), turns=True)),
 ], ids=["gate_up", "e128-3stages", "e128-group4-bal", "i720", "h640", "down128", "t1", "gdown", "gdown-e128-s3-bal",
         "gdown-h640", "gdown-h720", "gdown-t1", *(f"turns{i}" for i in _OPTION_IDS), *(f"sc{i}" for i in _OPTION_IDS),
-        "sc-gate_up-only", "sc-down-only", "sc-down-triton-gate_up", "sc-turns"])
+        "sc-gate_up-only", "sc-down-only", "sc-down-triton-gate_up", "sc-turns", *(f"narrow{i}" for i in _OPTION_IDS),
+        "narrow-sc-turns"])
 def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     """The wide gate_up (and the Gluon down, "gdown"), both on the serial promotion loop (their
     only one; the in-place accumulation they had failed these cases and was removed), against the
@@ -370,7 +375,8 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     GluonTile.stage_scales (the scales through the stages; sc-h640: the shard's gate_up weight scales
     start 8 bytes off a 16-byte boundary, copied by the launcher; sc-down-triton-gate_up: the down
     reading the Triton gate_up's row-major act_scale, transposed by its launcher): the same bits as the
-    plan without it."""
+    plan without it. "narrow": the down's GluonTile.narrow (H = 2880: the last column tile as one m64n64 product a
+    warpgroup; h640 / h720 leave it unused): the same bits as without it."""
     m = _model(t, h, i, e, seed=t + h + i + 1)
     ex = _shard(m["experts"], e0, n_local)
     w, ids = route(m["x"], m["wr"], m["br"], 4)
@@ -380,6 +386,9 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
     if any(sc):  # the scales' route changes no bit
         plain = MoePlan(128, *(replace(tile, stage_scales=False) if on else tile
                                for tile, on in zip((plan.gate_up, plan.down), sc, strict=True)))
+        assert torch.equal(y, moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plain))
+    if isinstance(plan.down, GluonTile) and plan.down.narrow:  # nor does the narrow last tile
+        plain = MoePlan(128, plan.gate_up, replace(plan.down, narrow=False))
         assert torch.equal(y, moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plain))
 
 
@@ -489,13 +498,14 @@ def test_moe_ws_gather_compiles_for_sm90():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["wide", "down"])
+@pytest.mark.parametrize("kernel", ["wide", "down", "down-narrow"])
 def test_moe_ws_stage_scales_compile_for_sm90(kernel):
     """Without a GPU: GluonTile.stage_scales compiles for sm_90 without spills or wgmma serialization
     within one SM's shared memory (the down's 4 stages with their scales: 232248 of 232448 bytes): the
     producer's two 1-D TMA copies a stage (the rows' scales; the weight scales of both halves, a box of
     32) on the ready barrier's byte count (A + B tiles + 512 + 128 bytes: a wrong count hangs), the
-    consumers' scale reads from shared memory."""
+    consumers' scale reads from shared memory; "down-narrow": with GluonTile.narrow too (the default down's
+    stage scales beside the narrow last tile's m64n64 product)."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -515,7 +525,7 @@ def test_moe_ws_stage_scales_compile_for_sm90(kernel):
         fn, consts = moe_ws._ws_moe_gemm_wide_kernel, dict(ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, stride_osm=1)
     else:
         types |= {"y_ptr": "*bf16"}
-        fn, consts = moe_ws._ws_moe_down_kernel, {}
+        fn, consts = moe_ws._ws_moe_down_kernel, {"NARROW": True} if kernel == "down-narrow" else {}
     k = _gluon.compile_for_sm90(fn, types, dict(STAGES=4, GROUP_M=16, SC=True, **consts))
     ptx = k["ptx"]
     assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 2
@@ -527,11 +537,11 @@ def test_moe_ws_stage_scales_compile_for_sm90(kernel):
         assert not k["wgmma_serialized"], "ptxas serialized the wgmmas (C7514)"
 
 
-@pytest.mark.parametrize("turns", _TURNS)
+@pytest.mark.parametrize("turns", _TURNS + [pytest.param("narrow", marks=pytest.mark.slow)])
 def test_moe_ws_down_compiles_for_sm90(turns):
     """Without a GPU: the Gluon down compiles for sm_90 without spills; compiled as a launch
     specializes its 16-divisible arguments, its scattered row stores are 16 bytes wide; with and
-    without GluonTile.turns."""
+    without GluonTile.turns; with GluonTile.narrow the last column tile's m64n64 product too."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -545,11 +555,15 @@ def test_moe_ws_down_compiles_for_sm90(turns):
              "slots_ptr": "*i32", "block_expert_ptr": "*i32"}
     div16 = ("as_ptr", "bs_ptr", "bias_ptr", "y_ptr", "slots_ptr", "block_expert_ptr", "N", "K", "stride_biase",
              "stride_ym")
+    narrow = turns == "narrow"
+    turns = turns is True
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_down_kernel, types,
-                                dict(STAGES=4, GROUP_M=8, **({"TURN": True} if turns else {})), divisible16=div16)
+                                dict(STAGES=4, GROUP_M=8, **({"TURN": True} if turns else {}),
+                                     **({"NARROW": True} if narrow else {})), divisible16=div16)
     ptx = k["ptx"]
     _turn_barriers(ptx, turns)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx) == narrow
     assert re.search(r"st\.global\.v4\.b32", ptx) and not re.search(r"st\.global\.b16", ptx), "16-byte row stores"
     assert ".local" not in ptx and k["num_warps"] == 12 and k["shared"] <= 227 * 1024
     if "regs" in k:
@@ -724,6 +738,14 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
         moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", gather_top_k=4)
     with pytest.raises(ValueError, match="gather=True"):
         moe_ws.ws_moe_gemm(*[None] * 14, block_m=128, promote="serial", stage_scales=True, gather_top_k=4)
+    # GluonTile.narrow: for the 128 x 256 tiles whose last column tile can be narrow (the dense block_n=256, the
+    # MoE's Gluon down), not the gate_up (its N = 2I is whole 128-column halves) nor the other dense tiles
+    with pytest.raises(ValueError, match="narrow=True.*not the 128 x 128 Gluon dense GEMM"):
+        fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="serial", narrow=True)
+    with pytest.raises(ValueError, match="narrow=True.*not the 256 x 128 Gluon dense GEMM"):
+        fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, block_m=256, promote="serial", narrow=True)
+    with pytest.raises(ValueError, match="narrow=True.*gate_up"):
+        moe_ws.check_narrow(True, False, "the 128 x 256 gate_up")  # (moe_expert_slots' check of a narrow gate_up)
 
 
 @pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
