@@ -35,7 +35,8 @@ o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thir
 writes no bf16 rows, the router remakes them from the stream and the norm's rsqrt factors:
 ``KernelConfig.moe_rows_from_stream``, thirty-ninth session, opt-in); "narrow" (the 128 x 256 tiles' last column
 tile, o_proj's and the MoE down's at N = 2880, as one m64n64 product a warpgroup: ``GluonTile.narrow``, thirty-ninth
-session, opt-in); "qk-tile-old" (the
+session, opt-in); "q-fused" (the FP8 attention's consumer warpgroups quantize their own Q tiles, no Q quantization
+launch: ``KernelConfig.attention_fp8_q_fused``, thirty-ninth session, opt-in); "qk-tile-old" (the
 FP8 attention's Q / K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``);
 "wide-no-scales" (the heavy-load MoE tiles without
 ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
@@ -125,6 +126,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, gemm_residual=True)
     if name == "rows-from-stream":  # the router remakes the post-attention norm's rows (39th session, opt-in)
         return replace(base, moe_rows_from_stream=True)
+    if name == "q-fused":  # the FP8 attention's consumers quantize their own Q tiles (39th session, opt-in)
+        return replace(base, attention_fp8_q_fused=True)
     if name == "narrow":  # the 128 x 256 tiles' last column tile as m64n64 products (o_proj, MoE down; 39th session)
         return replace(base, dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, narrow=True),
                        moe_gluon_down=replace(base.moe_gluon_down, narrow=True))

@@ -12,8 +12,9 @@
 #            beside the bf16 rows + act_quant (window-rows), same process, at 32768 and 128000
 #   pending39  the thirty-ninth session's opt-ins, built without a GPU: o_proj's GEMM adding the residual in its
 #            epilogue (KernelConfig.gemm_residual), the router remaking the post-attention norm's rows from the stream
-#            (moe_rows_from_stream), the 128 x 256 tiles' narrow last column tile (GluonTile.narrow: o_proj, MoE down):
-#            their GPU tests, then the 20b beside the default, each and all three, same process, 32768 / 128000
+#            (moe_rows_from_stream), the 128 x 256 tiles' narrow last column tile (GluonTile.narrow: o_proj, MoE down),
+#            the FP8 attention's consumers quantizing their own Q tiles (attention_fp8_q_fused): their GPU tests, then
+#            the 20b beside the default, each and all four, same process, 32768 / 128000
 #   attn-inmodel  benchmarks/attn_inmodel_probe.py: the FP8 full attention inside the 20b's forward against alone on
 #            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
@@ -506,12 +507,12 @@ fi
 if has pending39; then
   # (the model-level ones run on the GPU too: tests/test_triton_ops.py picks CUDA when it is there)
   timeout -s INT ${P39_TEST_S:-240} python3 -m pytest -q -rf -n 3 tests/kernels/test_fp8_gemm.py tests/kernels/test_router.py \
-    tests/kernels/test_moe.py tests/test_triton_ops.py -m "gpu or not slow" \
-    -k "residual or remakes or keep_the_logits or decline or narrow" > "$OUT/p39_tests.log" 2>&1
+    tests/kernels/test_moe.py tests/kernels/test_attention.py tests/test_triton_ops.py -m "gpu or not slow" \
+    -k "residual or remakes or keep_the_logits or decline or narrow or q_fused or q-fused" > "$OUT/p39_tests.log" 2>&1
   timeout 150 python3 -m pytest -q -m slow tests/kernels/test_fp8_gemm.py tests/test_triton_ops.py -k "res or moe_chunks" \
     >> "$OUT/p39_tests.log" 2>&1
   tail -6 "$OUT/p39_tests.log"
-  _v=${P39_VARIANTS:-default,gemm-residual,rows-from-stream,narrow,gemm-residual+rows-from-stream+narrow}
+  _v=${P39_VARIANTS:-default,gemm-residual,rows-from-stream,narrow,q-fused,gemm-residual+rows-from-stream+narrow+q-fused}
   timeout ${P39_AB_S:-300} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 --runs ${P39_RUNS32K:-9} \
     --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p39_ab32k.log"
   [[ ${P39_AB128K_S:-240} == 0 ]] || timeout ${P39_AB128K_S:-240} python3 benchmarks/ab_prefill.py --model 20b \

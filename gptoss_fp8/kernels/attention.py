@@ -490,7 +490,9 @@ def attention_prefill(
         # (a rope: q rotated in its quantization's pass, at positions q_offset..)
         o = ws_attention_prefill_fp8(q, k, v, sinks, _out(q), sm_scale, rope=rope,
                                      q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
-                                     lane_max=cfg.attention_fp8_lane_max)
+                                     lane_max=cfg.attention_fp8_lane_max,
+                                     q_fused=cfg.attention_fp8_q_fused and q.dtype == torch.bfloat16 and q.stride(2) == 1
+                                     and q.stride(1) == q.shape[2])
         return _quantized(o, quant_out)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered

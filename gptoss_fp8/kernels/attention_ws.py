@@ -68,7 +68,8 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
-                      PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0, M_AXIS: gl.constexpr = 1):
+                      PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0, M_AXIS: gl.constexpr = 1,
+                      LOAD_Q: gl.constexpr = True):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
@@ -76,7 +77,8 @@ if HAS_GLUON:
         odd stage's barrier; both stages' next loads wait for it. PAIR_RELEASE 2: the pair's four loads also
         signal one ready barrier, the odd stage's. P: a later chunk's query offset (``_wg_blocks``): the P
         cached keys come first, every program reads them. QR / KR: the sequence's first row of q and of k / v (a
-        ragged batch's segment, ``_segment``). M_AXIS: the grid axis of the program's row block (2 for segments)."""
+        ragged batch's segment, ``_segment``). M_AXIS: the grid axis of the program's row block (2 for segments).
+        LOAD_Q False: no Q tiles (the consumers make their own: the FP8 kernel's ``q_fused``)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -84,9 +86,10 @@ if HAS_GLUON:
         head = gl.program_id(0)
         m0 = (num_pid_m - 1 - gl.program_id(M_AXIS)) * (NWG * R)
         kv_col = (head // GROUP) * D
-        mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
-        for w in gl.static_range(NWG):
-            tma.async_copy_global_to_shared(q_desc, [QR + m0 + w * R, head * D], q_bar, q_smem.index(w))
+        if LOAD_Q:
+            mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
+            for w in gl.static_range(NWG):
+                tma.async_copy_global_to_shared(q_desc, [QR + m0 + w * R, head * D], q_bar, q_smem.index(w))
         if P is None:
             n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         else:

@@ -43,7 +43,7 @@ from gptoss_fp8 import spec
 from gptoss_fp8.kernels import attn_quant
 from gptoss_fp8.kernels._gluon import HAS_GLUON
 from gptoss_fp8.quant.attn_fp8 import FP8_MAX, P_SCALE, QK_BLOCK, quantize_qk, quantize_v
-from gptoss_fp8.quant.fp8 import cdiv
+from gptoss_fp8.quant.fp8 import ACT_EPS, cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
@@ -79,6 +79,8 @@ S16_Q_MAX = 1.75
 
 
 if HAS_GLUON:
+    _Q_MAX = gl.constexpr(FP8_MAX)  # (``q_fused``: what a Q block's amax maps to, and the scale's floor: attn_quant's)
+    _Q_EPS = gl.constexpr(ACT_EPS)
 
     @gluon.jit
     def _ceil(x):
@@ -469,11 +471,14 @@ if HAS_GLUON:
                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
         QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
-        kernel's q_in_registers, 3% there), not read from shared memory by every QK^T."""
+        kernel's q_in_registers, 3% there), not read from shared memory by every QK^T. QB16 (``q_fused``): the
+        warpgroup quantizes its own Q tile from q's bf16 rows (``_quantize_q_tile``; ROPE: rotated first), no
+        Q tile from the producer and no Q scale from sq_ptr."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NW: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
@@ -494,9 +499,15 @@ if HAS_GLUON:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         zero_s = gl.zeros([R, BN], gl.float16 if S16 else gl.float32, s_layout)
         zero_o = gl.zeros([R, D], gl.float32, o_layout)
-        # this warpgroup's Q scale (times sm_scale * log2 e, the launcher's); rows past T: any
-        cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         q = q_smem.index(W)
+        if QB16:  # (before the tile of ones below: its fence and barrier order this tile's stores too)
+            cq = _quantize_q_tile(qsrc, head, r0, q_offset, T, q, ROPE)
+            if not ONES:
+                fence_async_shared()
+                gl.thread_barrier()
+        else:
+            # this warpgroup's Q scale (times sm_scale * log2 e, the launcher's); rows past T: any
+            cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if ONES:  # this warpgroup's tile of ones (any layout holds ones)
             ones = ones_smem.index(W)
             fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
@@ -508,7 +519,8 @@ if HAS_GLUON:
         if TURN > 0:  # (zeros read after each turn is taken: the exponentials depend on the wait's acquire)
             zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, row_layout))
             gl.thread_barrier()
-        mbarrier.wait(q_bar, 0)
+        if not QB16:
+            mbarrier.wait(q_bar, 0)
         if QREG:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
@@ -538,35 +550,71 @@ if HAS_GLUON:
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET, LMAX, S16)
+                     QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                        sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET, LMAX, S16)
+                     QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False):
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
         if OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
-                          True, PAIRS, REL, q_offset)
+                          True, PAIRS, REL, q_offset, LOAD_Q=not QB16)
         else:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
-                          True, PAIRS, REL)
+                          True, PAIRS, REL, LOAD_Q=not QB16)
+
+    @gluon.jit
+    def _quantize_q_tile(qsrc, head, r0, pos0, T, q_tile, ROPE: gl.constexpr):
+        """A consumer warpgroup's Q tile made in place of the producer's (``q_fused``): q's bf16 rows r0 .. r0 + 63
+        of ``head`` (qsrc = (q_ptr, cos_ptr, sin_ptr, stride_qt, qk_scale)), rotated at positions pos0 + r0 ..
+        (ROPE: kernels/rope.py ``rotate``'s fp32 FMAs, rounded to bf16), quantized as kernels/attn_quant.py's
+        ``_quantize_qk_kernel`` does (one scale max(amax, eps) / 448 over the 64 x 64 block, IEEE quotients, the
+        hardware e4m3 cast): the same bytes into q_tile (e4m3 [64, 64] in shared memory, as its two 32-column
+        halves). Returns the scale times qk_scale (sm_scale * log2 e: ``fp8_operands``'s sq product)."""
+        q_ptr, cos_ptr, sin_ptr, stride_qt, qk_scale = qsrc
+        R: gl.constexpr = q_tile.type.shape[0]
+        HALF: gl.constexpr = q_tile.type.shape[1] // 2
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, lay))
+        j = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, lay)), 0)
+        ok = gl.expand_dims(rows < T, 1)
+        src = q_ptr + gl.expand_dims(rows.to(gl.int64) * stride_qt, 1) + head * (2 * HALF) + j
+        x1 = gl.load(src, mask=ok, other=0.0).to(gl.float32)
+        x2 = gl.load(src + HALF, mask=ok, other=0.0).to(gl.float32)
+        if ROPE:
+            cs = gl.expand_dims((rows + pos0).to(gl.int64) * HALF, 1) + j
+            c = gl.load(cos_ptr + cs, mask=ok, other=0.0)
+            sn = gl.load(sin_ptr + cs, mask=ok, other=0.0)
+            x1, x2 = gl.fma(x1, c, -(x2 * sn)), gl.fma(x2, c, x1 * sn)
+            x1 = x1.to(gl.bfloat16).to(gl.float32)
+            x2 = x2.to(gl.bfloat16).to(gl.float32)
+        amax = gl.maximum(gl.max(gl.max(gl.abs(x1), axis=1), axis=0), gl.max(gl.max(gl.abs(x2), axis=1), axis=0))
+        scale = gl.maximum(amax, _Q_EPS) / _Q_MAX
+        q_tile.slice(0, HALF, dim=1).store(
+            gl.minimum(gl.maximum(gl.div_rn(x1, scale), -_Q_MAX), _Q_MAX).to(gl.float8e4nv))
+        q_tile.slice(HALF, HALF, dim=1).store(
+            gl.minimum(gl.maximum(gl.div_rn(x2, scale), -_Q_MAX), _Q_MAX).to(gl.float8e4nv))
+        return scale * qk_scale
 
     # (num_pid_m, T and the scale widths are never specialized as constants: compiled for num_pid_m == 1, as
     # Triton specializes an integer argument equal to 1, the 128-key step returned wrong rows for every
@@ -578,7 +626,9 @@ if HAS_GLUON:
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
                                  REL: gl.constexpr = 0, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
                                  QREG: gl.constexpr = False, OFFSET: gl.constexpr = False,
-                                 LMAX: gl.constexpr = False, S16: gl.constexpr = False):
+                                 LMAX: gl.constexpr = False, S16: gl.constexpr = False, q_ptr=None, cos_ptr=None,
+                                 sin_ptr=None, stride_qt=0, qk_scale=1.0, QB16: gl.constexpr = False,
+                                 ROPE: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -600,24 +650,26 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=3)  # released by every consumer warpgroup
-        # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs)
+        # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs; qsrc
+        # holds none)
+        qsrc = (q_ptr, cos_ptr, sin_ptr, stride_qt, qk_scale)
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
                             REL,
-                            TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
+                            TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                              PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16)),
+                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -647,17 +699,19 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0, q_max: float = FP8_MAX):
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0, q_max: float = FP8_MAX,
+                 with_q: bool = True):
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
     kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
     [Tk, Hkv, D], sk [Hkv, nbk], vt [Hkv * D, Tpad] e4m3: V transposed, its Tk keys padded with zero keys
     to a multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's channel scale /
     256 [Hkv, D]). rope = (cos, sin) fp32 [>= pos0 + T, D/2]: q not yet rotated (positions pos0..pos0 + T
     - 1: a later chunk's q_offset), rotated in its quantization's pass (``attn_quant.quantize_qk(rope=)``;
-    on CPU ``spec.apply_rope`` in fp32 first). q_max: what a Q block's amax maps to (``S16_Q_MAX`` for s16)."""
+    on CPU ``spec.apply_rope`` in fp32 first). q_max: what a Q block's amax maps to (``S16_Q_MAX`` for s16).
+    with_q False: q8 and sq None (the kernel's ``q_fused`` makes them itself)."""
     hkv, d = k.shape[1], k.shape[2]
     if q.is_cuda:
-        q8, sq = attn_quant.quantize_qk(q, q_max, rope=rope, pos0=pos0)
+        q8, sq = attn_quant.quantize_qk(q, q_max, rope=rope, pos0=pos0) if with_q else (None, None)
         k8, sk = attn_quant.quantize_qk(k)
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
@@ -675,7 +729,8 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
             vp[..., :T] = v8t
             v8t = vp
         vt = v8t.view(hkv * d, tpad // BLOCK_N, BLOCK_N)[:, :, key_order(v8t.device)].reshape(hkv * d, tpad)
-    return q8, (sq * (sm_scale * LOG2E)).contiguous(), k8, sk, vt, (sv / P_SCALE).contiguous()
+    sq = None if sq is None else (sq * (sm_scale * LOG2E)).contiguous()
+    return q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous()
 
 
 def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
@@ -692,7 +747,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              trace: torch.Tensor | None = None,
                              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                              q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False,
-                             s16: bool = False) -> torch.Tensor:
+                             s16: bool = False, q_fused: bool = False) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -719,7 +774,12 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     sum overflows) and the unmasked steps' scale, shift and 2^x on f16 pairs (``_fp8_softmax2``): a step's SASS 423
     -> 401 instructions a warp (FFMA 100 -> 36, FMNMX 74 -> 14; 32 HFMA2, 30 packed max, 36 PRMT joining the
     MUFU's f16 halves), yet 7-9% slower on the H100 (14.0 -> 15.2 ms at 32768, 212 -> 227 ms at 128000,
-    benchmarks/attn_variants.py fp8-s16); within ``spec.attention_fp8(q_max=S16_Q_MAX)``'s tolerance."""
+    benchmarks/attn_variants.py fp8-s16); within ``spec.attention_fp8(q_max=S16_Q_MAX)``'s tolerance. q_fused (opt-in,
+    thirty-ninth session, built without a GPU): no Q quantization launch; each consumer warpgroup quantizes its own
+    64-row Q tile from q's bf16 rows (rotated first with a rope) into the shared memory the producer's TMA would have
+    filled (``_quantize_q_tile``: attn_quant's bytes and scale): q's bf16 rows read once, by the kernel, instead of
+    read, written as e4m3 and read again (~0.27 GB a full layer at 32768 tokens); q bf16 with its heads' D
+    contiguous; not with s16."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -742,7 +802,16 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert not lane_max or pairs, "lane_max: with pairs (one block a step reduces each block's maxima once anyway)"
     assert not s16 or (ones and exp_fma == 0 and probe is None and not lane_max), (
         "s16: with pairs and ones, no exp_fma, probe or lane_max")
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX)
+    assert not q_fused or (not s16 and q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d), (
+        f"q_fused: bf16 q with contiguous heads, not with s16 (q {q.dtype}, strides {q.stride()})")
+    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX,
+                                           with_q=not q_fused)
+    fused = {}
+    if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
+        q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk
+        cos, sin = rope if rope is not None else (sinks, sinks)
+        fused = dict(q_ptr=q, cos_ptr=cos, sin_ptr=sin, stride_qt=q.stride(0), qk_scale=sm_scale * LOG2E, QB16=True,
+                     **({"ROPE": True} if rope is not None else {}))
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     _ws_attention_fp8_kernel[(hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
@@ -753,7 +822,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
         num_warps=4, **({"QREG": True} if q_in_registers else {}), **({"OFFSET": True} if q_offset else {}),
-        **({"LMAX": True} if lane_max else {}), **({"S16": True} if s16 else {}),
+        **({"LMAX": True} if lane_max else {}), **({"S16": True} if s16 else {}), **fused,
     )
     return out
 

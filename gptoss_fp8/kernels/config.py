@@ -286,6 +286,10 @@ class KernelConfig:
     # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
     # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
+    # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
+    # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
+    # layer at 32768 tokens not written and read back). Built without a GPU in the thirty-ninth session: opt-in
+    attention_fp8_q_fused: bool = False
     # A window layer's Triton prefill kernel writes o_proj's input quantization (act_quant's bytes) in place of its
     # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
     # one [T, Hq * D] bf16 write and read and an act_quant launch fewer a window layer (thirty-eighth session)

@@ -1015,9 +1015,11 @@ def test_prefill_ws_fp8_gpu(T, hq, hkv):
 @pytest.mark.parametrize("T", [1, 64, 65, 129, 200, 1000, 4099])
 @pytest.mark.parametrize("opts", [dict(pairs=False), dict(ones=False), dict(stages=2), dict(exp_fma=1), dict(turns=1),
                                   dict(turns=2, stages=2), dict(turns=3, pair_release=True), dict(pair_ready=False),
-                                  dict(stages=6), dict(q_in_registers=True), dict(lane_max=True), dict(s16=True)],
+                                  dict(stages=6), dict(q_in_registers=True), dict(lane_max=True), dict(s16=True),
+                                  dict(q_fused=True)],
                          ids=["64-key", "fp32-sum", "2-stages", "fma25", "turns", "turns-half-2-stages",
-                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers", "lane-max", "s16"])
+                              "turns-quarter-pair-release", "ready-a-block", "6-stages", "q-registers", "lane-max", "s16",
+                              "q-fused"])
 def test_ws_fp8_options_gpu(T, opts):
     """The FP8 Gluon kernel's options (one 64-key block a step; the 128-key step with the row sum of the fp32
     P on the FMA pipes, both ``row_sum="p"``; the default on a 2-stage ring; a quarter of the 2^x by the FMA
@@ -1042,9 +1044,38 @@ def test_ws_fp8_options_gpu(T, opts):
     assert torch.isfinite(o).all()
     rel = ((o - ref).norm() / ref.norm()).item()
     assert rel <= 1e-2 and rel < 0.25 * ((o - exact).norm() / exact.norm()).item(), f"rel {rel:.2e} vs the spec"
-    if opts.get("q_in_registers") or opts.get("lane_max"):  # the same operands from registers instead of shared
-        # memory; the same maxima, reduced across the lanes once: the same bits
+    if opts.get("q_in_registers") or opts.get("lane_max") or opts.get("q_fused"):  # the same operands from registers
+        # instead of shared memory; the same maxima, reduced across the lanes once; Q's tiles made by the consumers:
+        # the same bits
         assert torch.equal(out, ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,q_offset", [(1, 0), (63, 0), (65, 0), (1000, 0), (4099, 0), (65, 63), (777, 64), (300, 8192)])
+@pytest.mark.parametrize("rope", [True, False])
+def test_ws_fp8_q_fused_gpu(T, q_offset, rope):
+    """``q_fused`` (``KernelConfig.attention_fp8_q_fused``): the consumer warpgroups quantize their own Q tiles from
+    q's bf16 rows, q a strided view of one projection output (as the model's), rotated at positions q_offset.. with
+    a rope: the same bits as the launch that quantizes Q first (kernels/attn_quant.py), rows past T and blocks
+    across programs included; and through ``attention_prefill`` with the option on."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    hq, hkv = 16, 2
+    gen = torch.Generator().manual_seed(T + q_offset + rope)
+    n = q_offset + T
+    fused = _rand(n, (hq + 2 * hkv) * D, gen=gen)
+    q, k, v = (t.view(n, -1, D) for t in fused.split([hq * D, hkv * D, hkv * D], dim=1))
+    q = q[q_offset:]
+    sinks = _sinks(hq, gen)
+    tables = spec.rope_table(n, D, device=DEV) if rope else None
+    want = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, rope=tables, q_offset=q_offset)
+    got = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, rope=tables, q_offset=q_offset,
+                                   q_fused=True)
+    assert torch.equal(got, want)
+    if not q_offset:
+        cfg = KernelConfig(attention_fp8_q_fused=True)
+        assert torch.equal(attention_prefill(q, k, v, sinks, fp8=True, rope=tables, config=cfg),
+                           attention_prefill(q, k, v, sinks, fp8=True, rope=tables))
 
 
 @pytest.mark.gpu
@@ -1186,7 +1217,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
     carried across the loop: its bytes would be repacked), no local memory, the consumers at 160 registers;
     with QREG (``q_in_registers``) QK^T's Q from registers too, still no spills; so with OFFSET (a later chunk);
     with LMAX (``lane_max``) 24 shuffles and 24 max fewer (4 each a step's row max, masked and unmasked, three
-    consumer warpgroups)."""
+    consumer warpgroups); with QB16 (``q_fused``) no Q tiles by TMA (4 copies left: K and V, each of both ring
+    forms) and each consumer warpgroup's quotients of its own Q tile, still no spills."""
     import re
 
     from gptoss_fp8.kernels import _gluon, attention_ws_fp8
@@ -1204,8 +1236,11 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QREG=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12),
-                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=True), 12)):
-        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, dict(GROUP=8, STAGES=4, **opts))
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=True), 12),
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QB16=True, ROPE=True), 12)):
+        fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
+        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused,
+                                    dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
         main = [line for line in ops if "m64n64k32.f32.e4m3.e4m3" in line
@@ -1223,6 +1258,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
             default = counts
         elif opts.get("LMAX"):
             assert counts == (default[0] - 24, default[1] - 24), (counts, default)
+        elif opts.get("QB16"):  # (q_fused) no Q tiles by TMA; each warpgroup's 32 IEEE quotients a thread
+            assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 4 and ptx.count("div.rn.f32") == 96
         elif opts.get("S16"):  # QK^T into f16 (half of the main wgmmas), the unmasked step's scores on f16 pairs
             assert sum(".f16.e4m3.e4m3" in x for x in main) == len(main) // 2
             assert ptx.count("fma.rn.f16x2") and ptx.count("ex2.approx.f16x2") and ptx.count("e4m3x2.f16x2")
