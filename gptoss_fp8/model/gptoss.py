@@ -438,9 +438,8 @@ class GptOss(nn.Module):
         once); with ``post`` = (the stream x, the post-attention norm's weight, whether its bf16 rows are
         needed): (x + delta, its norm), the ``add_rms_norm`` after it, or (one rank) o_proj's GEMM adding x in its
         epilogue and the norm reading the new stream alone (``ops.linear_add``, where the backend has it). Without
-        ``step`` the rows are
-        one sequence at positions 0..T - 1 (written to the
-        cache's sequence ``row`` if a cache is given) and the attention is the prefill's over them;
+        ``step`` the rows are one sequence at positions 0..T - 1 (written to the cache's sequence ``row`` if a
+        cache is given) and the attention is the prefill's over them;
         with a decode ``step`` row b is sequence b's new token: its K / V are appended to the cache
         and it attends to the cached keys (``ops.attention_cached``). ``start`` > 0: the rows are a
         prompt chunk at positions start.., attending to the sequence's cached keys before them and
@@ -491,8 +490,7 @@ class GptOss(nn.Module):
     @staticmethod
     def _moe_rows(layer: Layer, ops: ReferenceOps) -> bool:
         """Whether layer's MoE block reads its norm's bf16 rows (``ops.moe_needs_rows``)."""
-        m = layer.mlp
-        return ops.moe_needs_rows(dict(m.experts.named_buffers(recurse=False)), m.router.weight)
+        return ops.moe_needs_rows(layer.mlp.experts, layer.mlp.router.weight)
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
                            start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,

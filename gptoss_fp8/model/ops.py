@@ -291,10 +291,11 @@ class ReferenceOps:
         logits in bf16). x None: the rows from ``src`` (``Normed.src``, where a norm left them out)."""
         return spec.route(normed_rows(src) if x is None else x, weight, bias, top_k)
 
-    def moe_needs_rows(self, experts: dict[str, torch.Tensor | None], router_weight: torch.Tensor) -> bool:
+    def moe_needs_rows(self, experts, router_weight: torch.Tensor) -> bool:
         """Whether the MoE block (``route``, ``expert_ffn``) reads its norm's bf16 rows: False where this backend's
         router remakes them from ``Normed.src`` and its expert GEMMs take ``quant``, so the norm before may leave
-        them out (``rows=False``). This backend: True."""
+        them out (``rows=False``). experts: the experts' buffers (a dict, or the module holding them: read only
+        where needed). This backend: True."""
         return True
 
     def expert_ffn(self, x: torch.Tensor, idx: torch.Tensor, experts: dict[str, torch.Tensor | None],

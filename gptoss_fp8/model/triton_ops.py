@@ -254,10 +254,12 @@ class TritonOps(W8A8CpuOps):
         subclass's, e.g. tests/mutations.py's, gets the rows), the experts run our FP8 kernels on ``quant``
         (``_experts_ok``; not DeepGEMM's) and the router weight is one our kernel takes: the router remakes
         the rows from ``Normed.src`` (kernels/router.py ``norm``), one [T, H] bf16 write a layer fewer."""
-        return not (self.config.moe_rows_from_stream and self.config.gemm != "deep_gemm"
-                    and type(self).route is TritonOps.route and type(self).expert_ffn is TritonOps.expert_ffn
-                    and self._experts_ok(experts, router_weight.shape[-1]) and router_weight.dtype == BF16
-                    and router_weight.dim() == 2 and router_weight.is_contiguous())
+        if not (self.config.moe_rows_from_stream and self.config.gemm != "deep_gemm"
+                and type(self).route is TritonOps.route and type(self).expert_ffn is TritonOps.expert_ffn
+                and router_weight.dtype == BF16 and router_weight.dim() == 2 and router_weight.is_contiguous()):
+            return True
+        ex = experts if isinstance(experts, dict) else dict(experts.named_buffers(recurse=False))
+        return not self._experts_ok(ex, router_weight.shape[-1])
 
     @staticmethod
     def _experts_ok(experts, h) -> bool:

@@ -238,7 +238,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gptoss_fp8.kernels import fp8_gemv, norm
-from gptoss_fp8.kernels._gluon import ptxas_resources
+from gptoss_fp8.kernels._gluon import _as_launched, ptxas_resources
 
 
 def reduce_layouts(ttgir):  # the resolved layouts of every tt.reduce operand (fused: the norm's sums / maxima)
@@ -256,9 +256,9 @@ NP = dict(x_ptr=BF, d_ptr=BF, w_ptr=F32, xo_ptr=BF, y_ptr=BF, q_ptr=F8, s_ptr=F3
 nf = norm._rms_norm_kernel
 nc = dict(HAS_DELTA=True, BLOCK_M=1, BLOCK_H=4096, QUANT=True, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10, TOP_K=0,
           PDL=True, M=1)
-nsig = {a: "constexpr" if a in nc else NP.get(a, "i32") for a in nf.arg_names}
-nattrs = {(nf.arg_names.index(a),): [["tt.divisibility", 16]] for a in nf.arg_names if a.endswith("_ptr") or
-          a.startswith("stride") or a == "H"}
+# (as a launch specializes it: the constexprs left out at their defaults)
+nsig, nc, nattrs = _as_launched(nf, NP, nc, tuple(a for a in nf.arg_names
+                                                   if a.endswith("_ptr") or a.startswith("stride") or a == "H"))
 nk = triton.compile(ASTSource(nf, nsig, nc, nattrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
 norm_layouts = reduce_layouts(nk.asm["ttgir"])
 res = {}
