@@ -86,11 +86,11 @@ def quant() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gptoss_fp8.kernels import act_quant, attn_quant, norm
+    from gptoss_fp8.kernels import _gluon, act_quant, attn_quant, norm
 
     def total(fn, ptrs, consts, num_warps, div16=()):
-        sig = {a: ("constexpr" if a in consts else ptrs.get(a, "i32")) for a in fn.arg_names}
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+        # (as a launch specializes it: the constexprs left out at their defaults)
+        sig, consts, attrs = _gluon._as_launched(fn, ptrs, consts, tuple(div16))
         c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=num_warps))
         return len(instructions(sass_of(c.asm["ptx"])))
