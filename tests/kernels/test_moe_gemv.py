@@ -269,7 +269,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gptoss_fp8.kernels import moe_gemv as m
-from gptoss_fp8.kernels._gluon import ptxas_resources
+from gptoss_fp8.kernels._gluon import _as_launched, ptxas_resources
 
 ptrs = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr="*bf16",
             inter_ptr="*fp32", act_ptr="*fp8e4nv", acts_ptr="*fp32", counter_ptr="*i32", out_ptr="*bf16", limit="fp32")
@@ -278,11 +278,9 @@ common = dict(TOP_K=4, K_PAD=4, MMA_M=max(16, rows), BLOCK_K=128, NUM_STAGES=4, 
 res = {}
 for fn, extra in ((m._skinny_gate_up_kernel, dict(ROWS=rows, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10)),
                   (m._skinny_down_kernel, dict(ZERO_FOREIGN=True))):
-    consts = {**common, **extra}
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
-    # as a launch specializes 16-divisible pointers, sizes and strides
-    attrs = {(j,): [["tt.divisibility", 16]] for j, a in enumerate(fn.arg_names)
-             if a.endswith("_ptr") or a in ("N", "K") or a.startswith("stride_")}
+    # as a launch specializes it: 16-divisible pointers, sizes and strides, the constexprs left out at their defaults
+    sig, consts, attrs = _as_launched(fn, ptrs, {**common, **extra}, tuple(
+        a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "K") or a.startswith("stride_")))
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = k.asm["ptx"]
     res[fn.__name__] = dict(shared=k.metadata.shared, cp_async=len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
