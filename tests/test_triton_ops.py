@@ -588,8 +588,8 @@ def test_norm_rows_left_out_where_the_qkv_gemm_takes_the_quantization(checkpoint
     assert rows_chunked.spec_fallbacks["moe_combine_add_rms_norm"] == 0
 
 def _counted_forwards(model, tokens, monkeypatch, runs):
-    """The logits of each (KernelConfig options, moe_chunk) in runs and, for each, how many dense GEMMs added a
-    residual (``fp8_gemm(residual=)``) and how many router launches remade the norm's rows (``router(norm=)``)."""
+    """The logits of each (KernelConfig options, moe_chunk[, last_only]) in runs and, for each, how many dense GEMMs
+    added a residual (``fp8_gemm(residual=)``) and how many router launches remade the norm's rows (``router(norm=)``)."""
     from dataclasses import replace
 
     from gptoss_fp8.kernels import fp8_gemm as gemm_mod
@@ -603,10 +603,10 @@ def _counted_forwards(model, tokens, monkeypatch, runs):
     monkeypatch.setattr(router_mod, "router", lambda *a, **kw: seen.append("src" if kw.get("norm") is not None else "")
                         or route(*a, **kw))
     out = []
-    for opts, chunk in runs:
+    for opts, chunk, *last in runs:
         seen.clear()
         ops = TritonOps(config=replace(KernelConfig(), **opts))
-        logits = model(tokens, ops, moe_chunk=chunk)
+        logits = model(tokens, ops, moe_chunk=chunk, last_only=bool(last and last[0]))
         assert not ops.spec_fallbacks.get("expert_ffn") and not ops.spec_fallbacks.get("route")
         out.append((logits, seen.count("res"), seen.count("src")))
     return out
@@ -632,13 +632,17 @@ def test_o_proj_residual_and_the_routers_rows_keep_the_logits(checkpoints, monke
 @pytest.mark.slow
 def test_the_routers_rows_from_the_stream_in_moe_chunks(checkpoints, monkeypatch):
     """``moe_rows_from_stream`` with the MoE in chunks: each chunk's router on its rows of the source
-    (``Normed.rows``), the same logits as the default."""
+    (``Normed.rows``), the same logits as the default; and both options on a prefill's last row (the pruned last
+    layer: its one row through the add + norm kernel, ``linear_add`` declining decode-sized rows, its MoE on the
+    decode kernels with the quantization alone)."""
     dev = "cuda" if HAS_CUDA else "cpu"
     model = load_model(checkpoints("tiny"), device=dev)
     tokens = _tokens(model.cfg, 20).to(dev)
-    (want, _, _), (got, _, src) = _counted_forwards(model, tokens, monkeypatch,
-                                                    [({}, 10), ({"moe_rows_from_stream": True}, 10)])
+    both = {"gemm_residual": True, "moe_rows_from_stream": True}
+    (want, _, _), (got, _, src), (last, _, _), (last_both, _, _) = _counted_forwards(
+        model, tokens, monkeypatch, [({}, 10), ({"moe_rows_from_stream": True}, 10), ({}, None, True), (both, None, True)])
     assert torch.equal(want, got) and src == 2 * model.cfg.num_hidden_layers
+    assert torch.equal(last, last_both) and last.shape[0] == 1
 
 
 def test_linear_add_and_moe_needs_rows_decline():
