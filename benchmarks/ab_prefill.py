@@ -31,9 +31,10 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 no ``gather_act_quant``: thirty-fourth session); "window-rows" (the window layers' attention writes bf16 rows and
 o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual"
 (o_proj's GEMM adds the residual stream in its epilogue, the post-attention norm reads the new stream alone:
-``KernelConfig.gemm_residual``, thirty-ninth session, opt-in); "rows-from-stream" (the post-attention norm
-writes no bf16 rows, the router remakes them from the stream and the norm's rsqrt factors:
-``KernelConfig.moe_rows_from_stream``, thirty-ninth session, opt-in); "narrow" (the 128 x 256 tiles' last column
+``KernelConfig.gemm_residual``, thirty-ninth session, the default since; "o-proj-delta": off, as before) and
+"rows-from-stream" (the post-attention norm writes no bf16 rows, the router remakes them from the stream and the
+norm's rsqrt factors: ``KernelConfig.moe_rows_from_stream``, the same; "norm-router-rows": off); "narrow" (the
+128 x 256 tiles' last column
 tile, o_proj's and the MoE down's at N = 2880, as one m64n64 product a warpgroup: ``GluonTile.narrow``, thirty-ninth
 session, opt-in); "q-fused" (the FP8 attention's consumer warpgroups quantize their own Q tiles, no Q quantization
 launch: ``KernelConfig.attention_fp8_q_fused``, thirty-ninth session, opt-in); "qk-tile-old" (the
@@ -122,10 +123,14 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_gluon_gate_up=GluonTile(stages=st, group_m=gr))
     if name == "window-rows":  # the window layers' bf16 rows + act_quant for o_proj (before the 38th session)
         return replace(base, attention_quant_out=False)
-    if name == "gemm-residual":  # o_proj's epilogue adds the residual (39th session, opt-in)
+    if name == "gemm-residual":  # o_proj's epilogue adds the residual (39th session; the default since)
         return replace(base, gemm_residual=True)
-    if name == "rows-from-stream":  # the router remakes the post-attention norm's rows (39th session, opt-in)
+    if name == "rows-from-stream":  # the router remakes the post-attention norm's rows (39th session; the default since)
         return replace(base, moe_rows_from_stream=True)
+    if name == "o-proj-delta":  # o_proj writes its delta, the add + norm kernel adds it (before the 39th session)
+        return replace(base, gemm_residual=False)
+    if name == "norm-router-rows":  # the post-attention norm writes the router's bf16 rows (before the 39th session)
+        return replace(base, moe_rows_from_stream=False)
     if name == "q-fused":  # the FP8 attention's consumers quantize their own Q tiles (39th session, opt-in)
         return replace(base, attention_fp8_q_fused=True)
     if name == "narrow":  # the 128 x 256 tiles' last column tile as m64n64 products (o_proj, MoE down; 39th session)

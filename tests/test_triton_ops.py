@@ -597,6 +597,7 @@ def _counted_forwards(model, tokens, monkeypatch, runs):
     from gptoss_fp8.kernels.config import KernelConfig
 
     seen = []
+    off = dict(gemm_residual=False, moe_rows_from_stream=False)  # (each run's options on these)
     gemm, route = gemm_mod.fp8_gemm, router_mod.router
     monkeypatch.setattr(gemm_mod, "fp8_gemm", lambda *a, **kw: seen.append("res" if kw.get("residual") is not None else "")
                         or gemm(*a, **kw))
@@ -605,7 +606,7 @@ def _counted_forwards(model, tokens, monkeypatch, runs):
     out = []
     for opts, chunk, *last in runs:
         seen.clear()
-        ops = TritonOps(config=replace(KernelConfig(), **opts))
+        ops = TritonOps(config=replace(KernelConfig(), **{**off, **opts}))
         logits = model(tokens, ops, moe_chunk=chunk, last_only=bool(last and last[0]))
         assert not ops.spec_fallbacks.get("expert_ffn") and not ops.spec_fallbacks.get("route")
         out.append((logits, seen.count("res"), seen.count("src")))
@@ -616,9 +617,9 @@ def test_o_proj_residual_and_the_routers_rows_keep_the_logits(checkpoints, monke
     """``KernelConfig.gemm_residual``: o_proj's GEMM adds the residual stream (``linear_add``,
     ``fp8_gemm(residual=)``) and the post-attention norm reads the new stream alone; ``moe_rows_from_stream``: that
     norm leaves its bf16 rows out (``moe_needs_rows`` False), the router remakes them from ``Normed.src`` and the
-    experts read the quantization alone. Each, and both, give the same logits bit for bit as the default (the GPU
-    and the interpreter round the delta, then the sum, as the add + norm kernel does; the remade rows are the norm's),
-    every layer through them at 20 rows."""
+    experts read the quantization alone (both on by default). Each, and both, give the same logits bit for bit as
+    both off (the GPU and the interpreter round the delta, then the sum, as the add + norm kernel does; the remade
+    rows are the norm's), every layer through them at 20 rows; the default config takes both."""
     dev = "cuda" if HAS_CUDA else "cpu"
     model = load_model(checkpoints("tiny"), device=dev)
     tokens = _tokens(model.cfg, 20).to(dev)
@@ -627,6 +628,9 @@ def test_o_proj_residual_and_the_routers_rows_keep_the_logits(checkpoints, monke
     (want, r0, s0), (res, r1, s1), (both, r2, s2) = _counted_forwards(model, tokens, monkeypatch, runs)
     assert (r0, s0, r1, s1, r2, s2) == (0, 0, n, 0, n, n)
     assert torch.equal(want, res) and torch.equal(want, both)
+    from gptoss_fp8.kernels.config import KernelConfig
+
+    assert KernelConfig().gemm_residual and KernelConfig().moe_rows_from_stream
 
 
 @pytest.mark.slow
@@ -639,7 +643,7 @@ def test_the_routers_rows_from_the_stream_in_moe_chunks(checkpoints, monkeypatch
     model = load_model(checkpoints("tiny"), device=dev)
     tokens = _tokens(model.cfg, 20).to(dev)
     both = {"gemm_residual": True, "moe_rows_from_stream": True}
-    (want, _, _), (got, _, src), (last, _, _), (last_both, _, _) = _counted_forwards(
+    (want, _, _), (got, _, src), (last, _, _), (last_both, _, _) = _counted_forwards(  # (runs: options on both off)
         model, tokens, monkeypatch, [({}, 10), ({"moe_rows_from_stream": True}, 10), ({}, None, True), (both, None, True)])
     assert torch.equal(want, got) and src == 2 * model.cfg.num_hidden_layers
     assert torch.equal(last, last_both) and last.shape[0] == 1
@@ -669,7 +673,8 @@ def test_linear_add_and_moe_needs_rows_decline():
     own = Own(config=on.config)
     assert own.linear_add(x, w, s, b, r) is None
     assert on.linear_add(x[:16], w, s, b, r[:16]) is None  # decode-sized rows: the skinny kernel adds after
-    assert TritonOps(config=KernelConfig()).linear_add(x, w, s, b, r) is None
+    off = replace(KernelConfig(), gemm_residual=False, moe_rows_from_stream=False)
+    assert TritonOps(config=off).linear_add(x, w, s, b, r) is None
     assert ReferenceOps().linear_add(x, w, s, b, r) is None
     # the new stream of the add + norm kernel (its store rounds as the GEMM's epilogue does, also interpreted)
     ones = torch.ones(w.shape[0], device=dev)
@@ -683,7 +688,7 @@ def test_linear_add_and_moe_needs_rows_decline():
     assert not on.moe_needs_rows(ex, wr)
     assert own.moe_needs_rows(ex, wr) and on.moe_needs_rows(ex, wr.float())
     assert TritonOps(config=replace(on.config, gemm="deep_gemm")).moe_needs_rows(ex, wr)
-    assert TritonOps(config=KernelConfig()).moe_needs_rows(ex, wr) and ReferenceOps().moe_needs_rows(ex, wr)
+    assert TritonOps(config=off).moe_needs_rows(ex, wr) and ReferenceOps().moe_needs_rows(ex, wr)
 
 
 def test_kernel_config_is_held_and_passed(monkeypatch):

@@ -86,8 +86,10 @@ class GluonTile:
     narrow: the 128 x 256 tiles (dense block_n=256, the MoE's Gluon down): the last column tile, where its valid
     columns fit 64 (N % 256 in 1..64: o_proj's and the down's N = 2880), runs one m64n64 product a warpgroup instead
     of an m64n128 one half past N (2.2% of those GEMMs' products at N = 2880). Same bits (each output element the
-    same K blocks' products, promoted alike). Built without a GPU in the thirty-ninth session: opt-in until timed;
-    other tiles refuse it (``_gluon.check_narrow``)."""
+    same K blocks' products, promoted alike). Built without a GPU in the thirty-ninth session; its GPU tests pass
+    (H100), the whole 20b no faster for it (0.3905 against 0.3907 s at 32768 tokens; with the residual and router
+    options 3.2782 against 3.2766 s at 128000: inside the spread). Opt-in; other tiles refuse it
+    (``_gluon.check_narrow``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -288,7 +290,10 @@ class KernelConfig:
     attention_fp8_lane_max: bool = False
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
-    # layer at 32768 tokens not written and read back). Built without a GPU in the thirty-ninth session: opt-in
+    # layer at 32768 tokens not written and read back). Built without a GPU in the thirty-ninth session; its GPU tests
+    # pass (bit-equal), but **slower**: the whole 20b on the H100, same process, 0.3928 against 0.3907 s at 32768
+    # tokens, 3.3137 against 3.2842 s at 128000 (each program's Q loads and quantization before its first product,
+    # where the producer's TMA copy of the e4m3 tile overlapped). Opt-in
     attention_fp8_q_fused: bool = False
     # A window layer's Triton prefill kernel writes o_proj's input quantization (act_quant's bytes) in place of its
     # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
@@ -297,14 +302,16 @@ class KernelConfig:
     # o_proj's GEMM adds the residual stream in its epilogue (``fp8_gemm(residual=)``, ``TritonOps.linear_add``): the
     # post-attention norm then reads the new stream alone, not the stream and o_proj's delta, and writes no new
     # stream: one [T, H] bf16 write and read fewer a layer (~189 MB at 32768 tokens; the skip probe's norms ran at
-    # their bytes floor). Built without a GPU in the thirty-ninth session (the Gluon wide tiles' residual lands by
-    # TMA in their store buffers during the tile before's products): opt-in until timed
-    gemm_residual: bool = False
-    # The post-attention norm leaves its bf16 rows out and writes each row's rsqrt factor; the router remakes the rows
-    # from the new stream as it reads them (kernels/router.py ``norm``: the same bits) and the expert GEMMs read the
-    # norm's quantization (``TritonOps.moe_needs_rows``): one [T, H] bf16 write a layer fewer (~189 MB at 32768
-    # tokens). Built without a GPU in the thirty-ninth session: opt-in until timed
-    moe_rows_from_stream: bool = False
+    # their bytes floor; the Gluon wide tiles' residual lands by TMA in their store buffers during the tile before's
+    # products). And the post-attention norm leaves its bf16 rows out and writes each row's rsqrt factor; the router
+    # remakes the rows from the new stream as it reads them (kernels/router.py ``norm``: the same bits) and the
+    # expert GEMMs read the norm's quantization (``TritonOps.moe_needs_rows``): one [T, H] bf16 write a layer fewer.
+    # Both built without a GPU (thirty-ninth session), then on the H100, the whole 20b, same process, logits equal:
+    # both with the narrow tile -1.5 ms at 32768 tokens (0.3901 against 0.3916 s, 21 runs; without it 0.3894 against
+    # 0.3901, 15 runs, inside the spread), both -8.6 ms at 128000 (3.2766 against 3.2852 s, 6 runs; -7.0 with the
+    # narrow tile, twice). On by default.
+    gemm_residual: bool = True
+    moe_rows_from_stream: bool = True
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),
