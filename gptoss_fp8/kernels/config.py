@@ -306,10 +306,11 @@ class KernelConfig:
     # products). And the post-attention norm leaves its bf16 rows out and writes each row's rsqrt factor; the router
     # remakes the rows from the new stream as it reads them (kernels/router.py ``norm``: the same bits) and the
     # expert GEMMs read the norm's quantization (``TritonOps.moe_needs_rows``): one [T, H] bf16 write a layer fewer.
-    # Both built without a GPU (thirty-ninth session), then on the H100, the whole 20b, same process, logits equal:
-    # both with the narrow tile -1.5 ms at 32768 tokens (0.3901 against 0.3916 s, 21 runs; without it 0.3894 against
-    # 0.3901, 15 runs, inside the spread), both -8.6 ms at 128000 (3.2766 against 3.2852 s, 6 runs; -7.0 with the
-    # narrow tile, twice). On by default.
+    # Both built without a GPU (thirty-ninth session), then on H100s, the whole 20b, same process, logits equal, a
+    # small gain or none: at 32768 tokens -1.1 ms (0.3975 against 0.3986 s, 21 runs, a second machine), -1.5 ms
+    # with the narrow tile too (0.3901 against 0.3916, 21 runs), -0.7 ms (15 runs, inside the spread); at 128000
+    # -8.6 ms (3.2766 against 3.2852 s, 6 runs; -7.0 with the narrow tile, twice) and 0.0 on the second machine
+    # (3.3389 against 3.3391 s, 6 runs). Never slower, fewer bytes: on by default.
     gemm_residual: bool = True
     moe_rows_from_stream: bool = True
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
