@@ -37,7 +37,9 @@ norm's rsqrt factors: ``KernelConfig.moe_rows_from_stream``, the same; "norm-rou
 128 x 256 tiles' last column
 tile, o_proj's and the MoE down's at N = 2880, as one m64n64 product a warpgroup: ``GluonTile.narrow``, thirty-ninth
 session, opt-in); "q-fused" (the FP8 attention's consumer warpgroups quantize their own Q tiles, no Q quantization
-launch: ``KernelConfig.attention_fp8_q_fused``, thirty-ninth session, opt-in); "qk-tile-old" (the
+launch: ``KernelConfig.attention_fp8_q_fused``, thirty-ninth session, opt-in); "q-gemm" (the full layers' q / k / v
+GEMM rotates and quantizes Q for the FP8 attention in its epilogue, no Q quantization launch and no bf16 Q:
+``KernelConfig.gemm_q_quant``, fortieth session, opt-in); "qk-tile-old" (the
 FP8 attention's Q / K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``);
 "wide-no-scales" (the heavy-load MoE tiles without
 ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
@@ -133,6 +135,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_rows_from_stream=False)
     if name == "q-fused":  # the FP8 attention's consumers quantize their own Q tiles (39th session, opt-in)
         return replace(base, attention_fp8_q_fused=True)
+    if name == "q-gemm":  # the full layers' q / k / v GEMM rotates and quantizes Q in its epilogue (40th session)
+        return replace(base, gemm_q_quant=True)
     if name == "narrow":  # the 128 x 256 tiles' last column tile as m64n64 products (o_proj, MoE down; 39th session)
         return replace(base, dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, narrow=True),
                        moe_gluon_down=replace(base.moe_gluon_down, narrow=True))

@@ -15,6 +15,8 @@
 #            (moe_rows_from_stream), the 128 x 256 tiles' narrow last column tile (GluonTile.narrow: o_proj, MoE down),
 #            the FP8 attention's consumers quantizing their own Q tiles (attention_fp8_q_fused): their GPU tests, then
 #            the 20b beside the default, each and all four, same process, 32768 / 128000
+#   pending40  the fortieth session's q / k / v GEMM quantizing Q in its epilogue (KernelConfig.gemm_q_quant, built
+#            without a GPU): its GPU tests, then the 20b beside the default, same process, 32768 / 128000
 #   attn-inmodel  benchmarks/attn_inmodel_probe.py: the FP8 full attention inside the 20b's forward against alone on
 #            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
@@ -520,6 +522,24 @@ if has pending39; then
     --runs ${P39_RUNS32K:-9} --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p39_ab32k.log"
   [[ ${P39_AB128K_S:-240} == 0 ]] || timeout ${P39_AB128K_S:-240} python3 benchmarks/ab_prefill.py --model 20b \
     --tokens 128000 --runs 3 --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p39_ab128k.log"
+fi
+
+if has pending40; then
+  # the fortieth session's q / k / v GEMM quantizing Q in its epilogue (KernelConfig.gemm_q_quant, built without a GPU):
+  # its GPU tests (the epilogue against the GEMM + quantize_qk, bit for bit; the model's logits with it on and off; the
+  # dense GEMM and attention kernels whose helpers moved), then the 20b beside the default, same process, 32768 and
+  # 128000. One call holds the tests and the 32768 A/B (P40_AB128K_S=0); a second the 128000 A/B (P40_TEST_S=0 P40_AB_S=0)
+  if [[ ${P40_TEST_S:-200} != 0 ]]; then
+    timeout -s INT ${P40_TEST_S:-200} python3 -m pytest -q -rf -n 3 tests/kernels/test_gemm_q8.py tests/kernels/test_fp8_gemm.py \
+      tests/test_triton_ops.py tests/kernels/test_attention.py -m "gpu or not slow" \
+      -k "q8 or q_made or residual or narrow or ws_fp8 or fp8_prefill or ws_prefill" > "$OUT/p40_tests.log" 2>&1
+    tail -6 "$OUT/p40_tests.log"
+  fi
+  _v=${P40_VARIANTS:-default,q-gemm}
+  [[ ${P40_AB_S:-300} == 0 ]] || timeout ${P40_AB_S:-300} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
+    --runs ${P40_RUNS32K:-9} --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p40_ab32k.log"
+  [[ ${P40_AB128K_S:-240} == 0 ]] || timeout ${P40_AB128K_S:-240} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 128000 --runs 3 --variants $_v --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p40_ab128k.log"
 fi
 
 if has attn-inmodel; then

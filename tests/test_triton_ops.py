@@ -649,6 +649,59 @@ def test_the_routers_rows_from_the_stream_in_moe_chunks(checkpoints, monkeypatch
     assert torch.equal(last, last_both) and last.shape[0] == 1
 
 
+def test_q_made_by_the_qkv_gemm_keeps_the_logits(monkeypatch):
+    """``KernelConfig.gemm_q_quant`` under ``--attention fp8``: each full layer's q / k / v GEMM returns Q rotated and
+    quantized for the FP8 attention (``linears_q8`` -> ``QuantQ``, ``attention_out`` -> ``attention_prefill(q_scale=)``;
+    here the two-launch form, the GEMM's epilogue being the GPU's): the same logits bit for bit as the option off, one
+    QuantQ a full layer (a model of head_dim 64 whose q / k / v fuse into one GEMM; the window layers and the pruned
+    last layer's row keep the bf16 q). Declined with bf16 attention, a subclass's own linears, DeepGEMM's GEMMs."""
+    from dataclasses import replace
+
+    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.kernels.config import KernelConfig
+    from gptoss_fp8.model.ops import QuantQ
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    cfg = preset_config("tiny", 4, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    model = random_model(cfg, dev, 7)
+    tokens = _tokens(cfg, 20).to(dev)
+    made = []
+    real = TritonOps.linears_q8
+    monkeypatch.setattr(TritonOps, "linears_q8", lambda self, *a, **kw: made.append(real(self, *a, **kw)) or made[-1])
+    on = replace(KernelConfig(), gemm_q_quant=True)
+
+    class DenseKernels(TritonOps):  # (the MoE on the spec: the interpreter's time goes to the parts under test)
+        pass
+
+    for op in ("expert_ffn", "route", "moe_combine", "moe_combine_add_rms_norm"):
+        setattr(DenseKernels, op, getattr(W8A8CpuOps, op))
+    want = model(tokens, DenseKernels(config=replace(on, gemm_q_quant=False)).with_attention("fp8"))
+    assert not any(made)
+    made.clear()
+    got = model(tokens, DenseKernels(config=on).with_attention("fp8"))
+    full = sum(t == "full_attention" for t in cfg.layer_types)
+    assert sum(isinstance(r, list) and isinstance(r[0], QuantQ) for r in made) == full >= 2
+    assert torch.equal(want, got)
+    monkeypatch.undo()
+
+    class Own(TritonOps):
+        def linears(self, x, projs, *, xq=None):
+            return super().linears(x, projs, xq=xq)
+
+    from gptoss_fp8 import spec
+
+    projs = model._qkv_projs(next(layer for layer in model.model.layers if not layer.window))
+    x = torch.randn(20, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(dev, torch.bfloat16)
+    rope = tuple(t.to(dev) for t in spec.rope_table(20, 64))
+    assert isinstance(TritonOps(config=on).with_attention("fp8").linears_q8(x, projs, rope, 0)[0], QuantQ)
+    for ops, window in ((TritonOps(config=on).with_attention("fp8"), 128), (TritonOps(config=on), 0),
+                        (Own(config=on).with_attention("fp8"), 0), (ReferenceOps().with_attention("fp8"), 0),
+                        (TritonOps(config=replace(on, gemm="deep_gemm")).with_attention("fp8"), 0),
+                        (TritonOps(config=replace(on, gemm_q_quant=False)).with_attention("fp8"), 0)):
+        assert ops.linears_q8(x, projs, rope, window) is None, (type(ops).__name__, window)
+
+
 def test_linear_add_and_moe_needs_rows_decline():
     """Where the options fall back to the unfused forms: ``linear_add`` None for a subclass's own ``linear``
     (tests/mutations.py), decode-sized rows (the skinny kernel), the option off and the reference backend, else

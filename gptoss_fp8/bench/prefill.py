@@ -185,8 +185,8 @@ class TimedOps:
 
     # ops method -> breakdown part (``linear`` is split by its weight below); anything else the
     # model calls runs untimed and lands in "other"
-    PARTS = {"linears": "dense", "linear_add": "dense", "route": "moe", "expert_ffn": "moe", "moe_combine": "moe",
-             "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
+    PARTS = {"linears": "dense", "linears_q8": "dense", "linear_add": "dense", "route": "moe", "expert_ffn": "moe",
+             "moe_combine": "moe", "moe_combine_add_rms_norm": "norm", "rms_norm": "norm", "add_rms_norm": "norm",
              "attention": "attention", "attention_out": "attention", "attention_cached": "attention",
              "attention_chunk": "attention",
              "attention_segments": "attention"}

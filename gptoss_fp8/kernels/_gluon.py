@@ -275,6 +275,22 @@ def ptxas_resources(ptx: str) -> dict:
 if HAS_GLUON:
 
     @gluon.jit
+    def halves(x):
+        """[R, N] -> its columns [0, N/2) and [N/2, N): in the wgmma accumulator layout the top column
+        bit indexes a thread's own registers, so this moves no data."""
+        R: gl.constexpr = x.type.shape[0]
+        N: gl.constexpr = x.type.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def unhalves(a, b):
+        """``halves`` undone: [R, N] and [R, N] (b in a's layout) -> [R, 2N], a's columns first."""
+        R: gl.constexpr = a.type.shape[0]
+        N: gl.constexpr = a.type.shape[1]
+        b = gl.convert_layout(b, a.type.layout, assert_trivial=True)
+        return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * N])
+
+    @gluon.jit
     def tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
         """Grouped tile order: GROUP_M row tiles sweep the column tiles together (L2 reuse)."""
         per_group = GROUP_M * num_n

@@ -77,7 +77,7 @@ from gptoss_fp8.kernels.act_quant import act_quant, e4m3, group_scale
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
 from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant import attn_fp8
-from gptoss_fp8.quant.attn_fp8 import P_SCALE
+from gptoss_fp8.quant.attn_fp8 import P_SCALE, QK_BLOCK
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
 LOG2E = 1.4426950408889634
@@ -412,6 +412,7 @@ def attention_prefill(
     q_offsets: torch.Tensor | None = None,
     fp8_plan: attn_quant.SegmentPlan | None = None,
     quant_out: bool = False,
+    q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal (or sliding-window) attention with sinks over a ragged batch of packed sequences.
 
@@ -441,6 +442,9 @@ def attention_prefill(
     D))``'s (x_fp8 [T, Hq * D], scale [T, Hq * D / 128]; o_proj's input): written by the Triton kernel in place of
     the bf16 rows where its tile holds whole 128-column groups (``quant_out_fused``: head_dim 32 / 64 / 128 and
     128 / head_dim dividing the tile's heads, the window layers' pack 4), else act_quant after the kernel.
+    ``q_scale`` (with ``fp8``, one sequence, no rope): q is already e4m3, rotated and quantized as this function
+    would (``attn_quant.quantize_qk``'s bytes, e.g. by the q / k / v GEMM's epilogue, ``fp8_gemm.fp8_gemm_q8``), and
+    q_scale its scales (fp32 [Hq, ceil(T / 64)]): the same result as the bf16 q it was made from.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
     T, Hq, D = q.shape
@@ -459,8 +463,13 @@ def attention_prefill(
     Hkv = k.shape[1]
     assert Hq % Hkv == 0, f"{Hq} query heads not a multiple of {Hkv} kv heads"
     assert D in (16, 32, 64, 128, 256), f"head_dim {D} must be a power of two in 16..256"
+    if q_scale is not None:
+        assert fp8 and not segments and cu_seqlens is None and rope is None and q.dtype == FP8_DTYPE, (
+            f"q_scale: an e4m3 q ({q.dtype}) with fp8, one sequence, no rope")
+        assert q_scale.shape == (Hq, cdiv(T, QK_BLOCK)) and q_scale.dtype == torch.float32, (
+            f"q_scale {tuple(q_scale.shape)} {q_scale.dtype}: fp32 {(Hq, cdiv(T, QK_BLOCK))}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        assert t.dtype == torch.bfloat16, f"{name} dtype {t.dtype}, want bfloat16"
+        assert t.dtype == torch.bfloat16 or (name == "q" and q_scale is not None), f"{name} dtype {t.dtype}, want bfloat16"
         assert t.stride(-1) == 1, f"{name} last dim not contiguous (strides {t.stride()})"
         assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
     assert sinks.shape == (Hq,), f"sinks {sinks.shape}, want ({Hq},)"
@@ -492,7 +501,7 @@ def attention_prefill(
                                      q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
                                      lane_max=cfg.attention_fp8_lane_max,
                                      q_fused=cfg.attention_fp8_q_fused and q.dtype == torch.bfloat16 and q.stride(2) == 1
-                                     and q.stride(1) == q.shape[2])
+                                     and q.stride(1) == q.shape[2], q_scale=q_scale)
         return _quantized(o, quant_out)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
@@ -537,7 +546,9 @@ def attention_prefill(
         # on CUDA the fused Triton kernels (kernels/attn_quant.py), the same roundings in one pass; a rope
         # rotates q there (one sequence on the GPU) or first (kernels/rope.py: ragged positions, the CPU)
         quant = attn_quant if on_gpu else attn_fp8
-        if rope is not None and on_gpu and not ragged:
+        if q_scale is not None:  # (made already: q_scale's rules)
+            q8, sq = q, q_scale
+        elif rope is not None and on_gpu and not ragged:
             q8, sq = attn_quant.quantize_qk(q, rope=rope, pos0=q_offset)
         else:
             if rope is not None:
@@ -579,8 +590,8 @@ def quant_out_fused(head_dim: int, pack: int) -> bool:
 
 
 def _out(q: torch.Tensor) -> torch.Tensor:
-    """An empty output like q [T, Hq, D] (bf16)."""
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    """An empty bf16 output of q's shape [T, Hq, D] (q bf16, or e4m3 with ``q_scale``)."""
+    return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
 def _quantized(out: torch.Tensor, quant_out: bool):

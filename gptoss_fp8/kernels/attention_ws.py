@@ -49,11 +49,13 @@ if HAS_GLUON:
         fence_async_shared,
         gl,
         gluon,
+        halves,
         load_stage,
         mbarrier,
         pass_turn,
         take_turn,
         tma,
+        unhalves,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -133,23 +135,8 @@ if HAS_GLUON:
         return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _halves(x):
-        """[R, N] -> its columns [0, N/2) and [N/2, N): in the wgmma accumulator layout the top column
-        bit indexes a thread's own registers, so this moves no data."""
-        R: gl.constexpr = x.type.shape[0]
-        N: gl.constexpr = x.type.shape[1]
-        return gl.split(gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1)))
-
-    @gluon.jit
-    def _unhalves(a, b):
-        R: gl.constexpr = a.type.shape[0]
-        N: gl.constexpr = a.type.shape[1]
-        b = gl.convert_layout(b, a.type.layout, assert_trivial=True)
-        return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * N])
-
-    @gluon.jit
     def _fold(x, SUM: gl.constexpr):
-        lo, hi = _halves(x)
+        lo, hi = halves(x)
         if SUM:
             return lo + hi
         else:
@@ -158,7 +145,7 @@ if HAS_GLUON:
     @gluon.jit
     def _tree(x, SUM: gl.constexpr):
         """Row max (SUM False) or row sum of a [R, N] score tile, its register-held columns folded as a
-        tree (halves by _halves: log2(N / 8) levels, no data moved) before the reduction across the
+        tree (halves by halves: log2(N / 8) levels, no data moved) before the reduction across the
         quad's lanes; ``gl.max`` / ``gl.sum`` alone fold a thread's 16-32 values in one dependent chain."""
         N: gl.constexpr = x.type.shape[1]
         x = _fold(x, SUM)
@@ -193,12 +180,12 @@ if HAS_GLUON:
             return gl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x.to(gl.bfloat16)],
                                              dtype=gl.bfloat16, is_pure=True, pack=2)
         else:
-            lo, hi = _halves(x)
+            lo, hi = halves(x)
             if EXP == 1:
-                a, b = _halves(hi)
-                y = _unhalves(gl.exp2(lo), _unhalves(gl.exp2(a), _exp2_fma(b)))
+                a, b = halves(hi)
+                y = unhalves(gl.exp2(lo), unhalves(gl.exp2(a), _exp2_fma(b)))
             else:
-                y = _unhalves(gl.exp2(lo), _exp2_fma(hi))
+                y = unhalves(gl.exp2(lo), _exp2_fma(hi))
             return gl.convert_layout(y, x.type.layout, assert_trivial=True)
 
     @gluon.jit

@@ -51,10 +51,12 @@ if HAS_GLUON:
         fence_async_shared,
         gl,
         gluon,
+        halves,
         mbarrier,
         pass_turn,
         take_turn,
         tma,
+        unhalves,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -62,9 +64,7 @@ if HAS_GLUON:
         _attn_produce,
         _exp2_fma,
         _fold,
-        _halves,
         _row_reduce,
-        _unhalves,
         _wg_blocks,
     )
 
@@ -123,8 +123,8 @@ if HAS_GLUON:
         if FMA == 0:
             return gl.exp2(x)
         elif FMA == 1:
-            lo, hi = _halves(x)
-            return gl.convert_layout(_unhalves(gl.exp2(lo), _exp2_fma(hi)), x.type.layout, assert_trivial=True)
+            lo, hi = halves(x)
+            return gl.convert_layout(unhalves(gl.exp2(lo), _exp2_fma(hi)), x.type.layout, assert_trivial=True)
         else:
             return _exp2_fma(x)
 
@@ -150,10 +150,10 @@ if HAS_GLUON:
         """2^x of the step's first block, the turn passed on after it (TURN 2) or after its first half of
         columns (3). S16: x f16, by packed pairs."""
         if TURN == 3:
-            lo, hi = _halves(x)
+            lo, hi = halves(x)
             lo = _ex2(lo, S16)
             pass_turn(turn, W, True)
-            return gl.convert_layout(_unhalves(lo, _ex2(hi, S16)), x.type.layout, assert_trivial=True)
+            return gl.convert_layout(unhalves(lo, _ex2(hi, S16)), x.type.layout, assert_trivial=True)
         else:
             y = _ex2(x, S16)
             pass_turn(turn, W, TURN == 2)
@@ -747,7 +747,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              trace: torch.Tensor | None = None,
                              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                              q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False,
-                             s16: bool = False, q_fused: bool = False) -> torch.Tensor:
+                             s16: bool = False, q_fused: bool = False,
+                             q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -779,7 +780,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     64-row Q tile from q's bf16 rows (rotated first with a rope) into the shared memory the producer's TMA would have
     filled (``_quantize_q_tile``: attn_quant's bytes and scale): q's bf16 rows read once, by the kernel, instead of
     read, written as e4m3 and read again (~0.27 GB a full layer at 32768 tokens); q bf16 with its heads' D
-    contiguous; not with s16."""
+    contiguous; not with s16. q_scale (fp32 [Hq, ceil(T / 64)]): q is e4m3 already, rotated and quantized by
+    ``attn_quant.quantize_qk``'s rules (the q / k / v GEMM's epilogue, ``fp8_gemm.fp8_gemm_q8``), these its scales; no
+    rope, q_fused or s16."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -804,8 +807,12 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         "s16: with pairs and ones, no exp_fma, probe or lane_max")
     assert not q_fused or (not s16 and q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d), (
         f"q_fused: bf16 q with contiguous heads, not with s16 (q {q.dtype}, strides {q.stride()})")
+    assert q_scale is None or (rope is None and not q_fused and not s16 and q.dtype == torch.float8_e4m3fn), (
+        f"q_scale: an e4m3 q ({q.dtype}), no rope, q_fused or s16")
     q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX,
-                                           with_q=not q_fused)
+                                           with_q=not q_fused and q_scale is None)
+    if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
+        q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

@@ -313,6 +313,12 @@ class KernelConfig:
     # (3.3389 against 3.3391 s, 6 runs). Never slower, fewer bytes: on by default.
     gemm_residual: bool = True
     moe_rows_from_stream: bool = True
+    # Under ``--attention fp8`` a full layer's q / k / v GEMM rotates and quantizes Q in its epilogue (the Gluon 128 x
+    # 256 tile, ``fp8_gemm.fp8_gemm_q8``, ``TritonOps.linears_q8``): attn_quant.quantize_qk(rope=)'s bytes and scales,
+    # Q's bf16 columns never written nor read back by a quantization launch (~0.8 GB of traffic a full layer at 32768
+    # tokens; the skip probe: the Q / K quantization launches 3.9 ms of a 32768 prefill). Fortieth session, built
+    # without a GPU: opt-in until timed.
+    gemm_q_quant: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /
     # 1.401 ms at 8192 / 32768 / 128000 tokens against 0.113 / 0.417 / 1.625 for two heads of 32 (64 x 32, pack 2),

@@ -233,9 +233,7 @@ def fp8_gemm(
         fp8_gemm_skinny(a, a_s, w_fp8, w_scale_inv, bias, out, skinny_tile(m, n, k, sm_count(x_fp8.device)),
                         pdl=pdl_launch(cfg, m, x_fp8.device))
         return _plus(out, res).reshape(*lead, n)
-    ws = (out_dtype == torch.bfloat16 and n % 8 == 0 and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0
-          and w_fp8.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0  # TMA bases
-          and cfg.gluon_on(x_fp8.device))
+    ws = out_dtype == torch.bfloat16 and n % 8 == 0 and _tma_ok(a, w_fp8, out, cfg)
     tile = tile or cfg.dense_tile(m, n, k, ws)
     if isinstance(tile, GluonTile):
         assert ws, ("a GluonTile needs the Gluon kernel's conditions: config.gluon, an sm_90 GPU, triton with "
@@ -266,6 +264,61 @@ def fp8_gemm(
         **({} if res is None else dict(r_ptr=res, HAS_RES=True)),
     )
     return out.reshape(*lead, n)
+
+
+def _tma_ok(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, cfg: KernelConfig) -> bool:
+    """The Gluon kernel's TMA bases and rows (x rows, weight, out 16-byte aligned; None: one torch allocates) on a
+    device it runs on."""
+    return (a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0
+            and (out is None or out.data_ptr() % 16 == 0) and cfg.gluon_on(a.device))
+
+
+def q8_in_epilogue(m: int, n: int, k: int, q_cols: int, config: KernelConfig | None = None,
+                   gluon_ok: bool = False) -> bool:
+    """Whether ``fp8_gemm_q8`` of an [m, k] x [n, k] call quantizes Q in the GEMM's epilogue: its default launch is
+    the Gluon 128 x 256 tile (``gluon_ok``: the Gluon kernel can take the call) and Q's q_cols columns are whole
+    tiles of it (a multiple of 256, below n, n - q_cols a multiple of 8)."""
+    cfg = config or DEFAULT
+    if cfg.dense_skinny_max_rows is not None and m <= cfg.dense_skinny_max_rows:
+        return False
+    tile = cfg.dense_tile(m, n, k, gluon_ok)
+    return (isinstance(tile, GluonTile) and (tile.block_m or fp8_gemm_ws.BM, tile.block_n) == (fp8_gemm_ws.BM, fp8_gemm_ws.WIDE)
+            and 0 < q_cols < n and q_cols % fp8_gemm_ws.WIDE == 0 and (n - q_cols) % 8 == 0)
+
+
+def fp8_gemm_q8(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
+                bias: torch.Tensor | None, q_cols: int, rope: tuple[torch.Tensor, torch.Tensor],
+                config: KernelConfig | None = None, head_dim: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_gemm`` of x [M, K] whose first q_cols output columns are Q's heads (the full layers' q / k / v GEMM
+    under ``--attention fp8``) -> (q8 e4m3 [M, H, D], qs fp32 [H, ceil(M / 64)], rest bf16 [M, N - q_cols]; D =
+    head_dim, H = q_cols / D): q8, qs = ``attn_quant.quantize_qk(y[:, :q_cols] as heads, rope=rope)`` (rotated at
+    positions 0.. by rope = (cos, sin) fp32 [>= M, D / 2], contiguous), rest = y[:, q_cols:], y = ``fp8_gemm``'s
+    bf16 product, bit for bit. Where ``q8_in_epilogue`` holds (D = 64), in one launch: the Gluon 128 x 256 tile rotates and
+    quantizes Q's tiles in its epilogue (``fp8_gemm_ws.ws_fp8_gemm(q_fp8=)``), Q's bf16 columns never written
+    (~0.27 GB a full layer at 32768 tokens, and their quantization pass's read); elsewhere the GEMM, then
+    ``quantize_qk`` (rest a view of the GEMM's output)."""
+    from gptoss_fp8.kernels import attn_quant
+
+    cfg = config or DEFAULT
+    n, k = w_fp8.shape
+    m = x_fp8.shape[0]
+    assert x_fp8.dim() == 2 and q_cols % head_dim == 0, f"x {tuple(x_fp8.shape)}, q_cols {q_cols}, head_dim {head_dim}"
+    heads = q_cols // head_dim
+    if m and head_dim == fp8_gemm_ws.Q_HEAD and q8_in_epilogue(m, n, k, q_cols, cfg, _tma_ok(x_fp8, w_fp8, None, cfg)):
+        tile = cfg.dense_tile(m, n, k, True)
+        rest = torch.empty((m, n - q_cols), dtype=torch.bfloat16, device=x_fp8.device)
+        q8 = torch.empty((m, heads, fp8_gemm_ws.Q_HEAD), dtype=FP8_DTYPE, device=x_fp8.device)
+        qs = torch.empty((heads, cdiv(m, fp8_gemm_ws.Q_HEAD)), dtype=torch.float32, device=x_fp8.device)
+        assert x_scale.shape == (m, cdiv(k, BLOCK)) and x_scale.stride(-1) == 1, f"x_scale {tuple(x_scale.shape)}"
+        fp8_gemm_ws.ws_fp8_gemm(x_fp8, x_scale, w_fp8.contiguous(), w_scale_inv.contiguous(), bias, rest,
+                                stages=tile.stages, group_m=tile.group_m, block_m=fp8_gemm_ws.BM, block_n=fp8_gemm_ws.WIDE,
+                                balance=tile.balance, promote=tile.promote, turns=tile.turns,
+                                stage_scales=tile.stage_scales, narrow=tile.narrow,
+                                q_fp8=(q8.view(m, q_cols), qs, *rope))
+        return q8, qs, rest
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale_inv, bias, config=cfg)
+    q8, qs = attn_quant.quantize_qk(y[:, :q_cols].view(m, heads, head_dim), rope=rope)
+    return q8, qs, y[:, q_cols:]
 
 
 def residual_in_epilogue(m: int, n: int, k: int, config: KernelConfig | None = None, gluon_ok: bool = False) -> bool:

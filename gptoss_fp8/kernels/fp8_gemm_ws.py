@@ -54,7 +54,7 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     stage_scale_box,
     supported,
 )
-from gptoss_fp8.quant.fp8 import cdiv
+from gptoss_fp8.quant.fp8 import ACT_EPS, FP8_MAX, cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
@@ -64,6 +64,7 @@ if HAS_GLUON:
         fence_async_shared,
         gl,
         gluon,
+        halves,
         load_stage,
         load_stage_scaled,
         mbarrier,
@@ -71,12 +72,14 @@ if HAS_GLUON:
         tile_coords,
         tma,
         turn_barriers,
+        unhalves,
     )
 
 BM, BN, BK = 128, 128, 128  # output tile and K block (= the scale group)
 WARPGROUP_ROWS = BM // 2  # rows of a tile per consumer warpgroup (and of one TMA store)
 WIDE = 256  # the wide forms' long tile side: 256 x 128 (block_m) or 128 x 256 (block_n) tiles
 SMEM_BYTES = 227 * 1024  # one sm_90 block's shared memory
+Q_HEAD = 64  # ``q_fp8``: the columns of one head (and rows of one Q scale block: attn_quant's QK_BLOCK)
 
 
 
@@ -186,12 +189,15 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
+    _Q_MAX = gl.constexpr(FP8_MAX)  # (``q_fp8``: what a Q block's amax maps to, and the scale's floor: attn_quant's)
+    _Q_EPS = gl.constexpr(ACT_EPS)
 
     @gluon.jit
     def _consume_wide(W: gl.constexpr, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                       M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
                       turn, TURN: gl.constexpr, sa_bufs=None, sb_bufs=None, SC: gl.constexpr = False, r_desc=None,
-                      rbar=None, RES: gl.constexpr = False, NARROW: gl.constexpr = False):
+                      rbar=None, RES: gl.constexpr = False, NARROW: gl.constexpr = False, q8_desc=None, qf=None,
+                      QN: gl.constexpr = 0):
         """Wide forms, consumer warpgroup W, two 64 x 128 accumulators (``block_scaled_mainloop_serial``):
         256 x 128 tiles: rows W*128 .. W*128 + 128 as two 64-row products sharing each B stage;
         128 x 256 tiles: rows W*64 .. W*64 + 64, columns 0..128 and 128..256 as two products sharing
@@ -203,7 +209,9 @@ if HAS_GLUON:
         only): the scales from the stages (sa_bufs, sb_bufs). RES (two store buffers a warpgroup): the epilogue
         adds the residual r_desc's tile to the bf16-rounded product + bias and rounds again (``spec.add_rms_norm``'s
         x + delta); each tile's residual lands by TMA in the store buffers (barrier rbar[W]) while the tile before's
-        products run: issued once that tile's stores have read the buffers."""
+        products run: issued once that tile's stores have read the buffers. QN > 0 (128 x 256, ``q_fp8``): the output's
+        columns [0, QN) are Q's heads, rotated and quantized here (``_store_q8``: into q8_desc; qf = (qs_ptr,
+        cos_ptr, sin_ptr, nbq)) instead of stored; the columns from QN on stored to c_desc at column - QN."""
         TM: gl.constexpr = a_bufs.type.shape[1]
         TN: gl.constexpr = b_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
@@ -289,20 +297,90 @@ if HAS_GLUON:
                     acc1 = _plus_residual(acc1, c_bufs.index(W * NB + 1), layout)
                 else:
                     tma.store_wait(0)  # the previous tile's stores have left c_bufs
-                c_bufs.index(W * NB).store(acc0.to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row0, col0], c_bufs.index(W * NB))
-                if NB == 1:
-                    tma.store_wait(0)
-                c_bufs.index(W * NB + NB - 1).store(acc1.to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row1, col1], c_bufs.index(W * NB + NB - 1))  # clipped past M, N
+                if QN > 0:
+                    if col0 < QN:  # (QN a multiple of 256: a tile is all Q or none)
+                        _store_q8(acc0, acc1, c_bufs, W, row0, col0, M, q8_desc, qf)
+                    else:
+                        _store_pieces(acc0, acc1, c_desc, c_bufs, W, row0, col0 - QN, row1, col1 - QN)
+                else:
+                    _store_pieces(acc0, acc1, c_desc, c_bufs, W, row0, col0, row1, col1)
             if RES:
                 if tile + num_progs < num_m * num_n:  # the next tile's residual, once these stores have read the buffers
                     tma.store_wait(0)
                     _load_residual(r_desc, rbar.index(W), c_bufs, W, tile + num_progs, num_m, num_n, GROUP_M, TM, TN,
                                    A0, R, HN, WN)
         tma.store_wait(0)
+
+    @gluon.jit
+    def _store_pieces(acc0, acc1, c_desc, c_bufs, W: gl.constexpr, row0, col0, row1, col1):
+        """A warpgroup's two pieces rounded to bf16 into its store buffers, then to c_desc at (row0, col0) and (row1,
+        col1) by TMA (clipped past M, N); with one buffer a warpgroup the second waits for the first's store."""
+        NB: gl.constexpr = c_bufs.type.shape[0] // 2
+        c_bufs.index(W * NB).store(acc0.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row0, col0], c_bufs.index(W * NB))
+        if NB == 1:
+            tma.store_wait(0)
+        c_bufs.index(W * NB + NB - 1).store(acc1.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row1, col1], c_bufs.index(W * NB + NB - 1))
+
+    @gluon.jit
+    def _q8_head(h, c, s, ok, s_ptr, s_ok):
+        """One head's 64 x 64 block (bf16 values in fp32, the wgmma layout) rotated by its rows' c / s and quantized
+        as attn_quant's ``_quantize_qk_kernel`` (ROPE) does q's bf16 rows: ``rotate``'s two FMAs rounded to bf16
+        (rows past M, ~ok, zero), one scale max(amax, eps) / 448 stored at s_ptr (where s_ok), IEEE quotients
+        saturated at +-448, the e4m3 cast -> the e4m3 block."""
+        x1, x2 = halves(h.to(gl.float32))
+        y1 = gl.where(ok, gl.fma(x1, c, -(x2 * s)).to(gl.bfloat16).to(gl.float32), 0.0)
+        y2 = gl.where(ok, gl.fma(x2, c, x1 * s).to(gl.bfloat16).to(gl.float32), 0.0)
+        amax = gl.maximum(gl.max(gl.max(gl.abs(y1), axis=1), axis=0), gl.max(gl.max(gl.abs(y2), axis=1), axis=0))
+        scale = gl.maximum(amax, _Q_EPS) / _Q_MAX
+        gl.store(s_ptr, scale, mask=s_ok)
+        q1 = gl.minimum(gl.maximum(gl.div_rn(y1, scale), -_Q_MAX), _Q_MAX).to(gl.float8e4nv)
+        q2 = gl.minimum(gl.maximum(gl.div_rn(y2, scale), -_Q_MAX), _Q_MAX).to(gl.float8e4nv)
+        return unhalves(q1, q2)
+
+    @gluon.jit
+    def _q8_piece(y, c, s, ok, s_ptr, s_ok, nbq):
+        """A 64 x 128 piece of Q (two heads: the product + bias rounded to bf16, as the GEMM would store it), each
+        head rotated and quantized (``_q8_head``; its scale at s_ptr, the second head's nbq further)."""
+        h0, h1 = halves(y)
+        return unhalves(_q8_head(h0, c, s, ok, s_ptr, s_ok), _q8_head(h1, c, s, ok, s_ptr + nbq, s_ok))
+
+    @gluon.jit
+    def _store_q8(acc0, acc1, c_bufs, W: gl.constexpr, row0, col0, M, q8_desc, qf):
+        """``q_fp8``: a warpgroup's 64 rows of a tile of Q's columns (acc0 columns col0.., acc1 col0 + 128..: four
+        heads) rotated at positions row0.. and quantized (``_q8_piece``), attn_quant.quantize_qk(rope=)'s bytes and
+        scales: the e4m3 pieces through the store buffers (reinterpreted) to q8_desc by TMA, each head's scale to
+        qs_ptr[head, row0 // 64]."""
+        qs_ptr, cos_ptr, sin_ptr, nbq = qf
+        y0 = acc0.to(gl.bfloat16)  # (both pieces held as bf16 from here: half the registers)
+        y1 = acc1.to(gl.bfloat16)
+        R: gl.constexpr = acc0.type.shape[0]
+        HN: gl.constexpr = acc0.type.shape[1]
+        HALF: gl.constexpr = HN // 4  # (half a head)
+        NB: gl.constexpr = c_bufs.type.shape[0] // 2
+        probe, _unused = halves(halves(y0)[0])  # (a half head's layout: the rope rows' loads take it)
+        lay: gl.constexpr = probe.type.layout
+        rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, lay))
+        j = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))
+        ok = gl.expand_dims(rows < M, 1)
+        cs = gl.expand_dims(rows.to(gl.int64) * HALF, 1) + gl.expand_dims(j, 0)
+        c = gl.load(cos_ptr + cs, mask=ok, other=0.0)
+        s = gl.load(sin_ptr + cs, mask=ok, other=0.0)
+        s_ptr = qs_ptr + (col0 // (2 * HALF)) * nbq + row0 // R
+        s_ok = row0 < M
+        buf = c_bufs.index(W * NB)._reinterpret(gl.float8e4nv, [R, HN], q8_desc.layout)
+        buf.store(_q8_piece(y0, c, s, ok, s_ptr, s_ok, nbq))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(q8_desc, [row0, col0], buf)
+        if NB == 1:
+            tma.store_wait(0)
+        buf = c_bufs.index(W * NB + NB - 1)._reinterpret(gl.float8e4nv, [R, HN], q8_desc.layout)
+        buf.store(_q8_piece(y1, c, s, ok, s_ptr + 2 * nbq, s_ok, nbq))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(q8_desc, [row0, col0 + HN], buf)
 
     @gluon.jit
     def _load_residual(r_desc, bar, c_bufs, W: gl.constexpr, tile, num_m, num_n, GROUP_M: gl.constexpr,
@@ -330,10 +408,11 @@ if HAS_GLUON:
     def _wide_second_consumer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                               M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M: gl.constexpr,
                               HAS_BIAS: gl.constexpr, turn, TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr,
-                              r_desc, rbar, RES: gl.constexpr, NARROW: gl.constexpr):
+                              r_desc, rbar, RES: gl.constexpr, NARROW: gl.constexpr, q8_desc, qf,
+                              QN: gl.constexpr):
         _consume_wide(1, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs, M, N, K, stride_asm,
                       stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES,
-                      NARROW)
+                      NARROW, q8_desc, qf, QN)
 
     @gluon.jit
     def _wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M: gl.constexpr, scales,
@@ -345,7 +424,8 @@ if HAS_GLUON:
                                  num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
                                  C_BUFS: gl.constexpr, TURN: gl.constexpr = False, sa_desc=None, sb_desc=None,
                                  SC: gl.constexpr = False, r_desc=None, RES: gl.constexpr = False,
-                                 NARROW: gl.constexpr = False):
+                                 NARROW: gl.constexpr = False, q8_desc=None, qs_ptr=None, cos_ptr=None, sin_ptr=None,
+                                 nbq=None, QN: gl.constexpr = 0):
         """The wide forms (``GluonTile(block_m=256, promote="serial")``: 256 x 128 tiles, DeepGEMM's
         choice for these shapes; ``GluonTile(block_n=256, promote="serial")``: 128 x 256), always on
         the serial promotion loop: per K block 48 KB of loads for 256 x 128 x 128
@@ -353,7 +433,9 @@ if HAS_GLUON:
         and shared memory. The producer is the base kernel's; C_BUFS: TMA-store buffers per consumer
         warpgroup (1 or 2). SC (``GluonTile.stage_scales``, 128 x 256): the scales through the stages,
         sa_desc over the row scales MN-major and sb_desc over the weight scales, both flat. RES: out = r_desc's
-        tensor (bf16, out's shape) + the product + bias, each rounded to bf16 (``_consume_wide``)."""
+        tensor (bf16, out's shape) + the product + bias, each rounded to bf16 (``_consume_wide``). QN > 0 (128 x 256):
+        the columns [0, QN) rotated and quantized into q8_desc / qs_ptr (``_store_q8``: cos_ptr / sin_ptr the rope
+        tables, nbq the scales' row length), c_desc holding the columns from QN on."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -369,13 +451,15 @@ if HAS_GLUON:
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
         rbar = turn_barriers(empty, RES)  # (two barriers of one arrival: each consumer warpgroup's residual tiles)
+        # (a tuple of the workers' Q pointers: it holds no constexprs or descriptors, which a tuple in a variable loses)
+        qf = (qs_ptr, cos_ptr, sin_ptr, nbq)
         gl.warp_specialize([
             (_consume_wide, (0, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc, c_bufs,
                              M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn, TURN, sa_bufs,
-                             sb_bufs, SC, r_desc, rbar, RES, NARROW)),
+                             sb_bufs, SC, r_desc, rbar, RES, NARROW, q8_desc, qf, QN)),
             (_wide_second_consumer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, as_ptr, bs_ptr, bias_ptr, c_desc,
                                      c_bufs, M, N, K, stride_asm, stride_bsn, num_progs, GROUP_M, HAS_BIAS, turn,
-                                     TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES, NARROW)),
+                                     TURN, sa_bufs, sb_bufs, SC, r_desc, rbar, RES, NARROW, q8_desc, qf, QN)),
             (_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, M, N, K, num_progs, GROUP_M,
                               (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bsn), SC)),
         ], [4, 1], [232, 40])
@@ -396,7 +480,8 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 bias: torch.Tensor | None, out: torch.Tensor, stages: int = 4, group_m: int = 8,
                 block_m: int = BM, block_n: int = BN, balance: bool = False,
                 promote: str = "pipelined", turns: bool = False, stage_scales: bool = False,
-                residual: torch.Tensor | None = None, narrow: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, narrow: bool = False,
+                q_fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[M, N] (bf16, contiguous) = the block GEMM + bias of 2-D a [M, K] (rows 16-byte aligned,
     last dim contiguous) with a_scale [M, ceil(K/128)], w [N, K] contiguous, w_scale_inv
     [ceil(N/128), ceil(K/128)]. Shapes are checked by ``fp8_gemm``, which is the entry point.
@@ -411,7 +496,11 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     contiguous; ``residual_fused`` says where): out = residual + the product + bias rounded to bf16, then rounded
     again (the residual add of ``spec.add_rms_norm``), added in the wide forms' epilogue; out may be residual
     itself (each tile reads its residual before it writes). narrow (``GluonTile.narrow``, 128 x 256 only; ValueError
-    for the other tiles): the last column tile as one m64n64 product a warpgroup where its valid columns fit 64."""
+    for the other tiles): the last column tile as one m64n64 product a warpgroup where its valid columns fit 64.
+    q_fp8 = (q8, qs, cos, sin) (128 x 256 only, ``q_fused``): the first QN = q8.shape[1] columns are Q's heads of 64
+    (QN a multiple of 256): rotated at positions 0.. by cos / sin (fp32 [>= M, 32], contiguous) and quantized in the
+    epilogue into q8 (e4m3 [M, QN], contiguous) and qs (fp32 [QN / 64, ceil(M / 64)], contiguous), the bytes and
+    scales of ``attn_quant.quantize_qk`` of the rotated bf16 columns (``rope=``); out [M, N - QN] holds the rest."""
     wide = (block_m, block_n) != (BM, BN)
     check_promote(promote, wide, f"the {block_m} x {block_n} Gluon dense GEMM")
     check_turns(turns, wide, f"{block_m} x {block_n} (the base dense tile)")
@@ -419,6 +508,9 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     check_narrow(narrow, (block_m, block_n) == (BM, WIDE), f"the {block_m} x {block_n} Gluon dense GEMM")
     m, k = a.shape
     n = w.shape[0]
+    qf = {}  # (``q_fp8``: the kernel's Q arguments)
+    if q_fp8 is not None:
+        qf = _q_fp8_args(q_fp8, m, n, out, (block_m, block_n), residual)
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and n % 8 == 0, "bf16 out with 16-byte rows"
     assert (block_m, block_n) in ((BM, BN), (WIDE, BN), (BM, WIDE)), (
         f"tile {block_m} x {block_n}: the Gluon dense GEMM has 128 x 128, 256 x 128 and 128 x 256 tiles")
@@ -447,8 +539,28 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     else:
         _ws_fp8_gemm_wide_kernel[(num_progs,)](*args, STAGES=stages, GROUP_M=group_m, HAS_BIAS=bias is not None,
                                                C_BUFS=c_bufs, num_warps=4, **({"TURN": True} if turns else {}),
-                                               **sc, **res, **({"NARROW": True} if narrow else {}))
+                                               **sc, **res, **({"NARROW": True} if narrow else {}), **qf)
     return out
+
+
+def _q_fp8_args(q_fp8, m: int, n: int, out: torch.Tensor, tile: tuple[int, int], residual) -> dict:
+    """``ws_fp8_gemm(q_fp8=)``'s checks and kernel arguments."""
+    q8, qs, cos, sin = q_fp8
+    qn = q8.shape[-1]
+    if tile != (BM, WIDE) or residual is not None:
+        raise ValueError(f"q_fp8: the 128 x 256 tile without a residual quantizes Q, not {tile[0]} x {tile[1]}"
+                         f"{' with a residual' if residual is not None else ''}")
+    assert 0 < qn < n and qn % WIDE == 0, f"q_fp8: Q's {qn} columns, a multiple of {WIDE} below N = {n}"
+    assert q8.shape == (m, qn) and q8.dtype == torch.float8_e4m3fn and q8.is_contiguous(), (
+        f"q8 {tuple(q8.shape)} {q8.dtype}: a contiguous e4m3 {(m, qn)}")
+    assert qs.shape == (qn // Q_HEAD, cdiv(m, Q_HEAD)) and qs.dtype == torch.float32 and qs.is_contiguous(), (
+        f"qs {tuple(qs.shape)} {qs.dtype}: a contiguous fp32 {(qn // Q_HEAD, cdiv(m, Q_HEAD))}")
+    for t in (cos, sin):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.shape[0] >= m and t.shape[1:] == (Q_HEAD // 2,), (
+            f"rope table {tuple(t.shape)} {t.dtype}: contiguous fp32 [>= {m}, {Q_HEAD // 2}]")
+    assert out.shape == (m, n - qn), f"out {tuple(out.shape)}: the {n - qn} columns after Q's"
+    return dict(q8_desc=descriptor(q8, [WARPGROUP_ROWS, BN]), qs_ptr=qs, cos_ptr=cos, sin_ptr=sin, nbq=qs.shape[1],
+                QN=qn)
 
 
 def residual_fused(block_m: int, block_n: int, stages: int, stage_scales: bool, k: int) -> bool:

@@ -20,7 +20,7 @@ from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels import device_ints
 from gptoss_fp8.model.cache import ChunkRows, DecodeStep, KVCache, decode_tokens
-from gptoss_fp8.model.ops import ChunkKeys, Normed, ReferenceOps
+from gptoss_fp8.model.ops import ChunkKeys, Normed, QuantQ, ReferenceOps
 from gptoss_fp8.parallel import SINGLE, Parallel, check_layout
 from gptoss_fp8.quant.fp8 import FP8_DTYPE, scale_grid
 from gptoss_fp8.spec import rope_cos_sin
@@ -455,9 +455,11 @@ class GptOss(nn.Module):
             k, v = ops.linears(t.y, projs[1:], xq=t.quant)
             qn = t.rows(last_rows.start, last_rows.stop) if isinstance(last_rows, slice) else t.select(last_rows)
             q = ops.linear(qn.y, *projs[0], xq=qn.quant)
-        else:
-            q, k, v = ops.linears(t.y, projs, xq=t.quant)
-        # q [T, Hl * D] ([sequences, Hl * D] with last_rows), k / v [T, KVl * D]
+        else:  # (a whole prompt: Q may come rotated and quantized for the FP8 attention, ``QuantQ``)
+            qkv = (ops.linears_q8(t.y, projs, (cos, sin), layer.window, xq=t.quant)
+                   if step is None and segments is None and not start else None)
+            q, k, v = qkv if qkv is not None else ops.linears(t.y, projs, xq=t.quant)
+        # q [T, Hl * D] ([sequences, Hl * D] with last_rows; a QuantQ from linears_q8), k / v [T, KVl * D]
         v = v.view(n, a.n_kv, d)
         if step is not None:  # decode: k / v [B, KVl, D], one new token per sequence, into the cache
             q = ops.rope_append(q.view(n, a.n_heads, d), k.view(n, a.n_kv, d), v, cos, sin, cache, layer.idx, step)
@@ -466,7 +468,8 @@ class GptOss(nn.Module):
         else:
             # q is rotated by the attention (``ops.attention``'s rope: a backend may do it in a pass it makes
             # anyway), k here (the cache holds it rotated)
-            q = q.view(q.shape[0], a.n_kv, a.n_heads // a.n_kv, d)
+            if not isinstance(q, QuantQ):
+                q = q.view(q.shape[0], a.n_kv, a.n_heads // a.n_kv, d)
             k = ops.rope(k.view(n, a.n_kv, d), cos, sin)
             last = last_rows is not None
             if segments is None:  # (a Normed: o_proj may read its quantization alone, ``attention_out``)
@@ -495,7 +498,8 @@ class GptOss(nn.Module):
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
                            start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,
                            rows: bool = True) -> torch.Tensor | Normed:
-        """One sequence's prompt rows (q [T, KV, M, D] before RoPE, k / v [T, KV, D], k after it) at
+        """One sequence's prompt rows (q [T, KV, M, D] before RoPE, or at start 0 a ``QuantQ`` from ``linears_q8``;
+        k / v [T, KV, D], k after it) at
         positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
         cache is given) -> attention [T, Hl * D]. ``last_row``: q is the last row's alone ([1, KV, M, D])
         -> its attention over every key, [1, Hl * D] (a full layer's: the decode attention, split over the

@@ -41,7 +41,10 @@ written by the attention kernel itself (the triton backend's window layers). The
 rows out and its ``Normed.src`` (the new stream and each row's rsqrt factor) lets ``route(None, ..., src=)``
 remake them bit for bit; ``expert_ffn`` then gets x None beside ``xq``. o_proj's residual add: ``linear_add``
 returns x + o_proj(o) from a GEMM that adds it in its epilogue, or None (every CPU backend): the model then
-runs ``linear`` and ``add_rms_norm`` as before, else ``rms_norm`` of the new stream.
+runs ``linear`` and ``add_rms_norm`` as before, else ``rms_norm`` of the new stream. Q of a full layer under FP8
+attention: ``linears_q8`` returns Q already rotated and quantized for the FP8 attention (``QuantQ``, from the q / k
+/ v GEMM's epilogue) beside k and v, or None (every CPU backend): the model then runs ``linears`` as before;
+``attention_out`` takes a ``QuantQ`` where the backend made one.
 """
 
 from __future__ import annotations
@@ -103,6 +106,15 @@ class Normed(NamedTuple):
         src = None if self.src is None else (self.src[0].index_select(0, idx), self.src[1].index_select(0, idx),
                                              self.src[2])
         return Normed(None if self.y is None else self.y.index_select(0, idx), q, src)
+
+
+class QuantQ(NamedTuple):
+    """A prompt's Q made for the FP8 attention by the GEMM that computes it (``ReferenceOps.linears_q8``): rotated at
+    positions 0.. and quantized as ``quant/attn_fp8.quantize_qk`` (one scale per head and 64-row block): ``q8`` e4m3
+    [T, Hq, D], ``scale`` float32 [Hq, ceil(T / 64)]. Only the backend that made it reads it (``attention_out``)."""
+
+    q8: torch.Tensor
+    scale: torch.Tensor
 
 
 def normed_rows(src: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -282,6 +294,14 @@ class ReferenceOps:
         """Several projections of the same input (q, k, v): ``[linear(x, w, s, b, xq=xq) for (w, s, b)
         in projs]``. A backend may quantize x once and run them as one GEMM; the results are the same."""
         return [self.linear(x, w, s, b, xq=xq) for w, s, b in projs]
+
+    def linears_q8(self, x: torch.Tensor | None, projs: list[tuple], rope: tuple[torch.Tensor, torch.Tensor],
+                   window: int, *, xq: Quant | None = None) -> list | None:
+        """A whole prompt's q / k / v (``linears``, x's rows at positions 0.., rope = (cos, sin) their rows) with q
+        rotated and quantized for the FP8 attention of a layer of this window by the GEMM itself: [``QuantQ``, k,
+        v], which ``attention_out`` takes as it would the bf16 q (the same result, bit for bit), or None where
+        this backend has no such GEMM for the call (the caller then runs ``linears``). This backend: None."""
+        return None
 
     # --- experts -------------------------------------------------------------------------------
     def route(self, x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -74,7 +74,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels.config import KernelConfig
-from gptoss_fp8.model.ops import Normed, W8A8CpuOps
+from gptoss_fp8.model.ops import Normed, QuantQ, W8A8CpuOps
 from gptoss_fp8.quant.fp8 import FP8_DTYPE
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -216,6 +216,31 @@ class TritonOps(W8A8CpuOps):
                              config=self.config) for w, s, b in projs]
         y = fp8_gemm(x_fp8, x_scale, *fused, config=self.config)
         return list(y.split([w.shape[0] for w, _, _ in projs], dim=-1))
+
+    def linears_q8(self, x, projs, rope, window, *, xq=None):
+        """``fp8_gemm.fp8_gemm_q8``: Q rotated and quantized for the FP8 attention by the q / k / v GEMM's epilogue
+        (``config.gemm_q_quant``; the Gluon 128 x 256 tile, else the GEMM then ``attn_quant.quantize_qk``), where
+        the option is on, the layer's prefill attention is FP8 (a full layer, ``--attention fp8``), this class's own
+        linears, rope and attention run (a subclass's, e.g. tests/mutations.py's, runs as it is), the weights fuse
+        into one FP8 GEMM on our kernels and Q's heads are the attention's (head_dim 64, whole heads); None
+        otherwise."""
+        from gptoss_fp8.kernels.fp8_gemm import fp8_gemm_q8
+
+        (wq, _, _), d = projs[0], rope[0].shape[-1] * 2
+        if not (self.config.gemm_q_quant and self.fp8_attention(window) and self.config.gemm != "deep_gemm"
+                and type(self).linears is TritonOps.linears and type(self).attention_out is TritonOps.attention_out
+                and type(self).attention is TritonOps.attention and self._fused_rope(window, 1) and len(projs) == 3
+                and d == 64 and wq.shape[0] % d == 0
+                and (x is not None and x.dtype == BF16 and _kernel_device(x) or x is None and xq is not None)
+                and all(self._fp8_weight_ok(w, s) for w, s, _ in projs)):
+            return None
+        fused = self._fused_weights(projs)
+        if fused is None:
+            return None
+        x_fp8, x_scale = self._quant(x, xq)
+        rope = tuple(t.float().contiguous() for t in rope)
+        q8, qs, rest = fp8_gemm_q8(x_fp8, x_scale, *fused, wq.shape[0], rope, config=self.config, head_dim=d)
+        return [QuantQ(q8, qs), *rest.split([w.shape[0] for w, _, _ in projs[1:]], dim=-1)]
 
     def _fused_weights(self, projs):
         """(weight, scale_inv, bias) concatenated along N, cached per first weight tensor (dropped
@@ -426,7 +451,14 @@ class TritonOps(W8A8CpuOps):
         """A window layer longer than its window on the Triton prefill kernel with a tile of whole 128-column
         groups (the default: four heads a program) and ``rows=False``: the kernel writes o_proj's input
         quantization in place of its bf16 rows (``attention_prefill(quant_out=True)``, act_quant's bits; one [T,
-        Hq * D] write and read and a launch fewer a layer). Everything else: the rows (``attention``)."""
+        Hq * D] write and read and a launch fewer a layer). q a ``QuantQ`` (``linears_q8``): the FP8 attention on
+        it (``attention_prefill(q_scale=)``). Everything else: the rows (``attention``)."""
+        if isinstance(q, QuantQ):
+            from gptoss_fp8.kernels.attention import attention_prefill
+
+            o = attention_prefill(q.q8, _rows(k), _rows(v), sinks.reshape(-1).contiguous(), sliding_window=window,
+                                  sm_scale=sm_scale, config=self.config, fp8=True, q_scale=q.scale)
+            return Normed(o.reshape(o.shape[0], -1))
         if rows or not self._quant_out_ok(q, k, v, sinks, window):
             return super().attention_out(q, k, v, sinks, sm_scale, window, rope=rope, rows=rows)
         from gptoss_fp8.kernels.attention import attention_prefill
