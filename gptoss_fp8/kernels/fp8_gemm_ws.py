@@ -263,7 +263,7 @@ if HAS_GLUON:
                     tma.store_wait(0)  # the previous tile's stores have left c_bufs
                 buf.slice(0, HN // 2, dim=1).store(accn.to(gl.bfloat16))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row0, col0], buf)
+                tma.async_copy_shared_to_global(c_desc, [row0, col0 - QN], buf)  # (QN: Q's columns are not out's)
             else:
                 if WN:
                     row1 = row0
@@ -497,7 +497,7 @@ def ws_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     again (the residual add of ``spec.add_rms_norm``), added in the wide forms' epilogue; out may be residual
     itself (each tile reads its residual before it writes). narrow (``GluonTile.narrow``, 128 x 256 only; ValueError
     for the other tiles): the last column tile as one m64n64 product a warpgroup where its valid columns fit 64.
-    q_fp8 = (q8, qs, cos, sin) (128 x 256 only, ``q_fused``): the first QN = q8.shape[1] columns are Q's heads of 64
+    q_fp8 = (q8, qs, cos, sin) (128 x 256 only; ``fp8_gemm.fp8_gemm_q8``): the first QN = q8.shape[1] columns are Q's heads of 64
     (QN a multiple of 256): rotated at positions 0.. by cos / sin (fp32 [>= M, 32], contiguous) and quantized in the
     epilogue into q8 (e4m3 [M, QN], contiguous) and qs (fp32 [QN / 64, ceil(M / 64)], contiguous), the bytes and
     scales of ``attn_quant.quantize_qk`` of the rotated bf16 columns (``rope=``); out [M, N - QN] holds the rest."""
