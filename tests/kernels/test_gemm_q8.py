@@ -125,3 +125,35 @@ def test_fp8_gemm_q8_epilogue_gpu(m, n, k, q_cols, config):
     _gpu()
     assert q8_in_epilogue(m, n, k, q_cols, config, gluon_ok=True)
     _case(m, n, k, q_cols, 64, seed=m + k, config=config)
+
+
+def _q_scale_case(t, hq, hkv, seed):
+    """attention_prefill(fp8=True) on Q made beforehand (attn_quant.quantize_qk(rope=): the GEMM epilogue's bytes)
+    with q_scale against the bf16 q rotated in the attention's own pass: the same output bit for bit."""
+    from gptoss_fp8.kernels.attention import attention_prefill
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(t, h, 64, generator=g).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=g).to(DEV)
+    rope = tuple(x.to(DEV) for x in spec.rope_table(t, 64))
+    want = attention_prefill(q, k, v, sinks, sm_scale=0.125, fp8=True, rope=rope)
+    q8, qs = attn_quant.quantize_qk(q, rope=rope)
+    got = attention_prefill(q8, k, v, sinks, sm_scale=0.125, fp8=True, q_scale=qs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with pytest.raises(AssertionError, match="q_scale"):
+        attention_prefill(q8, k, v, sinks, sm_scale=0.125, fp8=True, q_scale=qs, rope=rope)
+    with pytest.raises(AssertionError, match="q_scale"):
+        attention_prefill(q8, k, v, sinks, sm_scale=0.125, fp8=True, q_scale=qs[:, :1])
+
+
+def test_attention_takes_q_made_before():
+    """Through the interpreter (the Triton FP8 kernel): a ragged last Q block."""
+    _q_scale_case(70, 4, 2, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4097, 32768])
+def test_attention_takes_q_made_before_gpu(t):
+    """The Gluon FP8 kernel (one sequence, 64 q / 8 kv heads)."""
+    _gpu()
+    _q_scale_case(t, 64, 8, seed=t)
