@@ -1,5 +1,6 @@
-"""Shared by the dense GEMM tests (test_fp8_gemm.py, test_fp8_gemv.py): the random problem and the
-tolerance check against the fp32 reference (test_fp8_gemm.py's docstring has the tolerances)."""
+"""Shared by the dense GEMM tests (test_fp8_gemm.py, test_fp8_gemv.py, test_gemm_q8.py): the random problem, the
+tolerance check against the fp32 reference (test_fp8_gemm.py's docstring has the tolerances) and the Gluon kernel's
+argument types for compiles without a GPU."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def check_close(y, ref):
     assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst excess {(err - bound).max().item():.3e}"
     rel = ((y - ref).norm() / ref.norm()).item()
     assert rel <= REL_NORM, f"relative error {rel:.2e} > {REL_NORM:.0e}"
+
+
+# the 128-byte-swizzled NVMMA shared layout of a 2-D TMA box, by element width (compile_for_sm90's type strings)
+NVMMA_128B = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
+              "fp4_padded=False, cga_layout=[])")
+
+
+def dense_ws_types(bm: int, bn: int) -> dict[str, str]:
+    """The Gluon dense GEMM's argument types as a launch gives them (``_gluon.compile_for_sm90``): A / B boxes of
+    bm / bn rows x 128 e4m3, bf16 64 x 128 store boxes, fp32 scales, a bf16 bias."""
+    return {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{NVMMA_128B.format(8)}>",
+            "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{NVMMA_128B.format(8)}>",
+            "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+            "c_desc": f"tensordesc<bf16[64, 128],{NVMMA_128B.format(16)}>"}

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gemm_cases import DEV, HAS_CUDA, REL_ELEM, check_close, dense_problem
+from gemm_cases import DEV, HAS_CUDA, REL_ELEM, check_close, dense_problem, dense_ws_types
 
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig, TritonTile
 from gptoss_fp8.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference, fp8_linear
@@ -245,11 +245,7 @@ def test_fp8_gemm_ws_compiles_for_sm90():
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
-    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
-             "b_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
-             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
+    types = dense_ws_types(128, 128)
     k = _gluon.compile_for_sm90(fp8_gemm_ws._ws_fp8_gemm_kernel, types, dict(STAGES=5, GROUP_M=8, HAS_BIAS=True))
     ptx = k["ptx"]
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx), "consumers get 232 registers"
@@ -470,12 +466,7 @@ def test_fp8_gemm_ws_serial_compiles_for_sm90(bm, bn, stages, turns):
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API; fp8_gemm uses the Triton kernel")
-    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{lay.format(8)}>",
-             "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lay.format(8)}>",
-             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
-             "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>"}
+    types = dense_ws_types(bm, bn)
     sc = turns == "sc"
     if sc:
         flat = ("NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1, transposed=False, "

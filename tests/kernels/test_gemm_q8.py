@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from gemm_cases import DEV, dense_problem
+from gemm_cases import DEV, NVMMA_128B, dense_problem, dense_ws_types
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels import attn_quant
@@ -79,14 +79,8 @@ def test_fp8_gemm_q8_compiles_for_sm90():
 
     if not _gluon.HAS_GLUON:
         pytest.skip("this triton has no Gluon Hopper API")
-    lay = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={}, rank=2, transposed=False, "
-           "fp4_padded=False, cga_layout=[])")
-    types = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{lay.format(8)}>",
-             "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(8)}>",
-             "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
-             "c_desc": f"tensordesc<bf16[64, 128],{lay.format(16)}>",
-             "q8_desc": f"tensordesc<fp8e4nv[64, 128],{lay.format(8)}>", "qs_ptr": "*fp32", "cos_ptr": "*fp32",
-             "sin_ptr": "*fp32", "nbq": "i32"}
+    types = dense_ws_types(128, 256) | {"q8_desc": f"tensordesc<fp8e4nv[64, 128],{NVMMA_128B.format(8)}>",
+                                        "qs_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "nbq": "i32"}
     tile = KernelConfig().dense_gluon_wide_tile
     assert (tile.block_n, tile.stages, tile.stage_scales) == (256, 3, False), tile
     consts = dict(STAGES=3, GROUP_M=8, HAS_BIAS=True, C_BUFS=fp8_gemm_ws.wide_c_bufs(3), QN=4096)
