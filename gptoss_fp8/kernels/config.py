@@ -316,8 +316,10 @@ class KernelConfig:
     # Under ``--attention fp8`` a full layer's q / k / v GEMM rotates and quantizes Q in its epilogue (the Gluon 128 x
     # 256 tile, ``fp8_gemm.fp8_gemm_q8``, ``TritonOps.linears_q8``): attn_quant.quantize_qk(rope=)'s bytes and scales,
     # Q's bf16 columns never written nor read back by a quantization launch (~0.8 GB of traffic a full layer at 32768
-    # tokens; the skip probe: the Q / K quantization launches 3.9 ms of a 32768 prefill). Fortieth session, built
-    # without a GPU: opt-in until timed.
+    # tokens; the skip probe: the Q / K quantization launches 3.9 ms of a 32768 prefill). Fortieth session: the whole
+    # 20b's logits equal with it (H100, same process), but **slower**: 0.3968 against 0.3949 s at 32768 (medians of 7;
+    # the epilogue's rotation, per-head amax and IEEE quotients hold both consumer warpgroups off the tensor core on
+    # 80% of the GEMM's tiles, more than the separate memory-bound pass costs). Opt-in.
     gemm_q_quant: bool = False
     # Triton prefill tiles, 8192 tokens: causal 1.30 ms (uncapped 8 warps 1.71). Window-128: four query heads a
     # program, 32 positions each (the 160 keys of a 32-position window span read once for four heads): 0.099 / 0.361 /

@@ -33,7 +33,7 @@ def _case(m, n, k, q_cols, head_dim, seed, config=None):
     assert torch.equal(rest, y[:, q_cols:]), "the columns after Q's: the GEMM's bf16"
     assert torch.equal(qs, want_s), (qs - want_s).abs().max()
     assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8)), (q8.float() - want8.float()).abs().max()
-    assert torch.unique(qs).numel() > qs.numel() // 2  # (not one scale everywhere: each head and block its own)
+    assert torch.unique(qs).numel() >= min(qs.numel(), 8)  # (not one scale everywhere: each head and block its own)
 
 
 @pytest.mark.parametrize("m,n,k,q_cols,d", [(70, 512, 160, 256, 64), (33, 384, 192, 128, 32)])
@@ -106,11 +106,11 @@ def _gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,q_cols,config", [
-    (1000, 640, 160, 512, WIDE_EARLY),  # ragged M: the last 128-row tile's rows past M
+    (1100, 640, 160, 512, WIDE_EARLY),  # ragged M: the last 128-row tile's rows past M (the Gluon kernel from 1024)
     (1088, 1024, 2880, 512, WIDE_EARLY),  # whole tiles, K = 2880 (a half K block)
     (4097, 5120, 2880, 4096, None),  # the 20b's q / k / v on the default launch, one row past 4096
     (8192, 5120, 2880, 4096, None),  # more tiles than programs: each program's epilogue many times
-    (1000, 640, 160, 512, KernelConfig(dense_gluon_wide_min_rows=1, dense_gluon_wide_tile=GluonTile(
+    (1100, 640, 160, 512, KernelConfig(dense_gluon_wide_min_rows=1, dense_gluon_wide_tile=GluonTile(
         stages=4, group_m=8, block_n=256, promote="serial"))),  # one store buffer a warpgroup
 ])
 def test_fp8_gemm_q8_epilogue_gpu(m, n, k, q_cols, config):
