@@ -15,8 +15,9 @@
 #            (moe_rows_from_stream), the 128 x 256 tiles' narrow last column tile (GluonTile.narrow: o_proj, MoE down),
 #            the FP8 attention's consumers quantizing their own Q tiles (attention_fp8_q_fused): their GPU tests, then
 #            the 20b beside the default, each and all four, same process, 32768 / 128000
-#   pending40  the fortieth session's q / k / v GEMM quantizing Q in its epilogue (KernelConfig.gemm_q_quant, built
-#            without a GPU): its GPU tests, then the 20b beside the default, same process, 32768 / 128000
+#   pending40  the fortieth session's q / k / v GEMM quantizing Q in its epilogue (KernelConfig.gemm_q_quant; one H100
+#            A/B at 32768: exact, 0.5% slower; the fixed tests and the 128000 A/B not yet run): its GPU tests, then the
+#            20b beside the default, same process, 32768 / 128000
 #   attn-inmodel  benchmarks/attn_inmodel_probe.py: the FP8 full attention inside the 20b's forward against alone on
 #            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
