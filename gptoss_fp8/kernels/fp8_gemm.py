@@ -240,9 +240,7 @@ def fp8_gemm(
                     "Gluon, bf16 out, N % 8 == 0, 16-byte aligned x rows, weight and out")
         bm, bn = tile.block_m or fp8_gemm_ws.BM, tile.block_n or fp8_gemm_ws.BN
         fused = res is not None and fp8_gemm_ws.residual_fused(bm, bn, tile.stages, tile.stage_scales, k)
-        fp8_gemm_ws.ws_fp8_gemm(a, a_s, w_fp8, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
-                                block_m=bm, block_n=bn, balance=tile.balance, promote=tile.promote, turns=tile.turns,
-                                stage_scales=tile.stage_scales, residual=res if fused else None, narrow=tile.narrow)
+        _ws_launch(a, a_s, w_fp8, w_scale_inv, bias, out, tile, residual=res if fused else None)
         return (out if fused else _plus(out, res)).reshape(*lead, n)
     bm, bn = tile.block_m, tile.block_n
     assert bn in (16, 32, 64, 128), f"BLOCK_N={bn}: tiles must lie inside one 128-column weight block"
@@ -264,6 +262,15 @@ def fp8_gemm(
         **({} if res is None else dict(r_ptr=res, HAS_RES=True)),
     )
     return out.reshape(*lead, n)
+
+
+def _ws_launch(a, a_s, w, w_scale_inv, bias, out, tile: GluonTile, **extra) -> None:
+    """``fp8_gemm_ws.ws_fp8_gemm`` on a GluonTile's launch (its shape, ring, order and options), ``extra`` its
+    epilogue's (residual, q_fp8)."""
+    fp8_gemm_ws.ws_fp8_gemm(a, a_s, w, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
+                            block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
+                            balance=tile.balance, promote=tile.promote, turns=tile.turns,
+                            stage_scales=tile.stage_scales, narrow=tile.narrow, **extra)
 
 
 def _tma_ok(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, cfg: KernelConfig) -> bool:
@@ -310,11 +317,8 @@ def fp8_gemm_q8(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
         q8 = torch.empty((m, heads, fp8_gemm_ws.Q_HEAD), dtype=FP8_DTYPE, device=x_fp8.device)
         qs = torch.empty((heads, cdiv(m, fp8_gemm_ws.Q_HEAD)), dtype=torch.float32, device=x_fp8.device)
         assert x_scale.shape == (m, cdiv(k, BLOCK)) and x_scale.stride(-1) == 1, f"x_scale {tuple(x_scale.shape)}"
-        fp8_gemm_ws.ws_fp8_gemm(x_fp8, x_scale, w_fp8.contiguous(), w_scale_inv.contiguous(), bias, rest,
-                                stages=tile.stages, group_m=tile.group_m, block_m=fp8_gemm_ws.BM, block_n=fp8_gemm_ws.WIDE,
-                                balance=tile.balance, promote=tile.promote, turns=tile.turns,
-                                stage_scales=tile.stage_scales, narrow=tile.narrow,
-                                q_fp8=(q8.view(m, q_cols), qs, *rope))
+        _ws_launch(x_fp8, x_scale, w_fp8.contiguous(), w_scale_inv.contiguous(), bias, rest, tile,
+                   q_fp8=(q8.view(m, q_cols), qs, *rope))
         return q8, qs, rest
     y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale_inv, bias, config=cfg)
     q8, qs = attn_quant.quantize_qk(y[:, :q_cols].view(m, heads, head_dim), rope=rope)
