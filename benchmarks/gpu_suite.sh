@@ -58,6 +58,8 @@
 #   fp8-probe  the FP8 attention's options at small T under a poisoned allocator, the FP8 attention GPU tests,
 #            the FP8 options timed (issue 34)
 #   prefill-fp8  bench prefill --attention fp8: 20b at 32768 / 128000, 120b at 128000 (issue 34's must-shows)
+#   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
+#            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   attn-trace  the FP8 attention's steps timed phase by phase from the SM clock (benchmarks/attn_trace.py;
 #            TRACE_VARIANTS: ';'-separated keyword sets, '' the default; TRACE_TOKENS)
@@ -561,6 +563,31 @@ if has prefill-fp8; then
     set -- $spec
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
       ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
+  done
+fi
+
+if has window; then
+  # issue 34: the sliding-window layers' Triton kernel (0.48 ms a layer in the 20b at 32768, 2.4-3x its bytes floor):
+  # the tiles side by side as the model calls the kernel, then where one launch's time goes (Nsight Compute digest)
+  [[ ${WINDOW_SWEEP_S:-150} == 0 ]] || timeout ${WINDOW_SWEEP_S:-150} python3 benchmarks/window_sweep.py \
+    --tokens ${WINDOW_TOKENS:-32768,128000} --model-form ${WINDOW_ONLY:+--only "$WINDOW_ONLY"} 2>&1 | grep -v Warn \
+    | tee "$OUT/window_sweep.log"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/ncu"
+  IFS=';' read -ra _wt <<< "${WINDOW_NCU_TILES:-default}"
+  i=0
+  for tile in "${_wt[@]}"; do
+    [[ -n "$NCU" && ${WINDOW_NCU_S:-90} != 0 ]] || break
+    rep="/tmp/window$i"
+    # launches: the 4096-token check, then do_bench's at 32768 (skip its first two)
+    timeout ${WINDOW_NCU_S:-90} "$NCU" --clock-control none --set full --import-source no -k regex:_attn_prefill_kernel \
+      --launch-skip 3 --launch-count 1 -f -o "$rep" python3 benchmarks/window_sweep.py --tokens 32768 --model-form \
+      --only "$tile" 2>&1 | tail -3 | tee "$OUT/ncu/window$i.log"
+    "$NCU" --import "$rep.ncu-rep" --page raw --csv > "/tmp/window${i}_raw.csv" 2>&1
+    "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass > "/tmp/window${i}_sass.csv" 2>&1
+    { echo "tile $i: '$tile'"; python3 benchmarks/ncu_digest.py "/tmp/window${i}_raw.csv" "/tmp/window${i}_sass.csv" \
+      --hot 10000; } > "$OUT/ncu/window${i}_digest.txt" 2>&1
+    i=$((i + 1))
   done
 fi
 

@@ -21,6 +21,13 @@ import re
 PIPES = ("pipe_xu", "pipe_tensor", "pipe_alu", "pipe_fma", "pipe_fmaheavy", "pipe_fmalite", "pipe_uniform",
          "issue_active", "inst_issued")
 
+# a memory- or latency-bound kernel's figures (the window attention's): bytes, throughputs, what limits occupancy
+MEMORY = ("dram__bytes_read.sum", "dram__bytes_write.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+          "lts__throughput.avg.pct_of_peak_sustained_elapsed", "l1tex__throughput.avg.pct_of_peak_sustained_active",
+          "sm__throughput.avg.pct_of_peak_sustained_elapsed", "launch__occupancy_limit_registers",
+          "launch__occupancy_limit_shared_mem", "launch__occupancy_limit_warps", "launch__waves_per_multiprocessor",
+          "launch__shared_mem_per_block_dynamic", "launch__shared_mem_per_block_static", "lts__t_sector_hit_rate.pct")
+
 
 def _num(text: str) -> float:
     """A page's number ("1,234" and "" included; anything else 0)."""
@@ -38,6 +45,7 @@ def raw_digest(path: str) -> list[str]:
     for h, u, v in zip(hdr, units, vals, strict=True):
         keep = (h in ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "launch__registers_per_thread",
                       "sm__warps_active.avg.per_cycle_active", "smsp__warps_eligible.avg.per_cycle_active")
+                or h in MEMORY
                 or (any(p in h for p in PIPES) and h.endswith("pct_of_peak_sustained_active")))
         if keep:
             out.append(f"{h} [{u}] = {v}")

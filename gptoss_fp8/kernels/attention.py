@@ -244,6 +244,7 @@ def _attn_prefill_kernel(
     # which PACK must hold whole (o_proj's input, written once)
     OutQ=None, OutS=None, stride_oq=0, stride_os=0,
     QUANT_OUT: tl.constexpr = False, FP8_MAX_C: tl.constexpr = 448.0, EPS: tl.constexpr = 1e-10,
+    ONE_LOOP: tl.constexpr = False,  # PrefillTile.one_loop
 ):
     QB: tl.constexpr = BLOCK_M // PACK  # query positions per program
     pid_h = tl.program_id(0)  # heads pid_h * PACK .. pid_h * PACK + PACK - 1
@@ -345,18 +346,24 @@ def _attn_prefill_kernel(
     lo = (first_key // BLOCK_N) * BLOCK_N
     full_first = tl.maximum(p0 + QB - window, 0)  # oldest key the tile's last query sees
     full_lo = tl.minimum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, diag_lo)
-    acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
-    )
-    acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
-    )
-    acc, l_i, m_i = _attn_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
-        seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
-    )
+    if ONE_LOOP:  # every block masked, one loop: the pipeliner's stages span the whole (short) key range
+        acc, l_i, m_i = _attn_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+            seqlen_k, window, qk_scale, lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
+        )
+    else:
+        acc, l_i, m_i = _attn_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+            seqlen_k, window, qk_scale, lo, full_lo, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
+        )
+        acc, l_i, m_i = _attn_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+            seqlen_k, window, qk_scale, full_lo, diag_lo, False, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
+        )
+        acc, l_i, m_i = _attn_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pos_m, offs_n, offs_d,
+            seqlen_k, window, qk_scale, diag_lo, hi, True, BLOCK_N, UPCAST, sq, sk_src, krow0, stride_vd, FP8,
+        )
 
     if FP8:  # V's channel scale / 256 (P's fixed scale), then the row sum (spec.attention_fp8's order)
         if SEGMENTS:
@@ -576,7 +583,8 @@ def attention_prefill(
         out.stride(0), out.stride(1),
         sm_scale * LOG2E, window, num_pid_m, T, q_offset,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=not on_gpu,
-        ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        ROPE_Q=rope is not None, RAGGED=ragged, PACK=pack, ONE_LOOP=tile.one_loop, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
         **({"maxnreg": tile.maxnreg} if tile.maxnreg and on_gpu else {}), **fp8_args,
         **(dict(KStarts=k_starts, QOffsets=q_offsets, SEGMENTS=True) if segments else {}),
     )

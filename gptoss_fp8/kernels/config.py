@@ -134,6 +134,9 @@ class PrefillTile:
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM), None: the compiler's
     pack: int = 1  # query heads of one KV head per program, stacked in the tile's rows (GQA packing)
+    # one masked loop over the tile's keys instead of three (window edge masked / whole blocks unmasked / diagonal
+    # masked): a 128-key window's 5 blocks of 32 pipelined as one range (issue 34: the window layers' latency)
+    one_loop: bool = False
 
 
 GLUON_EXP_MODES = ("mufu", "fma25", "fma50", "bf16x2")  # how GluonAttentionTile's kernel computes 2^x

@@ -137,6 +137,24 @@ def test_prefill_packed_heads_cpu(pack, window):
 
 
 @interpreter_only
+@pytest.mark.parametrize("window", [0, 40])
+def test_prefill_one_loop_cpu(window):
+    """PrefillTile.one_loop: every key block of a tile through the one masked loop (window edge, whole blocks and
+    the diagonal alike): the spec's results, packed heads, a ragged batch with a one-token sequence, the fused rope."""
+    gen = torch.Generator().manual_seed(90 + window)
+    lens, hq, hkv = [37, 64, 1, 90], 8, 2
+    T = sum(lens)
+    q, k, v = _qkv(T, hq, hkv, gen, device="cpu")
+    sinks = _sinks(hq, gen, device="cpu")
+    cu = _cu(lens, device="cpu")
+    tile = PrefillTile(64, 16, 4, 1, pack=4, one_loop=True)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile)
+    _check(out, attention_prefill_ref(*_fp32(q, k, v), sinks, cu, sliding_window=window), gpu=False)
+    fused, ref = _fused_rope_case("cpu", gen, [33, 70, 1], 8, 2, window, tile=tile)
+    _check(fused, ref, gpu=True)
+
+
+@interpreter_only
 def test_gpu_default_tiles_through_the_interpreter():
     """The GPU's default tiles (window: four heads per program) on CPU, and their fallbacks for query heads that
     the pack does not divide (two heads a program, else one)."""
@@ -629,6 +647,7 @@ GPU_PREFILL_CASES = [
 @pytest.mark.parametrize("tile", [
     None, PrefillTile(128, 64, 8, 3),
     PrefillTile(256, 64, 16, 3, maxnreg=128), PrefillTile(128, 64, 8, 3, maxnreg=128, pack=2),
+    PrefillTile(128, 32, 4, 2, maxnreg=128, pack=4, one_loop=True), PrefillTile(128, 32, 4, 3, pack=4, one_loop=True),
 ])
 def test_prefill_gpu(lens, window, hq, hkv, tile):
     gen = torch.Generator().manual_seed(sum(lens) + window + hq)
