@@ -42,6 +42,10 @@ TILES = {
     "64x16 p4 w4 s3 1L": PrefillTile(64, 16, 4, 3, maxnreg=96, pack=4, one_loop=True),
     "64x16 p4 w4 s4 1L": PrefillTile(64, 16, 4, 4, pack=4, one_loop=True),
     "128x64 p2 w4 s3 1L": PrefillTile(128, 64, 4, 3, maxnreg=128, pack=2, one_loop=True),
+    # fewer K / V rows read again from L2 (each key is read by (QB + 127) / QB tiles x 8 / pack programs)
+    "256x32 p8 w8 s3 1L": PrefillTile(256, 32, 8, 3, pack=8, one_loop=True),
+    "256x32 p4 w8 s3 1L": PrefillTile(256, 32, 8, 3, pack=4, one_loop=True),
+    "256x64 p4 w8 s3 1L": PrefillTile(256, 64, 8, 3, pack=4, one_loop=True),
 }
 
 
