@@ -1,0 +1,366 @@
+"""Sliding-window prefill attention with sinks for Hopper (sm_90), warp-specialized, in Gluon (issue 34).
+
+Same contract as kernels/attention.py's ``attention_prefill`` for the case gpt-oss's window layers run (one sequence
+from position 0, a window of W keys, head_dim 64, bf16, query heads in pairs of one KV head), whose plain-torch
+reference (``spec.attention`` / ``attention_prefill_ref``) is this kernel's too; with ``rope`` q is rotated in the
+kernel (kernels/rope.py ``rotate``'s FMAs, rounded to bf16, as the Triton kernel's ROPE_Q), and with ``quant_out``
+it writes o_proj's FP8 input (act_quant's 1 x 128 groups: a pair's two heads of a row) instead of the bf16 rows.
+
+Why: the Triton window kernel ran at 2.4-3x its bytes floor (each program's 5 key blocks of 32 too short a loop to
+hide a load's latency). Here a program owns a pair of query heads for RUN steps of 64 positions:
+- a 1-warp producer streams, by TMA, each step's two Q tiles (and the rope's cos / sin rows) through a ring of QS
+  stages, and the K / V blocks of 64 keys through a ring of S stages, each block once: a step needs the blocks from
+  its first query's oldest key to its diagonal (NB = ceil((W - 1) / 64) + 1), the next step all but the oldest
+  again, so the ring holds them and loads one new block a step;
+- NC consumer warpgroups take the steps in turn (step s: warpgroup s % NC), both heads of the pair one after the
+  other: Q rotated into shared memory, then per key block QK^T, the masked online softmax in base 2 (running max
+  from the sink, as attention.py), PV; blocks before key 0 come from block 0 (finite) and are masked. A warpgroup
+  releases a key block once no later step of its own reads it; the producer reloads a stage once every consumer
+  has released it;
+- epilogue: O / l, rounded to bf16; with ``quant_out`` the pair's 128-column group quantized in registers
+  (act_quant's arithmetic: each row's max over both heads, max(amax, eps) / 448, the quotient, the e4m3 cast) and
+  stored with its scale; else the bf16 rows. Rows past T are not stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
+
+if HAS_GLUON:
+    from gptoss_fp8.kernels._gluon import (
+        TensorDescriptor,
+        descriptor,
+        fence_async_shared,
+        gl,
+        gluon,
+        load_stage,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+    )
+
+LOG2E = 1.4426950408889634
+ROWS = 64  # positions a step (one wgmma's M)
+BLOCK_N = 64  # keys a block
+HEAD_DIM = 64
+# registers per consumer thread by consumer warpgroups (the producer warp keeps 40)
+REGS = {2: 232, 3: 160}
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _win_rotate(q_tile, qrot, c, sn, ROPE: gl.constexpr):
+        """A head's Q tile of a step (64 positions, in shared memory as the producer's TMA left it) rotated (ROPE:
+        c / sn the positions' cos / sin, fp32 [64, 32]; kernels/rope.py ``rotate``'s FMAs) and rounded to bf16 into
+        qrot, QK^T's A operand. The caller orders the stores (fence, barrier) before the products read them."""
+        HALF: gl.constexpr = qrot.type.shape[1] // 2
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        x1 = q_tile.slice(0, HALF, dim=1).load(blk).to(gl.float32)
+        x2 = q_tile.slice(HALF, HALF, dim=1).load(blk).to(gl.float32)
+        if ROPE:
+            x1, x2 = gl.fma(x1, c, -(x2 * sn)), gl.fma(x2, c, x1 * sn)
+        qrot.slice(0, HALF, dim=1).store(x1.to(gl.bfloat16))
+        qrot.slice(HALF, HALF, dim=1).store(x2.to(gl.bfloat16))
+
+    @gluon.jit
+    def _win_attend(qrot, k_bufs, v_bufs, s, p, sink, window, qk_scale, NB: gl.constexpr):
+        """One head of a step: queries p .. p + 63 (Q rotated in qrot) against the step's NB key blocks (ring
+        positions s .. s + NB - 1), the masked online softmax in base 2 from the sink. Returns O / l rounded to
+        bf16 (the o layout)."""
+        S: gl.constexpr = k_bufs.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        R: gl.constexpr = qrot.type.shape[0]
+        D: gl.constexpr = qrot.type.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        WB: gl.constexpr = NB - 1
+        rows = p + gl.arange(0, R, layout=row_layout)
+        c_ar = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([R], 0.0, gl.float32, row_layout) + sink
+        l_i = gl.full([R], 1.0, gl.float32, row_layout)
+        acc = gl.zeros([R, D], gl.float32, o_layout)
+        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
+        for k in gl.static_range(NB):
+            st = (s + k) % S
+            sc = warpgroup_mma(qrot, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False)
+            kb = (p // BN - WB + k) * BN  # the block's first key
+            # (query - kb) through an opaque move: a step's rows and key blocks are 64-aligned, so every mask here
+            # is the same at each step, and the compiler would hoist all NB x 32 predicates a thread (and the blocks'
+            # column vectors) out of the step loop, into spills
+            rk = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows - kb], dtype=gl.int32, is_pure=False,
+                                           pack=1)
+            rel = gl.expand_dims(rk, 1) - gl.expand_dims(c_ar, 0)
+            visible = (rel >= 0) & (rel < window) & gl.expand_dims(c_ar >= -kb, 0)  # (keys before 0: masked)
+            sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            alpha = gl.exp2(m_i - m_new)
+            pt = gl.exp2(sc - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(pt, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            acc = warpgroup_mma(gl.convert_layout(pt.to(gl.bfloat16), p_layout), v_bufs.index(st), acc)
+            m_i = m_new
+        return (acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)).to(gl.bfloat16)
+
+    @gluon.jit
+    def _win_release(kready, kempty, lo, hi):
+        """Release ring positions lo .. hi - 1 (each waited for first: a consumer releases only what was loaded)."""
+        S: gl.constexpr = kready.type.shape[0]
+        for j in range(lo, hi):
+            mbarrier.wait(kready.index(j % S), (j // S) & 1)
+            mbarrier.arrive(kempty.index(j % S), count=1)
+
+    @gluon.jit
+    def _win_consume(W: gl.constexpr, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs,
+                     v_bufs, qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window,
+                     qk_scale, GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr,
+                     ROPE: gl.constexpr, QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+        """Consumer warpgroup W: steps W, W + NC, .. of the program's run, both heads of its pair each."""
+        QS: gl.constexpr = qready.type.shape[0]
+        S: gl.constexpr = k_bufs.type.shape[0]
+        R: gl.constexpr = qrot.type.shape[1]
+        D: gl.constexpr = qrot.type.shape[2]
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        hp = gl.program_id(0)
+        p0 = gl.program_id(1) * (RUN * R)
+        n_steps = gl.minimum(RUN, gl.cdiv(T - p0, R))
+        n_loaded = n_steps + NB - 1
+        sink0 = gl.load(sinks_ptr + 2 * hp).to(gl.float32) * 1.4426950408889634
+        sink1 = gl.load(sinks_ptr + 2 * hp + 1).to(gl.float32) * 1.4426950408889634
+        _win_release(kready, kempty, 0, gl.minimum(W, n_loaded))  # blocks before this warpgroup's first step
+        for s in range(W, n_steps, NC):
+            qs = s % QS
+            p = p0 + s * R
+            mbarrier.wait(qready.index(qs), (s // QS) & 1)
+            for k in gl.static_range(NB):
+                mbarrier.wait(kready.index((s + k) % S), ((s + k) // S) & 1)
+            q0 = qrot.index(2 * W)
+            q1 = qrot.index(2 * W + 1)
+            tma.store_wait(0)  # the previous step's output tiles (through q0 / q1) have left for global memory
+            gl.thread_barrier()
+            if ROPE:
+                c = cs_bufs.index(2 * qs).load(blk)
+                sn = cs_bufs.index(2 * qs + 1).load(blk)
+            else:
+                c = 0.0
+                sn = 0.0
+            _win_rotate(q_bufs.index(2 * qs), q0, c, sn, ROPE)
+            _win_rotate(q_bufs.index(2 * qs + 1), q1, c, sn, ROPE)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(qempty.index(qs), count=1)  # (every thread's reads of the stage are behind the barrier)
+            y0 = _win_attend(q0, k_bufs, v_bufs, s, p, sink0, window, qk_scale, NB)
+            y1 = _win_attend(q1, k_bufs, v_bufs, s, p, sink1, window, qk_scale, NB)
+            _win_release(kready, kempty, s, gl.minimum(s + NC, n_loaded))  # no later step of W reads them
+
+            # the output tiles leave through the two Q tiles' buffers (every product that read them is complete),
+            # by TMA (rows past T are not written)
+            gl.thread_barrier()
+            if QUANT:  # act_quant of the pair's bf16 rows (one 128-column group): the row's max over both heads
+                a = y0.to(gl.float32)
+                b = y1.to(gl.float32)
+                amax = gl.maximum(gl.max(gl.abs(a), 1), gl.max(gl.abs(b), 1))
+                scale = gl.maximum(amax, EPS) / FP8_MAX_C
+                sc2 = gl.expand_dims(scale, 1)
+                o0 = q0._reinterpret(o_desc.dtype, [R, D], o_desc.layout)
+                o1 = q1._reinterpret(o_desc.dtype, [R, D], o_desc.layout)
+                o0.store(gl.minimum(gl.maximum(a / sc2, -FP8_MAX_C), FP8_MAX_C).to(gl.float8e4nv))
+                o1.store(gl.minimum(gl.maximum(b / sc2, -FP8_MAX_C), FP8_MAX_C).to(gl.float8e4nv))
+                orows = p + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
+                gl.store(os_ptr + orows.to(gl.int64) * stride_os + hp, scale, mask=orows < T)
+            else:
+                o0 = q0
+                o1 = q1
+                o0.store(y0)
+                o1.store(y1)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(o_desc, [p, 2 * hp * D], o0)
+            tma.async_copy_shared_to_global(o_desc, [p, (2 * hp + 1) * D], o1)
+        tma.store_wait(0)
+
+    # The worker partitions take the same arguments (a warp_specialize requirement).
+    @gluon.jit
+    def _win_consume1(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
+                      GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
+                      QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+        _win_consume(1, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+                     qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
+                     RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)
+
+    @gluon.jit
+    def _win_consume2(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
+                      GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
+                      QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+        _win_consume(2, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+                     qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
+                     RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)
+
+    @gluon.jit
+    def _win_produce(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+                     qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
+                     GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
+                     QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+        """The producer warp: K / V blocks 0 .. NB - 2 (those before step 0's diagonal), then per step its two Q
+        tiles (+ cos / sin) and the key block of its diagonal. Block i holds keys (p0 / 64 - NB + 1 + i) * 64 ..;
+        before key 0, block 0's (finite; the consumers mask them)."""
+        QS: gl.constexpr = qready.type.shape[0]
+        R: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        hp = gl.program_id(0)
+        p0 = gl.program_id(1) * (RUN * R)
+        n_steps = gl.minimum(RUN, gl.cdiv(T - p0, R))
+        kv_col = (2 * hp // GROUP) * D
+        b0 = p0 // BN - (NB - 1)
+        c = 0
+        for i in range(NB - 1):
+            row = gl.maximum(b0 + i, 0) * BN
+            c = load_stage(k_desc, v_desc, kempty, kready, k_bufs, v_bufs, c, [row, kv_col], [row, kv_col])
+        if ROPE:
+            nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * cos_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+        for s in range(n_steps):
+            qs = s % QS
+            mbarrier.wait(qempty.index(qs), ((s // QS) & 1) ^ 1)
+            mbarrier.expect(qready.index(qs), nbytes)
+            pos = p0 + s * R
+            tma.async_copy_global_to_shared(q_desc, [pos, 2 * hp * D], qready.index(qs), q_bufs.index(2 * qs))
+            tma.async_copy_global_to_shared(q_desc, [pos, (2 * hp + 1) * D], qready.index(qs), q_bufs.index(2 * qs + 1))
+            if ROPE:
+                tma.async_copy_global_to_shared(cos_desc, [pos, 0], qready.index(qs), cs_bufs.index(2 * qs))
+                tma.async_copy_global_to_shared(sin_desc, [pos, 0], qready.index(qs), cs_bufs.index(2 * qs + 1))
+            row = gl.maximum(b0 + NB - 1 + s, 0) * BN
+            c = load_stage(k_desc, v_desc, kempty, kready, k_bufs, v_bufs, c, [row, kv_col], [row, kv_col])
+
+    @gluon.jit(do_not_specialize=["T", "window"])
+    def _window_kernel(q_desc, k_desc, v_desc, cos_desc, sin_desc, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                       window, qk_scale, GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, QS: gl.constexpr,
+                       STAGES: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr, QUANT: gl.constexpr,
+                       REGS: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
+        R: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QS, R, D], q_desc.layout)
+        if ROPE:
+            cs_bufs = gl.allocate_shared_memory(cos_desc.dtype, [2 * QS, R, D // 2], cos_desc.layout)
+        else:
+            cs_bufs = gl.allocate_shared_memory(cos_desc.dtype, [2, R, D // 2], cos_desc.layout)
+        qrot = gl.allocate_shared_memory(q_desc.dtype, [2 * NC, R, D], q_desc.layout)  # a consumer's two heads
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+        qready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+        qempty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+        kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(QS):
+            mbarrier.init(qready.index(i), count=1)
+            mbarrier.init(qempty.index(i), count=1)  # released by the step's one consumer
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kready.index(i), count=1)
+            mbarrier.init(kempty.index(i), count=NC)  # released by every consumer warpgroup
+        # (argument tuples written out in place: a tuple holding a function cannot be a variable here)
+        if NC == 3:
+            gl.warp_specialize([
+                (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+                (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+                (_win_consume2, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+                (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+            ], [4, 4, 1], [REGS, REGS, 40])
+        else:
+            gl.warp_specialize([
+                (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+                (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+                (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                                qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
+            ], [4, 1], [REGS, 40])
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with a contiguous [H, D] per row -> the [T, H * D] view (any row stride)."""
+    n, h, d = t.shape
+    return t.as_strided((n, h * d), (t.stride(0), 1))
+
+
+def _f32_descriptor(t: torch.Tensor, block: list[int]):
+    """TMA descriptor over an fp32 [n, 32] table (the rope's cos / sin) in blocks of ``block``."""
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def window_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> bool:
+    """Whether ``window_attention_prefill`` takes these operands: bf16, head_dim 64, query heads in pairs of one KV
+    head, [H, D] contiguous per row with 16-byte aligned rows, 2 <= window, an sm_90 GPU."""
+    if q.dtype != torch.bfloat16 or q.shape[-1] != HEAD_DIM or window < 2:
+        return False
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv or (hq // hkv) % 2 or not supported(q.device):
+        return False
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * 2) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                             sm_scale: float, window: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             quant_out: bool = False, run: int = 8, q_stages: int = 4, stages: int = 4,
+                             consumers: int = 2):
+    """Sliding-window attention with sinks, one sequence from position 0: q [T, Hq, 64], k / v [T, Hkv, 64] bf16
+    (views of one projection's rows allowed: ``window_ok``), keys i - window < j <= i visible to query i.
+    rope = (cos, sin) fp32 [>= T, 32]: q not yet rotated (k is). Returns out [T, Hq, 64] bf16, or with quant_out
+    o_proj's FP8 input (e4m3 [T, Hq * 64], fp32 scales [T, Hq * 64 / 128]: act_quant's of those rows).
+    run: steps of 64 positions a program; q_stages / stages: the Q and K / V rings; consumers: warpgroups (2, 3)."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    assert window_ok(q, k, v, window), "window_attention_prefill: operands outside window_ok"
+    assert k.shape[0] == v.shape[0] == T and sinks.numel() == hq, (tuple(k.shape), tuple(v.shape), sinks.shape)
+    assert consumers in REGS and run >= 1, (consumers, run)
+    nb = cdiv(window - 1, BLOCK_N) + 1
+    # the ring holds a step's NB blocks, the next ones' new block, and the blocks the other consumers still read
+    assert stages >= nb + consumers - 1, f"stages {stages} < {nb + consumers - 1} for window {window}"
+    if rope is not None:
+        cos, sin = rope
+        assert cos.shape == sin.shape and cos.shape[0] >= T and cos.shape[1] == d // 2, (cos.shape, sin.shape)
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        cs_desc = (_f32_descriptor(cos, [ROWS, d // 2]), _f32_descriptor(sin, [ROWS, d // 2]))
+    else:
+        dummy = torch.zeros((ROWS, d // 2), dtype=torch.float32, device=q.device)
+        cs_desc = (_f32_descriptor(dummy, [ROWS, d // 2]),) * 2
+    if quant_out:
+        out = torch.empty((T, hq * d), dtype=FP8_DTYPE, device=q.device)
+        scales = torch.empty((T, hq * d // ACT_GROUP), dtype=torch.float32, device=q.device)
+        stride_os = scales.stride(0)
+    else:
+        out = torch.empty((T, hq, d), dtype=torch.bfloat16, device=q.device)
+        scales, stride_os = out, 0
+    grid = (hq // 2, cdiv(T, run * ROWS))
+    _window_kernel[grid](
+        descriptor(_rows2d(q), [ROWS, d]), descriptor(_rows2d(k), [BLOCK_N, d]), descriptor(_rows2d(v), [BLOCK_N, d]),
+        *cs_desc, sinks, descriptor(out if quant_out else _rows2d(out), [ROWS, d]), scales, stride_os, T, window,
+        sm_scale * LOG2E,
+        GROUP=hq // hkv, RUN=run, NB=nb, QS=q_stages, STAGES=stages, NC=consumers, ROPE=rope is not None,
+        QUANT=quant_out, REGS=REGS[consumers], FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, num_warps=4,
+    )
+    return (out, scales) if quant_out else out
