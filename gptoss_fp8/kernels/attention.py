@@ -510,6 +510,12 @@ def attention_prefill(
                                      q_fused=cfg.attention_fp8_q_fused and q.dtype == torch.bfloat16 and q.stride(2) == 1
                                      and q.stride(1) == q.shape[2], q_scale=q_scale)
         return _quantized(o, quant_out)
+    if (tile is None and not fp8 and not segments and not ragged and not q_offset and window != _NO_WINDOW
+            and cfg.gluon and cfg.attention_gluon_window and on_gpu):
+        from gptoss_fp8.kernels import attention_window_ws as aw
+
+        if aw.window_ok(q, k, v, window) and (not quant_out or D * 2 == ACT_GROUP):
+            return aw.window_attention_prefill(q, k, v, sinks, sm_scale, window, rope=rope, quant_out=quant_out)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
             and _ws_ok(q, k, v, False, window, rope, cfg)):

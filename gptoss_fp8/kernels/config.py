@@ -302,6 +302,12 @@ class KernelConfig:
     # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
     # one [T, Hq * D] bf16 write and read and an act_quant launch fewer a window layer (thirty-eighth session)
     attention_quant_out: bool = True
+    # One sequence's sliding-window layers (from position 0, head_dim 64, query heads in pairs, bf16) on the
+    # warp-specialized Gluon kernel (kernels/attention_window_ws.py: Q and the ring of key blocks by TMA, each block
+    # loaded once a program, the rope and o_proj's quantization fused), not the Triton one (2.4-3x its bytes floor,
+    # 0.48 ms a layer in the 20b at 32768 tokens on the H200). Opt-in: built without a GPU in the forty-first
+    # session; on once its GPU tests pass and the whole model is faster (gpu_suite.sh window-gluon)
+    attention_gluon_window: bool = False
     # o_proj's GEMM adds the residual stream in its epilogue (``fp8_gemm(residual=)``, ``TritonOps.linear_add``): the
     # post-attention norm then reads the new stream alone, not the stream and o_proj's delta, and writes no new
     # stream: one [T, H] bf16 write and read fewer a layer (~189 MB at 32768 tokens; the skip probe's norms ran at
