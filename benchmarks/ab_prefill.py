@@ -135,6 +135,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_rows_from_stream=False)
     if name == "q-fused":  # the FP8 attention's consumers quantize their own Q tiles (39th session, opt-in)
         return replace(base, attention_fp8_q_fused=True)
+    if name == "gluon-window":  # the window layers on the warp-specialized Gluon kernel (41st session, opt-in)
+        return replace(base, attention_gluon_window=True)
     if name == "q-gemm":  # the full layers' q / k / v GEMM rotates and quantizes Q in its epilogue (40th session)
         return replace(base, gemm_q_quant=True)
     if name == "narrow":  # the 128 x 256 tiles' last column tile as m64n64 products (o_proj, MoE down; 39th session)

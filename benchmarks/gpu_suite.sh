@@ -60,6 +60,9 @@
 #   prefill-fp8  bench prefill --attention fp8: 20b at 32768 / 128000, 120b at 128000 (issue 34's must-shows)
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
+#   window-gluon  the forty-first session's warp-specialized Gluon window kernel (KernelConfig.attention_gluon_window,
+#            built without a GPU): its GPU tests, the kernel beside the Triton tiles (window_sweep.py --model-form), the
+#            20b beside the default, same process, 32768 / 128000
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   attn-trace  the FP8 attention's steps timed phase by phase from the SM clock (benchmarks/attn_trace.py;
 #            TRACE_VARIANTS: ';'-separated keyword sets, '' the default; TRACE_TOKENS)
@@ -589,6 +592,21 @@ if has window; then
       --hot 10000; } > "$OUT/ncu/window${i}_digest.txt" 2>&1
     i=$((i + 1))
   done
+fi
+
+if has window-gluon; then
+  if [[ ${WG_TEST_S:-150} != 0 ]]; then
+    timeout -s INT ${WG_TEST_S:-150} python3 -m pytest -q -rf -x tests/kernels/test_attention_window_ws.py \
+      > "$OUT/wg_tests.log" 2>&1
+    tail -4 "$OUT/wg_tests.log"
+  fi
+  [[ ${WG_SWEEP_S:-120} == 0 ]] || timeout ${WG_SWEEP_S:-120} python3 benchmarks/window_sweep.py --tokens 32768,128000 \
+    --model-form --only "${WG_ONLY:-default,128x32 p4 w4 s3 1L,gluon r8 c2,gluon r4 c2,gluon r16 c2,gluon r8 c2 q2,gluon r8 c3 q3}" \
+    2>&1 | grep -v Warn | tee "$OUT/wg_sweep.log"
+  [[ ${WG_AB_S:-200} == 0 ]] || timeout ${WG_AB_S:-200} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
+    --runs ${WG_RUNS32K:-7} --variants default,gluon-window --attention fp8 2>&1 | grep -v Warn | tee "$OUT/wg_ab32k.log"
+  [[ ${WG_AB128K_S:-0} == 0 ]] || timeout ${WG_AB128K_S} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 128000 --runs 3 --variants default,gluon-window --attention fp8 2>&1 | grep -v Warn | tee "$OUT/wg_ab128k.log"
 fi
 
 if has attention-ncu; then

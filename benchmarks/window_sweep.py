@@ -4,7 +4,8 @@ gpt-oss's shapes (64 query / 8 KV heads, head dim 64, bf16, sinks), one sequence
 of TILES is checked against ``spec.attention_varlen`` on the first 4096 tokens (rel. error), then timed (event
 median) at every T, beside the bytes floor (Q read + O written + K, V read once, at 4.0 TB/s). ``--model-form``: as
 the 20b's window layers call it, q / k / v views of one [T, 5120] projection, q's rope fused, o_proj's FP8 input
-written (``quant_out``; the floor then counts O's e4m3 bytes and scales).
+written (``quant_out``; the floor then counts O's e4m3 bytes and scales). GLUON: the warp-specialized Gluon kernel's
+option sets (``window_attention_prefill``), timed the same way.
 
     PYTHONPATH=$(pwd) python3 benchmarks/window_sweep.py [--tokens 8192,32768,128000] [--model-form] [--only NAME,..]
 """
@@ -54,6 +55,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+# the warp-specialized Gluon kernel (kernels/attention_window_ws.py, 41st session): window_attention_prefill's options
+GLUON = {
+    "gluon r8 c2": dict(run=8, consumers=2, q_stages=4, stages=4),
+    "gluon r4 c2": dict(run=4, consumers=2, q_stages=4, stages=4),
+    "gluon r16 c2": dict(run=16, consumers=2, q_stages=4, stages=4),
+    "gluon r8 c2 q2": dict(run=8, consumers=2, q_stages=2, stages=4),
+    "gluon r8 c3 q3": dict(run=8, consumers=3, q_stages=3, stages=5),
+}
+
+
+def _call(name, q, k, v, sinks, kw):
+    """One launch of variant ``name`` (a Triton tile of TILES or a Gluon option set of GLUON)."""
+    if name in GLUON:
+        from gptoss_fp8.kernels.attention_window_ws import window_attention_prefill
+
+        return window_attention_prefill(q, k, v, sinks, D ** -0.5, WINDOW, **kw, **GLUON[name])
+    return attention_prefill(q, k, v, sinks, sliding_window=WINDOW, tile=TILES[name], **kw)
+
+
 def _operands(t: int, g: torch.Generator, model_form: bool):
     """q, k, v (views of one projection's rows with ``model_form``) and the keyword arguments of the model's call."""
     if not model_form:
@@ -79,7 +99,7 @@ def main() -> None:
     ap.add_argument("--model-form", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated tile names (default: all)")
     a = ap.parse_args()
-    tiles = {n: t for n, t in TILES.items() if not a.only or n in a.only.split(",")}
+    tiles = [n for n in [*TILES, *GLUON] if not a.only or n in a.only.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     sinks = (torch.rand(HQ, device="cuda", generator=g) * 4 - 2).bfloat16()
     print(f"# default window tile: {DEFAULT.prefill_tile(True, True, HQ // HKV)}; model form {a.model_form}")
@@ -92,18 +112,16 @@ def main() -> None:
         qr = q.float()
     ref = spec.attention_varlen(qr, k.float(), v.float(), sinks.float(), None, window=WINDOW)
     ok = {}
-    for name, tile in tiles.items():
-        out = attention_prefill(q, k, v, sinks, sliding_window=WINDOW, tile=tile, **kw)
-        ok[name] = _rel(_dequant(out), ref)
+    for name in tiles:
+        ok[name] = _rel(_dequant(_call(name, q, k, v, sinks, kw)), ref)
     for t in (int(x) for x in a.tokens.split(",")):
         q, k, v, kw = _operands(t, g, a.model_form)
         o_bytes = HQ * D * (1 + 4 / 128) if a.model_form else 2 * HQ * D
         floor_ms = t * (2 * HQ * D + o_bytes + 4 * HKV * D) / 4.0e12 * 1e3
         print(f"T {t}: bytes floor {floor_ms:.3f} ms at 4.0 TB/s")
-        for name, tile in tiles.items():
-            ms = triton.testing.do_bench(lambda tile=tile: attention_prefill(q, k, v, sinks, sliding_window=WINDOW,
-                                                                             tile=tile, **kw),
-                                         warmup=10, rep=100, return_mode="median")
+        for name in tiles:
+            ms = triton.testing.do_bench(lambda name=name: _call(name, q, k, v, sinks, kw), warmup=10, rep=100,
+                                         return_mode="median")
             print(f"  {name:22s} {ms:8.3f} ms  x{ms / floor_ms:5.2f} floor  rel {ok[name]:.2e}")
 
 

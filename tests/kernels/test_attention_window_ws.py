@@ -78,7 +78,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # ~25 s on the 2-core box: two sm_90 compiles of the kernel
+@pytest.mark.slow  # ~7 s on the 2-core box: two sm_90 compiles of the kernel
 def test_window_kernel_compiles_for_sm90():
     """Without a GPU: the kernel compiles for sm_90 as the model launches it (rope and o_proj's quantization fused)
     and plain: three warpgroups' worth of warps (two consumers, the producer's warp), 232 registers a consumer
