@@ -135,6 +135,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, moe_rows_from_stream=False)
     if name == "q-fused":  # the FP8 attention's consumers quantize their own Q tiles (39th session, opt-in)
         return replace(base, attention_fp8_q_fused=True)
+    if name == "window-one-loop":  # the window layers' Triton tile with its key blocks in one masked loop (41st)
+        return replace(base, prefill_window=replace(base.prefill_window, one_loop=True, num_stages=3))
     if name == "gluon-window":  # the window layers on the warp-specialized Gluon kernel (41st session, opt-in)
         return replace(base, attention_gluon_window=True)
     if name == "q-gemm":  # the full layers' q / k / v GEMM rotates and quantizes Q in its epilogue (40th session)
