@@ -19,7 +19,8 @@ hide a load's latency). Here a program owns a pair of query heads for RUN steps 
   has released it;
 - epilogue: O / l, rounded to bf16; with ``quant_out`` the pair's 128-column group quantized in registers
   (act_quant's arithmetic: each row's max over both heads, max(amax, eps) / 448, the quotient, the e4m3 cast) and
-  stored with its scale; else the bf16 rows. Rows past T are not stored.
+  stored with its scale; else the bf16 rows. The tiles leave by TMA from the warpgroup's own two output buffers,
+  waited for one step later (rows past T are not written).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if HAS_GLUON:
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_wait,
     )
 
 LOG2E = 1.4426950408889634
@@ -67,10 +69,26 @@ if HAS_GLUON:
         qrot.slice(HALF, HALF, dim=1).store(x2.to(gl.bfloat16))
 
     @gluon.jit
+    def _win_scores(sc, m_i, l_i, rows, c_ar, kb, window, qk_scale):
+        """Key block kb.. of a step's masked online softmax in base 2: (P in bf16, alpha, m, l)."""
+        # (query - kb) through an opaque move: a step's rows and key blocks are 64-aligned, so every mask here is the
+        # same at each step, and the compiler would hoist all NB x 32 predicates a thread (and the blocks' column
+        # vectors) out of the step loop, into spills
+        rk = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows - kb], dtype=gl.int32, is_pure=False, pack=1)
+        rel = gl.expand_dims(rk, 1) - gl.expand_dims(c_ar, 0)
+        visible = (rel >= 0) & (rel < window) & gl.expand_dims(c_ar >= -kb, 0)  # (keys before 0: masked)
+        sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        alpha = gl.exp2(m_i - m_new)
+        pt = gl.exp2(sc - gl.expand_dims(m_new, 1))
+        return pt.to(gl.bfloat16), alpha, m_new, l_i * alpha + gl.sum(pt, 1)
+
+    @gluon.jit
     def _win_attend(qrot, k_bufs, v_bufs, s, p, sink, window, qk_scale, NB: gl.constexpr):
         """One head of a step: queries p .. p + 63 (Q rotated in qrot) against the step's NB key blocks (ring
-        positions s .. s + NB - 1), the masked online softmax in base 2 from the sink. Returns O / l rounded to
-        bf16 (the o layout)."""
+        positions s .. s + NB - 1), the masked online softmax in base 2 from the sink; QK^T(k) and PV(k - 1) issued
+        together and block k's softmax under PV(k - 1) (attention_ws.py's loop). Returns O / l rounded to bf16 (the
+        o layout)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         R: gl.constexpr = qrot.type.shape[0]
@@ -80,32 +98,25 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        WB: gl.constexpr = NB - 1
+        kb0 = (p // BN - (NB - 1)) * BN  # block 0's first key
         rows = p + gl.arange(0, R, layout=row_layout)
         c_ar = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + sink
         l_i = gl.full([R], 1.0, gl.float32, row_layout)
         acc = gl.zeros([R, D], gl.float32, o_layout)
         zero_s = gl.zeros([R, BN], gl.float32, s_layout)
-        for k in gl.static_range(NB):
-            st = (s + k) % S
-            sc = warpgroup_mma(qrot, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False)
-            kb = (p // BN - WB + k) * BN  # the block's first key
-            # (query - kb) through an opaque move: a step's rows and key blocks are 64-aligned, so every mask here
-            # is the same at each step, and the compiler would hoist all NB x 32 predicates a thread (and the blocks'
-            # column vectors) out of the step loop, into spills
-            rk = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows - kb], dtype=gl.int32, is_pure=False,
-                                           pack=1)
-            rel = gl.expand_dims(rk, 1) - gl.expand_dims(c_ar, 0)
-            visible = (rel >= 0) & (rel < window) & gl.expand_dims(c_ar >= -kb, 0)  # (keys before 0: masked)
-            sc = sc * qk_scale + gl.where(visible, 0.0, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            alpha = gl.exp2(m_i - m_new)
-            pt = gl.exp2(sc - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(pt, 1)
+        sc = warpgroup_mma(qrot, k_bufs.index(s % S).permute((1, 0)), zero_s, use_acc=False)
+        p_op, alpha, m_i, l_i = _win_scores(sc, m_i, l_i, rows, c_ar, kb0, window, qk_scale)
+        p_op = gl.convert_layout(p_op, p_layout)
+        for k in gl.static_range(1, NB):
+            tok = warpgroup_mma(qrot, k_bufs.index((s + k) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_bufs.index((s + k - 1) % S), acc, is_async=True)  # PV of block k - 1
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
+            p_op, alpha, m_i, l_i = _win_scores(sc, m_i, l_i, rows, c_ar, kb0 + k * BN, window, qk_scale)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-            acc = warpgroup_mma(gl.convert_layout(pt.to(gl.bfloat16), p_layout), v_bufs.index(st), acc)
-            m_i = m_new
+            p_op = gl.convert_layout(p_op, p_layout)
+        acc = warpgroup_mma(p_op, v_bufs.index((s + NB - 1) % S), acc)
         return (acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)).to(gl.bfloat16)
 
     @gluon.jit
@@ -117,7 +128,7 @@ if HAS_GLUON:
             mbarrier.arrive(kempty.index(j % S), count=1)
 
     @gluon.jit
-    def _win_consume(W: gl.constexpr, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs,
+    def _win_consume(W: gl.constexpr, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs,
                      v_bufs, qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window,
                      qk_scale, GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr,
                      ROPE: gl.constexpr, QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
@@ -143,8 +154,6 @@ if HAS_GLUON:
                 mbarrier.wait(kready.index((s + k) % S), ((s + k) // S) & 1)
             q0 = qrot.index(2 * W)
             q1 = qrot.index(2 * W + 1)
-            tma.store_wait(0)  # the previous step's output tiles (through q0 / q1) have left for global memory
-            gl.thread_barrier()
             if ROPE:
                 c = cs_bufs.index(2 * qs).load(blk)
                 sn = cs_bufs.index(2 * qs + 1).load(blk)
@@ -160,8 +169,11 @@ if HAS_GLUON:
             y1 = _win_attend(q1, k_bufs, v_bufs, s, p, sink1, window, qk_scale, NB)
             _win_release(kready, kempty, s, gl.minimum(s + NC, n_loaded))  # no later step of W reads them
 
-            # the output tiles leave through the two Q tiles' buffers (every product that read them is complete),
-            # by TMA (rows past T are not written)
+            # the output tiles leave by TMA (rows past T are not written) from this warpgroup's two buffers, once
+            # its previous step's stores have left them
+            o0 = out_bufs.index(2 * W)
+            o1 = out_bufs.index(2 * W + 1)
+            tma.store_wait(0)
             gl.thread_barrier()
             if QUANT:  # act_quant of the pair's bf16 rows (one 128-column group): the row's max over both heads
                 a = y0.to(gl.float32)
@@ -169,15 +181,11 @@ if HAS_GLUON:
                 amax = gl.maximum(gl.max(gl.abs(a), 1), gl.max(gl.abs(b), 1))
                 scale = gl.maximum(amax, EPS) / FP8_MAX_C
                 sc2 = gl.expand_dims(scale, 1)
-                o0 = q0._reinterpret(o_desc.dtype, [R, D], o_desc.layout)
-                o1 = q1._reinterpret(o_desc.dtype, [R, D], o_desc.layout)
                 o0.store(gl.minimum(gl.maximum(a / sc2, -FP8_MAX_C), FP8_MAX_C).to(gl.float8e4nv))
                 o1.store(gl.minimum(gl.maximum(b / sc2, -FP8_MAX_C), FP8_MAX_C).to(gl.float8e4nv))
                 orows = p + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
                 gl.store(os_ptr + orows.to(gl.int64) * stride_os + hp, scale, mask=orows < T)
             else:
-                o0 = q0
-                o1 = q1
                 o0.store(y0)
                 o1.store(y1)
             fence_async_shared()
@@ -188,25 +196,25 @@ if HAS_GLUON:
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
-    def _win_consume1(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+    def _win_consume1(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                       qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                       GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                       QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
-        _win_consume(1, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+        _win_consume(1, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
                      RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)
 
     @gluon.jit
-    def _win_consume2(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+    def _win_consume2(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                       qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                       GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                       QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
-        _win_consume(2, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+        _win_consume(2, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
                      RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)
 
     @gluon.jit
-    def _win_produce(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs, qready,
+    def _win_produce(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                      GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                      QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr):
@@ -257,6 +265,7 @@ if HAS_GLUON:
         else:
             cs_bufs = gl.allocate_shared_memory(cos_desc.dtype, [2, R, D // 2], cos_desc.layout)
         qrot = gl.allocate_shared_memory(q_desc.dtype, [2 * NC, R, D], q_desc.layout)  # a consumer's two heads
+        out_bufs = gl.allocate_shared_memory(o_desc.dtype, [2 * NC, R, D], o_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
         qready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
@@ -272,28 +281,28 @@ if HAS_GLUON:
         # (argument tuples written out in place: a tuple holding a function cannot be a variable here)
         if NC == 3:
             gl.warp_specialize([
-                (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
-                (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                  qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                  window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
-                (_win_consume2, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_consume2, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                  qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                  window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
-                (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
-                (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
-                (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                  qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                  window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
-                (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, k_bufs, v_bufs,
+                (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS)),
             ], [4, 1], [REGS, 40])
@@ -325,7 +334,7 @@ def window_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) ->
 
 def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              sm_scale: float, window: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             quant_out: bool = False, run: int = 8, q_stages: int = 4, stages: int = 4,
+                             quant_out: bool = False, run: int = 8, q_stages: int = 2, stages: int = 4,
                              consumers: int = 2):
     """Sliding-window attention with sinks, one sequence from position 0: q [T, Hq, 64], k / v [T, Hkv, 64] bf16
     (views of one projection's rows allowed: ``window_ok``), keys i - window < j <= i visible to query i.
