@@ -66,7 +66,7 @@ for rope, quant in ((True, True), (False, False)):
              **{n: f"tensordesc<fp32[64, 32],{lay(32, 128)}>" for n in ("cos_desc", "sin_desc")},
              "o_desc": f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" if quant else f"tensordesc<bf16[64, 64],{lay(16, 128)}>",
              "sinks_ptr": "*bf16", "os_ptr": "*fp32", "qk_scale": "fp32"}
-    k = _gluon.compile_for_sm90(AW._window_kernel, types, dict(GROUP=8, RUN=8, NB=3, QS=4, STAGES=4, NC=2, ROPE=rope,
+    k = _gluon.compile_for_sm90(AW._window_kernel, types, dict(GROUP=8, RUN=8, NB=3, QS=2, STAGES=4, NC=2, ROPE=rope,
                                 QUANT=quant, REGS=AW.REGS[2], FP8_MAX_C=448.0, EPS=1e-10), divisible16=("stride_os",))
     ptx = k.pop("ptx")
     k["wgmma"] = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx))
