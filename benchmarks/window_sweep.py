@@ -57,11 +57,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # the warp-specialized Gluon kernel (kernels/attention_window_ws.py, 41st session): window_attention_prefill's options
 GLUON = {
-    "gluon r8 c2": dict(run=8, consumers=2, q_stages=4, stages=4),
-    "gluon r4 c2": dict(run=4, consumers=2, q_stages=4, stages=4),
-    "gluon r16 c2": dict(run=16, consumers=2, q_stages=4, stages=4),
-    "gluon r8 c2 q2": dict(run=8, consumers=2, q_stages=2, stages=4),
-    "gluon r8 c3 q3": dict(run=8, consumers=3, q_stages=3, stages=5),
+    "gluon r8 c2": dict(run=8, consumers=2, q_stages=2, stages=4),
+    "gluon r8 c2 q3": dict(run=8, consumers=2, q_stages=3, stages=4),
+    "gluon r4 c2": dict(run=4, consumers=2, q_stages=2, stages=4),
+    "gluon r16 c2": dict(run=16, consumers=2, q_stages=2, stages=4),
+    "gluon r8 c3": dict(run=8, consumers=3, q_stages=2, stages=5),
 }
 
 
