@@ -67,7 +67,8 @@ for rope, quant in ((True, True), (False, False)):
              "o_desc": f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" if quant else f"tensordesc<bf16[64, 64],{lay(16, 128)}>",
              "sinks_ptr": "*bf16", "os_ptr": "*fp32", "qk_scale": "fp32"}
     k = _gluon.compile_for_sm90(AW._window_kernel, types, dict(GROUP=8, RUN=8, NB=3, QS=2, STAGES=4, NC=2, ROPE=rope,
-                                QUANT=quant, REGS=AW.REGS[2], FP8_MAX_C=448.0, EPS=1e-10), divisible16=("stride_os",))
+                                QUANT=quant, REGS=AW.REGS[2], FP8_MAX_C=448.0, EPS=1e-10, MERGE=rope),
+                                divisible16=("stride_os",))
     ptx = k.pop("ptx")
     k["wgmma"] = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx))
     k["tma_in"] = "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
@@ -80,8 +81,8 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # ~7 s on the 2-core box: two sm_90 compiles of the kernel
 def test_window_kernel_compiles_for_sm90():
-    """Without a GPU: the kernel compiles for sm_90 as the model launches it (rope and o_proj's quantization fused)
-    and plain: three warpgroups' worth of warps (two consumers, the producer's warp), 232 registers a consumer
+    """Without a GPU: the kernel compiles for sm_90 as the model launches it (rope and o_proj's quantization fused,
+    the merged one-pass softmax of a 128-key window) and plain (the online softmax over the blocks): three warpgroups' worth of warps (two consumers, the producer's warp), 232 registers a consumer
     thread, every product a bf16 m64n64k16 wgmma (2 consumers x 2 heads x 3 key blocks x (4 + 4)), TMA loads and
     stores, shared memory within the SM's 227 KB. Its numerics: the GPU tests below."""
     from sm90_compile import run_compile_script
@@ -122,14 +123,16 @@ def test_window_gpu(t, window, hq, hkv):
 
 @gpu_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("run,consumers,q_stages", [(1, 2, 4), (3, 2, 2), (8, 3, 3)])
-def test_window_shapes_gpu(run, consumers, q_stages):
-    """Other runs of steps a program, three consumer warpgroups, a shallower Q ring (window 128, 4099 rows)."""
+@pytest.mark.parametrize("run,consumers,q_stages,merge", [(1, 2, 2, True), (3, 2, 3, True), (8, 3, 2, True),
+                                                           (8, 2, 2, False), (1, 3, 2, False)])
+def test_window_shapes_gpu(run, consumers, q_stages, merge):
+    """Other runs of steps a program, three consumer warpgroups, a deeper Q ring, the online softmax over the blocks
+    at window 128 too (merge False; window 128, 4099 rows)."""
     from gptoss_fp8.kernels.attention_window_ws import window_attention_prefill
 
     q, k, v, sinks = _case(4099, 64, 8, run * 10 + consumers, "cuda")
     out = window_attention_prefill(q, k, v, sinks, D ** -0.5, 128, run=run, consumers=consumers,
-                                   q_stages=q_stages, stages=3 + consumers)
+                                   q_stages=q_stages, stages=3 + consumers, merge=merge)
     _check(out, _ref(q, k, v, sinks, 128))
 
 
