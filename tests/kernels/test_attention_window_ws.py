@@ -82,9 +82,10 @@ print(json.dumps(out))
 @pytest.mark.slow  # ~7 s on the 2-core box: two sm_90 compiles of the kernel
 def test_window_kernel_compiles_for_sm90():
     """Without a GPU: the kernel compiles for sm_90 as the model launches it (rope and o_proj's quantization fused,
-    the merged one-pass softmax of a 128-key window) and plain (the online softmax over the blocks): three warpgroups' worth of warps (two consumers, the producer's warp), 232 registers a consumer
-    thread, every product a bf16 m64n64k16 wgmma (2 consumers x 2 heads x 3 key blocks x (4 + 4)), TMA loads and
-    stores, shared memory within the SM's 227 KB. Its numerics: the GPU tests below."""
+    the merged one-pass softmax of a 128-key window) and plain (the online softmax over the blocks): three
+    warpgroups' worth of warps (two consumers, the producer's warp), 232 registers a consumer thread, every product
+    a bf16 m64n64k16 wgmma (2 consumers x 2 heads x 3 key blocks x (4 + 4)), TMA loads and stores, shared memory
+    within the SM's 227 KB. Its numerics: the GPU tests below."""
     from sm90_compile import run_compile_script
 
     if not _gluon.HAS_GLUON:
