@@ -166,6 +166,28 @@ def _fp8_gemm_kernel(
                    HAS_RES)
 
 
+def _checked(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
+             bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_gemm``'s operand rules (``fp8_gemm_q8``'s too); returns x and its scales as [M, K] / [M, K / 128]."""
+    assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
+    assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
+    n, k = w_fp8.shape
+    assert x_fp8.shape[-1] == k, f"x {tuple(x_fp8.shape)} does not match weight {tuple(w_fp8.shape)}"
+    assert k % 16 == 0, f"K={k} must be a multiple of 16 (16-byte rows)"
+    a = x_fp8.reshape(-1, k)
+    a_s = x_scale.reshape(-1, x_scale.shape[-1])
+    assert a_s.shape == (a.shape[0], cdiv(k, BLOCK)), f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}"
+    assert a_s.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32"
+    assert w_scale_inv.shape == scale_grid(n, k), \
+        f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
+    assert a.stride(-1) == 1 and a_s.stride(-1) == 1, "x and x_scale need a contiguous last dimension"
+    assert w_fp8.is_contiguous() and w_scale_inv.is_contiguous(), "weight and its scales must be contiguous"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype in (torch.bfloat16, torch.float32), f"bias {tuple(bias.shape)} {bias.dtype}"
+        assert bias.is_contiguous()
+    return a, a_s
+
+
 def fp8_gemm(
     x_fp8: torch.Tensor,
     x_scale: torch.Tensor,
@@ -192,24 +214,10 @@ def fp8_gemm(
     added in the epilogue of the Triton kernel and of the Gluon wide tiles (``residual_fused``), after the
     GEMM elsewhere (the skinny kernel, the Gluon 128 x 128 tile).
     """
-    assert x_fp8.dtype == FP8_DTYPE and w_fp8.dtype == FP8_DTYPE, f"fp8 operands expected, got {x_fp8.dtype}, {w_fp8.dtype}"
-    assert w_fp8.dim() == 2, f"weight must be [N, K], got {tuple(w_fp8.shape)}"
+    a, a_s = _checked(x_fp8, x_scale, w_fp8, w_scale_inv, bias)
     n, k = w_fp8.shape
-    assert x_fp8.shape[-1] == k, f"x {tuple(x_fp8.shape)} does not match weight {tuple(w_fp8.shape)}"
-    assert k % 16 == 0, f"K={k} must be a multiple of 16 (16-byte rows)"
     lead = x_fp8.shape[:-1]
-    a = x_fp8.reshape(-1, k)
     m = a.shape[0]
-    a_s = x_scale.reshape(-1, x_scale.shape[-1])
-    assert a_s.shape == (m, cdiv(k, BLOCK)), f"x_scale {tuple(x_scale.shape)} does not fit x {tuple(x_fp8.shape)}"
-    assert a_s.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32"
-    assert w_scale_inv.shape == scale_grid(n, k), \
-        f"w_scale_inv {tuple(w_scale_inv.shape)} does not fit weight {tuple(w_fp8.shape)}"
-    assert a.stride(-1) == 1 and a_s.stride(-1) == 1, "x and x_scale need a contiguous last dimension"
-    assert w_fp8.is_contiguous() and w_scale_inv.is_contiguous(), "weight and its scales must be contiguous"
-    if bias is not None:
-        assert bias.shape == (n,) and bias.dtype in (torch.bfloat16, torch.float32), f"bias {tuple(bias.shape)} {bias.dtype}"
-        assert bias.is_contiguous()
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
     else:
@@ -312,12 +320,12 @@ def fp8_gemm_q8(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
     assert x_fp8.dim() == 2 and q_cols % head_dim == 0, f"x {tuple(x_fp8.shape)}, q_cols {q_cols}, head_dim {head_dim}"
     heads = q_cols // head_dim
     if m and head_dim == fp8_gemm_ws.Q_HEAD and q8_in_epilogue(m, n, k, q_cols, cfg, _tma_ok(x_fp8, w_fp8, None, cfg)):
+        _checked(x_fp8, x_scale, w_fp8, w_scale_inv, bias)  # (fp8_gemm's rules: the other branch checks them there)
         tile = cfg.dense_tile(m, n, k, True)
         rest = torch.empty((m, n - q_cols), dtype=torch.bfloat16, device=x_fp8.device)
         q8 = torch.empty((m, heads, fp8_gemm_ws.Q_HEAD), dtype=FP8_DTYPE, device=x_fp8.device)
         qs = torch.empty((heads, cdiv(m, fp8_gemm_ws.Q_HEAD)), dtype=torch.float32, device=x_fp8.device)
-        assert x_scale.shape == (m, cdiv(k, BLOCK)) and x_scale.stride(-1) == 1, f"x_scale {tuple(x_scale.shape)}"
-        _ws_launch(x_fp8, x_scale, w_fp8.contiguous(), w_scale_inv.contiguous(), bias, rest, tile,
+        _ws_launch(x_fp8, x_scale, w_fp8, w_scale_inv, bias, rest, tile,
                    q_fp8=(q8.view(m, q_cols), qs, *rope))
         return q8, qs, rest
     y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale_inv, bias, config=cfg)
