@@ -375,6 +375,19 @@ def _f32_descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
+SMEM_MAX = 227 * 1024  # an sm_90 block's shared memory
+
+
+def window_smem(stages: int, q_stages: int, consumers: int, rope: bool, quant_out: bool) -> int:
+    """The kernel's shared memory in bytes: the K / V ring, the Q ring (two heads' tiles, the rope's cos / sin rows),
+    each consumer's two rotated Q tiles and two output tiles (e4m3 with quant_out, else bf16), and 1 KB for the
+    barriers and the allocations' alignment (at or above the compiler's figure)."""
+    tile = ROWS * HEAD_DIM * 2
+    cs = 2 * q_stages * ROWS * (HEAD_DIM // 2) * 4 if rope else 0  # (unused without: the compiler drops it)
+    out = 2 * consumers * ROWS * HEAD_DIM * (1 if quant_out else 2)
+    return 2 * stages * tile + 2 * q_stages * tile + cs + 2 * consumers * tile + out + 1024
+
+
 def window_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> bool:
     """Whether ``window_attention_prefill`` takes these operands: bf16, head_dim 64, query heads in pairs of one KV
     head, [H, D] contiguous per row with 16-byte aligned rows, 2 <= window, an sm_90 GPU."""
@@ -407,6 +420,9 @@ def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert not merge or window == 2 * BLOCK_N, f"merge: a window of {2 * BLOCK_N} keys (got {window})"
     # the ring holds a step's NB blocks, the next ones' new block, and the blocks the other consumers still read
     assert stages >= nb + consumers - 1, f"stages {stages} < {nb + consumers - 1} for window {window}"
+    smem = window_smem(stages, q_stages, consumers, rope is not None, quant_out)
+    assert smem <= SMEM_MAX, (f"window_attention_prefill: {smem} bytes of shared memory (stages {stages}, q_stages "
+                              f"{q_stages}, consumers {consumers}) > the SM's {SMEM_MAX}")
     if rope is not None:
         cos, sin = rope
         assert cos.shape == sin.shape and cos.shape[0] >= T and cos.shape[1] == d // 2, (cos.shape, sin.shape)
