@@ -514,7 +514,8 @@ def attention_prefill(
             and cfg.gluon and cfg.attention_gluon_window and on_gpu):
         from gptoss_fp8.kernels import attention_window_ws as aw
 
-        if aw.window_ok(q, k, v, window) and (not quant_out or D * 2 == ACT_GROUP):
+        if (aw.window_ok(q, k, v, window) and (not quant_out or D * 2 == ACT_GROUP)
+                and (rope is None or all(t.data_ptr() % 16 == 0 for t in rope))):  # (the tables by TMA too)
             return aw.window_attention_prefill(q, k, v, sinks, sm_scale, window, rope=rope, quant_out=quant_out)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
