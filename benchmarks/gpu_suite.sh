@@ -601,7 +601,7 @@ if has window-gluon; then
     tail -4 "$OUT/wg_tests.log"
   fi
   [[ ${WG_SWEEP_S:-120} == 0 ]] || timeout ${WG_SWEEP_S:-120} python3 benchmarks/window_sweep.py --tokens 32768,128000 \
-    --model-form --only "${WG_ONLY:-default,gluon r8 c2,gluon r8 c2 online,gluon r8 c2 q3,gluon r16 c2,gluon r8 c3}" \
+    --model-form --only "${WG_ONLY:-default,gluon r8 c2,gluon r8 c2 online,gluon r8 c2 q3,gluon r16 c2}" \
     2>&1 | grep -v Warn | tee "$OUT/wg_sweep.log"
   [[ ${WG_AB_S:-200} == 0 ]] || timeout ${WG_AB_S:-200} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
     --runs ${WG_RUNS32K:-7} --variants default,gluon-window --attention fp8 2>&1 | grep -v Warn | tee "$OUT/wg_ab32k.log"

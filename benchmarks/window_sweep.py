@@ -61,7 +61,6 @@ GLUON = {
     "gluon r8 c2 q3": dict(run=8, consumers=2, q_stages=3, stages=4),
     "gluon r4 c2": dict(run=4, consumers=2, q_stages=2, stages=4),
     "gluon r16 c2": dict(run=16, consumers=2, q_stages=2, stages=4),
-    "gluon r8 c3": dict(run=8, consumers=3, q_stages=2, stages=5),
     "gluon r8 c2 online": dict(run=8, consumers=2, q_stages=2, stages=4, merge=False),
 }
 

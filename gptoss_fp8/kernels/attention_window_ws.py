@@ -415,6 +415,10 @@ def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert window_ok(q, k, v, window), "window_attention_prefill: operands outside window_ok"
     assert k.shape[0] == v.shape[0] == T and sinks.numel() == hq, (tuple(k.shape), tuple(v.shape), sinks.shape)
     assert consumers in REGS and run >= 1, (consumers, run)
+    # a consumer waits for its step's Q stage by the phase's parity: the stage's previous step must have been loaded
+    # by then, which holds where each consumer's previous step is at least that recent (q_stages >= consumers); with
+    # fewer stages a consumer can pass a stage two loads behind and read another step's Q (measured: wrong rows)
+    assert q_stages >= consumers, f"q_stages {q_stages} < consumers {consumers}"
     nb = cdiv(window - 1, BLOCK_N) + 1
     merge = window == 2 * BLOCK_N if merge is None else merge
     assert not merge or window == 2 * BLOCK_N, f"merge: a window of {2 * BLOCK_N} keys (got {window})"
