@@ -306,8 +306,8 @@ class KernelConfig:
     # warp-specialized Gluon kernel (kernels/attention_window_ws.py: Q and the ring of key blocks by TMA, each block
     # loaded once a program, the rope and o_proj's quantization fused), not the Triton one (2.4-3x its bytes floor,
     # 0.48 ms a layer in the 20b at 32768 tokens on the H200). Built without a GPU in the forty-first session; on the
-    # H100 26 of its GPU tests pass (the rest were cut short by a test's launch beyond the shared memory, which the
-    # launcher now refuses; the model-form tests still to run) and it is not faster yet (0.483 against 0.461 ms at
+    # H100 its GPU tests pass against the spec (bf16 rows; the model's form: o_proj's input bit-equal to act_quant's;
+    # two option faults, refused now, their tests not rerun) and it is not faster yet (0.483 against 0.461 ms at
     # 32768, 1.745-1.804 against 1.751 at 128000; latency-bound, BENCHMARKS.md "The window layers"): opt-in
     # (gpu_suite.sh window-gluon)
     attention_gluon_window: bool = False
