@@ -7,16 +7,20 @@ kernel (kernels/rope.py ``rotate``'s FMAs, rounded to bf16, as the Triton kernel
 it writes o_proj's FP8 input (act_quant's 1 x 128 groups: a pair's two heads of a row) instead of the bf16 rows.
 
 Why: the Triton window kernel ran at 2.4-3x its bytes floor (each program's 5 key blocks of 32 too short a loop to
-hide a load's latency). Here a program owns a pair of query heads for RUN steps of 64 positions:
+hide a load's latency). Here a program owns a pair of query heads for RUN steps of 64 positions (on the H100 not
+faster yet: 0.483 against the Triton kernel's 0.461 ms at 32768 tokens, latency-bound too; BENCHMARKS.md "The window
+layers"; opt-in ``KernelConfig.attention_gluon_window``):
 - a 1-warp producer streams, by TMA, each step's two Q tiles (and the rope's cos / sin rows) through a ring of QS
   stages, and the K / V blocks of 64 keys through a ring of S stages, each block once: a step needs the blocks from
   its first query's oldest key to its diagonal (NB = ceil((W - 1) / 64) + 1), the next step all but the oldest
   again, so the ring holds them and loads one new block a step;
-- NC consumer warpgroups take the steps in turn (step s: warpgroup s % NC), both heads of the pair one after the
-  other: Q rotated into shared memory, then per key block QK^T, the masked online softmax in base 2 (running max
-  from the sink, as attention.py), PV; blocks before key 0 come from block 0 (finite) and are masked. A warpgroup
-  releases a key block once no later step of its own reads it; the producer reloads a stage once every consumer
-  has released it;
+- NC consumer warpgroups take the steps in turn (step s: warpgroup s % NC; QS >= NC, as a consumer waits for its Q
+  stage by the phase's parity), both heads of the pair one after the other: Q rotated into shared memory, then the
+  softmax in base 2 from the sink (as attention.py): for a 128-key window one exact pass over the row's 128 keys
+  (``_win_attend_merged``: the outer blocks' visible triangles merged into one tile), else the masked online softmax
+  over the blocks, QK^T(k) and PV(k - 1) in flight under block k's softmax; blocks before key 0 come from block 0
+  (finite) and are masked. A warpgroup releases a key block once no later step of its own reads it; the producer
+  reloads a stage once every consumer has released it;
 - epilogue: O / l, rounded to bf16; with ``quant_out`` the pair's 128-column group quantized in registers
   (act_quant's arithmetic: each row's max over both heads, max(amax, eps) / 448, the quotient, the e4m3 cast) and
   stored with its scale; else the bf16 rows. The tiles leave by TMA from the warpgroup's own two output buffers,
