@@ -58,6 +58,9 @@
 #   fp8-probe  the FP8 attention's options at small T under a poisoned allocator, the FP8 attention GPU tests,
 #            the FP8 options timed (issue 34)
 #   prefill-fp8  bench prefill --attention fp8: 20b at 32768 / 128000, 120b at 128000 (issue 34's must-shows)
+#   pending41  what the forty-first session left unrun (no H200 lent): the must-shows on the H200 (prefill-fp8's three
+#            readings, then a 7-run A/B reading at 32768), then the Gluon window kernel's fixed GPU tests (its model
+#            form at 32768, three consumers on a 3-deep Q ring). One call on an H200 (~450 s)
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
 #   window-gluon  the forty-first session's warp-specialized Gluon window kernel (KernelConfig.attention_gluon_window,
@@ -567,6 +570,15 @@ if has prefill-fp8; then
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
       ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
   done
+fi
+
+if has pending41; then
+  OUT="$OUT" PREFILL_FP8_SPECS="${P41_SPECS:-20b 32768,128000;120b 128000}" bash "$0" prefill-fp8
+  [[ ${P41_AB_S:-110} == 0 ]] || timeout ${P41_AB_S:-110} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
+    --runs 7 --variants default --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p41_ab32k.log"
+  [[ ${P41_TEST_S:-90} == 0 ]] || timeout -s INT ${P41_TEST_S:-90} python3 -m pytest -q -rf \
+    tests/kernels/test_attention_window_ws.py -k "model_form or shapes" > "$OUT/p41_tests.log" 2>&1
+  tail -4 "$OUT/p41_tests.log"
 fi
 
 if has window; then
