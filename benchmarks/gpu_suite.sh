@@ -60,7 +60,8 @@
 #   prefill-fp8  bench prefill --attention fp8: 20b at 32768 / 128000, 120b at 128000 (issue 34's must-shows)
 #   pending41  what the forty-first session left unrun (no H200 lent): the must-shows on the H200 (prefill-fp8's three
 #            readings, then a 7-run A/B reading at 32768), then the Gluon window kernel's fixed GPU tests (its model
-#            form at 32768, three consumers on a 3-deep Q ring). One call on an H200 (~450 s)
+#            form at 32768, three consumers on a 3-deep Q ring) and the Triton tiles' (PrefillTile.one_loop's). One
+#            call on an H200 (~500 s)
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
 #   window-gluon  the forty-first session's warp-specialized Gluon window kernel (KernelConfig.attention_gluon_window,
@@ -579,6 +580,10 @@ if has pending41; then
   [[ ${P41_TEST_S:-90} == 0 ]] || timeout -s INT ${P41_TEST_S:-90} python3 -m pytest -q -rf \
     tests/kernels/test_attention_window_ws.py -k "model_form or shapes" > "$OUT/p41_tests.log" 2>&1
   tail -4 "$OUT/p41_tests.log"
+  # the Triton prefill tiles' GPU tests, PrefillTile.one_loop's two among them (never run yet)
+  [[ ${P41_TILE_S:-90} == 0 ]] || timeout -s INT ${P41_TILE_S:-90} python3 -m pytest -q -rf -n 3 \
+    tests/kernels/test_attention.py -k "test_prefill_gpu" > "$OUT/p41_tiles.log" 2>&1
+  tail -4 "$OUT/p41_tiles.log"
 fi
 
 if has window; then
