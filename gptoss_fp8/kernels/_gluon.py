@@ -51,11 +51,12 @@ def supported(device: torch.device) -> bool:
 @functools.cache
 def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), {torch.float8_e4m3fn: gl.float8e4nv,
-                                                              torch.bfloat16: gl.bfloat16}[dtype])
+                                                              torch.bfloat16: gl.bfloat16,
+                                                              torch.float32: gl.float32}[dtype])
 
 
 def descriptor(t: torch.Tensor, block: list[int]):
-    """TMA descriptor over t (fp8 e4m3 or bf16) in blocks of ``block``, with the default NVMMA
+    """TMA descriptor over t (fp8 e4m3, bf16 or fp32) in blocks of ``block``, with the default NVMMA
     shared layout for that block. The layout is built once per (block, dtype): building it took
     ~10 us of host time per call (CPU box), three times per GEMM launch."""
     return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), t.dtype))

@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels.attention_ws import _rows2d
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
-        TensorDescriptor,
         descriptor,
         fence_async_shared,
         gl,
@@ -367,18 +367,6 @@ if HAS_GLUON:
             ], [4, 1], [REGS, 40])
 
 
-def _rows2d(t: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] with a contiguous [H, D] per row -> the [T, H * D] view (any row stride)."""
-    n, h, d = t.shape
-    return t.as_strided((n, h * d), (t.stride(0), 1))
-
-
-def _f32_descriptor(t: torch.Tensor, block: list[int]):
-    """TMA descriptor over an fp32 [n, 32] table (the rope's cos / sin) in blocks of ``block``."""
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
-    return TensorDescriptor.from_tensor(t, block, layout)
-
-
 SMEM_MAX = 227 * 1024  # an sm_90 block's shared memory
 
 
@@ -435,10 +423,10 @@ def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         cos, sin = rope
         assert cos.shape == sin.shape and cos.shape[0] >= T and cos.shape[1] == d // 2, (cos.shape, sin.shape)
         assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-        cs_desc = (_f32_descriptor(cos, [ROWS, d // 2]), _f32_descriptor(sin, [ROWS, d // 2]))
+        cs_desc = (descriptor(cos, [ROWS, d // 2]), descriptor(sin, [ROWS, d // 2]))
     else:
         dummy = torch.zeros((ROWS, d // 2), dtype=torch.float32, device=q.device)
-        cs_desc = (_f32_descriptor(dummy, [ROWS, d // 2]),) * 2
+        cs_desc = (descriptor(dummy, [ROWS, d // 2]),) * 2
     if quant_out:
         out = torch.empty((T, hq * d), dtype=FP8_DTYPE, device=q.device)
         scales = torch.empty((T, hq * d // ACT_GROUP), dtype=torch.float32, device=q.device)
