@@ -139,6 +139,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, prefill_window=replace(base.prefill_window, one_loop=True, num_stages=3))
     if name == "gluon-window":  # the window layers on the warp-specialized Gluon kernel (41st session, opt-in)
         return replace(base, attention_gluon_window=True)
+    if name == "gluon-window-pair":  # .. with a step's two heads interleaved in a consumer (42nd session, opt-in)
+        return replace(base, attention_gluon_window=True, attention_gluon_window_pair=True)
     if name == "q-gemm":  # the full layers' q / k / v GEMM rotates and quantizes Q in its epilogue (40th session)
         return replace(base, gemm_q_quant=True)
     if name == "narrow":  # the 128 x 256 tiles' last column tile as m64n64 products (o_proj, MoE down; 39th session)

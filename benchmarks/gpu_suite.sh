@@ -65,8 +65,9 @@
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
 #   window-gluon  the forty-first session's warp-specialized Gluon window kernel (KernelConfig.attention_gluon_window,
-#            built without a GPU): its GPU tests, the kernel beside the Triton tiles (window_sweep.py --model-form), the
-#            20b beside the default, same process, 32768 / 128000
+#            built without a GPU; the 42nd's pair option: a step's two heads interleaved): its GPU tests, the kernel
+#            beside the Triton tiles (window_sweep.py --model-form, WG_ONLY), the 20b beside the default, same process,
+#            32768 / 128000 (WG_VARIANTS)
 #   attention-ncu  Nsight Compute on one launch of the Gluon attention per variant (NCU_VARIANTS)
 #   attn-trace  the FP8 attention's steps timed phase by phase from the SM clock (benchmarks/attn_trace.py;
 #            TRACE_VARIANTS: ';'-separated keyword sets, '' the default; TRACE_TOKENS)
@@ -618,12 +619,14 @@ if has window-gluon; then
     tail -4 "$OUT/wg_tests.log"
   fi
   [[ ${WG_SWEEP_S:-120} == 0 ]] || timeout ${WG_SWEEP_S:-120} python3 benchmarks/window_sweep.py --tokens 32768,128000 \
-    --model-form --only "${WG_ONLY:-default,gluon r8 c2,gluon r8 c2 online,gluon r8 c2 q3,gluon r16 c2}" \
+    --model-form --only "${WG_ONLY:-default,gluon r8 c2,gluon r8 c2 pair,gluon r16 c2 pair,gluon r16 c2}" \
     2>&1 | grep -v Warn | tee "$OUT/wg_sweep.log"
   [[ ${WG_AB_S:-200} == 0 ]] || timeout ${WG_AB_S:-200} python3 benchmarks/ab_prefill.py --model 20b --tokens 32768 \
-    --runs ${WG_RUNS32K:-7} --variants default,gluon-window --attention fp8 2>&1 | grep -v Warn | tee "$OUT/wg_ab32k.log"
+    --runs ${WG_RUNS32K:-7} --variants ${WG_VARIANTS:-default,gluon-window,gluon-window-pair} --attention fp8 2>&1 \
+    | grep -v Warn | tee "$OUT/wg_ab32k.log"
   [[ ${WG_AB128K_S:-0} == 0 ]] || timeout ${WG_AB128K_S} python3 benchmarks/ab_prefill.py --model 20b \
-    --tokens 128000 --runs 3 --variants default,gluon-window --attention fp8 2>&1 | grep -v Warn | tee "$OUT/wg_ab128k.log"
+    --tokens 128000 --runs 3 --variants ${WG_VARIANTS:-default,gluon-window,gluon-window-pair} --attention fp8 2>&1 \
+    | grep -v Warn | tee "$OUT/wg_ab128k.log"
 fi
 
 if has attention-ncu; then

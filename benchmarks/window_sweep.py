@@ -62,6 +62,8 @@ GLUON = {
     "gluon r4 c2": dict(run=4, consumers=2, q_stages=2, stages=4),
     "gluon r16 c2": dict(run=16, consumers=2, q_stages=2, stages=4),
     "gluon r8 c2 online": dict(run=8, consumers=2, q_stages=2, stages=4, merge=False),
+    "gluon r8 c2 pair": dict(run=8, consumers=2, q_stages=2, stages=4, pair=True),  # 42nd: the two heads interleaved
+    "gluon r16 c2 pair": dict(run=16, consumers=2, q_stages=2, stages=4, pair=True),
 }
 
 

@@ -516,7 +516,8 @@ def attention_prefill(
 
         if (aw.window_ok(q, k, v, window) and (not quant_out or D * 2 == ACT_GROUP)
                 and (rope is None or all(t.data_ptr() % 16 == 0 for t in rope))):  # (the tables by TMA too)
-            return aw.window_attention_prefill(q, k, v, sinks, sm_scale, window, rope=rope, quant_out=quant_out)
+            return aw.window_attention_prefill(q, k, v, sinks, sm_scale, window, rope=rope, quant_out=quant_out,
+                                               pair=cfg.attention_gluon_window_pair and window == 2 * aw.BLOCK_N)
     g = cfg.attention_gluon_tile
     if (tile is None and not fp8 and segments and cfg.attention_gluon_segments and not g.ordered
             and _ws_ok(q, k, v, False, window, rope, cfg)):

@@ -124,6 +124,34 @@ if HAS_GLUON:
         return (acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)).to(gl.bfloat16)
 
     @gluon.jit
+    def _win_merged_masks(p, R: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
+        """The merged tile's triangle (key c of the oldest block visible to row r iff c > r) and the two outer
+        blocks' biases (-inf for a block wholly before key 0; steps are 64-aligned)."""
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # the rows through an opaque move: the triangle is the same at every step, and the compiler would hoist its
+        # 32 predicates a thread out of the step loop (into spills)
+        r = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [gl.arange(0, R, layout=row_layout) + p * 0],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        upper = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout)), 0) > gl.expand_dims(r, 1)
+        bias0 = gl.where(p >= 2 * BN, 0.0, float("-inf"))  # block 0 wholly before key 0
+        bias1 = gl.where(p >= BN, 0.0, float("-inf"))
+        return upper, bias0, bias1
+
+    @gluon.jit
+    def _win_merged_probs(sm, m1, s1, upper, sink, p_layout: gl.constexpr):
+        """The one-pass softmax of ``_win_attend_merged`` from the scaled scores (s1: block 1's; sm: the merged
+        outer blocks'; m1 block 1's row max): P for the three PV products in bf16 (block 1's, the oldest block's
+        triangle, the diagonal block's), and the row sum l from the sink."""
+        m = gl.maximum(gl.maximum(m1, gl.max(sm, 1)), sink)
+        p1 = gl.exp2(s1 - gl.expand_dims(m, 1))
+        pm = gl.exp2(sm - gl.expand_dims(m, 1))
+        l_i = gl.exp2(sink - m) + gl.sum(p1, 1) + gl.sum(pm, 1)
+        x1 = gl.convert_layout(p1.to(gl.bfloat16), p_layout)
+        xu = gl.convert_layout(gl.where(upper, pm, 0.0).to(gl.bfloat16), p_layout)
+        xl = gl.convert_layout(gl.where(upper, 0.0, pm).to(gl.bfloat16), p_layout)
+        return x1, xu, xl, l_i
+
+    @gluon.jit
     def _win_attend_merged(qrot, k_bufs, v_bufs, s, p, sink, qk_scale):
         """``_win_attend`` for a window of two key blocks (W = 128: NB = 3), in one pass. Query p + r sees key
         p - 128 + c of block 0 iff c > r and key p + c of block 2 iff c <= r: the two blocks' visible scores fill one
@@ -138,37 +166,82 @@ if HAS_GLUON:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         zero_s = gl.zeros([R, BN], gl.float32, s_layout)
         t1 = warpgroup_mma(qrot, k_bufs.index((s + 1) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         t0 = warpgroup_mma(qrot, k_bufs.index(s % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         t2 = warpgroup_mma(qrot, k_bufs.index((s + 2) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        # the rows through an opaque move: the triangle is the same at every step, and the compiler would hoist its
-        # 32 predicates a thread out of the step loop (into spills)
-        r = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [gl.arange(0, R, layout=row_layout) + p * 0],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-        upper = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout)), 0) > gl.expand_dims(r, 1)
-        bias0 = gl.where(p >= 2 * BN, 0.0, float("-inf"))  # block 0 wholly before key 0
-        bias1 = gl.where(p >= BN, 0.0, float("-inf"))
+        upper, bias0, bias1 = _win_merged_masks(p, R, BN, s_layout)
         s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
         s1 = s1 * qk_scale + bias1
         m1 = gl.max(s1, 1)
         s0, s2 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t2))
         sm = gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
-        m = gl.maximum(gl.maximum(m1, gl.max(sm, 1)), sink)
-        p1 = gl.exp2(s1 - gl.expand_dims(m, 1))
-        pm = gl.exp2(sm - gl.expand_dims(m, 1))
-        l_i = gl.exp2(sink - m) + gl.sum(p1, 1) + gl.sum(pm, 1)
+        x1, xu, xl, l_i = _win_merged_probs(sm, m1, s1, upper, sink, p_layout)
         zero_o = gl.zeros([R, D], gl.float32, o_layout)
-        acc = warpgroup_mma(gl.convert_layout(p1.to(gl.bfloat16), p_layout), v_bufs.index((s + 1) % S), zero_o,
-                            use_acc=False, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(gl.where(upper, pm, 0.0).to(gl.bfloat16), p_layout),
-                            v_bufs.index(s % S), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(gl.where(upper, 0.0, pm).to(gl.bfloat16), p_layout),
-                            v_bufs.index((s + 2) % S), acc, is_async=True)
+        acc = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
+        acc = warpgroup_mma(xu, v_bufs.index(s % S), acc, is_async=True)
+        acc = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return (acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)).to(gl.bfloat16)
+
+    @gluon.jit
+    def _win_attend_merged_pair(q0, q1, q1_src, c, sn, q_free, k_bufs, v_bufs, s, p, sink0, sink1, qk_scale,
+                                ROPE: gl.constexpr):
+        """``_win_attend_merged`` for both heads of the step, their chains interleaved: head 1's Q is rotated
+        (q1_src into q1) under head 0's QK^T, then the step's Q stage released (q_free); head 1's QK^T is issued
+        before head 0's PV (wgmma groups complete in order), so head 1's softmax runs under head 0's PV and head 0's
+        epilogue under head 1's PV. Same arithmetic per head as ``_win_attend_merged`` (same bytes). The caller has
+        rotated head 0's Q into q0."""
+        S: gl.constexpr = k_bufs.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        R: gl.constexpr = q0.type.shape[0]
+        D: gl.constexpr = q0.type.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        zero_s = gl.zeros([R, BN], gl.float32, s_layout)
+        zero_o = gl.zeros([R, D], gl.float32, o_layout)
+        k0 = k_bufs.index(s % S).permute((1, 0))
+        k1 = k_bufs.index((s + 1) % S).permute((1, 0))
+        k2 = k_bufs.index((s + 2) % S).permute((1, 0))
+        t1 = warpgroup_mma(q0, k1, zero_s, use_acc=False, is_async=True)
+        t0 = warpgroup_mma(q0, k0, zero_s, use_acc=False, is_async=True)
+        t2 = warpgroup_mma(q0, k2, zero_s, use_acc=False, is_async=True)
+        _win_rotate(q1_src, q1, c, sn, ROPE)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(q_free, count=1)  # (every thread's reads of the stage are behind the barrier)
+        upper, bias0, bias1 = _win_merged_masks(p, R, BN, s_layout)
+        s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
+        s1 = s1 * qk_scale + bias1
+        m1 = gl.max(s1, 1)
+        s0, s2 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t2))
+        sm = gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
+        x1, xu, xl, l0 = _win_merged_probs(sm, m1, s1, upper, sink0, p_layout)
+        # head 1's scores first, then head 0's PV: waiting for the former leaves the latter in flight. Its first
+        # product accumulates onto zeros made from head 0's row sums (0 * l0), so ptxas cannot hoist it (and its 32
+        # accumulator registers a thread) into head 0's softmax, where it spilled the exponentials
+        u1 = warpgroup_mma(q1, k1, zero_s + gl.expand_dims(l0 * 0.0, 1), is_async=True)
+        u0 = warpgroup_mma(q1, k0, zero_s, use_acc=False, is_async=True)
+        u2 = warpgroup_mma(q1, k2, zero_s, use_acc=False, is_async=True)
+        acc0 = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
+        acc0 = warpgroup_mma(xu, v_bufs.index(s % S), acc0, is_async=True)
+        acc0 = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc0, is_async=True)
+        s1 = warpgroup_mma_wait(num_outstanding=5, deps=(u1,))
+        s1 = s1 * qk_scale + bias1
+        m1 = gl.max(s1, 1)
+        s0, s2 = warpgroup_mma_wait(num_outstanding=3, deps=(u0, u2))
+        sm = gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
+        x1, xu, xl, l1 = _win_merged_probs(sm, m1, s1, upper, sink1, p_layout)
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+        acc1 = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
+        acc1 = warpgroup_mma(xu, v_bufs.index(s % S), acc1, is_async=True)
+        acc1 = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc1, is_async=True)
+        y0 = (acc0 / gl.expand_dims(gl.convert_layout(l0, orow_layout), 1)).to(gl.bfloat16)
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+        return y0, (acc1 / gl.expand_dims(gl.convert_layout(l1, orow_layout), 1)).to(gl.bfloat16)
 
     @gluon.jit
     def _win_release(kready, kempty, lo, hi):
@@ -183,7 +256,7 @@ if HAS_GLUON:
                      v_bufs, qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window,
                      qk_scale, GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr,
                      ROPE: gl.constexpr, QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr):
+                     MERGE: gl.constexpr, PAIR: gl.constexpr):
         """Consumer warpgroup W: steps W, W + NC, .. of the program's run, both heads of its pair each."""
         QS: gl.constexpr = qready.type.shape[0]
         S: gl.constexpr = k_bufs.type.shape[0]
@@ -213,16 +286,22 @@ if HAS_GLUON:
                 c = 0.0
                 sn = 0.0
             _win_rotate(q_bufs.index(2 * qs), q0, c, sn, ROPE)
-            _win_rotate(q_bufs.index(2 * qs + 1), q1, c, sn, ROPE)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(qempty.index(qs), count=1)  # (every thread's reads of the stage are behind the barrier)
-            if MERGE:
-                y0 = _win_attend_merged(q0, k_bufs, v_bufs, s, p, sink0, qk_scale)
-                y1 = _win_attend_merged(q1, k_bufs, v_bufs, s, p, sink1, qk_scale)
+            if PAIR:  # (head 1's Q rotated under head 0's QK^T)
+                fence_async_shared()
+                gl.thread_barrier()
+                y0, y1 = _win_attend_merged_pair(q0, q1, q_bufs.index(2 * qs + 1), c, sn, qempty.index(qs), k_bufs,
+                                                 v_bufs, s, p, sink0, sink1, qk_scale, ROPE)
             else:
-                y0 = _win_attend(q0, k_bufs, v_bufs, s, p, sink0, window, qk_scale, NB)
-                y1 = _win_attend(q1, k_bufs, v_bufs, s, p, sink1, window, qk_scale, NB)
+                _win_rotate(q_bufs.index(2 * qs + 1), q1, c, sn, ROPE)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(qempty.index(qs), count=1)  # (every thread's reads of the stage are behind the barrier)
+                if MERGE:
+                    y0 = _win_attend_merged(q0, k_bufs, v_bufs, s, p, sink0, qk_scale)
+                    y1 = _win_attend_merged(q1, k_bufs, v_bufs, s, p, sink1, qk_scale)
+                else:
+                    y0 = _win_attend(q0, k_bufs, v_bufs, s, p, sink0, window, qk_scale, NB)
+                    y1 = _win_attend(q1, k_bufs, v_bufs, s, p, sink1, window, qk_scale, NB)
             _win_release(kready, kempty, s, gl.minimum(s + NC, n_loaded))  # no later step of W reads them
 
             # the output tiles leave by TMA (rows past T are not written) from this warpgroup's two buffers, once
@@ -256,27 +335,27 @@ if HAS_GLUON:
                       qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                       GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                       QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr):
+                     MERGE: gl.constexpr, PAIR: gl.constexpr):
         _win_consume(1, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
-                     RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)
+                     RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)
 
     @gluon.jit
     def _win_consume2(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                       qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                       GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                       QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr):
+                     MERGE: gl.constexpr, PAIR: gl.constexpr):
         _win_consume(2, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
-                     RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)
+                     RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)
 
     @gluon.jit
     def _win_produce(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                      GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                      QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr):
+                     MERGE: gl.constexpr, PAIR: gl.constexpr):
         """The producer warp: K / V blocks 0 .. NB - 2 (those before step 0's diagonal), then per step its two Q
         tiles (+ cos / sin) and the key block of its diagonal. Block i holds keys (p0 / 64 - NB + 1 + i) * 64 ..;
         before key 0, block 0's (finite; the consumers mask them)."""
@@ -314,7 +393,8 @@ if HAS_GLUON:
     def _window_kernel(q_desc, k_desc, v_desc, cos_desc, sin_desc, sinks_ptr, o_desc, os_ptr, stride_os, T,
                        window, qk_scale, GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, QS: gl.constexpr,
                        STAGES: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr, QUANT: gl.constexpr,
-                       REGS: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, MERGE: gl.constexpr = False):
+                       REGS: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, MERGE: gl.constexpr = False,
+                       PAIR: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -342,28 +422,28 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
                 (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                  qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
                 (_win_consume2, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                  qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
                 (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
             ], [4, 4, 1], [REGS, REGS, 40])
         else:
             gl.warp_specialize([
                 (_win_consume, (0, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
                 (_win_consume1, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                  qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                 window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
                 (_win_produce, (q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs,
                                 qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T,
-                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE)),
+                                window, qk_scale, GROUP, RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)),
             ], [4, 1], [REGS, 40])
 
 
@@ -395,13 +475,14 @@ def window_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) ->
 def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                              sm_scale: float, window: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                              quant_out: bool = False, run: int = 8, q_stages: int = 2, stages: int = 4,
-                             consumers: int = 2, merge: bool | None = None):
+                             consumers: int = 2, merge: bool | None = None, pair: bool = False):
     """Sliding-window attention with sinks, one sequence from position 0: q [T, Hq, 64], k / v [T, Hkv, 64] bf16
     (views of one projection's rows allowed: ``window_ok``), keys i - window < j <= i visible to query i.
     rope = (cos, sin) fp32 [>= T, 32]: q not yet rotated (k is). Returns out [T, Hq, 64] bf16, or with quant_out
     o_proj's FP8 input (e4m3 [T, Hq * 64], fp32 scales [T, Hq * 64 / 128]: act_quant's of those rows).
     run: steps of 64 positions a program; q_stages / stages: the Q and K / V rings; consumers: warpgroups (2, 3);
-    merge (window 128 only; None: there): ``_win_attend_merged``'s one-pass softmax over the row's 128 keys."""
+    merge (window 128 only; None: there): ``_win_attend_merged``'s one-pass softmax over the row's 128 keys;
+    pair (with merge): a step's two heads interleaved (``_win_attend_merged_pair``: head 1's softmax under head 0's PV)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert window_ok(q, k, v, window), "window_attention_prefill: operands outside window_ok"
@@ -414,6 +495,7 @@ def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     nb = cdiv(window - 1, BLOCK_N) + 1
     merge = window == 2 * BLOCK_N if merge is None else merge
     assert not merge or window == 2 * BLOCK_N, f"merge: a window of {2 * BLOCK_N} keys (got {window})"
+    assert merge or not pair, "pair: the merged one-pass softmax (a window of 128 keys) only"
     # the ring holds a step's NB blocks, the next ones' new block, and the blocks the other consumers still read
     assert stages >= nb + consumers - 1, f"stages {stages} < {nb + consumers - 1} for window {window}"
     smem = window_smem(stages, q_stages, consumers, rope is not None, quant_out)
@@ -440,6 +522,7 @@ def window_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         *cs_desc, sinks, descriptor(out if quant_out else _rows2d(out), [ROWS, d]), scales, stride_os, T, window,
         sm_scale * LOG2E,
         GROUP=hq // hkv, RUN=run, NB=nb, QS=q_stages, STAGES=stages, NC=consumers, ROPE=rope is not None,
-        QUANT=quant_out, REGS=REGS[consumers], FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, MERGE=merge, num_warps=4,
+        QUANT=quant_out, REGS=REGS[consumers], FP8_MAX_C=FP8_MAX, EPS=ACT_EPS, MERGE=merge, PAIR=pair,
+        num_warps=4,
     )
     return (out, scales) if quant_out else out

@@ -311,6 +311,10 @@ class KernelConfig:
     # 32768, 1.745-1.804 against 1.751 at 128000; latency-bound, BENCHMARKS.md "The window layers"): opt-in
     # (gpu_suite.sh window-gluon)
     attention_gluon_window: bool = False
+    # With it, a step's two heads interleaved in each consumer warpgroup (``window_attention_prefill(pair=True)``:
+    # head 1's rotation under head 0's QK^T, its softmax under head 0's PV; the same bytes). Forty-second session,
+    # built without a GPU first: fewer spills than the heads one after the other (48 against 160 bytes)
+    attention_gluon_window_pair: bool = False
     # o_proj's GEMM adds the residual stream in its epilogue (``fp8_gemm(residual=)``, ``TritonOps.linear_add``): the
     # post-attention norm then reads the new stream alone, not the stream and o_proj's delta, and writes no new
     # stream: one [T, H] bf16 write and read fewer a layer (~189 MB at 32768 tokens; the skip probe's norms ran at
