@@ -62,6 +62,9 @@
 #            readings, then a 7-run A/B reading at 32768), then the Gluon window kernel's fixed GPU tests (its model
 #            form at 32768, three consumers on a 3-deep Q ring) and the Triton tiles' (PrefillTile.one_loop's). One
 #            call on an H200 (~500 s)
+#   pending42  the forty-second session's checks: (P42_MUST=1, on an H200: pending41's must-shows) the GPU tests of the
+#            quantizers without their clamp and of the Gluon window kernel's pair option, then window-gluon's sweep
+#            and 20b A/B (default, gluon-window, gluon-window-pair)
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
 #   window-gluon  the forty-first session's warp-specialized Gluon window kernel (KernelConfig.attention_gluon_window,
@@ -572,6 +575,23 @@ if has prefill-fp8; then
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
       ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
   done
+fi
+
+if has pending42; then
+  # the forty-second session: on an H200 the must-shows first (pending41's, P42_MUST=1 there); then the GPU tests of
+  # the quantizers whose clamp went (e4m3_saturated: act_quant, the norm, attn_quant, the window layers' quant_out,
+  # the MoE's Gluon epilogues) and of the Gluon window kernel (pair: a step's two heads interleaved); then the
+  # window kernels side by side and the 20b with each (window-gluon's sweep and A/B)
+  if [[ ${P42_MUST:-0} == 1 ]]; then
+    OUT="$OUT" P41_TEST_S=0 P41_TILE_S=0 bash "$0" pending41
+  fi
+  if [[ ${P42_TEST_S:-150} != 0 ]]; then
+    timeout -s INT ${P42_TEST_S:-150} python3 -m pytest -q -rf -n 3 -m gpu tests/kernels/test_act_quant.py \
+      tests/kernels/test_norm.py tests/kernels/test_attn_quant.py tests/kernels/test_attention_quant_out.py \
+      tests/kernels/test_attention_window_ws.py tests/kernels/test_moe.py > "$OUT/p42_tests.log" 2>&1
+    tail -6 "$OUT/p42_tests.log"
+  fi
+  OUT="$OUT" WG_TEST_S=0 WG_AB128K_S=0 bash "$0" window-gluon
 fi
 
 if has pending41; then

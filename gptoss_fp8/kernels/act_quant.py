@@ -53,6 +53,20 @@ def e4m3(q):
 
 
 @triton.jit
+def e4m3_saturated(q, FP8_MAX_C: tl.constexpr):
+    """fp32 values -> their e4m3 values (``e4m3``), saturated at +-FP8_MAX_C. Where FP8_MAX_C is e4m3's own largest
+    value (448) the GPU's cast saturates by itself (cvt.rn.satfinite: the same bytes as clamping first for every
+    non-NaN value; a NaN stays NaN, as torch's cast of the reference's quotient, where the clamp made it -448), so
+    only the interpreter's ``round_to_e4m3`` and a smaller bound get the clamp: two FMNMX a value fewer on the GPU
+    (forty-second session)."""
+    if SOFT_E4M3:
+        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    elif FP8_MAX_C != 448.0:
+        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    return e4m3(q)
+
+
+@triton.jit
 def round_to_e4m3(q):
     """Round fp32 values already clamped to [-448, 448] to the nearest e4m3 value (ties to even).
 
@@ -79,10 +93,9 @@ def group_scale(amax, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def quantize_with_scale(x, scale, FP8_MAX_C: tl.constexpr):
-    """x [BLOCK_M, G] fp32, scale [BLOCK_M] -> e4m3 values rne(x / scale) saturated (``e4m3``: for a store)."""
-    q = x / scale[:, None]
-    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-    return e4m3(q)
+    """x [BLOCK_M, G] fp32, scale [BLOCK_M] -> e4m3 values rne(x / scale) saturated (``e4m3_saturated``: for a
+    store)."""
+    return e4m3_saturated(x / scale[:, None], FP8_MAX_C)
 
 
 @triton.jit

@@ -316,8 +316,10 @@ if HAS_GLUON:
                 amax = gl.maximum(gl.max(gl.abs(a), 1), gl.max(gl.abs(b), 1))
                 scale = gl.maximum(amax, EPS) / FP8_MAX_C
                 sc2 = gl.expand_dims(scale, 1)
-                o0.store(gl.minimum(gl.maximum(a / sc2, -FP8_MAX_C), FP8_MAX_C).to(gl.float8e4nv))
-                o1.store(gl.minimum(gl.maximum(b / sc2, -FP8_MAX_C), FP8_MAX_C).to(gl.float8e4nv))
+                # (no clamp to +-448 before the cast: the cast is cvt.rn.satfinite, which saturates there itself, so
+                # the bytes are act_quant's for every non-NaN row; 128 FMNMX a thread a step fewer)
+                o0.store((a / sc2).to(gl.float8e4nv))
+                o1.store((b / sc2).to(gl.float8e4nv))
                 orows = p + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
                 gl.store(os_ptr + orows.to(gl.int64) * stride_os + hp, scale, mask=orows < T)
             else:

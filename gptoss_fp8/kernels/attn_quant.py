@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from gptoss_fp8.kernels import device_ints
-from gptoss_fp8.kernels.act_quant import SOFT_E4M3, e4m3, group_scale
+from gptoss_fp8.kernels.act_quant import SOFT_E4M3, e4m3_saturated, group_scale
 from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant.attn_fp8 import QK_BLOCK
 from gptoss_fp8.quant.fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
@@ -55,7 +55,7 @@ V_BLOCK_T = 64  # keys per program of V's quantization (a multiple of KEY_BLOCK)
 def _e4m3_saturated(q, FP8_MAX_C: tl.constexpr):
     """fp32 quotients -> their e4m3 values (RNE, saturated at +-FP8_MAX_C), -0 kept (act_quant.e4m3: on the GPU
     the hardware cast, which keeps it; in the interpreter fp32 values, the sign put back)."""
-    r = e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C))
+    r = e4m3_saturated(q, FP8_MAX_C)
     if SOFT_E4M3:
         # round_to_e4m3's subnormal path returns +0 for a tiny negative; torch's cast gives -0 (0x80)
         sign = q.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 == 0x80000000 as int32

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_fp8.kernels.act_quant import e4m3, group_scale
+from gptoss_fp8.kernels.act_quant import e4m3_saturated, group_scale
 from gptoss_fp8.kernels.pdl import launch_kwargs, pdl_wait
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
 
@@ -69,8 +69,7 @@ def add_rms_norm_rows(
         NG: tl.constexpr = BLOCK_H // GROUP
         yg = tl.reshape(y.to(tl.float32), (BLOCK_M, NG, GROUP))
         scale = group_scale(tl.max(tl.abs(yg), axis=2), FP8_MAX_C, EPS)  # [BLOCK_M, NG]
-        qg = tl.minimum(tl.maximum(yg / scale[:, :, None], -FP8_MAX_C), FP8_MAX_C)
-        q = tl.reshape(e4m3(qg), (BLOCK_M, BLOCK_H))
+        q = tl.reshape(e4m3_saturated(yg / scale[:, :, None], FP8_MAX_C), (BLOCK_M, BLOCK_H))
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         g = tl.arange(0, NG)
         tl.store(s_ptr + rows[:, None] * stride_s + g[None, :], scale,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_fp8.kernels.act_quant import act_quant, act_quant_reference, e4m3, round_to_e4m3
+from gptoss_fp8.kernels.act_quant import act_quant, act_quant_reference, e4m3, e4m3_saturated, round_to_e4m3
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,11 +71,13 @@ def test_act_quant_gpu(shape):
 
 
 @triton.jit
-def _both_roundings(x_ptr, hw_ptr, sw_ptr, n, BLOCK: tl.constexpr):
+def _both_roundings(x_ptr, hw_ptr, sw_ptr, sat_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.minimum(tl.maximum(tl.load(x_ptr + i, mask=i < n, other=0.0), -448.0), 448.0)
+    raw = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    x = tl.minimum(tl.maximum(raw, -448.0), 448.0)
     tl.store(hw_ptr + i, e4m3(x).to(tl.float8e4nv), mask=i < n)
     tl.store(sw_ptr + i, round_to_e4m3(x), mask=i < n)
+    tl.store(sat_ptr + i, e4m3_saturated(raw, 448.0).to(tl.float8e4nv), mask=i < n)  # (no clamp on the GPU)
 
 
 def _e4m3_sweep() -> torch.Tensor:
@@ -87,7 +89,8 @@ def _e4m3_sweep() -> torch.Tensor:
     near = torch.cat([mid, torch.nextafter(mid, torch.tensor(float("inf"))), torch.nextafter(mid, torch.tensor(-float("inf")))])
     g = torch.Generator().manual_seed(34)
     rnd = torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-14, 10, (1 << 20,), generator=g).float())
-    return torch.cat([v, near, rnd, torch.tensor([500.0, -1e6, 1e-30, -1e-30, 0.0, -0.0])])
+    return torch.cat([v, near, rnd, torch.tensor([500.0, -1e6, 1e-30, -1e-30, 0.0, -0.0, 448.5, 463.9, 464.0,
+                                                   -470.0, float("inf"), -float("inf")])])
 
 
 @pytest.mark.gpu
@@ -95,12 +98,16 @@ def test_e4m3_cast_gpu():
     """``e4m3`` on the GPU (the hardware cast, cvt.rn.satfinite) rounds every value of the sweep as torch's cast of
     the clamped value does, bytes and all (a negative rounding to zero gives -0, 0x80), and as ``round_to_e4m3``
     (the interpreter's rounding, integer arithmetic) does, values equal (its zeros are +0): the two ways the
-    quantizing kernels round (act_quant, the norm, attn_quant, the MoE's) agree."""
+    quantizing kernels round (act_quant, the norm, attn_quant, the MoE's) agree. And ``e4m3_saturated`` of the
+    values unclamped (the cast saturating by itself, values past 448 and infinities included) gives the same bytes
+    as the cast of the clamped values."""
     x = _e4m3_sweep().cuda()
     hw = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    sat = torch.empty_like(hw)
     sw = torch.empty_like(x)
-    _both_roundings[(triton.cdiv(x.numel(), 1024),)](x, hw, sw, x.numel(), BLOCK=1024)
+    _both_roundings[(triton.cdiv(x.numel(), 1024),)](x, hw, sw, sat, x.numel(), BLOCK=1024)
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(hw.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(sat.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(sw, want.float())  # (+0 == -0)
     assert (want.view(torch.uint8) == 0x80).any() and (want.float().abs() == 448).any()  # the sweep reaches both
