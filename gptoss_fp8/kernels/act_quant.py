@@ -66,6 +66,21 @@ def e4m3_saturated(q, FP8_MAX_C: tl.constexpr):
     return e4m3(q)
 
 
+# two fp32 values ($2, $3) -> the same rounded to bf16, in fp32 ($0, $1): one packed cvt, two bit moves
+BF16_ROUND_ASM = tl.constexpr("{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }")
+
+
+@triton.jit
+def bf16_round(x):
+    """fp32 values rounded to bf16 (RNE) and kept in fp32, as ``x.to(bfloat16).to(float32)``: on the GPU one packed
+    cvt.rn.bf16x2.f32 and two bit moves for two values, where the compiler makes that pair of casts one unpacked F2F a
+    value on the XU pipe (the quarter-rate one an attention's exponentials need; forty-second session)."""
+    if INTERPRETED:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return tl.inline_asm_elementwise(BF16_ROUND_ASM, "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+
+
 @triton.jit
 def round_to_e4m3(q):
     """Round fp32 values already clamped to [-448, 448] to the nearest e4m3 value (ties to even).

@@ -73,7 +73,7 @@ import triton.language as tl
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.kernels import attn_quant
-from gptoss_fp8.kernels.act_quant import act_quant, e4m3_saturated, group_scale
+from gptoss_fp8.kernels.act_quant import act_quant, bf16_round, e4m3_saturated, group_scale
 from gptoss_fp8.kernels.config import DEFAULT, KernelConfig, PrefillTile
 from gptoss_fp8.kernels.rope import rotate
 from gptoss_fp8.quant import attn_fp8
@@ -377,7 +377,10 @@ def _attn_prefill_kernel(
         # the group's over its GH rows (only [BLOCK_M] vectors reshaped, not the tile)
         GH: tl.constexpr = 128 // HEAD_DIM
         NG: tl.constexpr = PACK // GH
-        y = out.to(Out.dtype.element_ty).to(tl.float32)
+        if Out.dtype.element_ty == tl.bfloat16:
+            y = bf16_round(out)  # (the same values, no F2F a value on the XU pipe)
+        else:
+            y = out.to(Out.dtype.element_ty).to(tl.float32)
         scale = group_scale(tl.max(tl.reshape(tl.max(tl.abs(y), axis=1), (NG, GH, QB)), axis=1), FP8_MAX_C, EPS)
         row_scale = tl.reshape(tl.broadcast_to(tl.expand_dims(scale, 1), (NG, GH, QB)), (BLOCK_M,))
         q8 = e4m3_saturated(y / row_scale[:, None], FP8_MAX_C)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
+from gptoss_fp8.kernels.act_quant import BF16_ROUND_ASM
 from gptoss_fp8.kernels.attention_ws import _rows2d
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
@@ -73,6 +74,13 @@ if HAS_GLUON:
         qrot.slice(HALF, HALF, dim=1).store(x2.to(gl.bfloat16))
 
     @gluon.jit
+    def _bf16_round(x):
+        """fp32 values rounded to bf16 (RNE) and kept in fp32, as ``x.to(bfloat16).to(float32)``: one packed
+        cvt.rn.bf16x2.f32 and two bit moves for two values, where the compiler makes that pair of casts one unpacked
+        F2F a value on the XU pipe (the quarter-rate one the exponentials need)."""
+        return gl.inline_asm_elementwise(BF16_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+
+    @gluon.jit
     def _win_scores(sc, m_i, l_i, rows, c_ar, kb, window, qk_scale):
         """Key block kb.. of a step's masked online softmax in base 2: (P in bf16, alpha, m, l)."""
         # (query - kb) through an opaque move: a step's rows and key blocks are 64-aligned, so every mask here is the
@@ -91,8 +99,8 @@ if HAS_GLUON:
     def _win_attend(qrot, k_bufs, v_bufs, s, p, sink, window, qk_scale, NB: gl.constexpr):
         """One head of a step: queries p .. p + 63 (Q rotated in qrot) against the step's NB key blocks (ring
         positions s .. s + NB - 1), the masked online softmax in base 2 from the sink; QK^T(k) and PV(k - 1) issued
-        together and block k's softmax under PV(k - 1) (attention_ws.py's loop). Returns O / l rounded to bf16 (the
-        o layout)."""
+        together and block k's softmax under PV(k - 1) (attention_ws.py's loop). Returns O / l in fp32 (the o
+        layout; the caller rounds it to bf16)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         R: gl.constexpr = qrot.type.shape[0]
@@ -121,7 +129,7 @@ if HAS_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
             p_op = gl.convert_layout(p_op, p_layout)
         acc = warpgroup_mma(p_op, v_bufs.index((s + NB - 1) % S), acc)
-        return (acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)).to(gl.bfloat16)
+        return acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
 
     @gluon.jit
     def _win_merged_masks(p, R: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
@@ -183,7 +191,7 @@ if HAS_GLUON:
         acc = warpgroup_mma(xu, v_bufs.index(s % S), acc, is_async=True)
         acc = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return (acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)).to(gl.bfloat16)
+        return acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
 
     @gluon.jit
     def _win_attend_merged_pair(q0, q1, q1_src, c, sn, q_free, k_bufs, v_bufs, s, p, sink0, sink1, qk_scale,
@@ -239,9 +247,9 @@ if HAS_GLUON:
         acc1 = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(xu, v_bufs.index(s % S), acc1, is_async=True)
         acc1 = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc1, is_async=True)
-        y0 = (acc0 / gl.expand_dims(gl.convert_layout(l0, orow_layout), 1)).to(gl.bfloat16)
+        y0 = acc0 / gl.expand_dims(gl.convert_layout(l0, orow_layout), 1)
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-        return y0, (acc1 / gl.expand_dims(gl.convert_layout(l1, orow_layout), 1)).to(gl.bfloat16)
+        return y0, acc1 / gl.expand_dims(gl.convert_layout(l1, orow_layout), 1)
 
     @gluon.jit
     def _win_release(kready, kempty, lo, hi):
@@ -311,8 +319,8 @@ if HAS_GLUON:
             tma.store_wait(0)
             gl.thread_barrier()
             if QUANT:  # act_quant of the pair's bf16 rows (one 128-column group): the row's max over both heads
-                a = y0.to(gl.float32)
-                b = y1.to(gl.float32)
+                a = _bf16_round(y0)  # (the bf16 rows act_quant would read)
+                b = _bf16_round(y1)
                 amax = gl.maximum(gl.max(gl.abs(a), 1), gl.max(gl.abs(b), 1))
                 scale = gl.maximum(amax, EPS) / FP8_MAX_C
                 sc2 = gl.expand_dims(scale, 1)
@@ -323,8 +331,8 @@ if HAS_GLUON:
                 orows = p + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
                 gl.store(os_ptr + orows.to(gl.int64) * stride_os + hp, scale, mask=orows < T)
             else:
-                o0.store(y0)
-                o1.store(y1)
+                o0.store(y0.to(gl.bfloat16))
+                o1.store(y1.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
             tma.async_copy_shared_to_global(o_desc, [p, 2 * hp * D], o0)
