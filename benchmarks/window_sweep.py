@@ -64,6 +64,10 @@ GLUON = {
     "gluon r8 c2 online": dict(run=8, consumers=2, q_stages=2, stages=4, merge=False),
     "gluon r8 c2 pair": dict(run=8, consumers=2, q_stages=2, stages=4, pair=True),  # 42nd: the two heads interleaved
     "gluon r16 c2 pair": dict(run=16, consumers=2, q_stages=2, stages=4, pair=True),
+    "gluon r12 c2 pair": dict(run=12, consumers=2, q_stages=2, stages=4, pair=True),
+    "gluon r8 c2 pair q3": dict(run=8, consumers=2, q_stages=3, stages=4, pair=True),
+    "gluon r16 c2 pair s5": dict(run=16, consumers=2, q_stages=2, stages=5, pair=True),
+    "gluon r32 c2 pair": dict(run=32, consumers=2, q_stages=2, stages=4, pair=True),
 }
 
 
