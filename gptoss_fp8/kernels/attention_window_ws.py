@@ -7,9 +7,10 @@ kernel (kernels/rope.py ``rotate``'s FMAs, rounded to bf16, as the Triton kernel
 it writes o_proj's FP8 input (act_quant's 1 x 128 groups: a pair's two heads of a row) instead of the bf16 rows.
 
 Why: the Triton window kernel ran at 2.4-3x its bytes floor (each program's 5 key blocks of 32 too short a loop to
-hide a load's latency). Here a program owns a pair of query heads for RUN steps of 64 positions (on the H100 not
-faster yet: 0.483 against the Triton kernel's 0.461 ms at 32768 tokens, latency-bound too; BENCHMARKS.md "The window
-layers"; opt-in ``KernelConfig.attention_gluon_window``):
+hide a load's latency). Here a program owns a pair of query heads for RUN steps of 64 positions (on the H100 with
+``pair``, the two heads interleaved: level with the Triton kernel at 32768 tokens, 0.446 against 0.442 ms, and 6-7%
+under it at 128000; latency-bound too; BENCHMARKS.md "The window kernels' epilogues lighter"; opt-in
+``KernelConfig.attention_gluon_window``):
 - a 1-warp producer streams, by TMA, each step's two Q tiles (and the rope's cos / sin rows) through a ring of QS
   stages, and the K / V blocks of 64 keys through a ring of S stages, each block once: a step needs the blocks from
   its first query's oldest key to its diagonal (NB = ceil((W - 1) / 64) + 1), the next step all but the oldest

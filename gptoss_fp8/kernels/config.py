@@ -312,8 +312,10 @@ class KernelConfig:
     # (gpu_suite.sh window-gluon)
     attention_gluon_window: bool = False
     # With it, a step's two heads interleaved in each consumer warpgroup (``window_attention_prefill(pair=True)``:
-    # head 1's rotation under head 0's QK^T, its softmax under head 0's PV; the same bytes). Forty-second session,
-    # built without a GPU first: fewer spills than the heads one after the other (48 against 160 bytes)
+    # head 1's rotation under head 0's QK^T, its softmax under head 0's PV; the same bytes). Forty-second session, H100:
+    # the kernel level with the Triton one at 32768 tokens (0.446 against 0.442 ms), 6-7% under it at 128000 (1.675
+    # against 1.706; 1.592 with 16 steps a program and a 5-deep ring); the whole 20b the same (0.3896 against 0.3890 s
+    # at 32768, 3.3068 against 3.3076 at 128000, same process): opt-in
     attention_gluon_window_pair: bool = False
     # o_proj's GEMM adds the residual stream in its epilogue (``fp8_gemm(residual=)``, ``TritonOps.linear_add``): the
     # post-attention norm then reads the new stream alone, not the stream and o_proj's delta, and writes no new
