@@ -17,11 +17,11 @@ under it at 128000; latency-bound too; BENCHMARKS.md "The window kernels' epilog
   again, so the ring holds them and loads one new block a step;
 - NC consumer warpgroups take the steps in turn (step s: warpgroup s % NC; QS >= NC, as a consumer waits for its Q
   stage by the phase's parity), both heads of the pair one after the other (or interleaved: ``pair``): Q rotated
-  into shared memory, then the softmax in base 2 from the sink (as attention.py): for a 128-key window one exact pass over the row's 128 keys
-  (``_win_attend_merged``: the outer blocks' visible triangles merged into one tile), else the masked online softmax
-  over the blocks, QK^T(k) and PV(k - 1) in flight under block k's softmax; blocks before key 0 come from block 0
-  (finite) and are masked. A warpgroup releases a key block once no later step of its own reads it; the producer
-  reloads a stage once every consumer has released it;
+  into shared memory, then the softmax in base 2 from the sink (as attention.py): for a 128-key window one exact pass
+  over the row's 128 keys (``_win_attend_merged``: the outer blocks' visible triangles merged into one tile), else
+  the masked online softmax over the blocks, QK^T(k) and PV(k - 1) in flight under block k's softmax; blocks before
+  key 0 come from block 0 (finite) and are masked. A warpgroup releases a key block once no later step of its own
+  reads it; the producer reloads a stage once every consumer has released it;
 - epilogue: O / l, rounded to bf16; with ``quant_out`` the pair's 128-column group quantized in registers
   (act_quant's arithmetic: each row's max over both heads, max(amax, eps) / 448, the quotient, the e4m3 cast) and
   stored with its scale; else the bf16 rows. The tiles leave by TMA from the warpgroup's own two output buffers,
