@@ -66,7 +66,8 @@
 #            quantizers without their clamp and of the Gluon window kernel's pair option, then window-gluon's sweep
 #            and 20b A/B (default, gluon-window, gluon-window-pair)
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
-#            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest)
+#            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest; a Gluon
+#            option set with WINDOW_NCU_KERNEL=_window_kernel)
 #   window-gluon  the forty-first session's warp-specialized Gluon window kernel (KernelConfig.attention_gluon_window,
 #            built without a GPU; the 42nd's pair option: a step's two heads interleaved): its GPU tests, the kernel
 #            beside the Triton tiles (window_sweep.py --model-form, WG_ONLY), the 20b beside the default, same process,
@@ -621,7 +622,8 @@ if has window; then
     [[ -n "$NCU" && ${WINDOW_NCU_S:-90} != 0 ]] || break
     rep="/tmp/window$i"
     # launches: the 4096-token check, then do_bench's at 32768 (skip its first two)
-    timeout ${WINDOW_NCU_S:-90} "$NCU" --clock-control none --set full --import-source no -k regex:_attn_prefill_kernel \
+    timeout ${WINDOW_NCU_S:-90} "$NCU" --clock-control none --set full --import-source no \
+      -k "regex:${WINDOW_NCU_KERNEL:-_attn_prefill_kernel}" \
       --launch-skip 3 --launch-count 1 -f -o "$rep" python3 benchmarks/window_sweep.py --tokens 32768 --model-form \
       --only "$tile" 2>&1 | tail -3 | tee "$OUT/ncu/window$i.log"
     "$NCU" --import "$rep.ncu-rep" --page raw --csv > "/tmp/window${i}_raw.csv" 2>&1
