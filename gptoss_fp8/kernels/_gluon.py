@@ -274,6 +274,14 @@ def ptxas_resources(ptx: str) -> dict:
 
 
 if HAS_GLUON:
+    from gptoss_fp8.kernels.act_quant import BF16_ROUND_ASM
+
+    @gluon.jit
+    def bf16_round(x):
+        """fp32 values rounded to bf16 (RNE) and kept in fp32, as ``x.to(bfloat16).to(float32)``: one packed
+        cvt.rn.bf16x2.f32 and two bit moves for two values, where the compiler makes that pair of casts one unpacked
+        F2F a value on the XU pipe (act_quant.bf16_round's Gluon twin; forty-second session)."""
+        return gl.inline_asm_elementwise(BF16_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
 
     @gluon.jit
     def halves(x):

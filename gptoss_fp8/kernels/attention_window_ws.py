@@ -33,12 +33,12 @@ from __future__ import annotations
 import torch
 
 from gptoss_fp8.kernels._gluon import HAS_GLUON, supported  # noqa: F401 - supported is re-exported
-from gptoss_fp8.kernels.act_quant import BF16_ROUND_ASM
 from gptoss_fp8.kernels.attention_ws import _rows2d
 from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, cdiv
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
+        bf16_round,
         descriptor,
         fence_async_shared,
         gl,
@@ -73,13 +73,6 @@ if HAS_GLUON:
             x1, x2 = gl.fma(x1, c, -(x2 * sn)), gl.fma(x2, c, x1 * sn)
         qrot.slice(0, HALF, dim=1).store(x1.to(gl.bfloat16))
         qrot.slice(HALF, HALF, dim=1).store(x2.to(gl.bfloat16))
-
-    @gluon.jit
-    def _bf16_round(x):
-        """fp32 values rounded to bf16 (RNE) and kept in fp32, as ``x.to(bfloat16).to(float32)``: one packed
-        cvt.rn.bf16x2.f32 and two bit moves for two values, where the compiler makes that pair of casts one unpacked
-        F2F a value on the XU pipe (the quarter-rate one the exponentials need)."""
-        return gl.inline_asm_elementwise(BF16_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
 
     @gluon.jit
     def _win_scores(sc, m_i, l_i, rows, c_ar, kb, window, qk_scale):
@@ -320,8 +313,8 @@ if HAS_GLUON:
             tma.store_wait(0)
             gl.thread_barrier()
             if QUANT:  # act_quant of the pair's bf16 rows (one 128-column group): the row's max over both heads
-                a = _bf16_round(y0)  # (the bf16 rows act_quant would read)
-                b = _bf16_round(y1)
+                a = bf16_round(y0)  # (the bf16 rows act_quant would read)
+                b = bf16_round(y1)
                 amax = gl.maximum(gl.max(gl.abs(a), 1), gl.max(gl.abs(b), 1))
                 scale = gl.maximum(amax, EPS) / FP8_MAX_C
                 sc2 = gl.expand_dims(scale, 1)
