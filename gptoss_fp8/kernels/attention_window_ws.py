@@ -154,6 +154,27 @@ if HAS_GLUON:
         return x1, xu, xl, l_i
 
     @gluon.jit
+    def _win_block1(s1, bias1, qk_scale):
+        """Block 1's scores of a step in base 2 (masked whole before key 0) and their row max."""
+        s1 = s1 * qk_scale + bias1
+        return s1, gl.max(s1, 1)
+
+    @gluon.jit
+    def _win_merged_tile(s0, s2, upper, bias0, qk_scale):
+        """The outer blocks' scores merged into one tile in base 2: the oldest block's above the diagonal (masked
+        whole before key 0), the diagonal block's on and below it."""
+        return gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
+
+    @gluon.jit
+    def _win_merged_pv(x1, xu, xl, v_bufs, s, zero_o):
+        """The step's three PV products of one head, issued async (block 1's P, the oldest block's triangle, the
+        diagonal block's); the caller waits for the returned accumulator."""
+        S: gl.constexpr = v_bufs.type.shape[0]
+        acc = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
+        acc = warpgroup_mma(xu, v_bufs.index(s % S), acc, is_async=True)
+        return warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc, is_async=True)
+
+    @gluon.jit
     def _win_attend_merged(qrot, k_bufs, v_bufs, s, p, sink, qk_scale):
         """``_win_attend`` for a window of two key blocks (W = 128: NB = 3), in one pass. Query p + r sees key
         p - 128 + c of block 0 iff c > r and key p + c of block 2 iff c <= r: the two blocks' visible scores fill one
@@ -174,16 +195,11 @@ if HAS_GLUON:
         t0 = warpgroup_mma(qrot, k_bufs.index(s % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         t2 = warpgroup_mma(qrot, k_bufs.index((s + 2) % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         upper, bias0, bias1 = _win_merged_masks(p, R, BN, s_layout)
-        s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
-        s1 = s1 * qk_scale + bias1
-        m1 = gl.max(s1, 1)
+        s1, m1 = _win_block1(warpgroup_mma_wait(num_outstanding=2, deps=(t1,)), bias1, qk_scale)
         s0, s2 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t2))
-        sm = gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
+        sm = _win_merged_tile(s0, s2, upper, bias0, qk_scale)
         x1, xu, xl, l_i = _win_merged_probs(sm, m1, s1, upper, sink, p_layout)
-        zero_o = gl.zeros([R, D], gl.float32, o_layout)
-        acc = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
-        acc = warpgroup_mma(xu, v_bufs.index(s % S), acc, is_async=True)
-        acc = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc, is_async=True)
+        acc = _win_merged_pv(x1, xu, xl, v_bufs, s, gl.zeros([R, D], gl.float32, o_layout))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
 
@@ -216,31 +232,23 @@ if HAS_GLUON:
         gl.thread_barrier()
         mbarrier.arrive(q_free, count=1)  # (every thread's reads of the stage are behind the barrier)
         upper, bias0, bias1 = _win_merged_masks(p, R, BN, s_layout)
-        s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
-        s1 = s1 * qk_scale + bias1
-        m1 = gl.max(s1, 1)
+        s1, m1 = _win_block1(warpgroup_mma_wait(num_outstanding=2, deps=(t1,)), bias1, qk_scale)
         s0, s2 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t2))
-        sm = gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
-        x1, xu, xl, l0 = _win_merged_probs(sm, m1, s1, upper, sink0, p_layout)
+        x1, xu, xl, l0 = _win_merged_probs(_win_merged_tile(s0, s2, upper, bias0, qk_scale), m1, s1, upper, sink0,
+                                           p_layout)
         # head 1's scores first, then head 0's PV: waiting for the former leaves the latter in flight. Its first
         # product accumulates onto zeros made from head 0's row sums (0 * l0), so ptxas cannot hoist it (and its 32
         # accumulator registers a thread) into head 0's softmax, where it spilled the exponentials
         u1 = warpgroup_mma(q1, k1, zero_s + gl.expand_dims(l0 * 0.0, 1), is_async=True)
         u0 = warpgroup_mma(q1, k0, zero_s, use_acc=False, is_async=True)
         u2 = warpgroup_mma(q1, k2, zero_s, use_acc=False, is_async=True)
-        acc0 = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
-        acc0 = warpgroup_mma(xu, v_bufs.index(s % S), acc0, is_async=True)
-        acc0 = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc0, is_async=True)
-        s1 = warpgroup_mma_wait(num_outstanding=5, deps=(u1,))
-        s1 = s1 * qk_scale + bias1
-        m1 = gl.max(s1, 1)
+        acc0 = _win_merged_pv(x1, xu, xl, v_bufs, s, zero_o)
+        s1, m1 = _win_block1(warpgroup_mma_wait(num_outstanding=5, deps=(u1,)), bias1, qk_scale)
         s0, s2 = warpgroup_mma_wait(num_outstanding=3, deps=(u0, u2))
-        sm = gl.where(upper, s0 * qk_scale + bias0, s2 * qk_scale)
-        x1, xu, xl, l1 = _win_merged_probs(sm, m1, s1, upper, sink1, p_layout)
+        x1, xu, xl, l1 = _win_merged_probs(_win_merged_tile(s0, s2, upper, bias0, qk_scale), m1, s1, upper, sink1,
+                                           p_layout)
         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-        acc1 = warpgroup_mma(x1, v_bufs.index((s + 1) % S), zero_o, use_acc=False, is_async=True)
-        acc1 = warpgroup_mma(xu, v_bufs.index(s % S), acc1, is_async=True)
-        acc1 = warpgroup_mma(xl, v_bufs.index((s + 2) % S), acc1, is_async=True)
+        acc1 = _win_merged_pv(x1, xu, xl, v_bufs, s, zero_o)
         y0 = acc0 / gl.expand_dims(gl.convert_layout(l0, orow_layout), 1)
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
         return y0, acc1 / gl.expand_dims(gl.convert_layout(l1, orow_layout), 1)
