@@ -266,7 +266,7 @@ if HAS_GLUON:
                      v_bufs, qready, qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window,
                      qk_scale, GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr,
                      ROPE: gl.constexpr, QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr, PAIR: gl.constexpr):
+                      MERGE: gl.constexpr, PAIR: gl.constexpr):
         """Consumer warpgroup W: steps W, W + NC, .. of the program's run, both heads of its pair each."""
         QS: gl.constexpr = qready.type.shape[0]
         S: gl.constexpr = k_bufs.type.shape[0]
@@ -347,7 +347,7 @@ if HAS_GLUON:
                       qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                       GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                       QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr, PAIR: gl.constexpr):
+                      MERGE: gl.constexpr, PAIR: gl.constexpr):
         _win_consume(1, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
                      RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)
@@ -357,7 +357,7 @@ if HAS_GLUON:
                       qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                       GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                       QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr, PAIR: gl.constexpr):
+                      MERGE: gl.constexpr, PAIR: gl.constexpr):
         _win_consume(2, q_desc, k_desc, v_desc, cos_desc, sin_desc, q_bufs, cs_bufs, qrot, out_bufs, k_bufs, v_bufs, qready,
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale, GROUP,
                      RUN, NB, NC, ROPE, QUANT, FP8_MAX_C, EPS, MERGE, PAIR)
@@ -367,7 +367,7 @@ if HAS_GLUON:
                      qempty, kready, kempty, sinks_ptr, o_desc, os_ptr, stride_os, T, window, qk_scale,
                      GROUP: gl.constexpr, RUN: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, ROPE: gl.constexpr,
                      QUANT: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr,
-                     MERGE: gl.constexpr, PAIR: gl.constexpr):
+                      MERGE: gl.constexpr, PAIR: gl.constexpr):
         """The producer warp: K / V blocks 0 .. NB - 2 (those before step 0's diagonal), then per step its two Q
         tiles (+ cos / sin) and the key block of its diagonal. Block i holds keys (p0 / 64 - NB + 1 + i) * 64 ..;
         before key 0, block 0's (finite; the consumers mask them)."""
