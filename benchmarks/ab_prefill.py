@@ -28,7 +28,8 @@ options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), 
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
 "fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
 "wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``,
-no ``gather_act_quant``: thirty-fourth session); "window-rows" (the window layers' attention writes bf16 rows and
+no ``gather_act_quant``: thirty-fourth session; since the forty-third its four warps copy the row scales into the
+stages too, ``stage_scales`` kept; "wide-gather-nosc": without them); "window-rows" (the window layers' attention writes bf16 rows and
 o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual"
 (o_proj's GEMM adds the residual stream in its epilogue, the post-attention norm reads the new stream alone:
 ``KernelConfig.gemm_residual``, thirty-ninth session, the default since; "o-proj-delta": off, as before) and
@@ -162,7 +163,9 @@ def _config(name: str) -> KernelConfig | None:
                    moe_gluon_down=replace(base.moe_gluon_down, turns=True))
         dense = dict(dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, turns=True))
         return replace(base, **{"wide-turns": moe, "dense-turns": dense, "all-turns": moe | dense}[name])
-    if name == "wide-gather":  # the wide gate_up's A rows copied from the tokens' rows by its producer (34th session)
+    if name == "wide-gather":  # the wide gate_up's A rows (and row scales) copied from the tokens' by its producer
+        return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, gather=True))
+    if name == "wide-gather-nosc":  # the same, its consumers loading the tokens' row scales (34th-37th sessions' form)
         return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, gather=True, stage_scales=False))
     if name == "wide-no-scales":  # the heavy-load MoE tiles' scales loaded by the consumers (before the 37th session)
         return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, stage_scales=False),

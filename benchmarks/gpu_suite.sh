@@ -65,6 +65,9 @@
 #   pending42  the forty-second session's checks: (P42_MUST=1, on an H200: pending41's must-shows) the GPU tests of the
 #            quantizers without their clamp and of the Gluon window kernel's pair option, then window-gluon's sweep
 #            and 20b A/B (default, gluon-window, gluon-window-pair)
+#   pending43  the forty-third session's gathering gate_up (GluonTile.gather: a 4-warp producer, the row scales into
+#            the stages too): its GPU tests (the pre-gathered plan's bits), the MoE's plans back to back (moe_parts.py
+#            --only gather, 32768 tokens), the 20b beside the default, same process (P43_VARIANTS), 32768 / 128000
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest; a Gluon
 #            option set with WINDOW_NCU_KERNEL=_window_kernel)
@@ -294,9 +297,11 @@ if has moe-ncu-plans; then
   # stage_scales against the default (E 32, T 32768): does the tensor pipe's 65% active (27th session) move?
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/ncu"
-  for plan in "default" "turns (" "stage scales" "turns + stage"; do
+  # (MOE_NCU_PLANS: ';'-separated moe_parts.py plan prefixes; MOE_NCU_KERNELS: the kernels, space-separated)
+  IFS=';' read -r -a ncu_plans <<< "${MOE_NCU_PLANS:-default;turns (;stage scales;turns + stage}"
+  for plan in "${ncu_plans[@]}"; do
     tag=$(echo "$plan" | tr -dc 'a-z')
-    for kern in _ws_moe_gemm_wide_kernel _ws_moe_down_kernel; do
+    for kern in ${MOE_NCU_KERNELS:-_ws_moe_gemm_wide_kernel _ws_moe_down_kernel}; do
       rep="$OUT/ncu/plan_${tag}$kern"
       timeout ${NCU_S:-120} "$NCU" --clock-control none --set full --import-source no -k regex:$kern --launch-skip 2 \
         --launch-count 1 -f -o "/tmp/plan_${tag}$kern" python3 benchmarks/moe_parts.py --launch "$plan" --launches 4 \
@@ -576,6 +581,25 @@ if has prefill-fp8; then
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
       ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
   done
+fi
+
+if has pending43; then
+  # the forty-third session: the gathering gate_up's producer on four warps (8 copies a thread a K block, was 32 on
+  # one warp) and with the stage scales (the row scales by cp.async, the weight scales by TMA): its GPU tests, then
+  # the MoE alone (each plan back to back, checked against the default's bits first), then the whole 20b
+  if [[ ${P43_TEST_S:-120} != 0 ]]; then
+    timeout -s INT ${P43_TEST_S:-120} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
+      -k "gather" > "$OUT/p43_tests.log" 2>&1
+    tail -6 "$OUT/p43_tests.log"
+  fi
+  [[ ${P43_PLANS_S:-100} == 0 ]] || timeout ${P43_PLANS_S:-100} python3 benchmarks/moe_parts.py --tokens 32768 \
+    --plans ${P43_PLAN_SECONDS:-3} --only gather 2>&1 | grep -v "^tile\|Warn" | tee "$OUT/p43_plans.log"
+  [[ ${P43_AB32K_S:-150} == 0 ]] || timeout ${P43_AB32K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 32768 --runs ${P43_RUNS:-7} --variants "${P43_VARIANTS:-default,wide-gather}" --attention fp8 2>&1 \
+    | grep -v Warn | tee "$OUT/p43_ab32k.log"
+  [[ ${P43_AB128K_S:-0} == 0 ]] || timeout ${P43_AB128K_S} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 128000 --runs ${P43_RUNS128:-3} --variants "${P43_VARIANTS:-default,wide-gather}" --attention fp8 2>&1 \
+    | grep -v Warn | tee "$OUT/p43_ab128k.log"
 fi
 
 if has pending42; then

@@ -12,6 +12,7 @@
    timed (for Nsight Compute to pick one launch of its gate_up / down: gpu_suite.sh moe-ncu-plans).
 
     PYTHONPATH=$(pwd) python3 benchmarks/moe_parts.py [--tokens 32768] [--experts 32] [--seconds 5] [--plans 3]
+        [--only gather,stage]
 
 Each tile's output is compared with the 16 x 1 tile's (bit for bit) before it is timed.
 """
@@ -35,10 +36,11 @@ HIDDEN, INTER, TOP_K = 2880, 2880, 4
 TILES = [(16, 1), (16, 4), (32, 4), (32, 8), (8, 23), (4, 23), (16, 23), (8, 12)]
 
 
-def _wide(**kw) -> MoePlan:
-    """The heavy-load plan (128-row segments, wide gate_up + Gluon down) with ``kw`` changed in both tiles."""
+def _wide(gather: bool = False, **kw) -> MoePlan:
+    """The heavy-load plan (128-row segments, wide gate_up + Gluon down) with ``kw`` changed in both tiles;
+    ``gather``: the gate_up copies its A rows from the tokens' own (``GluonTile.gather``)."""
     base = dict(stages=4, group_m=16, block_m=128, promote="serial") | kw
-    return MoePlan(128, GluonTile(**base), GluonTile(**base))
+    return MoePlan(128, GluonTile(**base, gather=gather), GluonTile(**base))
 
 
 PLANS = {
@@ -50,6 +52,10 @@ PLANS = {
     "turns (the warpgroups' wgmmas in turns)": _wide(turns=True),
     "stage scales (the scales through the stages, TMA)": _wide(stage_scales=True),
     "turns + stage scales": _wide(turns=True, stage_scales=True),
+    "gather + stage scales (the gate_up's 4-warp producer copies rows and row scales)": _wide(True, stage_scales=True),
+    "gather (its consumers load the tokens' row scales)": _wide(True),
+    "gather + stage scales, group_m 8": _wide(True, stage_scales=True, group_m=8),
+    "gather + stage scales, group_m 32": _wide(True, stage_scales=True, group_m=32),
     "64x256 gate_up + Triton down": MoePlan(64, GluonTile(promote="serial"), TritonTile(64, 128, group_m=8, num_warps=4,
                                                                                          num_stages=4)),
 }
@@ -63,7 +69,13 @@ def main() -> None:
     ap.add_argument("--plans", type=float, default=0.0, help="seconds back to back for each of PLANS (0: none)")
     ap.add_argument("--launch", default=None, help="only launch this plan (a PLANS key or its prefix), --launches times")
     ap.add_argument("--launches", type=int, default=8)
+    ap.add_argument("--pad-rows", type=int, default=0, help="the norm's FP8 rows (x_quant) in rows of this many bytes "
+                                                             "(a multiple of 128 >= the hidden size; 0: unpadded)")
+    ap.add_argument("--only", default=None, help="with --plans: only the default and the plans whose names start with "
+                                                 "one of these comma-separated prefixes")
     a = ap.parse_args()
+    plans = PLANS if a.only is None else {
+        name: p for name, p in PLANS.items() if name == "default" or name.startswith(tuple(a.only.split(",")))}
     g = torch.Generator(device="cuda").manual_seed(0)
     t, e = a.tokens, a.experts
     x = (1.5 * torch.randn(t, HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
@@ -72,6 +84,12 @@ def main() -> None:
     _, ids, _ = spec.route(x, wr, br, TOP_K)
     ids = ids.to(torch.int32)
     xq = act_quant(x)
+    if a.pad_rows:  # the same bytes in longer rows: each row's K blocks start on 128-byte lines (the gather's reads)
+        assert a.pad_rows % 128 == 0 and a.pad_rows >= HIDDEN, a.pad_rows
+        padded = torch.zeros(t, a.pad_rows, dtype=xq[0].dtype, device="cuda")
+        padded[:, :HIDDEN] = xq[0]
+        xq = (padded[:, :HIDDEN], xq[1])
+        print(f"# x_quant rows padded to {a.pad_rows} bytes")
     plan = DEFAULT.moe_plan(t, TOP_K, e, True)
     slots, _ = moe_align(ids, 0, e, plan.align_m)
     if a.launch is None:  # the gather's tiles
@@ -111,15 +129,20 @@ def main() -> None:
                   f"{dt:.1f} s: {dt / n * 1e3:.3f} ms each")
         if a.plans > 0:
             want = run().float()
-            for name, plan in PLANS.items():
-                err = ((run(plan).float() - want).norm() / want.norm()).item()
-                print(f"plan {name}: rel. error against the default {err:.1e}")
+            for name, plan in plans.items():
+                got = run(plan)
+                err = ((got.float() - want).norm() / want.norm()).item()
+                print(f"plan {name}: rel. error against the default {err:.1e}"
+                      f"{' (the same bits)' if torch.equal(got, want.to(got.dtype)) else ''}")
                 assert err < 1e-2, f"plan {name} computes something else"
             for rnd in range(2):
-                for name, plan in PLANS.items():
+                for name, plan in plans.items():
+                    ms_burst = triton.testing.do_bench(lambda plan=plan: run(plan), warmup=10, rep=100,
+                                                       return_mode="median")
                     n, dt = back_to_back(lambda plan=plan: run(plan), a.plans)
                     ms = dt / n * 1e3
-                    print(f"pass {rnd} plan {name}: back to back {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+                    print(f"pass {rnd} plan {name}: burst {ms_burst:.3f} ms, back to back {ms:.3f} ms "
+                          f"({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
 
 
 if __name__ == "__main__":

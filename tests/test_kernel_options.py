@@ -36,8 +36,6 @@ def test_options_set_fields_and_tile_fields():
     ("decode_one_wave_programs_per_sm=none", "cannot be None"),
     ("gluon.x=1", "gluon is a bool, it has no fields"),
     ("attention_fp8_lane_max", "give NAME=VALUE"),
-    # the heavy-load MoE tiles' stage scales are on by default; the gathering gate_up refuses them
-    ("moe_gluon_wide_gate_up.gather=true", "gather=True takes stage_scales=False"),
 ])
 def test_bad_options_are_one_line(option, needle):
     with pytest.raises(ValueError) as err:

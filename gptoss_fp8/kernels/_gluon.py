@@ -144,11 +144,18 @@ def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int
     else:
         sa = a_scale.new_zeros(kb, mp)
         sa[:, :m] = a_scale.t()
+    args, ws = weight_scale_args(w_scale_inv)
+    return dict(sa_desc=scale_descriptor(sa.view(-1), rows), **args), ws
+
+
+def weight_scale_args(w_scale_inv: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """``stage_scale_args``'s weight-scale half alone (the gathering gate_up copies its row scales itself,
+    ``moe_ws._moe_gather_producer``): the descriptor sb_desc, SC, and the weight scales the kernel's strides
+    must refer to."""
     ws = w_scale_inv
     if not (ws.is_contiguous() and ws.data_ptr() % 16 == 0):
         ws = ws.clone(memory_format=torch.contiguous_format)
-    box = stage_scale_box(ws.shape[-1])
-    return dict(sa_desc=scale_descriptor(sa.view(-1), rows), sb_desc=scale_descriptor(ws.view(-1), box), SC=True), ws
+    return dict(sb_desc=scale_descriptor(ws.view(-1), stage_scale_box(ws.shape[-1])), SC=True), ws
 
 
 def stage_scale_box(k_blocks: int) -> int:
@@ -164,10 +171,10 @@ def stage_scale_box(k_blocks: int) -> int:
 
 
 def check_gather(gather: bool, ok: bool, what: str) -> None:
-    """ValueError for ``GluonTile(gather=True)`` on a tile other than the MoE's 128-row gate_up without
-    stage_scales (``ok``): only its producer copies A rows by token (``moe_ws._moe_gather_producer``)."""
+    """ValueError for ``GluonTile(gather=True)`` on a tile other than the MoE's 128-row gate_up (``ok``): only
+    its producer copies A rows by token (``moe_ws._moe_gather_producer``)."""
     if gather and not ok:
-        raise ValueError(f"GluonTile(gather=True) is for the MoE's 128 x 256 gate_up without stage_scales, not {what}")
+        raise ValueError(f"GluonTile(gather=True) is for the MoE's 128 x 256 gate_up, not {what}")
 
 
 def check_turns(turns: bool, wide: bool, what: str) -> None:

@@ -72,17 +72,19 @@ class GluonTile:
     the whole 20b 1.1% faster at 32768 tokens, 0.5% at 128000, same logits: **on** for the MoE's heavy-load
     tiles (``KernelConfig``); opt-in on the dense 128 x 256 tile (0.75% / 0.6%, inside the runs' spread at
     32768). Other tiles refuse it (``_gluon.check_stage_scales``).
-    gather: the MoE's 128-row gate_up only, without stage_scales: its producer copies each K block's A rows by
-    cp.async straight from the tokens' own FP8 rows (the norm's quantization, row slot // top_k) instead of TMA
-    from rows pre-gathered in sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer
-    fewer: ~0.25 ms a layer at 32768 tokens); the consumers read the tokens' row scales. Same bits. **Slower**:
-    H200, the whole 20b, same process (thirty-fifth session): 0.5219 s against 0.3826 at 32768 tokens, 3.737
-    against 3.283 at 128000 (the gate_up ~2.4x its time). The cause, by its SASS (thirty-sixth session): the one
-    producer warp recomputed every K block the rows' token offsets (slot loads, a run-time division by top_k,
-    64-bit products), 926 instructions a K block, about the tensor core's time for one; now computed once a tile
-    into shared memory, 399 a K block: its GPU tests pass (H100, thirty-seventh session), but still **3.5% slower**
-    (0.4170 against 0.4030 s, the 20b at 32768, same process). Opt-in (with ``stage_scales=false``, which it
-    refuses). Other tiles refuse it (``_gluon.check_gather``).
+    gather: the MoE's 128-row gate_up only: its producer copies each K block's A rows by cp.async straight from
+    the tokens' own FP8 rows (the norm's quantization, row slot // top_k) instead of TMA from rows pre-gathered in
+    sorted order by ``gather_act_quant`` (one [T * k, H] FP8 write and read a layer fewer: ~0.25 ms a layer at
+    32768 tokens); with stage_scales it copies the K block's row scales too (one 4-byte cp.async a row), else the
+    consumers read the tokens' row scales. Same bits. **Slower**: H200, the whole 20b, same process (thirty-fifth
+    session): 0.5219 s against 0.3826 at 32768 tokens (the one producer warp recomputed every K block the rows'
+    token offsets: 926 instructions a K block, about the tensor core's time for one); with the offsets once a tile
+    (399 a K block) 3.5% slower (H100, thirty-seventh session); with four producer warps (8 copies a thread a K
+    block; the partition is padded to a warpgroup anyway) and the stage scales (forty-third session, H100): the
+    MoE back to back 7.25-7.29 ms against the default's 7.13-7.22 (the gather's own 0.25 ms included there; Nsight
+    Compute: the gate_up reads 2.95 GB from DRAM against 2.31, tensor pipe 62% active against 67%), the whole 20b
+    0.3920 against 0.3893 s at 32768 and 3.3140 against 3.3004 s at 128000. Opt-in. Other tiles refuse it
+    (``_gluon.check_gather``).
     narrow: the 128 x 256 tiles (dense block_n=256, the MoE's Gluon down): the last column tile, where its valid
     columns fit 64 (N % 256 in 1..64: o_proj's and the down's N = 2880), runs one m64n64 product a warpgroup instead
     of an m64n128 one half past N (2.2% of those GEMMs' products at N = 2880). Same bits (each output element the
@@ -105,9 +107,6 @@ class GluonTile:
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:
             raise ValueError(f"GluonTile.promote must be one of {', '.join(_gluon.PROMOTES)}, got {self.promote!r}")
-        if self.gather and self.stage_scales:
-            raise ValueError("GluonTile: gather=True takes stage_scales=False (its consumers read the tokens' own row "
-                             "scales); set stage_scales=false before gather=true")
 
 
 @dataclass(frozen=True)

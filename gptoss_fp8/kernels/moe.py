@@ -273,7 +273,7 @@ def moe_expert_slots(
         moe_ws.check_turns(plan.gate_up.turns, gu_rows == moe_ws.WIDE_M, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
         moe_ws.check_stage_scales(plan.gate_up.stage_scales, gu_rows == moe_ws.WIDE_M,
                                   f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
-        moe_ws.check_gather(plan.gate_up.gather, gu_rows == moe_ws.WIDE_M and not plan.gate_up.stage_scales,
+        moe_ws.check_gather(plan.gate_up.gather, gu_rows == moe_ws.WIDE_M,
                             f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
         moe_ws.check_narrow(plan.gate_up.narrow, False, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop

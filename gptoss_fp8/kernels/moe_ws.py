@@ -46,6 +46,7 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     num_programs,
     stage_scale_args,
     supported,
+    weight_scale_args,
 )
 from gptoss_fp8.quant.fp8 import cdiv
 
@@ -75,6 +76,7 @@ WIDE_M = 128  # the wide form's rows (segments padded to 128): 64 per consumer w
 
 
 if HAS_GLUON:
+    GATHER_WARPS = gl.constexpr(4)  # the gathering gate_up's producer warps (GluonTile.gather: _moe_gather_producer)
 
     @gluon.jit
     def swiglu_columns(acc, nmask, limit, ALPHA: gl.constexpr):
@@ -277,7 +279,8 @@ if HAS_GLUON:
         GATHER (the gate_up, ``GluonTile(gather=True)``): the A rows are the tokens' own
         (``_moe_gather_producer`` copies them by cp.async), so the row scales are the tokens' too: as_ptr holds
         the [T, ceil(K/128)] scales of the unsorted rows, read at row slot // top_k (padding rows: row 0's, times
-        their zero A rows); a proxy fence after each ready wait (the mainloop's FENCE).
+        their zero A rows), or with SC copied into the stages by the producer; a proxy fence after each ready wait
+        (the mainloop's FENCE).
 
         NARROW (the down, ``GluonTile(narrow=True)``): the last column tile, where its valid columns fit 64
         (H = 2880), as one m64n64 product a warpgroup, stored through the left half of its buffer.
@@ -427,25 +430,34 @@ if HAS_GLUON:
 
     @gluon.jit
     def _moe_gather_producer(x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr, block_expert_ptr,
-                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr, row_smem):
-        """The wide gate_up's 1-warp producer with A gathered (``GluonTile(gather=True)``): each K block's A
-        rows copied by cp.async straight from the tokens' FP8 rows x[slot // top_k] (16 bytes a thread, 16 rows a
-        step: 4 pointers a thread; 32 rows a step spilled at the producer's 40 registers) into the stage, padding
-        rows and columns past K zero-filled (as the pre-gathered rows and TMA give), W rows by TMA. Hopper's TMA
-        loads boxes, not lists of rows; the cp.async copies arrive on the stage's ready barrier when they land
-        (``async_copy.mbarrier_arrive``, before the TMA's expect-arrive so that the phase waits for both).
-        The tile's row offsets (slot // top_k times the row stride, bytes; -16 for padding rows, never read) are
-        computed once a tile into row_smem ([TM] int32) and read from there by each K block: computed in every K
-        block (the thirty-fourth session's form), the slot loads and the run-time division took the loop 926
-        instructions a K block (SASS; now 399), about the time the tensor core needs for one, and the gate_up ran
-        2.4x its time."""
+                             num_m, N, K, num_slots, num_experts, top_k, num_progs, GROUP_M: gl.constexpr, row_smem,
+                             PW: gl.constexpr, scales, SC: gl.constexpr):
+        """The wide gate_up's PW-warp producer with A gathered (``GluonTile(gather=True)``): each K block's A
+        rows copied by cp.async straight from the tokens' FP8 rows x[slot // top_k] into the stage (16 bytes a
+        copy, each thread 4 rows a step of 16 * PW rows), padding rows and columns past K zero-filled (as the
+        pre-gathered rows and TMA give), W rows by TMA. Hopper's TMA loads boxes, not lists of rows. Every thread
+        arrives on the stage's ready barrier once its copies land (``async_copy.mbarrier_arrive`` without
+        incrementing the count: the barrier counts 32 * PW of those and the TMA's expect-arrive of the W bytes,
+        so no thread's arrive can fall into the next phase). The tile's token rows (slot // top_k; -1 for padding
+        rows) are computed once a tile into row_smem ([TM] int32) and read from there by each K block.
+
+        SC (``GluonTile.stage_scales``; ``scales`` = (as_ptr, stride_asm, sb_desc, sa_bufs, sb_bufs, stride_bse,
+        stride_bsn)): each K block's row scales copied too, one 4-byte cp.async a row from the tokens' [T,
+        ceil(K/128)] scales (padding rows: token 0's, times their zero rows) into sa_bufs[stage], and the two
+        column halves' weight scales by TMA into sb_bufs[stage] (``_gluon.load_stage_scaled``'s box): the
+        consumers read both from shared memory.
+
+        One warp (the thirty-fourth to thirty-seventh sessions' form, 32 copies a thread a K block and, in the
+        first form, the row offsets recomputed every K block: 926 instructions a K block, then 399) set the pace
+        of the tensor core; the partition is padded to a warpgroup anyway (``warp_specialize``), so PW = 4 costs
+        no warps: 8 copies a thread a K block."""
         S: gl.constexpr = a_bufs.type.shape[0]
         TM: gl.constexpr = a_bufs.type.shape[1]
         TK: gl.constexpr = a_bufs.type.shape[2]
         TN: gl.constexpr = b_desc.block_type.shape[0]
-        CH: gl.constexpr = 16
-        copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
-        tile_rows: gl.constexpr = gl.BlockedLayout([TM // 32], [32], [1], [0])
+        CH: gl.constexpr = 16 * PW
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PW, 1], [1, 0])
+        tile_rows: gl.constexpr = gl.BlockedLayout([TM // (32 * PW)], [32], [PW], [0])
         num_n = gl.cdiv(N, TN)
         n_k = gl.cdiv(K, TK)
         cols = gl.arange(0, TK, layout=gl.SliceLayout(0, copy_layout))
@@ -456,23 +468,39 @@ if HAS_GLUON:
             if expert < num_experts:
                 gl.thread_barrier()  # (the last tile's reads of row_smem done)
                 slot = gl.load(slots_ptr + pid_m * TM + gl.arange(0, TM, layout=tile_rows))
-                row_smem.store(gl.where(slot < num_slots, (slot // top_k) * stride_xm, -16))
+                row_smem.store(gl.where(slot < num_slots, slot // top_k, -1))
                 gl.thread_barrier()
+                if SC:
+                    as_ptr, stride_asm, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn = scales
+                    sb0 = expert * stride_bse + (pid_n * (TN // TK)) * stride_bsn
+                    tok_s = row_smem.load(tile_rows)
+                    s_ptrs = as_ptr + gl.maximum(tok_s, 0) * stride_asm
                 for kk in range(n_k):
                     s = c % S
                     mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
                     kcols = kk * TK + cols
                     kmask = gl.expand_dims(kcols < K, 0)
                     for h in gl.static_range(TM // CH):
-                        # (byte offsets of 16-byte aligned rows: multiples of 16, -16 for padding rows)
-                        off = gl.multiple_of(row_smem.slice(h * CH, CH).load(gl.SliceLayout(1, copy_layout)), 16)
+                        tok = row_smem.slice(h * CH, CH).load(gl.SliceLayout(1, copy_layout))
+                        # (byte offsets of 16-byte aligned rows: the row stride a multiple of 16)
+                        off = gl.multiple_of(tok * stride_xm, 16)
                         ptrs = x_ptr + gl.expand_dims(off, 1) + gl.expand_dims(kcols, 0)
                         async_copy.async_copy_global_to_shared(a_bufs.index(s).slice(h * CH, CH), ptrs,
-                                                               mask=gl.expand_dims(off >= 0, 1) & kmask)
-                    async_copy.mbarrier_arrive(ready.index(s))
-                    mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(b_desc, [expert * N + pid_n * TN, kk * TK], ready.index(s),
-                                                    b_bufs.index(s))
+                                                               mask=gl.expand_dims(tok >= 0, 1) & kmask)
+                    if SC:
+                        async_copy.async_copy_global_to_shared(sa_bufs.index(s), s_ptrs + kk)
+                    async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                    if SC:
+                        sb_off = sb0 + kk
+                        mbarrier.expect(ready.index(s), b_desc.block_type.nbytes + sb_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(b_desc, [expert * N + pid_n * TN, kk * TK], ready.index(s),
+                                                        b_bufs.index(s))
+                        tma.async_copy_global_to_shared(sb_desc, [sb_off - sb_off % 4], ready.index(s),
+                                                        sb_bufs.index(s))
+                    else:
+                        mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(b_desc, [expert * N + pid_n * TN, kk * TK], ready.index(s),
+                                                        b_bufs.index(s))
                     c += 1
 
     @gluon.jit
@@ -490,7 +518,8 @@ if HAS_GLUON:
         (``GluonTile.stage_scales``): the scales through the stages, sa_desc over the row scales
         MN-major and sb_desc over the weight scales, both flat (``ws_moe_gemm``). GATHER (``GluonTile.gather``):
         A from the tokens' own rows x_ptr [T, K] (row stride stride_xm) by ``_moe_gather_producer``, as_ptr their
-        scales [T, ceil(K/128)] (a_desc: over x, only its block shape and layout used)."""
+        scales [T, ceil(K/128)] (a_desc: over x, only its block shape and layout used); with SC the producer copies
+        the row scales into sa_bufs (allocated here; sb_desc alone given, ``_gluon.weight_scale_args``)."""
         TM: gl.constexpr = a_desc.block_type.shape[0]
         TN: gl.constexpr = b_desc.block_type.shape[0]
         TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -501,13 +530,18 @@ if HAS_GLUON:
         o_bufs = gl.allocate_shared_memory(gl.float8e4nv, [4, TM // 2, TN // 4], out_desc.layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-            mbarrier.init(ready.index(i), count=1)
+            # (GATHER: each producer thread's cp.async arrive, and the W tile's expect-arrive)
+            mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS if GATHER else 1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
-        sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
+        if GATHER and SC:  # the row scales by cp.async (_moe_gather_producer), the weight scales by TMA
+            sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, sb_desc.block_type.shape[0]], sb_desc.layout)
+        else:
+            sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
         # (the partitions' argument tuples written out in each branch: a tuple held in a variable loses its
         # elements' constexpr-ness)
         if GATHER:
-            # the gather producer's row offsets of its tile (_moe_gather_producer)
+            # the gather producer's token rows of its tile (_moe_gather_producer)
             row_smem = gl.allocate_shared_memory(gl.int32, [TM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             gl.warp_specialize([
                 (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
@@ -522,8 +556,9 @@ if HAS_GLUON:
                                     sb_bufs, SC, top_k, GATHER)),
                 (_moe_gather_producer, (x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr,
                                         block_expert_ptr, num_m, N, K, num_slots, num_experts, top_k, num_progs,
-                                        GROUP_M, row_smem)),
-            ], [4, 1], [232, 40])
+                                        GROUP_M, row_smem, GATHER_WARPS,
+                                        (as_ptr, stride_asm, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
+            ], [4, GATHER_WARPS], [232, 40])
         else:
             gl.warp_specialize([
                 (_wide_consume, (0, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
@@ -640,14 +675,15 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     warpgroups issue their wgmmas in turns (``GluonTile.turns``; ValueError for the 64 x 256 tile).
     stage_scales: the wide form's scales through the stages (``GluonTile.stage_scales``, ValueError for
     the 64 x 256 tile; a_scale best MN-major, ``_gluon.stage_scale_args``). gather_top_k > 0 (``GluonTile.gather``,
-    the wide form without stage_scales): a / a_scale are the tokens' own rows [T, K] and scales [T, ceil(K/128)]
+    the wide form): a / a_scale are the tokens' own rows [T, K] and scales [T, ceil(K/128)] row-major
     (``act_quant``'s), K a multiple of 16 and a 16-byte aligned; the kernel's producer copies row
-    sorted_slots[r] // gather_top_k into sorted row r itself (no ``gather_act_quant``)."""
+    sorted_slots[r] // gather_top_k into sorted row r itself (no ``gather_act_quant``), and with stage_scales
+    that row's scales into the stages."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
     check_turns(turns, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_stage_scales(stage_scales, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
-    check_gather(gather_top_k > 0, block_m == WIDE_M and not stage_scales, f"the {block_m} x {TILE_N} gate_up")
+    check_gather(gather_top_k > 0, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     k = a.shape[1]
     max_rows = sorted_slots.shape[0] if gather_top_k else a.shape[0]
     e, n, _ = w.shape
@@ -656,14 +692,17 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         assert k % 16 == 0 and a.data_ptr() % 16 == 0 and a.stride(1) == 1 and a.stride(0) % 16 == 0, (
             f"gathered A rows need 16-byte copies: K {k}, stride {a.stride()}")
         assert a.shape[0] * a.stride(0) < 2 ** 31, f"gathered A rows: int32 row offsets, {tuple(a.shape)} too large"
+        assert a_scale.stride(1) == 1, f"gathered A rows: their scales row-major, strides {a_scale.stride()}"
     a_desc, b_desc = descriptor(a, [block_m, BK]), descriptor(w.view(e * n, k), [TILE_N, BK])
     out_desc = descriptor(out, [TILE_M, TILE_N // 4])
     num_m = max_rows // block_m
     num_progs = num_programs(num_m * cdiv(n, TILE_N), sm_count(a.device), balance)
     if block_m == WIDE_M:
-        sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, WIDE_M) if stage_scales else ({}, w_scale_inv)
         if gather_top_k:  # (a launch without it keeps its exact signature)
-            sc = dict(x_ptr=a, stride_xm=a.stride(0), top_k=gather_top_k, GATHER=True)
+            sc, w_scale_inv = weight_scale_args(w_scale_inv) if stage_scales else ({}, w_scale_inv)
+            sc |= dict(x_ptr=a, stride_xm=a.stride(0), top_k=gather_top_k, GATHER=True)
+        else:
+            sc, w_scale_inv = stage_scale_args(a_scale, w_scale_inv, WIDE_M) if stage_scales else ({}, w_scale_inv)
         _ws_moe_gemm_wide_kernel[(num_progs,)](
             a_desc, b_desc, a_scale, w_scale_inv, bias, out_desc, out_scale, sorted_slots, block_expert,
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),

@@ -395,12 +395,14 @@ def test_fused_moe_ws_wide_gpu(t, h, i, e, e0, n_local, plan):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,h,i,e,e0,n_local,plan", [
     *((*shape, _wide_plan(**tile, gather=True)) for shape, tile in _OPTION_SHAPES),
+    *((*shape, _wide_plan(**tile, gather=True, stage_scales=True)) for shape, tile in _OPTION_SHAPES),
     (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, turns=True, gather=True,
                                              down=GluonTile(4, 16, block_m=128, promote="serial", turns=True))),
-], ids=[*(f"gather{i}" for i in _OPTION_IDS), "gather-turns"])
+], ids=[*(f"gather{i}" for i in _OPTION_IDS), *(f"gather-sc{i}" for i in _OPTION_IDS), "gather-turns"])
 def test_fused_moe_ws_gather_gpu(t, h, i, e, e0, n_local, plan):
     """GluonTile.gather (the wide gate_up's producer copies A rows by cp.async from the tokens' own FP8 rows, no
-    gather_act_quant): against the reference, and the same bits as the plan without it, both with the norm's
+    gather_act_quant; with stage_scales their row scales too, into the stages): against the reference, and the
+    same bits as the plan without it (the pre-gathered rows, stage_scales as given), both with the norm's
     quantization given (``x_quant``, as the model passes it; here act_quant's, and rows 3.. of a larger one: a
     chunk's slice) and without (act_quant inside); over expert-parallel shards, 128 experts balanced on 3 stages,
     right halves past N (h640; its K = 640: five 128-wide K blocks, h720: the last one 80 columns, zero-filled
@@ -468,13 +470,17 @@ def test_moe_ws_wide_compiles_for_sm90(turns):
         assert not k["wgmma_serialized"], "ptxas serialized the wide gate_up's wgmmas (C7514)"
 
 
-def test_moe_ws_gather_compiles_for_sm90():
-    """Without a GPU: GluonTile.gather compiles for sm_90 without spills (the 1-warp producer's pointers, 16 rows a
-    step, within its 40 registers) or wgmma serialization: each K block's A rows by 16-byte cp.async, zero-filled
-    where masked (32 a thread: 128 rows x 128 bytes over 32 threads), one cp.async arrive on the stage's ready
-    barrier per thread before the TMA's expect-arrive of the W tile's bytes alone (A + W would hang the ring), a
-    proxy fence after each ready wait in the consumers (generic-proxy writes, async-proxy wgmma reads). Compiled as
-    a launch specializes K = 2880 and the rows' stride (multiples of 16): what lets the copies be 16 bytes."""
+@pytest.mark.parametrize("sc", [False, True])
+def test_moe_ws_gather_compiles_for_sm90(sc):
+    """Without a GPU: GluonTile.gather compiles for sm_90 without spills (the 4-warp producer's pointers, 4 rows a
+    thread a step, within its 40 registers) or wgmma serialization: each K block's A rows by 16-byte cp.async,
+    zero-filled where masked (8 a thread: 128 rows x 128 bytes over 128 threads), one non-incrementing cp.async
+    arrive on the stage's ready barrier per thread (the barrier counts 128 of them and one expect-arrive, so none
+    can fall into the next phase) and the TMA's expect-arrive of the W tile's bytes alone (A + W would hang the
+    ring), a proxy fence after each ready wait in the consumers (generic-proxy writes, async-proxy wgmma reads).
+    With stage_scales (sc): one 4-byte cp.async a thread of the K block's row scales, and the weight scales' box
+    by TMA on the same expect (its 128 bytes). Compiled as a launch specializes K = 2880 and the rows' stride
+    (multiples of 16): what lets the copies be 16 bytes."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -483,13 +489,22 @@ def test_moe_ws_gather_compiles_for_sm90():
         pytest.skip("this triton has no Gluon Hopper API; the MoE uses its Triton kernels")
     types = _wide_gate_up_types() | {"x_ptr": "*fp8e4nv"}
     consts = dict(STAGES=4, GROUP_M=8, ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, GATHER=True, stride_osm=1)
+    if sc:
+        types["sb_desc"] = ("tensordesc<fp32[32],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, "
+                            "rank=1, transposed=False, fp4_padded=False, cga_layout=[])>")
+        consts["SC"] = True
     k = _gluon.compile_for_sm90(moe_ws._ws_moe_gemm_wide_kernel, types, consts,
                                 divisible16=("x_ptr", "stride_xm", "K"))
     ptx = k["ptx"]
-    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10, %r\d+;", ptx)) == 32
-    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.shared\.b64", ptx)) == 1
-    assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*32768;", ptx), "the W tile's bytes alone"
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10, %r\d+;", ptx)) == 8
+    assert len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 0x4, 0x4;", ptx)) == int(sc)
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx)) == 1
+    assert "cp.async.mbarrier.arrive.shared" not in ptx, "an incrementing arrive could land in the next phase"
+    assert re.search(r"mbarrier\.init\.shared\S*\s+\[[^]]+\],\s*129;", ptx), "128 copy arrives + the expect"
+    nbytes = 32768 + 128 * sc
+    assert re.search(rf"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*{nbytes};", ptx), "W (+ scales) alone"
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, "W by TMA"
+    assert ("cp.async.bulk.tensor.1d.shared::cluster.global" in ptx) == sc, "the weight scales by TMA"
     assert ptx.count("fence.proxy.async") >= 2 + 2, "the consumers' fences (and the epilogue's before its TMA store)"
     assert ".local" not in ptx and k["num_warps"] == 12 and k["shared"] <= 227 * 1024
     if "regs" in k:
@@ -733,11 +748,10 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
     with pytest.raises(ValueError, match="stage_scales=True.*not the 128 x 128 Gluon dense GEMM"):
         fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, promote="serial", stage_scales=True)
     moe_ws.check_stage_scales(True, True, "the 128 x 256 gate_up")
-    # GluonTile.gather: for the MoE's 128 x 256 gate_up without stage_scales only
+    # GluonTile.gather: for the MoE's 128 x 256 gate_up only (with or without stage_scales)
     with pytest.raises(ValueError, match="gather=True.*not the 64 x 256 gate_up"):
         moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", gather_top_k=4)
-    with pytest.raises(ValueError, match="gather=True"):
-        moe_ws.ws_moe_gemm(*[None] * 14, block_m=128, promote="serial", stage_scales=True, gather_top_k=4)
+    moe_ws.check_gather(True, True, "the 128 x 256 gate_up")
     # GluonTile.narrow: for the 128 x 256 tiles whose last column tile can be narrow (the dense block_n=256, the
     # MoE's Gluon down), not the gate_up (its N = 2I is whole 128-column halves) nor the other dense tiles
     with pytest.raises(ValueError, match="narrow=True.*not the 128 x 128 Gluon dense GEMM"):
