@@ -35,26 +35,22 @@ rows and o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before
 alone: ``KernelConfig.gemm_residual``, thirty-ninth session, the default since; "o-proj-delta": off, as before) and
 "rows-from-stream" (the post-attention norm writes no bf16 rows, the router remakes them from the stream and the
 norm's rsqrt factors: ``KernelConfig.moe_rows_from_stream``, the same; "norm-router-rows": off); "narrow" (the 128 x
-256 tiles' last column
-tile, o_proj's and the MoE down's at N = 2880, as one m64n64 product a warpgroup: ``GluonTile.narrow``, thirty-ninth
-session, opt-in); "q-fused" (the FP8 attention's consumer warpgroups quantize their own Q tiles, no Q quantization
-launch: ``KernelConfig.attention_fp8_q_fused``, thirty-ninth session, opt-in); "q-gemm" (the full layers' q / k / v
-GEMM rotates and quantizes Q for the FP8 attention in its epilogue, no Q quantization launch and no bf16 Q:
-``KernelConfig.gemm_q_quant``, fortieth session, opt-in); "qk-tile-old" (the
-FP8 attention's Q / K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``);
-"wide-no-scales" (the heavy-load MoE tiles without
-``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales" is the default since);
-"full-last-layer" (the last layer on every row past its K / V, not only on the last: ``GptOss.prune_last_layer``
-off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in chunks of 8192, as the
-serving engine's default feeds a long one: every chunk after the first attends to cached keys) and "chunked-gluon"
-(the same with those chunks on the Gluon attention kernels, ``KernelConfig.attention_gluon_offset`` /
-``attention_gluon_fp8_offset``, twenty-ninth session).
-``--attention fp8``: every variant with the FP8 prefill attention.
-(Removed with the code they switched: "ws-down", the Gluon down GEMM, 5-10% slower; "gather-quant"
-/ "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
-(Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192,
-0.4-0.6% slower at 32768; removed, see benchmarks/notes/prefill.md.)
-"""
+256 tiles' last column tile, o_proj's and the MoE down's at N = 2880, as one m64n64 product a warpgroup:
+``GluonTile.narrow``, thirty-ninth session, opt-in); "q-fused" (the FP8 attention's consumer warpgroups quantize their
+own Q tiles, no Q quantization launch: ``KernelConfig.attention_fp8_q_fused``, thirty-ninth session, opt-in); "q-gemm"
+(the full layers' q / k / v GEMM rotates and quantizes Q for the FP8 attention in its epilogue, no Q quantization
+launch and no bf16 Q: ``KernelConfig.gemm_q_quant``, fortieth session, opt-in); "qk-tile-old" (the FP8 attention's Q /
+K quantization on its launch shape before the thirty-eighth session, ``attn_quant.qk_tile``); "wide-no-scales" (the
+heavy-load MoE tiles without ``GluonTile.stage_scales``, the default before the thirty-seventh session: "wide-scales"
+is the default since); "full-last-layer" (the last layer on every row past its K / V, not only on the last:
+``GptOss.prune_last_layer`` off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in
+chunks of 8192, as the serving engine's default feeds a long one: every chunk after the first attends to cached keys)
+and "chunked-gluon" (the same with those chunks on the Gluon attention kernels,
+``KernelConfig.attention_gluon_offset`` / ``attention_gluon_fp8_offset``, twenty-ninth session). ``--attention fp8``:
+every variant with the FP8 prefill attention. (Removed with the code they switched: "ws-down", the Gluon down GEMM,
+5-10% slower; "gather-quant" / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
+(Programmatic dependent launch of our kernels was measured here too, fifth session: no gain at 8192, 0.4-0.6% slower
+at 32768; removed, see benchmarks/notes/prefill.md.) """
 
 from __future__ import annotations
 
