@@ -26,13 +26,15 @@ wide tiles with turns), "all-turns" (both); "wide-scales" (the heavy-load MoE ti
 ``GluonTile.stage_scales``: the scales through the stages, twenty-eighth session), "wide-turns-scales" (both
 options on the MoE tiles), "dense-scales" (the dense 128 x 256 tile with them), "all-scales" (MoE and dense),
 "all-turns-scales" (both options on both); "fp8-qreg" (the FP8 attention's Q in registers, ``--attention fp8``);
-"fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third session);
-"wide-gather" (the heavy-load gate_up's producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``, no
-``gather_act_quant``: thirty-fourth session; since the forty-third its four warps copy the row scales into the stages
-too, ``stage_scales`` kept; "wide-gather-nosc": without them); "window-rows" (the window layers' attention writes bf16
-rows and o_proj quantizes them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session);
-"gemm-residual" (o_proj's GEMM adds the residual stream in its epilogue, the post-attention norm reads the new stream
-alone: ``KernelConfig.gemm_residual``, thirty-ninth session, the default since; "o-proj-delta": off, as before) and
+"fp8-lanemax" (its row max with one shuffle pair a step: ``KernelConfig.attention_fp8_lane_max``, thirty-third
+session); "fp8-quant-out" (the full layers' FP8 attention writes o_proj's input quantization, two heads a program:
+``KernelConfig.attention_fp8_quant_out``, forty-third session, opt-in); "wide-gather" (the heavy-load gate_up's
+producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``, no ``gather_act_quant``: thirty-fourth
+session; since the forty-third its four warps copy the row scales into the stages too, ``stage_scales`` kept;
+"wide-gather-nosc": without them); "window-rows" (the window layers' attention writes bf16 rows and o_proj quantizes
+them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual" (o_proj's GEMM adds
+the residual stream in its epilogue, the post-attention norm reads the new stream alone:
+``KernelConfig.gemm_residual``, thirty-ninth session, the default since; "o-proj-delta": off, as before) and
 "rows-from-stream" (the post-attention norm writes no bf16 rows, the router remakes them from the stream and the
 norm's rsqrt factors: ``KernelConfig.moe_rows_from_stream``, the same; "norm-router-rows": off); "narrow" (the 128 x
 256 tiles' last column tile, o_proj's and the MoE down's at N = 2880, as one m64n64 product a warpgroup:
@@ -130,6 +132,8 @@ def _config(name: str) -> KernelConfig | None:
         return replace(base, gemm_residual=False)
     if name == "norm-router-rows":  # the post-attention norm writes the router's bf16 rows (before the 39th session)
         return replace(base, moe_rows_from_stream=False)
+    if name == "fp8-quant-out":  # the full layers' FP8 attention writes o_proj's quantization (43rd session, opt-in)
+        return replace(base, attention_fp8_quant_out=True)
     if name == "q-fused":  # the FP8 attention's consumers quantize their own Q tiles (39th session, opt-in)
         return replace(base, attention_fp8_q_fused=True)
     if name == "window-one-loop":  # the window layers' Triton tile with its key blocks in one masked loop (41st)

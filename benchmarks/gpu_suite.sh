@@ -68,6 +68,9 @@
 #   pending43  the forty-third session's gathering gate_up (GluonTile.gather: a 4-warp producer, the row scales into
 #            the stages too): its GPU tests (the pre-gathered plan's bits), the MoE's plans back to back (moe_parts.py
 #            --only gather, 32768 tokens), the 20b beside the default, same process (P43_VARIANTS), 32768 / 128000
+#   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
+#            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
+#            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
 #   window     benchmarks/window_sweep.py --model-form: the window layers' Triton tiles (PrefillTile.one_loop, 41st
 #            session) as the 20b calls them, then Nsight Compute on one launch of WINDOW_NCU_TILES (digest; a Gluon
 #            option set with WINDOW_NCU_KERNEL=_window_kernel)
@@ -581,6 +584,20 @@ if has prefill-fp8; then
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
       ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
   done
+fi
+
+if has quant-out-fp8; then
+  [[ ${QOF_TEST_S:-150} == 0 ]] || timeout -s INT ${QOF_TEST_S:-150} python3 -m pytest -q -rf -n 2 --dist load \
+    tests/kernels/test_attention_quant_out.py -k "fp8_gluon" > "$OUT/qof_tests.log" 2>&1
+  tail -4 "$OUT/qof_tests.log"
+  [[ ${QOF_BENCH_S:-90} == 0 ]] || timeout ${QOF_BENCH_S:-90} python3 benchmarks/quant_out_bench.py --full \
+    --tokens ${QOF_TOKENS:-32768,128000} 2>&1 | grep -v Warn | tee "$OUT/qof_bench.log"
+  [[ ${QOF_AB32K_S:-150} == 0 ]] || timeout ${QOF_AB32K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 32768 --runs ${QOF_RUNS:-9} --variants "${QOF_VARIANTS:-default,fp8-quant-out}" --attention fp8 2>&1 \
+    | grep -v Warn | tee "$OUT/qof_ab32k.log"
+  [[ ${QOF_AB128K_S:-0} == 0 ]] || timeout ${QOF_AB128K_S} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 128000 --runs ${QOF_RUNS128:-3} --variants "${QOF_VARIANTS:-default,fp8-quant-out}" --attention fp8 \
+    2>&1 | grep -v Warn | tee "$OUT/qof_ab128k.log"
 fi
 
 if has pending43; then

@@ -2,20 +2,23 @@
 against its bf16 rows alone and the rows + act_quant (the unfused pair), gpt-oss's shapes (64 q / 8 kv heads,
 head_dim 64, window 128, q's rope fused), the default tile. Issue 34, thirty-eighth session.
 
-Usage (GPU machine): python3 benchmarks/quant_out_bench.py [--tokens 32768,128000] [--tiles]
-``--tiles``: the fused form on other tiles too (TILES), each checked against the default's bytes.
+Usage (GPU machine): python3 benchmarks/quant_out_bench.py [--tokens 32768,128000] [--tiles] [--full]
+``--tiles``: the fused form on other tiles too (TILES), each checked against the default's bytes. ``--full``: a full
+layer's FP8 attention instead (``--attention fp8``: the Gluon FP8 kernel, the fused form two heads a program,
+``KernelConfig.attention_fp8_quant_out``, forty-third session).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import triton
 
 from gptoss_fp8.kernels.act_quant import act_quant
 from gptoss_fp8.kernels.attention import attention_prefill
-from gptoss_fp8.kernels.config import PrefillTile
+from gptoss_fp8.kernels.config import KernelConfig, PrefillTile
 
 TILES = {  # (the default: 128 x 32, four heads, 4 warps, 2 stages, 128 registers)
     "128x32 p4 w8 s2": PrefillTile(128, 32, 8, 2, pack=4),
@@ -32,7 +35,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="32768,128000")
     p.add_argument("--tiles", action="store_true")
+    p.add_argument("--full", action="store_true", help="a full layer's FP8 attention (its Gluon kernel)")
     a = p.parse_args()
+    on = dataclasses.replace(KernelConfig(), attention_fp8_quant_out=True)
     for t in [int(x) for x in a.tokens.split(",")]:
         g = torch.Generator(device="cuda").manual_seed(t)
         q = torch.randn(t, 64, 64, device="cuda", generator=g).bfloat16()
@@ -40,7 +45,8 @@ def main() -> None:
         sinks = torch.rand(64, device="cuda", generator=g) * 4 - 2
         ang = torch.arange(t, device="cuda", dtype=torch.float32)[:, None] * torch.logspace(0, -4, 32, device="cuda")
         rope = (ang.cos().contiguous(), ang.sin().contiguous())
-        kw = dict(sliding_window=128, rope=rope)
+        kw = dict(sliding_window=0, fp8=True) if a.full else dict(sliding_window=128)
+        kw["rope"] = rope
 
         def rows():
             return attention_prefill(q, k, v, sinks, **kw)
@@ -49,7 +55,7 @@ def main() -> None:
             return act_quant(rows().view(t, -1))
 
         def fused():
-            return attention_prefill(q, k, v, sinks, quant_out=True, **kw)
+            return attention_prefill(q, k, v, sinks, quant_out=True, **kw, **({"config": on} if a.full else {}))
 
         a8, as_ = unfused()
         f8, fs = fused()
@@ -58,7 +64,7 @@ def main() -> None:
               (("rows", rows), ("rows + act_quant", unfused), ("fused", fused), ("rows again", rows))}
         print(f"{t} tokens: " + ", ".join(f"{n} {m:.4f} ms" for n, m in ms.items()) + f" | fused bytes equal: {same}",
               flush=True)
-        for name, tile in TILES.items() if a.tiles else ():
+        for name, tile in TILES.items() if a.tiles and not a.full else ():
             def tiled(tile=tile):
                 return attention_prefill(q, k, v, sinks, quant_out=True, tile=tile, **kw)
 

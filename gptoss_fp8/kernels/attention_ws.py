@@ -71,7 +71,7 @@ if HAS_GLUON:
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
                       PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0, M_AXIS: gl.constexpr = 1,
-                      LOAD_Q: gl.constexpr = True):
+                      LOAD_Q: gl.constexpr = True, HEAD=None, C0=0):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
@@ -80,12 +80,17 @@ if HAS_GLUON:
         signal one ready barrier, the odd stage's. P: a later chunk's query offset (``_wg_blocks``): the P
         cached keys come first, every program reads them. QR / KR: the sequence's first row of q and of k / v (a
         ragged batch's segment, ``_segment``). M_AXIS: the grid axis of the program's row block (2 for segments).
-        LOAD_Q False: no Q tiles (the consumers make their own: the FP8 kernel's ``q_fused``)."""
+        LOAD_Q False: no Q tiles (the consumers make their own: the FP8 kernel's ``q_fused``). HEAD: the query head
+        (None: program_id(0)); C0: the ring position of block 0 (a program's second pass over the keys: the FP8
+        kernel's ``quant_out``, two heads a program). Returns the ring positions used (the blocks, even with PAIRS)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         NWG: gl.constexpr = q_smem.type.shape[0]
         R: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
-        head = gl.program_id(0)
+        if HEAD is None:
+            head = gl.program_id(0)
+        else:
+            head = HEAD
         m0 = (num_pid_m - 1 - gl.program_id(M_AXIS)) * (NWG * R)
         kv_col = (head // GROUP) * D
         if LOAD_Q:
@@ -103,23 +108,25 @@ if HAS_GLUON:
         if PAIR_RELEASE:  # a pair's two stages free once its odd stage's release arrives
             for jj in range(n_blocks // 2):
                 j = 2 * jj
-                mbarrier.wait(empty.index((j + 1) % S), (((j + 1) // S) & 1) ^ 1)
+                c = C0 + j  # (C0 even: a pair's stages stay an even and an odd one)
+                mbarrier.wait(empty.index((c + 1) % S), (((c + 1) // S) & 1) ^ 1)
                 if PAIR_RELEASE == 2:  # (one ready barrier a pair: the odd stage's carries both blocks' bytes)
-                    mbarrier.expect(ready.index((j + 1) % S), 2 * nbytes)
+                    mbarrier.expect(ready.index((c + 1) % S), 2 * nbytes)
                 for h in gl.static_range(2):
-                    bar = ready.index((j + 1) % S) if PAIR_RELEASE == 2 else ready.index((j + h) % S)
+                    bar = ready.index((c + 1) % S) if PAIR_RELEASE == 2 else ready.index((c + h) % S)
                     if PAIR_RELEASE == 1:
                         mbarrier.expect(bar, nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [KR + (j + h) * BN, kv_col], bar, k_bufs.index((j + h) % S))
-                    tma.async_copy_global_to_shared(v_desc, [kv_col, KR + (j + h) * BN], bar, v_bufs.index((j + h) % S))
+                    tma.async_copy_global_to_shared(k_desc, [KR + (j + h) * BN, kv_col], bar, k_bufs.index((c + h) % S))
+                    tma.async_copy_global_to_shared(v_desc, [kv_col, KR + (j + h) * BN], bar, v_bufs.index((c + h) % S))
         else:
             for j in range(n_blocks):
                 if VT:
-                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [KR + j * BN, kv_col],
+                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, C0 + j, [KR + j * BN, kv_col],
                                [kv_col, KR + j * BN])
                 else:
-                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, j, [KR + j * BN, kv_col],
+                    load_stage(k_desc, v_desc, empty, ready, k_bufs, v_bufs, C0 + j, [KR + j * BN, kv_col],
                                [KR + j * BN, kv_col])
+        return n_blocks
 
     @gluon.jit
     def _exp2_fma(x):

@@ -43,10 +43,12 @@ from gptoss_fp8 import spec
 from gptoss_fp8.kernels import attn_quant
 from gptoss_fp8.kernels._gluon import HAS_GLUON
 from gptoss_fp8.quant.attn_fp8 import FP8_MAX, P_SCALE, QK_BLOCK, quantize_qk, quantize_v
-from gptoss_fp8.quant.fp8 import ACT_EPS, cdiv
+from gptoss_fp8.quant.fp8 import ACT_EPS, ACT_GROUP, cdiv
+from gptoss_fp8.quant.fp8 import FP8_MAX as ACT_FP8_MAX
 
 if HAS_GLUON:
     from gptoss_fp8.kernels._gluon import (
+        bf16_round,
         descriptor,
         fence_async_shared,
         gl,
@@ -81,6 +83,8 @@ S16_Q_MAX = 1.75
 if HAS_GLUON:
     _Q_MAX = gl.constexpr(FP8_MAX)  # (``q_fused``: what a Q block's amax maps to, and the scale's floor: attn_quant's)
     _Q_EPS = gl.constexpr(ACT_EPS)
+    _A_MAX = gl.constexpr(ACT_FP8_MAX)  # (``quant_out``: act_quant's, o_proj's input)
+    _A_EPS = gl.constexpr(ACT_EPS)
 
     @gluon.jit
     def _ceil(x):
@@ -369,7 +373,7 @@ if HAS_GLUON:
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
                    PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                   LMAX: gl.constexpr = False, S16: gl.constexpr = False):
+                   LMAX: gl.constexpr = False, S16: gl.constexpr = False, c0=0, k0=0):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -378,7 +382,8 @@ if HAS_GLUON:
         sum of the e4m3 P the PV product weighs V by) carried like the output (times alpha). TURN: the
         warpgroups' exponentials take turns (``_fp8_softmax2``); every warpgroup takes n_turns turns, the ones
         past its own steps only passed on (before the ring's blocks past the diagonal: a later warpgroup's
-        steps wait for them). -> (acc, l)."""
+        steps wait for them). c0 / k0: the ring position of block 0 and the first turn's number (a program's second
+        head: ``quant_out``; c0 even). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -398,10 +403,11 @@ if HAS_GLUON:
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
         for i in range(gl.cdiv(my_blocks, 2)):
             a = 2 * i
+            r = c0 + a  # (its ring position)
             _stamp(trace_ptr, m_i, rows, 0, i, W, TRACE)
             if PAIR_RELEASE != 2:
-                mbarrier.wait(ready.index(a % S), (a // S) & 1)
-            mbarrier.wait(ready.index((a + 1) % S), ((a + 1) // S) & 1)
+                mbarrier.wait(ready.index(r % S), (r // S) & 1)
+            mbarrier.wait(ready.index((r + 1) % S), ((r + 1) // S) & 1)
             _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
@@ -409,8 +415,8 @@ if HAS_GLUON:
                 sa = gl.convert_layout(acc, zero_s.type.layout, assert_trivial=True)
                 sb = -sa  # (not sa itself: its row max would be shared)
             else:
-                s_a = warpgroup_mma(q, k_bufs.index(a % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s_b = warpgroup_mma(q, k_bufs.index((a + 1) % S).permute((1, 0)), zero_s, use_acc=False,
+                s_a = warpgroup_mma(q, k_bufs.index(r % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_b = warpgroup_mma(q, k_bufs.index((r + 1) % S).permute((1, 0)), zero_s, use_acc=False,
                                     is_async=True)
                 sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
@@ -420,7 +426,7 @@ if HAS_GLUON:
                 alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
-                                                        zrow, W, i, TURN, trace_ptr, TRACE, LMAX, S16)
+                                                        zrow, W, k0 + i, TURN, trace_ptr, TRACE, LMAX, S16)
             if S16:
                 p8a = _e4m3h(_relabel(pa, p_layout))
                 p8b = _e4m3h(_relabel(pb, p_layout))
@@ -430,8 +436,8 @@ if HAS_GLUON:
             if PROBE == 2:
                 pv = zero_o
             else:
-                pv = warpgroup_mma(p8a, v_bufs.index(a % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                pv = warpgroup_mma(p8b, v_bufs.index((a + 1) % S).permute((1, 0)), pv, is_async=True)
+                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
             _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
             if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
                 pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
@@ -446,14 +452,15 @@ if HAS_GLUON:
             else:
                 pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             if not PAIR_RELEASE:
-                mbarrier.arrive(empty.index(a % S), count=1)
-            mbarrier.arrive(empty.index((a + 1) % S), count=1)
+                mbarrier.arrive(empty.index(r % S), count=1)
+            mbarrier.arrive(empty.index((r + 1) % S), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
         if TURN > 0:
             for i in range(gl.cdiv(my_blocks, 2), n_turns):
-                take_turn(turn, W, i, True)
+                take_turn(turn, W, k0 + i, True)
                 pass_turn(turn, W, True)
-        for j in range(2 * gl.cdiv(my_blocks, 2), 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
+        for jb in range(2 * gl.cdiv(my_blocks, 2), 2 * gl.cdiv(n_blocks, 2)):  # past the diagonal: the ring in step
+            j = c0 + jb
             if PAIR_RELEASE == 2:  # (the pair's bytes arrive on its odd stage's barrier)
                 mbarrier.wait(ready.index(j % S), (j // S) & 1, pred=j % 2 == 1)
             else:
@@ -467,31 +474,23 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
-    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
-                     PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
-                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
-                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
-                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
-        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
-        block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
-        QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
-        kernel's q_in_registers, 3% there), not read from shared memory by every QK^T. QB16 (``q_fused``): the
-        warpgroup quantizes its own Q tile from q's bf16 rows (``_quantize_q_tile``; ROPE: rotated first), no
-        Q tile from the producer and no Q scale from sq_ptr."""
+    def _fp8_head(W: gl.constexpr, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow, q, ready,
+                  empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset,
+                  GROUP: gl.constexpr, PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                  REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr,
+                  LMAX: gl.constexpr, S16: gl.constexpr, qsrc, QB16: gl.constexpr, ROPE: gl.constexpr,
+                  FIRST: gl.constexpr = True, c0=0, k0=0):
+        """Consumer warpgroup W's pass over the keys for one query head (``_fp8_consume``): its normalized output
+        rows [64, D] fp32 (times V's scales). FIRST: the program's first pass, which also fills the warpgroup's tile
+        of ones and its zero row; c0 / k0: the ring position and the turn this pass starts at (``_fp8_pairs``)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
-        NW: gl.constexpr = q_smem.type.shape[0]
-        R: gl.constexpr = q_smem.type.shape[1]
-        D: gl.constexpr = q_smem.type.shape[2]
+        R: gl.constexpr = q.type.shape[0]
+        D: gl.constexpr = q.type.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        if OFFSET:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
-            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout, q_offset)
-        else:
-            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
         kv = head // GROUP
         sink = gl.load(sinks_ptr + head).to(gl.float32) * 1.4426950408889634
         m_i = gl.full([R], 0.0, gl.float32, row_layout) + gl.ceil(sink)
@@ -499,7 +498,6 @@ if HAS_GLUON:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         zero_s = gl.zeros([R, BN], gl.float16 if S16 else gl.float32, s_layout)
         zero_o = gl.zeros([R, D], gl.float32, o_layout)
-        q = q_smem.index(W)
         if QB16:  # (before the tile of ones below: its fence and barrier order this tile's stores too)
             cq = _quantize_q_tile(qsrc, head, r0, q_offset, T, q, ROPE)
             if not ONES:
@@ -510,13 +508,14 @@ if HAS_GLUON:
             cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if ONES:  # this warpgroup's tile of ones (any layout holds ones)
             ones = ones_smem.index(W)
-            fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
-            ones.store(gl.full([8, BN], 1.0, gl.float32, fill).to(gl.float8e4nv))
-            fence_async_shared()
-            gl.thread_barrier()  # (all four warps' stores before the warpgroup's first wgmma reads the tile)
+            if FIRST:
+                fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+                ones.store(gl.full([8, BN], 1.0, gl.float32, fill).to(gl.float8e4nv))
+                fence_async_shared()
+                gl.thread_barrier()  # (all four warps' stores before the warpgroup's first wgmma reads the tile)
         else:
             ones = ones_smem.index(0)
-        if TURN > 0:  # (zeros read after each turn is taken: the exponentials depend on the wait's acquire)
+        if TURN > 0 and FIRST:  # (zeros read after each turn is taken: the exponentials depend on the wait's acquire)
             zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, row_layout))
             gl.thread_barrier()
         if not QB16:
@@ -524,25 +523,94 @@ if HAS_GLUON:
         if QREG:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
-            # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
-            if OFFSET:
-                n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout, q_offset)[5], 2)
-            else:
-                n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
-                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX, S16)
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX, S16,
+                                  c0, k0)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
 
         sv = gl.load(sv_ptr + kv * D + gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)))  # V scale / 256
-        out = acc * gl.expand_dims(sv, 0) / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
-        o = o_smem.index(W)
-        o.store(out.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [r0, head * D], o)
-        tma.store_wait(0)
+        return acc * gl.expand_dims(sv, 0) / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
+
+    @gluon.jit
+    def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
+                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
+                     PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
+                     REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
+                     OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
+                     QOUT: gl.constexpr = False):
+        """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
+        block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
+        QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
+        kernel's q_in_registers, 3% there), not read from shared memory by every QK^T. QB16 (``q_fused``): the
+        warpgroup quantizes its own Q tile from q's bf16 rows (``_quantize_q_tile``; ROPE: rotated first), no
+        Q tile from the producer and no Q scale from sq_ptr.
+
+        QOUT (``quant_out``, with PAIRS; qout = (q_bars, q_smem2, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)): the
+        program holds the heads 2p, 2p + 1 (one 128-column group of o_proj's input) and makes two passes over the
+        keys, one a head (Q tiles q_smem[W], q_smem2[W] on q_bars[0], [1]); the first head's bf16 rows wait in o_smem[W],
+        and after the second the pair's rows are quantized as ``act_quant`` does (each row's maximum over both
+        heads, scale max(amax, eps) / 448, the quotients' saturating e4m3 cast) into xq [T, Hq * D] e4m3 (TMA,
+        rows past T not written) and the scales into xs [T, Hq * D / 128]: no bf16 output."""
+        R: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        NW: gl.constexpr = o_smem.type.shape[0]  # (the consumer warpgroups; q_smem holds two heads' tiles with QOUT)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        if OFFSET:  # a later chunk: q's rows at key positions q_offset.. (rows: those positions; r0: q's row)
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout, q_offset)
+        else:
+            head, r0, rows, n_blocks, n_full, my_blocks = _wg_blocks(W, NW, R, BN, T, num_pid_m, row_layout)
+        n_turns = 0
+        if PAIRS:
+            # (the last warpgroup reads the most blocks: every warpgroup takes as many turns as it has steps)
+            if OFFSET:
+                n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout, q_offset)[5], 2)
+            else:
+                n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
+        if QOUT:
+            q_bars, q_smem2, xq_desc, xq_a, xq_b, xs_ptr, stride_xs = qout
+            pair = head  # (the grid's first axis counts head pairs)
+            y0 = _fp8_head(W, 2 * pair, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bars.index(0), turn, zrow,
+                           q_smem.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr,
+                           trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE, QREG,
+                           LMAX, S16, qsrc, QB16, ROPE)
+            a = bf16_round(y0)  # (the bf16 rows act_quant would read)
+            amax0 = gl.max(gl.abs(a), 1)
+            o_smem.index(W).store(a.to(gl.bfloat16))
+            y1 = _fp8_head(W, 2 * pair + 1, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bars.index(1), turn,
+                           zrow, q_smem2.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
+                           sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
+                           PROBE, QREG, LMAX, S16, qsrc, QB16, ROPE, False, 2 * gl.cdiv(n_blocks, 2), n_turns)
+            b = bf16_round(y1)
+            scale = gl.maximum(gl.maximum(amax0, gl.max(gl.abs(b), 1)), _A_EPS) / _A_MAX
+            sc2 = gl.expand_dims(scale, 1)
+            a = o_smem.index(W).load(o_layout).to(gl.float32)
+            # (no clamp before the cast: cvt.rn.satfinite saturates at 448 itself, act_quant.e4m3_saturated)
+            xq_a.index(W).store((a / sc2).to(gl.float8e4nv))
+            xq_b.index(W).store((b / sc2).to(gl.float8e4nv))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(xq_desc, [r0, 2 * pair * D], xq_a.index(W))
+            tma.async_copy_shared_to_global(xq_desc, [r0, (2 * pair + 1) * D], xq_b.index(W))
+            qrows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
+            gl.store(xs_ptr + qrows.to(gl.int64) * stride_xs + pair, scale, mask=qrows < T)
+            tma.store_wait(0)
+        else:
+            out = _fp8_head(W, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow,
+                            q_smem.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr,
+                            trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE, QREG,
+                            LMAX, S16, qsrc, QB16, ROPE)
+            o = o_smem.index(W)
+            o.store(out.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [r0, head * D], o)
+            tma.store_wait(0)
 
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
@@ -551,11 +619,12 @@ if HAS_GLUON:
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
-                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
+                     QOUT: gl.constexpr = False):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)
+                     QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
@@ -563,11 +632,12 @@ if HAS_GLUON:
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
-                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
+                     QOUT: gl.constexpr = False):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
-                     QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)
+                     QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
@@ -575,8 +645,23 @@ if HAS_GLUON:
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
-                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False):
-        if OFFSET:
+                     qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
+                     QOUT: gl.constexpr = False):
+        if QOUT:  # two heads a program (``_fp8_consume``'s QOUT): each head's Q tiles and a pass over the keys
+            q_bars = qout[0]
+            q_smem2 = qout[1]
+            pair = gl.program_id(0)
+            if OFFSET:
+                n_ring = _attn_produce(q_desc, k_desc, v_desc, q_bars.index(0), ready, empty, q_smem, k_bufs, v_bufs,
+                                       T, num_pid_m, GROUP, True, PAIRS, REL, q_offset, HEAD=2 * pair)
+                _attn_produce(q_desc, k_desc, v_desc, q_bars.index(1), ready, empty, q_smem2, k_bufs, v_bufs, T,
+                              num_pid_m, GROUP, True, PAIRS, REL, q_offset, HEAD=2 * pair + 1, C0=n_ring)
+            else:
+                n_ring = _attn_produce(q_desc, k_desc, v_desc, q_bars.index(0), ready, empty, q_smem, k_bufs, v_bufs,
+                                       T, num_pid_m, GROUP, True, PAIRS, REL, HEAD=2 * pair)
+                _attn_produce(q_desc, k_desc, v_desc, q_bars.index(1), ready, empty, q_smem2, k_bufs, v_bufs, T,
+                              num_pid_m, GROUP, True, PAIRS, REL, HEAD=2 * pair + 1, C0=n_ring)
+        elif OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           True, PAIRS, REL, q_offset, LOAD_Q=not QB16)
         else:
@@ -628,7 +713,8 @@ if HAS_GLUON:
                                  QREG: gl.constexpr = False, OFFSET: gl.constexpr = False,
                                  LMAX: gl.constexpr = False, S16: gl.constexpr = False, q_ptr=None, cos_ptr=None,
                                  sin_ptr=None, stride_qt=0, qk_scale=1.0, QB16: gl.constexpr = False,
-                                 ROPE: gl.constexpr = False):
+                                 ROPE: gl.constexpr = False, xq_desc=None, xs_ptr=None, stride_xs=0,
+                                 QOUT: gl.constexpr = False):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -644,6 +730,16 @@ if HAS_GLUON:
         turn = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         zrow = gl.allocate_shared_memory(gl.float32, [4 * R], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         mbarrier.init(q_bar, count=1)
+        if QOUT:  # (quant_out: a Q barrier and Q tiles a head; the pair's e4m3 output tiles, each head's half)
+            q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bars.index(0), count=1)
+            mbarrier.init(q_bars.index(1), count=1)
+            q_smem2 = gl.allocate_shared_memory(q_desc.dtype, [3, R, D], q_desc.layout)
+            xq_a = gl.allocate_shared_memory(gl.float8e4nv, [3, R, D], xq_desc.layout)
+            xq_b = gl.allocate_shared_memory(gl.float8e4nv, [3, R, D], xq_desc.layout)
+            qout = (q_bars, q_smem2, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)
+        else:
+            qout = q_bar  # (unread: warp_specialize's arguments must be values)
         if TURN > 0:
             for i in gl.static_range(3):
                 mbarrier.init(turn.index(i), count=1)  # passed on by the warpgroup before
@@ -657,19 +753,19 @@ if HAS_GLUON:
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
                             REL,
-                            TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
+                            TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                               ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                               PAIRS,
-                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
+                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                              PAIRS,
-                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE)),
+                             ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
         ], [4, 4, 1], [160, 160, 40])
 
 
@@ -740,7 +836,7 @@ def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
 
 
 def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                             out: torch.Tensor, sm_scale: float, stages: int = 4, pairs: bool = True,
+                             out: torch.Tensor | None, sm_scale: float, stages: int = 4, pairs: bool = True,
                              ones: bool = True, exp_fma: int = 0, turns: int | None = None,
                              pair_release: bool | None = None, pair_ready: bool | None = None,
                              probe: str | None = None,
@@ -748,7 +844,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                              q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False,
                              s16: bool = False, q_fused: bool = False,
-                             q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                             q_scale: torch.Tensor | None = None,
+                             quant_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -782,7 +879,11 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     read, written as e4m3 and read again (~0.27 GB a full layer at 32768 tokens); q bf16 with its heads' D
     contiguous; not with s16. q_scale (fp32 [Hq, ceil(T / 64)]): q is e4m3 already, rotated and quantized by
     ``attn_quant.quantize_qk``'s rules (the q / k / v GEMM's epilogue, ``fp8_gemm.fp8_gemm_q8``), these its scales; no
-    rope, q_fused or s16."""
+    rope, q_fused or s16. quant_out (opt-in, forty-third session; with pairs, an even number of query heads a KV head,
+    head_dim 64; no probe, trace, q_fused or s16): returns o_proj's input quantization instead of out, ``act_quant``
+    of out's rows viewed [T, Hq * 64] (e4m3 [T, Hq * 64], scales fp32 [T, Hq * 64 / 128], the same bytes): each
+    program holds two heads (one 128-column group) and makes a pass over the keys for each (``_fp8_consume``'s
+    QOUT), so the bf16 rows are neither written nor read again (out unused)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -820,18 +921,28 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         fused = dict(q_ptr=q, cos_ptr=cos, sin_ptr=sin, stride_qt=q.stride(0), qk_scale=sm_scale * LOG2E, QB16=True,
                      **({"ROPE": True} if rope is not None else {}))
     num_pid_m = cdiv(T, NWG * WG_ROWS)
-    _ws_attention_fp8_kernel[(hq, num_pid_m)](
+    qout, xq, xs = {}, None, None
+    assert quant_out or out is not None, "out: the bf16 rows' tensor (None only with quant_out)"
+    if quant_out:
+        assert pairs and hq % 2 == 0 and (hq // hkv) % 2 == 0 and 2 * d == ACT_GROUP, (
+            f"quant_out: pairs, two query heads of one KV head a 128-column group (Hq {hq}, Hkv {hkv}, D {d})")
+        assert probe is None and trace is None and not q_fused and not s16, "quant_out: no probe, trace, q_fused or s16"
+        xq = torch.empty((T, hq * d), dtype=k8.dtype, device=q.device)
+        xs = torch.empty((T, hq * d // ACT_GROUP), dtype=torch.float32, device=q.device)
+        qout = dict(xq_desc=descriptor(xq, [WG_ROWS, d]), xs_ptr=xs, stride_xs=xs.stride(0), QOUT=True)
+    _ws_attention_fp8_kernel[(hq // 2 if quant_out else hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
-        descriptor(_rows2d(out), [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace, T, num_pid_m,
+        descriptor(_rows2d(out if out is not None else q.new_empty((WG_ROWS, hq, d), dtype=torch.bfloat16)),
+                   [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace, T, num_pid_m,
         sq.shape[1], sk.shape[1], q_offset,
         GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns,
         REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],
         num_warps=4, **({"QREG": True} if q_in_registers else {}), **({"OFFSET": True} if q_offset else {}),
-        **({"LMAX": True} if lane_max else {}), **({"S16": True} if s16 else {}), **fused,
+        **({"LMAX": True} if lane_max else {}), **({"S16": True} if s16 else {}), **fused, **qout,
     )
-    return out
+    return (xq, xs) if quant_out else out
 
 
 assert WG_ROWS == BLOCK_N == QK_BLOCK, "one Q scale per warpgroup and one K scale per key block"

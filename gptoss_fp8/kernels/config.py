@@ -297,6 +297,12 @@ class KernelConfig:
     # tokens, 3.3137 against 3.2842 s at 128000 (each program's Q loads and quantization before its first product,
     # where the producer's TMA copy of the e4m3 tile overlapped). Opt-in
     attention_fp8_q_fused: bool = False
+    # The FP8 Gluon kernel of a full layer writes o_proj's input quantization (act_quant's bytes) in place of its bf16
+    # rows where o_proj reads only that (``TritonOps.attention_out``; ``ws_attention_prefill_fp8(quant_out=True)``:
+    # two heads, one 128-column group, a program, a pass over the keys for each): one [T, Hq * D] bf16 write and read
+    # and an act_quant launch fewer a full layer (~1.7 ms of a 20b prefill at 32768 tokens by the thirty-eighth
+    # session's deletion probe). Built in the forty-third session; opt-in until timed
+    attention_fp8_quant_out: bool = False
     # A window layer's Triton prefill kernel writes o_proj's input quantization (act_quant's bytes) in place of its
     # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
     # one [T, Hq * D] bf16 write and read and an act_quant launch fewer a window layer (thirty-eighth session)

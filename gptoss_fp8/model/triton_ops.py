@@ -456,9 +456,16 @@ class TritonOps(W8A8CpuOps):
         if isinstance(q, QuantQ):
             from gptoss_fp8.kernels.attention import attention_prefill
 
+            fused = not rows and self.config.attention_fp8_quant_out
             o = attention_prefill(q.q8, _rows(k), _rows(v), sinks.reshape(-1).contiguous(), sliding_window=window,
-                                  sm_scale=sm_scale, config=self.config, fp8=True, q_scale=q.scale)
-            return Normed(o.reshape(o.shape[0], -1))
+                                  sm_scale=sm_scale, config=self.config, fp8=True, q_scale=q.scale, quant_out=fused)
+            return Normed(None, o) if fused else Normed(o.reshape(o.shape[0], -1))
+        if (not rows and self.config.attention_fp8_quant_out and type(self).attention is TritonOps.attention
+                and self.fp8_attention(window) and self._prefill_kernel_ok(q, k, v, sinks)
+                and (rope is None or self._fused_rope(window, q.shape[0]))):
+            # a full layer under --attention fp8: its kernel writes o_proj's input quantization
+            # (``attention_fp8_quant_out``; act_quant after the kernel where it cannot)
+            return Normed(None, self._attention_prefill(q, k, v, sinks, sm_scale, window, 0, rope, quant_out=True))
         if rows or not self._quant_out_ok(q, k, v, sinks, window):
             return super().attention_out(q, k, v, sinks, sm_scale, window, rope=rope, rows=rows)
         from gptoss_fp8.kernels.attention import attention_prefill
@@ -530,7 +537,7 @@ class TritonOps(W8A8CpuOps):
         return (_kernel_device(q) and q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16
                 and q.shape[-1] in (16, 32, 64, 128, 256) and sinks.is_floating_point())
 
-    def _attention_prefill(self, q, k, v, sinks, sm_scale, window, q_offset, rope=None):
+    def _attention_prefill(self, q, k, v, sinks, sm_scale, window, q_offset, rope=None, quant_out=False):
         from gptoss_fp8.kernels import flashinfer_attention as fi
         from gptoss_fp8.kernels.attention import attention_prefill
 
@@ -548,8 +555,8 @@ class TritonOps(W8A8CpuOps):
             rope = tuple(t.float().contiguous() for t in rope)
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
                               sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              fp8=fp8, q_offset=q_offset, rope=rope)
-        return o.reshape(n, -1)
+                              fp8=fp8, q_offset=q_offset, rope=rope, quant_out=quant_out)
+        return o if quant_out else o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------
     def rope(self, x, cos, sin):

@@ -158,3 +158,108 @@ def test_window_kernel_with_quant_out_fits_its_registers_sm90():
         pytest.skip("no ptxas in this triton: nothing to read the registers from")
     for res in got.values():
         assert res["regs"] <= 128 and res["spill_stores"] <= 64 and not res["wgmma_serialized"], got
+
+
+# --- the FP8 Gluon kernel of the full layers (``ws_attention_prefill_fp8(quant_out=True)``, forty-third session) ---
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t,opts", [(4099, {}), (1, {}), (191, {}), (2000, dict(q_in_registers=True)),
+                                    (3000, dict(rope=True)), (1500, dict(q_offset=700)), (32768, {}),
+                                    (2000, dict(hkv=4)), (700, dict(stages=6))],
+                         ids=["4099", "1", "191", "qreg", "rope", "offset", "32768", "group16", "stages6"])
+def test_fp8_gluon_quant_out_gpu(t, opts):
+    """Two heads a program, a pass over the keys for each: o_proj's input quantization equals act_quant of the bf16
+    rows the same kernel writes without it, byte for byte and scale for scale (ragged last row blocks, one row,
+    Q in registers, q's rope fused, a later chunk after cached keys, 16 query heads a KV head, a 6-stage ring)."""
+    from gptoss_fp8.kernels import _gluon
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    if not _gluon.supported(torch.device("cuda")):
+        pytest.skip("the Gluon FP8 kernel needs sm_90")
+    opts = dict(opts)
+    hkv, off = opts.pop("hkv", 8), opts.get("q_offset", 0)
+    q, k, v, sinks, _ = _case([t + off], 64, hkv, 64, t + hkv, "cuda")
+    q = q[off:]
+    if opts.pop("rope", False):
+        opts["rope"] = _rope(t, 64, "cuda")
+    rows = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), 0.125, **opts)
+    torch.full((t, 64 * 64), float("nan"), device="cuda")  # (freed: a later empty output may reuse it)
+    _same(ws_attention_prefill_fp8(q, k, v, sinks, None, 0.125, quant_out=True, **opts), rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_gluon_quant_out_through_attention_prefill_gpu():
+    """``attention_prefill(fp8=True, quant_out=True)`` with ``attention_fp8_quant_out`` on takes the kernel's own
+    quantization (no bf16 rows: the rows' tensor is never made), and equals the option off (act_quant after); an odd
+    number of query heads a KV head falls back to act_quant after."""
+    import dataclasses
+
+    from gptoss_fp8.kernels import attention_ws_fp8 as ws8
+
+    on = dataclasses.replace(KernelConfig(), attention_fp8_quant_out=True)
+    for hq, hkv, fused in ((64, 8, True), (12, 4, False)):
+        q, k, v, sinks, _ = _case([2500], hq, hkv, 64, hq, "cuda")
+        seen = []
+        real = ws8.ws_attention_prefill_fp8
+        ws8.ws_attention_prefill_fp8 = lambda *a, **kw: seen.append(kw["quant_out"]) or real(*a, **kw)
+        try:
+            got = attention_prefill(q, k, v, sinks, fp8=True, quant_out=True, config=on, rope=_rope(2500, 64, "cuda"))
+        finally:
+            ws8.ws_attention_prefill_fp8 = real
+        assert seen == [fused]
+        want = attention_prefill(q, k, v, sinks, fp8=True, quant_out=True, config=KernelConfig(),
+                                 rope=_rope(2500, 64, "cuda"))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@interpreter_only
+def test_model_full_layers_write_o_proj_quantization_cpu(monkeypatch):
+    """The whole forward through the triton backend (interpreter) under --attention fp8 with
+    ``attention_fp8_quant_out``: the full layers' attention is asked for o_proj's quantization alone
+    (``attention_prefill(quant_out=True)``, here act_quant after the kernel) and the logits are the same bits as
+    with the option off."""
+    import dataclasses
+
+    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.config import preset_config
+    from gptoss_fp8.kernels import attention as attn_mod
+    from gptoss_fp8.model.triton_ops import TritonOps
+
+    cfg = dataclasses.replace(preset_config("tiny"), head_dim=64, hidden_size=256)  # 8 q / 2 kv heads, window 8
+    model = random_model(cfg, "cpu", seed=4)
+    tokens = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(6))
+    calls = []
+    real = attn_mod.attention_prefill
+    monkeypatch.setattr(attn_mod, "attention_prefill", lambda *a, **kw: calls.append(
+        (kw.get("sliding_window"), kw.get("fp8", False), kw.get("quant_out", False))) or real(*a, **kw))
+
+    def ops(**kw):
+        return TritonOps(config=dataclasses.replace(KernelConfig(), **kw)).with_attention("fp8")
+
+    on = model(tokens, ops(attention_fp8_quant_out=True))
+    assert (0, True, True) in calls, calls
+    calls.clear()
+    off = model(tokens, ops())
+    assert calls and not any(fused for w, fp8, fused in calls if fp8)
+    assert torch.equal(on, off)
+
+
+def test_fp8_gluon_quant_out_compiles_for_sm90():
+    """Without a GPU: the FP8 kernel with QOUT (two heads a program) compiles for sm_90 as the launcher builds it,
+    within its registers (no spills), one SM's shared memory, no wgmma serialization; its output leaves as e4m3
+    tiles by TMA (two a warpgroup) and the scales by plain stores, no bf16 tile."""
+    from gptoss_fp8.kernels import _gluon, attention_ws_fp8
+
+    if not _gluon.HAS_GLUON:
+        pytest.skip("this triton has no Gluon Hopper API")
+    types = attention_ws_fp8.compile_types() | {"xs_ptr": "*fp32"}
+    types["xq_desc"] = types["q_desc"]
+    k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types,
+                                dict(GROUP=8, STAGES=4, PAIRS=True, ONES=True, TURN=2, REL=2, QOUT=True))
+    ptx = k["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2 * 3, "two e4m3 tiles a consumer warpgroup"
+    assert k["shared"] <= 227 * 1024 and ".local" not in ptx
+    if "regs" in k:
+        assert k["spill_stores"] == 0 and k["stack"] == 0 and not k["wgmma_serialized"], k
