@@ -71,7 +71,7 @@ if HAS_GLUON:
     def _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m,
                       GROUP: gl.constexpr, VT: gl.constexpr = False, PAIRS: gl.constexpr = False,
                       PAIR_RELEASE: gl.constexpr = 0, P=None, QR=0, KR=0, M_AXIS: gl.constexpr = 1,
-                      LOAD_Q: gl.constexpr = True, HEAD=None, C0=0):
+                      LOAD_Q: gl.constexpr = True, HEAD=None, C0=0, Q0=0, NQ: gl.constexpr = 0):
         """The producer warp: the program's Q tiles once, then K / V block j into ring position j.
         VT: V arrives transposed ([Hkv * D, T], keys contiguous: kernels/attention_ws_fp8.py). PAIRS: an even
         number of blocks (the consumers take them two at a time; a block past T arrives as zeros).
@@ -82,9 +82,13 @@ if HAS_GLUON:
         ragged batch's segment, ``_segment``). M_AXIS: the grid axis of the program's row block (2 for segments).
         LOAD_Q False: no Q tiles (the consumers make their own: the FP8 kernel's ``q_fused``). HEAD: the query head
         (None: program_id(0)); C0: the ring position of block 0 (a program's second pass over the keys: the FP8
-        kernel's ``quant_out``, two heads a program). Returns the ring positions used (the blocks, even with PAIRS)."""
+        kernel's ``quant_out``, two heads a program); NQ > 0: the Q tiles are q_smem[Q0 .. Q0 + NQ] (else all of
+        q_smem). Returns the ring positions used (the blocks, even with PAIRS)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
-        NWG: gl.constexpr = q_smem.type.shape[0]
+        if NQ == 0:
+            NWG: gl.constexpr = q_smem.type.shape[0]
+        else:
+            NWG: gl.constexpr = NQ
         R: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         if HEAD is None:
@@ -96,7 +100,7 @@ if HAS_GLUON:
         if LOAD_Q:
             mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
             for w in gl.static_range(NWG):
-                tma.async_copy_global_to_shared(q_desc, [QR + m0 + w * R, head * D], q_bar, q_smem.index(w))
+                tma.async_copy_global_to_shared(q_desc, [QR + m0 + w * R, head * D], q_bar, q_smem.index(Q0 + w))
         if P is None:
             n_blocks = gl.cdiv(gl.minimum(m0 + NWG * R, T), BN)
         else:

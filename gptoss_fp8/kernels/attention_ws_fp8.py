@@ -474,6 +474,22 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
+    def _fp8_setup(W: gl.constexpr, ones_smem, zrow, R: gl.constexpr, ONES: gl.constexpr, TURN: gl.constexpr):
+        """A consumer warpgroup's shared tiles, filled once a program (``_fp8_head``'s FIRST): its tile of ones
+        (ONES: the row sum's B operand) and, with TURN, its row of zeros."""
+        BN: gl.constexpr = ones_smem.type.shape[2]
+        if ONES:  # (any layout holds ones)
+            fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+            ones_smem.index(W).store(gl.full([8, BN], 1.0, gl.float32, fill).to(gl.float8e4nv))
+            fence_async_shared()
+            gl.thread_barrier()  # (all four warps' stores before the warpgroup's first wgmma reads the tile)
+        if TURN > 0:  # (zeros read after each turn is taken: the exponentials depend on the wait's acquire)
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BN, 32])
+            zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, gl.SliceLayout(1, s_layout)))
+            gl.thread_barrier()
+
+    @gluon.jit
     def _fp8_head(W: gl.constexpr, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow, q, ready,
                   empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset,
                   GROUP: gl.constexpr, PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
@@ -508,16 +524,10 @@ if HAS_GLUON:
             cq = gl.load(sq_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if ONES:  # this warpgroup's tile of ones (any layout holds ones)
             ones = ones_smem.index(W)
-            if FIRST:
-                fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
-                ones.store(gl.full([8, BN], 1.0, gl.float32, fill).to(gl.float8e4nv))
-                fence_async_shared()
-                gl.thread_barrier()  # (all four warps' stores before the warpgroup's first wgmma reads the tile)
         else:
             ones = ones_smem.index(0)
-        if TURN > 0 and FIRST:  # (zeros read after each turn is taken: the exponentials depend on the wait's acquire)
-            zrow.slice(W * R, R).store(gl.zeros([R], gl.float32, row_layout))
-            gl.thread_barrier()
+        if FIRST:
+            _fp8_setup(W, ones_smem, zrow, R, ONES, TURN)
         if not QB16:
             mbarrier.wait(q_bar, 0)
         if QREG:
@@ -549,9 +559,9 @@ if HAS_GLUON:
         warpgroup quantizes its own Q tile from q's bf16 rows (``_quantize_q_tile``; ROPE: rotated first), no
         Q tile from the producer and no Q scale from sq_ptr.
 
-        QOUT (``quant_out``, with PAIRS; qout = (q_bars, q_smem2, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)): the
-        program holds the heads 2p, 2p + 1 (one 128-column group of o_proj's input) and makes two passes over the
-        keys, one a head (Q tiles q_smem[W], q_smem2[W] on q_bars[0], [1]); the first head's bf16 rows wait in o_smem[W],
+        QOUT (``quant_out``, with PAIRS; qout = (q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)): the program
+        holds the heads 2p, 2p + 1 (one 128-column group of o_proj's input) and makes two passes over the keys, one
+        a head (Q tiles q_smem[W], q_smem[3 + W] on q_bars[0], [1]); the first head's bf16 rows wait in o_smem[W],
         and after the second the pair's rows are quantized as ``act_quant`` does (each row's maximum over both
         heads, scale max(amax, eps) / 448, the quotients' saturating e4m3 cast) into xq [T, Hq * D] e4m3 (TMA,
         rows past T not written) and the scales into xs [T, Hq * D / 128]: no bf16 output."""
@@ -574,33 +584,36 @@ if HAS_GLUON:
             else:
                 n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
         if QOUT:
-            q_bars, q_smem2, xq_desc, xq_a, xq_b, xs_ptr, stride_xs = qout
+            q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs = qout
             pair = head  # (the grid's first axis counts head pairs)
-            y0 = _fp8_head(W, 2 * pair, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bars.index(0), turn, zrow,
-                           q_smem.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr,
-                           trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE, QREG,
-                           LMAX, S16, qsrc, QB16, ROPE)
-            a = bf16_round(y0)  # (the bf16 rows act_quant would read)
-            amax0 = gl.max(gl.abs(a), 1)
-            o_smem.index(W).store(a.to(gl.bfloat16))
-            y1 = _fp8_head(W, 2 * pair + 1, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bars.index(1), turn,
-                           zrow, q_smem2.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                           sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
-                           PROBE, QREG, LMAX, S16, qsrc, QB16, ROPE, False, 2 * gl.cdiv(n_blocks, 2), n_turns)
-            b = bf16_round(y1)
-            scale = gl.maximum(gl.maximum(amax0, gl.max(gl.abs(b), 1)), _A_EPS) / _A_MAX
-            sc2 = gl.expand_dims(scale, 1)
-            a = o_smem.index(W).load(o_layout).to(gl.float32)
-            # (no clamp before the cast: cvt.rn.satfinite saturates at 448 itself, act_quant.e4m3_saturated)
-            xq_a.index(W).store((a / sc2).to(gl.float8e4nv))
-            xq_b.index(W).store((b / sc2).to(gl.float8e4nv))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(xq_desc, [r0, 2 * pair * D], xq_a.index(W))
-            tma.async_copy_shared_to_global(xq_desc, [r0, (2 * pair + 1) * D], xq_b.index(W))
-            qrows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
-            gl.store(xs_ptr + qrows.to(gl.int64) * stride_xs + pair, scale, mask=qrows < T)
-            tma.store_wait(0)
+            _fp8_setup(W, ones_smem, zrow, R, ONES, TURN)
+            amax0 = gl.zeros([R], gl.float32, gl.SliceLayout(1, o_layout))
+            # (a run-time loop, not two inlined passes: one copy of the key loop's code, 2.6% of the warp samples
+            # were instruction fetch with two)
+            for hh in range(2):
+                y = _fp8_head(W, 2 * pair + hh, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bars.index(hh), turn,
+                              zrow, q_smem.index(NW * hh + W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr,
+                              sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
+                              REL, TRACE, PROBE, QREG, LMAX, S16, qsrc, QB16, ROPE, False, hh * 2 * gl.cdiv(n_blocks, 2),
+                              hh * n_turns)
+                yb = bf16_round(y)  # (the bf16 rows act_quant would read)
+                if hh == 0:  # the first head's rows wait in o_smem
+                    amax0 = gl.max(gl.abs(yb), 1)
+                    o_smem.index(W).store(yb.to(gl.bfloat16))
+                else:
+                    scale = gl.maximum(gl.maximum(amax0, gl.max(gl.abs(yb), 1)), _A_EPS) / _A_MAX
+                    sc2 = gl.expand_dims(scale, 1)
+                    ya = o_smem.index(W).load(o_layout).to(gl.float32)
+                    # (no clamp before the cast: cvt.rn.satfinite saturates at 448 itself, act_quant.e4m3_saturated)
+                    xq_a.index(W).store((ya / sc2).to(gl.float8e4nv))
+                    xq_b.index(W).store((yb / sc2).to(gl.float8e4nv))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    tma.async_copy_shared_to_global(xq_desc, [r0, 2 * pair * D], xq_a.index(W))
+                    tma.async_copy_shared_to_global(xq_desc, [r0, (2 * pair + 1) * D], xq_b.index(W))
+                    qrows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
+                    gl.store(xs_ptr + qrows.to(gl.int64) * stride_xs + pair, scale, mask=qrows < T)
+                    tma.store_wait(0)
         else:
             out = _fp8_head(W, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow,
                             q_smem.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr,
@@ -649,18 +662,18 @@ if HAS_GLUON:
                      QOUT: gl.constexpr = False):
         if QOUT:  # two heads a program (``_fp8_consume``'s QOUT): each head's Q tiles and a pass over the keys
             q_bars = qout[0]
-            q_smem2 = qout[1]
+            NW: gl.constexpr = o_smem.type.shape[0]
             pair = gl.program_id(0)
             if OFFSET:
                 n_ring = _attn_produce(q_desc, k_desc, v_desc, q_bars.index(0), ready, empty, q_smem, k_bufs, v_bufs,
-                                       T, num_pid_m, GROUP, True, PAIRS, REL, q_offset, HEAD=2 * pair)
-                _attn_produce(q_desc, k_desc, v_desc, q_bars.index(1), ready, empty, q_smem2, k_bufs, v_bufs, T,
-                              num_pid_m, GROUP, True, PAIRS, REL, q_offset, HEAD=2 * pair + 1, C0=n_ring)
+                                       T, num_pid_m, GROUP, True, PAIRS, REL, q_offset, HEAD=2 * pair, NQ=NW)
+                _attn_produce(q_desc, k_desc, v_desc, q_bars.index(1), ready, empty, q_smem, k_bufs, v_bufs, T,
+                              num_pid_m, GROUP, True, PAIRS, REL, q_offset, HEAD=2 * pair + 1, C0=n_ring, Q0=NW, NQ=NW)
             else:
                 n_ring = _attn_produce(q_desc, k_desc, v_desc, q_bars.index(0), ready, empty, q_smem, k_bufs, v_bufs,
-                                       T, num_pid_m, GROUP, True, PAIRS, REL, HEAD=2 * pair)
-                _attn_produce(q_desc, k_desc, v_desc, q_bars.index(1), ready, empty, q_smem2, k_bufs, v_bufs, T,
-                              num_pid_m, GROUP, True, PAIRS, REL, HEAD=2 * pair + 1, C0=n_ring)
+                                       T, num_pid_m, GROUP, True, PAIRS, REL, HEAD=2 * pair, NQ=NW)
+                _attn_produce(q_desc, k_desc, v_desc, q_bars.index(1), ready, empty, q_smem, k_bufs, v_bufs, T,
+                              num_pid_m, GROUP, True, PAIRS, REL, HEAD=2 * pair + 1, C0=n_ring, Q0=NW, NQ=NW)
         elif OFFSET:
             _attn_produce(q_desc, k_desc, v_desc, q_bar, ready, empty, q_smem, k_bufs, v_bufs, T, num_pid_m, GROUP,
                           True, PAIRS, REL, q_offset, LOAD_Q=not QB16)
@@ -718,7 +731,8 @@ if HAS_GLUON:
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [3, R, D], q_desc.layout)  # (3: NWG)
+        # (3: NWG; QOUT: both heads' tiles, the second's at 3..5, in a power-of-two allocation)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [8 if QOUT else 3, R, D], q_desc.layout)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [3, R, D], o_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, D, BN], v_desc.layout)
@@ -734,10 +748,9 @@ if HAS_GLUON:
             q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bars.index(0), count=1)
             mbarrier.init(q_bars.index(1), count=1)
-            q_smem2 = gl.allocate_shared_memory(q_desc.dtype, [3, R, D], q_desc.layout)
             xq_a = gl.allocate_shared_memory(gl.float8e4nv, [3, R, D], xq_desc.layout)
             xq_b = gl.allocate_shared_memory(gl.float8e4nv, [3, R, D], xq_desc.layout)
-            qout = (q_bars, q_smem2, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)
+            qout = (q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)
         else:
             qout = q_bar  # (unread: warp_specialize's arguments must be values)
         if TURN > 0:
