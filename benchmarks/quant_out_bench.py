@@ -60,8 +60,18 @@ def main() -> None:
         a8, as_ = unfused()
         f8, fs = fused()
         same = torch.equal(a8.view(torch.uint8), f8.view(torch.uint8)) and torch.equal(as_, fs)
-        ms = {name: triton.testing.do_bench(fn, warmup=50, rep=300) for name, fn in
-              (("rows", rows), ("rows + act_quant", unfused), ("fused", fused), ("rows again", rows))}
+        ways = [("rows", rows), ("rows + act_quant", unfused), ("fused", fused), ("rows again", rows)]
+        if a.full:  # the fused kernel's structure alone: two heads a program, bf16 rows (measurement option)
+            from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+            out2 = torch.empty_like(q)
+
+            def two_heads():
+                return ws_attention_prefill_fp8(q, k, v, sinks, out2, 64 ** -0.5, rope=rope, two_heads=True)
+
+            print(f"{t} tokens: two heads a program, the same bf16 rows: {torch.equal(two_heads(), rows())}")
+            ways.insert(2, ("two heads a program, rows", two_heads))
+        ms = {name: triton.testing.do_bench(fn, warmup=50, rep=300) for name, fn in ways}
         print(f"{t} tokens: " + ", ".join(f"{n} {m:.4f} ms" for n, m in ms.items()) + f" | fused bytes equal: {same}",
               flush=True)
         for name, tile in TILES.items() if a.tiles and not a.full else ():

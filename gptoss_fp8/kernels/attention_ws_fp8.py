@@ -551,7 +551,7 @@ if HAS_GLUON:
                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
                      qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
-                     QOUT: gl.constexpr = False):
+                     QOUT: gl.constexpr = 0):
         """Consumer warpgroup W: queries m0 + 64 W .. + 63 of the program's head (one Q scale block), one key
         block a step (``_fp8_blocks``) or two (PAIRS: ``_fp8_pairs``, ONES its row sum by the tensor core).
         QREG: Q loaded into registers once (the QK^T wgmmas' A operand from registers, 8 a thread: the bf16
@@ -597,7 +597,15 @@ if HAS_GLUON:
                               REL, TRACE, PROBE, QREG, LMAX, S16, qsrc, QB16, ROPE, False, hh * 2 * gl.cdiv(n_blocks, 2),
                               hh * n_turns)
                 yb = bf16_round(y)  # (the bf16 rows act_quant would read)
-                if hh == 0:  # the first head's rows wait in o_smem
+                if QOUT == 2:  # (measurement: each head's bf16 rows stored as without QOUT, no quantization)
+                    o = o_smem.index(W)
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    o.store(yb.to(gl.bfloat16))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    tma.async_copy_shared_to_global(o_desc, [r0, (2 * pair + hh) * D], o)
+                elif hh == 0:  # the first head's rows wait in o_smem
                     amax0 = gl.max(gl.abs(yb), 1)
                     o_smem.index(W).store(yb.to(gl.bfloat16))
                 else:
@@ -613,7 +621,7 @@ if HAS_GLUON:
                     tma.async_copy_shared_to_global(xq_desc, [r0, (2 * pair + 1) * D], xq_b.index(W))
                     qrows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
                     gl.store(xs_ptr + qrows.to(gl.int64) * stride_xs + pair, scale, mask=qrows < T)
-                    tma.store_wait(0)
+            tma.store_wait(0)
         else:
             out = _fp8_head(W, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow,
                             q_smem.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr,
@@ -633,7 +641,7 @@ if HAS_GLUON:
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
                      qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
-                     QOUT: gl.constexpr = False):
+                     QOUT: gl.constexpr = 0):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
@@ -646,7 +654,7 @@ if HAS_GLUON:
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
                      qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
-                     QOUT: gl.constexpr = False):
+                     QOUT: gl.constexpr = 0):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
                      sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
                      PROBE,
@@ -659,7 +667,7 @@ if HAS_GLUON:
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
                      qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
-                     QOUT: gl.constexpr = False):
+                     QOUT: gl.constexpr = 0):
         if QOUT:  # two heads a program (``_fp8_consume``'s QOUT): each head's Q tiles and a pass over the keys
             q_bars = qout[0]
             NW: gl.constexpr = o_smem.type.shape[0]
@@ -727,7 +735,7 @@ if HAS_GLUON:
                                  LMAX: gl.constexpr = False, S16: gl.constexpr = False, q_ptr=None, cos_ptr=None,
                                  sin_ptr=None, stride_qt=0, qk_scale=1.0, QB16: gl.constexpr = False,
                                  ROPE: gl.constexpr = False, xq_desc=None, xs_ptr=None, stride_xs=0,
-                                 QOUT: gl.constexpr = False):
+                                 QOUT: gl.constexpr = 0):
         R: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -858,7 +866,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              q_in_registers: bool = False, q_offset: int = 0, lane_max: bool = False,
                              s16: bool = False, q_fused: bool = False,
                              q_scale: torch.Tensor | None = None,
-                             quant_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                             quant_out: bool = False,
+                             two_heads: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -896,7 +905,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     head_dim 64; no probe, trace, q_fused or s16): returns o_proj's input quantization instead of out, ``act_quant``
     of out's rows viewed [T, Hq * 64] (e4m3 [T, Hq * 64], scales fp32 [T, Hq * 64 / 128], the same bytes): each
     program holds two heads (one 128-column group) and makes a pass over the keys for each (``_fp8_consume``'s
-    QOUT), so the bf16 rows are neither written nor read again (out unused)."""
+    QOUT), so the bf16 rows are neither written nor read again (out unused). two_heads (measurement only, with
+    quant_out's conditions, not quant_out): the same two heads a program, each head's bf16 rows into out as without
+    it, nothing quantized: what the program structure alone costs."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -936,14 +947,16 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     num_pid_m = cdiv(T, NWG * WG_ROWS)
     qout, xq, xs = {}, None, None
     assert quant_out or out is not None, "out: the bf16 rows' tensor (None only with quant_out)"
-    if quant_out:
+    if quant_out or two_heads:
         assert pairs and hq % 2 == 0 and (hq // hkv) % 2 == 0 and 2 * d == ACT_GROUP, (
             f"quant_out: pairs, two query heads of one KV head a 128-column group (Hq {hq}, Hkv {hkv}, D {d})")
         assert probe is None and trace is None and not q_fused and not s16, "quant_out: no probe, trace, q_fused or s16"
         xq = torch.empty((T, hq * d), dtype=k8.dtype, device=q.device)
         xs = torch.empty((T, hq * d // ACT_GROUP), dtype=torch.float32, device=q.device)
-        qout = dict(xq_desc=descriptor(xq, [WG_ROWS, d]), xs_ptr=xs, stride_xs=xs.stride(0), QOUT=True)
-    _ws_attention_fp8_kernel[(hq // 2 if quant_out else hq, num_pid_m)](
+        qout = dict(xq_desc=descriptor(xq, [WG_ROWS, d]), xs_ptr=xs, stride_xs=xs.stride(0), QOUT=2 if two_heads else 1)
+        if two_heads:
+            assert not quant_out and out is not None, "two_heads: the bf16 rows into out (not with quant_out)"
+    _ws_attention_fp8_kernel[(hq // 2 if qout else hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out if out is not None else q.new_empty((WG_ROWS, hq, d), dtype=torch.bfloat16)),
                    [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace, T, num_pid_m,
