@@ -452,7 +452,9 @@ class TritonOps(W8A8CpuOps):
         groups (the default: four heads a program) and ``rows=False``: the kernel writes o_proj's input
         quantization in place of its bf16 rows (``attention_prefill(quant_out=True)``, act_quant's bits; one [T,
         Hq * D] write and read and a launch fewer a layer). q a ``QuantQ`` (``linears_q8``): the FP8 attention on
-        it (``attention_prefill(q_scale=)``). Everything else: the rows (``attention``)."""
+        it (``attention_prefill(q_scale=)``). A full layer under ``--attention fp8`` with ``attention_fp8_quant_out``
+        (opt-in): the FP8 kernel writes the quantization itself, two heads a program (act_quant after it where its
+        rules do not hold). Everything else: the rows (``attention``)."""
         if isinstance(q, QuantQ):
             from gptoss_fp8.kernels.attention import attention_prefill
 
