@@ -2,7 +2,7 @@
 against its bf16 rows alone and the rows + act_quant (the unfused pair), gpt-oss's shapes (64 q / 8 kv heads,
 head_dim 64, window 128, q's rope fused), the default tile. Issue 34, thirty-eighth session.
 
-Usage (GPU machine): python3 benchmarks/quant_out_bench.py [--tokens 32768,128000] [--tiles] [--full]
+Usage (GPU machine): python3 benchmarks/quant_out_bench.py [--tokens 32768,128000] [--tiles] [--full] [--rounds 5]
 ``--tiles``: the fused form on other tiles too (TILES), each checked against the default's bytes. ``--full``: a full
 layer's FP8 attention instead (``--attention fp8``: the Gluon FP8 kernel, the fused form two heads a program,
 ``KernelConfig.attention_fp8_quant_out``, forty-third session).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 
 import torch
 import triton
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--tokens", default="32768,128000")
     p.add_argument("--tiles", action="store_true")
     p.add_argument("--full", action="store_true", help="a full layer's FP8 attention (its Gluon kernel)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every way, order rotated a round")
+    p.add_argument("--rep", type=int, default=100, help="do_bench's milliseconds a way and round")
     a = p.parse_args()
     on = dataclasses.replace(KernelConfig(), attention_fp8_quant_out=True)
     for t in [int(x) for x in a.tokens.split(",")]:
@@ -60,7 +63,7 @@ def main() -> None:
         a8, as_ = unfused()
         f8, fs = fused()
         same = torch.equal(a8.view(torch.uint8), f8.view(torch.uint8)) and torch.equal(as_, fs)
-        ways = [("rows", rows), ("rows + act_quant", unfused), ("fused", fused), ("rows again", rows)]
+        ways = [("rows", rows), ("rows + act_quant", unfused), ("fused", fused)]
         if a.full:  # the fused kernel's structure alone: two heads a program, bf16 rows (measurement option)
             from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
@@ -71,9 +74,16 @@ def main() -> None:
 
             print(f"{t} tokens: two heads a program, the same bf16 rows: {torch.equal(two_heads(), rows())}")
             ways.insert(2, ("two heads a program, rows", two_heads))
-        ms = {name: triton.testing.do_bench(fn, warmup=50, rep=300) for name, fn in ways}
-        print(f"{t} tokens: " + ", ".join(f"{n} {m:.4f} ms" for n, m in ms.items()) + f" | fused bytes equal: {same}",
-              flush=True)
+        ways.append(("rows again", rows))
+        # rounds, each way's order rotated a round: back to back at the power cap the card's state drifts (the same
+        # kernel read 6% apart within one pass of do_bench blocks, forty-third session), so medians of rounds
+        times = {name: [] for name, _ in ways}
+        for rnd in range(a.rounds):
+            for name, fn in ways[rnd % len(ways):] + ways[:rnd % len(ways)]:
+                times[name].append(triton.testing.do_bench(fn, warmup=10, rep=a.rep))
+        print(f"{t} tokens, {a.rounds} rounds (median, min-max): " + ", ".join(
+            f"{n} {statistics.median(m):.4f} ({min(m):.4f}-{max(m):.4f}) ms" for n, m in times.items())
+            + f" | fused bytes equal: {same}", flush=True)
         for name, tile in TILES.items() if a.tiles and not a.full else ():
             def tiled(tile=tile):
                 return attention_prefill(q, k, v, sinks, quant_out=True, tile=tile, **kw)

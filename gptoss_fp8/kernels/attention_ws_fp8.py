@@ -559,7 +559,7 @@ if HAS_GLUON:
         warpgroup quantizes its own Q tile from q's bf16 rows (``_quantize_q_tile``; ROPE: rotated first), no
         Q tile from the producer and no Q scale from sq_ptr.
 
-        QOUT (``quant_out``, with PAIRS; qout = (q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)): the program
+        QOUT (``quant_out``, with PAIRS; qout = (q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs, amax_smem)): the program
         holds the heads 2p, 2p + 1 (one 128-column group of o_proj's input) and makes two passes over the keys, one
         a head (Q tiles q_smem[W], q_smem[3 + W] on q_bars[0], [1]); the first head's bf16 rows wait in o_smem[W],
         and after the second the pair's rows are quantized as ``act_quant`` does (each row's maximum over both
@@ -584,10 +584,9 @@ if HAS_GLUON:
             else:
                 n_turns = gl.cdiv(_wg_blocks(NW - 1, NW, R, BN, T, num_pid_m, row_layout)[5], 2)
         if QOUT:
-            q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs = qout
+            q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs, amax_smem = qout
             pair = head  # (the grid's first axis counts head pairs)
             _fp8_setup(W, ones_smem, zrow, R, ONES, TURN)
-            amax0 = gl.zeros([R], gl.float32, gl.SliceLayout(1, o_layout))
             # (a run-time loop, not two inlined passes: one copy of the key loop's code, 2.6% of the warp samples
             # were instruction fetch with two)
             for hh in range(2):
@@ -605,10 +604,12 @@ if HAS_GLUON:
                     fence_async_shared()
                     gl.thread_barrier()
                     tma.async_copy_shared_to_global(o_desc, [r0, (2 * pair + hh) * D], o)
-                elif hh == 0:  # the first head's rows wait in o_smem
-                    amax0 = gl.max(gl.abs(yb), 1)
+                elif hh == 0:  # the first head's rows wait in o_smem, their maxima in amax_smem (a register carried
+                    # through the second pass spilled inside its key loop: 8 bytes a step, ~1% at 128000 tokens)
+                    amax_smem.slice(W * R, R).store(gl.max(gl.abs(yb), 1))
                     o_smem.index(W).store(yb.to(gl.bfloat16))
                 else:
+                    amax0 = amax_smem.slice(W * R, R).load(gl.SliceLayout(1, o_layout))
                     scale = gl.maximum(gl.maximum(amax0, gl.max(gl.abs(yb), 1)), _A_EPS) / _A_MAX
                     sc2 = gl.expand_dims(scale, 1)
                     ya = o_smem.index(W).load(o_layout).to(gl.float32)
@@ -758,7 +759,8 @@ if HAS_GLUON:
             mbarrier.init(q_bars.index(1), count=1)
             xq_a = gl.allocate_shared_memory(gl.float8e4nv, [3, R, D], xq_desc.layout)
             xq_b = gl.allocate_shared_memory(gl.float8e4nv, [3, R, D], xq_desc.layout)
-            qout = (q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs)
+            amax_smem = gl.allocate_shared_memory(gl.float32, [4 * R], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            qout = (q_bars, xq_desc, xq_a, xq_b, xs_ptr, stride_xs, amax_smem)
         else:
             qout = q_bar  # (unread: warp_specialize's arguments must be values)
         if TURN > 0:
