@@ -301,10 +301,10 @@ class KernelConfig:
     # rows where o_proj reads only that (``TritonOps.attention_out``; ``ws_attention_prefill_fp8(quant_out=True)``:
     # two heads, one 128-column group, a program, a pass over the keys for each): one [T, Hq * D] bf16 write and read
     # and an act_quant launch fewer a full layer (~1.7 ms of a 20b prefill at 32768 tokens by the thirty-eighth
-    # session's deletion probe). Forty-third session, H100: its GPU tests pass (act_quant's bytes), the whole 20b the
-    # same within the spread at 32768 tokens (0.3828 / 0.3903 against 0.3848 / 0.3864 s) and 0.8-0.9% slower at 128000
-    # (3.3183 against 3.2896 s, 3.2874 against 3.2623): a program's two passes read the keys twice, one pass apart,
-    # where without it a KV head's eight programs read them at once (BENCHMARKS.md "Two byte cuts tried again"). Opt-in
+    # session's deletion probe). Forty-third session, H100: its GPU tests pass (act_quant's bytes); the kernel 0.6%
+    # under the rows + act_quant at 32768 tokens and 0.4% over at 128000 (medians of 7 rotated rounds), the whole 20b
+    # the same within the spread at 32768 and 0.6% slower at 128000 (3.3187 against 3.2984 s; BENCHMARKS.md "Two byte
+    # cuts tried again"). Opt-in
     attention_fp8_quant_out: bool = False
     # A window layer's Triton prefill kernel writes o_proj's input quantization (act_quant's bytes) in place of its
     # bf16 rows where o_proj reads only that (``TritonOps.attention_out``, ``attention_prefill(quant_out=True)``):
