@@ -312,7 +312,10 @@ if has moe-ncu-plans; then
       "$NCU" --import "/tmp/plan_${tag}$kern.ncu-rep" --page raw --csv > "/tmp/plan_${tag}${kern}_raw.csv" 2>&1
       "$NCU" --import "/tmp/plan_${tag}$kern.ncu-rep" --page source --csv --print-source sass \
         > "/tmp/plan_${tag}${kern}_sass.csv" 2>&1
+      # (MOE_NCU_GREP: more raw metrics in the digest; by default the L2's sectors by source unit, hits and misses,
+      # and DRAM's sectors: where a plan's DRAM reads come from)
       python3 benchmarks/ncu_digest.py "/tmp/plan_${tag}${kern}_raw.csv" "/tmp/plan_${tag}${kern}_sass.csv" \
+        --grep "${MOE_NCU_GREP:-^lts__t_(sectors|requests)_srcunit_\w+(_lookup_(hit|miss))?\.sum$|^dram__sectors_\w+\.sum$}" \
         > "$rep.digest.txt" 2>&1
       grep -i -m3 "tensor\|pipe" "$rep.digest.txt"
     done

@@ -5,7 +5,7 @@ limit on files a call returns; this reads them there and writes what the analysi
 
     ncu --import REP.ncu-rep --page raw --csv > raw.csv
     ncu --import REP.ncu-rep --page source --csv --print-source sass > sass.csv
-    python3 benchmarks/ncu_digest.py raw.csv sass.csv [--hot 100000] > digest.txt
+    python3 benchmarks/ncu_digest.py raw.csv sass.csv [--hot 100000] [--grep REGEX] > digest.txt
 
 ``--hot``: an instruction executed at least this many times (warp-level, the whole launch) counts as part of a
 hot loop in the by-opcode table.
@@ -37,8 +37,10 @@ def _num(text: str) -> float:
         return 0.0
 
 
-def raw_digest(path: str) -> list[str]:
-    """The raw page: duration, clocks, pipe utilizations, occupancy and the warp-state samples by reason."""
+def raw_digest(path: str, grep: str | None = None) -> list[str]:
+    """The raw page: duration, clocks, pipe utilizations, occupancy and the warp-state samples by reason; ``grep``:
+    also every metric whose name matches this regular expression (e.g. the L2's sectors by source unit and hit /
+    miss, to see where DRAM reads come from)."""
     rows = list(csv.reader(open(path)))
     hdr, units, vals = rows[0], rows[1], rows[2]
     out = []
@@ -46,7 +48,8 @@ def raw_digest(path: str) -> list[str]:
         keep = (h in ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "launch__registers_per_thread",
                       "sm__warps_active.avg.per_cycle_active", "smsp__warps_eligible.avg.per_cycle_active")
                 or h in MEMORY
-                or (any(p in h for p in PIPES) and h.endswith("pct_of_peak_sustained_active")))
+                or (any(p in h for p in PIPES) and h.endswith("pct_of_peak_sustained_active"))
+                or (grep is not None and re.search(grep, h) is not None))
         if keep:
             out.append(f"{h} [{u}] = {v}")
     stalls = [(_num(v), h) for h, v in zip(hdr, vals, strict=True)
@@ -91,8 +94,9 @@ def main() -> None:
     ap.add_argument("raw")
     ap.add_argument("sass")
     ap.add_argument("--hot", type=int, default=100000)
+    ap.add_argument("--grep", default=None, help="also the raw metrics whose names match this regular expression")
     args = ap.parse_args()
-    print("\n".join(raw_digest(args.raw) + sass_digest(args.sass, args.hot)))
+    print("\n".join(raw_digest(args.raw, args.grep) + sass_digest(args.sass, args.hot)))
 
 
 if __name__ == "__main__":
