@@ -32,6 +32,9 @@ def test_raw_page_keeps_pipes_and_orders_stall_reasons(digest, tmp_path):
     reasons = out[out.index("warp-state samples by reason:") + 1:]
     assert [r.split()[-1] for r in reasons] == ["barrier", "wait"]  # not_issued and zero counts left out
     assert "70.0%" in reasons[0] and "30.0%" in reasons[1]
+    # --grep: also the metrics whose names match (the L2's sectors by source unit, DRAM's)
+    out = digest.raw_digest(str(raw), r"^dram__bytes\.sum$")
+    assert "dram__bytes.sum [byte] = 9" in out and not any("sleeping" in line for line in out)
 
 
 def test_sass_page_sums_hot_samples_by_opcode(digest, tmp_path):
