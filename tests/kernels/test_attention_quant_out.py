@@ -190,7 +190,7 @@ def test_fp8_gluon_quant_out_gpu(t, opts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_fp8_gluon_quant_out_through_attention_prefill_gpu():
+def test_fp8_gluon_quant_out_through_attention_prefill_gpu(monkeypatch):
     """``attention_prefill(fp8=True, quant_out=True)`` with ``attention_fp8_quant_out`` on takes the kernel's own
     quantization (no bf16 rows: the rows' tensor is never made), and equals the option off (act_quant after); an odd
     number of query heads a KV head falls back to act_quant after."""
@@ -203,11 +203,9 @@ def test_fp8_gluon_quant_out_through_attention_prefill_gpu():
         q, k, v, sinks, _ = _case([2500], hq, hkv, 64, hq, "cuda")
         seen = []
         real = ws8.ws_attention_prefill_fp8
-        ws8.ws_attention_prefill_fp8 = lambda *a, **kw: seen.append(kw["quant_out"]) or real(*a, **kw)
-        try:
+        with monkeypatch.context() as m:
+            m.setattr(ws8, "ws_attention_prefill_fp8", lambda *a, **kw: seen.append(kw["quant_out"]) or real(*a, **kw))
             got = attention_prefill(q, k, v, sinks, fp8=True, quant_out=True, config=on, rope=_rope(2500, 64, "cuda"))
-        finally:
-            ws8.ws_attention_prefill_fp8 = real
         assert seen == [fused]
         want = attention_prefill(q, k, v, sinks, fp8=True, quant_out=True, config=KernelConfig(),
                                  rope=_rope(2500, 64, "cuda"))
