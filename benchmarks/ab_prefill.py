@@ -31,7 +31,10 @@ session); "fp8-quant-out" (the full layers' FP8 attention writes o_proj's input 
 ``KernelConfig.attention_fp8_quant_out``, forty-third session, opt-in); "wide-gather" (the heavy-load gate_up's
 producer copies A rows from the tokens' own FP8 rows, ``GluonTile.gather``, no ``gather_act_quant``: thirty-fourth
 session; since the forty-third its four warps copy the row scales into the stages too, ``stage_scales`` kept;
-"wide-gather-nosc": without them); "window-rows" (the window layers' attention writes bf16 rows and o_proj quantizes
+"wide-gather-nosc": without them);
+"gather-by-token" / "gather-sorted" (``gather_act_quant``'s rows written walking the tokens in order,
+``KernelConfig.moe_gather_by_token``, forty-fourth session, or the sorted rows);
+"window-rows" (the window layers' attention writes bf16 rows and o_proj quantizes
 them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual" (o_proj's GEMM adds
 the residual stream in its epilogue, the post-attention norm reads the new stream alone:
 ``KernelConfig.gemm_residual``, thirty-ninth session, the default since; "o-proj-delta": off, as before) and
@@ -163,6 +166,10 @@ def _config(name: str) -> KernelConfig | None:
                    moe_gluon_down=replace(base.moe_gluon_down, turns=True))
         dense = dict(dense_gluon_wide_tile=replace(base.dense_gluon_wide_tile, turns=True))
         return replace(base, **{"wide-turns": moe, "dense-turns": dense, "all-turns": moe | dense}[name])
+    if name == "gather-by-token":  # the pre-gathered rows written walking the tokens (44th session)
+        return replace(base, moe_gather_by_token=True)
+    if name == "gather-sorted":  # ... walking the sorted rows (before the 44th session)
+        return replace(base, moe_gather_by_token=False)
     if name == "wide-gather":  # the wide gate_up's A rows (and row scales) copied from the tokens' by its producer
         return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, gather=True))
     if name == "wide-gather-nosc":  # the same, its consumers loading the tokens' row scales (34th-37th sessions' form)

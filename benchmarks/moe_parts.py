@@ -1,7 +1,9 @@
 """The prefill MoE's parts on the GPU at the 20b's shapes (issue 34: where the MoE's 18% of a 128000-token prefill goes).
 
 1. ``gather_act_quant`` (the gate_up's A rows copied from the norm's FP8 rows into sorted order) per program tile
-   (rows, groups of 128 columns), event medians, with the bytes it moves a second;
+   (rows, groups of 128 columns), event medians, with the bytes it moves a second; then walking the tokens in order
+   (``slot_rows=``, ``KernelConfig.moe_gather_by_token``) per tile (tokens, columns a step), and moe_align against
+   moe_align_rows (the slot -> row map it needs);
 2. with --seconds S: ``moe_expert_slots`` (gather, gate_up, down) launched back to back for S seconds, so that
    benchmarks/clock_watch.py around this script reads the clock and board power the MoE holds (at the power cap?);
 3. with --plans S: each of PLANS (the launches' tiles: ring depth, tile order, persistent programs) launched back
@@ -27,13 +29,14 @@ from clock_watch import back_to_back
 
 from gptoss_fp8 import spec
 from gptoss_fp8.kernels.act_quant import act_quant
-from gptoss_fp8.kernels.config import DEFAULT, GluonTile, MoePlan, TritonTile
-from gptoss_fp8.kernels.moe import gather_act_quant, gather_tile, moe_expert_slots
-from gptoss_fp8.kernels.moe_align import moe_align
+from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, MoePlan, TritonTile
+from gptoss_fp8.kernels.moe import gather_act_quant, gather_by_token_tile, gather_tile, moe_expert_slots
+from gptoss_fp8.kernels.moe_align import moe_align, moe_align_rows
 from gptoss_fp8.quant.fp8 import quantize_weight_blocks
 
 HIDDEN, INTER, TOP_K = 2880, 2880, 4
 TILES = [(16, 1), (16, 4), (32, 4), (32, 8), (8, 23), (4, 23), (16, 23), (8, 12)]
+BY_TOKEN_TILES = [(16, 128), (8, 128), (32, 128), (8, 256), (16, 256), (4, 512), (8, 512), (32, 64)]
 
 
 def _wide(gather: bool = False, **kw) -> MoePlan:
@@ -45,6 +48,7 @@ def _wide(gather: bool = False, **kw) -> MoePlan:
 
 PLANS = {
     "default": None,
+    "gather by token (the pre-gathered rows written walking the tokens)": KernelConfig(moe_gather_by_token=True),
     "balance": _wide(balance=True),
     "group_m 8 (before the 27th session)": _wide(group_m=8),
     "group_m 32": _wide(group_m=32),
@@ -103,6 +107,30 @@ def main() -> None:
             ms = triton.testing.do_bench(lambda tile=tile: gather_act_quant(x, slots, TOP_K, xq, tile=tile),
                                          warmup=20, rep=200, return_mode="median")
             print(f"tile {tile}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:6.2f} TB/s  {'same bits' if same else 'DIFFERS'}")
+        for name, fn in (("moe_align", lambda: moe_align(ids, 0, e, plan.align_m)),
+                         ("moe_align_rows", lambda: moe_align_rows(ids, 0, e, plan.align_m))):
+            ms = triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median")
+            print(f"{name}: {ms * 1e3:8.1f} us")
+        slots, _, rows = moe_align_rows(ids, 0, e, plan.align_m)  # (the atomics' order: both from one call)
+        # each token's row read once (T rows), the k rows written, the scales both ways
+        nbytes_tok = (t + slots.shape[0]) * (HIDDEN + 4 * triton.cdiv(HIDDEN, 128))
+        print(f"# walking the tokens (slot_rows=): the default tile {gather_by_token_tile(t)}; TB/s of "
+              f"{nbytes_tok / 1e9:.3f} GB (T rows read once, the sorted rows written); scales MN-major (the model's)")
+        sorted_tile = gather_tile(slots.shape[0], triton.cdiv(HIDDEN, 128))
+        ref = gather_act_quant(x, slots, TOP_K, xq, tile=sorted_tile, scale_mn_major=True)
+        ways = {f"sorted {sorted_tile}": dict(tile=sorted_tile)} | {
+            f"by token {tile}": dict(tile=tile, slot_rows=rows) for tile in BY_TOKEN_TILES}
+        for rnd in range(3):  # rounds, the order rotated (do_bench blocks drift with the card's state)
+            names = list(ways)[rnd % len(ways):] + list(ways)[:rnd % len(ways)]
+            for name in names:
+                kw = ways[name]
+                got = gather_act_quant(x, slots, TOP_K, xq, scale_mn_major=True, **kw)
+                same = torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[1], ref[1])
+                ms = triton.testing.do_bench(lambda kw=kw: gather_act_quant(x, slots, TOP_K, xq, scale_mn_major=True,
+                                                                            **kw),
+                                             warmup=20, rep=200, return_mode="median")
+                print(f"round {rnd} {name}: {ms * 1e3:8.1f} us  {nbytes_tok / ms / 1e9:6.2f} TB/s  "
+                      f"{'same bits' if same else 'DIFFERS'}")
     if a.launch is not None:
         names = [a.launch] if a.launch in PLANS else [name for name in PLANS if name.startswith(a.launch)]
         assert len(names) == 1, f"--launch {a.launch!r}: one of {list(PLANS)}"
@@ -114,7 +142,10 @@ def main() -> None:
         b2 = (0.1 * torch.randn(e, HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
 
         def run(plan=None):
-            return moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq, plan=plan)
+            """plan: a PLANS value (None: the default; a KernelConfig: that config's own plan)."""
+            cfg = plan if isinstance(plan, KernelConfig) else None
+            return moe_expert_slots(x, ids, w13, s13, b13, w2, s2, b2, x_quant=xq, config=cfg,
+                                    plan=None if cfg else plan)
 
         flops = 2.0 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
         if a.launch is not None:

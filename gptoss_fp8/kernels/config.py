@@ -253,6 +253,12 @@ class KernelConfig:
         default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True))
     moe_gluon_down: GluonTile = field(
         default_factory=lambda: GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True))
+    # The wide gate_up's pre-gathered A rows (``gather_act_quant`` from the norm's FP8 rows) written walking the
+    # tokens in order (``moe_align_rows``' slot -> row map): each token's row read once and stored into its k rows,
+    # where the sorted walk reads it k times from wherever it lies (the 20b's 94 MB of FP8 rows at 32768 tokens do
+    # not stay in L2: ~0.75 GB moved a layer instead of ~0.47). Same bytes out. Forty-fourth session: opt-in until
+    # timed.
+    moe_gather_by_token: bool = False
     # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True

@@ -32,7 +32,7 @@ from gptoss_fp8 import spec
 from gptoss_fp8.kernels import moe_ws
 from gptoss_fp8.kernels.act_quant import act_quant, group_scale, quantize_group_rows
 from gptoss_fp8.kernels.config import DEFAULT, GluonTile, KernelConfig, MoePlan
-from gptoss_fp8.kernels.moe_align import moe_align, moe_align_reference  # noqa: F401 - re-exported
+from gptoss_fp8.kernels.moe_align import moe_align, moe_align_reference, moe_align_rows  # noqa: F401 - re-exported
 from gptoss_fp8.kernels.moe_gemm import SWIGLU_ALPHA, check_experts, down_triton, gate_up_triton
 from gptoss_fp8.kernels.pdl import pdl_launch
 from gptoss_fp8.quant.fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, next_pow2
@@ -151,6 +151,60 @@ def _gather_act_quant_kernel(
         tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=m_ok & (g * GROUP < K))
 
 
+@triton.jit
+def _gather_by_token_kernel(
+    xq_ptr, xs_ptr, rows_ptr, slots_ptr, q_ptr, s_ptr,
+    T, M, K, num_slots, stride_xm, stride_xsm, stride_qm, stride_sm, stride_sg,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, COLS: tl.constexpr, PAD_M: tl.constexpr, GROUP: tl.constexpr,
+    G_POW2: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+):
+    """``gather_act_quant``'s rows from x's quantization walked in token order: the first cdiv(T, BLOCK_T)
+    programs read BLOCK_T tokens' FP8 rows and scales once, COLS columns at a time, and store them into each of
+    their TOP_K slots' rows (rows_ptr: slot -> row, -1 for a slot with none); the programs after them each take
+    PAD_M sorted rows and write the padding rows among them (slot >= num_slots: zero bytes, act_quant's scale of
+    a zero row)."""
+    pid = tl.program_id(0)
+    n_tok = tl.cdiv(T, BLOCK_T)
+    if pid < n_tok:
+        tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = tok < T
+        src = tok.to(tl.int64)
+        grp = tl.arange(0, G_POW2)
+        g_ok = grp * GROUP < K
+        sc = tl.load(xs_ptr + src[:, None] * stride_xsm + grp[None, :], mask=t_ok[:, None] & g_ok[None, :])
+        for j in tl.static_range(TOP_K):
+            row = tl.load(rows_ptr + tok * TOP_K + j, mask=t_ok, other=-1)
+            d = tl.where(row >= 0, row, 0).to(tl.int64)
+            tl.store(s_ptr + d[:, None] * stride_sm + grp[None, :] * stride_sg, sc,
+                     mask=(row >= 0)[:, None] & g_ok[None, :])
+        for c0 in range(0, K, COLS):
+            cols = c0 + tl.arange(0, COLS)
+            c_ok = cols < K
+            v = tl.load(xq_ptr + src[:, None] * stride_xm + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+            for j in tl.static_range(TOP_K):  # (the rows' indices again each step: L1 hits, no registers held)
+                row = tl.load(rows_ptr + tok * TOP_K + j, mask=t_ok, other=-1)
+                d = tl.where(row >= 0, row, 0).to(tl.int64)
+                tl.store(q_ptr + d[:, None] * stride_qm + cols[None, :], v, mask=(row >= 0)[:, None] & c_ok[None, :])
+    else:
+        offs = (pid - n_tok) * PAD_M + tl.arange(0, PAD_M)
+        slot = tl.load(slots_ptr + offs, mask=offs < M, other=0)
+        pad = (offs < M) & (slot >= num_slots)
+        if tl.max(pad.to(tl.int32), axis=0) > 0:
+            rows = offs.to(tl.int64)
+            zero_scale = group_scale(tl.zeros([PAD_M], dtype=tl.float32), FP8_MAX_C, EPS)
+            for g in range(0, tl.cdiv(K, GROUP)):
+                tl.store(s_ptr + rows * stride_sm + g * stride_sg, zero_scale, mask=pad)
+            for c0 in range(0, K, COLS):
+                cols = c0 + tl.arange(0, COLS)
+                tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], tl.zeros([PAD_M, COLS], tl.uint8),
+                         mask=pad[:, None] & (cols < K)[None, :])
+
+
+def gather_by_token_tile(tokens: int) -> tuple[int, int]:
+    """gather_act_quant(slot_rows=)'s program, (tokens, columns a step): not yet measured."""
+    return (16, 128)
+
+
 def gather_tile(rows: int, groups: int) -> tuple[int, int]:
     """gather_act_quant's program, (rows, groups of 128 columns), by the rows it writes (H200, the 20b's rows copied
     from x_quant, benchmarks/moe_parts.py, twenty-sixth session): whole rows of 8 from 65536 rows on (135168 rows,
@@ -162,7 +216,8 @@ def gather_tile(rows: int, groups: int) -> tuple[int, int]:
 def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
                      x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
                      tile: tuple[int, int] | None = None,
-                     scale_mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale_mn_major: bool = False,
+                     slot_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate_up GEMM's A operand in padded sorted row order: row r is the 1x128 FP8 quantization
     of x[sorted_slots[r] // top_k] (``act_quant``'s numerics; a token routed to k experts is
     quantized k times, identically); padding rows (slot >= T*k) are zeros. Lets gate_up read A
@@ -171,7 +226,11 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
     caller has it; its rows are then copied (half the bytes of x read, no quantization), same bits.
     tile: (rows, groups of 128 columns) a program (None: ``gather_tile``'s). scale_mn_major: the
     scales [M, g] laid out MN-major (stride (1, M): a group's rows contiguous, what the wide gate_up
-    with ``GluonTile.stage_scales`` copies into its stages), same values."""
+    with ``GluonTile.stage_scales`` copies into its stages), same values.
+    slot_rows (with x_quant: ``moe_align_rows``' inverse map, each slot's row or -1): the same output written
+    walking the tokens in order (``_gather_by_token_kernel``): each token's FP8 row read once and stored into
+    its k rows, where the sorted walk reads it k times from wherever it lies (x_quant larger than L2: k reads
+    from DRAM); tile then (tokens, columns a step) a program (None: ``gather_by_token_tile``'s)."""
     t, h = x.shape
     m = sorted_slots.shape[0]
     g = cdiv(h, BLOCK)
@@ -188,7 +247,18 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
         src, src_s, out = xq.view(torch.uint8), xs, q.view(torch.uint8)
     else:
         src, src_s, out = x, x, q  # src_s unused
-    if m:
+    if m and slot_rows is not None:
+        assert x_quant is not None, "gather_act_quant(slot_rows=) copies rows from x_quant: pass it"
+        assert slot_rows.shape == (t * top_k,) and slot_rows.dtype == torch.int32, f"slot_rows {tuple(slot_rows.shape)}"
+        block_t, cols = tile or gather_by_token_tile(t)
+        pad_m = 128
+        _gather_by_token_kernel[(cdiv(t, block_t) + cdiv(m, pad_m),)](
+            src, src_s, slot_rows, sorted_slots, out, s, t, m, h, t * top_k, src.stride(0), src_s.stride(0),
+            q.stride(0), s.stride(0), s.stride(1),
+            TOP_K=top_k, BLOCK_T=block_t, COLS=cols, PAD_M=pad_m, GROUP=BLOCK, G_POW2=next_pow2(g), FP8_MAX_C=FP8_MAX,
+            EPS=ACT_EPS, num_warps=4,
+        )
+    elif m:
         block_m, groups = tile or gather_tile(m, g)
         _gather_act_quant_kernel[(cdiv(m, block_m), cdiv(g, groups))](
             src, src_s, sorted_slots, out, s, m, h, t * top_k, src.stride(0), src_s.stride(0), q.stride(0), s.stride(0),
@@ -279,7 +349,11 @@ def moe_expert_slots(
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
-    sorted_slots, block_expert = moe_align(topk_ids, expert_start, e, align)
+    by_token = cfg.moe_gather_by_token and gluon_gu and not plan.gate_up.gather and x_quant is not None
+    if by_token:  # gather_act_quant walks the tokens in order (each FP8 row read once): it needs each slot's row
+        sorted_slots, block_expert, slot_rows = moe_align_rows(topk_ids, expert_start, e, align)
+    else:
+        (sorted_slots, block_expert), slot_rows = moe_align(topk_ids, expert_start, e, align), None
     max_rows = sorted_slots.shape[0]
     act = torch.empty((max_rows, i), dtype=FP8_DTYPE, device=x.device)
     # GluonTile.stage_scales: the down's A scales MN-major where the wide gate_up writes them (else its launcher
@@ -295,7 +369,7 @@ def moe_expert_slots(
             gather = k if h % 16 == 0 and a_fp8.data_ptr() % 16 == 0 and a_fp8.stride(0) % 16 == 0 else 0
         if not gather:  # A quantized straight into sorted row order (rows copied from x_quant when given: same bits)
             a_fp8, a_scale = gather_act_quant(x.contiguous(), sorted_slots, k, x_quant,
-                                              scale_mn_major=plan.gate_up.stage_scales)
+                                              scale_mn_major=plan.gate_up.stage_scales, slot_rows=slot_rows)
         moe_ws.ws_moe_gemm(a_fp8, a_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert,
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
                            stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,

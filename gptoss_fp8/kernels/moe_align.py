@@ -3,7 +3,8 @@
 Contract: topk_ids int32 [T, k] (contiguous) of global expert ids; a rank holds experts
 [expert_start, expert_start + E_local). ``moe_align`` returns ``sorted_slots`` int32 [max_rows]
 (flat slot t*k + j per padded row, T*k for padding) and ``block_expert`` int32
-[max_rows / ALIGN_M] (each row tile's local expert, E_local past the last segment), with
+[max_rows / ALIGN_M] (each row tile's local expert, E_local past the last segment);
+``moe_align_rows`` the inverse map too (``slot_rows`` int32 [T*k], each slot's row), with
 max_rows = round_up(T*k + E_local*(ALIGN_M - 1), ALIGN_M) an upper bound, so the host never
 synchronises. Pairs routed to other ranks are dropped. Three small kernels (count with atomics,
 offsets, scatter); the order inside one expert's segment follows the atomics (it changes nothing
@@ -51,9 +52,10 @@ def _align_offsets_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, num_exper
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots, expert_start, num_experts,
-                          BLOCK: tl.constexpr):
-    """sorted_slots[pad_start[e] + rank] = slot for every slot routed to a local expert."""
+def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, rows_ptr, n_slots, expert_start, num_experts,
+                          BLOCK: tl.constexpr, ROWS: tl.constexpr = False):
+    """sorted_slots[pad_start[e] + rank] = slot for every slot routed to a local expert; ROWS: also
+    slot_rows[slot] = that row (-1 for a slot routed to another rank)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_slots
     e = tl.load(ids_ptr + offs, mask=m, other=0) - expert_start
@@ -61,22 +63,39 @@ def _align_scatter_kernel(ids_ptr, rank_ptr, pad_start_ptr, sorted_ptr, n_slots,
     rank = tl.load(rank_ptr + offs, mask=here, other=0)
     start = tl.load(pad_start_ptr + tl.where(here, e, 0), mask=here, other=0)
     tl.store(sorted_ptr + start + rank, offs, mask=here)
+    if ROWS:
+        tl.store(rows_ptr + offs, tl.where(here, start + rank, -1), mask=m)
 
 
 def moe_align(
     topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align_rows`` without the slots' rows: (sorted_slots, block_expert)."""
+    sorted_slots, block_expert, _ = _align(topk_ids, expert_start, num_local, block_m, False)
+    return sorted_slots, block_expert
+
+
+def moe_align_rows(
+    topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by local expert, padding each expert's segment to block_m rows.
 
     topk_ids [T, k] int32 global expert ids. Returns
     - ``sorted_slots`` int32 [max_rows]: flat slot index t*k + j per padded row, T*k for padding;
     - ``block_expert`` int32 [max_rows / block_m]: the local expert of each row tile, num_local for
-      tiles past the last expert's segment (the kernels skip those).
+      tiles past the last expert's segment (the kernels skip those);
+    - ``slot_rows`` int32 [T*k]: each slot's row (the inverse of sorted_slots), -1 for a slot routed to
+      another rank's expert (``gather_act_quant(slot_rows=)`` walks the tokens in order with it).
     max_rows = round_up(T*k + num_local*(block_m - 1), block_m) is an upper bound, so no host sync.
     Three small Triton kernels (count with atomics, offsets, scatter); the order of the slots
     inside one expert's segment follows the atomics and may change between runs, which changes
     nothing in the results (rows are independent and written back by slot index).
     """
+    return _align(topk_ids, expert_start, num_local, block_m, True)
+
+
+def _align(topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: int,
+           rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous(), f"topk_ids {topk_ids.dtype}"
     dev = topk_ids.device
     n_slots = topk_ids.numel()
@@ -94,8 +113,10 @@ def moe_align(
         counts, pad_start, block_expert, num_local, num_tiles,
         ALIGN_M=block_m, BLOCK_E=max(16, next_pow2(num_local)), BLOCK_T=64,
     )
-    _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, n_slots, expert_start, num_local, BLOCK=block)
-    return sorted_slots, block_expert
+    slot_rows = torch.empty(n_slots, dtype=torch.int32, device=dev) if rows else None
+    _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, slot_rows if rows else sorted_slots, n_slots,
+                                expert_start, num_local, BLOCK=block, ROWS=rows)
+    return sorted_slots, block_expert, slot_rows
 
 
 def moe_align_reference(
@@ -116,3 +137,12 @@ def moe_align_reference(
         sorted_slots[start:start + slots.numel()] = slots.int()
     tiles = torch.arange(0, max_rows, block_m, device=topk_ids.device)
     return sorted_slots, torch.searchsorted(pad_end, tiles, right=True).int()
+
+
+def slot_rows_reference(sorted_slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """Plain-torch ``moe_align_rows``' slot_rows: each slot's row in sorted_slots, -1 where it has none."""
+    rows = torch.full((n_slots,), -1, dtype=torch.int32, device=sorted_slots.device)
+    valid = sorted_slots < n_slots
+    rows[sorted_slots[valid].long()] = torch.arange(sorted_slots.numel(), device=sorted_slots.device,
+                                                    dtype=torch.int32)[valid]
+    return rows

@@ -23,6 +23,7 @@ from gptoss_fp8.kernels.moe import (
     gather_act_quant,
     moe_align,
     moe_align_reference,
+    moe_align_rows,
     moe_combine,
     moe_experts,
     zero_foreign_rows,
@@ -92,6 +93,50 @@ def test_moe_align_matches_reference(e0, n_local, block_m):
     for row, s in enumerate(slots.cpu().tolist()):
         if s < n:
             assert block_expert[row // block_m].item() == flat[s].item()
+
+
+@pytest.mark.parametrize("e0,n_local,block_m", [(0, 8, 16), (2, 3, 64)])
+def test_moe_align_rows_inverts_sorted_slots(e0, n_local, block_m):
+    """moe_align_rows: moe_align's two outputs (the same launches, one more store) and each slot's row, -1 for
+    the slots routed to another rank's experts."""
+    from gptoss_fp8.kernels.moe_align import slot_rows_reference
+
+    g = torch.Generator().manual_seed(7 + e0)
+    ids = torch.randint(0, 8, (50, 4), generator=g, dtype=torch.int32).to(DEV)
+    slots, block_expert, rows = moe_align_rows(ids, e0, n_local, block_m)
+    assert rows.shape == (200,) and rows.dtype == torch.int32
+    assert torch.equal(rows, slot_rows_reference(slots, 200))
+    local = ((ids.reshape(-1) >= e0) & (ids.reshape(-1) < e0 + n_local)).cpu()
+    assert torch.equal((rows >= 0).cpu(), local)
+    if e0:
+        assert 0 < int(local.sum()) < 200  # some slots without a row here
+    assert torch.equal(block_expert, moe_align(ids, e0, n_local, block_m)[1])
+
+
+@pytest.mark.parametrize("tile", [None, (4, 64), (2, 32)])
+def test_gather_by_token_same_bytes(tile):
+    """gather_act_quant(slot_rows=): the tokens walked in order, each FP8 row stored into its slots' rows and the
+    padding rows zero-filled by the programs after them: the same bytes and scales as the sorted walk, both scale
+    layouts, every program tile (h = 200: two groups, the second partial; 37 tokens: a partial token block),
+    with slots routed to another rank (no row) and segments of several padding rows."""
+    from gptoss_fp8.kernels.moe_align import slot_rows_reference
+
+    g = torch.Generator().manual_seed(21)
+    t, k, h, e = 37, 4, 200, 8
+    x = (torch.randn(t, h, generator=g) * 3).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    xq = act_quant(x)
+    for e0, n_local in ((0, 8), (2, 4)):
+        slots, _, rows = moe_align_rows(ids, e0, n_local, 16)
+        assert torch.equal(rows, slot_rows_reference(slots, t * k))
+        assert int((slots >= t * k).sum()) >= n_local  # padding rows to fill
+        for mn in (False, True):
+            q0, s0 = gather_act_quant(x, slots, k, xq, scale_mn_major=mn)
+            q1, s1 = gather_act_quant(x, slots, k, xq, scale_mn_major=mn, slot_rows=rows, tile=tile)
+            assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8))
+            assert s1.stride() == s0.stride() and torch.equal(s1, s0)
+    with pytest.raises(AssertionError, match="x_quant"):
+        gather_act_quant(x, slots, k, slot_rows=rows)
 
 
 @pytest.mark.parametrize(
@@ -421,6 +466,30 @@ def test_fused_moe_ws_gather_gpu(t, h, i, e, e0, n_local, plan):
     xq = (big[0][3:], big[1][3:])
     slots = [moe_expert_slots(m["x"], ids, *ex, expert_start=e0, x_quant=xq, plan=p) for p in (plan, plain)]
     assert torch.equal(slots[0], slots[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,i,e,e0,n_local,plan", [
+    *((*shape, _wide_plan(**tile, stage_scales=True)) for shape, tile in _OPTION_SHAPES),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16)),
+], ids=[*(f"by-token-sc{i}" for i in _OPTION_IDS), "by-token"])
+def test_moe_gather_by_token_same_bits_gpu(t, h, i, e, e0, n_local, plan):
+    """KernelConfig.moe_gather_by_token (the pre-gathered rows written walking the tokens in order, moe_align_rows'
+    map): the per-slot outputs bit-equal to the sorted walk's, from the norm's quantization (x_quant: rows 3.. of
+    a larger one, a chunk's slice), over expert-parallel shards, 128 experts, one token (127 padding rows), both
+    scale layouts (stage_scales or not); without x_quant the option is not taken (the same bits too)."""
+    from gptoss_fp8.kernels.moe import moe_expert_slots
+
+    m = _model(t, h, i, e, seed=t + h + i + 3)
+    ex = _shard(m["experts"], e0, n_local)
+    _, ids = route(m["x"], m["wr"], m["br"], 4)
+    big = act_quant(torch.cat([torch.randn(3, h, device="cuda", dtype=torch.bfloat16), m["x"]]))
+    xq = (big[0][3:], big[1][3:])
+    on = KernelConfig(moe_gather_by_token=True)
+    for x_quant in (xq, None):
+        ys = [moe_expert_slots(m["x"], ids, *ex, expert_start=e0, x_quant=x_quant, plan=plan, config=c)
+              for c in (KernelConfig(), on)]
+        assert torch.equal(ys[0], ys[1]) and ys[0].abs().sum() > 0
 
 
 _TURNS = [False, pytest.param(True, marks=pytest.mark.slow)]  # GluonTile.turns: compile-only, ~5 s each
