@@ -69,9 +69,9 @@
 #            the stages too): its GPU tests (the pre-gathered plan's bits), the MoE's plans back to back (moe_parts.py
 #            --only gather, 32768 tokens), the 20b beside the default, same process (P43_VARIANTS), 32768 / 128000
 #   pending44  the forty-fourth session's gather walking the tokens (KernelConfig.moe_gather_by_token: each token's
-#            FP8 row read once and stored into its k sorted rows): its GPU tests, moe_parts.py's gather tiles both ways
-#            (rounds) and the MoE back to back, then the 20b beside the default, same process (P44_VARIANTS), 32768 /
-#            128000
+#            FP8 row read once and stored into its k sorted rows) and the MoE tiles' per-thread stage release
+#            (GluonTile.thread_release): their GPU tests, moe_parts.py's gather tiles both ways (rounds) and the MoE
+#            back to back (P44_ONLY), then the 20b beside the default, same process (P44_VARIANTS), 32768 / 128000
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -611,16 +611,16 @@ if has pending44; then
   # the forty-fourth session: gather_act_quant walking the tokens (each FP8 row read once, stored into its k rows)
   if [[ ${P44_TEST_S:-120} != 0 ]]; then
     timeout -s INT ${P44_TEST_S:-120} python3 -m pytest -q -rf -n 3 --dist load tests/kernels/test_moe.py \
-      -k "by_token or align or gather_act" > "$OUT/p44_tests.log" 2>&1
+      -k "by_token or align or gather_act or thread_release" > "$OUT/p44_tests.log" 2>&1
     tail -6 "$OUT/p44_tests.log"
   fi
   [[ ${P44_PLANS_S:-120} == 0 ]] || timeout ${P44_PLANS_S:-120} python3 benchmarks/moe_parts.py --tokens 32768 \
-    --plans ${P44_PLAN_SECONDS:-3} --only "gather by" 2>&1 | grep -v "^tile\|Warn" | tee "$OUT/p44_parts.log"
+    --plans ${P44_PLAN_SECONDS:-3} --only "${P44_ONLY:-gather by,thread release}" 2>&1 | grep -v "^tile\|Warn" | tee "$OUT/p44_parts.log"
   [[ ${P44_AB32K_S:-150} == 0 ]] || timeout ${P44_AB32K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
-    --tokens 32768 --runs ${P44_RUNS:-7} --variants "${P44_VARIANTS:-default,gather-by-token}" --attention fp8 2>&1 \
+    --tokens 32768 --runs ${P44_RUNS:-7} --variants "${P44_VARIANTS:-default,gather-by-token,wide-release}" --attention fp8 2>&1 \
     | grep -v Warn | tee "$OUT/p44_ab32k.log"
   [[ ${P44_AB128K_S:-150} == 0 ]] || timeout ${P44_AB128K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
-    --tokens 128000 --runs ${P44_RUNS128:-3} --variants "${P44_VARIANTS:-default,gather-by-token}" --attention fp8 \
+    --tokens 128000 --runs ${P44_RUNS128:-3} --variants "${P44_VARIANTS:-default,gather-by-token,wide-release}" --attention fp8 \
     2>&1 | grep -v Warn | tee "$OUT/p44_ab128k.log"
 fi
 

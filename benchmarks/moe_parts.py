@@ -49,6 +49,7 @@ def _wide(gather: bool = False, **kw) -> MoePlan:
 PLANS = {
     "default": None,
     "gather by token (the pre-gathered rows written walking the tokens)": KernelConfig(moe_gather_by_token=True),
+    "thread release (each consumer thread releases its stages)": _wide(stage_scales=True, thread_release=True),
     "balance": _wide(balance=True),
     "group_m 8 (before the 27th session)": _wide(group_m=8),
     "group_m 32": _wide(group_m=32),

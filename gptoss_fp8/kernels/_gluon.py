@@ -125,6 +125,14 @@ def check_narrow(narrow: bool, ok: bool, what: str) -> None:
                          f"down), not {what}")
 
 
+def check_thread_release(thread_release: bool, ok: bool, what: str) -> None:
+    """ValueError for ``GluonTile(thread_release=True)`` on a tile other than the MoE's 128-row ones (``ok``: the wide
+    gate_up and the Gluon down), whose consumers release the stages thread by thread (``release``)."""
+    if thread_release and not ok:
+        raise ValueError(f"GluonTile(thread_release=True) is for the MoE's 128-row tiles (the wide gate_up, the Gluon "
+                         f"down), not {what}")
+
+
 def stage_scale_args(a_scale: torch.Tensor, w_scale_inv: torch.Tensor, rows: int) -> tuple[dict, torch.Tensor]:
     """``GluonTile.stage_scales``'s launch arguments (``load_stage_scaled``): TMA descriptors over the row
     scales MN-major (K block kk's rows contiguous: a_scale [M, ceil(K/128)] with strides (1, M), as
@@ -426,6 +434,18 @@ if HAS_GLUON:
         return acc, c + 1
 
     @gluon.jit
+    def release(empty, s, TR: gl.constexpr = False):
+        """A consumer warpgroup's release of stage s of the ring: ``mbarrier.arrive`` (one thread, after a barrier of
+        the warpgroup's 128 threads, which the compiler puts before it), or TR (``GluonTile.thread_release``) each
+        thread's own ``cp.async.mbarrier.arrive.noinc`` (no warpgroup barrier; the arrive-on waits for the thread's
+        earlier cp.async copies, which consumers have none of; the empty barrier then counts 128 arrivals a
+        warpgroup). A thread's stage reads are done by then: its wgmmas waited for, its scale loads used."""
+        if TR:
+            async_copy.mbarrier_arrive(empty.index(s), increment_count=False)
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
+
+    @gluon.jit
     def take_turn(turn, W: gl.constexpr, k, ORDER: gl.constexpr):
         """ORDER: the consumer warpgroups take turns in a fixed rotation, 0, 1, .., NWG - 1, 0, .. (an mbarrier
         per warpgroup): warpgroup W's k-th turn waits for W - 1's. In attention_ws the turn is the MMA issue
@@ -459,7 +479,7 @@ if HAS_GLUON:
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, DO1: gl.constexpr, turn=None,
                                      W: gl.constexpr = 0, TURN: gl.constexpr = False, sa_bufs=None, sb_bufs=None,
-                                     SC: gl.constexpr = False, FENCE: gl.constexpr = False):
+                                     SC: gl.constexpr = False, FENCE: gl.constexpr = False, TR: gl.constexpr = False):
         """Two block-scaled FP8 products of one consumer warpgroup over the same stages, with the
         package's promotion numerics: acc0 of A rows A0 .. A0 + AR x B rows B0 .. B0 + BR, acc1 of
         A rows A1 .. x B rows B1 .. (a 128 x 128 or 64 x 256 share of a wide tile as two m64 x n128
@@ -504,7 +524,10 @@ if HAS_GLUON:
         arguments are then unused; the products and sums are the same, so the results are the same bits.
 
         FENCE (the gathered gate_up, ``GluonTile.gather``): the A stage was written by the producer's cp.async
-        (the generic proxy), which the wgmma reads through the async proxy: a proxy fence after each ready wait."""
+        (the generic proxy), which the wgmma reads through the async proxy: a proxy fence after each ready wait.
+
+        TR (``GluonTile.thread_release``): each thread releases the stage itself (``release``), no warpgroup
+        barrier before it; the empty barriers then count 128 arrivals a warpgroup."""
         S: gl.constexpr = a_bufs.type.shape[0]
         if SC:
             gl.static_assert(A0 == A1, "stage scales: both products on the same A rows")
@@ -543,10 +566,10 @@ if HAS_GLUON:
                                   use_acc=False, is_async=True)
                 pass_turn(turn, W, TURN)
                 t = warpgroup_mma_wait(num_outstanding=0, deps=(t,))
-                mbarrier.arrive(empty.index(s), count=1)
+                release(empty, s, TR)
                 acc1 = acc1 + t * gl.expand_dims(sc1, 1)
             else:
-                mbarrier.arrive(empty.index(s), count=1)
+                release(empty, s, TR)
                 acc0 = acc0 + t * gl.expand_dims(sc0, 1)
                 take_turn(turn, W, 2 * c + 1, TURN)  # product 1's turn, empty: both warpgroups count 2 a block
                 pass_turn(turn, W, TURN)
@@ -559,19 +582,19 @@ if HAS_GLUON:
                                      as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1, c, n_k,
                                      layout: gl.constexpr, MASK_A: gl.constexpr, second, turn=None,
                                      W: gl.constexpr = 0, TURN: gl.constexpr = False, sa_bufs=None, sb_bufs=None,
-                                     SC: gl.constexpr = False, FENCE: gl.constexpr = False):
+                                     SC: gl.constexpr = False, FENCE: gl.constexpr = False, TR: gl.constexpr = False):
         """``block_scaled_mainloop_serial`` of a tile split in two column halves, the second product
         run only where ``second`` (run time: False where the right half lies wholly past N)."""
         if second:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
                                                          c, n_k, layout, MASK_A, True, turn, W, TURN, sa_bufs,
-                                                         sb_bufs, SC, FENCE)
+                                                         sb_bufs, SC, FENCE, TR)
         else:
             acc0, acc1, c = block_scaled_mainloop_serial(ready, empty, a_bufs, b_bufs, A0, A1, AR, B0, B1, BR,
                                                          as_ptr, a_offs, a_off1, rmask0, rmask1, b_s_ptr, b_off1,
                                                          c, n_k, layout, MASK_A, False, turn, W, TURN, sa_bufs,
-                                                         sb_bufs, SC, FENCE)
+                                                         sb_bufs, SC, FENCE, TR)
         return acc0, acc1, c
 
     @gluon.jit

@@ -91,7 +91,11 @@ class GluonTile:
     same K blocks' products, promoted alike). Built without a GPU in the thirty-ninth session; its GPU tests pass
     (H100), the whole 20b no faster for it (0.3905 against 0.3907 s at 32768 tokens; with the residual and router
     options 3.2782 against 3.2766 s at 128000: inside the spread). Opt-in; other tiles refuse it
-    (``_gluon.check_narrow``)."""
+    (``_gluon.check_narrow``).
+    thread_release: the MoE's 128-row tiles (wide gate_up, Gluon down) only: each consumer thread releases a stage
+    itself (``_gluon.release``: ``cp.async.mbarrier.arrive.noinc``, the empty barriers counting 256 arrivals), where
+    ``mbarrier.arrive`` is one thread's after a barrier of the warpgroup's 128 threads (every K block: DeepGEMM
+    releases per warp, 27th session). Same bits. Forty-fourth session: opt-in until timed (``_gluon.check_thread_release``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -103,6 +107,7 @@ class GluonTile:
     stage_scales: bool = False
     gather: bool = False
     narrow: bool = False
+    thread_release: bool = False
 
     def __post_init__(self):
         if self.promote not in _gluon.PROMOTES:

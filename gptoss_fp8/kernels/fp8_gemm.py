@@ -275,6 +275,7 @@ def fp8_gemm(
 def _ws_launch(a, a_s, w, w_scale_inv, bias, out, tile: GluonTile, **extra) -> None:
     """``fp8_gemm_ws.ws_fp8_gemm`` on a GluonTile's launch (its shape, ring, order and options), ``extra`` its
     epilogue's (residual, q_fp8)."""
+    fp8_gemm_ws.check_thread_release(tile.thread_release, False, "the dense GEMM")
     fp8_gemm_ws.ws_fp8_gemm(a, a_s, w, w_scale_inv, bias, out, stages=tile.stages, group_m=tile.group_m,
                             block_m=tile.block_m or fp8_gemm_ws.BM, block_n=tile.block_n or fp8_gemm_ws.BN,
                             balance=tile.balance, promote=tile.promote, turns=tile.turns,

@@ -48,6 +48,7 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     check_narrow,
     check_promote,
     check_stage_scales,
+    check_thread_release,
     check_turns,
     num_programs,
     stage_scale_args,

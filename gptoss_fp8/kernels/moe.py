@@ -156,27 +156,20 @@ def _gather_by_token_kernel(
     xq_ptr, xs_ptr, rows_ptr, slots_ptr, q_ptr, s_ptr,
     T, M, K, num_slots, stride_xm, stride_xsm, stride_qm, stride_sm, stride_sg,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, COLS: tl.constexpr, PAD_M: tl.constexpr, GROUP: tl.constexpr,
-    G_POW2: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
 ):
-    """``gather_act_quant``'s rows from x's quantization walked in token order: the first cdiv(T, BLOCK_T)
-    programs read BLOCK_T tokens' FP8 rows and scales once, COLS columns at a time, and store them into each of
-    their TOP_K slots' rows (rows_ptr: slot -> row, -1 for a slot with none); the programs after them each take
-    PAD_M sorted rows and write the padding rows among them (slot >= num_slots: zero bytes, act_quant's scale of
-    a zero row)."""
+    """``gather_act_quant``'s rows from x's quantization, the bytes walked in token order: the first
+    cdiv(T, BLOCK_T) programs read BLOCK_T tokens' FP8 rows once, COLS columns at a time, and store them into each
+    of their TOP_K slots' rows (rows_ptr: slot -> row, -1 for a slot with none); the programs after them each take
+    PAD_M sorted rows: their scales copied in sorted order (the tokens' scales, T * ceil(K / GROUP) * 4 bytes, stay
+    in L2; written so, a group's scales land in whole sectors, where the token walk would scatter 4-byte stores), and
+    the padding rows among them (slot >= num_slots) zero bytes with act_quant's scale of a zero row."""
     pid = tl.program_id(0)
     n_tok = tl.cdiv(T, BLOCK_T)
     if pid < n_tok:
         tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = tok < T
         src = tok.to(tl.int64)
-        grp = tl.arange(0, G_POW2)
-        g_ok = grp * GROUP < K
-        sc = tl.load(xs_ptr + src[:, None] * stride_xsm + grp[None, :], mask=t_ok[:, None] & g_ok[None, :])
-        for j in tl.static_range(TOP_K):
-            row = tl.load(rows_ptr + tok * TOP_K + j, mask=t_ok, other=-1)
-            d = tl.where(row >= 0, row, 0).to(tl.int64)
-            tl.store(s_ptr + d[:, None] * stride_sm + grp[None, :] * stride_sg, sc,
-                     mask=(row >= 0)[:, None] & g_ok[None, :])
         for c0 in range(0, K, COLS):
             cols = c0 + tl.arange(0, COLS)
             c_ok = cols < K
@@ -187,13 +180,17 @@ def _gather_by_token_kernel(
                 tl.store(q_ptr + d[:, None] * stride_qm + cols[None, :], v, mask=(row >= 0)[:, None] & c_ok[None, :])
     else:
         offs = (pid - n_tok) * PAD_M + tl.arange(0, PAD_M)
-        slot = tl.load(slots_ptr + offs, mask=offs < M, other=0)
-        pad = (offs < M) & (slot >= num_slots)
+        m_ok = offs < M
+        slot = tl.load(slots_ptr + offs, mask=m_ok, other=num_slots)
+        valid = slot < num_slots
+        pad = m_ok & ~valid
+        rows = offs.to(tl.int64)
+        src = (tl.where(valid, slot, 0) // TOP_K).to(tl.int64)
+        zero_scale = group_scale(tl.zeros([PAD_M], dtype=tl.float32), FP8_MAX_C, EPS)
+        for g in range(0, tl.cdiv(K, GROUP)):
+            sc = tl.load(xs_ptr + src * stride_xsm + g, mask=valid, other=0.0)
+            tl.store(s_ptr + rows * stride_sm + g * stride_sg, tl.where(valid, sc, zero_scale), mask=m_ok)
         if tl.max(pad.to(tl.int32), axis=0) > 0:
-            rows = offs.to(tl.int64)
-            zero_scale = group_scale(tl.zeros([PAD_M], dtype=tl.float32), FP8_MAX_C, EPS)
-            for g in range(0, tl.cdiv(K, GROUP)):
-                tl.store(s_ptr + rows * stride_sm + g * stride_sg, zero_scale, mask=pad)
             for c0 in range(0, K, COLS):
                 cols = c0 + tl.arange(0, COLS)
                 tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], tl.zeros([PAD_M, COLS], tl.uint8),
@@ -255,8 +252,8 @@ def gather_act_quant(x: torch.Tensor, sorted_slots: torch.Tensor, top_k: int,
         _gather_by_token_kernel[(cdiv(t, block_t) + cdiv(m, pad_m),)](
             src, src_s, slot_rows, sorted_slots, out, s, t, m, h, t * top_k, src.stride(0), src_s.stride(0),
             q.stride(0), s.stride(0), s.stride(1),
-            TOP_K=top_k, BLOCK_T=block_t, COLS=cols, PAD_M=pad_m, GROUP=BLOCK, G_POW2=next_pow2(g), FP8_MAX_C=FP8_MAX,
-            EPS=ACT_EPS, num_warps=4,
+            TOP_K=top_k, BLOCK_T=block_t, COLS=cols, PAD_M=pad_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS,
+            num_warps=4,
         )
     elif m:
         block_m, groups = tile or gather_tile(m, g)
@@ -346,6 +343,8 @@ def moe_expert_slots(
         moe_ws.check_gather(plan.gate_up.gather, gu_rows == moe_ws.WIDE_M,
                             f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
         moe_ws.check_narrow(plan.gate_up.narrow, False, f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
+        moe_ws.check_thread_release(plan.gate_up.thread_release, gu_rows == moe_ws.WIDE_M,
+                                    f"the {gu_rows} x {moe_ws.TILE_N} gate_up")
     if isinstance(plan.down, GluonTile):  # refused before any launch: the Gluon down has only the serial loop
         moe_ws.check_promote(plan.down.promote, True, "the Gluon MoE down")
 
@@ -374,7 +373,8 @@ def moe_expert_slots(
                            n_slots, swiglu_limit, SWIGLU_ALPHA, FP8_MAX, ACT_EPS,
                            stages=plan.gate_up.stages, group_m=plan.gate_up.group_m, block_m=gu_rows,
                            balance=plan.gate_up.balance, promote=plan.gate_up.promote, turns=plan.gate_up.turns,
-                           stage_scales=plan.gate_up.stage_scales, gather_top_k=gather)
+                           stage_scales=plan.gate_up.stage_scales, gather_top_k=gather,
+                           thread_release=plan.gate_up.thread_release)
     else:
         x_fp8, x_scale = x_quant if x_quant is not None else act_quant(x.contiguous())
         gate_up_triton(x_fp8, x_scale, w13, w13_scale_inv, b13, act, act_scale, sorted_slots, block_expert, k,
@@ -386,7 +386,7 @@ def moe_expert_slots(
         moe_ws.ws_moe_down(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, n_slots,
                            stages=plan.down.stages, group_m=plan.down.group_m, balance=plan.down.balance,
                            promote=plan.down.promote, turns=plan.down.turns, stage_scales=plan.down.stage_scales,
-                           narrow=plan.down.narrow)
+                           narrow=plan.down.narrow, thread_release=plan.down.thread_release)
     else:
         down_triton(act, act_scale, w2, w2_scale_inv, b2, y, sorted_slots, block_expert, k, align, plan.tma,
                     plan.down)

@@ -42,6 +42,7 @@ from gptoss_fp8.kernels._gluon import (  # noqa: F401 - re-exported
     check_narrow,
     check_promote,
     check_stage_scales,
+    check_thread_release,
     check_turns,
     num_programs,
     stage_scale_args,
@@ -63,6 +64,7 @@ if HAS_GLUON:
         load_stage,
         load_stage_scaled,
         mbarrier,
+        release,
         skip_turns,
         stage_scale_buffers,
         tile_coords,
@@ -254,7 +256,7 @@ if HAS_GLUON:
                       block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                       stride_biase, num_progs, GROUP_M: gl.constexpr, DOWN: gl.constexpr, out, turn,
                       TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k=1, GATHER: gl.constexpr = False,
-                      NARROW: gl.constexpr = False):
+                      NARROW: gl.constexpr = False, TR: gl.constexpr = False):
         """Consumer warpgroup W of the two 128 x 256 kernels, the wide gate_up and (DOWN) the down:
         rows W*64 .. W*64 + 64 of every tile, all 256 columns as two 128-column products sharing each
         A stage (``block_scaled_mainloop_halves``; the right half is skipped where it lies wholly past
@@ -331,7 +333,7 @@ if HAS_GLUON:
                                                                      HN, HN // 2, as_ptr, rows_n * stride_asm, 0,
                                                                      rows_n < num_slots, rows_n < num_slots, b_s_ptr,
                                                                      stride_bsn, c, n_k, layout_n, False, False, turn, W,
-                                                                     TURN, sa_bufs, sb_bufs, SC)
+                                                                     TURN, sa_bufs, sb_bufs, SC, False, TR)
                     srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_n))
                     slot = gl.load(slots_ptr + srows)
                     colsn = col0 + gl.arange(0, HN // 2, layout=gl.SliceLayout(0, layout_n))
@@ -348,7 +350,7 @@ if HAS_GLUON:
                                                                  HN, as_ptr, a_offs, 0, rows < num_slots,
                                                                  rows < num_slots, b_s_ptr, stride_bsn, c, n_k,
                                                                  layout, False, col0 + HN < N, turn, W, TURN,
-                                                                 sa_bufs, sb_bufs, SC, GATHER)
+                                                                 sa_bufs, sb_bufs, SC, GATHER, TR)
                     if DOWN:
                         srows = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, store_layout))
                         slot = gl.load(slots_ptr + srows)
@@ -377,7 +379,7 @@ if HAS_GLUON:
                         acc1 = gl.zeros((R, HN), gl.float32, layout)
                     for _kk in range(n_k):
                         mbarrier.wait(ready.index(c % S), (c // S) & 1)
-                        mbarrier.arrive(empty.index(c % S), count=1)
+                        release(empty, c % S, TR)
                         skip_turns(turn, W, c, TURN)
                         c += 1
                 if not DOWN:
@@ -416,11 +418,12 @@ if HAS_GLUON:
                          out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm,
                          stride_bse, stride_bsn, stride_biase, stride_osm, stride_osn, limit, num_progs,
                          GROUP_M: gl.constexpr, ALPHA: gl.constexpr, FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, turn,
-                         TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k, GATHER: gl.constexpr):
+                         TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, top_k, GATHER: gl.constexpr,
+                         TR: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
                       GROUP_M, False, (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
-                      TURN, sa_bufs, sb_bufs, SC, top_k, GATHER)
+                      TURN, sa_bufs, sb_bufs, SC, top_k, GATHER, False, TR)
 
     @gluon.jit
     def _moe_wide_producer(a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K, num_experts,
@@ -510,7 +513,7 @@ if HAS_GLUON:
                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, ALPHA: gl.constexpr,
                                  FP8_MAX_C: gl.constexpr, EPS: gl.constexpr, TURN: gl.constexpr = False,
                                  sa_desc=None, sb_desc=None, SC: gl.constexpr = False, x_ptr=None, stride_xm=0,
-                                 top_k=1, GATHER: gl.constexpr = False):
+                                 top_k=1, GATHER: gl.constexpr = False, TR: gl.constexpr = False):
         """The wide gate_up (``GluonTile(block_m=128, promote="serial")``, the serial promotion loop):
         128 x 256 tiles over 128-row segments, 48 KB of loads per K block for twice the 64 x 256
         tile's work (40 KB): 1.67x the FLOPs per byte. out_s_ptr's rows and columns strided (stride_osn
@@ -529,7 +532,8 @@ if HAS_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         o_bufs = gl.allocate_shared_memory(gl.float8e4nv, [4, TM // 2, TN // 4], out_desc.layout)
         for i in gl.static_range(STAGES):
-            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            # released by both consumer warpgroups (TR: by each of their threads, _gluon.release)
+            mbarrier.init(empty.index(i), count=256 if TR else 2)
             # (GATHER: each producer thread's cp.async arrive, and the W tile's expect-arrive)
             mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS if GATHER else 1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
@@ -548,12 +552,12 @@ if HAS_GLUON:
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                                  stride_bsn, stride_biase, num_progs, GROUP_M, False,
                                  (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
-                                 TURN, sa_bufs, sb_bufs, SC, top_k, GATHER)),
+                                 TURN, sa_bufs, sb_bufs, SC, top_k, GATHER, False, TR)),
                 (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                     out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                                     num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm,
                                     stride_osn, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN, sa_bufs,
-                                    sb_bufs, SC, top_k, GATHER)),
+                                    sb_bufs, SC, top_k, GATHER, TR)),
                 (_moe_gather_producer, (x_ptr, stride_xm, b_desc, empty, ready, a_bufs, b_bufs, slots_ptr,
                                         block_expert_ptr, num_m, N, K, num_slots, num_experts, top_k, num_progs,
                                         GROUP_M, row_smem, GATHER_WARPS,
@@ -565,12 +569,12 @@ if HAS_GLUON:
                                  block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                                  stride_bsn, stride_biase, num_progs, GROUP_M, False,
                                  (out_desc, out_s_ptr, stride_osm, stride_osn, limit, ALPHA, FP8_MAX_C, EPS), turn,
-                                 TURN, sa_bufs, sb_bufs, SC)),
+                                 TURN, sa_bufs, sb_bufs, SC, 1, False, False, TR)),
                 (_moe_wide_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, o_bufs, as_ptr, bs_ptr, bias_ptr,
                                     out_desc, out_s_ptr, slots_ptr, block_expert_ptr, num_m, N, K, num_slots,
                                     num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_osm,
                                     stride_osn, limit, num_progs, GROUP_M, ALPHA, FP8_MAX_C, EPS, turn, TURN, sa_bufs,
-                                    sb_bufs, SC, top_k, GATHER)),
+                                    sb_bufs, SC, top_k, GATHER, TR)),
                 (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
                                       num_experts, num_progs, GROUP_M,
                                       (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
@@ -584,16 +588,17 @@ if HAS_GLUON:
     def _down_second(a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                      slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                      stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M: gl.constexpr, turn,
-                     TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, NARROW: gl.constexpr):
+                     TURN: gl.constexpr, sa_bufs, sb_bufs, SC: gl.constexpr, NARROW: gl.constexpr, TR: gl.constexpr):
         _wide_consume(1, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr, block_expert_ptr,
                       num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, num_progs,
-                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs, SC, 1, False, NARROW)
+                      GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs, SC, 1, False, NARROW, TR)
 
     @gluon.jit
     def _ws_moe_down_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, y_ptr, slots_ptr, block_expert_ptr, num_m, N,
                             K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn, stride_biase, stride_ym,
                             num_progs, STAGES: gl.constexpr, GROUP_M: gl.constexpr, TURN: gl.constexpr = False,
-                            sa_desc=None, sb_desc=None, SC: gl.constexpr = False, NARROW: gl.constexpr = False):
+                            sa_desc=None, sb_desc=None, SC: gl.constexpr = False, NARROW: gl.constexpr = False,
+                            TR: gl.constexpr = False):
         """The down GEMM on 128 x 256 tiles (``MoePlan(128, ..., down=GluonTile(block_m=128,
         promote="serial"))``): the wide gate_up's main loop (the serial promotion), 1.67x the 64 x 256
         tile's FLOPs per byte; output scattered to the slots' rows (the earlier 64 x 256 Gluon down,
@@ -609,7 +614,8 @@ if HAS_GLUON:
         c_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         c_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, TM // 2, TN // 2], c_layout)
         for i in gl.static_range(STAGES):
-            mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            # released by both consumer warpgroups (TR: by each of their threads, _gluon.release)
+            mbarrier.init(empty.index(i), count=256 if TR else 2)
             mbarrier.init(ready.index(i), count=1)
         turn = turn_barriers(empty, TURN)  # the consumer warpgroups' turns at the tensor core (GluonTile.turns)
         sa_bufs, sb_bufs = stage_scale_buffers(sa_desc, sb_desc, empty, STAGES, TM, SC)
@@ -617,11 +623,11 @@ if HAS_GLUON:
             (_wide_consume, (0, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, slots_ptr,
                              block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse, stride_bsn,
                              stride_biase, num_progs, GROUP_M, True, (y_ptr, stride_ym), turn, TURN, sa_bufs, sb_bufs,
-                             SC, 1, False, NARROW)),
+                             SC, 1, False, NARROW, TR)),
             (_down_second, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, c_bufs, as_ptr, bs_ptr, bias_ptr, y_ptr,
                             slots_ptr, block_expert_ptr, num_m, N, K, num_slots, num_experts, stride_asm, stride_bse,
                             stride_bsn, stride_biase, stride_ym, num_progs, GROUP_M, turn, TURN, sa_bufs, sb_bufs, SC,
-                            NARROW)),
+                            NARROW, TR)),
             (_moe_wide_producer, (a_desc, b_desc, empty, ready, a_bufs, b_bufs, block_expert_ptr, num_m, N, K,
                                   num_experts, num_progs, GROUP_M,
                                   (sa_desc, sb_desc, sa_bufs, sb_bufs, stride_bse, stride_bsn), SC)),
@@ -631,7 +637,8 @@ if HAS_GLUON:
 def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                 bias: torch.Tensor, y: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                 num_slots: int, stages: int = 4, group_m: int = 8, balance: bool = False,
-                promote: str = "serial", turns: bool = False, stage_scales: bool = False, narrow: bool = False) -> None:
+                promote: str = "serial", turns: bool = False, stage_scales: bool = False, narrow: bool = False,
+                thread_release: bool = False) -> None:
     """The down GEMM on 128 x 256 tiles: y[slot] = act[row] @ W2[expert]^T + b2[expert] (bf16), for
     the sorted rows of 128-row segments (``moe_expert_slots`` checks the shapes and is the entry
     point). a = act [max_rows, I] fp8 with a_scale [max_rows, ceil(I/128)]; w [E, H, I] fp8 with
@@ -640,7 +647,8 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     promotion numerics, no C7514): promote must be "serial" (ValueError otherwise). turns: the
     consumer warpgroups issue their wgmmas in turns (``GluonTile.turns``). stage_scales: the scales
     through the stages (``GluonTile.stage_scales``; a_scale best MN-major, ``_gluon.stage_scale_args``). narrow: the
-    last column tile as one m64n64 product a warpgroup where its valid columns fit 64 (``GluonTile.narrow``)."""
+    last column tile as one m64n64 product a warpgroup where its valid columns fit 64 (``GluonTile.narrow``).
+    thread_release: each consumer thread releases the stages itself (``GluonTile.thread_release``)."""
     check_promote(promote, True, "the Gluon MoE down")
     max_rows, k = a.shape
     e, n, _ = w.shape
@@ -653,7 +661,7 @@ def ws_moe_down(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         a_desc, b_desc, a_scale, w_scale_inv, bias, y, sorted_slots, block_expert, num_m, n, k, num_slots, e,
         a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), bias.stride(0), y.stride(0), num_progs,
         STAGES=stages, GROUP_M=group_m, num_warps=4, **({"TURN": True} if turns else {}), **sc,
-        **({"NARROW": True} if narrow else {}),
+        **({"NARROW": True} if narrow else {}), **({"TR": True} if thread_release else {}),
     )
 
 
@@ -662,7 +670,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 block_expert: torch.Tensor, num_slots: int, limit: float, alpha: float,
                 fp8_max: float, eps: float, stages: int = 4, group_m: int = 8, block_m: int = TILE_M,
                 balance: bool = False, promote: str = "pipelined", turns: bool = False,
-                stage_scales: bool = False, gather_top_k: int = 0) -> None:
+                stage_scales: bool = False, gather_top_k: int = 0, thread_release: bool = False) -> None:
     """The gate_up GEMM (``moe_expert_slots`` checks the shapes and is the entry point).
 
     a [max_rows, K] fp8 in padded sorted row order (segments of block_m rows: 64, or 128 for the
@@ -678,12 +686,14 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     the wide form): a / a_scale are the tokens' own rows [T, K] and scales [T, ceil(K/128)] row-major
     (``act_quant``'s), K a multiple of 16 and a 16-byte aligned; the kernel's producer copies row
     sorted_slots[r] // gather_top_k into sorted row r itself (no ``gather_act_quant``), and with stage_scales
-    that row's scales into the stages."""
+    that row's scales into the stages. thread_release: the wide form's consumer threads release the stages each
+    (``GluonTile.thread_release``; ValueError for the 64 x 256 tile)."""
     assert block_m in (TILE_M, WIDE_M), f"block_m {block_m}: the Gluon gate_up has 64 x 256 and 128 x 256 tiles"
     check_turns(turns, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_stage_scales(stage_scales, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     check_promote(promote, block_m == WIDE_M, f"the {block_m} x {TILE_N} Gluon MoE gate_up")
     check_gather(gather_top_k > 0, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
+    check_thread_release(thread_release, block_m == WIDE_M, f"the {block_m} x {TILE_N} gate_up")
     k = a.shape[1]
     max_rows = sorted_slots.shape[0] if gather_top_k else a.shape[0]
     e, n, _ = w.shape
@@ -708,7 +718,7 @@ def ws_moe_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
             num_m, n, k, num_slots, e, a_scale.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1),
             bias.stride(0), out_scale.stride(0), out_scale.stride(1), float(limit), num_progs,
             STAGES=stages, GROUP_M=group_m, ALPHA=alpha, FP8_MAX_C=fp8_max, EPS=eps, num_warps=4,
-            **({"TURN": True} if turns else {}), **sc,
+            **({"TURN": True} if turns else {}), **sc, **({"TR": True} if thread_release else {}),
         )
         return
     assert out_scale.stride(1) == 1, "the 64 x 256 gate_up writes a row-major out_scale"

@@ -357,12 +357,13 @@ _OPTION_SHAPES = [((3000, 2880, 2880, 32, 4, 16), dict(group_m=16)), ((2000, 288
 _OPTION_IDS = ["", "-e128-s3-bal", "-h640", "-h720", "-t1"]
 
 
-def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage_scales=False, gather=False):
+def _wide_plan(stages=4, group_m=8, balance=False, down=None, turns=False, stage_scales=False, gather=False,
+               thread_release=False):
     """The wide gate_up (128 x 256 tiles over 128-row segments, the serial promotion: its only loop)
     with the default down tile, or ``down``; ``turns``: GluonTile.turns; ``stage_scales``:
-    GluonTile.stage_scales; ``gather``: GluonTile.gather."""
+    GluonTile.stage_scales; ``gather``: GluonTile.gather; ``thread_release``: GluonTile.thread_release."""
     gu = GluonTile(stages, group_m, block_m=128, balance=balance, promote="serial", turns=turns,
-                   stage_scales=stage_scales, gather=gather)
+                   stage_scales=stage_scales, gather=gather, thread_release=thread_release)
     plan = KernelConfig(moe_gluon_gate_up=gu, moe_wide_min_rows_per_expert=None).moe_plan(8192, 4, 32, gluon_ok=True)
     assert plan.align_m == 128 and plan.gate_up.block_m == 128, plan
     return MoePlan(128, plan.gate_up, down or plan.down)
@@ -492,6 +493,28 @@ def test_moe_gather_by_token_same_bits_gpu(t, h, i, e, e0, n_local, plan):
         assert torch.equal(ys[0], ys[1]) and ys[0].abs().sum() > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,i,e,e0,n_local,plan", [
+    *((*shape, _wide_plan(**tile, stage_scales=True, thread_release=True,
+                          down=GluonTile(4, 16, block_m=128, promote="serial", stage_scales=True, thread_release=True)))
+      for shape, tile in _OPTION_SHAPES),
+    (3000, 2880, 2880, 32, 4, 16, _wide_plan(group_m=16, thread_release=True, turns=True,
+                                             down=GluonTile(4, 16, block_m=128, promote="serial", thread_release=True,
+                                                            turns=True, narrow=True))),
+], ids=[*(f"release-sc{i}" for i in _OPTION_IDS), "release-turns-narrow"])
+def test_moe_thread_release_same_bits_gpu(t, h, i, e, e0, n_local, plan):
+    """GluonTile.thread_release (each consumer thread releases a stage itself, the empty barriers counting 256):
+    the wide gate_up and the Gluon down give the same bits as without it (stage scales, turns, the narrow last
+    tile, expert-parallel shards, 128 experts on 3 stages, one token), and agree with the reference."""
+    m = _model(t, h, i, e, seed=t + h + i + 4)
+    ex = _shard(m["experts"], e0, n_local)
+    w, ids = route(m["x"], m["wr"], m["br"], 4)
+    y = moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plan)
+    _check(y, moe_experts_reference(m["x"], w, ids, *ex, expert_start=e0))
+    plain = MoePlan(128, replace(plan.gate_up, thread_release=False), replace(plan.down, thread_release=False))
+    assert torch.equal(y, moe_experts(m["x"], w, ids, *ex, expert_start=e0, plan=plain))
+
+
 _TURNS = [False, pytest.param(True, marks=pytest.mark.slow)]  # GluonTile.turns: compile-only, ~5 s each
 
 
@@ -582,14 +605,15 @@ def test_moe_ws_gather_compiles_for_sm90(sc):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["wide", "down", "down-narrow"])
+@pytest.mark.parametrize("kernel", ["wide", "down", "down-narrow", "wide-release", "down-release"])
 def test_moe_ws_stage_scales_compile_for_sm90(kernel):
     """Without a GPU: GluonTile.stage_scales compiles for sm_90 without spills or wgmma serialization
     within one SM's shared memory (the down's 4 stages with their scales: 232248 of 232448 bytes): the
     producer's two 1-D TMA copies a stage (the rows' scales; the weight scales of both halves, a box of
     32) on the ready barrier's byte count (A + B tiles + 512 + 128 bytes: a wrong count hangs), the
     consumers' scale reads from shared memory; "down-narrow": with GluonTile.narrow too (the default down's
-    stage scales beside the narrow last tile's m64n64 product)."""
+    stage scales beside the narrow last tile's m64n64 product); "-release": with GluonTile.thread_release (each
+    consumer thread's cp.async.mbarrier.arrive.noinc on the empty barriers, counting 256, none by one thread)."""
     import re
 
     from gptoss_fp8.kernels import _gluon, moe_ws
@@ -604,14 +628,22 @@ def test_moe_ws_stage_scales_compile_for_sm90(kernel):
              "b_desc": f"tensordesc<fp8e4nv[256, 128],{lay.format(128)}>",
              "sa_desc": f"tensordesc<fp32[128],{flat}>", "sb_desc": f"tensordesc<fp32[32],{flat}>",
              "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16", "slots_ptr": "*i32", "block_expert_ptr": "*i32"}
-    if kernel == "wide":
+    if kernel.startswith("wide"):
         types |= {"out_desc": f"tensordesc<fp8e4nv[64, 64],{lay.format(64)}>", "out_s_ptr": "*fp32", "limit": "fp32"}
         fn, consts = moe_ws._ws_moe_gemm_wide_kernel, dict(ALPHA=1.702, FP8_MAX_C=448.0, EPS=1e-10, stride_osm=1)
     else:
         types |= {"y_ptr": "*bf16"}
         fn, consts = moe_ws._ws_moe_down_kernel, {"NARROW": True} if kernel == "down-narrow" else {}
-    k = _gluon.compile_for_sm90(fn, types, dict(STAGES=4, GROUP_M=16, SC=True, **consts))
+    release = kernel.endswith("-release")
+    k = _gluon.compile_for_sm90(fn, types, dict(STAGES=4, GROUP_M=16, SC=True, **consts, **({"TR": True} if release
+                                                                                            else {})))
     ptx = k["ptx"]
+    empty_count = 256 if release else 2
+    assert len(re.findall(rf"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^]]+\],\s*{empty_count};", ptx)) == 4, (
+        "the 4 empty barriers' count")
+    # a consumer warpgroup's releases: with thread_release every thread's cp.async arrive (main loop with one or two
+    # products, the padding rows' loop), without it one thread's mbarrier.arrive
+    assert (ptx.count("cp.async.mbarrier.arrive.noinc") >= 2 * 3) == release
     assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 2
     assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^]]+\],\s*49792;", ptx), "48 KB + 640 bytes a stage"
     assert len(re.findall(r"ld\.shared\.b32", ptx)) >= 2 * 3, "each consumer's row and weight scales from the stage"
@@ -829,6 +861,14 @@ def test_moe_ws_wide_and_down_refuse_pipelined():
         fp8_gemm_ws.ws_fp8_gemm(*[None] * 6, block_m=256, promote="serial", narrow=True)
     with pytest.raises(ValueError, match="narrow=True.*gate_up"):
         moe_ws.check_narrow(True, False, "the 128 x 256 gate_up")  # (moe_expert_slots' check of a narrow gate_up)
+    # GluonTile.thread_release: the MoE's 128-row tiles only (the wide gate_up, the Gluon down)
+    with pytest.raises(ValueError, match="thread_release=True.*not the 64 x 256 gate_up"):
+        moe_ws.ws_moe_gemm(*[None] * 14, block_m=64, promote="serial", thread_release=True)
+    from gptoss_fp8.kernels.fp8_gemm import _ws_launch
+
+    with pytest.raises(ValueError, match="thread_release=True.*not the dense GEMM"):
+        _ws_launch(*[None] * 6, GluonTile(promote="serial", thread_release=True))
+    moe_ws.check_thread_release(True, True, "the 128 x 256 gate_up")
 
 
 @pytest.mark.parametrize("t,skinny", [(4, True), (5, False)])
