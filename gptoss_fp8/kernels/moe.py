@@ -185,16 +185,16 @@ def _gather_by_token_kernel(
         valid = slot < num_slots
         pad = m_ok & ~valid
         rows = offs.to(tl.int64)
-        src = (tl.where(valid, slot, 0) // TOP_K).to(tl.int64)
+        tok_p = (tl.where(valid, slot, 0) // TOP_K).to(tl.int64)
         zero_scale = group_scale(tl.zeros([PAD_M], dtype=tl.float32), FP8_MAX_C, EPS)
         for g in range(0, tl.cdiv(K, GROUP)):
-            sc = tl.load(xs_ptr + src * stride_xsm + g, mask=valid, other=0.0)
+            sc = tl.load(xs_ptr + tok_p * stride_xsm + g, mask=valid, other=0.0)
             tl.store(s_ptr + rows * stride_sm + g * stride_sg, tl.where(valid, sc, zero_scale), mask=m_ok)
         if tl.max(pad.to(tl.int32), axis=0) > 0:
             for c0 in range(0, K, COLS):
-                cols = c0 + tl.arange(0, COLS)
-                tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], tl.zeros([PAD_M, COLS], tl.uint8),
-                         mask=pad[:, None] & (cols < K)[None, :])
+                pcols = c0 + tl.arange(0, COLS)
+                tl.store(q_ptr + rows[:, None] * stride_qm + pcols[None, :], tl.zeros([PAD_M, COLS], tl.uint8),
+                         mask=pad[:, None] & (pcols < K)[None, :])
 
 
 def gather_by_token_tile(tokens: int) -> tuple[int, int]:

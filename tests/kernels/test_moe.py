@@ -139,6 +139,27 @@ def test_gather_by_token_same_bytes(tile):
         gather_act_quant(x, slots, k, slot_rows=rows)
 
 
+_BY_TOKEN_COMPILE = r"""
+import json
+from gptoss_fp8.kernels import moe
+from gptoss_fp8.kernels._gluon import triton_ptx_for_sm90
+
+types = dict(xq_ptr="*u8", xs_ptr="*fp32", rows_ptr="*i32", slots_ptr="*i32", q_ptr="*u8", s_ptr="*fp32")
+const = dict(TOP_K=4, BLOCK_T=16, COLS=128, PAD_M=128, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10)
+ptx = triton_ptx_for_sm90(moe._gather_by_token_kernel, types, const, 4, 3)
+print(json.dumps({"stores": ptx.count("st.global")}))
+"""
+
+
+def test_gather_by_token_compiles():
+    """The token walk's kernel compiled as a launch would (the interpreter does not check that a variable keeps its
+    type across the two branches of the program's role: 2026-12-06, a CompilationError on the GPU only)."""
+    from sm90_compile import run_compile_script
+
+    got = run_compile_script(_BY_TOKEN_COMPILE)
+    assert got["stores"] >= 4 + 2, got  # a row block's k rows; the scales and the padding rows' zeros
+
+
 @pytest.mark.parametrize(
     "t,h,i,e,k,e0,n_local",
     [(24, 160, 192, 8, 4, 0, 8), (24, 160, 192, 8, 4, 2, 4), (5, 128, 64, 4, 2, 0, 4), (40, 160, 160, 16, 4, 12, 4)],
