@@ -95,7 +95,11 @@ class GluonTile:
     thread_release: the MoE's 128-row tiles (wide gate_up, Gluon down) only: each consumer thread releases a stage
     itself (``_gluon.release``: ``cp.async.mbarrier.arrive.noinc``, the empty barriers counting 256 arrivals), where
     ``mbarrier.arrive`` is one thread's after a barrier of the warpgroup's 128 threads (every K block: DeepGEMM
-    releases per warp, 27th session). Same bits. Forty-fourth session: opt-in until timed (``_gluon.check_thread_release``)."""
+    releases per warp, 27th session). Same bits; **slower** (forty-fourth session, H100, same process): the MoE back
+    to back 7.24 against 7.08 ms, the whole 20b 0.3894 against 0.3850 s at 32768 tokens and 3.2752 against 3.2602 s
+    at 128000 (each thread's arrive on one barrier costs more than the warpgroup's barrier it saves; one barrier a K
+    block stays, the compiler's before the ready wait). Opt-in; other tiles refuse it
+    (``_gluon.check_thread_release``)."""
 
     stages: int = 4
     group_m: int = 8
@@ -261,9 +265,10 @@ class KernelConfig:
     # The wide gate_up's pre-gathered A rows (``gather_act_quant`` from the norm's FP8 rows) written walking the
     # tokens in order (``moe_align_rows``' slot -> row map): each token's row read once and stored into its k rows,
     # where the sorted walk reads it k times from wherever it lies (the 20b's 94 MB of FP8 rows at 32768 tokens do
-    # not stay in L2: ~0.75 GB moved a layer instead of ~0.47). Same bytes out. Forty-fourth session: opt-in until
-    # timed.
-    moe_gather_by_token: bool = False
+    # not stay in L2: ~0.75 GB moved a layer instead of ~0.47). Same bytes out. Forty-fourth session, H100, same
+    # process: the gather 208.5 against 303.0 us at 32768 tokens, the MoE back to back 6.99-7.00 against 7.08 ms, the
+    # whole 20b 0.3842 against 0.3850 s at 32768 (7 runs) and 3.2434 against 3.2602 s at 128000 (3 runs), logits equal.
+    moe_gather_by_token: bool = True
     # One-sequence causal attention with head_dim 64 on Gluon: 460-463 vs 431-439 TFLOP/s at
     # 32768 / 131072 tokens (notes/kernels_attention.md, 7th session).
     attention_gluon: bool = True

@@ -8,7 +8,8 @@ Pipeline for x [T, H] bf16, top-k routing, a rank holding experts [e0, e0 + E_lo
 3. x's 1x128 FP8 quantization: the caller's (``x_quant``, e.g. from the norm's pass) or ``act_quant``.
 4. gate_up + bias + clamped SwiGLU + FP8 quantization of the intermediate, then down + bias
    (moe_gemm.py on Triton; on sm_90 the gate_up runs as the Gluon kernel of moe_ws.py, which reads
-   A pre-gathered in sorted row order: ``gather_act_quant``, rows copied from ``x_quant``).
+   A pre-gathered in sorted row order: ``gather_act_quant``, rows copied from ``x_quant``, walking the tokens
+   with ``moe_align_rows``' slot -> row map where ``KernelConfig.moe_gather_by_token``).
 5. ``moe_combine``: out[t] = sum over the token's local slots of weight * y (fp32 sum, bf16 out).
    On an expert-parallel rank the result is that rank's partial sum; one all-reduce across ranks
    gives the full FFN (each expert's bias is counted once, on the rank that holds it).
@@ -198,8 +199,10 @@ def _gather_by_token_kernel(
 
 
 def gather_by_token_tile(tokens: int) -> tuple[int, int]:
-    """gather_act_quant(slot_rows=)'s program, (tokens, columns a step): not yet measured."""
-    return (16, 128)
+    """gather_act_quant(slot_rows=)'s program, (tokens, columns a step): 8 tokens, 256 columns a step (H100, the 20b's
+    32768 tokens, scales MN-major, benchmarks/moe_parts.py, forty-fourth session: 208.5-209.2 us against 303.0-303.6
+    for the sorted walk; 16 x 128 230.6, 8 x 128 213.0, 8 x 512 211.1, 32 x 64 254.9)."""
+    return (8, 256)
 
 
 def gather_tile(rows: int, groups: int) -> tuple[int, int]:
