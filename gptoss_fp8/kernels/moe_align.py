@@ -22,14 +22,23 @@ from gptoss_fp8.quant.fp8 import cdiv, next_pow2
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, num_experts, BLOCK: tl.constexpr):
-    """Count the slots of each local expert; each slot's rank within its expert (atomic order)."""
+def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, n_slots, expert_start, num_experts, BLOCK: tl.constexpr,
+                        E_POW2: tl.constexpr):
+    """Count the slots of each local expert; each slot's rank within its expert: its rank among the block's slots of
+    that expert (a running sum over the block's one-hot [BLOCK, E_POW2]) after the block's base, one atomic add an
+    expert a block (the blocks' order follows the atomics). Before the forty-fourth session one atomic a slot: each
+    expert's ~4096 adds at 32768 tokens in a row (~30 us a launch)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_slots
     e = tl.load(ids_ptr + offs, mask=m, other=0) - expert_start
     here = m & (e >= 0) & (e < num_experts)
-    rank = tl.atomic_add(counts_ptr + tl.where(here, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=here)
-    tl.store(rank_ptr + offs, rank, mask=m)
+    experts = tl.arange(0, E_POW2)
+    onehot = ((e[:, None] == experts[None, :]) & here[:, None]).to(tl.int32)
+    before = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # the block's earlier slots of its expert
+    count = tl.sum(onehot, axis=0)
+    base = tl.atomic_add(counts_ptr + experts, count, mask=count > 0)
+    base = tl.where(count > 0, base, 0)
+    tl.store(rank_ptr + offs, tl.sum(onehot * base[None, :], axis=1) + before, mask=m)
 
 
 @triton.jit
@@ -88,8 +97,9 @@ def moe_align_rows(
       another rank's expert (``gather_act_quant(slot_rows=)`` walks the tokens in order with it).
     max_rows = round_up(T*k + num_local*(block_m - 1), block_m) is an upper bound, so no host sync.
     Three small Triton kernels (count with atomics, offsets, scatter); the order of the slots
-    inside one expert's segment follows the atomics and may change between runs, which changes
-    nothing in the results (rows are independent and written back by slot index).
+    inside one expert's segment follows the atomics (a block's slots in order) and may change
+    between runs, which changes nothing in the results (rows are independent and written back by
+    slot index).
     """
     return _align(topk_ids, expert_start, num_local, block_m, True)
 
@@ -106,12 +116,14 @@ def _align(topk_ids: torch.Tensor, expert_start: int, num_local: int, block_m: i
     pad_start = torch.empty(num_local, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     sorted_slots = torch.full((max_rows,), n_slots, dtype=torch.int32, device=dev)
+    e_pow2 = max(16, next_pow2(num_local))
+    count_block = max(16, 8192 // e_pow2)  # (the one-hot: 8192 elements a program)
+    _align_count_kernel[(cdiv(n_slots, count_block),)](topk_ids, counts, rank, n_slots, expert_start, num_local,
+                                                       BLOCK=count_block, E_POW2=e_pow2, num_warps=4)
     block = 1024
     grid = (cdiv(n_slots, block),)
-    _align_count_kernel[grid](topk_ids, counts, rank, n_slots, expert_start, num_local, BLOCK=block)
     _align_offsets_kernel[(1,)](
-        counts, pad_start, block_expert, num_local, num_tiles,
-        ALIGN_M=block_m, BLOCK_E=max(16, next_pow2(num_local)), BLOCK_T=64,
+        counts, pad_start, block_expert, num_local, num_tiles, ALIGN_M=block_m, BLOCK_E=e_pow2, BLOCK_T=64,
     )
     slot_rows = torch.empty(n_slots, dtype=torch.int32, device=dev) if rows else None
     _align_scatter_kernel[grid](topk_ids, rank, pad_start, sorted_slots, slot_rows if rows else sorted_slots, n_slots,

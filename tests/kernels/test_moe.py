@@ -147,17 +147,22 @@ from gptoss_fp8.kernels._gluon import triton_ptx_for_sm90
 types = dict(xq_ptr="*u8", xs_ptr="*fp32", rows_ptr="*i32", slots_ptr="*i32", q_ptr="*u8", s_ptr="*fp32")
 const = dict(TOP_K=4, BLOCK_T=16, COLS=128, PAD_M=128, GROUP=128, FP8_MAX_C=448.0, EPS=1e-10)
 ptx = triton_ptx_for_sm90(moe._gather_by_token_kernel, types, const, 4, 3)
-print(json.dumps({"stores": ptx.count("st.global")}))
+from gptoss_fp8.kernels import moe_align
+count = triton_ptx_for_sm90(moe_align._align_count_kernel, dict(ids_ptr="*i32", counts_ptr="*i32", rank_ptr="*i32"),
+                            dict(BLOCK=256, E_POW2=32), 4, 3)
+print(json.dumps({"stores": ptx.count("st.global"), "count_atomics": count.count("atom.global")}))
 """
 
 
 def test_gather_by_token_compiles():
     """The token walk's kernel compiled as a launch would (the interpreter does not check that a variable keeps its
-    type across the two branches of the program's role: 2026-12-06, a CompilationError on the GPU only)."""
+    type across the two branches of the program's role: 2026-12-06, a CompilationError on the GPU only); and
+    moe_align's count kernel (a one-hot running sum a block, its atomics one an expert: compiled, one vector of them)."""
     from sm90_compile import run_compile_script
 
     got = run_compile_script(_BY_TOKEN_COMPILE)
     assert got["stores"] >= 4 + 2, got  # a row block's k rows; the scales and the padding rows' zeros
+    assert 1 <= got["count_atomics"] <= 4, got
 
 
 @pytest.mark.parametrize(
