@@ -128,7 +128,7 @@ def norm_buffers(x: torch.Tensor, rows: bool = True) -> tuple[torch.Tensor, torc
 
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
             combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None,
-            rstd: torch.Tensor | None = None):
+            rstd: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None):
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}"
     m, h = x.shape
     assert weight.shape == (h,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} does not fit H={h}"
@@ -165,7 +165,7 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
         return xo, y if rows else None, (q, s) if quant else None
-    block_h, block_m, num_warps = norm_tile(h, quant)
+    block_h, block_m, num_warps = tile or norm_tile(h, quant)
     d = delta if delta is not None else x
     _rms_norm_kernel[(cdiv(m, block_m),)](
         x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h,
@@ -192,7 +192,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 def rms_norm_quant(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
     combine: torch.Tensor | None = None, pdl: bool = False, rows: bool = True, out: tuple | None = None,
-    rstd: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
     """``add_rms_norm`` (or ``rms_norm`` when delta is None: the returned x is x itself) that also
     returns (y_fp8 [T, H], scale float32 [T, ceil(H/128)]) = act_quant(y), in the same pass.
@@ -204,5 +204,7 @@ def rms_norm_quant(
     (the next layer's q / k / v GEMM): one [T, H] write fewer. ``out`` (with a delta): ``norm_buffers``' four
     (or row slices of them) to write instead of new tensors, returned the same way. ``rstd`` (float32 [T]):
     each row's rsqrt factor written there (the router remakes the rows from the new x and it: kernels/router.py
-    ``norm``)."""
-    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows, out=out, rstd=rstd)
+    ``norm``). ``tile``: (BLOCK_H, BLOCK_M, num_warps) instead of ``norm_tile``'s (measurement: another tile may
+    sum the squares in another order, and the router remakes the rows on ``norm_tile``'s)."""
+    return _launch(x, delta, weight, eps, quant=True, combine=combine, pdl=pdl, rows=rows, out=out, rstd=rstd,
+                   tile=tile)
