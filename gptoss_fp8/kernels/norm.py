@@ -108,12 +108,20 @@ def _rms_norm_kernel(
                       stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS, STORE_Y, r_ptr, STORE_R)
 
 
-def norm_tile(h: int, quant: bool) -> tuple[int, int, int]:
+def norm_tile(h: int, quant: bool, delta: bool = True) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_M, num_warps) of a norm over rows of ``h``: the whole row in one tile, ~2048
     elements per program for small H. A kernel calling ``add_rms_norm_rows`` on the same tile with
-    the same warps gets the same layout, hence the same sum-of-squares order and the same bits."""
+    the same warps gets the same layout, hence the same sum-of-squares order and the same bits.
+    Without a delta (the stream alone, e.g. the post-attention norm after o_proj added the residual)
+    and rows of 4096 columns or more: two rows a program, the same warps (one row moves too few bytes
+    to keep the loads in flight: 122.2-122.8 against 145.9 us at the 20b's 32768 tokens, H100,
+    ``benchmarks/norm_sweep.py``, forty-fourth session; the same bits there, each row reduced in the same
+    order, and on the GPU in tests/kernels/test_norm.py). With a delta (the MoE's combine: ~1.2 GB, at
+    3.04 TB/s either way) one row."""
     block_h = max(next_pow2(h), ACT_GROUP if quant else 1)
     block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
+    if not delta and block_h >= 4096:
+        block_m = 2
     return block_h, block_m, 8 if block_h >= 4096 else 4
 
 
@@ -165,7 +173,7 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
         s = torch.empty((m, cdiv(h, ACT_GROUP)), dtype=torch.float32, device=x.device) if quant else y
     if m == 0:
         return xo, y if rows else None, (q, s) if quant else None
-    block_h, block_m, num_warps = tile or norm_tile(h, quant)
+    block_h, block_m, num_warps = tile or norm_tile(h, quant, delta is not None)
     d = delta if delta is not None else x
     _rms_norm_kernel[(cdiv(m, block_m),)](
         x, d, weight, xo, y, q, s, combine if combine is not None else weight, m, h,

@@ -103,3 +103,21 @@ def test_norm_with_the_moe_combine_fused_equals_combine_then_norm(t, k, h, dtype
     assert torch.equal(xo2, xr)
     xo3, y3, (q3, s3) = rms_norm_quant(x, y, nw, 1e-5, combine=wts, rows=False)  # the bf16 rows left out
     assert y3 is None and torch.equal(xo3, xr) and torch.equal(s3, sr) and torch.equal(q3.view(torch.uint8), qr.view(torch.uint8))
+
+
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_norm_without_delta_two_rows_a_program_same_bits(t):
+    """``norm_tile``'s two rows a program for a norm of the stream alone (no delta; rows of 4096 columns or more once
+    padded): the same bits as one row a program, each row reduced in the same order (normed rows, their FP8
+    quantization and scales, the rsqrt factors), an odd count of rows included; a norm with a delta keeps one."""
+    from gptoss_fp8.kernels.norm import norm_tile
+
+    assert norm_tile(2880, True, delta=False) == (4096, 2, 8) and norm_tile(2880, True) == (4096, 1, 8)
+    gen = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, 2880, generator=gen) * 2).to(DEV, torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(2880, generator=gen)).to(DEV)
+    r2, r1 = (torch.empty(t, device=DEV) for _ in range(2))
+    two = rms_norm_quant(x, None, w, 1e-5, rstd=r2)
+    one = rms_norm_quant(x, None, w, 1e-5, rstd=r1, tile=(4096, 1, 8))
+    assert torch.equal(two[1], one[1]) and torch.equal(r2, r1)
+    assert torch.equal(two[2][0].view(torch.uint8), one[2][0].view(torch.uint8)) and torch.equal(two[2][1], one[2][1])
