@@ -35,6 +35,8 @@ session; since the forty-third its four warps copy the row scales into the stage
 "gather-by-token" / "gather-sorted" (``gather_act_quant``'s rows written walking the tokens in order,
 ``KernelConfig.moe_gather_by_token``, forty-fourth session, or the sorted rows); "wide-release" (the heavy-load
 MoE tiles' consumer threads release the stages each, ``GluonTile.thread_release``, forty-fourth session);
+"norm-one-row" (the post-attention norm one row a program: ``KernelConfig.norm_stream_rows=1``, before the forty-fourth
+session);
 "window-rows" (the window layers' attention writes bf16 rows and o_proj quantizes
 them, ``KernelConfig.attention_quant_out`` off: before the thirty-eighth session); "gemm-residual" (o_proj's GEMM adds
 the residual stream in its epilogue, the post-attention norm reads the new stream alone:
@@ -172,6 +174,8 @@ def _config(name: str) -> KernelConfig | None:
     if name == "wide-release":  # the heavy-load MoE tiles' consumer threads release the stages each (44th session)
         return replace(base, moe_gluon_wide_gate_up=replace(base.moe_gluon_wide_gate_up, thread_release=True),
                        moe_gluon_down=replace(base.moe_gluon_down, thread_release=True))
+    if name == "norm-one-row":  # the post-attention norm one row a program (before the 44th session)
+        return replace(base, norm_stream_rows=1)
     if name == "gather-sorted":  # ... walking the sorted rows (before the 44th session)
         return replace(base, moe_gather_by_token=False)
     if name == "wide-gather":  # the wide gate_up's A rows (and row scales) copied from the tokens' by its producer

@@ -72,6 +72,9 @@
 #            FP8 row read once and stored into its k sorted rows) and the MoE tiles' per-thread stage release
 #            (GluonTile.thread_release): their GPU tests, moe_parts.py's gather tiles both ways (rounds) and the MoE
 #            back to back (P44_ONLY), then the 20b beside the default, same process (P44_VARIANTS), 32768 / 128000
+#   norm-rows  the forty-fourth session's post-attention norm two rows a program (KernelConfig.norm_stream_rows=2, on
+#            by default, its GPU test not yet run): the norm tests on the GPU, norm_sweep.py, the 20b beside
+#            norm-one-row, same process, 32768 / 128000
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -605,6 +608,20 @@ if has quant-out-fp8; then
   [[ ${QOF_AB128K_S:-0} == 0 ]] || timeout ${QOF_AB128K_S} python3 benchmarks/ab_prefill.py --model 20b \
     --tokens 128000 --runs ${QOF_RUNS128:-3} --variants "${QOF_VARIANTS:-default,fp8-quant-out}" --attention fp8 \
     2>&1 | grep -v Warn | tee "$OUT/qof_ab128k.log"
+fi
+
+if has norm-rows; then
+  [[ ${NR_TEST_S:-90} == 0 ]] || timeout -s INT ${NR_TEST_S:-90} python3 -m pytest -q -rf -n 2 tests/kernels/test_norm.py \
+    tests/kernels/test_router.py > "$OUT/nr_tests.log" 2>&1
+  tail -4 "$OUT/nr_tests.log"
+  [[ ${NR_SWEEP_S:-60} == 0 ]] || timeout ${NR_SWEEP_S:-60} python3 benchmarks/norm_sweep.py --rounds 2 2>&1 \
+    | grep -v Warn | tee "$OUT/nr_sweep.log"
+  [[ ${NR_AB32K_S:-150} == 0 ]] || timeout ${NR_AB32K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 32768 --runs ${NR_RUNS:-7} --variants default,norm-one-row --attention fp8 2>&1 | grep -v Warn \
+    | tee "$OUT/nr_ab32k.log"
+  [[ ${NR_AB128K_S:-150} == 0 ]] || timeout ${NR_AB128K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens 128000 --runs ${NR_RUNS128:-3} --variants default,norm-one-row --attention fp8 2>&1 | grep -v Warn \
+    | tee "$OUT/nr_ab128k.log"
 fi
 
 if has pending44; then

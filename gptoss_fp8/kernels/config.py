@@ -355,6 +355,10 @@ class KernelConfig:
     # (3.3389 against 3.3391 s, 6 runs). Never slower, fewer bytes: on by default.
     gemm_residual: bool = True
     moe_rows_from_stream: bool = True
+    # Rows a program of a norm of the stream alone (no delta: the post-attention norm once o_proj added the residual),
+    # ``norm.norm_tile``: 2 (122 against 146 us at 32768 tokens, H100, benchmarks/norm_sweep.py, forty-fourth
+    # session; the same layout for each row, so the same bits). 1: before.
+    norm_stream_rows: int = 2
     # Under ``--attention fp8`` a full layer's q / k / v GEMM rotates and quantizes Q in its epilogue (the Gluon 128 x
     # 256 tile, ``fp8_gemm.fp8_gemm_q8``, ``TritonOps.linears_q8``): attn_quant.quantize_qk(rope=)'s bytes and scales,
     # Q's bf16 columns never written nor read back by a quantization launch (~0.8 GB of traffic a full layer at 32768

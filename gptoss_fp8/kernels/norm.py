@@ -108,7 +108,7 @@ def _rms_norm_kernel(
                       stride_s, HAS_DELTA, QUANT, BLOCK_M, BLOCK_H, GROUP, FP8_MAX_C, EPS, STORE_Y, r_ptr, STORE_R)
 
 
-def norm_tile(h: int, quant: bool, delta: bool = True) -> tuple[int, int, int]:
+def norm_tile(h: int, quant: bool, delta: bool = True, stream_rows: int = 2) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_M, num_warps) of a norm over rows of ``h``: the whole row in one tile, ~2048
     elements per program for small H. A kernel calling ``add_rms_norm_rows`` on the same tile with
     the same warps gets the same layout, hence the same sum-of-squares order and the same bits.
@@ -117,11 +117,12 @@ def norm_tile(h: int, quant: bool, delta: bool = True) -> tuple[int, int, int]:
     to keep the loads in flight: 122.2-122.8 against 145.9 us at the 20b's 32768 tokens, H100,
     ``benchmarks/norm_sweep.py``, forty-fourth session; the same bits there, each row reduced in the same
     order, and on the GPU in tests/kernels/test_norm.py). With a delta (the MoE's combine: ~1.2 GB, at
-    3.04 TB/s either way) one row."""
+    3.04 TB/s either way) one row. ``stream_rows``: the rows a program without a delta there
+    (``KernelConfig.norm_stream_rows``; 1 as before the forty-fourth session)."""
     block_h = max(next_pow2(h), ACT_GROUP if quant else 1)
     block_m = max(1, min(16, 2048 // block_h))  # ~2048 elements per program for small H
     if not delta and block_h >= 4096:
-        block_m = 2
+        block_m = stream_rows
     return block_h, block_m, 8 if block_h >= 4096 else 4
 
 

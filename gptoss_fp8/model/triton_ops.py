@@ -404,12 +404,14 @@ class TritonOps(W8A8CpuOps):
         (a bf16 stream: the one ``linears`` takes as None): the bf16 rows not written, ``Normed.y`` None.
         ``out``: ``norm_out``'s rows to write (checked by ``_out_ok``). ``src`` (with rows left out): each row's
         rsqrt factor written too, ``Normed.src`` = (new x, those, weight), from which the router remakes the rows."""
-        from gptoss_fp8.kernels.norm import rms_norm_quant
+        from gptoss_fp8.kernels.norm import norm_tile, rms_norm_quant
 
         into = None if out is None else (out[0], out[1].y, *out[1].quant)
         rows = rows or x.dtype != BF16
         rstd = torch.empty(x.shape[0], dtype=F32, device=x.device) if src and not rows else None
-        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows, out=into, rstd=rstd)
+        tile = None if delta is not None else norm_tile(x.shape[-1], True, False, self.config.norm_stream_rows)
+        xo, y, quant = rms_norm_quant(x, delta, weight, eps, combine, pdl=self._pdl(x), rows=rows, out=into, rstd=rstd,
+                                      tile=tile)
         return xo, Normed(y, quant, None if rstd is None else (xo, rstd, weight))
 
     # --- attention -----------------------------------------------------------------------------

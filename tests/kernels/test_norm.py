@@ -113,11 +113,12 @@ def test_norm_without_delta_two_rows_a_program_same_bits(t):
     from gptoss_fp8.kernels.norm import norm_tile
 
     assert norm_tile(2880, True, delta=False) == (4096, 2, 8) and norm_tile(2880, True) == (4096, 1, 8)
+    assert norm_tile(2880, True, delta=False, stream_rows=1) == (4096, 1, 8)  # KernelConfig.norm_stream_rows=1
     gen = torch.Generator().manual_seed(t)
     x = (torch.randn(t, 2880, generator=gen) * 2).to(DEV, torch.bfloat16)
     w = (1 + 0.3 * torch.randn(2880, generator=gen)).to(DEV)
     r2, r1 = (torch.empty(t, device=DEV) for _ in range(2))
     two = rms_norm_quant(x, None, w, 1e-5, rstd=r2)
-    one = rms_norm_quant(x, None, w, 1e-5, rstd=r1, tile=(4096, 1, 8))
+    one = rms_norm_quant(x, None, w, 1e-5, rstd=r1, tile=norm_tile(2880, True, delta=False, stream_rows=1))
     assert torch.equal(two[1], one[1]) and torch.equal(r2, r1)
     assert torch.equal(two[2][0].view(torch.uint8), one[2][0].view(torch.uint8)) and torch.equal(two[2][1], one[2][1])
