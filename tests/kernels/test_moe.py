@@ -512,10 +512,10 @@ def test_moe_gather_by_token_same_bits_gpu(t, h, i, e, e0, n_local, plan):
     _, ids = route(m["x"], m["wr"], m["br"], 4)
     big = act_quant(torch.cat([torch.randn(3, h, device="cuda", dtype=torch.bfloat16), m["x"]]))
     xq = (big[0][3:], big[1][3:])
-    on = KernelConfig(moe_gather_by_token=True)
+    assert KernelConfig().moe_gather_by_token  # (the default since the forty-fourth session)
     for x_quant in (xq, None):
-        ys = [moe_expert_slots(m["x"], ids, *ex, expert_start=e0, x_quant=x_quant, plan=plan, config=c)
-              for c in (KernelConfig(), on)]
+        ys = [moe_expert_slots(m["x"], ids, *ex, expert_start=e0, x_quant=x_quant, plan=plan,
+                               config=KernelConfig(moe_gather_by_token=on)) for on in (False, True)]
         assert torch.equal(ys[0], ys[1]) and ys[0].abs().sum() > 0
 
 
