@@ -76,6 +76,11 @@ VARIANTS = {
     "fp8-qreg": dict(fp8=True, q_in_registers=True),  # Q loaded into registers once (28th session, unmeasured)
     "fp8-s16": dict(fp8=True, s16=True),  # QK^T in f16, the unmasked scores on f16 pairs (36th session: 7-9% slower)
     "fp8-lanemax": dict(fp8=True, lane_max=True),  # the row max, one shuffle pair a step (33rd session, unmeasured)
+    # no 2^x: P * 256's e4m3 codes from the scores (45th session; spec.attention_fp8(p_code="lin"), another spec):
+    # clamped as 32-bit integers, as 16-bit pairs (wraps 4096 log2 units under the max), with the turns back
+    "fp8-lin": dict(fp8=True, exp_lin=1),
+    "fp8-lin16": dict(fp8=True, exp_lin=2),
+    "fp8-lin-turns": dict(fp8=True, exp_lin=1, turns=2),
     # timing probes of the FP8 kernel (wrong values: no check; the MMA probe without turns)
     "fp8-probe-mma": dict(fp8=True, probe="mma"),
     "fp8-probe-softmax": dict(fp8=True, probe="softmax"),
@@ -107,8 +112,9 @@ def _spec(cfg):
     if cfg.get("fp8"):
         rs = spec_row_sum(cfg.get("pairs", True), cfg.get("ones", True))  # the e4m3 P's row sum, or the fp32 P's
         qm = S16_Q_MAX if cfg.get("s16") else None  # (QK^T in f16: Q quantized to 1.75)
+        pc = "lin" if cfg.get("exp_lin") else "e4m3"
         return lambda q, k, v, sinks, q_offset=0: spec.attention_fp8(q, k, v, sinks, D ** -0.5, 0, q_offset,
-                                                                     row_sum=rs, q_max=qm)
+                                                                     row_sum=rs, q_max=qm, p_code=pc)
     return lambda q, k, v, sinks, q_offset=0: spec.attention(q, k, v, sinks, D ** -0.5, 0, q_offset=q_offset,
                                                              dtype=torch.float32)
 

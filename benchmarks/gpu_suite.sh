@@ -75,6 +75,9 @@
 #   norm-rows  the forty-fourth session's post-attention norm two rows a program (KernelConfig.norm_stream_rows=2, on
 #            by default, its GPU test not yet run): the norm tests on the GPU, norm_sweep.py, the 20b beside
 #            norm-one-row, same process, 32768 / 128000
+#   pending45  the forty-fifth session's exp_lin (the FP8 attention's P codes without 2^x, opt-in, another spec): its
+#            GPU tests, attn_variants.py beside the default (LIN_VARIANTS), energy a launch at 128000 (LIN_ENERGY),
+#            then norm-rows' GPU tests and sweep (the forty-fourth's norm tile)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -622,6 +625,21 @@ if has norm-rows; then
   [[ ${NR_AB128K_S:-150} == 0 ]] || timeout ${NR_AB128K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
     --tokens 128000 --runs ${NR_RUNS128:-3} --variants default,norm-one-row --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/nr_ab128k.log"
+fi
+
+if has pending45; then
+  [[ ${P45_TEST_S:-120} == 0 ]] || timeout -s INT ${P45_TEST_S:-120} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
+    -k "exp_lin or ws_fp8_options_gpu and lane" > "$OUT/p45_tests.log" 2>&1
+  tail -6 "$OUT/p45_tests.log"
+  [[ ${P45_VAR_S:-240} == 0 ]] || timeout ${P45_VAR_S:-240} python3 benchmarks/attn_variants.py --tokens ${P45_TOKENS:-32768,128000} \
+    --variants "${LIN_VARIANTS:-fp8,fp8-lin,fp8-lin16,fp8-lin-turns}" --json "$OUT/p45_variants.json" 2>&1 | grep -v Warn \
+    | tee "$OUT/p45_variants.log"
+  IFS=';' read -ra _lv <<< "${LIN_ENERGY:-fp8=True;fp8=True,exp_lin=1}"
+  for var in "${_lv[@]}"; do
+    timeout 90 python3 benchmarks/clock_watch.py "$OUT/p45_clock.csv" -- python3 benchmarks/attn_ncu.py --tokens 128000 \
+      --variant "$var" --seconds 5 2>&1 | grep -v Warn | python3 benchmarks/energy_line.py "$var" 128000 \
+      | tee -a "$OUT/p45_energy.log"
+  done
 fi
 
 if has pending44; then

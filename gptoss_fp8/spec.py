@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from gptoss_fp8.config import GptOssConfig
 from gptoss_fp8.errors import GptOssFp8Error
-from gptoss_fp8.quant.attn_fp8 import P_SCALE, quantize_qk, quantize_v, row_scales
+from gptoss_fp8.quant.attn_fp8 import P_SCALE, lin_e4m3, quantize_qk, quantize_v, row_scales
 from gptoss_fp8.quant.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -282,7 +282,8 @@ LOG2E = 1.4426950408889634
 
 def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
                         v8: torch.Tensor, sv: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int,
-                        q_offset: int, p_scale: float = P_SCALE, row_sum: str = "p8") -> torch.Tensor:
+                        q_offset: int, p_scale: float = P_SCALE, row_sum: str = "p8",
+                        p_code: str = "e4m3") -> torch.Tensor:
     """FP8 attention of one sequence from quantized operands: q8 [Tq, Hq, D] e4m3 with row scales
     sq [Tq, Hq], k8 / v8 [Tk, Hkv, D] e4m3, sk [Tk, Hkv], sv [Hkv, D] (quant/attn_fp8.py). fp32 out."""
     tq, hq, d = q8.shape
@@ -310,7 +311,13 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
     # the weights PV applies then sum to one with the sink's, where the fp32 P's sum (FlashAttention-
     # 3's choice, row_sum="p") counts what the e4m3 P dropped; closer to exact attention on every
     # shape measured, and the Gluon kernel takes it from the tensor core (P8 x ones).
-    p8 = (p * p_scale).to(FP8_DTYPE)
+    if p_code == "lin":  # (the FP8 Gluon kernel's exp_lin: no 2^x, e4m3's mantissa read linearly, quant/attn_fp8.py)
+        assert p_scale == P_SCALE, f"p_code 'lin': P's scale {P_SCALE} (not {p_scale})"
+        p8 = lin_e4m3(s2 - mx)
+        p = p8.float() / p_scale  # (row_sum "p": the same weights)
+    else:
+        assert p_code == "e4m3", f"p_code {p_code!r}: 'e4m3' (2^x rounded) or 'lin'"
+        p8 = (p * p_scale).to(FP8_DTYPE)
     if row_sum == "p8":
         l_ = p8.float().sum(dim=-1, keepdim=True) / p_scale + torch.exp2(sink2[..., None] - mx)
     else:
@@ -323,7 +330,8 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   sm_scale: float | None = None, window: int = 0, q_offset: int = 0,
-                  fp8_max: float = FP8_MAX, row_sum: str = "p8", q_max: float | None = None) -> torch.Tensor:
+                  fp8_max: float = FP8_MAX, row_sum: str = "p8", q_max: float | None = None,
+                  p_code: str = "e4m3") -> torch.Tensor:
     """``attention`` with FP8 operands, for ONE sequence: same contract (shapes, masks, sinks,
     q_offset), returned as [Tq, Hq, D] in q's dtype.
 
@@ -339,6 +347,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     the FP8 Gluon kernel's measured options ``pairs=False`` / ``ones=False``).
     ``q_max``: what a Q block's amax maps to, if not ``fp8_max`` (1.75: the FP8 Gluon kernel's ``s16``, whose
     f16 sums of QK^T it keeps from overflowing; the scores here stay fp32).
+    ``p_code``: "e4m3" (2^x rounded to e4m3) or "lin" (``quant.attn_fp8.lin_e4m3``: the e4m3 code of P * 256
+    computed from the score without 2^x, the kernel's ``exp_lin``; at fp8_max 448 only).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -350,7 +360,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     k8, sk = quantize_qk(k, fp8_max)
     v8t, sv = quantize_v(v, fp8_max)
     o = _attention_fp8_core(q8, row_scales(sq, tq), k8, row_scales(sk, tk), v8t.permute(2, 0, 1), sv,
-                            sinks, sm_scale, window, q_offset, P_SCALE * fp8_max / FP8_MAX, row_sum)
+                            sinks, sm_scale, window, q_offset, P_SCALE * fp8_max / FP8_MAX, row_sum, p_code)
     return o.reshape(tq, hq, d).to(q.dtype)
 
 

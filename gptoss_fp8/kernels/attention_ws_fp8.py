@@ -85,6 +85,7 @@ if HAS_GLUON:
     _Q_EPS = gl.constexpr(ACT_EPS)
     _A_MAX = gl.constexpr(ACT_FP8_MAX)  # (``quant_out``: act_quant's, o_proj's input)
     _A_EPS = gl.constexpr(ACT_EPS)
+    _LIN_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: a float whose unit in the last place is 1
 
     @gluon.jit
     def _ceil(x):
@@ -192,9 +193,15 @@ if HAS_GLUON:
         _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
         m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
         _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-        pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256
-        _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
-        pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
+        if FMA >= 3:  # (exp_lin: the e4m3 codes of P * 256 in the low bits, no 2^x; ``_lin_e4m3`` packs them)
+            b = gl.expand_dims(_lin_bias(m_new), 1)
+            pa = sa * (ca * 8.0) + b
+            _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
+            pb = sb * (cb * 8.0) + b
+        else:
+            pa = _exp2_passing(sa * ca - gl.expand_dims(m8, 1), turn, W, TURN)  # P * 256
+            _stamp(trace_ptr, m8, rows, 5, k, W, TRACE)
+            pb = _exp2_split(sb * cb - gl.expand_dims(m8, 1), FMA)
         return pa, pb, m_new
 
     @gluon.jit
@@ -216,7 +223,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W: gl.constexpr, k, TURN: gl.constexpr, trace_ptr,
-                     TRACE: gl.constexpr, LMAX: gl.constexpr, S16: gl.constexpr = False):
+                     TRACE: gl.constexpr, LMAX: gl.constexpr, S16: gl.constexpr = False, FMA: gl.constexpr = 0):
         """``_fp8_softmax2``'s masked step (blocks a, a + 1 from the diagonal on), in fp32 -> (P * 256 of each
         block in the scores' dtype, m)."""
         BN: gl.constexpr = sa.type.shape[1]
@@ -231,8 +238,13 @@ if HAS_GLUON:
         _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
         m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
         _stamp(trace_ptr, m8, rows, 4, k, W, TRACE)
-        pa = _exp2_passing(xa - gl.expand_dims(m8, 1), turn, W, TURN)
-        pb = gl.exp2(xb - gl.expand_dims(m8, 1))
+        if FMA >= 3:  # (exp_lin; -inf stays -inf: its low bits are zeros, and as an integer it is negative)
+            b = gl.expand_dims(_lin_bias(m_new), 1)
+            pa = xa * 8.0 + b
+            pb = xb * 8.0 + b
+        else:
+            pa = _exp2_passing(xa - gl.expand_dims(m8, 1), turn, W, TURN)
+            pb = gl.exp2(xb - gl.expand_dims(m8, 1))
         if S16:
             pa = pa.to(gl.float16)
             pb = pb.to(gl.float16)
@@ -262,7 +274,8 @@ if HAS_GLUON:
         elif a + 1 < n_full:
             pa, pb, m_new = _step32(sa, sb, ca, cb, m_i, rows, FMA, turn, zrow, W, k, TURN, trace_ptr, TRACE, LMAX)
         else:
-            pa, pb, m_new = _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W, k, TURN, trace_ptr, TRACE, LMAX)
+            pa, pb, m_new = _step_masked(sa, sb, ca, cb, m_i, rows, a, turn, zrow, W, k, TURN, trace_ptr, TRACE, LMAX,
+                                         False, FMA)
         pass_turn(turn, W, TURN == 1)
         alpha = _pow2(m_i - m_new)
         if ONES:
@@ -288,6 +301,30 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
             "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _lin_bias(m):
+        """``exp_lin``'s per-row addend: 1.5 * 2^23 + 120 - 8 m, so that 8 x + it (x the scores in log2 units, m their
+        integer running max) rounds to an integer in the low mantissa bits: round(8 (x - m + 8) + 56), the e4m3 code
+        of 2^(x - m + 8) = P * 256 with the mantissa bits read linearly (``spec.lin_e4m3_code``)."""
+        return (_LIN_MAGIC + 120.0) - 8.0 * m
+
+    @gluon.jit
+    def _lin_e4m3(y, FMA: gl.constexpr):
+        """``exp_lin``'s codes (``_lin_bias``) -> e4m3, four values to one register: each code clamped at 0 (the codes
+        below 0, and -inf, are 0) and its low byte taken. FMA 3: clamped as 32-bit integers (any float); 4: as
+        16-bit halves (one packed max for two: codes below -32768, 4096 log2 units under the row's max, wrap)."""
+        if FMA == 3:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 a, b, c, d, lo, hi; max.s32 a, $1, 0x4B400000; max.s32 b, $2, 0x4B400000; "
+                "max.s32 c, $3, 0x4B400000; max.s32 d, $4, 0x4B400000; prmt.b32 lo, a, b, 0x0040; "
+                "prmt.b32 hi, c, d, 0x0040; prmt.b32 $0, lo, hi, 0x5410; }",
+                "=r,r,r,r,r", [y], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x5410; prmt.b32 hi, $3, $4, 0x5410; "
+                "max.relu.s16x2 lo, lo, lo; max.relu.s16x2 hi, hi, hi; prmt.b32 $0, lo, hi, 0x6420; }",
+                "=r,r,r,r,r", [y], dtype=gl.float8e4nv, is_pure=True, pack=4)
 
     @gluon.jit
     def _e4m3h(x):
@@ -430,6 +467,9 @@ if HAS_GLUON:
             if S16:
                 p8a = _e4m3h(_relabel(pa, p_layout))
                 p8b = _e4m3h(_relabel(pb, p_layout))
+            elif FMA >= 3:
+                p8a = _lin_e4m3(_relabel(pa, p_layout), FMA)
+                p8b = _lin_e4m3(_relabel(pb, p_layout), FMA)
             else:
                 p8a = _e4m3(_relabel(pa, p_layout))
                 p8b = _e4m3(_relabel(pb, p_layout))
@@ -869,7 +909,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              s16: bool = False, q_fused: bool = False,
                              q_scale: torch.Tensor | None = None,
                              quant_out: bool = False,
-                             two_heads: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                             two_heads: bool = False, exp_lin: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal FP8 attention with sinks, one sequence (``spec.attention_fp8``'s numerics): q [T, Hq, 64],
     k / v [q_offset + T, Hkv, 64] bf16 (q_offset > 0: a later prompt chunk, q's rows at key positions
     q_offset.. after the cached keys; ``spec.attention_fp8(q_offset=)``), out [T, Hq, 64] bf16 whose [H, D]
@@ -909,7 +949,13 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     program holds two heads (one 128-column group) and makes a pass over the keys for each (``_fp8_consume``'s
     QOUT), so the bf16 rows are neither written nor read again (out unused). two_heads (measurement only, with
     quant_out's conditions, not quant_out): the same two heads a program, each head's bf16 rows into out as without
-    it, nothing quantized: what the program structure alone costs."""
+    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 or 2, with
+    pairs and ones; ``spec.attention_fp8(p_code="lin")``'s numerics, not the default's): no 2^x; each P * 256 is the
+    e4m3 byte whose bits are round(8 (x - m + 8) + 56) clamped at 0 (x the score, m the running max, log2 units):
+    2^x's exponent exact, its 3 mantissa bits read linearly from x's fraction (Schraudolph's trick in e4m3; at most
+    6.1% above 2^x before the rounding, mostly cancelled by the row sum of the same codes); one FFMA puts the code in
+    the low bits of a float (``_lin_bias``), and ``_lin_e4m3`` clamps and packs them: 1 (any score) as 32-bit
+    integers, 2 as 16-bit halves (scores below m - 4096 wrap: measurement only). No turns by default (no MUFU)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -921,7 +967,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
-    turns = (2 if pairs and probe != "mma" else 0) if turns is None else turns
+    assert exp_lin in (0, 1, 2) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
+        f"exp_lin {exp_lin}: 0, 1 or 2; with pairs and ones, no exp_fma, s16 or probe")
+    turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
     assert turns in (0, 1, 2, 3) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2 or 3 (with pairs)"
     assert probe != "mma" or turns == 0, "probe='mma' takes no turns (its steps skip the exponentials they ring)"
@@ -963,7 +1011,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         descriptor(_rows2d(out if out is not None else q.new_empty((WG_ROWS, hq, d), dtype=torch.bfloat16)),
                    [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace, T, num_pid_m,
         sq.shape[1], sk.shape[1], q_offset,
-        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=exp_fma, TURN=turns,
+        GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=2 + exp_lin if exp_lin else exp_fma, TURN=turns,
         REL=int(pair_release) + int(pair_ready),
         TRACE=0 if trace is None else trace.shape[-2],
         PROBE={None: 0, "mma": 1, "softmax": 2, "nosum": 3}[probe],

@@ -1070,6 +1070,38 @@ def test_ws_fp8_options_gpu(T, opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
+@pytest.mark.parametrize("exp_lin", [1, 2])
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
+    """``exp_lin`` (P * 256's e4m3 codes from the scores, no 2^x) against ``spec.attention_fp8(p_code="lin")`` under
+    poison: one fp32 rounding or two from the spec's order (the FFMA's exact product), so within the default's
+    tolerance of its spec; and no farther from exact attention than twice the default is. spread 30: Q and K
+    entries ~30, the scores' spread within a row ~10^3-10^4 log2 units: codes far below zero, which the 32-bit
+    clamp (1) takes to zero whatever the gap; the 16-bit one (2) wraps below m - 4096 and is not checked there."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    if spread > 1 and exp_lin == 2:
+        pytest.skip("exp_lin=2 wraps below m - 4096 log2 units (measurement only): the 32-bit clamp's case")
+    hq, hkv = 16, 2
+    gen = torch.Generator().manual_seed(T * 7 + exp_lin)
+    q, k, v = _qkv(T, hq, hkv, gen)
+    q, k = (q.float() * spread).bfloat16(), (k.float() * spread).bfloat16()
+    sinks = _sinks(hq, gen)
+    _poison(T, hq, D)
+    out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=exp_lin)
+    ref = spec.attention_fp8(q, k, v, sinks, None, 0, p_code="lin").float()
+    exact = spec.attention(*_fp32(q, k, v), sinks, None, 0, dtype=torch.float32).float()
+    o = out.float()
+    assert torch.isfinite(o).all()
+    rel = ((o - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-2, f"rel {rel:.2e} vs the spec"
+    default = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5).float()
+    err, err0 = ((o - exact).norm() / exact.norm()).item(), ((default - exact).norm() / exact.norm()).item()
+    assert err <= 2 * err0 + 1e-3, f"vs exact attention: {err:.2e} against the default's {err0:.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,q_offset", [(1, 0), (63, 0), (65, 0), (1000, 0), (4099, 0), (65, 63), (777, 64), (300, 8192)])
 @pytest.mark.parametrize("rope", [True, False])
 def test_ws_fp8_q_fused_gpu(T, q_offset, rope):
@@ -1166,6 +1198,46 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
 
+def test_lin_e4m3_reads_the_mantissa_linearly():
+    """quant/attn_fp8.py's ``lin_e4m3`` (the FP8 kernel's ``exp_lin``), against its definition written another way: for
+    d' = d + 8 >= -6, P * 256 = 2^floor(d') (1 + r / 8) with r the fraction times 8 rounded half to even (r = 8
+    carries into the exponent); from -7 to -6 e4m3's subnormals, round(8 d' + 56) * 2^-9; below, and -inf, zero.
+    Exact at the powers of two, never below 2^d' by more than e4m3's half step, and at most 6.1% + that step
+    above."""
+    from gptoss_fp8.quant.attn_fp8 import lin_e4m3
+
+    gen = torch.Generator().manual_seed(5)
+    d = torch.cat([-14 * torch.rand(4000, generator=gen), -15 - torch.rand(100, generator=gen) * 20,
+                   -torch.arange(0, 15).float(), torch.tensor([float("-inf"), -14.5, -14.0625])])
+    got = lin_e4m3(d).float() / 256
+    dp = d.double() + 8
+    fl = torch.floor(dp)
+    r = torch.round((dp - fl) * 8)
+    want = torch.where(dp >= -6, torch.exp2(fl) * (1 + r / 8), torch.clamp(torch.round(8 * dp + 56), min=0) * 2.0 ** -9)
+    want = torch.where(torch.isinf(dp), 0.0, want) / 256
+    assert torch.equal(got.double(), want)
+    assert torch.equal(got[4100:4115], torch.exp2(d[4100:4115]))  # the powers of two
+    normal = d >= -14
+    ratio = got[normal] / torch.exp2(d[normal])
+    assert ratio.min() >= 1 - 1 / 16 and ratio.max() <= (1 + 1 / 16) * 1.0615, (ratio.min(), ratio.max())
+    assert (got[~normal] <= 2.0 ** -14).all()
+
+
+def test_spec_attention_fp8_lin_codes_cost_little():
+    """spec.attention_fp8(p_code="lin") (no GPU): within twice the default's error from exact attention and 2% of the
+    default, on random inputs with sinks, a sliding window too."""
+    gen = torch.Generator().manual_seed(31)
+    q, k, v = _qkv(700, 8, 2, gen, device="cpu")
+    sinks = _sinks(8, gen, device="cpu")
+    for window in (0, 128):
+        exact = spec.attention(*_fp32(q, k, v), sinks, None, window, dtype=torch.float32).float()
+        e4 = spec.attention_fp8(q, k, v, sinks, None, window).float()
+        lin = spec.attention_fp8(q, k, v, sinks, None, window, p_code="lin").float()
+        err, err0 = ((lin - exact).norm() / exact.norm()).item(), ((e4 - exact).norm() / exact.norm()).item()
+        assert err <= 2 * err0 and ((lin - e4).norm() / e4.norm()).item() < 0.05, (window, err, err0)
+        assert not torch.equal(lin, e4)
+
+
 def test_fp8_key_order_moves_no_data_across_lanes():
     """kernels/attention_ws_fp8.py's relabelling of P's key columns (no GPU): in the wgmma accumulator a
     lane q of a quad holds columns 8i + 2q + b of a 64-key block; as the e4m3 A operand (k32 steps) it
@@ -1256,7 +1328,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, OFFSET=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=True), 12),
-                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QB16=True, ROPE=True), 12)):
+                               (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QB16=True, ROPE=True), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=3), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused,
                                     dict(GROUP=8, STAGES=4, **opts))
@@ -1268,7 +1341,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         from_regs = [line for line in main if re.search(r"\}, \{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}", line)]
         # PV's A (P) from registers, QK^T's (Q) from shared memory, or with QREG (Q in registers) both
         assert len(from_regs) == (len(main) if opts.get("QREG") else len(main) // 2)
-        assert ".local" not in ptx and "cvt.u16.u32" not in ptx  # no byte-per-register e4m3 values
+        # no byte-per-register e4m3 values (exp_lin's PTX has one cvt.u16.u32 before the loops: a lane index)
+        assert ".local" not in ptx and ptx.count("cvt.u16.u32") <= (opts.get("FMA") == 3)
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
         if "spill_stores" in k:
             assert k["spill_stores"] <= (0 if opts["PAIRS"] else 8), (opts, k)
@@ -1282,6 +1356,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         elif opts.get("S16"):  # QK^T into f16 (half of the main wgmmas), the unmasked step's scores on f16 pairs
             assert sum(".f16.e4m3.e4m3" in x for x in main) == len(main) // 2
             assert ptx.count("fma.rn.f16x2") and ptx.count("ex2.approx.f16x2") and ptx.count("e4m3x2.f16x2")
+        elif opts.get("FMA") == 3:  # (exp_lin) no 2^x in the key loop: only the sink's, once a pass
+            assert ptx.count("ex2.approx") <= 3 and ptx.count("max.s32") >= 64, ptx.count("ex2.approx")
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
