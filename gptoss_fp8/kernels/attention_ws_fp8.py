@@ -86,6 +86,7 @@ if HAS_GLUON:
     _A_MAX = gl.constexpr(ACT_FP8_MAX)  # (``quant_out``: act_quant's, o_proj's input)
     _A_EPS = gl.constexpr(ACT_EPS)
     _LIN_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: a float whose unit in the last place is 1
+    _LIN_BOUND = gl.constexpr(64.0 * 448.0 * 448.0)  # |a QK^T sum of e4m3 products| at head dim 64
 
     @gluon.jit
     def _ceil(x):
@@ -406,11 +407,27 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
+    def _lin_pv(pa, pb, CLAMP: gl.constexpr, v_bufs, r, ones, zero_o, zero_l, p_layout: gl.constexpr,
+                pl_layout: gl.constexpr):
+        """``_fp8_pairs``' step with FMA 4 (``exp_lin``): blocks r, r + 1's codes packed with ``_lin_e4m3``'s clamp
+        CLAMP, then P8 V and P8 x ones, waited for -> (pv, lp)."""
+        S: gl.constexpr = v_bufs.type.shape[0]
+        p8a = _lin_e4m3(_relabel(pa, p_layout), CLAMP)
+        p8b = _lin_e4m3(_relabel(pb, p_layout), CLAMP)
+        pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
+        lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)), zero_l,
+                           use_acc=False, is_async=True)
+        lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
+                           is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+
+    @gluon.jit
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
                    PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                   LMAX: gl.constexpr = False, S16: gl.constexpr = False, c0=0, k0=0):
+                   LMAX: gl.constexpr = False, S16: gl.constexpr = False, c0=0, k0=0, sink=0.0):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
         warpgroups' work fills the waits (P carried across the loop in fp32 would take 64 registers more:
@@ -420,7 +437,11 @@ if HAS_GLUON:
         warpgroups' exponentials take turns (``_fp8_softmax2``); every warpgroup takes n_turns turns, the ones
         past its own steps only passed on (before the ring's blocks past the diagonal: a later warpgroup's
         steps wait for them). c0 / k0: the ring position of block 0 and the first turn's number (a program's second
-        head: ``quant_out``; c0 even). -> (acc, l)."""
+        head: ``quant_out``; c0 even). FMA 3 / 4 (``exp_lin``): P's e4m3 codes from the scores, clamped as 32-bit
+        integers (3), or (4) as 16-bit halves while the step's bound allows it: every score of a block lies within
+        D 448^2 c of zero (c its score factor; Q and K e4m3), and the running max within the largest such bound so
+        far (or the sink, its log2 units here), so a code stays above -32768 while that bound mb obeys mb + max(sink,
+        mb + 1) <= 4000 (a uniform branch; else the 32-bit clamp). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -438,6 +459,7 @@ if HAS_GLUON:
             s_b = warpgroup_mma(q, k_bufs.index(1 % S).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             sa0, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
+        mb = sink * 0.0  # (FMA 4: the largest score bound so far, a scalar)
         for i in range(gl.cdiv(my_blocks, 2)):
             a = 2 * i
             r = c0 + a  # (its ring position)
@@ -464,33 +486,42 @@ if HAS_GLUON:
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
                                                         zrow, W, k0 + i, TURN, trace_ptr, TRACE, LMAX, S16)
-            if S16:
-                p8a = _e4m3h(_relabel(pa, p_layout))
-                p8b = _e4m3h(_relabel(pb, p_layout))
-            elif FMA >= 3:
-                p8a = _lin_e4m3(_relabel(pa, p_layout), FMA)
-                p8b = _lin_e4m3(_relabel(pb, p_layout), FMA)
-            else:
-                p8a = _e4m3(_relabel(pa, p_layout))
-                p8b = _e4m3(_relabel(pb, p_layout))
-            if PROBE == 2:
-                pv = zero_o
-            else:
-                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
-            _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
-            if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            elif ONES:
-                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                   zero_l, use_acc=False, is_async=True)
-                lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
-                                   is_async=True)
-                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-                _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
+            if FMA == 4:  # (exp_lin's clamp chosen a step: each branch packs P and issues and waits for its own
+                # MMAs, so no e4m3 tensor crosses the branch, which would be kept a byte a register and repacked)
+                mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
+                if mb + gl.maximum(sink, mb + 1.0) <= 4000.0:
+                    pv, lp = _lin_pv(pa, pb, 4, v_bufs, r, ones, zero_o, zero_l, p_layout, pl_layout)
+                else:
+                    pv, lp = _lin_pv(pa, pb, 3, v_bufs, r, ones, zero_o, zero_l, p_layout, pl_layout)
                 lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
             else:
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                if S16:
+                    p8a = _e4m3h(_relabel(pa, p_layout))
+                    p8b = _e4m3h(_relabel(pb, p_layout))
+                elif FMA == 3:
+                    p8a = _lin_e4m3(_relabel(pa, p_layout), 3)
+                    p8b = _lin_e4m3(_relabel(pb, p_layout), 3)
+                else:
+                    p8a = _e4m3(_relabel(pa, p_layout))
+                    p8b = _e4m3(_relabel(pb, p_layout))
+                if PROBE == 2:
+                    pv = zero_o
+                else:
+                    pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                    pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
+                _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
+                if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
+                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                elif ONES:
+                    lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                       zero_l, use_acc=False, is_async=True)
+                    lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
+                                       is_async=True)
+                    pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                    _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
+                    lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
+                else:
+                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             if not PAIR_RELEASE:
                 mbarrier.arrive(empty.index(r % S), count=1)
             mbarrier.arrive(empty.index((r + 1) % S), count=1)
@@ -576,7 +607,7 @@ if HAS_GLUON:
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
                                   zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX, S16,
-                                  c0, k0)
+                                  c0, k0, sink)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
                                    my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout)
@@ -954,8 +985,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     e4m3 byte whose bits are round(8 (x - m + 8) + 56) clamped at 0 (x the score, m the running max, log2 units):
     2^x's exponent exact, its 3 mantissa bits read linearly from x's fraction (Schraudolph's trick in e4m3; at most
     6.1% above 2^x before the rounding, mostly cancelled by the row sum of the same codes); one FFMA puts the code in
-    the low bits of a float (``_lin_bias``), and ``_lin_e4m3`` clamps and packs them: 1 (any score) as 32-bit
-    integers, 2 as 16-bit halves (scores below m - 4096 wrap: measurement only). No turns by default (no MUFU)."""
+    the low bits of a float (``_lin_bias``), and ``_lin_e4m3`` clamps and packs them: 1 as 32-bit integers, 2 as
+    16-bit halves (one packed max for two) in every step whose scores' bound keeps the codes above -32768, else as 1
+    (``_fp8_pairs``; the same bytes either way). No turns by default (no MUFU)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"

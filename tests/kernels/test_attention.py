@@ -1072,21 +1072,24 @@ def test_ws_fp8_options_gpu(T, opts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
 @pytest.mark.parametrize("exp_lin", [1, 2])
-@pytest.mark.parametrize("spread", [1.0, 30.0])
+@pytest.mark.parametrize("spread", ["unit", "wide", "late"])
 def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     """``exp_lin`` (P * 256's e4m3 codes from the scores, no 2^x) against ``spec.attention_fp8(p_code="lin")`` under
     poison: one fp32 rounding or two from the spec's order (the FFMA's exact product), so within the default's
-    tolerance of its spec; and no farther from exact attention than twice the default is. spread 30: Q and K
-    entries ~30, the scores' spread within a row ~10^3-10^4 log2 units: codes far below zero, which the 32-bit
-    clamp (1) takes to zero whatever the gap; the 16-bit one (2) wraps below m - 4096 and is not checked there."""
+    tolerance of its spec; and no farther from exact attention than twice the default is. "wide": Q and K entries
+    ~30, the scores' spread within a row ~10^3-10^4 log2 units, codes far below -32768: the 32-bit clamp (1) takes
+    them to zero, and 2 must leave its 16-bit clamp for it (the scores' bound); "late": K's rows from T / 2 on times
+    30, so that 2 switches clamps partway along the keys."""
     from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
-    if spread > 1 and exp_lin == 2:
-        pytest.skip("exp_lin=2 wraps below m - 4096 log2 units (measurement only): the 32-bit clamp's case")
     hq, hkv = 16, 2
     gen = torch.Generator().manual_seed(T * 7 + exp_lin)
     q, k, v = _qkv(T, hq, hkv, gen)
-    q, k = (q.float() * spread).bfloat16(), (k.float() * spread).bfloat16()
+    if spread == "wide":
+        q, k = (q.float() * 30).bfloat16(), (k.float() * 30).bfloat16()
+    elif spread == "late":
+        q, k = (q.float() * 3).bfloat16(), k.clone()
+        k[T // 2:] = (k[T // 2:].float() * 30).bfloat16()
     sinks = _sinks(hq, gen)
     _poison(T, hq, D)
     out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=exp_lin)
@@ -1329,7 +1332,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, LMAX=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QB16=True, ROPE=True), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=3), 12)):
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=3), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=4), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused,
                                     dict(GROUP=8, STAGES=4, **opts))
@@ -1342,7 +1346,7 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         # PV's A (P) from registers, QK^T's (Q) from shared memory, or with QREG (Q in registers) both
         assert len(from_regs) == (len(main) if opts.get("QREG") else len(main) // 2)
         # no byte-per-register e4m3 values (exp_lin's PTX has one cvt.u16.u32 before the loops: a lane index)
-        assert ".local" not in ptx and ptx.count("cvt.u16.u32") <= (opts.get("FMA") == 3)
+        assert ".local" not in ptx and ptx.count("cvt.u16.u32") <= (opts.get("FMA", 0) >= 3)
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
         if "spill_stores" in k:
             assert k["spill_stores"] <= (0 if opts["PAIRS"] else 8), (opts, k)
@@ -1356,8 +1360,10 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         elif opts.get("S16"):  # QK^T into f16 (half of the main wgmmas), the unmasked step's scores on f16 pairs
             assert sum(".f16.e4m3.e4m3" in x for x in main) == len(main) // 2
             assert ptx.count("fma.rn.f16x2") and ptx.count("ex2.approx.f16x2") and ptx.count("e4m3x2.f16x2")
-        elif opts.get("FMA") == 3:  # (exp_lin) no 2^x in the key loop: only the sink's, once a pass
+        elif opts.get("FMA", 0) >= 3:  # (exp_lin) no 2^x in the key loop: only the sink's, once a pass; FMA 4 both
+            # clamps (16-bit pairs while the scores' bound allows)
             assert ptx.count("ex2.approx") <= 3 and ptx.count("max.s32") >= 64, ptx.count("ex2.approx")
+            assert (ptx.count("max.relu.s16x2") >= 32) == (opts["FMA"] == 4)
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
