@@ -407,22 +407,6 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
-    def _lin_pv(pa, pb, CLAMP: gl.constexpr, v_bufs, r, ones, zero_o, zero_l, p_layout: gl.constexpr,
-                pl_layout: gl.constexpr):
-        """``_fp8_pairs``' step with FMA 4 (``exp_lin``): blocks r, r + 1's codes packed with ``_lin_e4m3``'s clamp
-        CLAMP, then P8 V and P8 x ones, waited for -> (pv, lp)."""
-        S: gl.constexpr = v_bufs.type.shape[0]
-        p8a = _lin_e4m3(_relabel(pa, p_layout), CLAMP)
-        p8b = _lin_e4m3(_relabel(pb, p_layout), CLAMP)
-        pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-        pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
-        lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)), zero_l,
-                           use_acc=False, is_async=True)
-        lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
-                           is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-
-    @gluon.jit
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
@@ -441,7 +425,7 @@ if HAS_GLUON:
         integers (3), or (4) as 16-bit halves while the step's bound allows it: every score of a block lies within
         D 448^2 c of zero (c its score factor; Q and K e4m3), and the running max within the largest such bound so
         far (or the sink, its log2 units here), so a code stays above -32768 while that bound mb obeys mb + max(sink,
-        mb + 1) <= 4000 (a uniform branch; else the 32-bit clamp). -> (acc, l)."""
+        mb + 1) <= 4000; past it (a uniform branch) the codes are clamped as floats first. -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -486,42 +470,39 @@ if HAS_GLUON:
             else:
                 pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
                                                         zrow, W, k0 + i, TURN, trace_ptr, TRACE, LMAX, S16)
-            if FMA == 4:  # (exp_lin's clamp chosen a step: each branch packs P and issues and waits for its own
-                # MMAs, so no e4m3 tensor crosses the branch, which would be kept a byte a register and repacked)
+            if FMA == 4:  # (exp_lin's 16-bit clamp: the codes clamped as floats first wherever the bound may not hold;
+                # a branch over fp32 values only: no wgmma or e4m3 tensor inside it)
                 mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
-                if mb + gl.maximum(sink, mb + 1.0) <= 4000.0:
-                    pv, lp = _lin_pv(pa, pb, 4, v_bufs, r, ones, zero_o, zero_l, p_layout, pl_layout)
-                else:
-                    pv, lp = _lin_pv(pa, pb, 3, v_bufs, r, ones, zero_o, zero_l, p_layout, pl_layout)
+                if mb + gl.maximum(sink, mb + 1.0) > 4000.0:
+                    pa = gl.maximum(pa, _LIN_MAGIC)
+                    pb = gl.maximum(pb, _LIN_MAGIC)
+            if S16:
+                p8a = _e4m3h(_relabel(pa, p_layout))
+                p8b = _e4m3h(_relabel(pb, p_layout))
+            elif FMA >= 3:
+                p8a = _lin_e4m3(_relabel(pa, p_layout), FMA)
+                p8b = _lin_e4m3(_relabel(pb, p_layout), FMA)
+            else:
+                p8a = _e4m3(_relabel(pa, p_layout))
+                p8b = _e4m3(_relabel(pb, p_layout))
+            if PROBE == 2:
+                pv = zero_o
+            else:
+                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
+            _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
+            if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            elif ONES:
+                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                   zero_l, use_acc=False, is_async=True)
+                lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
+                                   is_async=True)
+                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
                 lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
             else:
-                if S16:
-                    p8a = _e4m3h(_relabel(pa, p_layout))
-                    p8b = _e4m3h(_relabel(pb, p_layout))
-                elif FMA == 3:
-                    p8a = _lin_e4m3(_relabel(pa, p_layout), 3)
-                    p8b = _lin_e4m3(_relabel(pb, p_layout), 3)
-                else:
-                    p8a = _e4m3(_relabel(pa, p_layout))
-                    p8b = _e4m3(_relabel(pb, p_layout))
-                if PROBE == 2:
-                    pv = zero_o
-                else:
-                    pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                    pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
-                _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
-                if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
-                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                elif ONES:
-                    lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                       zero_l, use_acc=False, is_async=True)
-                    lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
-                                       is_async=True)
-                    pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-                    _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
-                    lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
-                else:
-                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             if not PAIR_RELEASE:
                 mbarrier.arrive(empty.index(r % S), count=1)
             mbarrier.arrive(empty.index((r + 1) % S), count=1)
@@ -986,8 +967,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     2^x's exponent exact, its 3 mantissa bits read linearly from x's fraction (Schraudolph's trick in e4m3; at most
     6.1% above 2^x before the rounding, mostly cancelled by the row sum of the same codes); one FFMA puts the code in
     the low bits of a float (``_lin_bias``), and ``_lin_e4m3`` clamps and packs them: 1 as 32-bit integers, 2 as
-    16-bit halves (one packed max for two) in every step whose scores' bound keeps the codes above -32768, else as 1
-    (``_fp8_pairs``; the same bytes either way). No turns by default (no MUFU)."""
+    16-bit halves (one packed max for two), clamped as floats first in the steps whose scores' bound could let a
+    code reach -32768 (``_fp8_pairs``; the same bytes either way). No turns by default (no MUFU)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
