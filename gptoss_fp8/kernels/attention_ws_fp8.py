@@ -311,6 +311,13 @@ if HAS_GLUON:
         return (_LIN_MAGIC + 120.0) - 8.0 * m
 
     @gluon.jit
+    def _lin_floor(y):
+        """``exp_lin``'s codes clamped at 0 as floats (max with 1.5 * 2^23; -inf too). Not pure, so that the compiler
+        keeps the branch it sits in (a pure max it computes on both sides of the branch and selects)."""
+        return gl.inline_asm_elementwise("max.f32 $0, $1, 0f4B400000;", "=f,f", [y], dtype=gl.float32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
     def _lin_e4m3(y, FMA: gl.constexpr):
         """``exp_lin``'s codes (``_lin_bias``) -> e4m3, four values to one register: each code clamped at 0 (the codes
         below 0, and -inf, are 0) and its low byte taken. FMA 3: clamped as 32-bit integers (any float); 4: as
@@ -474,8 +481,8 @@ if HAS_GLUON:
                 # a branch over fp32 values only: no wgmma or e4m3 tensor inside it)
                 mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
                 if mb + gl.maximum(sink, mb + 1.0) > 4000.0:
-                    pa = gl.maximum(pa, _LIN_MAGIC)
-                    pb = gl.maximum(pb, _LIN_MAGIC)
+                    pa = _lin_floor(pa)
+                    pb = _lin_floor(pb)
             if S16:
                 p8a = _e4m3h(_relabel(pa, p_layout))
                 p8b = _e4m3h(_relabel(pb, p_layout))
