@@ -311,9 +311,8 @@ def _attention_fp8_core(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk
     # the weights PV applies then sum to one with the sink's, where the fp32 P's sum (FlashAttention-
     # 3's choice, row_sum="p") counts what the e4m3 P dropped; closer to exact attention on every
     # shape measured, and the Gluon kernel takes it from the tensor core (P8 x ones).
-    if p_code == "lin":  # (the FP8 Gluon kernel's exp_lin: no 2^x, e4m3's mantissa read linearly, quant/attn_fp8.py)
-        assert p_scale == P_SCALE, f"p_code 'lin': P's scale {P_SCALE} (not {p_scale})"
-        p8 = lin_e4m3(s2 - mx)
+    if p_code == "lin":  # (the FP8 kernels' exp_lin: no 2^x, e4m3's mantissa read linearly, quant/attn_fp8.py)
+        p8 = lin_e4m3(s2 - mx, math.log2(p_scale))
         p = p8.float() / p_scale  # (row_sum "p": the same weights)
     else:
         assert p_code == "e4m3", f"p_code {p_code!r}: 'e4m3' (2^x rounded) or 'lin'"
@@ -348,7 +347,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     ``q_max``: what a Q block's amax maps to, if not ``fp8_max`` (1.75: the FP8 Gluon kernel's ``s16``, whose
     f16 sums of QK^T it keeps from overflowing; the scores here stay fp32).
     ``p_code``: "e4m3" (2^x rounded to e4m3) or "lin" (``quant.attn_fp8.lin_e4m3``: the e4m3 code of P * 256
-    computed from the score without 2^x, the kernel's ``exp_lin``; at fp8_max 448 only).
+    computed from the score without 2^x, the kernels' ``exp_lin``; P's scale as above).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -366,7 +365,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
 
 def attention_fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                          cu_seqlens: torch.Tensor | None = None, sm_scale: float | None = None,
-                         window: int = 0) -> torch.Tensor:
+                         window: int = 0, p_code: str = "e4m3") -> torch.Tensor:
     """``attention_fp8`` of a ragged batch, the FP8 prefill kernel's contract: Q, K, V quantized
     over the packed rows (64-row blocks of the batch; V's channel scale over all rows), then each
     sequence [cu_seqlens[i], cu_seqlens[i + 1]) attends within itself. None: one sequence (then
@@ -375,7 +374,7 @@ def attention_fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     if cu_seqlens is None:
-        return attention_fp8(q, k, v, sinks, sm_scale, window)
+        return attention_fp8(q, k, v, sinks, sm_scale, window, p_code=p_code)
     q8, sq = quantize_qk(q)
     k8, sk = quantize_qk(k)
     v8t, sv = quantize_v(v)
@@ -384,7 +383,8 @@ def attention_fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     cu = cu_seqlens.tolist()
     for s, e in zip(cu[:-1], cu[1:], strict=True):
         if e > s:
-            o = _attention_fp8_core(q8[s:e], sq[s:e], k8[s:e], sk[s:e], v8[s:e], sv, sinks, sm_scale, window, 0)
+            o = _attention_fp8_core(q8[s:e], sq[s:e], k8[s:e], sk[s:e], v8[s:e], sv, sinks, sm_scale, window, 0,
+                                    p_code=p_code)
             out[s:e] = o.reshape(e - s, hq, d).to(q.dtype)
     return out
 

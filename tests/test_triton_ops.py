@@ -1071,18 +1071,20 @@ def test_fp8_attention_runs_the_full_layers_in_fp8_the_windows_in_bf16(monkeypat
 
     calls = []
 
-    def spy(q, k, v, sinks, *a, sliding_window=0, fp8=False, q_offset=0, **kw):
-        calls.append((sliding_window, fp8, q_offset))
+    def spy(q, k, v, sinks, *a, sliding_window=0, fp8=False, q_offset=0, p_code="e4m3", **kw):
+        calls.append((sliding_window, fp8, q_offset, p_code))
         return torch.zeros(q.shape[0], q.shape[1], q.shape[2], dtype=q.dtype)
 
     monkeypatch.setattr(attn_mod, "attention_prefill", spy)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(6, h, 16, generator=g).bfloat16() for h in (4, 2, 2))
     sinks = torch.zeros(4, dtype=torch.bfloat16)
-    for kind, full, window in (("fp8", True, False), ("bf16", False, False)):
+    for kind, full, window, pc in (("fp8", True, False, "e4m3"), ("bf16", False, False, "e4m3"),
+                                   ("fp8-lin", True, False, "lin")):
         ops = TritonOps().with_attention(kind)
         calls.clear()
         for w in (0, 128):
             ops._attention_prefill(q.view(6, 2, 2, 16), k, v, sinks, 0.25, w, 0)
             ops._attention_prefill(q[4:].reshape(2, 2, 2, 16), k, v, sinks, 0.25, w, 4)
-        assert calls == [(0, full, 0), (0, full, 4), (128, window, 0), (128, window, 4)], (kind, calls)
+        assert calls == [(0, full, 0, pc), (0, full, 4, pc), (128, window, 0, "e4m3"), (128, window, 4, "e4m3")], (
+            kind, calls)

@@ -18,11 +18,14 @@ weights__no_sinks = hook("weights", "no_sinks")
 weights__no_rope = hook("weights", "no_rope")
 
 
-def test_weights_mode_with_fp8_attention_passes(trained):
+@pytest.mark.parametrize("kind", ["fp8", "fp8-lin"])
+def test_weights_mode_with_fp8_attention_passes(trained, kind):
+    """Both FP8 kinds: "fp8-lin" (P's e4m3 codes from the scores without 2^x) under the same rule, its noise grids
+    redrawing its own codes."""
     ckpt, _, _, ref = trained
-    report, _ = verify_checkpoint(ckpt, ref, modes=["weights"], attention="fp8")
+    report, _ = verify_checkpoint(ckpt, ref, modes=["weights"], attention=kind)
     sec = report["weights"]
-    assert report["attention"] == "fp8" and sec["profile"] == "attention-fp8"
+    assert report["attention"] == kind and sec["profile"] == "attention-fp8"
     assert report["passed"], sec["failures"]
     tf = sec["teacher_forced"]
     assert tf["limits_profile"].startswith("attention-fp8")
@@ -37,8 +40,8 @@ def test_weights_mode_with_fp8_attention_passes(trained):
     mlp = [r for r in tf["parts"] if r["part"] == "mlp"]
     assert all(r["rel_err"] < 1e-3 for r in mlp), mlp  # the MoE sees the reference's inputs: unchanged
     worst = max(r["rel_err"] / r["limit"] for r in attn)
-    print(f"METRIC trained weights --attention fp8: worst attention error / limit {worst:.3g}, "
-          f"KL mean {sec['summary']['kl_mean']:.3g}")
+    print(f"METRIC trained weights --attention {kind}: worst attention error / limit {worst:.3g}, "
+          f"KL mean {sec['summary']['kl_mean']:.3g}, top-1 {sec['summary']['top1_agreement_decisive']:.3g}")
 
 
 @pytest.mark.parametrize("bug", [
@@ -51,13 +54,22 @@ def test_weights_mode_with_fp8_attention_passes(trained):
     pytest.param("double_sinks", marks=pytest.mark.slow),
 ])
 def test_attention_bug_fails_with_fp8_attention(trained, bug):
+    _attention_bug_fails(trained, bug, "fp8")
+
+
+def test_attention_bug_fails_with_fp8_lin_attention(trained):
+    """An injected attention bug fails under ``--attention fp8-lin`` too (its looser P codes do not hide it)."""
+    _attention_bug_fails(trained, "no_sinks", "fp8-lin")
+
+
+def _attention_bug_fails(trained, bug, kind):
     ckpt, _, _, ref = trained
-    report, _ = verify_checkpoint(ckpt, ref, modes=["weights"], attention="fp8",
+    report, _ = verify_checkpoint(ckpt, ref, modes=["weights"], attention=kind,
                                   ops_hook=f"test_verify_attention_fp8:weights__{bug}")
     tf = report["weights"]["teacher_forced"]
     assert not report["passed"] and not tf["passed"]
     assert tf["first_failing"]["part"] == "attn", tf["failures"]
-    print(f"METRIC --attention fp8, {bug}: first failing {tf['first_failing']}")
+    print(f"METRIC --attention {kind}, {bug}: first failing {tf['first_failing']}")
 
 
 def test_unknown_attention_kind_is_one_line():
@@ -77,8 +89,9 @@ def test_decode_is_refused_with_fp8_attention():
 
     check_attention("fp8", 0)
     check_attention("bf16", 4)
-    with pytest.raises(GptOssFp8Error, match="--decode"):
-        check_attention("fp8", 4)
+    for kind in ("fp8", "fp8-lin"):
+        with pytest.raises(GptOssFp8Error, match=f"--decode.*--attention {kind}"):
+            check_attention(kind, 4)
 
 
 def test_reference_ops_route_prefill_attention_to_the_fp8_spec():
@@ -103,3 +116,8 @@ def test_reference_ops_route_prefill_attention_to_the_fp8_spec():
                        spec.attention(q, k, v, sinks, 0.25, 8).reshape(40, -1))
     chunk = ops.attention_chunk(q[30:].reshape(10, 2, 2, 16), k, v, sinks, 0.25, 8, 30)
     assert torch.equal(chunk, spec.attention(q[30:], k, v, sinks, 0.25, 8, q_offset=30).reshape(10, -1))
+    # fp8-lin: the same spec with P's codes read linearly (p_code "lin"), its scale on the grid's
+    lin = W8A8CpuOps(act_max=416.0).with_attention("fp8-lin")
+    got_lin = lin.attention(q.view(40, 2, 2, 16), k, v, sinks, 0.25, 0)
+    assert torch.equal(got_lin, spec.attention_fp8(q, k, v, sinks, 0.25, fp8_max=416.0, p_code="lin").reshape(40, -1))
+    assert not torch.equal(got_lin, got)

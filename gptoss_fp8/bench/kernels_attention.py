@@ -151,18 +151,20 @@ def _flex_with_sinks(T: int, window: int):
     return run
 
 
-def _fp8_rows(T: int, bf16_ms: dict[int, float], config=None) -> list[dict]:
-    """``--attention fp8``: the FP8 prefill kernel at T beside our bf16 one (``bf16_ms``: window -> ms)."""
+def _fp8_rows(T: int, bf16_ms: dict[int, float], config=None, p_code: str = "e4m3") -> list[dict]:
+    """``--attention fp8`` / ``fp8-lin`` (p_code "lin"): the FP8 prefill kernel at T beside our bf16 one (``bf16_ms``:
+    window -> ms)."""
     from gptoss_fp8.kernels.attention import attention_prefill
 
     q, k, v, sinks, _ = _prefill_inputs(T, T)
     rows = [_fp8_quant_row(T, q, k, v)]
     quant = rows[0]["ms"]
     for window in (0, WINDOW):
-        name = f"prefill fp8 {'causal' if not window else f'window{window}'} T={T}"
+        name = f"prefill fp8{'-lin' if p_code == 'lin' else ''} {'causal' if not window else f'window{window}'} T={T}"
         pairs = _visible_pairs(T, 0, window)
-        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, config=config))
-        err = _rel(attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, config=config),
+        ours = _ms(lambda: attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, config=config,
+                                             p_code=p_code))
+        err = _rel(attention_prefill(q, k, v, sinks, sliding_window=window, fp8=True, config=config, p_code=p_code),
                    attention_prefill(q, k, v, sinks, sliding_window=window, config=config))
         peer = bf16_ms[window]
         rows.append(_row(name, ours, _tflops(pairs, ours), "ours bf16", peer, _tflops(pairs, peer), peer / ours,
@@ -327,10 +329,10 @@ def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "
             rows += _flashinfer_rows(T, {0: next(r["ms"] for r in pre if r["case"].startswith("prefill causal")),
                                          WINDOW: next(r["ms"] for r in pre if r["case"].startswith("prefill window"))},
                                      config)
-        if attention == "fp8":
+        if attention != "bf16":
             causal = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
             window = next(r["ms"] for r in pre if r["case"].startswith("prefill window"))
-            rows += _fp8_rows(T, {0: causal, WINDOW: window}, config)
+            rows += _fp8_rows(T, {0: causal, WINDOW: window}, config, "lin" if attention == "fp8-lin" else "e4m3")
         causal_ms = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
         rows += _rope_rows(T, causal_ms, config)
         torch.cuda.empty_cache()

@@ -331,8 +331,9 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     moe_chunk = default_moe_chunk(cfg) if moe_chunk is None else moe_chunk
     echo(f"# MoE in chunks of up to {moe_chunk} tokens")
     ops = TritonOps(config=kernel_config).with_attention(attention)
-    if attention == "fp8":
-        echo("# attention: FP8 in the full-attention layers (Q, K, V and P in e4m3, spec.attention_fp8), "
+    if attention != "bf16":
+        echo(f"# attention: {attention} in the full-attention layers (Q, K, V and P in e4m3, spec.attention_fp8"
+             + (", P's codes from the scores without 2^x" if attention == "fp8-lin" else "") + "), "
              "bf16 in the sliding-window layers and in the last layer's one query (the decode attention)")
     if ops.config.gemm == "deep_gemm":  # DeepGEMM's K-padded weights replace ours: no second copy
         from gptoss_fp8.kernels.deepgemm import adopt_padded

@@ -408,7 +408,7 @@ def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cu
     t0 = time.perf_counter()
     model = random_model(cfg, dev)
     echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
-         f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
+         f"mode {opts['mode']}" + (f", {attention.upper()} prefill attention" if attention != "bf16" else ""))
     return start_model(model, opts, max_waiting, api_key, name, echo)
 
 

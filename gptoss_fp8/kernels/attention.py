@@ -96,10 +96,10 @@ def _attn_inner(
     UPCAST: tl.constexpr,
     sq=None, SK=None, kbase=0, stride_vd=1,  # FP8: q's row scales (times qk_scale), K's block scales of
     FP8: tl.constexpr = False,                # the kv head, the sequence's first packed row, V^T's D stride
-):
+):                                            # (FP8 2: P's codes read linearly, p_code "lin")
     if FP8:
         acc, l_i, m_i = _attn_inner_fp8(acc, l_i, m_i, q, sq, K, SK, kbase, V, stride_kt, stride_vd, offs_m, offs_n,
-                                        offs_d, seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST)
+                                        offs_d, seqlen, window, lo, hi, MASK, BLOCK_N, UPCAST, FP8 == 2)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -161,12 +161,14 @@ def _attn_inner_fp8(
     MASK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    LIN: tl.constexpr = False,
 ):
     """``_attn_inner`` on e4m3 operands, spec.attention_fp8's roundings: scores = (Q8 K8^T) * sq * sk
     in log2 units; the running max is kept an integer (ceil), so rescaling by alpha is an exact
     power of two and e4m3(P * 256) rounds as in the spec's final frame; the row sum of that e4m3 P;
     PV as e4m3 x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates
-    imprecisely), added to acc."""
+    imprecisely), added to acc. LIN (``p_code="lin"``, quant/attn_fp8.py ``lin_e4m3``): no 2^x, P's e4m3
+    byte round(8 (x - m) + 120) clamped at 0, made in the low bits of a float (1.5 * 2^23 added)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -189,14 +191,21 @@ def _attn_inner_fp8(
             qk = qk + tl.where(visible, 0.0, float("-inf"))
         m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        # the row sum of the e4m3 P (the spec's), its values rounded in fp32 (not the cast's bytes
-        # converted back, which the compiler may fold into the fp32 P)
-        p8f = _e4m3_round_nonneg(p * 256.0)
-        if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
-            p8 = p8f
+        if LIN:  # (-inf: the clamp's 1.5 * 2^23, code 0)
+            y = tl.maximum(qk * 8.0 + (12582912.0 + 120.0 - 8.0 * m_new)[:, None], 12582912.0)
+            p8 = (y.to(tl.int32, bitcast=True) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            p8f = p8.to(tl.float32)
+            if UPCAST:
+                p8 = p8f
         else:
-            p8 = (p * 256.0).to(tl.float8e4nv)
+            p = tl.math.exp2(qk - m_new[:, None])
+            # the row sum of the e4m3 P (the spec's), its values rounded in fp32 (not the cast's bytes
+            # converted back, which the compiler may fold into the fp32 P)
+            p8f = _e4m3_round_nonneg(p * 256.0)
+            if UPCAST:  # the interpreter's fp32 -> e4m3 cast is wrong where rounding carries into the exponent
+                p8 = p8f
+            else:
+                p8 = (p * 256.0).to(tl.float8e4nv)
         l_i = l_i * alpha + tl.sum(p8f, 1) * 0.00390625
         if MASK:
             v = tl.load(VT + cols[:, None] + offs_d[None, :] * stride_vd, mask=cols[:, None] < seqlen, other=0.0)
@@ -417,6 +426,7 @@ def attention_prefill(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: PrefillTile | None = None,
     fp8: bool = False,
+    p_code: str = "e4m3",
     q_offset: int = 0,
     k_starts: torch.Tensor | None = None,
     q_offsets: torch.Tensor | None = None,
@@ -433,7 +443,9 @@ def attention_prefill(
     the config's choice (and never the Gluon kernel). ``fp8``: Q, K, V quantized to e4m3 here
     (quant/attn_fp8.py, torch ops) and both products on e4m3 operands, P as e4m3(P * 256): the
     numerics of ``spec.attention_fp8_varlen`` (a rope rotates q in its quantization; one causal sequence on sm_90 runs the Gluon
-    e4m3 kernel, kernels/attention_ws_fp8.py, unless ``config.attention_gluon_fp8`` is off).
+    e4m3 kernel, kernels/attention_ws_fp8.py, unless ``config.attention_gluon_fp8`` is off). ``p_code`` (with
+    ``fp8``): "e4m3" (P as above) or "lin" (``spec.attention_fp8(p_code="lin")``: P's e4m3 codes made from the
+    scores without 2^x, the Gluon kernel's ``exp_lin``; every path here).
     ``q_offset`` > 0 (one sequence, cu_seqlens None): a prompt chunk after cached keys, q's row t at
     key position q_offset + t of k / v [q_offset + T, Hkv, D] (the keys before the chunk, then its
     own): ``spec.attention(..., q_offset=)`` (``spec.attention_fp8`` with ``fp8``); masks on absolute
@@ -457,6 +469,7 @@ def attention_prefill(
     q_scale its scales (fp32 [Hq, ceil(T / 64)]): the same result as the bf16 q it was made from.
     """
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q {q.shape} k {k.shape} v {v.shape}: want [T, H, D]"
+    assert p_code in ("e4m3", "lin") and (fp8 or p_code == "e4m3"), f"p_code {p_code!r}: 'e4m3' or 'lin' (with fp8)"
     T, Hq, D = q.shape
     if not isinstance(q_offset, int) or q_offset < 0:
         raise GptOssFp8Error(f"attention_prefill: q_offset {q_offset!r} must be an int >= 0")
@@ -514,7 +527,7 @@ def attention_prefill(
         o = ws_attention_prefill_fp8(q, k, v, sinks, None if fused_out else _out(q), sm_scale, rope=rope,
                                      q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
                                      lane_max=cfg.attention_fp8_lane_max, q_fused=q_fused, q_scale=q_scale,
-                                     quant_out=fused_out)
+                                     quant_out=fused_out, exp_lin=2 if p_code == "lin" else 0)
         return o if fused_out else _quantized(o, quant_out)
     if (tile is None and not fp8 and not segments and not ragged and not q_offset and window != _NO_WINDOW
             and cfg.gluon and cfg.attention_gluon_window and on_gpu):
@@ -582,7 +595,7 @@ def attention_prefill(
         q, k, v = q8, k8, v8t.permute(2, 0, 1)  # v as a [T, Hkv, D] view: stride(0) == 1
         sq = sq * (sm_scale * LOG2E)
         fp8_args.update(Sq=sq, Sk=sk, Sv=(sv / P_SCALE).contiguous(), stride_sqh=sq.stride(0), stride_skh=sk.stride(0),
-                        stride_vd=v8t.stride(1), FP8=True)
+                        stride_vd=v8t.stride(1), FP8=2 if p_code == "lin" else 1)
     fused = quant_out and quant_out_fused(D, pack)
     # (fused: the kernel takes only the bf16 rows' dtype from ``out``; q may be e4m3 here)
     out = torch.empty((0 if fused else T, Hq, D), dtype=torch.bfloat16, device=q.device)

@@ -13,7 +13,8 @@
 Attention, RMSNorm, RoPE, routing and the MoE combine are the same in both backends (bf16 / fp32
 exactly as the reference); ``with_attention("fp8")`` (``--attention fp8``) makes every backend's
 full-attention prefill ``spec.attention_fp8`` (Q, K, V and P in e4m3; the triton backend: its FP8
-kernels); sliding-window layers stay bf16 (``ReferenceOps.fp8_attention``).
+kernels); sliding-window layers stay bf16 (``ReferenceOps.fp8_attention``); ``with_attention("fp8-lin")`` the same
+with P's e4m3 codes made from the scores without 2^x (``spec.attention_fp8(p_code="lin")``).
 Every op's arithmetic is written once, in gptoss_fp8/spec.py; the
 classes here only pick which spec function each op of a mode is. A GPU backend
 (model/triton_ops.py; model/backends.py picks a backend by name) overrides what it accelerates and
@@ -65,7 +66,7 @@ from gptoss_fp8.quant.fp8 import FP8_DTYPE, FP8_MAX, block_gemm_dequantized, deq
 EXPERT_CACHE_BYTES = 512 * 1024**2  # the default of ReferenceOps.expert_cache_bytes
 
 MODES = {"weights": "reference", "w8a8": "w8a8-cpu"}
-ATTENTION_KINDS = ("bf16", "fp8")  # ``ReferenceOps.attention_kind``: prefill attention's numerics
+ATTENTION_KINDS = ("bf16", "fp8", "fp8-lin")  # ``ReferenceOps.attention_kind``: prefill attention's numerics
 
 
 def check_attention_kind(kind: str) -> str:
@@ -231,7 +232,8 @@ class ReferenceOps:
     # Prefill attention's numerics (``--attention``): "bf16" (the reference's), or "fp8": the
     # full-attention layers' Q, K, V and P in e4m3 (``spec.attention_fp8`` here, the FP8 kernels in
     # the triton backend); the sliding-window layers stay bf16 (``fp8_attention``). Decode
-    # (``attention_cached``) stays bf16 in both: it reads the bf16 KV cache, memory-bound.
+    # (``attention_cached``) stays bf16 in both: it reads the bf16 KV cache, memory-bound. "fp8-lin": "fp8" with
+    # P's e4m3 codes made from the scores without 2^x (``spec.attention_fp8(p_code="lin")``, ``attention_p_code``).
     attention_kind = "bf16"
     # What a Q / K / V block's amax maps to under FP8 attention (spec.attention_fp8's fp8_max): 448;
     # the verdict's noise grids set others (verify/noise.py). W8A8CpuOps ties it to its act_max.
@@ -440,13 +442,19 @@ class ReferenceOps:
         (bf16 either way), not by its products: on the H200 at 128000 tokens bf16 takes 1.61 ms (1.40 with
         four heads a program since the twenty-sixth session) where FP8 takes 3.65 (its operands'
         quantization alone 1.27; BENCHMARKS.md, issue 34), so it stays bf16, exact as the reference's."""
-        return self.attention_kind == "fp8" and not window
+        return self.attention_kind != "bf16" and not window
+
+    @property
+    def attention_p_code(self) -> str:
+        """P's coding under FP8 attention (``spec.attention_fp8``'s p_code): "lin" with ``attention_kind`` "fp8-lin",
+        else "e4m3" (2^x rounded)."""
+        return "lin" if self.attention_kind == "fp8-lin" else "e4m3"
 
     def _attend(self, q, k, v, sinks, sm_scale, window, q_offset) -> torch.Tensor:
         n, kvh, m, d = q.shape
         if self.fp8_attention(window):  # Q / K / V on this backend's activation grid (verify/noise.py)
             return spec.attention_fp8(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window, q_offset,
-                                      fp8_max=self.attention_fp8_max).reshape(n, -1)
+                                      fp8_max=self.attention_fp8_max, p_code=self.attention_p_code).reshape(n, -1)
         return spec.attention(q.reshape(n, kvh * m, d), k, v, sinks.reshape(-1), sm_scale, window,
                               q_offset=q_offset).reshape(n, -1)
 

@@ -19,8 +19,8 @@ kept bf16, the all-reduces) stays the parent's torch code, on the GPU.
   the owner rank's down bias per routed slot, as the parent.
 * ``attention``: ``attention_prefill`` (sinks as an extra softmax column, causal or sliding
   window, GQA); fp32 online softmax, where the reference computes in bf16. ``attention_kind``
-  "fp8": the kernel's FP8 variant (``spec.attention_fp8``'s roundings) in the full-attention layers
-  (``fp8_attention``: the sliding-window layers stay bf16). ``attention_chunk`` (a
+  "fp8" / "fp8-lin": the kernel's FP8 variant (``spec.attention_fp8``'s roundings, P coded as ``attention_p_code``)
+  in the full-attention layers (``fp8_attention``: the sliding-window layers stay bf16). ``attention_chunk`` (a
   prompt chunk after cached keys): the same kernel with its ``q_offset``.
 * ``rope``: ``rope_qk`` (fp32 arithmetic, one rounding; the reference rounds cos/sin to bf16 and
   computes in bf16). Off with ``TritonOps(rope_kernel=False)``.
@@ -462,7 +462,8 @@ class TritonOps(W8A8CpuOps):
 
             fused = not rows and self.config.attention_fp8_quant_out
             o = attention_prefill(q.q8, _rows(k), _rows(v), sinks.reshape(-1).contiguous(), sliding_window=window,
-                                  sm_scale=sm_scale, config=self.config, fp8=True, q_scale=q.scale, quant_out=fused)
+                                  sm_scale=sm_scale, config=self.config, fp8=True, q_scale=q.scale, quant_out=fused,
+                                  p_code=self.attention_p_code)
             return Normed(None, o) if fused else Normed(o.reshape(o.shape[0], -1))
         if (not rows and self.config.attention_fp8_quant_out and type(self).attention is TritonOps.attention
                 and self.fp8_attention(window) and self._prefill_kernel_ok(q, k, v, sinks)
@@ -533,7 +534,8 @@ class TritonOps(W8A8CpuOps):
                 plan = keys.memo[("fp8", q.device)] = SegmentPlan(keys.rows, keys.starts, keys.offsets, q.device)
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(), cu,
                               keys.max_rows, sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              k_starts=k_starts, q_offsets=q_offsets, fp8=plan is not None, fp8_plan=plan)
+                              k_starts=k_starts, q_offsets=q_offsets, fp8=plan is not None, fp8_plan=plan,
+                              p_code=self.attention_p_code if plan is not None else "e4m3")
         return o.reshape(n, -1)
 
     @staticmethod
@@ -559,7 +561,8 @@ class TritonOps(W8A8CpuOps):
             rope = tuple(t.float().contiguous() for t in rope)
         o = attention_prefill(q.reshape(n, kvh * m, d), _rows(k), _rows(v), sinks.reshape(-1).contiguous(),
                               sliding_window=window, sm_scale=sm_scale, config=self.config,
-                              fp8=fp8, q_offset=q_offset, rope=rope, quant_out=quant_out)
+                              fp8=fp8, q_offset=q_offset, rope=rope, quant_out=quant_out,
+                              p_code=self.attention_p_code if fp8 else "e4m3")
         return o if quant_out else o.reshape(n, -1)
 
     # --- rope ----------------------------------------------------------------------------------

@@ -49,13 +49,14 @@ def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor,
     return v8t, scale
 
 
-def lin_e4m3(d: torch.Tensor) -> torch.Tensor:
-    """d = log2(P) <= 0 (fp32; -inf for a hidden key) -> P * 256 as e4m3 with its mantissa read linearly (the FP8
-    attention's ``exp_lin`` / ``p_code="lin"``): the byte round(8 d + 120) clamped at 0 (RNE; a code is 8 E + M:
-    2^(E - 7) (1 + M / 8) for E >= 1, M 2^-9 below), i.e. 2^floor(d') (1 + frac(d')) for d' = d + 8 rounded to
-    e4m3's step, not 2^d' rounded: at most 6.1% above 2^d' before the rounding (at frac 0.44), exact at the powers
-    of two; below d' = -7 zero (e4m3 rounds 2^d' to zero below -9.5)."""
-    code = torch.round(d.float() * 8.0 + 120.0).clamp(min=0.0)
+def lin_e4m3(d: torch.Tensor, log2_scale: float = 8.0) -> torch.Tensor:
+    """d = log2(P) <= 0 (fp32; -inf for a hidden key) -> P * 2^log2_scale (256) as e4m3 with its mantissa read
+    linearly (the FP8 attention's ``exp_lin`` / ``p_code="lin"``): the byte round(8 (d + log2_scale) + 56) clamped at
+    0 (RNE; a code is 8 E + M: 2^(E - 7) (1 + M / 8) for E >= 1, M 2^-9 below), i.e. 2^floor(d') (1 + frac(d')) for
+    d' = d + log2_scale rounded to e4m3's step, not 2^d' rounded: at most 6.1% above 2^d' before the rounding (at
+    frac 0.44), exact at the powers of two; zero below d' = -7 (e4m3 rounds 2^d' to zero below -9.5). log2_scale
+    other than 8: the verdict's noise grids (P's scale 256 * fp8_max / 448, spec.attention_fp8)."""
+    code = torch.round(d.float() * 8.0 + (8.0 * log2_scale + 56.0)).clamp(min=0.0)
     return code.to(torch.uint8).view(torch.float8_e4m3fn)
 
 

@@ -70,7 +70,7 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     t0 = time.perf_counter()
     model = load_model(ckpt, Parallel(), dev)
     echo(f"loaded {ckpt.path} ({ckpt.config.num_hidden_layers} layers) on {dev} in {time.perf_counter() - t0:.1f} s, "
-         f"mode {opts['mode']}" + (", FP8 prefill attention" if attention == "fp8" else ""))
+         f"mode {opts['mode']}" + (f", {attention.upper()} prefill attention" if attention != "bf16" else ""))
     return start_model(model, opts, max_waiting, api_key, model_name or Path(ckpt.path).name, echo)
 
 

@@ -310,7 +310,7 @@ def run(ckpt, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.
     check_request(cfg, prompt, max_new_tokens, temperature)
     mode = resolve_mode(mode, device)
     model = load_model(ckpt, Parallel(), device_for(device, 0))
-    where = f"mode {mode}, {device}" + (", FP8 prefill attention" if attention == "fp8" else "")
+    where = f"mode {mode}, {device}" + (f", {attention.upper()} prefill attention" if attention != "bf16" else "")
     return stream_reply(model, prompt, ops_for(mode, attention=attention), where, max_new_tokens=max_new_tokens,
                         temperature=temperature, seed=seed, echo=echo)
 

@@ -59,13 +59,14 @@ def dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor],
 
 
 def attention_dither_parts(model, tokens: torch.Tensor, target: dict[str, torch.Tensor],
-                           prepared=None) -> tuple[dict, dict]:
+                           prepared=None, attention: str = "fp8") -> tuple[dict, dict]:
     """``--attention fp8``, the weights mode: its parts on the target's inputs with the FP8
     attention's Q / K / V on two other grids (DITHER_MAX; activations stay bf16): the noise of the
-    FP8 attention alone, which the ``attention-fp8`` rule's limits follow."""
+    FP8 attention alone, which the ``attention-fp8`` rule's limits follow. ``attention``: the FP8 kind ("fp8" or
+    "fp8-lin", whose P codes move with P's scale on each grid)."""
     ops = []
     for m in DITHER_MAX:
-        o = ReferenceOps().with_attention("fp8")
+        o = ReferenceOps().with_attention(attention)
         o.attention_fp8_max = m
         if prepared is not None:
             o.prepared = prepared

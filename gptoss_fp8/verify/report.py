@@ -87,8 +87,8 @@ def rounding_for(ckpt: Checkpoint | Path) -> tuple[Rounding, bool]:
 def profile_for(mode: str, ref: Reference, exact_conversion: bool, device: str = "cpu",
                 attention: str = "bf16") -> tuple[str, str]:
     """Which threshold profile applies to ``mode``, against which reference, and why."""
-    if mode == "weights" and attention == "fp8" and (ref.expected is not None or exact_conversion):
-        return "attention-fp8", ("--attention fp8: the weights mode with FP8 prefill attention (spec.attention_fp8) "
+    if mode == "weights" and attention != "bf16" and (ref.expected is not None or exact_conversion):
+        return "attention-fp8", (f"--attention {attention}: the weights mode with FP8 prefill attention (spec.attention_fp8) "
                                  "against OpenAI's model on the expected weights (bf16 attention): the cost of FP8 "
                                  "attention alone, against measured bounds")
     profile, why = _profile_for(mode, ref, exact_conversion)

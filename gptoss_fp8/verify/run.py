@@ -47,9 +47,9 @@ def check_attention(attention: str, decode: int) -> None:
     from gptoss_fp8.model.ops import check_attention_kind
 
     check_attention_kind(attention)
-    if attention == "fp8" and decode:
-        raise GptOssFp8Error("--decode compares bf16 decode attention with the forward, which --attention fp8 runs in "
-                             "FP8 (prefill only): run --decode without --attention fp8")
+    if attention != "bf16" and decode:
+        raise GptOssFp8Error(f"--decode compares bf16 decode attention with the forward, which --attention {attention} "
+                             f"runs in FP8 (prefill only): run --decode without --attention {attention}")
 
 
 def check_one_process(kernel_options, tp: int, torchrun: bool = False) -> None:
@@ -70,7 +70,7 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
     its KernelConfig settings (``backends.ops_for``). ``decode`` N > 0: also prefill all but the last N tokens and decode
     those one at a time (verify/decode.py), on a fresh ops object of the mode (its own spec
     fallbacks). ``attention``: the prefill attention's
-    numerics in every mode, "bf16" or "fp8" (``ReferenceOps.with_attention``; the noise grids too)."""
+    numerics in every mode, "bf16", "fp8" or "fp8-lin" (``ReferenceOps.with_attention``; the noise grids too)."""
     out: Outputs = {}
     dev = next(iter(model.buffers())).device
     hook = resolve_ops_hook(ops_hook)
@@ -96,8 +96,8 @@ def run_modes(model, tokens: torch.Tensor, modes: list[str], forced: dict[str, t
         if has_parts and mode == "w8a8":  # the spec (as this mode runs it, hook included) on the other grids
             grids = [run_parts(model, tokens, g if hook is None else hook(mode, g), forced)
                      for g in grid_ops(getattr(ops, "prepared", None), attention)]
-        if has_parts and mode == "weights" and attention == "fp8":  # FP8 attention's own noise (verify/noise.py)
-            mode_dither = attention_dither_parts(model, tokens, forced, getattr(ops, "prepared", None))
+        if has_parts and mode == "weights" and attention != "bf16":  # FP8 attention's own noise (verify/noise.py)
+            mode_dither = attention_dither_parts(model, tokens, forced, getattr(ops, "prepared", None), attention)
         else:
             mode_dither = dither if mode == "kernels" else None
         vs_spec = run_parts(model, tokens, ops, out["w8a8"].hidden) if mode == "kernels" and "w8a8" in out else None

@@ -935,12 +935,12 @@ def test_prefill_ws_options_compile_for_sm90(option):
 # on random inputs): a kernel that skipped a rounding of the spec would sit near the latter.
 
 
-def _check_fp8(out, q, k, v, sinks, cu, window, gpu, q_offset=0, row_sum="p8"):
+def _check_fp8(out, q, k, v, sinks, cu, window, gpu, q_offset=0, row_sum="p8", p_code="e4m3"):
     if q_offset:  # one sequence, q's rows at key positions q_offset..
-        ref = spec.attention_fp8(q, k, v, sinks, None, window, q_offset, row_sum=row_sum).float()
+        ref = spec.attention_fp8(q, k, v, sinks, None, window, q_offset, row_sum=row_sum, p_code=p_code).float()
         exact = spec.attention(*_fp32(q, k, v), sinks, None, window, q_offset, dtype=torch.float32).float()
     else:
-        ref = spec.attention_fp8_varlen(q, k, v, sinks, cu, None, window).float()
+        ref = spec.attention_fp8_varlen(q, k, v, sinks, cu, None, window, p_code=p_code).float()
         exact = spec.attention_varlen(*_fp32(q, k, v), sinks, cu, None, window, dtype=torch.float32).float()
     o = out.float()
     assert torch.isfinite(o).all()
@@ -967,6 +967,45 @@ def test_prefill_fp8_cpu(lens, hq, hkv, window, tile):
     cu = _cu(lens, device="cpu") if len(lens) > 1 else None
     out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, tile=tile, fp8=True)
     _check_fp8(out, q, k, v, sinks, cu, window, gpu=False)
+
+
+@interpreter_only
+@pytest.mark.parametrize("lens,hq,hkv,window,q_offset", [([150], 4, 2, 0, 0), ([70, 1, 129], 8, 1, 64, 0),
+                                                         ([60], 4, 2, 0, 70)])
+def test_prefill_fp8_lin_cpu(lens, hq, hkv, window, q_offset):
+    """``attention_prefill(fp8=True, p_code="lin")`` through the interpreter: the Triton kernel's P codes made from the
+    scores (LIN) against ``spec.attention_fp8(p_code="lin")`` at the e4m3 path's tolerances, and not the e4m3
+    spec's values."""
+    gen = torch.Generator().manual_seed(sum(lens) * 3 + hq + window + q_offset)
+    T = sum(lens)
+    q, k, v = _qkv(q_offset + T, hq, hkv, gen, device="cpu")
+    q = q[q_offset:]
+    sinks = _sinks(hq, gen, device="cpu")
+    cu = _cu(lens, device="cpu") if len(lens) > 1 else None
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, fp8=True, q_offset=q_offset,
+                            p_code="lin")
+    _check_fp8(out, q, k, v, sinks, cu, window, gpu=False, q_offset=q_offset, p_code="lin")
+    e4 = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, fp8=True, q_offset=q_offset)
+    assert not torch.equal(out, e4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,window,q_offset", [([4096], 0, 0), ([1000, 3000, 77], 0, 0), ([333, 2000], 128, 0),
+                                                  ([777], 0, 3001)])
+@pytest.mark.parametrize("tile", [None, PrefillTile(128, 64, 8, 3)])
+def test_prefill_fp8_lin_gpu(lens, window, q_offset, tile):
+    """``p_code="lin"`` on the GPU through ``attention_prefill``: the Gluon kernel's exp_lin (one causal sequence) and
+    the Triton kernel's LIN (ragged, windows, a later chunk, a given tile) against the lin spec under poison."""
+    gen = torch.Generator().manual_seed(sum(lens) + window + q_offset + 5)
+    T = sum(lens)
+    q, k, v = _qkv(q_offset + T, 64, 8, gen)
+    q = q[q_offset:]
+    sinks = _sinks(64, gen)
+    cu = _cu(lens) if len(lens) > 1 else None
+    _poison(T, 64, D)
+    out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, fp8=True, q_offset=q_offset,
+                            tile=tile, p_code="lin")
+    _check_fp8(out, q, k, v, sinks, cu, window, gpu=True, q_offset=q_offset, p_code="lin")
 
 
 @pytest.mark.parametrize("lens,window,q_offset", [([130], 0, 0), ([70, 1, 129], 64, 0), ([50], 0, 77)]
