@@ -53,7 +53,8 @@ heavy-load MoE tiles without ``GluonTile.stage_scales``, the default before the 
 is the default since); "full-last-layer" (the last layer on every row past its K / V, not only on the last:
 ``GptOss.prune_last_layer`` off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in
 chunks of 8192, as the serving engine's default feeds a long one: every chunk after the first attends to cached keys)
-and "chunked-gluon" (the same with those chunks on the Gluon attention kernels,
+"attn-fp8-lin" / "attn-fp8" (``--attention fp8-lin`` / ``fp8`` whatever ``--attention`` says: other numerics, logits
+not equal; forty-fifth session) and "chunked-gluon" (the same with those chunks on the Gluon attention kernels,
 ``KernelConfig.attention_gluon_offset`` / ``attention_gluon_fp8_offset``, twenty-ninth session). ``--attention fp8``:
 every variant with the FP8 prefill attention. (Removed with the code they switched: "ws-down", the Gluon down GEMM,
 5-10% slower; "gather-quant" / "gather-requant", gate_up's sorted A copied from the norm's FP8 rows now always.)
@@ -72,7 +73,7 @@ import torch
 from gptoss_fp8.bench.prefill import GraphedPrefill, prefill_logits, random_model
 from gptoss_fp8.config import preset_config
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig
-from gptoss_fp8.model.ops import ReferenceOps, W8A8CpuOps
+from gptoss_fp8.model.ops import ATTENTION_KINDS, ReferenceOps, W8A8CpuOps
 from gptoss_fp8.model.triton_ops import TritonOps
 
 
@@ -259,7 +260,7 @@ def main() -> None:
     p.add_argument("--tokens", default="8192")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--variants", default="default,graph")
-    p.add_argument("--attention", choices=("bf16", "fp8"), default="bf16", help="prefill attention numerics")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="bf16", help="prefill attention numerics")
     a = p.parse_args()
     cfg_model = preset_config(a.model)
     model = random_model(cfg_model, "cuda")
@@ -278,6 +279,9 @@ def main() -> None:
             "unfused-window-rope": lambda: _forward(model, UnfusedWindowRope(config=ops.config).with_attention(
                 a.attention)),
             "graph": lambda: GraphedPrefill(model, n, ops),
+            # (other numerics: its logits differ from the first variant's by FP8 noise, not 0)
+            "attn-fp8-lin": lambda: _forward(model, TritonOps(config=ops.config).with_attention("fp8-lin")),
+            "attn-fp8": lambda: _forward(model, TritonOps(config=ops.config).with_attention("fp8")),
             "full-last-layer": lambda: _full_last_layer(model, ops),
             "chunked": lambda: _chunked(model, ops),
             "chunked-gluon": lambda: _chunked(model, TritonOps(config=replace(

@@ -75,6 +75,8 @@
 #   norm-rows  the forty-fourth session's post-attention norm two rows a program (KernelConfig.norm_stream_rows=2, on
 #            by default, its GPU test not yet run): the norm tests on the GPU, norm_sweep.py, the 20b beside
 #            norm-one-row, same process, 32768 / 128000
+#   prefill-lin  --attention fp8-lin (45th session): its GPU tests, the 20b beside --attention fp8 (same process),
+#            bench prefill with it (LIN_SPECS; the 120b at 128000 needs an H200's memory)
 #   pending45  the forty-fifth session's exp_lin (the FP8 attention's P codes without 2^x, opt-in, another spec): its
 #            GPU tests, attn_variants.py beside the default (LIN_VARIANTS), energy a launch at 128000 (LIN_ENERGY),
 #            then norm-rows' GPU tests and sweep (the forty-fourth's norm tile)
@@ -595,7 +597,28 @@ if has prefill-fp8; then
   for spec in "${_specs[@]}"; do
     set -- $spec
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
-      ${_opts[@]+"${_opts[@]}"} --attention fp8 --json "$OUT/prefill_$1_fp8.json" 2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_fp8.log"
+      ${_opts[@]+"${_opts[@]}"} --attention ${PREFILL_ATTN:-fp8} --json "$OUT/prefill_$1_${PREFILL_ATTN:-fp8}.json" 2>&1 \
+      | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_${PREFILL_ATTN:-fp8}.log"
+  done
+fi
+
+if has prefill-lin; then
+  # the forty-fifth session's --attention fp8-lin (P's codes without 2^x): its GPU tests through attention_prefill
+  # and the ops, then the 20b beside --attention fp8 in one process (ab_prefill attn-fp8-lin), then the must-shows
+  # with it (prefill-fp8's bench prefill, PREFILL_ATTN=fp8-lin; LIN_SPECS as PREFILL_FP8_SPECS)
+  [[ ${PL_TEST_S:-150} == 0 ]] || timeout -s INT ${PL_TEST_S:-150} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
+    tests/test_triton_ops.py tests/test_verify_attention_fp8.py -k "lin or fp8_attention_runs or fp8_gpu" \
+    > "$OUT/pl_tests.log" 2>&1
+  tail -4 "$OUT/pl_tests.log"
+  [[ ${PL_AB_S:-200} == 0 ]] || timeout ${PL_AB_S:-200} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens ${PL_AB_TOKENS:-32768,128000} --runs ${PL_RUNS:-3} --variants default,attn-fp8-lin --attention fp8 2>&1 \
+    | grep -v Warn | tee "$OUT/pl_ab.log"
+  IFS=';' read -ra _specs <<< "${LIN_SPECS:-20b 32768,128000}"
+  for spec in "${_specs[@]}"; do
+    set -- $spec
+    timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
+      --attention fp8-lin --json "$OUT/prefill_$1_fp8-lin.json" 2>&1 | grep -v Warn | tail -12 \
+      | tee "$OUT/prefill_$1_fp8-lin.log"
   done
 fi
 
