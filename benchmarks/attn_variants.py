@@ -77,10 +77,15 @@ VARIANTS = {
     "fp8-s16": dict(fp8=True, s16=True),  # QK^T in f16, the unmasked scores on f16 pairs (36th session: 7-9% slower)
     "fp8-lanemax": dict(fp8=True, lane_max=True),  # the row max, one shuffle pair a step (33rd session, unmeasured)
     # no 2^x: P * 256's e4m3 codes from the scores (45th session; spec.attention_fp8(p_code="lin"), another spec):
-    # clamped as 32-bit integers, as 16-bit pairs (wraps 4096 log2 units under the max), with the turns back
+    # clamped as 32-bit integers, as 16-bit pairs (clamped as floats first where the scores' bound could wrap them),
+    # with the turn held over both blocks, with the row max reduced across lanes once, Q in registers, other rings
     "fp8-lin": dict(fp8=True, exp_lin=1),
     "fp8-lin16": dict(fp8=True, exp_lin=2),
-    "fp8-lin-turns": dict(fp8=True, exp_lin=1, turns=2),
+    "fp8-lin16-turn": dict(fp8=True, exp_lin=2, turns=1),
+    "fp8-lin16-lanemax": dict(fp8=True, exp_lin=2, lane_max=True),
+    "fp8-lin16-qreg": dict(fp8=True, exp_lin=2, q_in_registers=True),
+    "fp8-lin16-2st": dict(fp8=True, exp_lin=2, stages=2),
+    "fp8-lin16-6st": dict(fp8=True, exp_lin=2, stages=6),
     # timing probes of the FP8 kernel (wrong values: no check; the MMA probe without turns)
     "fp8-probe-mma": dict(fp8=True, probe="mma"),
     "fp8-probe-softmax": dict(fp8=True, probe="softmax"),

@@ -655,7 +655,7 @@ if has pending45; then
     -k "exp_lin or ws_fp8_options_gpu and lane" > "$OUT/p45_tests.log" 2>&1
   tail -6 "$OUT/p45_tests.log"
   [[ ${P45_VAR_S:-240} == 0 ]] || timeout ${P45_VAR_S:-240} python3 benchmarks/attn_variants.py --tokens ${P45_TOKENS:-32768,128000} \
-    --variants "${LIN_VARIANTS:-fp8,fp8-lin,fp8-lin16,fp8-lin-turns}" --json "$OUT/p45_variants.json" 2>&1 | grep -v Warn \
+    --variants "${LIN_VARIANTS:-fp8,fp8-lin,fp8-lin16,fp8-lin16-lanemax}" --json "$OUT/p45_variants.json" 2>&1 | grep -v Warn \
     | tee "$OUT/p45_variants.log"
   IFS=';' read -ra _lv <<< "${LIN_ENERGY:-fp8=True;fp8=True,exp_lin=1}"
   for var in "${_lv[@]}"; do

@@ -975,7 +975,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     6.1% above 2^x before the rounding, mostly cancelled by the row sum of the same codes); one FFMA puts the code in
     the low bits of a float (``_lin_bias``), and ``_lin_e4m3`` clamps and packs them: 1 as 32-bit integers, 2 as
     16-bit halves (one packed max for two), clamped as floats first in the steps whose scores' bound could let a
-    code reach -32768 (``_fp8_pairs``; the same bytes either way). No turns by default (no MUFU)."""
+    code reach -32768 (``_fp8_pairs``; the same bytes either way). No turns by default (no MUFU; 1 at most: 2 and 3
+    pass the turn on after a 2^x)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -990,6 +991,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert exp_lin in (0, 1, 2) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
         f"exp_lin {exp_lin}: 0, 1 or 2; with pairs and ones, no exp_fma, s16 or probe")
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
+    assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
     assert turns in (0, 1, 2, 3) and (turns == 0 or pairs), f"turns {turns}: 0, 1, 2 or 3 (with pairs)"
     assert probe != "mma" or turns == 0, "probe='mma' takes no turns (its steps skip the exponentials they ring)"

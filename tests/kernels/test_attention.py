@@ -1227,7 +1227,8 @@ def test_gluon_tile_refuses_the_timing_probes():
 def test_ws_fp8_refuses_option_mixes_before_any_work():
     """ws_attention_prefill_fp8's measurement options and ring options that cannot run together are refused
     before the quantization or a launch (no GPU needed): the MMA probe with turns (its steps take none, the
-    ring would deadlock), an unknown probe, one ready barrier a step without one release a step, odd rings."""
+    ring would deadlock), an unknown probe, one ready barrier a step without one release a step, odd rings, exp_lin
+    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown."""
     from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
     gen = torch.Generator().manual_seed(11)
@@ -1235,7 +1236,9 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
     out = torch.empty_like(q)
     for opts, msg in ((dict(probe="mma", turns=2), "takes no turns"), (dict(probe="mmas"), "probe"),
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
-                                                                                   "even ring")):
+                                                                                   "even ring"),
+                      (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
+                      (dict(exp_lin=3), "exp_lin")):
         with pytest.raises(AssertionError, match=msg):
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
