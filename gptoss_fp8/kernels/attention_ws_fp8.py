@@ -307,7 +307,7 @@ if HAS_GLUON:
     def _lin_bias(m):
         """``exp_lin``'s per-row addend: 1.5 * 2^23 + 120 - 8 m, so that 8 x + it (x the scores in log2 units, m their
         integer running max) rounds to an integer in the low mantissa bits: round(8 (x - m + 8) + 56), the e4m3 code
-        of 2^(x - m + 8) = P * 256 with the mantissa bits read linearly (``spec.lin_e4m3_code``)."""
+        of 2^(x - m + 8) = P * 256 with the mantissa bits read linearly (quant/attn_fp8.py ``lin_e4m3``)."""
         return (_LIN_MAGIC + 120.0) - 8.0 * m
 
     @gluon.jit
@@ -321,7 +321,8 @@ if HAS_GLUON:
     def _lin_e4m3(y, FMA: gl.constexpr):
         """``exp_lin``'s codes (``_lin_bias``) -> e4m3, four values to one register: each code clamped at 0 (the codes
         below 0, and -inf, are 0) and its low byte taken. FMA 3: clamped as 32-bit integers (any float); 4: as
-        16-bit halves (one packed max for two: codes below -32768, 4096 log2 units under the row's max, wrap)."""
+        16-bit halves (one packed max for two; a code below -32768, 4096 log2 units under the row's max, would wrap:
+        ``_fp8_pairs`` clamps the codes as floats first, ``_lin_floor``, in any step where one could be)."""
         if FMA == 3:
             return gl.inline_asm_elementwise(
                 "{ .reg .b32 a, b, c, d, lo, hi; max.s32 a, $1, 0x4B400000; max.s32 b, $2, 0x4B400000; "
