@@ -82,6 +82,7 @@ VARIANTS = {
     "fp8-lin": dict(fp8=True, exp_lin=1),
     "fp8-lin16": dict(fp8=True, exp_lin=2),
     "fp8-lin16-turn": dict(fp8=True, exp_lin=2, turns=1),
+    "fp8-lin16n": dict(fp8=True, exp_lin=3),  # the 16-bit clamp's bound from row norms (not yet run on a GPU)
     "fp8-lin16-lanemax": dict(fp8=True, exp_lin=2, lane_max=True),
     "fp8-lin16-qreg": dict(fp8=True, exp_lin=2, q_in_registers=True),
     "fp8-lin16-2st": dict(fp8=True, exp_lin=2, stages=2),

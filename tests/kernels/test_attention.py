@@ -1108,9 +1108,30 @@ def test_ws_fp8_options_gpu(T, opts):
         assert torch.equal(out, ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5))
 
 
+def test_key_norms_are_each_blocks_largest():
+    """attention_ws_fp8.key_norms (exp_lin 3's bound, no GPU): each 64-key block's largest sqrt(sum of squares) of the
+    e4m3 values, a partial last block included; Cauchy-Schwarz then bounds every e4m3 dot product with it."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import key_norms
+    from gptoss_fp8.quant.attn_fp8 import quantize_qk
+
+    gen = torch.Generator().manual_seed(8)
+    k8, _ = quantize_qk(torch.randn(150, 2, D, generator=gen) * 3)
+    q8, _ = quantize_qk(torch.randn(64, 2, D, generator=gen))
+    n = key_norms(k8)
+    kf = k8.float()
+    assert n.shape == (2, 3)
+    for h in range(2):
+        for b in range(3):
+            rows = kf[64 * b:64 * (b + 1), h]
+            assert n[h, b].item() == pytest.approx(rows.square().sum(-1).sqrt().max().item(), rel=1e-6)
+    qf = q8.float()[:, 0]
+    dots = qf @ kf[:64, 0].t()
+    assert dots.abs().max() <= qf.square().sum(-1).sqrt().max() * n[0, 0] * (1 + 1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
-@pytest.mark.parametrize("exp_lin", [1, 2])
+@pytest.mark.parametrize("exp_lin", [1, 2, 3])
 @pytest.mark.parametrize("spread", ["unit", "wide", "late"])
 def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     """``exp_lin`` (P * 256's e4m3 codes from the scores, no 2^x) against ``spec.attention_fp8(p_code="lin")`` under
@@ -1238,7 +1259,7 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
                                                                                    "even ring"),
                       (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
-                      (dict(exp_lin=3), "exp_lin")):
+                      (dict(exp_lin=4), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace")):
         with pytest.raises(AssertionError, match=msg):
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
@@ -1375,9 +1396,11 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, S16=True), 12),
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QB16=True, ROPE=True), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=3), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=4), 12)):
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=4), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=5), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
-        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused,
+        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") == 5 else {}  # (exp_lin 3: the K norms' pointer)
+        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused | norms,
                                     dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
@@ -1405,8 +1428,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         elif opts.get("FMA", 0) >= 3:  # (exp_lin) no 2^x in the key loop: only the sink's, once a pass; the codes
             # clamped as 32-bit integers (3) or 16-bit pairs (4)
             assert ptx.count("ex2.approx") <= 3, ptx.count("ex2.approx")
-            assert (ptx.count("max.relu.s16x2") >= 32, ptx.count("max.s32") >= 64) == ((True, False) if opts["FMA"] == 4
-                                                                                     else (False, True))
+            assert (ptx.count("max.relu.s16x2") >= 32, ptx.count("max.s32") >= 64) == ((False, True) if opts["FMA"] == 3
+                                                                                     else (True, False))
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
