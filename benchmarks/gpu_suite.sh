@@ -78,8 +78,8 @@
 #   prefill-lin  --attention fp8-lin (45th session): its GPU tests, the 20b beside --attention fp8 (same process),
 #            bench prefill with it (LIN_SPECS; the 120b at 128000 needs an H200's memory)
 #   pending45  the forty-fifth session's exp_lin (the FP8 attention's P codes without 2^x, opt-in, another spec): its
-#            GPU tests, attn_variants.py beside the default (LIN_VARIANTS), energy a launch at 128000 (LIN_ENERGY),
-#            then norm-rows' GPU tests and sweep (the forty-fourth's norm tile)
+#            GPU tests, attn_variants.py beside the default (LIN_VARIANTS; exp_lin 3 "fp8-lin16n" not yet run), again
+#            with Q / K scaled to a trained model's amax (--qk-scale 7), energy a launch at 128000 (LIN_ENERGY)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -655,8 +655,12 @@ if has pending45; then
     -k "exp_lin or ws_fp8_options_gpu and lane" > "$OUT/p45_tests.log" 2>&1
   tail -6 "$OUT/p45_tests.log"
   [[ ${P45_VAR_S:-240} == 0 ]] || timeout ${P45_VAR_S:-240} python3 benchmarks/attn_variants.py --tokens ${P45_TOKENS:-32768,128000} \
-    --variants "${LIN_VARIANTS:-fp8,fp8-lin,fp8-lin16,fp8-lin16-lanemax}" --json "$OUT/p45_variants.json" 2>&1 | grep -v Warn \
+    --variants "${LIN_VARIANTS:-fp8,fp8-lin,fp8-lin16,fp8-lin16n}" --json "$OUT/p45_variants.json" 2>&1 | grep -v Warn \
     | tee "$OUT/p45_variants.log"
+  # the same on Q / K of a trained model's size (amax ~30, not the random inputs' ~4.5): the bounds' regime
+  [[ ${P45_WIDE_S:-150} == 0 ]] || timeout ${P45_WIDE_S:-150} python3 benchmarks/attn_variants.py --tokens 128000 \
+    --qk-scale 7 --skip-check --variants "${LIN_VARIANTS:-fp8,fp8-lin,fp8-lin16,fp8-lin16n}" 2>&1 | grep -v Warn \
+    | tail -6 | tee "$OUT/p45_wide.log"
   IFS=';' read -ra _lv <<< "${LIN_ENERGY:-fp8=True;fp8=True,exp_lin=1}"
   for var in "${_lv[@]}"; do
     timeout 90 python3 benchmarks/clock_watch.py "$OUT/p45_clock.csv" -- python3 benchmarks/attn_ncu.py --tokens 128000 \
