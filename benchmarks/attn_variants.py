@@ -83,6 +83,10 @@ VARIANTS = {
     "fp8-lin16": dict(fp8=True, exp_lin=2),
     "fp8-lin16-turn": dict(fp8=True, exp_lin=2, turns=1),
     "fp8-lin16n": dict(fp8=True, exp_lin=3),  # the 16-bit clamp's bound from row norms (not yet run on a GPU)
+    # the codes against the running max first, row maxima on packed halves, m raised only where a code passes 126
+    # (46th session), with the bound of 2 / of 3
+    "fp8-lin4": dict(fp8=True, exp_lin=4),
+    "fp8-lin4n": dict(fp8=True, exp_lin=5),
     "fp8-lin16-lanemax": dict(fp8=True, exp_lin=2, lane_max=True),
     "fp8-lin16-qreg": dict(fp8=True, exp_lin=2, q_in_registers=True),
     "fp8-lin16-2st": dict(fp8=True, exp_lin=2, stages=2),

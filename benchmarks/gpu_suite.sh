@@ -80,6 +80,9 @@
 #   pending45  the forty-fifth session's exp_lin (the FP8 attention's P codes without 2^x, opt-in, another spec): its
 #            GPU tests, attn_variants.py beside the default (LIN_VARIANTS; exp_lin 3 "fp8-lin16n" not yet run), again
 #            with Q / K scaled to a trained model's amax (--qk-scale 7), energy a launch at 128000 (LIN_ENERGY)
+#   pending46  the forty-sixth session's exp_lin 4 / 5 (fp8-lin's codes against the running max first: no fp32 row max,
+#            no rescale in most steps) and the 45th's exp_lin 3: GPU tests, attn_variants (random inputs, then Q / K at
+#            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -648,6 +651,24 @@ if has norm-rows; then
   [[ ${NR_AB128K_S:-150} == 0 ]] || timeout ${NR_AB128K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
     --tokens 128000 --runs ${NR_RUNS128:-3} --variants default,norm-one-row --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/nr_ab128k.log"
+fi
+
+if has pending46; then
+  # the forty-sixth session's exp_lin 4 / 5 (the codes against the running max first, their row maxima on packed
+  # halves; m raised and the accumulators rescaled only where a code passes 126) and exp_lin 3 (45th, not yet run):
+  # their GPU tests, attn_variants beside fp8 / fp8-lin16, again at a trained model's Q / K amax, then the 20b
+  [[ ${P46_TEST_S:-150} == 0 ]] || timeout -s INT ${P46_TEST_S:-150} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
+    -k "exp_lin or prefill_fp8_lin_gpu" > "$OUT/p46_tests.log" 2>&1
+  tail -6 "$OUT/p46_tests.log"
+  [[ ${P46_VAR_S:-240} == 0 ]] || timeout ${P46_VAR_S:-240} python3 benchmarks/attn_variants.py --tokens ${P46_TOKENS:-32768,128000} \
+    --variants "${P46_VARIANTS:-fp8,fp8-lin16,fp8-lin4,fp8-lin4n,fp8-lin16n}" --json "$OUT/p46_variants.json" 2>&1 \
+    | grep -v Warn | tee "$OUT/p46_variants.log"
+  [[ ${P46_WIDE_S:-120} == 0 ]] || timeout ${P46_WIDE_S:-120} python3 benchmarks/attn_variants.py --tokens 128000 \
+    --qk-scale 7 --skip-check --variants "${P46_VARIANTS:-fp8,fp8-lin16,fp8-lin4,fp8-lin4n,fp8-lin16n}" 2>&1 \
+    | grep -v Warn | tail -7 | tee "$OUT/p46_wide.log"
+  [[ ${P46_AB_S:-0} == 0 ]] || timeout ${P46_AB_S} python3 benchmarks/ab_prefill.py --model 20b \
+    --tokens ${P46_AB_TOKENS:-32768,128000} --runs ${P46_RUNS:-3} --variants "${P46_AB_VARIANTS:-default,attn-fp8-lin,attn-fp8-lin4}" \
+    --attention fp8 2>&1 | grep -v Warn | tee "$OUT/p46_ab.log"
 fi
 
 if has pending45; then

@@ -168,7 +168,8 @@ def _attn_inner_fp8(
     power of two and e4m3(P * 256) rounds as in the spec's final frame; the row sum of that e4m3 P;
     PV as e4m3 x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates
     imprecisely), added to acc. LIN (``p_code="lin"``, quant/attn_fp8.py ``lin_e4m3``): no 2^x, P's e4m3
-    byte round(8 (x - m) + 120) clamped at 0, made in the low bits of a float (1.5 * 2^23 added)."""
+    byte round(8 (x - m) + 120) clamped at 0, made in the low bits of a float (1.5 * 2^23 added), against m =
+    ceil(max - 13/16) (codes up to 126, e4m3's 448)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -189,7 +190,10 @@ def _attn_inner_fp8(
             rel = offs_m[:, None] - cols[None, :]
             visible = (rel >= 0) & (rel < window)
             qk = qk + tl.where(visible, 0.0, float("-inf"))
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
+        if LIN:  # (m = ceil(max - 13/16): the codes up to 126, e4m3's 448)
+            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1) - 0.8125))
+        else:
+            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)
         if LIN:  # (-inf: the clamp's 1.5 * 2^23, code 0)
             y = tl.maximum(qk * 8.0 + (12582912.0 + 120.0 - 8.0 * m_new)[:, None], 12582912.0)
@@ -527,7 +531,7 @@ def attention_prefill(
         o = ws_attention_prefill_fp8(q, k, v, sinks, None if fused_out else _out(q), sm_scale, rope=rope,
                                      q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
                                      lane_max=cfg.attention_fp8_lane_max, q_fused=q_fused, q_scale=q_scale,
-                                     quant_out=fused_out, exp_lin=2 if p_code == "lin" else 0)
+                                     quant_out=fused_out, exp_lin=cfg.attention_exp_lin if p_code == "lin" else 0)
         return o if fused_out else _quantized(o, quant_out)
     if (tile is None and not fp8 and not segments and not ragged and not q_offset and window != _NO_WINDOW
             and cfg.gluon and cfg.attention_gluon_window and on_gpu):

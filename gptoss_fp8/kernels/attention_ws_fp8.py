@@ -190,6 +190,8 @@ if HAS_GLUON:
             m_blk = _quad_max(gl.maximum(_lane_max(sa) * ca, _lane_max(sb) * cb), rows)
         else:
             m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
+        if FMA >= 3:  # (exp_lin: m = ceil(max - 13/16), the codes up to 126: e4m3's 448)
+            m_blk = m_blk - 0.8125
         m_new = gl.maximum(m_i, _ceil(m_blk))
         _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
         m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
@@ -235,6 +237,8 @@ if HAS_GLUON:
             m_blk = _quad_max(gl.maximum(_lane_max(xa), _lane_max(xb)), rows)
         else:
             m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
+        if FMA >= 3:  # (exp_lin: m = ceil(max - 13/16), the codes up to 126: e4m3's 448)
+            m_blk = m_blk - 0.8125
         m_new = gl.maximum(m_i, _ceil(m_blk))
         _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
         m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
@@ -334,6 +338,92 @@ if HAS_GLUON:
                 "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x5410; prmt.b32 hi, $3, $4, 0x5410; "
                 "max.relu.s16x2 lo, lo, lo; max.relu.s16x2 hi, hi, hi; prmt.b32 $0, lo, hi, 0x6420; }",
                 "=r,r,r,r,r", [y], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _lin_pack16(y, p_layout: gl.constexpr):
+        """``exp_lin``'s codes [R, 64] fp32 (the scores' layout; ``_lin_bias``) -> [R, 32] int32 in the A operand's
+        order (``_relabel``): two 16-bit codes a register (one PRMT), an even key's low. A code below -32768 or above
+        32767 would wrap: the callers clamp as floats first wherever the bound does not rule it out."""
+        R: gl.constexpr = y.type.shape[0]
+        e, o = gl.split(gl.reshape(_relabel(y, p_layout), [R, 32, 2]))
+        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [e, o], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _max16(a, b):
+        """The larger of each 16-bit half (signed): one ``max.s16x2``."""
+        return gl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _sub16(a, b):
+        """a - b in each 16-bit half, b's halves in [0, 32768) (PTX has no ``sub.s16x2``: the high bits kept from
+        borrowing, three instructions)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; or.b32 t, $1, 0x80008000; sub.s32 t, t, $2; not.b32 u, $1; and.b32 u, u, 0x80008000; "
+            "xor.b32 $0, t, u; }", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _halves_max(x):
+        """The larger 16-bit half of each register, sign-extended to int32."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, $1, 0x1032; max.s16x2 t, $1, t; shr.s32 $0, t, 16; }", "=r,r",
+            [x], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lin_bytes(h, p_layout: gl.constexpr):
+        """[R, 32] int32 of 16-bit codes (``_lin_pack16``) -> P8 [R, 64] e4m3 in the A operand's layout: each code
+        clamped at 0 (``max.relu.s16x2``) and its low byte, four a register (one PRMT for two registers)."""
+        R: gl.constexpr = h.type.shape[0]
+        lo, hi = gl.split(gl.reshape(h, [R, 16, 2]))
+        w = gl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; max.relu.s16x2 a, $1, $1; max.relu.s16x2 b, $2, $2; prmt.b32 $0, a, b, 0x6420; }",
+            "=r,r,r", [lo, hi], dtype=gl.int32, is_pure=True, pack=1)
+        w2 = gl.join(w, w)  # (the register four times over, in the operand's [R, 64] shape: no data moved)
+        w4 = gl.convert_layout(gl.reshape(gl.join(w2, w2), [R, 64]), p_layout, assert_trivial=True)
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w4], dtype=gl.float8e4nv, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
+                  lrow_layout: gl.constexpr):
+        """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
+        acc and lacc rescaled, m). fast (no mask, the 16-bit bound holds: a uniform scalar): the codes against the
+        running max m first, their row maxima c on the packed halves (a tree of ``max.s16x2``); only where one
+        exceeds 126 (P * 256 past e4m3's 448: a score more than 13/16 above m) is m raised, by d = ceil((c - 126) /
+        8), the codes shifted by 8 d (exact integers) and the accumulators scaled by 2^-d: the same m as the spec's
+        max(ceil(sink), ceil(row max - 13/16)), with no fp32 row max and, in most steps, no rescale at all.
+        Otherwise (masked, or clamped as floats) the fp32 row max and the same rule, as ``exp_lin`` 2."""
+        if fast:
+            bias = gl.expand_dims(_lin_bias(m_i), 1)
+            ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
+            hb = _lin_pack16(sb * (cb * 8.0) + bias, p_layout)
+            c = _halves_max(gl.reduce(_max16(ha, hb), 1, _max16))
+            if gl.max(c, 0) > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
+                d = gl.maximum(c - 119, 0) >> 3
+                d8 = gl.expand_dims(d * (8 * 65537), 1)
+                ha = _sub16(ha, d8)
+                hb = _sub16(hb, d8)
+                df = d.to(gl.float32)
+                m_i = m_i + gl.convert_layout(df, m_i.type.layout)
+                alpha = _pow2(0.0 - df)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+                lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
+        else:
+            BN: gl.constexpr = sa.type.shape[1]
+            cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
+            xa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
+            xb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
+            m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
+            m_new = gl.maximum(m_i, _ceil(m_blk - 0.8125))
+            bias = gl.expand_dims(_lin_bias(m_new), 1)
+            ha = _lin_pack16(_lin_floor(xa * 8.0 + bias), p_layout)
+            hb = _lin_pack16(_lin_floor(xb * 8.0 + bias), p_layout)
+            alpha = _pow2(m_i - m_new)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
+        return ha, hb, acc, lacc, m_i
 
     @gluon.jit
     def _e4m3h(x):
@@ -473,55 +563,80 @@ if HAS_GLUON:
                                     is_async=True)
                 sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
-            if PROBE == 1:  # timing probe, the MMAs alone: P = the scaled scores, no max, no 2^x
-                pa = sa * ca
-                pb = sb * cb
-                alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
-            else:
-                pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
-                                                        zrow, W, k0 + i, TURN, trace_ptr, TRACE, LMAX, S16)
-            if FMA >= 4:  # (exp_lin's 16-bit clamp: the codes clamped as floats first wherever the bound may not hold;
-                # a branch over fp32 values only: no wgmma or e4m3 tensor inside it)
-                if FMA == 5:  # (the norms' bound, a little wider for the fp32 sums' roundings)
+            if FMA >= 6:  # (exp_lin 4 / 5: the codes against the running max first, ``_lin_cmax``; P V and P 1 added
+                # to the accumulators in place, rescaled before only in the steps that raise m)
+                if FMA == 7:
                     nka = gl.load(trace_ptr + kv * nbk + a)
                     nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
                     mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
                 else:
                     mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
-                if mb + gl.maximum(sink, mb + 1.0) > 4000.0:
-                    pa = _lin_floor(pa)
-                    pb = _lin_floor(pb)
-            if S16:
-                p8a = _e4m3h(_relabel(pa, p_layout))
-                p8b = _e4m3h(_relabel(pb, p_layout))
-            elif FMA >= 3:
-                p8a = _lin_e4m3(_relabel(pa, p_layout), FMA)
-                p8b = _lin_e4m3(_relabel(pb, p_layout), FMA)
-            else:
-                p8a = _e4m3(_relabel(pa, p_layout))
-                p8b = _e4m3(_relabel(pb, p_layout))
-            if PROBE == 2:
-                pv = zero_o
-            else:
-                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                # (16 bits hold every code: from below as for exp_lin 2, from above as m >= ceil(sink))
+                fast = (a + 1 < n_full) & (mb + gl.maximum(sink, mb + 1.0) <= 4000.0) & (mb - sink <= 4000.0)
+                ha, hb, acc, lacc, m_i = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
+                                                   orow_layout, lrow_layout)
+                p8a = _lin_bytes(ha, p_layout)
+                p8b = _lin_bytes(hb, p_layout)
+                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), acc, is_async=True)
                 pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
-            _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
-            if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            elif ONES:
-                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                   zero_l, use_acc=False, is_async=True)
+                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)), lacc,
+                                   is_async=True)
                 lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
                                    is_async=True)
-                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-                _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
-                lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
+                acc, lacc = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                if not PAIR_RELEASE:
+                    mbarrier.arrive(empty.index(r % S), count=1)
+                mbarrier.arrive(empty.index((r + 1) % S), count=1)
             else:
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            if not PAIR_RELEASE:
-                mbarrier.arrive(empty.index(r % S), count=1)
-            mbarrier.arrive(empty.index((r + 1) % S), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
+                if PROBE == 1:  # timing probe, the MMAs alone: P = the scaled scores, no max, no 2^x
+                    pa = sa * ca
+                    pb = sb * cb
+                    alpha = gl.full(m_i.type.shape, 1.0, gl.float32, m_i.type.layout)
+                else:
+                    pa, pb, alpha, m_i, l_i = _fp8_softmax2(sa, sb, ca, cb, m_i, l_i, rows, a, n_full, ONES, FMA, turn,
+                                                            zrow, W, k0 + i, TURN, trace_ptr, TRACE, LMAX, S16)
+                if FMA >= 4:  # (exp_lin's 16-bit clamp: the codes clamped as floats first wherever the bound may not hold;
+                    # a branch over fp32 values only: no wgmma or e4m3 tensor inside it)
+                    if FMA == 5:  # (the norms' bound, a little wider for the fp32 sums' roundings)
+                        nka = gl.load(trace_ptr + kv * nbk + a)
+                        nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
+                        mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
+                    else:
+                        mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
+                    if mb + gl.maximum(sink, mb + 1.0) > 4000.0:
+                        pa = _lin_floor(pa)
+                        pb = _lin_floor(pb)
+                if S16:
+                    p8a = _e4m3h(_relabel(pa, p_layout))
+                    p8b = _e4m3h(_relabel(pb, p_layout))
+                elif FMA >= 3:
+                    p8a = _lin_e4m3(_relabel(pa, p_layout), FMA)
+                    p8b = _lin_e4m3(_relabel(pb, p_layout), FMA)
+                else:
+                    p8a = _e4m3(_relabel(pa, p_layout))
+                    p8b = _e4m3(_relabel(pb, p_layout))
+                if PROBE == 2:
+                    pv = zero_o
+                else:
+                    pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                    pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
+                _stamp(trace_ptr, m_i, rows, 6, i, W, TRACE)
+                if ONES and PROBE == 3:  # timing probe: the row-sum MMAs skipped (l stays the sink's term)
+                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                elif ONES:
+                    lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                       zero_l, use_acc=False, is_async=True)
+                    lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
+                                       is_async=True)
+                    pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                    _stamp(trace_ptr, m_i, rows, 7, i, W, TRACE)
+                    lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
+                else:
+                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                if not PAIR_RELEASE:
+                    mbarrier.arrive(empty.index(r % S), count=1)
+                mbarrier.arrive(empty.index((r + 1) % S), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
         if TURN > 0:
             for i in range(gl.cdiv(my_blocks, 2), n_turns):
                 take_turn(turn, W, k0 + i, True)
@@ -598,7 +713,7 @@ if HAS_GLUON:
         if not QB16:
             mbarrier.wait(q_bar, 0)
         qn = sink * 0.0
-        if FMA == 5:  # (exp_lin 3: the Q tile's largest row norm, e4m3 units, for the scores' bound)
+        if FMA == 5 or FMA == 7:  # (exp_lin 3 / 5: the Q tile's largest row norm, e4m3 units, for the scores' bound)
             qt = q.load(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])).to(gl.float32)
             qn = gl.sqrt(gl.max(gl.sum(qt * qt, 1), 0))
         if QREG:
@@ -1012,9 +1127,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
-    assert exp_lin in (0, 1, 2, 3) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
-        f"exp_lin {exp_lin}: 0, 1, 2 or 3; with pairs and ones, no exp_fma, s16 or probe")
-    assert exp_lin != 3 or trace is None, "exp_lin 3: no trace (its pointer carries the K norms)"
+    assert exp_lin in (0, 1, 2, 3, 4, 5) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
+        f"exp_lin {exp_lin}: 0 to 5; with pairs and ones, no exp_fma, s16 or probe")
+    assert exp_lin not in (3, 5) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
@@ -1035,7 +1150,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                            with_q=not q_fused and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
-    norms = key_norms(k8) if exp_lin == 3 else None
+    norms = key_norms(k8) if exp_lin in (3, 5) else None
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

@@ -306,6 +306,12 @@ class KernelConfig:
     # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
     # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
+    # Which of the FP8 Gluon kernel's ``exp_lin`` forms ``--attention fp8-lin`` launches (``ws_attention_prefill_fp8``):
+    # 2 (the forty-fifth session's: the fp32 row max first, the codes clamped as 16-bit pairs), 4 (the forty-sixth's:
+    # the codes against the running max first, their row maxima on packed halves, m raised and the accumulators
+    # rescaled only in the steps that need it), 1 / 3 / 5 measurement forms (32-bit clamp; 2 and 4 with the bound from
+    # row norms). Every form computes ``spec.attention_fp8(p_code="lin")``
+    attention_exp_lin: int = 2
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
     # layer at 32768 tokens not written and read back). Built without a GPU in the thirty-ninth session; its GPU tests
@@ -389,6 +395,9 @@ class KernelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"KernelConfig.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.attention_exp_lin not in (1, 2, 3, 4, 5):
+            raise ValueError(f"KernelConfig.attention_exp_lin must be 1 to 5 (the FP8 kernel's exp_lin forms), got "
+                             f"{self.attention_exp_lin!r}")
 
     def gluon_on(self, device: torch.device) -> bool:
         """Whether the Gluon kernels may run on ``device``: allowed here and supported there."""

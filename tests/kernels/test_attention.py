@@ -993,9 +993,11 @@ def test_prefill_fp8_lin_cpu(lens, hq, hkv, window, q_offset):
 @pytest.mark.parametrize("lens,window,q_offset", [([4096], 0, 0), ([1000, 3000, 77], 0, 0), ([333, 2000], 128, 0),
                                                   ([777], 0, 3001)])
 @pytest.mark.parametrize("tile", [None, PrefillTile(128, 64, 8, 3)])
-def test_prefill_fp8_lin_gpu(lens, window, q_offset, tile):
-    """``p_code="lin"`` on the GPU through ``attention_prefill``: the Gluon kernel's exp_lin (one causal sequence) and
-    the Triton kernel's LIN (ragged, windows, a later chunk, a given tile) against the lin spec under poison."""
+@pytest.mark.parametrize("exp_lin", [2, 4])
+def test_prefill_fp8_lin_gpu(lens, window, q_offset, tile, exp_lin):
+    """``p_code="lin"`` on the GPU through ``attention_prefill``: the Gluon kernel's exp_lin (one causal sequence; the
+    form ``KernelConfig.attention_exp_lin`` names) and the Triton kernel's LIN (ragged, windows, a later chunk, a given
+    tile) against the lin spec under poison."""
     gen = torch.Generator().manual_seed(sum(lens) + window + q_offset + 5)
     T = sum(lens)
     q, k, v = _qkv(q_offset + T, 64, 8, gen)
@@ -1004,7 +1006,7 @@ def test_prefill_fp8_lin_gpu(lens, window, q_offset, tile):
     cu = _cu(lens) if len(lens) > 1 else None
     _poison(T, 64, D)
     out = attention_prefill(q, k, v, sinks, cu, max(lens), sliding_window=window, fp8=True, q_offset=q_offset,
-                            tile=tile, p_code="lin")
+                            tile=tile, p_code="lin", config=KernelConfig(attention_exp_lin=exp_lin))
     _check_fp8(out, q, k, v, sinks, cu, window, gpu=True, q_offset=q_offset, p_code="lin")
 
 
@@ -1131,15 +1133,17 @@ def test_key_norms_are_each_blocks_largest():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
-@pytest.mark.parametrize("exp_lin", [1, 2, 3])
-@pytest.mark.parametrize("spread", ["unit", "wide", "late"])
+@pytest.mark.parametrize("exp_lin", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("spread", ["unit", "wide", "late", "rise"])
 def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     """``exp_lin`` (P * 256's e4m3 codes from the scores, no 2^x) against ``spec.attention_fp8(p_code="lin")`` under
     poison: one fp32 rounding or two from the spec's order (the FFMA's exact product), so within the default's
     tolerance of its spec; and no farther from exact attention than twice the default is. "wide": Q and K entries
     ~30, the scores' spread within a row ~10^3-10^4 log2 units, codes far below -32768: the 32-bit clamp (1) takes
     them to zero, and 2 must leave its 16-bit clamp for it (the scores' bound); "late": K's rows from T / 2 on times
-    30, so that 2 switches clamps partway along the keys."""
+    30, so that 2 switches clamps partway along the keys; "rise": K's rows scaled up along the keys (1 + 2 j / T: the
+    row maxima rising step after step within the 16-bit bound), so that 4 / 5 raise m from their codes in many steps
+    (by more than 1 at a time), not only in the first."""
     from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
     hq, hkv = 16, 2
@@ -1150,6 +1154,8 @@ def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     elif spread == "late":
         q, k = (q.float() * 3).bfloat16(), k.clone()
         k[T // 2:] = (k[T // 2:].float() * 30).bfloat16()
+    elif spread == "rise":
+        k = (k.float() * (1 + 2 * torch.arange(T).float() / T)[:, None, None]).bfloat16()
     sinks = _sinks(hq, gen)
     _poison(T, hq, D)
     out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=exp_lin)
@@ -1259,7 +1265,7 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
                                                                                    "even ring"),
                       (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
-                      (dict(exp_lin=4), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace")):
+                      (dict(exp_lin=6), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace")):
         with pytest.raises(AssertionError, match=msg):
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
@@ -1397,9 +1403,11 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, TURN=2, REL=2, QB16=True, ROPE=True), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=3), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=4), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=5), 12)):
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=5), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=6), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
-        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") == 5 else {}  # (exp_lin 3: the K norms' pointer)
+        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") in (5, 7) else {}  # (exp_lin 3 / 5: the K norms' pointer)
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused | norms,
                                     dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
@@ -1430,6 +1438,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
             assert ptx.count("ex2.approx") <= 3, ptx.count("ex2.approx")
             assert (ptx.count("max.relu.s16x2") >= 32, ptx.count("max.s32") >= 64) == ((False, True) if opts["FMA"] == 3
                                                                                      else (True, False))
+            if opts["FMA"] >= 6:  # (exp_lin 4 / 5) the codes' row maxima on packed halves (a tree a consumer)
+                assert ptx.count("max.s16x2") >= 3 * 16, ptx.count("max.s16x2")  # ("max.relu.s16x2" not counted)
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
