@@ -341,69 +341,71 @@ if HAS_GLUON:
 
     @gluon.jit
     def _lin_pack16(y, p_layout: gl.constexpr):
-        """``exp_lin``'s codes [R, 64] fp32 (the scores' layout; ``_lin_bias``) -> [R, 32] int32 in the A operand's
-        order (``_relabel``): two 16-bit codes a register (one PRMT), an even key's low. A code below -32768 or above
-        32767 would wrap: the callers clamp as floats first wherever the bound does not rule it out."""
+        """``exp_lin`` 4 / 5's codes [R, 64] fp32 (the scores' layout; ``_lin_bias`` + 32768: each code plus 32768 in the
+        float's low 16 bits, an unsigned u) -> [R, 32] int32 in the A operand's order (``_relabel``): two u a register
+        (one PRMT), an even key's low. Exact while every code is within [-32768, 32767]: the callers clamp as floats
+        first wherever the bound does not rule that out."""
         R: gl.constexpr = y.type.shape[0]
         e, o = gl.split(gl.reshape(_relabel(y, p_layout), [R, 32, 2]))
         return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [e, o], dtype=gl.int32,
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _max16(a, b):
-        """The larger of each 16-bit half (signed): one ``max.s16x2``."""
-        return gl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
+    def _umax16(a, b):
+        """The larger of each unsigned 16-bit half: one ``max.u16x2``."""
+        return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
                                          pack=1)
 
     @gluon.jit
-    def _sub16(a, b):
-        """a - b in each 16-bit half, b's halves in [0, 32768) (PTX has no ``sub.s16x2``: the high bits kept from
-        borrowing, three instructions)."""
+    def _halves_umax(x):
+        """The larger unsigned 16-bit half of each register, as an int32."""
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 t, u; or.b32 t, $1, 0x80008000; sub.s32 t, t, $2; not.b32 u, $1; and.b32 u, u, 0x80008000; "
-            "xor.b32 $0, t, u; }", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _halves_max(x):
-        """The larger 16-bit half of each register, sign-extended to int32."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 t; prmt.b32 t, $1, $1, 0x1032; max.s16x2 t, $1, t; shr.s32 $0, t, 16; }", "=r,r",
+            "{ .reg .b32 t; prmt.b32 t, $1, $1, 0x1032; max.u16x2 t, $1, t; shr.u32 $0, t, 16; }", "=r,r",
             [x], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
     def _lin_bytes(h, p_layout: gl.constexpr):
-        """[R, 32] int32 of 16-bit codes (``_lin_pack16``) -> P8 [R, 64] e4m3 in the A operand's layout: each code
-        clamped at 0 (``max.relu.s16x2``) and its low byte, four a register (one PRMT for two registers)."""
+        """[R, 32] int32 of u = code + 32768 pairs (``_lin_pack16``) -> P8 [R, 64] e4m3 in the A operand's layout: each
+        u raised to 32768 (code clamped at 0; ``max.u16x2``) and its low byte (the code's: 32768's is 0), four a
+        register (one PRMT for two registers)."""
         R: gl.constexpr = h.type.shape[0]
         lo, hi = gl.split(gl.reshape(h, [R, 16, 2]))
         w = gl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; max.relu.s16x2 a, $1, $1; max.relu.s16x2 b, $2, $2; prmt.b32 $0, a, b, 0x6420; }",
-            "=r,r,r", [lo, hi], dtype=gl.int32, is_pure=True, pack=1)
+            "{ .reg .b32 z, a, b; mov.b32 z, 0x80008000; max.u16x2 a, $1, z; max.u16x2 b, $2, z; "
+            "prmt.b32 $0, a, b, 0x6420; }", "=r,r,r", [lo, hi], dtype=gl.int32, is_pure=True, pack=1)
         w2 = gl.join(w, w)  # (the register four times over, in the operand's [R, 64] shape: no data moved)
         w4 = gl.convert_layout(gl.reshape(gl.join(w2, w2), [R, 64]), p_layout, assert_trivial=True)
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w4], dtype=gl.float8e4nv, is_pure=True,
                                          pack=4)
 
     @gluon.jit
+    def _lin_floor_u(y):
+        """``_lin_floor`` for ``_lin_pack16``'s codes: u clamped at 32768 (code 0) as a float (-inf too); not pure."""
+        return gl.inline_asm_elementwise("max.f32 $0, $1, 0f4B408000;", "=f,f", [y], dtype=gl.float32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
     def _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
                   lrow_layout: gl.constexpr):
         """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
         acc and lacc rescaled, m). fast (no mask, the 16-bit bound holds: a uniform scalar): the codes against the
-        running max m first, their row maxima c on the packed halves (a tree of ``max.s16x2``); only where one
+        running max m first, their row maxima c on the packed halves (a tree of ``max.u16x2``); only where one
         exceeds 126 (P * 256 past e4m3's 448: a score more than 13/16 above m) is m raised, by d = ceil((c - 126) /
-        8), the codes shifted by 8 d (exact integers) and the accumulators scaled by 2^-d: the same m as the spec's
-        max(ceil(sink), ceil(row max - 13/16)), with no fp32 row max and, in most steps, no rescale at all.
+        8), the codes shifted by 8 d (exact integers; one subtract a register) and the accumulators scaled by 2^-d:
+        the spec's m, max(ceil(sink), ceil(row max - 13/16)), with no fp32 row max and mostly no rescale at all.
         Otherwise (masked, or clamped as floats) the fp32 row max and the same rule, as ``exp_lin`` 2."""
         if fast:
-            bias = gl.expand_dims(_lin_bias(m_i), 1)
+            bias = gl.expand_dims(_lin_bias(m_i) + 32768.0, 1)
             ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
             hb = _lin_pack16(sb * (cb * 8.0) + bias, p_layout)
-            c = _halves_max(gl.reduce(_max16(ha, hb), 1, _max16))
+            c = _halves_umax(gl.reduce(_umax16(ha, hb), 1, _umax16)) - 32768
             if gl.max(c, 0) > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
                 d = gl.maximum(c - 119, 0) >> 3
+                # (u - 8 d in each half by one 32-bit subtract: the bound keeps each code - 8 d above -32768, so
+                # no half borrows)
                 d8 = gl.expand_dims(d * (8 * 65537), 1)
-                ha = _sub16(ha, d8)
-                hb = _sub16(hb, d8)
+                ha = ha - d8
+                hb = hb - d8
                 df = d.to(gl.float32)
                 m_i = m_i + gl.convert_layout(df, m_i.type.layout)
                 alpha = _pow2(0.0 - df)
@@ -416,9 +418,9 @@ if HAS_GLUON:
             xb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
             m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
             m_new = gl.maximum(m_i, _ceil(m_blk - 0.8125))
-            bias = gl.expand_dims(_lin_bias(m_new), 1)
-            ha = _lin_pack16(_lin_floor(xa * 8.0 + bias), p_layout)
-            hb = _lin_pack16(_lin_floor(xb * 8.0 + bias), p_layout)
+            bias = gl.expand_dims(_lin_bias(m_new) + 32768.0, 1)
+            ha = _lin_pack16(_lin_floor_u(xa * 8.0 + bias), p_layout)
+            hb = _lin_pack16(_lin_floor_u(xb * 8.0 + bias), p_layout)
             alpha = _pow2(m_i - m_new)
             m_i = m_new
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
