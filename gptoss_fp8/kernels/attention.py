@@ -169,7 +169,7 @@ def _attn_inner_fp8(
     PV as e4m3 x e4m3 with a fresh fp32 accumulator per block (Hopper's FP8 MMA accumulates
     imprecisely), added to acc. LIN (``p_code="lin"``, quant/attn_fp8.py ``lin_e4m3``): no 2^x, P's e4m3
     byte round(8 (x - m) + 120) clamped at 0, made in the low bits of a float (1.5 * 2^23 added), against m =
-    ceil(max - 13/16) (codes up to 126, e4m3's 448)."""
+    ceil(max - 3/4) (codes up to 126, e4m3's 448)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -190,8 +190,8 @@ def _attn_inner_fp8(
             rel = offs_m[:, None] - cols[None, :]
             visible = (rel >= 0) & (rel < window)
             qk = qk + tl.where(visible, 0.0, float("-inf"))
-        if LIN:  # (m = ceil(max - 13/16): the codes up to 126, e4m3's 448)
-            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1) - 0.8125))
+        if LIN:  # (m = ceil(max - 3/4): the codes up to 126, e4m3's 448)
+            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1) - 0.75))
         else:
             m_new = tl.maximum(m_i, tl.math.ceil(tl.max(qk, 1)))
         alpha = tl.math.exp2(m_i - m_new)

@@ -190,8 +190,9 @@ if HAS_GLUON:
             m_blk = _quad_max(gl.maximum(_lane_max(sa) * ca, _lane_max(sb) * cb), rows)
         else:
             m_blk = gl.maximum(_row_reduce(sa, False, True) * ca, _row_reduce(sb, False, True) * cb)
-        if FMA >= 3:  # (exp_lin: m = ceil(max - 13/16), the codes up to 126: e4m3's 448)
-            m_blk = m_blk - 0.8125
+        if FMA >= 3:  # (exp_lin: m = ceil(max - 3/4), the codes up to 126, e4m3's 448, with half a code of room for
+            # the FFMA's exact products against m from the rounded ones: 127 would be NaN)
+            m_blk = m_blk - 0.75
         m_new = gl.maximum(m_i, _ceil(m_blk))
         _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
         m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
@@ -237,8 +238,9 @@ if HAS_GLUON:
             m_blk = _quad_max(gl.maximum(_lane_max(xa), _lane_max(xb)), rows)
         else:
             m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
-        if FMA >= 3:  # (exp_lin: m = ceil(max - 13/16), the codes up to 126: e4m3's 448)
-            m_blk = m_blk - 0.8125
+        if FMA >= 3:  # (exp_lin: m = ceil(max - 3/4), the codes up to 126, e4m3's 448, with half a code of room for
+            # the FFMA's exact products against m from the rounded ones: 127 would be NaN)
+            m_blk = m_blk - 0.75
         m_new = gl.maximum(m_i, _ceil(m_blk))
         _stamp(trace_ptr, m_new, rows, 3, k, W, TRACE)
         m8 = _turn_taken(m_new - 8.0, turn, zrow, W, k, TURN)
@@ -390,10 +392,12 @@ if HAS_GLUON:
         """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
         acc and lacc rescaled, m). fast (no mask, the 16-bit bound holds: a uniform scalar): the codes against the
         running max m first, their row maxima c on the packed halves (a tree of ``max.u16x2``); only where one
-        exceeds 126 (P * 256 past e4m3's 448: a score more than 13/16 above m) is m raised, by d = ceil((c - 126) /
-        8), the codes shifted by 8 d (exact integers; one subtract a register) and the accumulators scaled by 2^-d:
-        the spec's m, max(ceil(sink), ceil(row max - 13/16)), with no fp32 row max and mostly no rescale at all.
-        Otherwise (masked, or clamped as floats) the fp32 row max and the same rule, as ``exp_lin`` 2."""
+        exceeds 126 (P * 256 past e4m3's 448: a score about 13/16 above m) is m raised, by d = ceil((c - 126) / 8),
+        the codes shifted by 8 d (exact integers; one subtract a register) and the accumulators scaled by 2^-d: no
+        fp32 row max and mostly no rescale at all. m then stays one below the spec's max(ceil(sink), ceil(row max -
+        3/4)) where the row max lies 3/4 to 13/16 above it: the same P up to a factor 2 that the row sum cancels,
+        but for the codes that reach the clamp at 0 (below 2^-7 of the row's largest P). Otherwise (masked, or
+        clamped as floats) the fp32 row max and the spec's rule, as ``exp_lin`` 2."""
         if fast:
             bias = gl.expand_dims(_lin_bias(m_i) + 32768.0, 1)
             ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
@@ -417,7 +421,7 @@ if HAS_GLUON:
             xa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
             xb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
             m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
-            m_new = gl.maximum(m_i, _ceil(m_blk - 0.8125))
+            m_new = gl.maximum(m_i, _ceil(m_blk - 0.75))
             bias = gl.expand_dims(_lin_bias(m_new) + 32768.0, 1)
             ha = _lin_pack16(_lin_floor_u(xa * 8.0 + bias), p_layout)
             hb = _lin_pack16(_lin_floor_u(xb * 8.0 + bias), p_layout)
@@ -565,8 +569,8 @@ if HAS_GLUON:
                                     is_async=True)
                 sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
-            if FMA >= 6:  # (exp_lin 4 / 5: the codes against the running max first, ``_lin_cmax``; P V and P 1 added
-                # to the accumulators in place, rescaled before only in the steps that raise m)
+            if FMA >= 6:  # (exp_lin 4 / 5: the codes against the running max first, ``_lin_cmax``; the accumulators
+                # rescaled only in the steps that raise m)
                 if FMA == 7:
                     nka = gl.load(trace_ptr + kv * nbk + a)
                     nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
@@ -579,13 +583,17 @@ if HAS_GLUON:
                                                    orow_layout, lrow_layout)
                 p8a = _lin_bytes(ha, p_layout)
                 p8b = _lin_bytes(hb, p_layout)
-                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), acc, is_async=True)
+                # (fresh fp32 accumulators each step, added: the FP8 wgmma's accumulation keeps too few bits to run
+                # over thousands of keys in place, 1.6% off the spec at 4096 tokens on the H100)
+                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
-                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)), lacc,
-                                   is_async=True)
+                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                   zero_l, use_acc=False, is_async=True)
                 lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
                                    is_async=True)
-                acc, lacc = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+                acc = acc + pv
+                lacc = lacc + lp
                 if not PAIR_RELEASE:
                     mbarrier.arrive(empty.index(r % S), count=1)
                 mbarrier.arrive(empty.index((r + 1) % S), count=1)

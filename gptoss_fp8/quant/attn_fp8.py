@@ -50,7 +50,7 @@ def quantize_v(v: torch.Tensor, fp8_max: float = FP8_MAX) -> tuple[torch.Tensor,
 
 
 def lin_e4m3(d: torch.Tensor, log2_scale: float = 8.0) -> torch.Tensor:
-    """d = log2(P) <= 13/16 (fp32; -inf for a hidden key) -> P * 2^log2_scale (256) as e4m3 with its mantissa read
+    """d = log2(P) <= 3/4 (fp32; -inf for a hidden key) -> P * 2^log2_scale (256) as e4m3 with its mantissa read
     linearly (the FP8 attention's ``exp_lin`` / ``p_code="lin"``): the byte round(8 (d + log2_scale) + 56) clamped at
     0 (RNE; a code is 8 E + M: 2^(E - 7) (1 + M / 8) for E >= 1, M 2^-9 below), i.e. 2^floor(d') (1 + frac(d')) for
     d' = d + log2_scale rounded to e4m3's step, not 2^d' rounded: at most 6.1% above 2^d' before the rounding (at

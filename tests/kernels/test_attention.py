@@ -1155,7 +1155,7 @@ def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
         q, k = (q.float() * 3).bfloat16(), k.clone()
         k[T // 2:] = (k[T // 2:].float() * 30).bfloat16()
     elif spread == "rise":
-        k = (k.float() * (1 + 2 * torch.arange(T).float() / T)[:, None, None]).bfloat16()
+        k = (k.float() * (1 + 2 * torch.arange(T, device=k.device).float() / T)[:, None, None]).bfloat16()
     sinks = _sinks(hq, gen)
     _poison(T, hq, D)
     out = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=exp_lin)
@@ -1167,7 +1167,8 @@ def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     assert rel <= 1e-2, f"rel {rel:.2e} vs the spec"
     default = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5).float()
     err, err0 = ((o - exact).norm() / exact.norm()).item(), ((default - exact).norm() / exact.norm()).item()
-    assert err <= 2 * err0 + 1e-3, f"vs exact attention: {err:.2e} against the default's {err0:.2e}"
+    # (P's linear codes err up to 6.1% against 2^x rounded to e4m3's 3.1%; at T = 1 one key a row, nothing averages)
+    assert err <= (4 if T == 1 else 2) * err0 + 1e-3, f"vs exact attention: {err:.2e} against the default's {err0:.2e}"
 
 
 @pytest.mark.gpu
@@ -1436,10 +1437,12 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         elif opts.get("FMA", 0) >= 3:  # (exp_lin) no 2^x in the key loop: only the sink's, once a pass; the codes
             # clamped as 32-bit integers (3) or 16-bit pairs (4)
             assert ptx.count("ex2.approx") <= 3, ptx.count("ex2.approx")
-            assert (ptx.count("max.relu.s16x2") >= 32, ptx.count("max.s32") >= 64) == ((False, True) if opts["FMA"] == 3
-                                                                                     else (True, False))
-            if opts["FMA"] >= 6:  # (exp_lin 4 / 5) the codes' row maxima on packed halves (a tree a consumer)
-                assert ptx.count("max.u16x2") >= 3 * 16, ptx.count("max.u16x2")
+            if opts["FMA"] >= 6:  # (exp_lin 4 / 5) codes + 32768 as unsigned halves: maxima (a tree a consumer) and
+                # the clamps by max.u16x2
+                assert ptx.count("max.u16x2") >= 3 * (16 + 32) and "max.relu.s16x2" not in ptx, ptx.count("max.u16x2")
+            else:
+                assert (ptx.count("max.relu.s16x2") >= 32, ptx.count("max.s32") >= 64) == (
+                    (False, True) if opts["FMA"] == 3 else (True, False))
 
 
 # --- a later prompt chunk (q_offset) on the GPU: gpt-oss shapes, always the Triton kernel ------
