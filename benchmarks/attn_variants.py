@@ -208,7 +208,9 @@ def main() -> None:
     tocheck = [] if args.skip_check else [n for n in names if n not in PROBE_VARIANTS]
     if tocheck:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(len(tocheck), 14), mp_context=ctx) as pool:
+        # (a check's FP8 spec at 4099 x 64 heads holds ~25 GB: as many workers as the card holds, 3 on an H100)
+        per_card = max(1, int(torch.cuda.get_device_properties(0).total_memory / 26e9))
+        with ProcessPoolExecutor(max_workers=min(len(tocheck), 14, per_card), mp_context=ctx) as pool:
             checks.update(zip(tocheck, pool.map(check, tocheck), strict=True))
     for n in names:
         rel, err, fails = checks[n]
