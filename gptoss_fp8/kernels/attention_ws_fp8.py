@@ -1015,7 +1015,7 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0, q_max: float = FP8_MAX,
-                 with_q: bool = True):
+                 with_q: bool = True, k_norms: bool = False):
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
     kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
     [Tk, Hkv, D], sk [Hkv, nbk], vt [Hkv * D, Tpad] e4m3: V transposed, its Tk keys padded with zero keys
@@ -1023,11 +1023,12 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
     256 [Hkv, D]). rope = (cos, sin) fp32 [>= pos0 + T, D/2]: q not yet rotated (positions pos0..pos0 + T
     - 1: a later chunk's q_offset), rotated in its quantization's pass (``attn_quant.quantize_qk(rope=)``;
     on CPU ``spec.apply_rope`` in fp32 first). q_max: what a Q block's amax maps to (``S16_Q_MAX`` for s16).
-    with_q False: q8 and sq None (the kernel's ``q_fused`` makes them itself)."""
+    with_q False: q8 and sq None (the kernel's ``q_fused`` makes them itself). k_norms: also ``key_norms(k8)``
+    (``exp_lin`` 3 / 5's bound; on CUDA from K's quantization pass), returned seventh."""
     hkv, d = k.shape[1], k.shape[2]
     if q.is_cuda:
         q8, sq = attn_quant.quantize_qk(q, q_max, rope=rope, pos0=pos0) if with_q else (None, None)
-        k8, sk = attn_quant.quantize_qk(k)
+        k8, sk, *kn = attn_quant.quantize_qk(k, norms=k_norms)
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
     else:
@@ -1044,8 +1045,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
             vp[..., :T] = v8t
             v8t = vp
         vt = v8t.view(hkv * d, tpad // BLOCK_N, BLOCK_N)[:, :, key_order(v8t.device)].reshape(hkv * d, tpad)
+        kn = [key_norms(k8)] if k_norms else []
     sq = None if sq is None else (sq * (sm_scale * LOG2E)).contiguous()
-    return q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous()
+    return (q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous()) + ((kn[0],) if k_norms else ())
 
 
 def key_norms(k8: torch.Tensor) -> torch.Tensor:
@@ -1156,11 +1158,11 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         f"q_fused: bf16 q with contiguous heads, not with s16 (q {q.dtype}, strides {q.stride()})")
     assert q_scale is None or (rope is None and not q_fused and not s16 and q.dtype == torch.float8_e4m3fn), (
         f"q_scale: an e4m3 q ({q.dtype}), no rope, q_fused or s16")
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX,
-                                           with_q=not q_fused and q_scale is None)
+    q8, sq, k8, sk, vt, svs, *norms = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX,
+                                                   with_q=not q_fused and q_scale is None, k_norms=exp_lin in (3, 5))
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
-    norms = key_norms(k8) if exp_lin in (3, 5) else None
+    norms = norms[0] if norms else None  # (exp_lin 3 / 5: K's quantization pass wrote them)
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

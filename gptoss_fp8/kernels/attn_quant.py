@@ -69,6 +69,7 @@ def _quantize_qk_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROPE: tl.constexpr = False,
     blk_ptr=None, BLOCKED: tl.constexpr = False, HEADS_FAST: tl.constexpr = False,
+    n_ptr=None, NORMS: tl.constexpr = False,
 ):
     """One program per (64-row block, BLOCK_H heads): tile [BLOCK_T, BLOCK_H, D], one scale per head.
     HEADS_FAST (not BLOCKED): the grid is (head groups, row blocks), a row block's programs one after another (its
@@ -77,7 +78,9 @@ def _quantize_qk_kernel(
     sin tables [max_pos, D/2]), kernels/rope.py's fp32 arithmetic rounded once to x's dtype, so the
     bytes are those of quantizing rope_qk's output (its store not made).
     BLOCKED (no ROPE): program b's block is the int32 row (first source row, rows, first output row) b of blk_ptr
-    [NB, 3] (``quantize_qk_blocks``: the blocks of several row ranges), its scale column b."""
+    [NB, 3] (``quantize_qk_blocks``: the blocks of several row ranges), its scale column b.
+    NORMS (no ROPE): also each head's largest row norm of the block's e4m3 values, sqrt(sum of squares) in e4m3
+    units, into n_ptr [H, NB] (the FP8 attention's ``exp_lin`` bound on the scores; ``attention_ws_fp8.key_norms``)."""
     if HEADS_FAST:
         pid_b = tl.program_id(1)
         pid_h = tl.program_id(0)
@@ -125,6 +128,8 @@ def _quantize_qk_kernel(
         scale = group_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=0), FP8_MAX_C, EPS)  # [BLOCK_H]
         q = _e4m3_saturated(tl.math.div_rn(x, scale[None, :, None]), FP8_MAX_C)  # IEEE, as torch's
         tl.store(q_ptr + out_rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        if NORMS:  # (masked rows hold zeros)
+            tl.store(n_ptr + offs_h * NB + pid_b, tl.sqrt(tl.max(tl.sum(q * q, axis=2), axis=0)), mask=offs_h < H)
     tl.store(s_ptr + offs_h * NB + pid_b, scale, mask=offs_h < H)
 
 
@@ -232,14 +237,18 @@ def qk_tile(h: int, d: int, rope: bool) -> tuple[int, int, bool]:
 
 
 def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                pos0: int = 0, tile: tuple[int, int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                pos0: int = 0, tile: tuple[int, int, bool] | None = None,
+                norms: bool = False) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (x8 e4m3 [T, H, D], scale fp32 [H, ceil(T/64)]): ``attn_fp8.quantize_qk``, one launch.
     rope = (cos, sin) fp32 [max_pos, D/2] contiguous: x not yet rotated; row t is rotated at position
     pos0 + t first, as kernels/rope.py's ``rope_qk`` would store it (``spec.apply_rope(...,
     dtype=torch.float32)``): the same bytes as quantizing that, without writing the rotated x.
     tile = (heads a program, warps, heads fastest in the grid): the launch's shape (the same bytes whatever it is;
-    measurement, benchmarks/qk_quant_sweep.py); None: ``qk_tile``."""
+    measurement, benchmarks/qk_quant_sweep.py); None: ``qk_tile``. norms (no rope): also each 64-row block's largest
+    row norm of its e4m3 values per head, fp32 [H, ceil(T/64)] (``attention_ws_fp8.key_norms``' values, summed in
+    another order), returned third."""
     _check_input(x, "x")
+    assert not (norms and rope is not None), "quantize_qk: norms without a rope"
     t, h, d = x.shape
     if rope is not None:
         cos, sin = rope
@@ -250,8 +259,9 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Ten
     nb = cdiv(t, QK_BLOCK)
     x8 = torch.empty((t, h, d), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((h, nb), dtype=torch.float32, device=x.device)
+    n = torch.empty((h, nb), dtype=torch.float32, device=x.device) if norms else None
     if t == 0 or h == 0:
-        return x8, scale
+        return (x8, scale, n) if norms else (x8, scale)
     block_h, warps, heads_fast = tile or qk_tile(h, d, rope is not None)
     heads_fast = heads_fast and nb < 65536  # (a grid's second dimension holds at most 65535 row blocks)
     grid = (cdiv(h, block_h), nb) if heads_fast else (nb, cdiv(h, block_h))
@@ -260,8 +270,9 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Ten
         x, x8, scale, cos, sin, t, h, nb, x.stride(0), x.stride(1), pos0,
         BLOCK_T=QK_BLOCK, BLOCK_H=block_h, D=d, FP8_MAX_C=fp8_max, EPS=ACT_EPS, num_warps=warps,
         **({"ROPE": True} if rope is not None else {}), **({"HEADS_FAST": True} if heads_fast else {}),
+        **({"n_ptr": n, "NORMS": True} if norms else {}),
     )
-    return x8, scale
+    return (x8, scale, n) if norms else (x8, scale)
 
 
 def quantize_qk_blocks(x: torch.Tensor, blocks: torch.Tensor, rows_out: int,

@@ -105,6 +105,23 @@ def test_quantize_qk_and_v(T, H, D):
     _check(attn_quant.quantize_v(x), attn_fp8.quantize_v(x))
 
 
+@pytest.mark.parametrize("T", [1, 65, 200])
+def test_quantize_qk_norms(T):
+    """quantize_qk(norms=True): the same bytes and scales, and each 64-row block's largest row norm of its e4m3 values
+    per head (the FP8 attention's exp_lin bound, attention_ws_fp8.key_norms: torch's sums in another order), a
+    partial last block included."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import key_norms
+
+    x = _inputs((T, 3, 64), seed=77 + T) * 5
+    x8, scale, n = attn_quant.quantize_qk(x, norms=True)
+    _check((x8, scale), attn_fp8.quantize_qk(x))
+    want = key_norms(x8)
+    assert n.shape == want.shape == (3, (T + 63) // 64) and (want > 0).all()
+    torch.testing.assert_close(n, want, rtol=1e-6, atol=0)
+    with pytest.raises(AssertionError, match="norms without a rope"):
+        attn_quant.quantize_qk(x, norms=True, rope=(scale, scale))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fp8_max", [448.0, 240.0])
 def test_dtype_and_fp8_max(dtype, fp8_max):
