@@ -76,7 +76,8 @@
 #            by default, its GPU test not yet run): the norm tests on the GPU, norm_sweep.py, the 20b beside
 #            norm-one-row, same process, 32768 / 128000
 #   prefill-lin  --attention fp8-lin (45th session): its GPU tests, the 20b beside --attention fp8 (same process),
-#            bench prefill with it (LIN_SPECS; the 120b at 128000 needs an H200's memory)
+#            bench prefill with it (LIN_SPECS; the 120b at 128000 needs an H200's memory; LIN_KOPT: a kernel option,
+#            e.g. attention_exp_lin=5)
 #   pending45  the forty-fifth session's exp_lin (the FP8 attention's P codes without 2^x, opt-in, another spec): its
 #            GPU tests, attn_variants.py beside the default (LIN_VARIANTS; exp_lin 3 "fp8-lin16n" not yet run), again
 #            with Q / K scaled to a trained model's amax (--qk-scale 7), energy a launch at 128000 (LIN_ENERGY)
@@ -619,9 +620,9 @@ if has prefill-lin; then
   IFS=';' read -ra _specs <<< "${LIN_SPECS:-20b 32768,128000}"
   for spec in "${_specs[@]}"; do
     set -- $spec
-    timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs 2 --warmup 1 --no-peer \
-      --attention fp8-lin --json "$OUT/prefill_$1_fp8-lin.json" 2>&1 | grep -v Warn | tail -12 \
-      | tee "$OUT/prefill_$1_fp8-lin.log"
+    timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs ${LIN_RUNS:-2} --warmup 1 --no-peer \
+      --attention fp8-lin ${LIN_KOPT:+--kernel-option $LIN_KOPT} --json "$OUT/prefill_$1_$2_fp8-lin${LIN_KOPT:+_$LIN_KOPT}.json" \
+      2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_$2_fp8-lin${LIN_KOPT:+_$LIN_KOPT}.log"
   done
 fi
 
