@@ -349,7 +349,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     ``q_max``: what a Q block's amax maps to, if not ``fp8_max`` (1.75: the FP8 Gluon kernel's ``s16``, whose
     f16 sums of QK^T it keeps from overflowing; the scores here stay fp32).
     ``p_code``: "e4m3" (2^x rounded to e4m3) or "lin" (``quant.attn_fp8.lin_e4m3``: the e4m3 code of P * 256
-    computed from the score without 2^x, the kernels' ``exp_lin``; P's scale as above).
+    computed from the score without 2^x, the kernels' ``exp_lin``; P's scale as above; the row's reference point
+    max(ceil(sink), ceil(row max - 3/4)): codes up to 126, e4m3's 448, so a kernel raises it less often).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape

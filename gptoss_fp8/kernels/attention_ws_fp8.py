@@ -1117,7 +1117,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     program holds two heads (one 128-column group) and makes a pass over the keys for each (``_fp8_consume``'s
     QOUT), so the bf16 rows are neither written nor read again (out unused). two_heads (measurement only, with
     quant_out's conditions, not quant_out): the same two heads a program, each head's bf16 rows into out as without
-    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 or 2, with
+    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 to 5, with
     pairs and ones; ``spec.attention_fp8(p_code="lin")``'s numerics, not the default's): no 2^x; each P * 256 is the
     e4m3 byte whose bits are round(8 (x - m + 8) + 56) clamped at 0 (x the score, m the running max, log2 units):
     2^x's exponent exact, its 3 mantissa bits read linearly from x's fraction (Schraudolph's trick in e4m3; at most
@@ -1127,7 +1127,13 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     code reach -32768 (``_fp8_pairs``; the same bytes either way). No turns by default (no MUFU; 1 at most: 2 and 3
     pass the turn on after a 2^x). 3 (measurement, forty-fifth session, not yet run on a GPU): 2 with the bound from
     row norms, |q8 . k8| <= |q8| |k8| (each Q tile's largest, by its consumers; each key block's, ``key_norms`` here):
-    on the trained fixture the amax bound of 2 was ~20x the scores' real spread, so every step took the float clamp."""
+    on the trained fixture the amax bound of 2 was ~20x the scores' real spread, so every step took the float clamp.
+    4 (forty-sixth session): the codes against the running max first, no fp32 row max: their row maxima on the packed
+    16-bit codes (as code + 32768, unsigned), m raised from them and the accumulators rescaled only in the steps where
+    a code passes 126 (``_lin_cmax``; one uniform branch a step, a warpgroup's flag reduced across its warps); 5: 4
+    with 3's bound from row norms (K's from its quantization pass, ``attn_quant.quantize_qk(norms=True)``). All of them
+    compute ``spec.attention_fp8(p_code="lin")`` (m = ceil(max - 3/4); 4 / 5 keep m one lower where a row's max lies 3/4
+    to 13/16 above it: the same P up to the factor the row sum cancels)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
