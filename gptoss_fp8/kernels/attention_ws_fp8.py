@@ -560,6 +560,14 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
+            if FMA >= 4:  # (exp_lin 2-5: the scores' bound so far, here so that its loads overlap the QK^T MMAs)
+                if FMA == 5 or FMA == 7:  # (the norms', a little wider for the fp32 sums' roundings)
+                    nka = gl.load(trace_ptr + kv * nbk + a)
+                    nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
+                    mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
+                else:
+                    mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
+                lin_lo = mb + gl.maximum(sink, mb + 1.0) <= 4000.0  # (no code below -32768)
             if PROBE == 2:  # timing probe, the softmax alone: no MMA; scores from the output tile (block 0's)
                 sa = gl.convert_layout(acc, zero_s.type.layout, assert_trivial=True)
                 sb = -sa  # (not sa itself: its row max would be shared)
@@ -571,14 +579,8 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
             if FMA >= 6:  # (exp_lin 4 / 5: the codes against the running max first, ``_lin_cmax``; the accumulators
                 # rescaled only in the steps that raise m)
-                if FMA == 7:
-                    nka = gl.load(trace_ptr + kv * nbk + a)
-                    nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-                    mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
-                else:
-                    mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
                 # (16 bits hold every code: from below as for exp_lin 2, from above as m >= ceil(sink))
-                fast = (a + 1 < n_full) & (mb + gl.maximum(sink, mb + 1.0) <= 4000.0) & (mb - sink <= 4000.0)
+                fast = (a + 1 < n_full) & lin_lo & (mb - sink <= 4000.0)
                 ha, hb, acc, lacc, m_i = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
                                                    orow_layout, lrow_layout)
                 p8a = _lin_bytes(ha, p_layout)
@@ -607,12 +609,6 @@ if HAS_GLUON:
                                                             zrow, W, k0 + i, TURN, trace_ptr, TRACE, LMAX, S16)
                 if FMA >= 4:  # (exp_lin's 16-bit clamp: the codes clamped as floats first wherever the bound may not hold;
                     # a branch over fp32 values only: no wgmma or e4m3 tensor inside it)
-                    if FMA == 5:  # (the norms' bound, a little wider for the fp32 sums' roundings)
-                        nka = gl.load(trace_ptr + kv * nbk + a)
-                        nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-                        mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
-                    else:
-                        mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
                     if mb + gl.maximum(sink, mb + 1.0) > 4000.0:
                         pa = _lin_floor(pa)
                         pb = _lin_floor(pb)
