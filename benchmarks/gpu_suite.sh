@@ -81,6 +81,8 @@
 #   pending45  the forty-fifth session's exp_lin (the FP8 attention's P codes without 2^x, opt-in, another spec): its
 #            GPU tests, attn_variants.py beside the default (LIN_VARIANTS; exp_lin 3 "fp8-lin16n" not yet run), again
 #            with Q / K scaled to a trained model's amax (--qk-scale 7), energy a launch at 128000 (LIN_ENERGY)
+#   must46   the forty-sixth session's must-show call (H200): fp8-lin's GPU tests, the 20b at 128000 beside fp8 and
+#            fp8-lin's forms (same process), bench prefill --attention fp8-lin with exp_lin 5 (120b, 20b at 128000)
 #   pending46  the forty-sixth session's exp_lin 4 / 5 (fp8-lin's codes against the running max first: no fp32 row max,
 #            no rescale in most steps) and the 45th's exp_lin 3: GPU tests, attn_variants (random inputs, then Q / K at
 #            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
@@ -652,6 +654,19 @@ if has norm-rows; then
   [[ ${NR_AB128K_S:-150} == 0 ]] || timeout ${NR_AB128K_S:-150} python3 benchmarks/ab_prefill.py --model 20b \
     --tokens 128000 --runs ${NR_RUNS128:-3} --variants default,norm-one-row --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/nr_ab128k.log"
+fi
+
+if has must46; then
+  # the forty-sixth session's must-show call (an H200: the 120b): fp8-lin's GPU tests (M46_TEST_S), the 20b at
+  # 128000 beside --attention fp8 and fp8-lin's forms 2 / 5 in one process, then bench prefill with exp_lin 5
+  # (M46_SPECS as LIN_SPECS)
+  [[ ${M46_TEST_S:-60} == 0 ]] || timeout -s INT ${M46_TEST_S:-60} python3 -m pytest -q -rf -n 4 tests/kernels/test_attn_quant.py \
+    tests/kernels/test_attention.py -k "norms or fp8_operands or (exp_lin and not late)" > "$OUT/m46_tests.log" 2>&1
+  tail -4 "$OUT/m46_tests.log"
+  [[ ${M46_AB_S:-150} == 0 ]] || timeout ${M46_AB_S:-150} python3 benchmarks/ab_prefill.py --model 20b --tokens ${M46_AB_TOKENS:-128000} \
+    --runs ${M46_RUNS:-3} --variants "${M46_AB_VARIANTS:-default,attn-fp8-lin,attn-fp8-lin5}" --attention fp8 2>&1 | grep -v Warn \
+    | tee "$OUT/m46_ab.log"
+  OUT="$OUT" LIN_SPECS="${M46_SPECS:-120b 128000;20b 128000}" LIN_KOPT=attention_exp_lin=5 PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
 fi
 
 if has pending46; then
