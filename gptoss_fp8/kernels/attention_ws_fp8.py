@@ -531,7 +531,9 @@ if HAS_GLUON:
         far (or the sink, its log2 units here), so a code stays above -32768 while that bound mb obeys mb + max(sink,
         mb + 1) <= 4000; past it (a uniform branch) the codes are clamped as floats first. FMA 5 (``exp_lin`` 3): FMA 4
         with a tighter bound, |q8 . k8| <= |q8| |k8|: qn the Q tile's largest row norm, each key block's from
-        trace_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's; no trace then). -> (acc, l)."""
+        trace_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's; no trace then). FMA 6 / 7 (``exp_lin`` 4 /
+        5): ``_lin_cmax``'s step, with FMA 4's bound (6) or one bound for the whole pass in qn (7: the launcher's, a
+        Q tile's scores' in log2 units). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -550,6 +552,9 @@ if HAS_GLUON:
             sa0, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
         mb = sink * 0.0  # (FMA 4: the largest score bound so far, a scalar)
+        if FMA == 7:  # (exp_lin 5: one bound for the pass, the launcher's, in qn)
+            mb = qn
+            lin_lo = mb + gl.maximum(sink, mb + 1.0) <= 4000.0
         for i in range(gl.cdiv(my_blocks, 2)):
             a = 2 * i
             r = c0 + a  # (its ring position)
@@ -560,8 +565,9 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-            if FMA >= 4:  # (exp_lin 2-5: the scores' bound so far, here so that its loads overlap the QK^T MMAs)
-                if FMA == 5 or FMA == 7:  # (the norms', a little wider for the fp32 sums' roundings)
+            if FMA >= 4 and FMA != 7:  # (exp_lin 2-4: the scores' bound so far, here so that its loads overlap the
+                # QK^T MMAs)
+                if FMA == 5:  # (the norms', a little wider for the fp32 sums' roundings)
                     nka = gl.load(trace_ptr + kv * nbk + a)
                     nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
                     mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
@@ -719,9 +725,11 @@ if HAS_GLUON:
         if not QB16:
             mbarrier.wait(q_bar, 0)
         qn = sink * 0.0
-        if FMA == 5 or FMA == 7:  # (exp_lin 3 / 5: the Q tile's largest row norm, e4m3 units, for the scores' bound)
+        if FMA == 5:  # (exp_lin 3: the Q tile's largest row norm, e4m3 units, for the scores' bound)
             qt = q.load(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])).to(gl.float32)
             qn = gl.sqrt(gl.max(gl.sum(qt * qt, 1), 0))
+        elif FMA == 7:  # (exp_lin 5: the launcher's bound on every score of this Q tile, log2 units)
+            qn = gl.load(trace_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if QREG:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
@@ -1011,7 +1019,7 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0, q_max: float = FP8_MAX,
-                 with_q: bool = True, k_norms: bool = False):
+                 with_q: bool = True, k_norms: bool = False, q_norms: bool = False):
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
     kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
     [Tk, Hkv, D], sk [Hkv, nbk], vt [Hkv * D, Tpad] e4m3: V transposed, its Tk keys padded with zero keys
@@ -1019,11 +1027,14 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
     256 [Hkv, D]). rope = (cos, sin) fp32 [>= pos0 + T, D/2]: q not yet rotated (positions pos0..pos0 + T
     - 1: a later chunk's q_offset), rotated in its quantization's pass (``attn_quant.quantize_qk(rope=)``;
     on CPU ``spec.apply_rope`` in fp32 first). q_max: what a Q block's amax maps to (``S16_Q_MAX`` for s16).
-    with_q False: q8 and sq None (the kernel's ``q_fused`` makes them itself). k_norms: also ``key_norms(k8)``
-    (``exp_lin`` 3 / 5's bound; on CUDA from K's quantization pass), returned seventh."""
+    with_q False: q8 and sq None (the kernel's ``q_fused`` makes them itself). k_norms / q_norms: also
+    ``key_norms(k8)`` / ``key_norms(q8)`` (``exp_lin`` 3 / 5's bound; on CUDA from the quantization passes),
+    returned seventh / after."""
     hkv, d = k.shape[1], k.shape[2]
+    qn = []
     if q.is_cuda:
-        q8, sq = attn_quant.quantize_qk(q, q_max, rope=rope, pos0=pos0) if with_q else (None, None)
+        q8, sq, *qn = (attn_quant.quantize_qk(q, q_max, rope=rope, pos0=pos0, norms=q_norms) if with_q
+                       else (None, None))
         k8, sk, *kn = attn_quant.quantize_qk(k, norms=k_norms)
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
@@ -1042,8 +1053,9 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
             v8t = vp
         vt = v8t.view(hkv * d, tpad // BLOCK_N, BLOCK_N)[:, :, key_order(v8t.device)].reshape(hkv * d, tpad)
         kn = [key_norms(k8)] if k_norms else []
+        qn = [key_norms(q8)] if q_norms and q8 is not None else []
     sq = None if sq is None else (sq * (sm_scale * LOG2E)).contiguous()
-    return (q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous()) + ((kn[0],) if k_norms else ())
+    return (q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous()) + tuple(kn) + tuple(qn)
 
 
 def key_norms(k8: torch.Tensor) -> torch.Tensor:
@@ -1054,6 +1066,15 @@ def key_norms(k8: torch.Tensor) -> torch.Tensor:
     nb = cdiv(t, BLOCK_N)
     n = torch.nn.functional.pad(n, (0, 0, 0, nb * BLOCK_N - t))
     return n.view(nb, BLOCK_N, h).amax(1).t().contiguous()
+
+
+def lin_bounds(sq: torch.Tensor, q_norms: torch.Tensor, sk: torch.Tensor, k_norms: torch.Tensor) -> torch.Tensor:
+    """``exp_lin`` 5's bound on every score of each Q tile, log2 units: sq [Hq, nbq] (the Q scales times sm_scale
+    log2 e), q_norms [Hq, nbq] / k_norms [Hkv, nbk] (``key_norms``: each 64-row block's largest row norm of its e4m3
+    values), sk [Hkv, nbk] -> fp32 [Hq, nbq]: sq |q8|max max_b(sk_b |k8|b) (|q8 . k8| <= |q8| |k8|; over all of the
+    head's key blocks), a little wider for the fp32 sums' roundings (times 1.001, plus 1)."""
+    g = (sk * k_norms).amax(1).repeat_interleave(sq.shape[0] // sk.shape[0])  # [Hq]
+    return (sq * q_norms * g[:, None] * 1.001 + 1.0).contiguous()
 
 
 def spec_row_sum(pairs: bool = True, ones: bool = True) -> str:
@@ -1160,11 +1181,17 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         f"q_fused: bf16 q with contiguous heads, not with s16 (q {q.dtype}, strides {q.stride()})")
     assert q_scale is None or (rope is None and not q_fused and not s16 and q.dtype == torch.float8_e4m3fn), (
         f"q_scale: an e4m3 q ({q.dtype}), no rope, q_fused or s16")
-    q8, sq, k8, sk, vt, svs, *norms = fp8_operands(q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX,
-                                                   with_q=not q_fused and q_scale is None, k_norms=exp_lin in (3, 5))
+    assert exp_lin != 5 or not q_fused, "exp_lin 5: not with q_fused (its bound wants the Q tiles' norms first)"
+    q8, sq, k8, sk, vt, svs, *norms = fp8_operands(
+        q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX, with_q=not q_fused and q_scale is None,
+        k_norms=exp_lin in (3, 5), q_norms=exp_lin == 5 and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
-    norms = norms[0] if norms else None  # (exp_lin 3 / 5: K's quantization pass wrote them)
+        if exp_lin == 5:
+            norms.append(key_norms(q8))
+    if exp_lin == 5:
+        norms = [lin_bounds(sq, norms[1], sk, norms[0])]
+    norms = norms[0] if norms else None  # (exp_lin 3: K's quantization pass wrote them; 5: the tiles' bounds)
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

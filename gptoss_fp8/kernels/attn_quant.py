@@ -79,8 +79,8 @@ def _quantize_qk_kernel(
     bytes are those of quantizing rope_qk's output (its store not made).
     BLOCKED (no ROPE): program b's block is the int32 row (first source row, rows, first output row) b of blk_ptr
     [NB, 3] (``quantize_qk_blocks``: the blocks of several row ranges), its scale column b.
-    NORMS (no ROPE): also each head's largest row norm of the block's e4m3 values, sqrt(sum of squares) in e4m3
-    units, into n_ptr [H, NB] (the FP8 attention's ``exp_lin`` bound on the scores; ``attention_ws_fp8.key_norms``)."""
+    NORMS: also each head's largest row norm of the block's e4m3 values, sqrt(sum of squares) in e4m3 units, into
+    n_ptr [H, NB] (the FP8 attention's ``exp_lin`` bound on the scores; ``attention_ws_fp8.key_norms``)."""
     if HEADS_FAST:
         pid_b = tl.program_id(1)
         pid_h = tl.program_id(0)
@@ -121,6 +121,11 @@ def _quantize_qk_kernel(
         q_ptrs = q_ptr + rows * (H * D) + heads * D + offs_j
         tl.store(q_ptrs, q1.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(q_ptrs + HALF, q2.to(q_ptr.dtype.element_ty), mask=mask)
+        if NORMS:  # (masked rows hold zeros; e4m3 on the GPU, fp32 values in the interpreter)
+            q1f = q1.to(tl.float32)
+            q2f = q2.to(tl.float32)
+            ss = tl.sum(q1f * q1f, axis=2) + tl.sum(q2f * q2f, axis=2)
+            tl.store(n_ptr + offs_h * NB + pid_b, tl.sqrt(tl.max(ss, axis=0)), mask=offs_h < H)
     else:
         offs_d = tl.arange(0, D)
         x = tl.load(x_ptr + rows * stride_xt + heads * stride_xh + offs_d[None, None, :], mask=mask, other=0.0)
@@ -128,8 +133,9 @@ def _quantize_qk_kernel(
         scale = group_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=0), FP8_MAX_C, EPS)  # [BLOCK_H]
         q = _e4m3_saturated(tl.math.div_rn(x, scale[None, :, None]), FP8_MAX_C)  # IEEE, as torch's
         tl.store(q_ptr + out_rows * (H * D) + heads * D + offs_d[None, None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        if NORMS:  # (masked rows hold zeros)
-            tl.store(n_ptr + offs_h * NB + pid_b, tl.sqrt(tl.max(tl.sum(q * q, axis=2), axis=0)), mask=offs_h < H)
+        if NORMS:  # (masked rows hold zeros; q is e4m3 on the GPU, fp32 values in the interpreter)
+            qf = q.to(tl.float32)
+            tl.store(n_ptr + offs_h * NB + pid_b, tl.sqrt(tl.max(tl.sum(qf * qf, axis=2), axis=0)), mask=offs_h < H)
     tl.store(s_ptr + offs_h * NB + pid_b, scale, mask=offs_h < H)
 
 
@@ -244,11 +250,10 @@ def quantize_qk(x: torch.Tensor, fp8_max: float = FP8_MAX, rope: tuple[torch.Ten
     pos0 + t first, as kernels/rope.py's ``rope_qk`` would store it (``spec.apply_rope(...,
     dtype=torch.float32)``): the same bytes as quantizing that, without writing the rotated x.
     tile = (heads a program, warps, heads fastest in the grid): the launch's shape (the same bytes whatever it is;
-    measurement, benchmarks/qk_quant_sweep.py); None: ``qk_tile``. norms (no rope): also each 64-row block's largest
-    row norm of its e4m3 values per head, fp32 [H, ceil(T/64)] (``attention_ws_fp8.key_norms``' values, summed in
-    another order), returned third."""
+    measurement, benchmarks/qk_quant_sweep.py); None: ``qk_tile``. norms: also each 64-row block's largest row norm
+    of its e4m3 values per head, fp32 [H, ceil(T/64)] (``attention_ws_fp8.key_norms``' values, summed in another
+    order), returned third."""
     _check_input(x, "x")
-    assert not (norms and rope is not None), "quantize_qk: norms without a rope"
     t, h, d = x.shape
     if rope is not None:
         cos, sin = rope

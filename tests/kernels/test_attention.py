@@ -1131,6 +1131,28 @@ def test_key_norms_are_each_blocks_largest():
     assert dots.abs().max() <= qf.square().sum(-1).sqrt().max() * n[0, 0] * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_lin_bounds_cover_every_score(scale):
+    """attention_ws_fp8.lin_bounds (exp_lin 5, no GPU): fp8_operands' scales and norms give each Q tile a bound at
+    least every score's |x| of that tile (log2 units, the spec's operands; Cauchy-Schwarz), within 20x of the largest
+    one, and 5x or more under the amax bound D 448^2 c of exp_lin 2 / 4, at unit and at trained-model magnitudes."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import fp8_operands, lin_bounds
+
+    gen = torch.Generator().manual_seed(46)
+    T, hq, hkv = 300, 8, 2
+    q, k, v = (torch.randn(T, h, D, generator=gen) * scale for h in (hq, hkv, hkv))
+    q8, sq, k8, sk, _, _, kn, qn = fp8_operands(q, k, v, D ** -0.5, k_norms=True, q_norms=True)
+    b = lin_bounds(sq, qn, sk, kn)
+    assert b.shape == sq.shape == (hq, 5)
+    x = torch.einsum("qhd,khd->hqk", q8.float(), k8.float().repeat_interleave(hq // hkv, 1))
+    x = x * sq.repeat_interleave(64, 1)[:, :T, None] * sk.repeat_interleave(64, 1)[:, None, :T].repeat_interleave(
+        hq // hkv, 0)
+    per_tile = torch.nn.functional.pad(x.abs().amax(2), (0, 5 * 64 - T)).view(hq, 5, 64).amax(2)  # (300 rows)
+    assert (per_tile <= b).all() and (per_tile > 0.05 * b).all()
+    amax_bound = sq * sk.amax(1).repeat_interleave(hq // hkv)[:, None] * 64 * 448.0 ** 2
+    assert (b < 0.2 * amax_bound).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
 @pytest.mark.parametrize("exp_lin", [1, 2, 3, 4, 5])
@@ -1256,7 +1278,8 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
     """ws_attention_prefill_fp8's measurement options and ring options that cannot run together are refused
     before the quantization or a launch (no GPU needed): the MMA probe with turns (its steps take none, the
     ring would deadlock), an unknown probe, one ready barrier a step without one release a step, odd rings, exp_lin
-    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown."""
+    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown; exp_lin 5 with
+    q_fused (no Q norms before the launch)."""
     from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
     gen = torch.Generator().manual_seed(11)
@@ -1266,7 +1289,8 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
                                                                                    "even ring"),
                       (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
-                      (dict(exp_lin=6), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace")):
+                      (dict(exp_lin=6), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace"),
+                      (dict(exp_lin=5, q_fused=True), "not with q_fused")):
         with pytest.raises(AssertionError, match=msg):
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
