@@ -306,12 +306,15 @@ class KernelConfig:
     # Timed (H200, whole 20b at 32768, same process, thirty-fifth session): 0.3823 against 0.3826 s, within the
     # runs' spread (0.3798-0.3850), the same logits: no measurable gain, so it stays opt-in
     attention_fp8_lane_max: bool = False
-    # Which of the FP8 Gluon kernel's ``exp_lin`` forms ``--attention fp8-lin`` launches (``ws_attention_prefill_fp8``):
-    # 2 (the forty-fifth session's: the fp32 row max first, the codes clamped as 16-bit pairs), 4 (the forty-sixth's:
-    # the codes against the running max first, their row maxima on packed halves, m raised and the accumulators
-    # rescaled only in the steps that need it), 1 / 3 / 5 measurement forms (32-bit clamp; 2 and 4 with the bound from
-    # row norms). Every form computes ``spec.attention_fp8(p_code="lin")``
-    attention_exp_lin: int = 2
+    # Which of the FP8 Gluon kernel's ``exp_lin`` forms ``--attention fp8-lin`` launches (``ws_attention_prefill_fp8``;
+    # every form computes ``spec.attention_fp8(p_code="lin")``): 5 (forty-sixth session) the codes against the running
+    # max first, their row maxima on packed 16-bit halves, m raised and the accumulators rescaled only in the steps
+    # that need it, the 16-bit codes' bound from Q's and K's row norms (one a Q tile, ``lin_bounds``). H100, 64 / 8
+    # heads at 128000: 181.2 ms alone on random inputs, 177.9 ms on Q / K at a trained model's amax (x7), against
+    # form 2's (the forty-fifth session's: fp32 row max first, the bound from amax) 187.4 / 207.1 (its 16-bit fast
+    # path lost to the float clamp) and form 4's (5 with 2's bound) 185.3 / 342.8; the whole 20b in one process
+    # 2.9393 s (5) against 2.9805 (2), 2.9897 (4), 3.2432 with ``--attention fp8``. 1 / 3: measurement forms
+    attention_exp_lin: int = 5
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
     # layer at 32768 tokens not written and read back). Built without a GPU in the thirty-ninth session; its GPU tests

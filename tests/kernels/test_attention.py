@@ -993,7 +993,7 @@ def test_prefill_fp8_lin_cpu(lens, hq, hkv, window, q_offset):
 @pytest.mark.parametrize("lens,window,q_offset", [([4096], 0, 0), ([1000, 3000, 77], 0, 0), ([333, 2000], 128, 0),
                                                   ([777], 0, 3001)])
 @pytest.mark.parametrize("tile", [None, PrefillTile(128, 64, 8, 3)])
-@pytest.mark.parametrize("exp_lin", [2, 4])
+@pytest.mark.parametrize("exp_lin", [2, 5])
 def test_prefill_fp8_lin_gpu(lens, window, q_offset, tile, exp_lin):
     """``p_code="lin"`` on the GPU through ``attention_prefill``: the Gluon kernel's exp_lin (one causal sequence; the
     form ``KernelConfig.attention_exp_lin`` names) and the Triton kernel's LIN (ragged, windows, a later chunk, a given
