@@ -3,10 +3,11 @@
 Compiles for sm_90a with Triton's own compiler and ptxas (``benchmarks/moe_ws_compile_check.py``'s ``sass_of``: ptxas,
 then ``cuobjdump -sass``) and counts opcodes:
 
-    python benchmarks/sass_counts.py attention [--opts '{"LMAX": true}']
+    python benchmarks/sass_counts.py attention [--opts '{"LMAX": true}']   (fp8-lin's form: '{"FMA": 7, "TURN": 0}')
         the FP8 Gluon attention (kernels/attention_ws_fp8.py, the launcher's default tile plus OPTS): the whole
         kernel's counts, and one consumer warp's 128-key step (consumer 0's loop, its unmasked and masked paths
-        followed through the branches)
+        followed through the branches; exp_lin 4 / 5, FMA 6 / 7, branch three ways, fast / m raised / exact, and
+        the "unmasked" path here is not their fast one: 344 instructions by hand for FMA 7, 46th session)
     python benchmarks/sass_counts.py quant
         the quantizing Triton kernels at the 20b's shapes, as a launch specializes them (whole-kernel totals)
 
@@ -74,6 +75,8 @@ def attention(opts: dict) -> dict:
 
     types = attention_ws_fp8.compile_types()
     consts = dict(GROUP=8, STAGES=4, PAIRS=True, ONES=True, TURN=2, REL=2) | opts  # the launcher's default
+    if consts.get("FMA") in (5, 7):  # (exp_lin 3 / 5: the norms' or the bounds' pointer in trace_ptr's place)
+        types = types | {"trace_ptr": "*fp32"}
     k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
     ins = instructions(sass_of(k["ptx"]))
     unmasked, masked = step_paths(ins)
