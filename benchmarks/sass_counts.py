@@ -7,7 +7,7 @@ then ``cuobjdump -sass``) and counts opcodes:
         the FP8 Gluon attention (kernels/attention_ws_fp8.py, the launcher's default tile plus OPTS): the whole
         kernel's counts, and one consumer warp's 128-key step (consumer 0's loop, its unmasked and masked paths
         followed through the branches; exp_lin 4 / 5, FMA 6 / 7, branch three ways, fast / m raised / exact, and
-        the "unmasked" path here is not their fast one: 344 instructions by hand for FMA 7, 46th session)
+        the "unmasked" path here is not their fast one: 334 instructions by hand for FMA 7, 46th session)
     python benchmarks/sass_counts.py quant
         the quantizing Triton kernels at the 20b's shapes, as a launch specializes them (whole-kernel totals)
 
