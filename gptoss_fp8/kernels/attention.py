@@ -523,7 +523,10 @@ def attention_prefill(
             and _ws_ok(q, k, v, ragged, window, None, cfg)):
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
-        q_fused = cfg.attention_fp8_q_fused and q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == D
+        exp_lin = cfg.attention_exp_lin if p_code == "lin" else 0
+        # (exp_lin 5's bound wants each Q tile's norm before the launch: Q quantized first there, not by the kernel)
+        q_fused = (cfg.attention_fp8_q_fused and q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == D
+                   and exp_lin != 5)
         # (quant_out in the kernel: two query heads of one KV head a 128-column group of o_proj's input)
         fused_out = (quant_out and cfg.attention_fp8_quant_out and not q_fused and (Hq // Hkv) % 2 == 0
                      and 2 * D == ACT_GROUP)
@@ -531,7 +534,7 @@ def attention_prefill(
         o = ws_attention_prefill_fp8(q, k, v, sinks, None if fused_out else _out(q), sm_scale, rope=rope,
                                      q_in_registers=cfg.attention_fp8_q_registers, q_offset=q_offset,
                                      lane_max=cfg.attention_fp8_lane_max, q_fused=q_fused, q_scale=q_scale,
-                                     quant_out=fused_out, exp_lin=cfg.attention_exp_lin if p_code == "lin" else 0)
+                                     quant_out=fused_out, exp_lin=exp_lin)
         return o if fused_out else _quantized(o, quant_out)
     if (tile is None and not fp8 and not segments and not ragged and not q_offset and window != _NO_WINDOW
             and cfg.gluon and cfg.attention_gluon_window and on_gpu):
