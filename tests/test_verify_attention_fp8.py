@@ -4,6 +4,7 @@ passes against bf16 attention within its own measured noise, and an attention bu
 fails at an attention part; the FP8 modes' noise grids redraw the FP8 attention's rounding."""
 
 import pytest
+import torch
 from mutations import hook
 
 from gptoss_fp8.config import GptOssConfig
@@ -121,3 +122,47 @@ def test_reference_ops_route_prefill_attention_to_the_fp8_spec():
     got_lin = lin.attention(q.view(40, 2, 2, 16), k, v, sinks, 0.25, 0)
     assert torch.equal(got_lin, spec.attention_fp8(q, k, v, sinks, 0.25, fp8_max=416.0, p_code="lin").reshape(40, -1))
     assert not torch.equal(got_lin, got)
+
+
+def test_fp8_lin_norm_bound_keeps_trained_scores_on_the_fast_path(trained):
+    """fp8-lin's default kernel form (exp_lin 5) on the trained fixture's own scores (CPU, the spec's operands, as
+    benchmarks/lin_bound_probe.py): ``lin_bounds`` covers every Q tile's largest |score| and keeps every tile of
+    both full-attention layers within the 16-bit codes' limit (the kernel's fast path), where the amax bound of
+    exp_lin 2 / 4 leaves some tiles of layer 0 past it (forty-sixth session: its steps then all took the exact path)."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import fp8_operands, lin_bounds
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.model.ops import ReferenceOps
+    from gptoss_fp8.spec import LOG2E
+
+    calls = []
+
+    class Capturing(ReferenceOps):
+        def _attend(self, q, k, v, sinks, sm_scale, window, q_offset):
+            if not window:
+                n, kvh, m, d = q.shape
+                calls.append((q.reshape(n, kvh * m, d).float(), k.float(), v.float(), sinks.reshape(-1).float() * LOG2E,
+                              sm_scale))
+            return super()._attend(q, k, v, sinks, sm_scale, window, q_offset)
+
+    ckpt, _, tokens, _ = trained
+    with torch.inference_mode():
+        load_model(str(ckpt)).forward(tokens, Capturing())
+    assert len(calls) == 2
+    amax_fast = []
+    for q, k, v, sink, sm_scale in calls:
+        hq, hkv, t = q.shape[1], k.shape[1], q.shape[0]
+        q8, sq, k8, sk, _, _, kn, qn = fp8_operands(q, k, v, sm_scale, k_norms=True, q_norms=True)
+        bound = lin_bounds(sq, qn, sk, kn)
+        x = torch.einsum("qhd,khd->hqk", q8.float(), k8.float().repeat_interleave(hq // hkv, 1)).tril()
+        x = x * sq.repeat_interleave(64, 1)[:, :t, None] * sk.repeat_interleave(64, 1)[:, None, :t].repeat_interleave(
+            hq // hkv, 0)
+        nbq = (t + 63) // 64
+        tile = torch.nn.functional.pad(x.abs().amax(2), (0, nbq * 64 - t)).view(hq, nbq, 64).amax(2)
+        assert (tile <= bound).all()
+
+        def fast(b):
+            return (b + torch.maximum(sink[:, None], b + 1) <= 4000) & (b - sink[:, None] <= 4000)
+
+        assert fast(bound).all(), bound.amax()
+        amax_fast.append(fast(sq * sk.amax(1).repeat_interleave(hq // hkv)[:, None] * 64 * 448.0 ** 2).all().item())
+    assert not all(amax_fast)
