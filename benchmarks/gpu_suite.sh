@@ -82,7 +82,8 @@
 #            GPU tests, attn_variants.py beside the default (LIN_VARIANTS; exp_lin 3 "fp8-lin16n" not yet run), again
 #            with Q / K scaled to a trained model's amax (--qk-scale 7), energy a launch at 128000 (LIN_ENERGY)
 #   must46   the forty-sixth session's must-show call (H200): fp8-lin's GPU tests, the 20b at 128000 beside fp8 and
-#            fp8-lin's forms (same process), bench prefill --attention fp8-lin with exp_lin 5 (120b, 20b at 128000)
+#            fp8-lin's forms (same process), bench prefill --attention fp8-lin with exp_lin 5 (120b at 128000, 20b at
+#            128000 and 32768; ~520 s)
 #   pending46  the forty-sixth session's exp_lin 4 / 5 (fp8-lin's codes against the running max first: no fp32 row max,
 #            no rescale in most steps) and the 45th's exp_lin 3: GPU tests, attn_variants (random inputs, then Q / K at
 #            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
@@ -666,7 +667,7 @@ if has must46; then
   [[ ${M46_AB_S:-150} == 0 ]] || timeout ${M46_AB_S:-150} python3 benchmarks/ab_prefill.py --model 20b --tokens ${M46_AB_TOKENS:-128000} \
     --runs ${M46_RUNS:-3} --variants "${M46_AB_VARIANTS:-default,attn-fp8-lin,attn-fp8-lin5}" --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/m46_ab.log"
-  OUT="$OUT" LIN_SPECS="${M46_SPECS:-120b 128000;20b 128000}" LIN_KOPT=attention_exp_lin=5 PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
+  OUT="$OUT" LIN_SPECS="${M46_SPECS:-120b 128000;20b 128000;20b 32768}" LIN_KOPT=attention_exp_lin=5 PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
 fi
 
 if has pending46; then
