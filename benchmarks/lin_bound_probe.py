@@ -30,7 +30,7 @@ from gptoss_fp8.verify.samples import default_tokens
 
 
 class Capturing(ReferenceOps):
-    """ReferenceOps keeping each full-attention call's rotated q, k, v and sinks."""
+    """ReferenceOps keeping each full-attention call's rotated q, k, v (fp32), sinks (log2 units) and sm_scale."""
 
     def __init__(self):
         super().__init__()
@@ -39,9 +39,26 @@ class Capturing(ReferenceOps):
     def _attend(self, q, k, v, sinks, sm_scale, window, q_offset):
         if not window:
             n, kvh, m, d = q.shape
-            self.calls.append((q.reshape(n, kvh * m, d).float(), k.float(), v.float(), sinks.reshape(-1).float(),
-                               sm_scale))
+            self.calls.append((q.reshape(n, kvh * m, d).float(), k.float(), v.float(),
+                               sinks.reshape(-1).float() * LOG2E, sm_scale))
         return super()._attend(q, k, v, sinks, sm_scale, window, q_offset)
+
+
+def bounds(q, k, v, sm_scale):
+    """One captured call -> (each Q tile's largest causal |score| [Hq, nbq], the largest within-row spread, the amax
+    bound D 448^2 c [Hq, nbq] of exp_lin 2 / 4, exp_lin 5's ``lin_bounds`` [Hq, nbq]), log2 units, the spec's
+    operands (``fp8_operands`` on the CPU)."""
+    hq, hkv, t = q.shape[1], k.shape[1], q.shape[0]
+    q8, sq, k8, sk, _, _, kn, qn = fp8_operands(q, k, v, sm_scale, k_norms=True, q_norms=True)
+    g = hq // hkv
+    x = torch.einsum("qhd,khd->hqk", q8.float(), k8.float().repeat_interleave(g, 1))
+    x = x * sq.repeat_interleave(64, 1)[:, :t, None] * sk.repeat_interleave(64, 1)[:, None, :t].repeat_interleave(g, 0)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    nbq = math.ceil(t / 64)
+    tile = torch.nn.functional.pad(x.abs().masked_fill(~causal, 0).amax(2), (0, nbq * 64 - t)).view(hq, nbq, 64).amax(2)
+    spread = (x.masked_fill(~causal, -1e30).amax(2) - x.masked_fill(~causal, 1e30).amin(2)).amax().item()
+    amax_b = sq * sk.amax(1).repeat_interleave(g)[:, None] * 64 * 448.0 ** 2
+    return tile, spread, amax_b, lin_bounds(sq, qn, sk, kn)
 
 
 def fast_ok(bound: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -65,23 +82,10 @@ def main() -> None:
     print("| layer call | real max |x| a tile | max spread in a row | amax bound (min-max) | fast tiles | "
           "norm bound (min-max) | fast tiles |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for i, (q, k, v, sinks, sm_scale) in enumerate(ops.calls):
-        hq, hkv, t = q.shape[1], k.shape[1], q.shape[0]
-        q8, sq, k8, sk, _, _, kn, qn = fp8_operands(q, k, v, sm_scale, k_norms=True, q_norms=True)
-        norm_b = lin_bounds(sq, qn, sk, kn)
-        amax_b = sq * sk.amax(1).repeat_interleave(hq // hkv)[:, None] * 64 * 448.0 ** 2
-        x = torch.einsum("qhd,khd->hqk", q8.float(), k8.float().repeat_interleave(hq // hkv, 1))
-        x = x * sq.repeat_interleave(64, 1)[:, :t, None] * sk.repeat_interleave(64, 1)[:, None, :t].repeat_interleave(
-            hq // hkv, 0)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        ax = x.abs().masked_fill(~causal, 0)
-        nbq = math.ceil(t / 64)
-        tile = torch.nn.functional.pad(ax.amax(2), (0, nbq * 64 - t)).view(hq, nbq, 64).amax(2)
-        xs = x.masked_fill(~causal, float("nan"))
-        spread = (xs.nan_to_num(-1e30).amax(2) - xs.nan_to_num(1e30).amin(2)).amax().item()
+    for i, (q, k, v, sink, sm_scale) in enumerate(ops.calls):
+        tile, spread, amax_b, norm_b = bounds(q, k, v, sm_scale)
         if (tile > norm_b).any():
             sys.exit(f"layer call {i}: a score above its tile's norm bound (a bug in lin_bounds)")
-        sink = sinks * LOG2E
         print(f"| {i} | {tile.amax().item():.0f} | {spread:.0f} | {amax_b.amin().item():.0f}-{amax_b.amax().item():.0f} | "
               f"{fast_ok(amax_b, sink).float().mean().item():.0%} | {norm_b.amin().item():.0f}-{norm_b.amax().item():.0f} | "
               f"{fast_ok(norm_b, sink).float().mean().item():.0%} |")

@@ -125,44 +125,27 @@ def test_reference_ops_route_prefill_attention_to_the_fp8_spec():
 
 
 def test_fp8_lin_norm_bound_keeps_trained_scores_on_the_fast_path(trained):
-    """fp8-lin's default kernel form (exp_lin 5) on the trained fixture's own scores (CPU, the spec's operands, as
-    benchmarks/lin_bound_probe.py): ``lin_bounds`` covers every Q tile's largest |score| and keeps every tile of
-    both full-attention layers within the 16-bit codes' limit (the kernel's fast path), where the amax bound of
+    """fp8-lin's default kernel form (exp_lin 5) on the trained fixture's own scores (CPU, the spec's operands,
+    benchmarks/lin_bound_probe.py's reading): ``lin_bounds`` covers every Q tile's largest |score| and keeps every tile
+    of both full-attention layers within the 16-bit codes' limit (the kernel's fast path), where the amax bound of
     exp_lin 2 / 4 leaves some tiles of layer 0 past it (forty-sixth session: its steps then all took the exact path)."""
-    from gptoss_fp8.kernels.attention_ws_fp8 import fp8_operands, lin_bounds
+    import importlib.util
+    from pathlib import Path
+
     from gptoss_fp8.model.load import load_model
-    from gptoss_fp8.model.ops import ReferenceOps
-    from gptoss_fp8.spec import LOG2E
 
-    calls = []
-
-    class Capturing(ReferenceOps):
-        def _attend(self, q, k, v, sinks, sm_scale, window, q_offset):
-            if not window:
-                n, kvh, m, d = q.shape
-                calls.append((q.reshape(n, kvh * m, d).float(), k.float(), v.float(), sinks.reshape(-1).float() * LOG2E,
-                              sm_scale))
-            return super()._attend(q, k, v, sinks, sm_scale, window, q_offset)
-
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lin_bound_probe.py"
+    spec_ = importlib.util.spec_from_file_location("lin_bound_probe", path)
+    probe = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(probe)
     ckpt, _, tokens, _ = trained
+    ops = probe.Capturing()
     with torch.inference_mode():
-        load_model(str(ckpt)).forward(tokens, Capturing())
-    assert len(calls) == 2
+        load_model(str(ckpt)).forward(tokens, ops)
+    assert len(ops.calls) == 2
     amax_fast = []
-    for q, k, v, sink, sm_scale in calls:
-        hq, hkv, t = q.shape[1], k.shape[1], q.shape[0]
-        q8, sq, k8, sk, _, _, kn, qn = fp8_operands(q, k, v, sm_scale, k_norms=True, q_norms=True)
-        bound = lin_bounds(sq, qn, sk, kn)
-        x = torch.einsum("qhd,khd->hqk", q8.float(), k8.float().repeat_interleave(hq // hkv, 1)).tril()
-        x = x * sq.repeat_interleave(64, 1)[:, :t, None] * sk.repeat_interleave(64, 1)[:, None, :t].repeat_interleave(
-            hq // hkv, 0)
-        nbq = (t + 63) // 64
-        tile = torch.nn.functional.pad(x.abs().amax(2), (0, nbq * 64 - t)).view(hq, nbq, 64).amax(2)
-        assert (tile <= bound).all()
-
-        def fast(b):
-            return (b + torch.maximum(sink[:, None], b + 1) <= 4000) & (b - sink[:, None] <= 4000)
-
-        assert fast(bound).all(), bound.amax()
-        amax_fast.append(fast(sq * sk.amax(1).repeat_interleave(hq // hkv)[:, None] * 64 * 448.0 ** 2).all().item())
+    for q, k, v, sink, sm_scale in ops.calls:
+        tile, _, amax_b, bound = probe.bounds(q, k, v, sm_scale)
+        assert (tile <= bound).all() and probe.fast_ok(bound, sink).all(), bound.amax()
+        amax_fast.append(probe.fast_ok(amax_b, sink).all().item())
     assert not all(amax_fast)
