@@ -47,6 +47,8 @@
 #   window-moe  the window-128 attention tiles side by side, the MoE's gather tiles and its clock / power back to back
 #   verdict  the verdict's noise model on the GPU: benchmarks/verify_calibration.py, trained fixture + 20
 #            random shapes, weights / w8a8 / kernels, prefill and decode, every bug injected (issue 32)
+#   verdict-lin  the verdict with --attention fp8-lin (VL_ATTN) on the GPU: the trained fixture and 20 unseen random
+#            shapes in VL_PROCS shards, every injected bug on the trained fixture (VL_MUT=0: not), merged
 #   serve    bench serve --synthetic 20b (SERVE_LAYERS, default 24; or SERVE_CKPT served in its own process),
 #            bench decode / prefill beside it
 #   chunk    the prefill chunk size under load (bench serve --synthetic 20b --prefill-chunk, CHUNKS) and the
@@ -354,6 +356,26 @@ if has verdict; then
   # prefill and --decode 16; every bug of tests/mutations.py injected on the trained fixture (both conversions)
   timeout 500 python3 benchmarks/verify_calibration.py --device cuda --random 20 --modes weights,w8a8,kernels \
     --decode 16 --mutations 2 --json "$OUT/verdict_cuda.json" 2>&1 | tee "$OUT/verdict_cuda.log"
+fi
+
+if has verdict-lin; then
+  # issue 34's last must-show with fp8-lin's kernel (exp_lin 5, the default form) on the GPU: the verdict on the trained
+  # fixture and 20 unseen random shapes (both conversions, weights / w8a8 / kernels, prefill: FP8 attention has no
+  # --decode) in VL_PROCS shards, and every bug of tests/mutations.py injected on the trained fixture (both conversions,
+  # the w8a8 and kernels modes) in a process of its own; then merged
+  vl() {  # shard name, then verify_calibration.py's arguments
+    local name=$1; shift
+    timeout ${VL_S:-540} python3 benchmarks/verify_calibration.py --device cuda --modes weights,w8a8,kernels --decode 0 \
+      --attention ${VL_ATTN:-fp8-lin} --json "$OUT/verdict_lin_$name.json" "$@" > "$OUT/verdict_lin_$name.log" 2>&1
+  }
+  [[ ${VL_MUT:-1} == 0 ]] || vl mut --random 0 --mutations 2 --only-mutations &
+  n=${VL_PROCS:-3}
+  for k in $(seq 0 $((n - 1))); do vl s$k --random 20 --shard $k/$n & done
+  wait
+  tail -n 4 "$OUT"/verdict_lin_*.log > "$OUT/verdict_lin_tails.txt"
+  python3 benchmarks/verify_calibration.py --merge "$OUT"/verdict_lin_*.json --json "$OUT/verdict_lin.json" 2>&1 \
+    | tee "$OUT/verdict_lin.log"
+  grep -h "FAIL\|MISSED" "$OUT"/verdict_lin_*.log | head -20
 fi
 
 if has serve; then

@@ -1,7 +1,7 @@
 """The verdict's noise model, measured: correct code and injected bugs, per part, against this run's noise.
 
     python benchmarks/verify_calibration.py [--device cpu|cuda] [--random 20] [--modes weights,w8a8]
-        [--decode 16] [--attention bf16|fp8] [--mutations N] [--json out.json] [--shard K/N]
+        [--decode 16] [--attention bf16|fp8|fp8-lin] [--mutations N] [--json out.json] [--shard K/N]
     python benchmarks/verify_calibration.py --merge shard*.json [--json all.json]
 
 Runs verify-logits (the library: verify.run.verify_checkpoint) on the trained fixture (golden/trained,
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from gptoss_fp8.convert.convert import convert_checkpoint  # noqa: E402
 from gptoss_fp8.convert.synth import write_synthetic  # noqa: E402
+from gptoss_fp8.model.ops import ATTENTION_KINDS  # noqa: E402
 from gptoss_fp8.tokenizer import ByteTokenizer  # noqa: E402
 from gptoss_fp8.verify.reference import reference_for  # noqa: E402
 from gptoss_fp8.verify.report import rounding_for  # noqa: E402
@@ -98,8 +99,8 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=20)
     ap.add_argument("--modes", default="weights,w8a8")
     ap.add_argument("--decode", type=int, default=16)
-    ap.add_argument("--attention", default="bf16", choices=["bf16", "fp8"],
-                    help="prefill attention numerics (fp8: FP8 full-attention layers; no --decode with it)")
+    ap.add_argument("--attention", default="bf16", choices=ATTENTION_KINDS,
+                    help="prefill attention numerics (fp8, fp8-lin: FP8 full-attention layers; --decode 0 with them)")
     ap.add_argument("--mutations", type=int, default=0, help="inject every bug on the first N cases")
     ap.add_argument("--only-mutations", action="store_true", help="skip the correct-code runs")
     ap.add_argument("--json", type=Path)
