@@ -6,8 +6,8 @@ then ``cuobjdump -sass``) and counts opcodes:
     python benchmarks/sass_counts.py attention [--opts '{"LMAX": true}']   (fp8-lin's form: '{"FMA": 7, "TURN": 0}')
         the FP8 Gluon attention (kernels/attention_ws_fp8.py, the launcher's default tile plus OPTS): the whole
         kernel's counts, and one consumer warp's 128-key step (consumer 0's loop, its unmasked and masked paths
-        followed through the branches; exp_lin 4 / 5, FMA 6 / 7, branch three ways, fast / m raised / exact, and
-        the "unmasked" path here is not their fast one: 334 instructions by hand for FMA 7, 46th session)
+        followed through the branches; exp_lin 4 / 5, FMA 6 / 7, branch three ways, fast / m raised / exact: the
+        "unmasked" path is not their fast one, which "fast step (no rescale)" follows)
     python benchmarks/sass_counts.py quant
         the quantizing Triton kernels at the 20b's shapes, as a launch specializes them (whole-kernel totals)
 
@@ -70,6 +70,36 @@ def step_paths(ins: list[str]) -> tuple[list[int], list[int]]:
     return head + list(range(split[0] + 1, join[0] + 1)) + tail, head + list(range(split[1], join[1])) + tail
 
 
+def walk(ins: list[str], start: int, back: int, taken: list[bool]) -> list[int]:
+    """The instruction indices of one pass through the loop [start, back]: from start, each conditional branch within
+    the loop taken or not by ``taken`` in turn (then not taken once the list runs out), those out of it (a wait's
+    retry) not taken, each unconditional one followed, up to the back edge."""
+    path, i, k = [], start, 0
+    while i <= back and len(path) <= back - start + 1:
+        path.append(i)
+        t = _target(ins[i])
+        if i == back or t is None:
+            i += 1
+        elif not ins[i].startswith("@"):
+            i = t
+        elif not start <= t <= back:  # (out of the loop: a wait's retry; not taken)
+            i += 1
+        else:
+            i = t if k < len(taken) and taken[k] else i + 1
+            k += 1
+    return path
+
+
+def fast_step(ins: list[str]) -> list[int]:
+    """exp_lin 4 / 5 (FMA 6 / 7): consumer 0's 128-key step down its fast path: past the branch to the masked / exact
+    path (not taken), then the branch over the rescale taken (no code passes 126)."""
+    for i, line in enumerate(ins):
+        t = _target(line)
+        if t is not None and t < i and i - t > 300:
+            return walk(ins, t, i, [False, True])
+    raise SystemExit("no step loop found")
+
+
 def attention(opts: dict) -> dict:
     from gptoss_fp8.kernels import _gluon, attention_ws_fp8
 
@@ -80,8 +110,9 @@ def attention(opts: dict) -> dict:
     k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
     ins = instructions(sass_of(k["ptx"]))
     unmasked, masked = step_paths(ins)
+    fast = {"fast step (no rescale)": counts([ins[i] for i in fast_step(ins)])} if consts.get("FMA") in (6, 7) else {}
     return {"opts": consts, "kernel": counts(ins), "unmasked step": counts([ins[i] for i in unmasked]),
-            "masked step": counts([ins[i] for i in masked]), "spill_stores": k.get("spill_stores")}
+            "masked step": counts([ins[i] for i in masked]), **fast, "spill_stores": k.get("spill_stores")}
 
 
 def quant() -> dict:
