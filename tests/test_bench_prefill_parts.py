@@ -37,3 +37,31 @@ def test_prefill_breakdown_splits_attention_by_layer_kind(full_last_layer):
     line = format_row(row)
     assert f"window {kinds['window']['s'] * 1e3:.2f} ms / {n_window} = " in line and "attention by layer: full " in line
     assert ("last row " in line) == (not full_last_layer)
+
+
+def test_cut_model_estimate_takes_off_the_pruned_last_layer():
+    """``bench prefill --layers N`` runs a cut model's every layer on every row, while the whole model prunes its last
+    layer: the full-depth estimate takes off one attention call of the last layer's kind, one layer's MoE, o_proj's
+    share of its dense GEMMs and half its norms (``pruned_layer_saving``; the 120b cut to 14 layers on an H100, 47th
+    session: 4.837 s scaled, ~4.61 s less the saving). The row says so."""
+    import dataclasses
+
+    from gptoss_fp8.bench.prefill import pruned_layer_saving
+
+    cfg = preset_config("120b")
+    assert cfg.layer_types[-1] == "full_attention"
+    parts = {"attention": 1.3545, "moe": 0.3847, "dense": 0.0977, "norm": 0.0292, "other": 0.0033}
+    kinds = {"full": {"s": 1.3395, "calls": 7}, "window": {"s": 0.0150, "calls": 7}}
+    rest = 0.3847 / 14 + 64 / (2 * 64 + 2 * 8) * 0.0977 / 14 + 0.5 * 0.0292 / 14
+    got = pruned_layer_saving(cfg, parts, kinds, 14)
+    assert got == pytest.approx(1.3395 / 7 + rest)
+    windowed = dataclasses.replace(cfg, layer_types=cfg.layer_types[:-1] + ("sliding_attention",))
+    assert pruned_layer_saving(windowed, parts, kinds, 14) == pytest.approx(0.0150 / 7 + rest)
+    lat, total = 1.8811, sum(parts.values())
+    est = lat * 36 / 14 - got * lat / total
+    assert 4.60 < est < 4.62  # (against 4.837 scaled linearly)
+    row = {"model": "120b", "tokens": 128000, "layers": 14, "full_layers": 36, "latency_s": lat, "est_full_s": est,
+           "est_pruned_saving_s": got * lat / total, "usd_per_1m_tokens": 0.0, "seed_s": 23.9,
+           "transformers_issue_s": None, "target_s": None, "floor_s": 1.0, "peak_mem_gib": 0.0, "parts_s": parts,
+           "parts_total_s": total, "parts_tflops": {}, "parts_floor_s": {}, "attention_by_kind": kinds}
+    assert f"full-model est {est:.4f} s (less the pruned last layer's {got * lat / total:.3f} s)" in format_row(row)

@@ -279,6 +279,21 @@ def part_flops(cfg: GptOssConfig, n: int, last_row: bool = False) -> dict[str, f
     return {"attention": attn, "moe": moe, "dense": dense + 2 * h * cfg.vocab_size}
 
 
+def pruned_layer_saving(full_cfg: GptOssConfig, parts: dict[str, float], by_kind: dict, cut_layers: int) -> float:
+    """What the whole model's pruned last layer (``GptOss.prune_last_layer``: its queries, o_proj and MoE on the last
+    row only) saves against a layer on every row, estimated from a model cut to ``cut_layers`` layers that ran every
+    layer on every row (``parts``: one run's seconds a part, ``by_kind``: ``TimedOps.attention_by_layer_kind``): one
+    attention call of the last layer's kind, one layer's MoE, o_proj's share of one layer's dense GEMMs and half a
+    layer's norms. A cut model's latency scaled to the full depth, less this, estimates the whole model's."""
+    kind = "window" if full_cfg.layer_types[-1] == "sliding_attention" else "full"
+    att = by_kind.get(kind)
+    attn = att["s"] / att["calls"] if att and att["calls"] else 0.0
+    hq, hkv = full_cfg.num_attention_heads, full_cfg.num_key_value_heads
+    o_share = hq / (2 * hq + 2 * hkv)  # (o_proj's FLOPs of q / k / v + o_proj's, the per-row hidden size cancels)
+    per_layer = {p: parts.get(p, 0.0) / cut_layers for p in ("moe", "dense", "norm")}
+    return attn + per_layer["moe"] + o_share * per_layer["dense"] + 0.5 * per_layer["norm"]
+
+
 WARMUP_S = 2.0
 
 
@@ -361,10 +376,14 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         flops = part_flops(cfg, n, model.prune_last_layer)
         floor = {p: flops[p] / (PEAK_TFLOPS[p] * 1e12) for p in flops}
         scale = full_layers / cfg.num_hidden_layers
-        est = lat * scale
+        # (a cut model runs its last layer on every row; the whole model, unless full_last_layer, prunes it)
+        saving = (pruned_layer_saving(preset_config(preset) if preset in SEED_S else cfg, parts,
+                                      timed.attention_by_layer_kind(), cfg.num_hidden_layers) * lat / total
+                  if scale != 1 and not full_last_layer else 0.0)
+        est = lat * scale - saving
         row = {
             "model": preset, "tokens": n, "layers": cfg.num_hidden_layers, "full_layers": full_layers,
-            "latency_s": lat, "runs_s": times, "est_full_s": est,
+            "latency_s": lat, "runs_s": times, "est_full_s": est, "est_pruned_saving_s": saving,
             "usd_per_1m_tokens": usd_per_million_tokens(est, n),
             "seed_s": SEED_S.get(preset, {}).get(n), "transformers_issue_s": TRANSFORMERS_S.get(preset, {}).get(n),
             "target_s": TARGET_S.get(preset, {}).get(n),
@@ -488,7 +507,9 @@ def format_row(r: dict) -> str:
     est = r["est_full_s"]
     full = r["layers"] == r["full_layers"]
     head = (f"{r['model']} | {r['tokens']} tok | layers {r['layers']}/{r['full_layers']} | "
-            f"latency {r['latency_s']:.4f} s" + ("" if full else f" | full-model est {est:.4f} s")
+            f"latency {r['latency_s']:.4f} s" + ("" if full else f" | full-model est {est:.4f} s"
+                                                 + (f" (less the pruned last layer's {r['est_pruned_saving_s']:.3f} s)"
+                                                    if r.get("est_pruned_saving_s") else ""))
             + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok | "
             f"seed {f(r['seed_s'])} s (x{f(r['seed_s'] / est if r['seed_s'] else None, '{:.2f}')}) | "
             f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "

@@ -143,7 +143,8 @@ def prefill(
     model: Annotated[str, typer.Option(help="Synthetic preset whose real shapes to build: 20b or 120b.")] = "20b",
     tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "8192,32768",
     layers: Annotated[int | None, typer.Option(
-        min=1, help="Build only the first N layers (latency also scaled to the full depth).")] = None,
+        min=1, help="Build only the first N layers (latency also scaled to the full depth, less what the whole "
+                    "model's pruned last layer saves).")] = None,
     runs: Annotated[int, typer.Option(min=1, help="Timed runs per length (median reported).")] = 5,
     warmup: Annotated[int, typer.Option(
         min=0, help="Untimed runs first (kernel compilation), and at least 2 s of them (GPU clocks settle).")] = 2,
