@@ -50,16 +50,20 @@ def _target(line: str) -> int | None:
     return int(m.group(1), 16) // 16 if m else None  # (16 bytes an instruction)
 
 
-def step_paths(ins: list[str]) -> tuple[list[int], list[int]]:
-    """Consumer 0's 128-key step loop (the first backward branch spanning > 300 instructions) -> the instruction
-    indices of its two paths: the fall-through one (unmasked) and the taken one (masked)."""
+def _step_loop(ins: list[str]) -> tuple[int, int]:
+    """Consumer 0's 128-key step loop: (its first instruction, its back edge), the first backward branch spanning
+    > 300 instructions."""
     for i, line in enumerate(ins):
         t = _target(line)
         if t is not None and t < i and i - t > 300:
-            start, back = t, i
-            break
-    else:
-        raise SystemExit("no step loop found")
+            return t, i
+    raise SystemExit("no step loop found")
+
+
+def step_paths(ins: list[str]) -> tuple[list[int], list[int]]:
+    """Consumer 0's 128-key step loop (``_step_loop``) -> the instruction indices of its two paths: the fall-through
+    one (unmasked) and the taken one (masked)."""
+    start, back = _step_loop(ins)
     fwd = [(j, _target(ins[j])) for j in range(start, back) if _target(ins[j]) is not None]
     # the branch to the masked path: the first conditional forward branch that lands inside the loop
     split = next((j, t) for j, t in fwd if start < t < back and ins[j].startswith("@"))
@@ -93,11 +97,7 @@ def walk(ins: list[str], start: int, back: int, taken: list[bool]) -> list[int]:
 def fast_step(ins: list[str]) -> list[int]:
     """exp_lin 4 / 5 (FMA 6 / 7): consumer 0's 128-key step down its fast path: past the branch to the masked / exact
     path (not taken), then the branch over the rescale taken (no code passes 126)."""
-    for i, line in enumerate(ins):
-        t = _target(line)
-        if t is not None and t < i and i - t > 300:
-            return walk(ins, t, i, [False, True])
-    raise SystemExit("no step loop found")
+    return walk(ins, *_step_loop(ins), [False, True])
 
 
 def attention(opts: dict) -> dict:

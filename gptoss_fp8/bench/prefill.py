@@ -328,14 +328,15 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         cfg = model.cfg
         preset = matching_preset(cfg) or Path(checkpoint).name
         # a preset cut to fewer layers is scaled to the preset's depth, as --layers is
-        full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
+        full_cfg = preset_config(preset) if preset in SEED_S else cfg
         what = f"{checkpoint} (converted checkpoint; shapes of the {preset} preset)" if preset in SEED_S else str(checkpoint)
     else:
         cfg = preset_config(preset, layers)
-        full_layers = preset_config(preset).num_hidden_layers
+        full_cfg = preset_config(preset)
         check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers")
         model = random_model(cfg, "cuda", seed)
         what = preset
+    full_layers = full_cfg.num_hidden_layers
     torch.cuda.synchronize()
     echo(f"# {what}: {cfg.num_hidden_layers} of {full_layers} layers on {torch.cuda.get_device_name()} in "
          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB resident")
@@ -377,9 +378,10 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         floor = {p: flops[p] / (PEAK_TFLOPS[p] * 1e12) for p in flops}
         scale = full_layers / cfg.num_hidden_layers
         # (a cut model runs its last layer on every row; the whole model, unless full_last_layer, prunes it)
-        saving = (pruned_layer_saving(preset_config(preset) if preset in SEED_S else cfg, parts,
-                                      timed.attention_by_layer_kind(), cfg.num_hidden_layers) * lat / total
-                  if scale != 1 and not full_last_layer else 0.0)
+        saving = 0.0
+        if scale != 1 and not full_last_layer:  # (in the median's terms: the events run's seconds times lat / total)
+            saving = pruned_layer_saving(full_cfg, parts, timed.attention_by_layer_kind(), cfg.num_hidden_layers)
+            saving *= lat / total
         est = lat * scale - saving
         row = {
             "model": preset, "tokens": n, "layers": cfg.num_hidden_layers, "full_layers": full_layers,
