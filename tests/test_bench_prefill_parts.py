@@ -46,7 +46,7 @@ def test_cut_model_estimate_takes_off_the_pruned_last_layer():
     session: 4.837 s scaled, ~4.61 s less the saving). The row says so."""
     import dataclasses
 
-    from gptoss_fp8.bench.prefill import pruned_layer_saving
+    from gptoss_fp8.bench.prefill import full_depth_estimate, pruned_layer_saving
 
     cfg = preset_config("120b")
     assert cfg.layer_types[-1] == "full_attention"
@@ -58,10 +58,22 @@ def test_cut_model_estimate_takes_off_the_pruned_last_layer():
     windowed = dataclasses.replace(cfg, layer_types=cfg.layer_types[:-1] + ("sliding_attention",))
     assert pruned_layer_saving(windowed, parts, kinds, 14) == pytest.approx(0.0150 / 7 + rest)
     lat, total = 1.8811, sum(parts.values())
-    est = lat * 36 / 14 - got * lat / total
+    est, saving = full_depth_estimate(lat, total, parts, kinds, 14, cfg, False)
+    assert saving == pytest.approx(got * lat / total) and est == pytest.approx(lat * 36 / 14 - saving)
     assert 4.60 < est < 4.62  # (against 4.837 scaled linearly)
+    # --full-last-layer: the whole model keeps every row too; an uncut model is its own figure
+    assert full_depth_estimate(lat, total, parts, kinds, 14, cfg, True) == (pytest.approx(lat * 36 / 14), 0.0)
+    assert full_depth_estimate(lat, total, parts, kinds, 36, cfg, False) == (lat, 0.0)
     row = {"model": "120b", "tokens": 128000, "layers": 14, "full_layers": 36, "latency_s": lat, "est_full_s": est,
            "est_pruned_saving_s": got * lat / total, "usd_per_1m_tokens": 0.0, "seed_s": 23.9,
            "transformers_issue_s": None, "target_s": None, "floor_s": 1.0, "peak_mem_gib": 0.0, "parts_s": parts,
            "parts_total_s": total, "parts_tflops": {}, "parts_floor_s": {}, "attention_by_kind": kinds}
     assert f"full-model est {est:.4f} s (less the pruned last layer's {got * lat / total:.3f} s)" in format_row(row)
+    # bench prefill --tp / --ep's rows take it off the same way and say so
+    from gptoss_fp8.bench.prefill_sharded import format_sharded_row
+
+    srow = {"model": "120b", "tp": 2, "ep": 2, "collective": "nccl", "tokens": 128000, "layers": 14, "full_layers": 36,
+            "latency_s": lat, "slowest_rank_median_s": lat, "est_full_s": est, "est_pruned_saving_s": saving,
+            "usd_per_1m_tokens": 0.0, "gpus": 2, "seed_s": None, "vs_seed": None, "target_s": None, "shared_gpu": False,
+            "parts_s": parts, "parts_total_s": total}
+    assert f"full-model est {est:.4f} s (less the pruned last layer's {saving:.3f} s)" in format_sharded_row(srow)

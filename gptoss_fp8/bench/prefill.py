@@ -294,6 +294,18 @@ def pruned_layer_saving(full_cfg: GptOssConfig, parts: dict[str, float], by_kind
     return attn + per_layer["moe"] + o_share * per_layer["dense"] + 0.5 * per_layer["norm"]
 
 
+def full_depth_estimate(lat: float, total: float, parts: dict[str, float], by_kind: dict, cut_layers: int,
+                        full_cfg: GptOssConfig, full_last_layer: bool) -> tuple[float, float]:
+    """A cut model's median latency ``lat`` scaled to ``full_cfg``'s depth -> (estimate, saving): less the whole
+    model's pruned last layer (``pruned_layer_saving``, in the median's terms: the events run's ``total`` seconds
+    times lat / total) unless the last layer runs on every row (``full_last_layer``) or nothing was cut."""
+    scale = full_cfg.num_hidden_layers / cut_layers
+    saving = 0.0
+    if scale != 1 and not full_last_layer and total > 0:
+        saving = pruned_layer_saving(full_cfg, parts, by_kind, cut_layers) * lat / total
+    return lat * scale - saving, saving
+
+
 WARMUP_S = 2.0
 
 
@@ -376,13 +388,9 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
         parts["other"] = max(total - sum(parts.values()), 0.0)
         flops = part_flops(cfg, n, model.prune_last_layer)
         floor = {p: flops[p] / (PEAK_TFLOPS[p] * 1e12) for p in flops}
-        scale = full_layers / cfg.num_hidden_layers
         # (a cut model runs its last layer on every row; the whole model, unless full_last_layer, prunes it)
-        saving = 0.0
-        if scale != 1 and not full_last_layer:  # (in the median's terms: the events run's seconds times lat / total)
-            saving = pruned_layer_saving(full_cfg, parts, timed.attention_by_layer_kind(), cfg.num_hidden_layers)
-            saving *= lat / total
-        est = lat * scale - saving
+        est, saving = full_depth_estimate(lat, total, parts, timed.attention_by_layer_kind(), cfg.num_hidden_layers,
+                                          full_cfg, full_last_layer)
         row = {
             "model": preset, "tokens": n, "layers": cfg.num_hidden_layers, "full_layers": full_layers,
             "latency_s": lat, "runs_s": times, "est_full_s": est, "est_pruned_saving_s": saving,
@@ -502,16 +510,21 @@ def format_peer(r: dict) -> str:
             f"{r['transformers_s']:.4f} s vs ours {r['latency_s']:.4f} s: x{r['vs_transformers']:.2f}")
 
 
+def est_text(r: dict) -> str:
+    """A cut model's row: " | full-model est X s", with what the whole model's pruned last layer took off."""
+    if r["layers"] == r["full_layers"]:
+        return ""
+    saving = r.get("est_pruned_saving_s")
+    return f" | full-model est {r['est_full_s']:.4f} s" + (f" (less the pruned last layer's {saving:.3f} s)" if saving else "")
+
+
 def format_row(r: dict) -> str:
     def f(v, fmt="{:.3f}"):
         return "-" if v is None else fmt.format(v)
 
     est = r["est_full_s"]
-    full = r["layers"] == r["full_layers"]
     head = (f"{r['model']} | {r['tokens']} tok | layers {r['layers']}/{r['full_layers']} | "
-            f"latency {r['latency_s']:.4f} s" + ("" if full else f" | full-model est {est:.4f} s"
-                                                 + (f" (less the pruned last layer's {r['est_pruned_saving_s']:.3f} s)"
-                                                    if r.get("est_pruned_saving_s") else ""))
+            f"latency {r['latency_s']:.4f} s" + est_text(r)
             + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok | "
             f"seed {f(r['seed_s'])} s (x{f(r['seed_s'] / est if r['seed_s'] else None, '{:.2f}')}) | "
             f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "

@@ -89,6 +89,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
     from gptoss_fp8.bench.prefill import (
         SEED_S,
         TimedOps,
+        full_depth_estimate,
         last_layer_rows,
         matching_preset,
         part_flops,
@@ -122,7 +123,8 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             preset = job["preset"]
             cfg = preset_config(preset, job["layers"])
             model = random_model(cfg, dev, job["seed"], par)
-        full_layers = preset_config(preset).num_hidden_layers if preset in SEED_S else cfg.num_hidden_layers
+        full_cfg = preset_config(preset) if preset in SEED_S else cfg
+        full_layers = full_cfg.num_hidden_layers
         last_layer = last_layer_rows(model, bool(job.get("full_last_layer")), cfg.num_hidden_layers == full_layers)
         ops = rank_ops(dev, job["gemm"], model, job.get("attention_backend", "ours")).with_attention(
             job.get("attention", "bf16"))
@@ -160,10 +162,13 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
             parts = timed.seconds()
             parts["other"] = max(total - sum(parts.values()), 0.0)
             lat = statistics.median(times)
-            est = lat * full_layers / cfg.num_hidden_layers
+            # (less the whole model's pruned last layer, as bench prefill: a cut model runs its last layer on every row)
+            est, saving = full_depth_estimate(lat, total, parts, timed.attention_by_layer_kind(), cfg.num_hidden_layers,
+                                              full_cfg, bool(job.get("full_last_layer")))
             graph = _graph_timing(model, tokens, ops, job, collective, sync, dist) if job.get("cuda_graph") else {}
             if graph.get("graph_latency_s"):
-                graph["graph_est_full_s"] = graph["graph_latency_s"] * full_layers / cfg.num_hidden_layers
+                g = graph["graph_latency_s"]
+                graph["graph_est_full_s"] = g * full_layers / cfg.num_hidden_layers - saving * g / lat
             seed_s = SEED_SHARDED_S.get(preset, {}).get((tp, ep), {}).get(n)
             flops = part_flops(cfg, n, model.prune_last_layer)
             rows.append({
@@ -172,7 +177,7 @@ def run_rank(job: dict, echo=print) -> list[dict] | None:
                 "shared_gpu": shared_gpu, "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "layers": cfg.num_hidden_layers, "full_layers": full_layers, "last_layer": last_layer,
                 "latency_s": lat, "runs_s": times, "slowest_rank_median_s": statistics.median(slowest.tolist()),
-                "est_full_s": est, "usd_per_1m_tokens": usd_per_million_tokens(est, n) * tp,
+                "est_full_s": est, "est_pruned_saving_s": saving, "usd_per_1m_tokens": usd_per_million_tokens(est, n) * tp,
                 "seed_s": seed_s, "vs_seed": seed_s / est if seed_s else None,
                 "target_s": seed_s / TARGET_VS_SEED if seed_s else None,
                 "one_gpu_seed_s": SEED_S.get(preset, {}).get(n),
@@ -216,14 +221,15 @@ def _graph_timing(model, tokens, ops, job: dict, collective: str, sync, dist) ->
 
 
 def format_sharded_row(r: dict) -> str:
+    from gptoss_fp8.bench.prefill import est_text
+
     def f(v, fmt="{:.3f}"):
         return "-" if v is None else fmt.format(v)
 
-    full = r["layers"] == r["full_layers"]
     vp = " vocab-parallel" if r.get("vocab_parallel") else ""
     head = (f"{r['model']} | tp {r['tp']} ep {r['ep']}{vp} ({r['collective']}) | {r['tokens']} tok | "
             f"layers {r['layers']}/{r['full_layers']} | latency {r['latency_s']:.4f} s (slowest rank "
-            f"{r['slowest_rank_median_s']:.4f})" + ("" if full else f" | full-model est {r['est_full_s']:.4f} s")
+            f"{r['slowest_rank_median_s']:.4f})" + est_text(r)
             + f" | ${r['usd_per_1m_tokens']:.4f}/1M tok on {r['gpus']} GPUs | seed {f(r['seed_s'])} s "
             f"(x{f(r['vs_seed'], '{:.2f}')}; target {f(r['target_s'])} s)"
             + (" | RANKS SHARE ONE GPU: not a measurement" if r["shared_gpu"] else "")
