@@ -65,9 +65,13 @@ def test_bench_kernels_hands_its_options_to_the_suites(monkeypatch, tmp_path):
     got = {}
 
     def suite(name):
-        def bench(tokens, config=None, **kw):
+        def bench(tokens, config=None, emit=None, **kw):
             got[name] = config
-            return [{"case": f"{name} T={tokens[0]}", "ms": 1.0}]
+            rows = [{"case": f"{name} T={tokens[0]}", "ms": 1.0}, {"case": f"{name} decode", "ms": 2.0}]
+            if emit is not None:  # (the attention suite: a length's rows printed as they are measured)
+                emit(rows[:1])
+                print("# attention: between lengths")
+            return rows
         return bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -85,4 +89,11 @@ def test_bench_kernels_hands_its_options_to_the_suites(monkeypatch, tmp_path):
         assert cfg.moe_gluon_down == KernelConfig().moe_gluon_down  # the rest as shipped
     assert set(got) == {"gemm", "attention"}
     rows = json.loads(out.read_text())
-    assert [r["kernel_options"] for r in rows] == [["moe_gluon_wide_gate_up.stages=3", "attention_fp8_lane_max=true"]] * 2
+    assert [r["kernel_options"] for r in rows] == [["moe_gluon_wide_gate_up.stages=3", "attention_fp8_lane_max=true"]] * 4
+    # every row printed once, the attention suite's first before the suite ends, one header a suite
+    lines = r.output.splitlines()
+    at = {c: [i for i, ln in enumerate(lines) if f" | {c} | " in ln] for c in ("attention T=64", "attention decode")}
+    between = lines.index("# attention: between lengths")
+    assert len(at["attention T=64"]) == len(at["attention decode"]) == 1
+    assert at["attention T=64"][0] < between < at["attention decode"][0]
+    assert sum(ln.startswith("suite | case | ms") for ln in lines) == 2

@@ -309,11 +309,14 @@ def _rope_rows(T: int, causal_ms: float | None, config=None) -> list[dict]:
     return rows
 
 
-def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "ours", config=None) -> list[dict]:
+def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "ours", config=None,
+          emit=None) -> list[dict]:
     """Rows of {case, ms, tflops, peer, peer_ms, peer_tflops, ratio (ours vs peer throughput)};
     ``attention`` "fp8": the FP8 prefill rows too (``_fp8_rows``). FlashInfer rows when flashinfer
     is importable; ``attention_backend="flashinfer"``: they are required (GptOssFp8Error, one line).
-    ``config``: our kernels' ``KernelConfig`` (None: the default; ``bench kernels --kernel-option``)."""
+    ``config``: our kernels' ``KernelConfig`` (None: the default; ``bench kernels --kernel-option``).
+    ``emit``: called with each length's rows, then the decode rows, as they are measured (a long run cut short
+    still shows what it measured)."""
     from gptoss_fp8.kernels import flashinfer_attention as fi
 
     if attention_backend == "flashinfer":
@@ -323,6 +326,7 @@ def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "
         print(f"# FlashInfer rows skipped: flashinfer is not importable ({' '.join(fi._load()[1].split())[:200]})")
     rows: list[dict] = []
     for T in tokens:
+        first = len(rows)
         pre = _prefill_rows(T, config)
         rows += pre
         if with_fi:
@@ -336,8 +340,12 @@ def bench(tokens: list[int], attention: str = "bf16", attention_backend: str = "
         causal_ms = next(r["ms"] for r in pre if r["case"].startswith("prefill causal"))
         rows += _rope_rows(T, causal_ms, config)
         torch.cuda.empty_cache()
-    rows += _decode_rows(config)
-    return rows
+        if emit is not None:
+            emit(rows[first:])
+    decode = _decode_rows(config)
+    if emit is not None:
+        emit(decode)
+    return rows + decode
 
 
 # ----------------------------------------------------------------------------- tile sweep

@@ -73,17 +73,23 @@ def _one_gpu_kernel_options(config, options: list[str] | None, tp: int, ep: int)
         raise GptOssFp8Error(f"--kernel-option {err}") from None
 
 
-def _print_rows(rows: list[dict]) -> None:
+def _print_rows(rows: list[dict], above: list[str] | None = None) -> list[str]:
+    """Print rows under a header of their columns (unless ``above``, the columns last printed, are the same) ->
+    their columns."""
     cols = ["suite", "case", "ms", "tflops", "peer", "peer_ms", "peer_tflops", "ratio"]
     if any("graph_ratio" in r for r in rows):  # device-time columns (CUDA-graph replay) where measured
         cols += ["graph_ms", "peer_graph_ms", "graph_ratio"]
-    typer.echo(" | ".join(cols))
+    if not rows:
+        return above or []
+    if cols != above:
+        typer.echo(" | ".join(cols))
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c, "")
             cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
         typer.echo(" | ".join(cells))
+    return cols
 
 
 @app.command("kernels", cls=TorchCommand)
@@ -126,13 +132,20 @@ def kernels(
             from gptoss_fp8.bench import kernels_gemm as mod
         else:
             from gptoss_fp8.bench import kernels_attention as mod
+        shown: list[dict] = []
+        cols: list[list[str]] = [[]]
+
+        def emit(batch: list[dict], suite=suite, shown=shown, cols=cols) -> None:  # rows printed as they are measured
+            for r in batch:
+                r.setdefault("suite", suite)
+                r["kernel_options"] = list(kernel_option or [])
+            cols[0] = _print_rows(batch, cols[0])
+            shown += batch
+
         suite_rows = (mod.bench(token_list, gemm=gemm.value, config=kernel_config) if suite == "gemm"
                       else mod.bench(token_list, attention=attention.value, attention_backend=attention_backend.value,
-                                     config=kernel_config))
-        for r in suite_rows:
-            r.setdefault("suite", suite)
-            r["kernel_options"] = list(kernel_option or [])
-        _print_rows(suite_rows)
+                                     config=kernel_config, emit=emit))
+        emit([r for r in suite_rows if not any(r is s for s in shown)])
         rows += suite_rows
     if json_out is not None:
         write_atomic(json_out, json.dumps(rows, indent=1) + "\n", overwrite=overwrite_outputs)
