@@ -87,7 +87,6 @@ VARIANTS = {
     # (46th session), with the bound of 2 / of 3
     "fp8-lin4": dict(fp8=True, exp_lin=4),
     "fp8-lin4n": dict(fp8=True, exp_lin=5),
-    "fp8-lin6": dict(fp8=True, exp_lin=6),  # 5 with PV's products carried over two steps (48th session)
     "fp8-lin16-lanemax": dict(fp8=True, exp_lin=2, lane_max=True),
     "fp8-lin16-qreg": dict(fp8=True, exp_lin=2, q_in_registers=True),
     "fp8-lin16-2st": dict(fp8=True, exp_lin=2, stages=2),

@@ -86,8 +86,6 @@
 #   must46   the forty-sixth session's must-show call (H200): fp8-lin's GPU tests, the 20b at 128000 beside fp8 and
 #            fp8-lin's forms (same process), bench prefill --attention fp8-lin with exp_lin 5 (120b at 128000, 20b at
 #            128000 and 32768; ~520 s)
-#   lin6     the forty-eighth session's exp_lin 6 (form 5 with PV's products carried over two steps): its GPU tests,
-#            attn_variants beside form 5, the 20b at 128000 beside form 5 in one process (~400 s)
 #   pending46  the forty-sixth session's exp_lin 4 / 5 (fp8-lin's codes against the running max first: no fp32 row max,
 #            no rescale in most steps) and the 45th's exp_lin 3: GPU tests, attn_variants (random inputs, then Q / K at
 #            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
@@ -692,20 +690,6 @@ if has must46; then
     --runs ${M46_RUNS:-3} --variants "${M46_AB_VARIANTS:-default,attn-fp8-lin,attn-fp8-lin5}" --attention fp8 2>&1 | grep -v Warn \
     | tee "$OUT/m46_ab.log"
   OUT="$OUT" LIN_SPECS="${M46_SPECS:-120b 128000;20b 128000;20b 32768}" LIN_KOPT=attention_exp_lin=5 PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
-fi
-
-if has lin6; then
-  # the forty-eighth session's exp_lin 6 (5 with PV's products carried over two steps): its GPU tests against the
-  # spec, the kernel beside form 5 (attn_variants, one process), then the 20b beside form 5 (ab_prefill, one process)
-  [[ ${L6_TEST_S:-120} == 0 ]] || timeout -s INT ${L6_TEST_S:-120} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
-    -k "exp_lin_gpu or prefill_fp8_lin_gpu or ws_fp8_compiles" > "$OUT/l6_tests.log" 2>&1
-  tail -6 "$OUT/l6_tests.log"
-  [[ ${L6_VAR_S:-150} == 0 ]] || timeout ${L6_VAR_S:-150} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-32768,128000} \
-    --passes ${L6_PASSES:-3} --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" --json "$OUT/l6_variants.json" 2>&1 \
-    | grep -v Warn | tee "$OUT/l6_variants.log"
-  [[ ${L6_AB_S:-200} == 0 ]] || timeout ${L6_AB_S:-200} python3 benchmarks/ab_prefill.py --model 20b \
-    --tokens ${L6_AB_TOKENS:-128000} --runs ${L6_RUNS:-3} --variants "${L6_AB_VARIANTS:-attn-fp8-lin5,attn-fp8-lin6}" \
-    --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/l6_ab.log"
 fi
 
 if has pending46; then

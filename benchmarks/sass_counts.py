@@ -96,8 +96,7 @@ def walk(ins: list[str], start: int, back: int, taken: list[bool]) -> list[int]:
 
 def fast_step(ins: list[str]) -> list[int]:
     """exp_lin 4 / 5 (FMA 6 / 7): consumer 0's 128-key step down its fast path: past the branch to the masked / exact
-    path (not taken), then the branch over the rescale taken (no code passes 126). (exp_lin 6, FMA 8: ``attention``
-    follows both ways of the branch after them, its products added into the output's or carried.)"""
+    path (not taken), then the branch over the rescale taken (no code passes 126)."""
     return walk(ins, *_step_loop(ins), [False, True])
 
 
@@ -106,16 +105,12 @@ def attention(opts: dict) -> dict:
 
     types = attention_ws_fp8.compile_types()
     consts = dict(GROUP=8, STAGES=4, PAIRS=True, ONES=True, TURN=2, REL=2) | opts  # the launcher's default
-    if consts.get("FMA") in (5, 7, 8):  # (exp_lin 3 / 5 / 6: the norms' or the bounds' pointer in trace_ptr's place)
+    if consts.get("FMA") in (5, 7):  # (exp_lin 3 / 5: the norms' or the bounds' pointer in trace_ptr's place)
         types = types | {"trace_ptr": "*fp32"}
     k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
     ins = instructions(sass_of(k["ptx"]))
     unmasked, masked = step_paths(ins)
     fast = {"fast step (no rescale)": counts([ins[i] for i in fast_step(ins)])} if consts.get("FMA") in (6, 7) else {}
-    if consts.get("FMA") == 8:  # (exp_lin 6: the fast step with its products added into the output's (odd) or not)
-        paths = [counts([ins[i] for i in walk(ins, *_step_loop(ins), [False, True, t])]) for t in (False, True)]
-        paths.sort(key=lambda c: c["FADD"])
-        fast = {"fast step (no rescale), products carried": paths[0], "fast step (no rescale), products added": paths[1]}
     return {"opts": consts, "kernel": counts(ins), "unmasked step": counts([ins[i] for i in unmasked]),
             "masked step": counts([ins[i] for i in masked]), **fast, "spill_stores": k.get("spill_stores")}
 

@@ -388,7 +388,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                  lrow_layout: gl.constexpr, pv, lp, PV2: gl.constexpr = False):
+                  lrow_layout: gl.constexpr):
         """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
         acc and lacc rescaled, m). fast (no mask, the 16-bit bound holds: a uniform scalar): the codes against the
         running max m first, their row maxima c on the packed halves (a tree of ``max.u16x2``); only where one
@@ -397,9 +397,7 @@ if HAS_GLUON:
         fp32 row max and mostly no rescale at all. m then stays one below the spec's max(ceil(sink), ceil(row max -
         3/4)) where the row max lies 3/4 to 13/16 above it: the same P up to a factor 2 that the row sum cancels,
         but for the codes that reach the clamp at 0 (below 2^-7 of the row's largest P). Otherwise (masked, or
-        clamped as floats) the fp32 row max and the spec's rule, as ``exp_lin`` 2. PV2 (``exp_lin`` 6): pv / lp, the
-        PV and row-sum products of the step before (carried into this step's MMAs), are rescaled with acc / lacc
-        (otherwise returned as they came) -> (codes a, codes b, acc, lacc, m, pv, lp)."""
+        clamped as floats) the fp32 row max and the spec's rule, as ``exp_lin`` 2."""
         if fast:
             bias = gl.expand_dims(_lin_bias(m_i) + 32768.0, 1)
             ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
@@ -417,9 +415,6 @@ if HAS_GLUON:
                 alpha = _pow2(0.0 - df)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
                 lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
-                if PV2:
-                    pv = pv * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-                    lp = lp * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
         else:
             BN: gl.constexpr = sa.type.shape[1]
             cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
@@ -434,10 +429,7 @@ if HAS_GLUON:
             m_i = m_new
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
             lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
-            if PV2:
-                pv = pv * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-                lp = lp * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
-        return ha, hb, acc, lacc, m_i, pv, lp
+        return ha, hb, acc, lacc, m_i
 
     @gluon.jit
     def _e4m3h(x):
@@ -560,11 +552,9 @@ if HAS_GLUON:
             sa0, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
         mb = sink * 0.0  # (FMA 4: the largest score bound so far, a scalar)
-        if FMA >= 7:  # (exp_lin 5 / 6: one bound for the pass, the launcher's, in qn)
+        if FMA == 7:  # (exp_lin 5: one bound for the pass, the launcher's, in qn)
             mb = qn
             lin_lo = mb + gl.maximum(sink, mb + 1.0) <= 4000.0
-        if FMA == 8:  # (exp_lin 6: the PV products carried from a step into the next's MMAs)
-            pv = zero_o
         for i in range(gl.cdiv(my_blocks, 2)):
             a = 2 * i
             r = c0 + a  # (its ring position)
@@ -575,7 +565,7 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-            if FMA >= 4 and FMA < 7:  # (exp_lin 2-4: the scores' bound so far, here so that its loads overlap the
+            if FMA >= 4 and FMA != 7:  # (exp_lin 2-4: the scores' bound so far, here so that its loads overlap the
                 # QK^T MMAs)
                 if FMA == 5:  # (the norms', a little wider for the fp32 sums' roundings)
                     nka = gl.load(trace_ptr + kv * nbk + a)
@@ -597,36 +587,21 @@ if HAS_GLUON:
                 # rescaled only in the steps that raise m)
                 # (16 bits hold every code: from below as for exp_lin 2, from above as m >= ceil(sink))
                 fast = (a + 1 < n_full) & lin_lo & (mb - sink <= 4000.0)
-                if FMA == 8:
-                    ha, hb, acc, lacc, m_i, pv, _ = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
-                                                              orow_layout, lrow_layout, pv, zero_l, True)
-                else:
-                    ha, hb, acc, lacc, m_i, _, _ = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
-                                                             orow_layout, lrow_layout, zero_o, zero_l)
+                ha, hb, acc, lacc, m_i = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
+                                                   orow_layout, lrow_layout)
                 p8a = _lin_bytes(ha, p_layout)
                 p8b = _lin_bytes(hb, p_layout)
-                # (fresh fp32 accumulators each step (6: each second step), added: the FP8 wgmma's accumulation keeps
-                # too few bits to run over thousands of keys in place, 1.6% off the spec at 4096 tokens on the H100)
-                if FMA == 8:  # (an even step starts the products afresh, an odd one adds to them and they to acc)
-                    pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), pv, use_acc=i % 2 == 1,
-                                       is_async=True)
-                    lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                       zero_l, use_acc=False, is_async=True)
-                else:
-                    pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                    lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                       zero_l, use_acc=False, is_async=True)
+                # (fresh fp32 accumulators each step, added: the FP8 wgmma's accumulation keeps too few bits to run
+                # over thousands of keys in place, 1.6% off the spec at 4096 tokens on the H100)
+                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
+                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
+                                   zero_l, use_acc=False, is_async=True)
                 lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
                                    is_async=True)
                 pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-                if FMA == 8:
-                    lacc = lacc + lp
-                    if i % 2 == 1:  # (a uniform branch over registers only)
-                        acc = acc + pv
-                else:
-                    acc = acc + pv
-                    lacc = lacc + lp
+                acc = acc + pv
+                lacc = lacc + lp
                 if not PAIR_RELEASE:
                     mbarrier.arrive(empty.index(r % S), count=1)
                 mbarrier.arrive(empty.index((r + 1) % S), count=1)
@@ -674,9 +649,6 @@ if HAS_GLUON:
                     mbarrier.arrive(empty.index(r % S), count=1)
                 mbarrier.arrive(empty.index((r + 1) % S), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
-        if FMA == 8:  # (an odd number of steps: the last one's products)
-            if gl.cdiv(my_blocks, 2) % 2 == 1:
-                acc = acc + pv
         if TURN > 0:
             for i in range(gl.cdiv(my_blocks, 2), n_turns):
                 take_turn(turn, W, k0 + i, True)
@@ -756,7 +728,7 @@ if HAS_GLUON:
         if FMA == 5:  # (exp_lin 3: the Q tile's largest row norm, e4m3 units, for the scores' bound)
             qt = q.load(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])).to(gl.float32)
             qn = gl.sqrt(gl.max(gl.sum(qt * qt, 1), 0))
-        elif FMA >= 7:  # (exp_lin 5 / 6: the launcher's bound on every score of this Q tile, log2 units)
+        elif FMA == 7:  # (exp_lin 5: the launcher's bound on every score of this Q tile, log2 units)
             qn = gl.load(trace_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if QREG:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
@@ -1000,10 +972,6 @@ if HAS_GLUON:
         # (the workers take the same arguments, spelled out: a tuple held in a variable loses its constexprs; qsrc
         # holds none)
         qsrc = (q_ptr, cos_ptr, sin_ptr, stride_qt, qk_scale)
-        # (exp_lin 6 carries a step's PV products into the next: 8 registers more a consumer thread, the producer's
-        # warp down to 24; 160 would spill inside the step loop)
-        WREGS: gl.constexpr = 168 if FMA == 8 else 160
-        PREGS: gl.constexpr = 24 if FMA == 8 else 40
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
                             sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
@@ -1021,7 +989,7 @@ if HAS_GLUON:
                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
                              PAIRS,
                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
-        ], [4, 4, 1], [WREGS, WREGS, PREGS])
+        ], [4, 4, 1], [160, 160, 40])
 
 
 def compile_types() -> dict[str, str]:
@@ -1182,9 +1150,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     a code passes 126 (``_lin_cmax``; one uniform branch a step, a warpgroup's flag reduced across its warps); 5: 4
     with 3's bound from row norms (K's from its quantization pass, ``attn_quant.quantize_qk(norms=True)``). All of them
     compute ``spec.attention_fp8(p_code="lin")`` (m = ceil(max - 3/4); 4 / 5 keep m one lower where a row's max lies 3/4
-    to 13/16 above it: the same P up to the factor the row sum cancels). 6 (forty-eighth session, opt-in): 5 with the
-    PV and row-sum products run over two steps (256 keys) in the wgmma's accumulators before each fp32 add into the
-    output's, half the adds (their carried products rescaled with the output in the steps that raise m)."""
+    to 13/16 above it: the same P up to the factor the row sum cancels)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     assert d == HEAD_DIM and hq % hkv == 0, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -1196,9 +1162,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
-    assert exp_lin in (0, 1, 2, 3, 4, 5, 6) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
-        f"exp_lin {exp_lin}: 0 to 6; with pairs and ones, no exp_fma, s16 or probe")
-    assert exp_lin not in (3, 5, 6) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
+    assert exp_lin in (0, 1, 2, 3, 4, 5) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
+        f"exp_lin {exp_lin}: 0 to 5; with pairs and ones, no exp_fma, s16 or probe")
+    assert exp_lin not in (3, 5) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
@@ -1215,17 +1181,17 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         f"q_fused: bf16 q with contiguous heads, not with s16 (q {q.dtype}, strides {q.stride()})")
     assert q_scale is None or (rope is None and not q_fused and not s16 and q.dtype == torch.float8_e4m3fn), (
         f"q_scale: an e4m3 q ({q.dtype}), no rope, q_fused or s16")
-    assert exp_lin not in (5, 6) or not q_fused, f"exp_lin {exp_lin}: not with q_fused (its bound wants the Q tiles' norms first)"
+    assert exp_lin != 5 or not q_fused, "exp_lin 5: not with q_fused (its bound wants the Q tiles' norms first)"
     q8, sq, k8, sk, vt, svs, *norms = fp8_operands(
         q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX, with_q=not q_fused and q_scale is None,
-        k_norms=exp_lin in (3, 5, 6), q_norms=exp_lin in (5, 6) and q_scale is None)
+        k_norms=exp_lin in (3, 5), q_norms=exp_lin == 5 and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
-        if exp_lin in (5, 6):
+        if exp_lin == 5:
             norms.append(key_norms(q8))
-    if exp_lin in (5, 6):
+    if exp_lin == 5:
         norms = [lin_bounds(sq, norms[1], sk, norms[0])]
-    norms = norms[0] if norms else None  # (exp_lin 3: K's quantization pass wrote them; 5 / 6: the tiles' bounds)
+    norms = norms[0] if norms else None  # (exp_lin 3: K's quantization pass wrote them; 5: the tiles' bounds)
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

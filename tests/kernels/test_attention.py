@@ -993,7 +993,7 @@ def test_prefill_fp8_lin_cpu(lens, hq, hkv, window, q_offset):
 @pytest.mark.parametrize("lens,window,q_offset", [([4096], 0, 0), ([1000, 3000, 77], 0, 0), ([333, 2000], 128, 0),
                                                   ([777], 0, 3001)])
 @pytest.mark.parametrize("tile", [None, PrefillTile(128, 64, 8, 3)])
-@pytest.mark.parametrize("exp_lin", [2, 5, 6])
+@pytest.mark.parametrize("exp_lin", [2, 5])
 def test_prefill_fp8_lin_gpu(lens, window, q_offset, tile, exp_lin):
     """``p_code="lin"`` on the GPU through ``attention_prefill``: the Gluon kernel's exp_lin (one causal sequence; the
     form ``KernelConfig.attention_exp_lin`` names) and the Triton kernel's LIN (ragged, windows, a later chunk, a given
@@ -1154,7 +1154,7 @@ def test_lin_bounds_cover_every_score(scale):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
-@pytest.mark.parametrize("exp_lin", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("exp_lin", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("spread", ["unit", "wide", "late", "rise"])
 def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     """``exp_lin`` (P * 256's e4m3 codes from the scores, no 2^x) against ``spec.attention_fp8(p_code="lin")`` under
@@ -1277,8 +1277,8 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
     """ws_attention_prefill_fp8's measurement options and ring options that cannot run together are refused
     before the quantization or a launch (no GPU needed): the MMA probe with turns (its steps take none, the
     ring would deadlock), an unknown probe, one ready barrier a step without one release a step, odd rings, exp_lin
-    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown; exp_lin 5 / 6 with
-    q_fused (no Q norms before the launch) or a trace (their pointer carries the bounds)."""
+    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown; exp_lin 5 with
+    q_fused (no Q norms before the launch)."""
     from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
     gen = torch.Generator().manual_seed(11)
@@ -1288,9 +1288,8 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
                                                                                    "even ring"),
                       (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
-                      (dict(exp_lin=7), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace"),
-                      (dict(exp_lin=5, q_fused=True), "not with q_fused"), (dict(exp_lin=6, q_fused=True), "not with q_fused"),
-                      (dict(exp_lin=6, trace=torch.zeros(1)), "no trace")):
+                      (dict(exp_lin=6), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace"),
+                      (dict(exp_lin=5, q_fused=True), "not with q_fused")):
         with pytest.raises(AssertionError, match=msg):
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
@@ -1430,10 +1429,9 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=4), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=5), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=6), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=8), 12)):
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
-        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") in (5, 7, 8) else {}  # (exp_lin 3 / 5 / 6: the K norms')
+        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") in (5, 7) else {}  # (exp_lin 3 / 5: the K norms' pointer)
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused | norms,
                                     dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
@@ -1446,11 +1444,9 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         assert len(from_regs) == (len(main) if opts.get("QREG") else len(main) // 2)
         # no byte-per-register e4m3 values (exp_lin's PTX has one cvt.u16.u32 before the loops: a lane index)
         assert ".local" not in ptx and ptx.count("cvt.u16.u32") <= (opts.get("FMA", 0) >= 3)
-        # (exp_lin 6, FMA 8: a step's PV products carried into the next, 168 registers a consumer; its 8 bytes of
-        # spill are two values of consumer 0 (152 registers) stored before its key loop and loaded after it)
-        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+" + ("168" if opts.get("FMA") == 8 else "160"), ptx)
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)
         if "spill_stores" in k:
-            assert k["spill_stores"] <= (0 if opts["PAIRS"] and opts.get("FMA") != 8 else 8), (opts, k)
+            assert k["spill_stores"] <= (0 if opts["PAIRS"] else 8), (opts, k)
         counts = (ptx.count("shfl.sync"), ptx.count("max.f32"))
         if opts == dict(PAIRS=True, ONES=True, TURN=2, REL=2):
             default = counts
