@@ -37,6 +37,8 @@ the 128-key step returned wrong rows at T <= 192 (benchmarks/attn_poison_probe.p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gptoss_fp8 import spec
@@ -1017,19 +1019,32 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n, h * d), (t.stride(0), 1))
 
 
+class Fp8Operands(NamedTuple):
+    """``fp8_operands``' result (shapes there): the e4m3 Q / K with their scales, V transposed with its channel
+    scale / 256, and (when asked) each 64-row block's largest row norm of K's / Q's e4m3 values (``key_norms``)."""
+    q8: torch.Tensor | None
+    sq: torch.Tensor | None
+    k8: torch.Tensor
+    sk: torch.Tensor
+    vt: torch.Tensor
+    sv: torch.Tensor
+    k_norms: torch.Tensor | None = None
+    q_norms: torch.Tensor | None = None
+
+
 def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0, q_max: float = FP8_MAX,
-                 with_q: bool = True, k_norms: bool = False, q_norms: bool = False):
+                 with_q: bool = True, k_norms: bool = False, q_norms: bool = False) -> Fp8Operands:
     """The kernel's operands (quant/attn_fp8.py's roundings: on CUDA the fused Triton kernels of
-    kernels/attn_quant.py, on CPU torch ops): (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
+    kernels/attn_quant.py, on CPU torch ops), an ``Fp8Operands``: (q8 [T, Hq, D], sq [Hq, nb] times sm_scale * log2 e, k8
     [Tk, Hkv, D], sk [Hkv, nbk], vt [Hkv * D, Tpad] e4m3: V transposed, its Tk keys padded with zero keys
     to a multiple of 64, each 64-key block's keys in key_order (P's operand order), and V's channel scale /
     256 [Hkv, D]). rope = (cos, sin) fp32 [>= pos0 + T, D/2]: q not yet rotated (positions pos0..pos0 + T
     - 1: a later chunk's q_offset), rotated in its quantization's pass (``attn_quant.quantize_qk(rope=)``;
     on CPU ``spec.apply_rope`` in fp32 first). q_max: what a Q block's amax maps to (``S16_Q_MAX`` for s16).
     with_q False: q8 and sq None (the kernel's ``q_fused`` makes them itself). k_norms / q_norms: also
-    ``key_norms(k8)`` / ``key_norms(q8)`` (``exp_lin`` 3 / 5's bound; on CUDA from the quantization passes),
-    returned seventh / after."""
+    ``key_norms(k8)`` / ``key_norms(q8)`` (``exp_lin`` 3 / 5's bound; on CUDA from the quantization passes;
+    else None)."""
     hkv, d = k.shape[1], k.shape[2]
     qn = []
     if q.is_cuda:
@@ -1039,10 +1054,10 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
         v8t, sv = attn_quant.quantize_v(v, key_order=key_order(), pad_to=BLOCK_N)  # [Hkv, D, Tpad]
         vt = v8t.view(hkv * d, v8t.shape[-1])
     else:
-        if rope is not None:
+        if rope is not None and with_q:
             rows = slice(pos0, pos0 + q.shape[0])
             q = spec.apply_rope(q, rope[0][rows], rope[1][rows], dtype=torch.float32)
-        q8, sq = quantize_qk(q, q_max)
+        q8, sq = quantize_qk(q, q_max) if with_q else (None, None)
         k8, sk = quantize_qk(k)
         v8t, sv = quantize_v(v)  # [Hkv, D, T]
         T = v8t.shape[-1]
@@ -1055,7 +1070,7 @@ def fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: fl
         kn = [key_norms(k8)] if k_norms else []
         qn = [key_norms(q8)] if q_norms and q8 is not None else []
     sq = None if sq is None else (sq * (sm_scale * LOG2E)).contiguous()
-    return (q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous()) + tuple(kn) + tuple(qn)
+    return Fp8Operands(q8, sq, k8, sk, vt, (sv / P_SCALE).contiguous(), kn[0] if kn else None, qn[0] if qn else None)
 
 
 def key_norms(k8: torch.Tensor) -> torch.Tensor:
@@ -1182,16 +1197,15 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert q_scale is None or (rope is None and not q_fused and not s16 and q.dtype == torch.float8_e4m3fn), (
         f"q_scale: an e4m3 q ({q.dtype}), no rope, q_fused or s16")
     assert exp_lin != 5 or not q_fused, "exp_lin 5: not with q_fused (its bound wants the Q tiles' norms first)"
-    q8, sq, k8, sk, vt, svs, *norms = fp8_operands(
+    q8, sq, k8, sk, vt, svs, kn, qn = fp8_operands(
         q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX, with_q=not q_fused and q_scale is None,
         k_norms=exp_lin in (3, 5), q_norms=exp_lin == 5 and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
         if exp_lin == 5:
-            norms.append(key_norms(q8))
-    if exp_lin == 5:
-        norms = [lin_bounds(sq, norms[1], sk, norms[0])]
-    norms = norms[0] if norms else None  # (exp_lin 3: K's quantization pass wrote them; 5: the tiles' bounds)
+            qn = key_norms(q8)
+    # (exp_lin 3: the K norms K's quantization pass wrote; 5: the Q tiles' bounds; in trace_ptr's place)
+    norms = lin_bounds(sq, qn, sk, kn) if exp_lin == 5 else kn
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

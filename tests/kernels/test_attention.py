@@ -1294,6 +1294,46 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
 
+@pytest.mark.parametrize("exp_lin,given_q", [(0, False), (3, False), (5, False), (5, True)])
+def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q):
+    """ws_attention_prefill_fp8's host side on the CPU, the kernel stood in (its launch is the GPU's): the pointer in
+    trace_ptr's place carries exp_lin 3's K norms (``key_norms(k8)``), exp_lin 5's Q tiles' bounds (``lin_bounds``
+    of the operands' scales and norms; with a given e4m3 q, its norms taken from it), else the sinks (no trace); the
+    FMA form is 2 + exp_lin; the Q / K scales are ``fp8_operands``'."""
+    from gptoss_fp8.kernels import attention_ws_fp8 as ws
+
+    gen = torch.Generator().manual_seed(21 + exp_lin)
+    q, k, v = _qkv(200, 8, 2, gen)
+    sinks = _sinks(8, gen)
+    got = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                got.update(args=args, kw=kw, grid=grid)
+            return launch
+
+    monkeypatch.setattr(ws, "_ws_attention_fp8_kernel", Kernel())
+    monkeypatch.setattr(ws, "descriptor", lambda t, block: t)
+    ops = ws.fp8_operands(q, k, v, D ** -0.5, k_norms=True, q_norms=True)
+    kw = {}
+    if given_q:  # (q already e4m3, the q / k / v GEMM's epilogue's: its scales given, not sm_scale-folded)
+        kw = dict(q_scale=ops.sq / (D ** -0.5 * ws.LOG2E))
+        q = ops.q8
+    ws.ws_attention_prefill_fp8(q, k, v, sinks, torch.empty(200, 8, D, dtype=torch.bfloat16), D ** -0.5,
+                                exp_lin=exp_lin, **kw)
+    args, consts = got["args"], got["kw"]
+    assert consts["FMA"] == (2 + exp_lin if exp_lin else 0) and got["grid"] == (8, ws.cdiv(200, 3 * 64))
+    assert torch.allclose(args[5], ops.sq) and torch.equal(args[6], ops.sk)  # (sq, sk)
+    want = {0: sinks, 3: ops.k_norms, 5: ws.lin_bounds(ops.sq, ops.q_norms, ops.sk, ops.k_norms)}[exp_lin]
+    assert args[8].shape == want.shape and torch.allclose(args[8], want), exp_lin
+    if exp_lin == 5:  # (every score of a tile within its bound)
+        x = torch.einsum("qhd,khd->hqk", ops.q8.float(), ops.k8.float().repeat_interleave(4, 1))
+        x = x * ops.sq.repeat_interleave(64, 1)[:, :200, None] * ops.sk.repeat_interleave(64, 1)[:, None, :200] \
+            .repeat_interleave(4, 0)
+        assert (x.abs().amax(2) <= args[8].repeat_interleave(64, 1)[:, :200]).all()
+
+
 def test_lin_e4m3_reads_the_mantissa_linearly():
     """quant/attn_fp8.py's ``lin_e4m3`` (the FP8 kernel's ``exp_lin``), against its definition written another way: for
     d' = d + 8 >= -6, P * 256 = 2^floor(d') (1 + r / 8) with r the fraction times 8 rounded half to even (r = 8
@@ -1360,7 +1400,8 @@ def test_fp8_operands_layout(T):
 
     gen = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(T, h, D, generator=gen).bfloat16() for h in (8, 2, 2))
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, 0.125)
+    q8, sq, k8, sk, vt, svs, kn, qn = fp8_operands(q, k, v, 0.125)
+    assert kn is None and qn is None  # (asked for neither)
     rq8, rsq = quantize_qk(q)
     assert torch.equal(q8.view(torch.uint8), rq8.view(torch.uint8))
     torch.testing.assert_close(sq, rsq * (0.125 * 1.4426950408889634), rtol=0, atol=0)
@@ -1390,7 +1431,7 @@ def test_fp8_operands_rotate_a_later_chunk_at_its_positions():
     q = torch.randn(T, 4, D, generator=gen).bfloat16()
     k, v = (torch.randn(P + T, 2, D, generator=gen).bfloat16() for _ in range(2))
     cos, sin = spec.rope_table(P + T, D, device="cpu")
-    q8, _, k8, _, vt, _ = fp8_operands(q, k, v, 0.125, rope=(cos, sin), pos0=P)
+    q8, _, k8, _, vt, *_ = fp8_operands(q, k, v, 0.125, rope=(cos, sin), pos0=P)
     want = quantize_qk(spec.apply_rope(q, cos[P:], sin[P:], dtype=torch.float32))[0]
     assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8))
     assert not torch.equal(q8.view(torch.uint8), fp8_operands(q, k, v, 0.125, rope=(cos, sin))[0].view(torch.uint8))

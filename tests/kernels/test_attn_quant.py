@@ -278,7 +278,8 @@ def test_fp8_operands_fused_gpu():
     from gptoss_fp8.kernels.attention_ws_fp8 import LOG2E, fp8_operands, key_order
 
     q, k, v = _fused_qkv(4097, 64, 8, 64, torch.bfloat16, seed=11)
-    q8, sq, k8, sk, vt, svs = fp8_operands(q, k, v, 0.125)
+    q8, sq, k8, sk, vt, svs, kn, qn = fp8_operands(q, k, v, 0.125)
+    assert kn is None and qn is None  # (asked for neither)
     rq8, rsq = attn_fp8.quantize_qk(q)
     _check_e4m3(q8, rq8)
     _check_scale(sq, rsq * (0.125 * LOG2E), ulps=2)  # a 1-ulp scale difference, then one more rounding
