@@ -89,6 +89,8 @@
 #   pending46  the forty-sixth session's exp_lin 4 / 5 (fp8-lin's codes against the running max first: no fp32 row max,
 #            no rescale in most steps) and the 45th's exp_lin 3: GPU tests, attn_variants (random inputs, then Q / K at
 #            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
+#   distinct  bench prefill --distinct-layers (49th session): the 120b cut to 14 layers with its own weights beside 7
+#            layers' repeated, then the whole 120b at 128000 on 12 layers' weights (fits 80 GB; DL_SPECS, LIN_RUNS)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -644,11 +646,20 @@ if has prefill-lin; then
     | grep -v Warn | tee "$OUT/pl_ab.log"
   IFS=';' read -ra _specs <<< "${LIN_SPECS:-20b 32768,128000}"
   for spec in "${_specs[@]}"; do
-    set -- $spec
+    set -- $spec  # model, tokens, then any more bench prefill options (their letters and digits tag the files)
+    _more="${*:3}"; _tag="${LIN_KOPT:+_$LIN_KOPT}${_more:+_${_more//[^A-Za-z0-9]/}}"
     timeout 220 python3 -m gptoss_fp8.cli.main bench prefill --model $1 --tokens $2 --runs ${LIN_RUNS:-2} --warmup 1 --no-peer \
-      --attention fp8-lin ${LIN_KOPT:+--kernel-option $LIN_KOPT} --json "$OUT/prefill_$1_$2_fp8-lin${LIN_KOPT:+_$LIN_KOPT}.json" \
-      2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_$2_fp8-lin${LIN_KOPT:+_$LIN_KOPT}.log"
+      --attention fp8-lin ${LIN_KOPT:+--kernel-option $LIN_KOPT} ${_more} --json "$OUT/prefill_$1_$2_fp8-lin${_tag}.json" \
+      2>&1 | grep -v Warn | tail -12 | tee "$OUT/prefill_$1_$2_fp8-lin${_tag}.log"
   done
+fi
+
+if has distinct; then
+  # the forty-ninth session's --distinct-layers (a layer's weights repeated through the depth, so the 120b runs whole
+  # on 80 GB): the 120b cut to 14 layers with its own weights beside the same with 7 layers' repeated (the method:
+  # equal within the spread), then the whole 120b on 12 layers' weights, all with fp8-lin (DL_SPECS as LIN_SPECS)
+  OUT="$OUT" LIN_SPECS="${DL_SPECS:-120b 128000 --layers 14;120b 128000 --layers 14 --distinct-layers 7;120b 128000 --distinct-layers 12}" \
+    PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
 fi
 
 if has quant-out-fp8; then

@@ -77,3 +77,44 @@ def test_cut_model_estimate_takes_off_the_pruned_last_layer():
             "usd_per_1m_tokens": 0.0, "gpus": 2, "seed_s": None, "vs_seed": None, "target_s": None, "shared_gpu": False,
             "parts_s": parts, "parts_total_s": total}
     assert f"full-model est {est:.4f} s (less the pruned last layer's {saving:.3f} s)" in format_sharded_row(srow)
+
+
+def test_repeated_layers_hold_their_sources_tensors_and_compute_as_copies():
+    """``random_model(distinct_layers=N)`` (``bench prefill / decode --distinct-layers``): layer i >= N holds layer
+    i mod N's tensors themselves (no bytes of its own, as ``weight_bytes`` counts them), and the model computes
+    exactly as one whose layers hold copies of them; every layer still runs. N out of range is one clear error."""
+    from gptoss_fp8.bench.prefill import check_distinct_layers, repeated_layer, weight_bytes
+    from gptoss_fp8.errors import GptOssFp8Error
+
+    cfg = preset_config("tiny", 5)
+    rep = random_model(cfg, "cpu", 3, distinct_layers=2)
+    layers = rep.model.layers
+    for i in range(2, cfg.num_hidden_layers):
+        src = dict(layers[i % 2].named_buffers())
+        assert all(t is src[name] for name, t in layers[i].named_buffers()), i
+    assert layers[0].mlp.experts.gate_up_proj is not layers[1].mlp.experts.gate_up_proj
+    assert repeated_layer("model.layers.4.mlp.router.weight", 2) == "model.layers.0.mlp.router.weight"
+    assert repeated_layer("model.layers.1.mlp.router.weight", 2) is None
+    assert repeated_layer("model.embed_tokens.weight", 2) is None and repeated_layer("model.layers.4.x", None) is None
+    unique = {t.data_ptr(): t.numel() * t.element_size() for _, t in rep.named_buffers()}
+    assert weight_bytes(cfg, distinct_layers=2) == sum(unique.values()) < weight_bytes(cfg)
+    # the same model with copies: its first two layers are the same seeded tensors; the rest, its own random ones
+    # until they are replaced by clones of the repeated model's
+    full = random_model(cfg, "cpu", 3)
+    w = "mlp.experts.gate_up_proj"
+    same = [torch.equal(full.model.layers[i].get_buffer(w).float(), layers[i].get_buffer(w).float()) for i in range(5)]
+    assert same == [True, True, False, False, False]
+    for i in range(cfg.num_hidden_layers):
+        for name, t in layers[i].named_buffers():
+            mod_name, _, attr = name.rpartition(".")
+            setattr(full.model.layers[i].get_submodule(mod_name), attr, t.clone())
+    tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(6))
+    timed = TimedOps(get_ops("weights"), cfg.num_local_experts, cuda=False)
+    got = prefill_logits(rep, tokens, timed)
+    assert torch.equal(got, prefill_logits(full, tokens, get_ops("weights")))
+    assert sum(d["calls"] for d in timed.attention_by_layer_kind().values()) == cfg.num_hidden_layers
+    assert check_distinct_layers(None, cfg) is None and check_distinct_layers(5, cfg) is None
+    assert check_distinct_layers(3, cfg) == 3
+    for bad in (0, 6):
+        with pytest.raises(GptOssFp8Error, match=f"--distinct-layers {bad}: the model has 5 layers; pass 1 to 5"):
+            check_distinct_layers(bad, cfg)

@@ -389,13 +389,20 @@ def test_bench_decode_floor_and_cost():
     assert bd.cache_bytes(cfg, 64, 32768) == 64 * kv_token * (12 * 32768 + 12 * 128)
 
 
-def test_bench_decode_runs_on_cpu():
+@pytest.mark.parametrize("distinct_layers", [None, 1])
+def test_bench_decode_runs_on_cpu(distinct_layers):
+    """bench decode's command path on the CPU (the figures mean nothing); with --distinct-layers 1 the second layer
+    repeats the first's weights, and the header and rows say so."""
     from gptoss_fp8.bench import decode as bd
     from gptoss_fp8.model.ops import W8A8CpuOps
 
     lines = []
-    rows = bd.bench("tiny", [1, 3], [12], runs=2, warmup=1, device="cpu", ops=W8A8CpuOps(), echo=lines.append)
+    rows = bd.bench("tiny", [1, 3], [12], runs=2, warmup=1, device="cpu", ops=W8A8CpuOps(), echo=lines.append,
+                    distinct_layers=distinct_layers)
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 12), (3, 12)]
+    rep = "(weights of 1 layer, repeated)"
+    assert [r["distinct_layers"] for r in rows] == [distinct_layers] * 2
+    assert (rep in lines[1]) == ("repeated through the rest" in lines[0]) == (distinct_layers is not None)
     for r in rows:
         assert r["ms_per_step"] > 0 and len(r["runs_s"]) == 2 and r["floor_ratio"] > 0
         assert r["cache_bytes"] == bd.cache_bytes(bd.preset_config("tiny"), r["batch"], 13)

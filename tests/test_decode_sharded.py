@@ -265,8 +265,8 @@ def test_sharded_decode_bench_on_the_gpu_kernels():
 
 
 def test_cli_layout_options():
-    """bench decode / bench prefill take --tp / --ep / --vocab-parallel; vocab-parallel needs tp > 1
-    (checked before the GPU check, so also here)."""
+    """bench decode / bench prefill take --tp / --ep / --vocab-parallel; vocab-parallel needs tp > 1, and
+    --distinct-layers one GPU (both checked before the GPU check, so also here)."""
     from typer.testing import CliRunner
 
     from gptoss_fp8.cli.main import app
@@ -276,3 +276,6 @@ def test_cli_layout_options():
         assert res.exit_code == 0 and all(o in res.output for o in ("--tp", "--ep", "--vocab-parallel")), cmd
         res = CliRunner().invoke(app, ["bench", cmd, "--vocab-parallel"])
         assert res.exit_code != 0 and "give --tp 2 or more" in res.output, (cmd, res.output)
+        assert "--distinct-layers" in CliRunner().invoke(app, ["bench", cmd, "--help"], env={"COLUMNS": "200"}).output
+        res = CliRunner().invoke(app, ["bench", cmd, "--tp", "2", "--distinct-layers", "4"])
+        assert res.exit_code != 0 and "--distinct-layers is for one GPU" in res.output, (cmd, res.output)

@@ -462,6 +462,23 @@ def test_adopt_padded_leaves_one_copy_and_the_same_outputs(fake_dg, tiny_ckpt):
     assert torch.equal(model(tokens, _ops()), want_dg)
 
 
+def test_adopt_padded_pads_a_shared_tensor_once():
+    """A tensor several modules hold (bench's ``--distinct-layers`` repeats a layer's) gets one padded copy: every
+    holder gets the same view and the padding is counted once, so the repeated model still fits."""
+    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.config import preset_config
+
+    cfg = preset_config("tiny", 4)
+    rep, whole = random_model(cfg, "cpu", 2, distinct_layers=2), random_model(cfg, "cpu", 2)
+    deepgemm.clear_cache()
+    added_rep, added_whole = deepgemm.adopt_padded(rep), deepgemm.adopt_padded(whole)
+    assert 0 < added_rep and added_rep * 2 == added_whole  # (every FP8 tensor is a layer's: 2 of 4 distinct)
+    a, b = (rep.model.layers[i].mlp.experts.gate_up_proj for i in (0, 2))
+    assert a is b and a._base is not None and a.shape[-1] % 128
+    assert rep.model.layers[1].mlp.experts.gate_up_proj._base is not a._base
+    assert deepgemm.adopt_padded(rep) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # The real DeepGEMM (GPU machine, deep_gemm importable: BENCHMARKS.md "How to run the peers")
 

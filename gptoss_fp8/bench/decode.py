@@ -56,7 +56,14 @@ import time
 
 import torch
 
-from gptoss_fp8.bench.prefill import GPU_HOUR_USD, random_model, usd_per_million_tokens
+from gptoss_fp8.bench.prefill import (
+    GPU_HOUR_USD,
+    check_distinct_layers,
+    distinct_text,
+    random_model,
+    repeated_text,
+    usd_per_million_tokens,
+)
 from gptoss_fp8.config import GptOssConfig, preset_config
 from gptoss_fp8.model.cache import KVCache
 from gptoss_fp8.model.gptoss import GptOss, local_heads
@@ -148,7 +155,8 @@ def row_figures(cfg: GptOssConfig, batch: int, context: int, step_s: float) -> d
 def format_row(r: dict) -> str:
     if r.get("skipped"):
         return f"{r['model']} b={r['batch']} ctx={r['context']}: skipped ({r['skipped']})"
-    return (f"{r['model']} L{r['layers']} b={r['batch']} ctx={r['context']}: {r['ms_per_step']:.3f} ms/step, "
+    rep = f" ({repeated_text(r['distinct_layers'])})" if r.get("distinct_layers") else ""
+    return (f"{r['model']} L{r['layers']}{rep} b={r['batch']} ctx={r['context']}: {r['ms_per_step']:.3f} ms/step, "
             f"{r['tok_s_per_user']:.0f} tok/s/user, {r['tok_s_total']:.0f} tok/s total, "
             f"${r['usd_per_1m_tokens']:.3f}/1M tok; floor {r['floor_ms']:.3f} ms "
             f"({r['floor_bytes']['total'] / 1e9:.2f} GB at {HBM_BPS / 1e12:.2f} TB/s), floor/ours "
@@ -214,10 +222,11 @@ def _breakdown(model, cache, tokens, ops, reset, num_experts: int, cuda: bool) -
 def bench(preset: str, batches: list[int], contexts: list[int], layers: int | None = None, runs: int = 20,
           warmup: int = 3, seed: int = 0, echo=print, device: str = "cuda", ops=None,
           kernel_config=None, peer: bool = True, peer_steps: int = 20,
-          peer_modes: tuple[str, ...] | None = None) -> list[dict]:
+          peer_modes: tuple[str, ...] | None = None, distinct_layers: int | None = None) -> list[dict]:
     """One row per (context, batch): ms per step (median), tokens/s, $/1M, floor, cache bytes;
     with ``peer`` (20b on a GPU) the transformers peer's step beside it, in ``peer_modes`` (None:
-    both; module docstring).
+    both; module docstring). ``distinct_layers``: weights of their own for the first N layers only,
+    repeated through the rest (``random_model``; the row's ``distinct_layers``).
 
     On ``cuda`` (the bench): the ``triton`` backend and CUDA-graph replay. ``device="cpu"`` with
     a CPU ``ops`` backend runs eager steps: the command path and the arithmetic (timings then
@@ -225,17 +234,19 @@ def bench(preset: str, batches: list[int], contexts: list[int], layers: int | No
     cfg = preset_config(preset, layers)
     full_layers = preset_config(preset).num_hidden_layers
     cuda = device == "cuda"
+    distinct_layers = check_distinct_layers(distinct_layers, cfg)
     if cuda:
         from gptoss_fp8.bench.prefill import check_fits
         from gptoss_fp8.model.graph import DecodeGraphs
         from gptoss_fp8.model.triton_ops import TritonOps
 
-        check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers")
+        check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers", distinct_layers=distinct_layers)
         ops = ops or TritonOps(config=kernel_config)
     t0 = time.perf_counter()
-    model = random_model(cfg, device, seed)
+    model = random_model(cfg, device, seed, distinct_layers=distinct_layers)
     what = f"{torch.cuda.get_device_name()}" if cuda else "cpu"
-    echo(f"# {preset}: {cfg.num_hidden_layers} of {full_layers} layers, random FP8 weights on {what} in "
+    echo(f"# {preset}{distinct_text(distinct_layers)}: {cfg.num_hidden_layers} of {full_layers} layers, "
+         f"random FP8 weights on {what} in "
          f"{time.perf_counter() - t0:.1f} s; KV cache random bf16 (no prefill), CUDA-graph replay: {cuda}")
     graphs = DecodeGraphs(model, ops) if cuda else None
     gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -245,7 +256,7 @@ def bench(preset: str, batches: list[int], contexts: list[int], layers: int | No
             max_len = context + 1  # the step writes row ``context`` (lengths reset before each step)
             need = cache_bytes(cfg, batch, max_len)
             base = {"model": preset, "layers": cfg.num_hidden_layers, "full_layers": full_layers, "batch": batch,
-                    "context": context, "cache_bytes": need}
+                    "context": context, "cache_bytes": need, "distinct_layers": distinct_layers}
             if cuda:
                 free, _ = torch.cuda.mem_get_info()
                 if need + HEADROOM > free:

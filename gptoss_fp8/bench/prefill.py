@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import statistics
 import time
 import zlib
@@ -74,16 +75,38 @@ def _fill_fp8(t: torch.Tensor, gen: torch.Generator, chunk: int = 1 << 27) -> No
         flat[s:e] = r.clamp_(-448, 448).to(FP8_DTYPE)
 
 
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def repeated_layer(name: str, distinct_layers: int | None) -> str | None:
+    """The name of the tensor that ``name`` repeats when only the first ``distinct_layers`` layers
+    have weights of their own (layer i takes layer i mod ``distinct_layers``'s), or None when it is
+    its own (a tensor outside the layers, or no repetition)."""
+    m = _LAYER_NAME.match(name)
+    if distinct_layers is None or m is None or int(m.group(1)) < distinct_layers:
+        return None
+    return f"model.layers.{int(m.group(1)) % distinct_layers}.{m.group(2)}"
+
+
 @torch.no_grad()
-def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: int = 0, par: Parallel = SINGLE) -> GptOss:
+def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: int = 0, par: Parallel = SINGLE,
+                 distinct_layers: int | None = None) -> GptOss:
     """A GptOss (rank ``par`` of its layout) with random weights at cfg's shapes, built on ``device``
     (FP8 attention). Each tensor has its own generator, seeded by (seed, name, and the rank for a
     shard): tensors every rank holds whole (embedding, norms, router, lm_head) are the same on every
-    rank, as in a real layout; shards differ."""
+    rank, as in a real layout; shards differ. ``distinct_layers``: only the first N layers get
+    weights of their own; layer i (i >= N) holds layer i mod N's tensors themselves (no copy), so
+    every layer of a model too large for the GPU runs, each reading its weights from memory as the
+    whole model's would (a layer's experts are far larger than the L2; ``repeated_layer``)."""
     model = GptOss(cfg, par, attn_fp8=True)
     expected = model.expected()
     whole = expected if par.world == 1 else GptOss(cfg, SINGLE, attn_fp8=True).expected()
+    repeats = {}
     for name, (shape, dtype) in expected.items():
+        src = repeated_layer(name, distinct_layers)
+        if src is not None:
+            repeats[name] = src
+            continue
         shard = par.rank + 1 if whole.get(name, (None,))[0] != shape else 0
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * shard)
         if dtype == FP8_DTYPE:
@@ -102,6 +125,10 @@ def random_model(cfg: GptOssConfig, device: str | torch.device = "cuda", seed: i
             t = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) / math.sqrt(shape[-1])).to(dtype)
         mod_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(mod_name), attr, t)
+    for name, src in repeats.items():
+        mod_name, _, attr = name.rpartition(".")
+        src_mod, _, src_attr = src.rpartition(".")
+        setattr(model.get_submodule(mod_name), attr, getattr(model.get_submodule(src_mod), src_attr))
     return model
 
 
@@ -320,7 +347,7 @@ def _sync_time(fn) -> float:
 def bench(preset: str, token_list: list[int], layers: int | None = None, runs: int = 5, warmup: int = 2,
           moe_chunk: int | None = None, seed: int = 0, peer: bool = True, peer_runs: int = 3, echo=print,
           checkpoint: Path | None = None, cuda_graph: bool = False, kernel_config=None,
-          attention: str = "bf16", full_last_layer: bool = False) -> list[dict]:
+          attention: str = "bf16", full_last_layer: bool = False, distinct_layers: int | None = None) -> list[dict]:
     """One row per token count: median latency, $/1M tokens, seed figures, floor, breakdown, and
     (``peer``, when transformers is importable) transformers' bf16 GptOss on the same shapes and
     tokens in the same run, after our model is freed. ``checkpoint``: time a converted (tp=1)
@@ -331,11 +358,16 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     "bf16" or "fp8" (the FP8 Triton kernel, operands quantized per call; the row's ``attention``; the
     attention floor stays the bf16 one). ``full_last_layer``: the last layer on every row, not only on
     the last past its K / V (``last_layer_rows``; the row's ``last_layer``). ``moe_chunk``: tokens per MoE call
-    (None: the model's ``default_moe_chunk``; the row's ``moe_chunk``)."""
+    (None: the model's ``default_moe_chunk``; the row's ``moe_chunk``). ``distinct_layers``: weights of
+    their own for the first N layers only, repeated through the rest (``random_model``): every layer
+    runs, on a GPU that cannot hold them all (the row's ``distinct_layers``)."""
     from gptoss_fp8.model.triton_ops import TritonOps
 
     t0 = time.perf_counter()
     if checkpoint is not None:
+        if distinct_layers is not None:
+            raise GptOssFp8Error("--distinct-layers repeats random weights at a preset's shapes; a --checkpoint "
+                                 "brings its own weights for every layer")
         model = load_checkpoint(checkpoint, layers)
         cfg = model.cfg
         preset = matching_preset(cfg) or Path(checkpoint).name
@@ -345,9 +377,10 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
     else:
         cfg = preset_config(preset, layers)
         full_cfg = preset_config(preset)
-        check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers")
-        model = random_model(cfg, "cuda", seed)
-        what = preset
+        distinct_layers = check_distinct_layers(distinct_layers, cfg)
+        check_fits(cfg, f"{preset} with {cfg.num_hidden_layers} layers", distinct_layers=distinct_layers)
+        model = random_model(cfg, "cuda", seed, distinct_layers=distinct_layers)
+        what = preset + distinct_text(distinct_layers)
     full_layers = full_cfg.num_hidden_layers
     torch.cuda.synchronize()
     echo(f"# {what}: {cfg.num_hidden_layers} of {full_layers} layers on {torch.cuda.get_device_name()} in "
@@ -402,7 +435,7 @@ def bench(preset: str, token_list: list[int], layers: int | None = None, runs: i
             "parts_tflops": {p: flops[p] / parts[p] / 1e12 for p in flops if parts.get(p)},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "transformers_s": None, "transformers_note": None, "attention": attention, "last_layer": last_layer,
-            "moe_chunk": moe_chunk,
+            "moe_chunk": moe_chunk, "distinct_layers": distinct_layers,
         }
         if cuda_graph:
             row.update(_graph_timing(model, tokens, ops, moe_chunk, runs))
@@ -450,24 +483,55 @@ def matching_preset(cfg: GptOssConfig) -> str | None:
     return None
 
 
-def weight_bytes(cfg: GptOssConfig, par: Parallel = SINGLE) -> int:
+def weight_bytes(cfg: GptOssConfig, par: Parallel = SINGLE, distinct_layers: int | None = None) -> int:
     """Bytes of one rank's tensors (FP8 experts and attention, bf16 embeddings and lm_head; the
-    whole model at tp 1)."""
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in GptOss(cfg, par, attn_fp8=True).expected().values())
+    whole model at tp 1); with ``distinct_layers``, those ``random_model`` allocates (repeated
+    layers hold no bytes of their own)."""
+    return sum(math.prod(shape) * dtype.itemsize for name, (shape, dtype) in GptOss(cfg, par, attn_fp8=True).expected().items()
+               if repeated_layer(name, distinct_layers) is None)
 
 
-def check_fits(cfg: GptOssConfig, what: str, device: str = "cuda", par: Parallel = SINGLE, sharers: int = 1) -> None:
+def check_fits(cfg: GptOssConfig, what: str, device: str = "cuda", par: Parallel = SINGLE, sharers: int = 1,
+               distinct_layers: int | None = None) -> None:
     """One-line error when the weights alone (of rank ``par``, times the ``sharers`` ranks on its
-    GPU) cannot fit the GPU's free memory."""
-    need = weight_bytes(cfg, par) * sharers
+    GPU; of ``distinct_layers`` layers repeated) cannot fit the GPU's free memory."""
+    need = weight_bytes(cfg, par, distinct_layers) * sharers
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     if need > free:
         who, more = "", ""
         if par.world > 1:
             who = f" at tp {par.tp} ep {par.ep}: rank {par.rank}" + (f" ({sharers} ranks on one GPU)" if sharers > 1 else "")
             more = ", or a larger --tp"
+        if distinct_layers is not None:
+            more = " or a smaller --distinct-layers"
+        elif par.world == 1:
+            more = ", or --distinct-layers N to run every layer on N layers' weights"
         raise GptOssFp8Error(f"{what}{who} needs {need / 2**30:.1f} GiB of weights, {free / 2**30:.1f} GiB are free on "
                              f"the GPU; pass --layers N to build fewer layers{more}")
+
+
+def check_distinct_layers(distinct_layers: int | None, cfg: GptOssConfig) -> int | None:
+    """``--distinct-layers`` checked against the layers built -> N, or None where every layer has its own
+    weights anyway (N = the depth)."""
+    if distinct_layers is None:
+        return None
+    if distinct_layers < 1 or distinct_layers > cfg.num_hidden_layers:
+        raise GptOssFp8Error(f"--distinct-layers {distinct_layers}: the model has {cfg.num_hidden_layers} layers; "
+                             f"pass 1 to {cfg.num_hidden_layers}")
+    return None if distinct_layers == cfg.num_hidden_layers else distinct_layers
+
+
+def repeated_text(distinct_layers: int) -> str:
+    """A row's note of ``--distinct-layers N``."""
+    return f"weights of {distinct_layers} layer{'s' * (distinct_layers > 1)}, repeated"
+
+
+def distinct_text(distinct_layers: int | None) -> str:
+    """The model line's note of repeated weights ("" for none)."""
+    if distinct_layers is None:
+        return ""
+    return (f" (weights of its first {distinct_layers} layers repeated through the rest: each layer reads its "
+            "weights from memory as the whole model's would; timing only, not a model's logits)")
 
 
 def load_checkpoint(checkpoint: Path, layers: int | None) -> GptOss:
@@ -529,7 +593,8 @@ def format_row(r: dict) -> str:
             f"seed {f(r['seed_s'])} s (x{f(r['seed_s'] / est if r['seed_s'] else None, '{:.2f}')}) | "
             f"transformers (issue) {f(r['transformers_issue_s'])} s | target {f(r['target_s'])} s | "
             f"floor {r['floor_s']:.4f} s (latency / floor x{r['latency_s'] / r['floor_s']:.2f}) | "
-            f"peak mem {r['peak_mem_gib']:.1f} GiB" + (f" | last layer: {r['last_layer']}" if r.get("last_layer") else ""))
+            f"peak mem {r['peak_mem_gib']:.1f} GiB" + (f" | last layer: {r['last_layer']}" if r.get("last_layer") else "")
+            + (f" | {repeated_text(r['distinct_layers'])}" if r.get("distinct_layers") else ""))
     if r.get("graph_latency_s") is not None:
         head += (f"\n  CUDA graph: latency {r['graph_latency_s']:.4f} s (eager / graph "
                  f"x{r['latency_s'] / r['graph_latency_s']:.3f}; "

@@ -14,6 +14,7 @@ from gptoss_fp8.cli.common import (
     AttentionBackendOption,
     AttentionOption,
     BenchVocabParallel,
+    DistinctLayersOption,
     EpOption,
     Gemm,
     GemmOption,
@@ -21,6 +22,7 @@ from gptoss_fp8.cli.common import (
     OverwriteOutputs,
     TorchCommand,
     TpOption,
+    check_one_gpu_distinct_layers,
     check_vocab_parallel,
 )
 from gptoss_fp8.errors import GptOssFp8Error
@@ -177,6 +179,7 @@ def prefill(
         help="Run the last layer on every row, as a forward of all rows' logits would. Default: past its K / V "
              "only on the last row, the one whose logits a prefill returns (a model cut by --layers runs every "
              "row).")] = False,
+    distinct_layers: DistinctLayersOption = None,
     gemm: GemmOption = Gemm.ours,
     attention: AttentionOption = Attention.bf16,
     attention_backend: AttentionBackendOption = AttentionBackend.ours,
@@ -196,6 +199,7 @@ def prefill(
     if json_out is not None:
         check_output_path(json_out, overwrite=overwrite_outputs, forbidden=[checkpoint] if checkpoint else [], option="--json")
     check_vocab_parallel(vocab_parallel, tp)
+    check_one_gpu_distinct_layers(distinct_layers, tp, ep)
     kernel_config = _one_gpu_kernel_options(_kernel_config(gemm, attention_backend), kernel_option, tp, ep)
     import torch
 
@@ -213,6 +217,7 @@ def prefill(
     if tp > 1 or ep > 1:
         from gptoss_fp8.bench.prefill_sharded import bench_sharded
 
+
         if torch.cuda.device_count() < tp:
             typer.echo(f"# {torch.cuda.device_count()} GPU(s) for {tp} ranks: ranks share a GPU over gloo "
                        "(the mechanics run; the figures are not a measurement)")
@@ -223,7 +228,8 @@ def prefill(
     else:
         rows = run_prefill(model, token_list, layers, runs=runs, warmup=warmup, moe_chunk=moe_chunk, peer=peer,
                            peer_runs=peer_runs, echo=typer.echo, checkpoint=checkpoint, cuda_graph=cuda_graph,
-                           kernel_config=kernel_config, attention=attention.value, full_last_layer=full_last_layer)
+                           kernel_config=kernel_config, attention=attention.value, full_last_layer=full_last_layer,
+                           distinct_layers=distinct_layers)
         for r in rows:
             r["kernel_options"] = list(kernel_option or [])
     if json_out is not None and rows:
@@ -251,6 +257,7 @@ def decode(
     ep: EpOption = 1,
     vocab_parallel: BenchVocabParallel = False,
     kernel_option: KernelOptionOption = None,
+    distinct_layers: DistinctLayersOption = None,
     overwrite_outputs: OverwriteOutputs = False,
 ) -> None:
     """Decode step latency per (batch, context) on our kernels as a replayed CUDA graph, random FP8
@@ -272,6 +279,7 @@ def decode(
     if not peer_modes or any(m not in PEER_MODES for m in peer_modes):
         raise GptOssFp8Error(f"--peer-mode {peer_mode!r}: give one or more of {', '.join(PEER_MODES)}, comma-separated")
     check_vocab_parallel(vocab_parallel, tp)
+    check_one_gpu_distinct_layers(distinct_layers, tp, ep)
     kernel_config = _one_gpu_kernel_options(None, kernel_option, tp, ep)
     import torch
 
@@ -291,7 +299,8 @@ def decode(
         if kernel_option:
             typer.echo(f"# kernel options: {' '.join(kernel_option)}")
         rows = run_decode(model, batches, contexts, layers, runs=runs, echo=typer.echo, peer=peer,
-                          peer_steps=peer_steps, peer_modes=peer_modes, kernel_config=kernel_config)
+                          peer_steps=peer_steps, peer_modes=peer_modes, kernel_config=kernel_config,
+                          distinct_layers=distinct_layers)
         for r in rows:
             r["kernel_options"] = list(kernel_option or [])
     if json_out is not None and rows:  # under torchrun only rank 0 has rows

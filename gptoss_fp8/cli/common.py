@@ -233,9 +233,20 @@ TpOption = Annotated[int, typer.Option(min=1, max=64, help=(
     "Tensor-parallel ranks, one process per GPU (started here, or run under torchrun --nproc-per-node TP); "
     "NCCL all-reduces."))]
 EpOption = Annotated[int, typer.Option(min=1, max=64, help="Expert-parallel groups (must divide --tp).")]
+DistinctLayersOption = Annotated[int | None, typer.Option(min=1, help=(
+    "One GPU, random weights: only the first N layers get weights of their own, the rest repeat them (no copy), "
+    "so every layer of a model too large for the GPU runs (the 120b on an 80 GB card: 12, say), each reading its "
+    "weights from memory as the whole model's would. Timing only: the logits are not a model's."))]
 BenchVocabParallel = Annotated[bool, typer.Option(
     help="With --tp: the embedding and lm_head split by vocabulary rows over the ranks (of random weights; "
          "a bench prefill --checkpoint's own layout decides for it).")]
+
+def check_one_gpu_distinct_layers(distinct_layers: int | None, tp: int, ep: int) -> None:
+    """--distinct-layers repeats one GPU's layers: one line, before any work, with --tp / --ep."""
+    if distinct_layers is not None and (tp > 1 or ep > 1):
+        raise GptOssFp8Error("--distinct-layers is for one GPU; with --tp / --ep each rank holds its own shard of "
+                             "every layer (pass --layers N to build fewer)")
+
 
 def check_vocab_parallel(vocab_parallel: bool, tp: int) -> None:
     """--vocab-parallel asks for a split over --tp ranks: one line, before any work, at tp 1 (where

@@ -169,17 +169,19 @@ def adopt_padded(model) -> int:
     kernels would copy them per call (``.contiguous()``), so a model adopted here is for the
     deep_gemm backend and the spec. Returns the bytes of padding added. Call it once after
     loading, before the first GEMM (what ``verify-logits --gemm deep_gemm`` and ``bench prefill
-    --gemm deep_gemm`` do)."""
-    added = 0
+    --gemm deep_gemm`` do). A tensor several modules hold (bench's repeated layers) gets one copy."""
+    added, views = 0, {}
     for mod in model.modules():
         for name, t in list(mod.named_buffers(recurse=False)):
             if t is None or t.dtype != FP8_DTYPE or t.dim() < 2 or t.shape[-1] % BLOCK == 0:
                 continue
-            padded = pad_k(t)
-            if padded is t._base:  # adopted already
-                continue
-            setattr(mod, name, padded[..., :t.shape[-1]])
-            added += padded.numel() - t.numel()
+            if id(t) not in views:
+                padded = pad_k(t)
+                if padded is t._base:  # adopted already
+                    continue
+                views[id(t)] = (t, padded[..., :t.shape[-1]])  # t kept: its id stays its own
+                added += padded.numel() - t.numel()
+            setattr(mod, name, views[id(t)][1])
     return added
 
 
