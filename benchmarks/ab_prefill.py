@@ -71,7 +71,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from gptoss_fp8.bench.prefill import GraphedPrefill, prefill_logits, random_model
+from gptoss_fp8.bench.prefill import GraphedPrefill, check_distinct_layers, prefill_logits, random_model
 from gptoss_fp8.config import preset_config
 from gptoss_fp8.kernels.config import GluonTile, KernelConfig
 from gptoss_fp8.model.ops import ATTENTION_KINDS, ReferenceOps, W8A8CpuOps
@@ -262,9 +262,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--variants", default="default,graph")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="bf16", help="prefill attention numerics")
+    p.add_argument("--distinct-layers", type=int, default=None,
+                   help="weights of the first N layers only, repeated through the depth (bench prefill's option)")
     a = p.parse_args()
     cfg_model = preset_config(a.model)
-    model = random_model(cfg_model, "cuda")
+    model = random_model(cfg_model, "cuda", distinct_layers=check_distinct_layers(a.distinct_layers, cfg_model))
     for n in [int(t) for t in a.tokens.split(",")]:
         ops = TritonOps(config=KernelConfig()).with_attention(a.attention)
         make = {
