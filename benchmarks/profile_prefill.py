@@ -13,6 +13,7 @@ import torch
 
 from gptoss_fp8.bench.prefill import prefill_logits, random_model
 from gptoss_fp8.config import preset_config
+from gptoss_fp8.model.ops import ATTENTION_KINDS
 from gptoss_fp8.model.triton_ops import TritonOps
 
 
@@ -22,7 +23,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--rows", type=int, default=40)
-    p.add_argument("--attention", choices=("bf16", "fp8"), default="bf16", help="prefill attention numerics")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="bf16", help="prefill attention numerics")
     a = p.parse_args()
     cfg = preset_config(a.model, a.layers)
     model = random_model(cfg, "cuda")
