@@ -217,7 +217,6 @@ def prefill(
     if tp > 1 or ep > 1:
         from gptoss_fp8.bench.prefill_sharded import bench_sharded
 
-
         if torch.cuda.device_count() < tp:
             typer.echo(f"# {torch.cuda.device_count()} GPU(s) for {tp} ranks: ranks share a GPU over gloo "
                        "(the mechanics run; the figures are not a measurement)")

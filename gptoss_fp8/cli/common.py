@@ -241,6 +241,7 @@ BenchVocabParallel = Annotated[bool, typer.Option(
     help="With --tp: the embedding and lm_head split by vocabulary rows over the ranks (of random weights; "
          "a bench prefill --checkpoint's own layout decides for it).")]
 
+
 def check_one_gpu_distinct_layers(distinct_layers: int | None, tp: int, ep: int) -> None:
     """--distinct-layers repeats one GPU's layers: one line, before any work, with --tp / --ep."""
     if distinct_layers is not None and (tp > 1 or ep > 1):
