@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from gptoss_fp8.bench import serve as bs
 from gptoss_fp8.cli.main import app
+from gptoss_fp8.errors import GptOssFp8Error
 
 pytest.importorskip("openai_harmony")
 
@@ -39,14 +40,48 @@ def test_bench_launch_and_bad_arguments(harmony_ckpt, monkeypatch):
     import gptoss_fp8.serve.server as server
 
     chunks, real_build = [], server.build
-    monkeypatch.setattr(server, "build", lambda *a, **kw: chunks.append(kw["chunk"]) or real_build(*a, **kw))
+    monkeypatch.setattr(server, "build",
+                        lambda *a, **kw: chunks.append((kw["chunk"], kw["attention"])) or real_build(*a, **kw))
     r = CliRunner().invoke(app, ["bench", "serve", "--launch", str(harmony_ckpt), "--device", "cpu", "--mode", "weights",
                                  "--concurrency", "2", "--prompt-len", "5", "--output-len", "2", "--requests", "2",
-                                 "--prefill-chunk", "2"])
+                                 "--prefill-chunk", "2", "--attention", "fp8"])
     assert r.exit_code == 0, r.output
-    assert chunks == [2]  # 5-token prompts in chunks of 2, 2, 1
+    assert chunks == [(2, "fp8")]  # 5-token prompts in chunks of 2, 2, 1; the launched server's attention
     assert "KV cache: 2 slots x 8 tokens" in r.output and "\n5 | 2 | 2 | 0 | " in r.output
     r = CliRunner().invoke(app, ["bench", "serve"])
     assert r.exit_code != 0
     summary = bs.summarize([bs.Timing(0.0, error="HTTP 429")], 1.0, prompt_len=1, concurrency=1)
     assert summary["failed"] == 1 and summary["tokens_per_s"] == 0
+
+
+def test_bench_serve_synthetic_options(monkeypatch):
+    """--synthetic passes --distinct-layers to the random weights (checked against the depth first) and
+    --attention to the server; both are refused, one line each, where no server is launched."""
+    import gptoss_fp8.bench.prefill as bp
+    import gptoss_fp8.serve.server as server
+
+    built, started = [], []
+    monkeypatch.setattr(bp, "random_model", lambda cfg, dev, distinct_layers=None, **kw:
+                        built.append((cfg.num_hidden_layers, dev.type, distinct_layers)) or "weights")
+
+    def start(model, opts, *a):
+        started.append((model, opts["attention"]))
+        raise GptOssFp8Error("no server in this test")
+
+    monkeypatch.setattr(server, "start_model", start)
+    synth = ["bench", "serve", "--synthetic", "120b", "--device", "cpu", "--concurrency", "1", "--prompt-len", "8",
+             "--output-len", "2"]
+    r = CliRunner().invoke(app, synth + ["--distinct-layers", "12", "--attention", "fp8-lin"])
+    assert r.exit_code == 1 and "no server in this test" in r.output, r.output
+    assert built == [(36, "cpu", 12)] and started == [("weights", "fp8-lin")]
+    assert "weights of its first 12 layers repeated" in r.output
+    r = CliRunner().invoke(app, synth + ["--distinct-layers", "36"])  # every layer its own: no repetition
+    assert r.exit_code == 1 and built[-1] == (36, "cpu", None) and started[-1] == ("weights", "bf16")
+    r = CliRunner().invoke(app, synth + ["--layers", "4", "--distinct-layers", "5"])
+    assert r.exit_code == 1 and "--distinct-layers 5: the model has 4 layers; pass 1 to 4" in r.output
+    assert len(built) == 2  # refused before any weights
+    for extra, why in ((["--distinct-layers", "2"], "it goes with --synthetic PRESET"),
+                       (["--attention", "fp8"], "a server at URL keeps the numerics it was started with")):
+        r = CliRunner().invoke(app, ["bench", "serve", "http://127.0.0.1:1", *extra])
+        assert r.exit_code == 1 and why in r.output, r.output
+    assert len(built) == 2

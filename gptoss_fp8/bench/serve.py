@@ -387,16 +387,18 @@ def plot(rows: list[dict], path, title: str = "gptoss-fp8 serve", decode_rows: l
 def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cuda", mode: str = "auto",
                     max_batch: int = 8, max_context: int | None = None, chunk: int | None = None,
                     max_waiting: int | None = None, api_key: str | None = None,
-                    echo=print, attention: str = "bf16"):
+                    echo=print, attention: str = "bf16", distinct_layers: int | None = None):
     """The server over random FP8 weights at a preset's real shapes (``bench.prefill.random_model``,
     as ``bench prefill`` / ``bench decode`` time them; first ``layers`` layers), built on the device
     with no checkpoint on disk: ``bench serve --synthetic``. -> serve.server's Served. The replies are noise; the speed is the
-    model's."""
+    model's. ``distinct_layers``: only the first N layers' weights, repeated through the rest (``random_model``), so
+    that a model larger than the GPU serves every layer (the 120b on an 80 GB card); on CUDA the weights are checked
+    against the free memory first (one line, ``check_fits``)."""
     from types import SimpleNamespace
 
     import torch
 
-    from gptoss_fp8.bench.prefill import random_model
+    from gptoss_fp8.bench.prefill import check_distinct_layers, check_fits, distinct_text, random_model
     from gptoss_fp8.config import preset_config
     from gptoss_fp8.serve.server import check_options, start_model
 
@@ -404,11 +406,15 @@ def build_synthetic(preset: str, *, layers: int | None = None, device: str = "cu
     name = f"synthetic-{preset}" + (f"-{layers}l" if layers else "")
     opts = check_options(SimpleNamespace(config=cfg, path=name), device=device, mode=mode, max_batch=max_batch,
                          max_context=max_context, chunk=chunk, attention=attention)
+    distinct_layers = check_distinct_layers(distinct_layers, cfg)
     dev = torch.device(device)
+    if dev.type == "cuda":
+        check_fits(cfg, f"{name} with {cfg.num_hidden_layers} layers", device, distinct_layers=distinct_layers)
     t0 = time.perf_counter()
-    model = random_model(cfg, dev)
-    echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights) on {dev} in {time.perf_counter() - t0:.1f} s, "
-         f"mode {opts['mode']}" + (f", {attention.upper()} prefill attention" if attention != "bf16" else ""))
+    model = random_model(cfg, dev, distinct_layers=distinct_layers)
+    echo(f"built {name} ({cfg.num_hidden_layers} layers, random weights{distinct_text(distinct_layers)}) on {dev} in "
+         f"{time.perf_counter() - t0:.1f} s, mode {opts['mode']}"
+         + (f", {attention.upper()} prefill attention" if attention != "bf16" else ""))
     return start_model(model, opts, max_waiting, api_key, name, echo)
 
 

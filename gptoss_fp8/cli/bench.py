@@ -344,6 +344,10 @@ def serve(
     warmup: Annotated[int | None, typer.Option(
         min=0, help="Requests sent at once before the cases, unmeasured (default: the largest concurrency with "
                     "--peer transformers, none with ours).")] = None,
+    attention: Annotated[Attention, typer.Option(
+        help="--launch / --synthetic: the launched server's prefill attention numerics (as `serve --attention`: bf16, "
+             "fp8 or fp8-lin; a server at URL keeps its own).")] = Attention.bf16,
+    distinct_layers: DistinctLayersOption = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON here.")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the curves here.")] = None,
     decode_json: Annotated[Path | None, typer.Option(
@@ -358,6 +362,12 @@ def serve(
         raise GptOssFp8Error("give exactly one of URL, --launch DST, --synthetic PRESET or --null-model")
     if peer != "gptoss" and url is None:
         raise GptOssFp8Error(f"--peer {peer} measures a server already running at URL")
+    if attention != Attention.bf16 and launch is None and synthetic is None:
+        raise GptOssFp8Error(f"--attention {attention.value} sets the server this command launches (--launch / "
+                             "--synthetic); a server at URL keeps the numerics it was started with")
+    if distinct_layers is not None and synthetic is None:
+        raise GptOssFp8Error("--distinct-layers repeats random weights: it goes with --synthetic PRESET (a checkpoint "
+                             "brings its own weights for every layer)")
     for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
         if out is not None:
             check_output_path(out, overwrite=overwrite_outputs, option=opt)
@@ -378,7 +388,8 @@ def serve(
         from gptoss_fp8.serve.server import Server, build
 
         served = build(launch, device=device, mode=mode, max_batch=max(conc), max_context=max(lens) + output_len + 1,
-                       chunk=prefill_chunk, api_key=api_key, model_name=model_name, echo=typer.echo)
+                       chunk=prefill_chunk, api_key=api_key, model_name=model_name, echo=typer.echo,
+                       attention=attention.value)
         server = Server(served).start()
         url = server.url
     elif synthetic is not None:
@@ -387,7 +398,7 @@ def serve(
 
         served = build_synthetic(synthetic, layers=layers, device=device, mode=mode, max_batch=max(conc),
                                  max_context=max(lens) + output_len + 1, chunk=prefill_chunk, api_key=api_key,
-                                 echo=typer.echo)
+                                 echo=typer.echo, attention=attention.value, distinct_layers=distinct_layers)
         server = Server(served).start()
         url = server.url
     elif null_model:
