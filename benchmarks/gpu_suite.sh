@@ -91,6 +91,9 @@
 #            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
 #   distinct  bench prefill --distinct-layers (49th session): the 120b cut to 14 layers with its own weights beside 7
 #            layers' repeated, then the whole 120b at 128000 on 12 layers' weights (fits 80 GB; DL_SPECS, LIN_RUNS)
+#   moe120   the 120b's MoE beside the 20b's (50th session: 8% more time a layer for the same FLOPs): profile_prefill.py
+#            on both (4 layers, 128000 tokens, fp8-lin), then moe_parts.py's stage-scales tiles at group_m 8 / 16 / 32 /
+#            64 back to back at 128 and 32 experts (M120_TOKENS, M120_EXPERTS, M120_PLAN_S)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -660,6 +663,17 @@ if has distinct; then
   # equal within the spread), then the whole 120b on 12 layers' weights, all with fp8-lin (DL_SPECS as LIN_SPECS)
   OUT="$OUT" LIN_SPECS="${DL_SPECS:-120b 128000 --layers 14;120b 128000 --layers 14 --distinct-layers 7;120b 128000 --distinct-layers 12}" \
     PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
+fi
+
+if has moe120; then
+  for m in ${M120_MODELS:-20b 120b}; do
+    timeout 90 python3 benchmarks/profile_prefill.py --model $m --layers 4 --tokens ${M120_TOKENS:-128000} --attention fp8-lin \
+      --rows 18 2>&1 | grep -v Warn | tee "$OUT/m120_profile_$m.log"
+  done
+  for e in ${M120_EXPERTS:-128 32}; do
+    timeout 100 python3 benchmarks/moe_parts.py --tokens ${M120_TOKENS:-128000} --experts $e --plans ${M120_PLAN_S:-3} \
+      --only "stage scales" 2>&1 | grep -v "Warn\|^tile\|^round" | tee "$OUT/m120_parts_$e.log"
+  done
 fi
 
 if has quant-out-fp8; then
