@@ -93,7 +93,8 @@
 #            layers' repeated, then the whole 120b at 128000 on 12 layers' weights (fits 80 GB; DL_SPECS, LIN_RUNS)
 #   moe120   the 120b's MoE beside the 20b's (50th session: 8% more time a layer for the same FLOPs): profile_prefill.py
 #            on both (4 layers, 128000 tokens, fp8-lin), then moe_parts.py's stage-scales tiles at group_m 8 / 16 / 32 /
-#            64 back to back at 128 and 32 experts (M120_TOKENS, M120_EXPERTS, M120_PLAN_S)
+#            64 back to back at 128 and 32 experts (M120_TOKENS, M120_EXPERTS, M120_PLAN_S), then the whole 120b on 12
+#            layers' weights beside group_m 32, same process (M120_VARIANTS, M120_AB_S)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -674,6 +675,10 @@ if has moe120; then
     timeout 100 python3 benchmarks/moe_parts.py --tokens ${M120_TOKENS:-128000} --experts $e --plans ${M120_PLAN_S:-3} \
       --only "stage scales" 2>&1 | grep -v "Warn\|^tile\|^round" | tee "$OUT/m120_parts_$e.log"
   done
+  # the whole 120b (12 layers' weights repeated: fits 80 GB) beside the MoE tiles' other tile-order groups
+  [[ ${M120_AB_S:-200} == 0 ]] || timeout ${M120_AB_S:-200} python3 benchmarks/ab_prefill.py --model 120b --distinct-layers 12 \
+    --tokens ${M120_TOKENS:-128000} --runs ${M120_RUNS:-3} --variants "${M120_VARIANTS:-default,wide-g32}" --attention fp8-lin \
+    2>&1 | grep -v Warn | tee "$OUT/m120_ab.log"
 fi
 
 if has quant-out-fp8; then
