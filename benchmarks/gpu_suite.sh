@@ -91,7 +91,7 @@
 #            a trained model's amax), the 20b beside fp8 / fp8-lin (P46_AB_S, off by default)
 #   distinct  bench prefill --distinct-layers (49th session): the 120b cut to 14 layers with its own weights beside 7
 #            layers' repeated, then the whole 120b at 128000 on 12 layers' weights (fits 80 GB; DL_SPECS, LIN_RUNS)
-#   moe120   the 120b's MoE beside the 20b's (50th session: 8% more time a layer for the same FLOPs): profile_prefill.py
+#   moe120   the 120b's MoE beside the 20b's (50th session: 8-10% more a layer, same FLOPs): profile_prefill.py
 #            on both (4 layers, 128000 tokens, fp8-lin), then moe_parts.py's stage-scales tiles at group_m 8 / 16 / 32 /
 #            64 back to back at 128 and 32 experts (M120_TOKENS, M120_EXPERTS, M120_PLAN_S), then the whole 120b on 12
 #            layers' weights beside group_m 32, same process (M120_VARIANTS, M120_AB_S)
