@@ -405,7 +405,8 @@ if HAS_GLUON:
             ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
             hb = _lin_pack16(sb * (cb * 8.0) + bias, p_layout)
             c = _halves_umax(gl.reduce(_umax16(ha, hb), 1, _umax16)) - 32768
-            if gl.max(c, 0) > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
+            cm = gl.max(c, 0)
+            if cm > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
                 d = gl.maximum(c - 119, 0) >> 3
                 # (u - 8 d in each half by one 32-bit subtract: the bound keeps each code - 8 d above -32768, so
                 # no half borrows)
@@ -418,6 +419,7 @@ if HAS_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
                 lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
         else:
+            cm = a * 0 + 127  # (a code may be live: the PV product taken)
             BN: gl.constexpr = sa.type.shape[1]
             cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
             xa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
@@ -431,7 +433,23 @@ if HAS_GLUON:
             m_i = m_new
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
             lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
-        return ha, hb, acc, lacc, m_i
+        return ha, hb, acc, lacc, m_i, cm
+
+    @gluon.jit
+    def _lin_pv(ha, hb, va, vb, ones, acc, lacc, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
+        """``exp_lin`` 4-6's PV step: the two blocks' codes (``_lin_cmax``) as e4m3 P8, P8 V over their 128 keys and
+        P8 times the tile of ones (the row sum), fresh fp32 accumulators each step added to acc / lacc (the FP8
+        wgmma's accumulation keeps too few bits to run over thousands of keys in place, 1.6% off the spec at 4096
+        tokens on the H100)."""
+        p8a = _lin_bytes(ha, p_layout)
+        p8b = _lin_bytes(hb, p_layout)
+        pv = warpgroup_mma(p8a, va, zero_o, use_acc=False, is_async=True)
+        pv = warpgroup_mma(p8b, vb, pv, is_async=True)
+        lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones, zero_l, use_acc=False,
+                           is_async=True)
+        lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones, lp, is_async=True)
+        pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+        return acc + pv, lacc + lp
 
     @gluon.jit
     def _e4m3h(x):
@@ -535,7 +553,8 @@ if HAS_GLUON:
         with a tighter bound, |q8 . k8| <= |q8| |k8|: qn the Q tile's largest row norm, each key block's from
         trace_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's; no trace then). FMA 6 / 7 (``exp_lin`` 4 /
         5): ``_lin_cmax``'s step, with FMA 4's bound (6) or one bound for the whole pass in qn (7: the launcher's, a
-        Q tile's scores' in log2 units). -> (acc, l)."""
+        Q tile's scores' in log2 units); FMA 8 (``exp_lin`` 6): 7, a fast step whose codes are all <= 0 skipping its
+        PV and row-sum MMAs (``_lin_pv``). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -554,7 +573,7 @@ if HAS_GLUON:
             sa0, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             acc = gl.convert_layout(sa0, acc.type.layout, assert_trivial=True)
         mb = sink * 0.0  # (FMA 4: the largest score bound so far, a scalar)
-        if FMA == 7:  # (exp_lin 5: one bound for the pass, the launcher's, in qn)
+        if FMA >= 7:  # (exp_lin 5 / 6: one bound for the pass, the launcher's, in qn)
             mb = qn
             lin_lo = mb + gl.maximum(sink, mb + 1.0) <= 4000.0
         for i in range(gl.cdiv(my_blocks, 2)):
@@ -567,7 +586,7 @@ if HAS_GLUON:
             _stamp(trace_ptr, m_i, rows, 1, i, W, TRACE)
             ca = cq * gl.load(sk_ptr + kv * nbk + a)
             cb = cq * gl.load(sk_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
-            if FMA >= 4 and FMA != 7:  # (exp_lin 2-4: the scores' bound so far, here so that its loads overlap the
+            if FMA >= 4 and FMA < 7:  # (exp_lin 2-4: the scores' bound so far, here so that its loads overlap the
                 # QK^T MMAs)
                 if FMA == 5:  # (the norms', a little wider for the fp32 sums' roundings)
                     nka = gl.load(trace_ptr + kv * nbk + a)
@@ -589,21 +608,18 @@ if HAS_GLUON:
                 # rescaled only in the steps that raise m)
                 # (16 bits hold every code: from below as for exp_lin 2, from above as m >= ceil(sink))
                 fast = (a + 1 < n_full) & lin_lo & (mb - sink <= 4000.0)
-                ha, hb, acc, lacc, m_i = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
-                                                   orow_layout, lrow_layout)
-                p8a = _lin_bytes(ha, p_layout)
-                p8b = _lin_bytes(hb, p_layout)
-                # (fresh fp32 accumulators each step, added: the FP8 wgmma's accumulation keeps too few bits to run
-                # over thousands of keys in place, 1.6% off the spec at 4096 tokens on the H100)
-                pv = warpgroup_mma(p8a, v_bufs.index(r % S).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                pv = warpgroup_mma(p8b, v_bufs.index((r + 1) % S).permute((1, 0)), pv, is_async=True)
-                lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones.permute((1, 0)),
-                                   zero_l, use_acc=False, is_async=True)
-                lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones.permute((1, 0)), lp,
-                                   is_async=True)
-                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-                acc = acc + pv
-                lacc = lacc + lp
+                ha, hb, acc, lacc, m_i, cm = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
+                                                       orow_layout, lrow_layout)
+                va = v_bufs.index(r % S).permute((1, 0))
+                vb = v_bufs.index((r + 1) % S).permute((1, 0))
+                if FMA == 8:  # (exp_lin 6: a fast step whose codes are all <= 0 for the warpgroup has P8 = 0: its PV
+                    # and row-sum products are zeros, and adding them changes no bit, so they are skipped)
+                    if cm > 0:
+                        acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
+                                            pl_layout)
+                else:
+                    acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
+                                        pl_layout)
                 if not PAIR_RELEASE:
                     mbarrier.arrive(empty.index(r % S), count=1)
                 mbarrier.arrive(empty.index((r + 1) % S), count=1)
@@ -730,7 +746,7 @@ if HAS_GLUON:
         if FMA == 5:  # (exp_lin 3: the Q tile's largest row norm, e4m3 units, for the scores' bound)
             qt = q.load(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])).to(gl.float32)
             qn = gl.sqrt(gl.max(gl.sum(qt * qt, 1), 0))
-        elif FMA == 7:  # (exp_lin 5: the launcher's bound on every score of this Q tile, log2 units)
+        elif FMA >= 7:  # (exp_lin 5 / 6: the launcher's bound on every score of this Q tile, log2 units)
             qn = gl.load(trace_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if QREG:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
@@ -1149,7 +1165,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     program holds two heads (one 128-column group) and makes a pass over the keys for each (``_fp8_consume``'s
     QOUT), so the bf16 rows are neither written nor read again (out unused). two_heads (measurement only, with
     quant_out's conditions, not quant_out): the same two heads a program, each head's bf16 rows into out as without
-    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 to 5, with
+    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 to 6, with
     pairs and ones; ``spec.attention_fp8(p_code="lin")``'s numerics, not the default's): no 2^x; each P * 256 is the
     e4m3 byte whose bits are round(8 (x - m + 8) + 56) clamped at 0 (x the score, m the running max, log2 units):
     2^x's exponent exact, its 3 mantissa bits read linearly from x's fraction (Schraudolph's trick in e4m3; at most
@@ -1163,7 +1179,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     4 (forty-sixth session): the codes against the running max first, no fp32 row max: their row maxima on the packed
     16-bit codes (as code + 32768, unsigned), m raised from them and the accumulators rescaled only in the steps where
     a code passes 126 (``_lin_cmax``; one uniform branch a step, a warpgroup's flag reduced across its warps); 5: 4
-    with 3's bound from row norms (K's from its quantization pass, ``attn_quant.quantize_qk(norms=True)``). All of them
+    with 3's bound from row norms (K's from its quantization pass, ``attn_quant.quantize_qk(norms=True)``); 6 (fifty-first
+    session): 5 with a fast step whose codes are all <= 0 for the warpgroup (P8 = 0, its products zeros) skipping its
+    PV and row-sum MMAs (``_lin_pv``), the same bytes as 5: one compare and branch a step more. All of them
     compute ``spec.attention_fp8(p_code="lin")`` (m = ceil(max - 3/4); 4 / 5 keep m one lower where a row's max lies 3/4
     to 13/16 above it: the same P up to the factor the row sum cancels)."""
     T, hq, d = q.shape
@@ -1177,9 +1195,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
-    assert exp_lin in (0, 1, 2, 3, 4, 5) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
-        f"exp_lin {exp_lin}: 0 to 5; with pairs and ones, no exp_fma, s16 or probe")
-    assert exp_lin not in (3, 5) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
+    assert exp_lin in (0, 1, 2, 3, 4, 5, 6) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
+        f"exp_lin {exp_lin}: 0 to 6; with pairs and ones, no exp_fma, s16 or probe")
+    assert exp_lin not in (3, 5, 6) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
@@ -1196,16 +1214,16 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         f"q_fused: bf16 q with contiguous heads, not with s16 (q {q.dtype}, strides {q.stride()})")
     assert q_scale is None or (rope is None and not q_fused and not s16 and q.dtype == torch.float8_e4m3fn), (
         f"q_scale: an e4m3 q ({q.dtype}), no rope, q_fused or s16")
-    assert exp_lin != 5 or not q_fused, "exp_lin 5: not with q_fused (its bound wants the Q tiles' norms first)"
+    assert exp_lin < 5 or not q_fused, f"exp_lin {exp_lin}: not with q_fused (its bound wants the Q tiles' norms first)"
     q8, sq, k8, sk, vt, svs, kn, qn = fp8_operands(
         q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX, with_q=not q_fused and q_scale is None,
-        k_norms=exp_lin in (3, 5), q_norms=exp_lin == 5 and q_scale is None)
+        k_norms=exp_lin in (3, 5, 6), q_norms=exp_lin >= 5 and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
-        if exp_lin == 5:
+        if exp_lin >= 5:
             qn = key_norms(q8)
-    # (exp_lin 3: the K norms K's quantization pass wrote; 5: the Q tiles' bounds; in trace_ptr's place)
-    norms = lin_bounds(sq, qn, sk, kn) if exp_lin == 5 else kn
+    # (exp_lin 3: the K norms K's quantization pass wrote; 5 / 6: the Q tiles' bounds; in trace_ptr's place)
+    norms = lin_bounds(sq, qn, sk, kn) if exp_lin >= 5 else kn
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
         q8, sq = torch.empty((WG_ROWS, hq, d), dtype=k8.dtype, device=q.device), sk

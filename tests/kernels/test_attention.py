@@ -1154,7 +1154,7 @@ def test_lin_bounds_cover_every_score(scale):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 65, 200, 1000, 4099])
-@pytest.mark.parametrize("exp_lin", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("exp_lin", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("spread", ["unit", "wide", "late", "rise"])
 def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     """``exp_lin`` (P * 256's e4m3 codes from the scores, no 2^x) against ``spec.attention_fp8(p_code="lin")`` under
@@ -1190,6 +1190,34 @@ def test_ws_fp8_exp_lin_gpu(T, exp_lin, spread):
     err, err0 = ((o - exact).norm() / exact.norm()).item(), ((default - exact).norm() / exact.norm()).item()
     # (P's linear codes err up to 6.1% against 2^x rounded to e4m3's 3.1%; at T = 1 one key a row, nothing averages)
     assert err <= (4 if T == 1 else 2) * err0 + 1e-3, f"vs exact attention: {err:.2e} against the default's {err0:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [300, 4099])
+@pytest.mark.parametrize("live", ["first", "every4"])
+def test_ws_fp8_exp_lin_skip_gpu(T, live):
+    """``exp_lin`` 6 (5 with the fast steps whose codes are all <= 0 for the warpgroup skipping their PV and row-sum
+    MMAs) gives exactly form 5's bytes where most steps are skipped: sinks of 15 (m >= 22 in log2 units from the
+    start) and K's rows ~0.2x the random inputs' except in the live 128-key blocks (the first, or every fourth: the
+    skipped steps between live ones), whose scores reach the sink's; and it is within the lin spec's tolerance."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    hq, hkv = 16, 2
+    gen = torch.Generator().manual_seed(T + len(live))
+    q, k, v = _qkv(T, hq, hkv, gen)
+    blk = torch.arange(T, device=k.device) // 128
+    hot = (blk == 0) if live == "first" else (blk % 4 == 0)
+    scale = torch.where(hot, 12.0, 0.2)
+    q, k = (q.float() * 3).bfloat16(), (k.float() * scale[:, None, None]).bfloat16()
+    sinks = torch.full((hq,), 15.0, dtype=torch.bfloat16, device=q.device)
+    _poison(T, hq, D)
+    out6 = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=6)
+    out5 = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=5)
+    assert torch.equal(out6, out5)
+    ref = spec.attention_fp8(q, k, v, sinks, None, 0, p_code="lin").float()
+    assert ref.norm() > 0 and (ref[-1].norm() > 0)  # (the live blocks reach every row: not an all-zero output)
+    rel = ((out6.float() - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-2, f"rel {rel:.2e} vs the spec"
 
 
 @pytest.mark.gpu
@@ -1277,8 +1305,8 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
     """ws_attention_prefill_fp8's measurement options and ring options that cannot run together are refused
     before the quantization or a launch (no GPU needed): the MMA probe with turns (its steps take none, the
     ring would deadlock), an unknown probe, one ready barrier a step without one release a step, odd rings, exp_lin
-    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown; exp_lin 5 with
-    q_fused (no Q norms before the launch)."""
+    with turns passed on after a 2^x (none left: a deadlock), without the row sum's MMA, or unknown; exp_lin 5 / 6
+    with q_fused (no Q norms before the launch)."""
     from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
     gen = torch.Generator().manual_seed(11)
@@ -1288,16 +1316,17 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
                                                                                    "even ring"),
                       (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
-                      (dict(exp_lin=6), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace"),
-                      (dict(exp_lin=5, q_fused=True), "not with q_fused")):
+                      (dict(exp_lin=7), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace"),
+                      (dict(exp_lin=5, q_fused=True), "not with q_fused"),
+                      (dict(exp_lin=6, q_fused=True), "not with q_fused")):
         with pytest.raises(AssertionError, match=msg):
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
 
-@pytest.mark.parametrize("exp_lin,given_q", [(0, False), (3, False), (5, False), (5, True)])
+@pytest.mark.parametrize("exp_lin,given_q", [(0, False), (3, False), (5, False), (5, True), (6, False)])
 def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q):
     """ws_attention_prefill_fp8's host side on the CPU, the kernel stood in (its launch is the GPU's): the pointer in
-    trace_ptr's place carries exp_lin 3's K norms (``key_norms(k8)``), exp_lin 5's Q tiles' bounds (``lin_bounds``
+    trace_ptr's place carries exp_lin 3's K norms (``key_norms(k8)``), exp_lin 5 / 6's Q tiles' bounds (``lin_bounds``
     of the operands' scales and norms; with a given e4m3 q, its norms taken from it), else the sinks (no trace); the
     FMA form is 2 + exp_lin; the Q / K scales are ``fp8_operands``'."""
     from gptoss_fp8.kernels import attention_ws_fp8 as ws
@@ -1325,7 +1354,8 @@ def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q
     args, consts = got["args"], got["kw"]
     assert consts["FMA"] == (2 + exp_lin if exp_lin else 0) and got["grid"] == (8, ws.cdiv(200, 3 * 64))
     assert torch.allclose(args[5], ops.sq) and torch.equal(args[6], ops.sk)  # (sq, sk)
-    want = {0: sinks, 3: ops.k_norms, 5: ws.lin_bounds(ops.sq, ops.q_norms, ops.sk, ops.k_norms)}[exp_lin]
+    bounds = ws.lin_bounds(ops.sq, ops.q_norms, ops.sk, ops.k_norms)
+    want = {0: sinks, 3: ops.k_norms, 5: bounds, 6: bounds}[exp_lin]
     assert args[8].shape == want.shape and torch.allclose(args[8], want), exp_lin
     if exp_lin == 5:  # (every score of a tile within its bound)
         x = torch.einsum("qhd,khd->hqk", ops.q8.float(), ops.k8.float().repeat_interleave(4, 1))
@@ -1470,9 +1500,10 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=4), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=5), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=6), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12)):
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=8), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
-        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") in (5, 7) else {}  # (exp_lin 3 / 5: the K norms' pointer)
+        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") in (5, 7, 8) else {}  # (exp_lin 3 / 5 / 6: the norms' pointer)
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused | norms,
                                     dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
@@ -1501,7 +1532,7 @@ def test_prefill_ws_fp8_compiles_for_sm90():
         elif opts.get("FMA", 0) >= 3:  # (exp_lin) no 2^x in the key loop: only the sink's, once a pass; the codes
             # clamped as 32-bit integers (3) or 16-bit pairs (4)
             assert ptx.count("ex2.approx") <= 3, ptx.count("ex2.approx")
-            if opts["FMA"] >= 6:  # (exp_lin 4 / 5) codes + 32768 as unsigned halves: maxima (a tree a consumer) and
+            if opts["FMA"] >= 6:  # (exp_lin 4-6) codes + 32768 as unsigned halves: maxima (a tree a consumer) and
                 # the clamps by max.u16x2
                 assert ptx.count("max.u16x2") >= 3 * (16 + 32) and "max.relu.s16x2" not in ptx, ptx.count("max.u16x2")
             else:
