@@ -319,11 +319,13 @@ if HAS_GLUON:
         return (_LIN_MAGIC + 120.0) - 8.0 * m
 
     @gluon.jit
-    def _lin_floor(y):
-        """``exp_lin``'s codes clamped at 0 as floats (max with 1.5 * 2^23; -inf too). Not pure, so that the compiler
-        keeps the branch it sits in (a pure max it computes on both sides of the branch and selects)."""
-        return gl.inline_asm_elementwise("max.f32 $0, $1, 0f4B400000;", "=f,f", [y], dtype=gl.float32, is_pure=False,
-                                         pack=1)
+    def _lin_floor(y, U: gl.constexpr = False):
+        """``exp_lin``'s codes clamped at 0 as floats (max with 1.5 * 2^23; -inf too); U: ``_lin_pack16``'s codes, u
+        clamped at 32768 (code 0; max with 1.5 * 2^23 + 32768). Not pure, so that the compiler keeps the branch it
+        sits in (a pure max it computes on both sides of the branch and selects)."""
+        FLOOR: gl.constexpr = "0f4B408000" if U else "0f4B400000"
+        return gl.inline_asm_elementwise("max.f32 $0, $1, " + FLOOR + ";", "=f,f", [y], dtype=gl.float32,
+                                         is_pure=False, pack=1)
 
     @gluon.jit
     def _lin_e4m3(y, FMA: gl.constexpr):
@@ -383,12 +385,6 @@ if HAS_GLUON:
                                          pack=4)
 
     @gluon.jit
-    def _lin_floor_u(y):
-        """``_lin_floor`` for ``_lin_pack16``'s codes: u clamped at 32768 (code 0) as a float (-inf too); not pure."""
-        return gl.inline_asm_elementwise("max.f32 $0, $1, 0f4B408000;", "=f,f", [y], dtype=gl.float32, is_pure=False,
-                                         pack=1)
-
-    @gluon.jit
     def _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
                   lrow_layout: gl.constexpr):
         """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
@@ -427,8 +423,8 @@ if HAS_GLUON:
             m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
             m_new = gl.maximum(m_i, _ceil(m_blk - 0.75))
             bias = gl.expand_dims(_lin_bias(m_new) + 32768.0, 1)
-            ha = _lin_pack16(_lin_floor_u(xa * 8.0 + bias), p_layout)
-            hb = _lin_pack16(_lin_floor_u(xb * 8.0 + bias), p_layout)
+            ha = _lin_pack16(_lin_floor(xa * 8.0 + bias, True), p_layout)
+            hb = _lin_pack16(_lin_floor(xb * 8.0 + bias, True), p_layout)
             alpha = _pow2(m_i - m_new)
             m_i = m_new
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
