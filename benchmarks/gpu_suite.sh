@@ -96,8 +96,9 @@
 #            64 back to back at 128 and 32 experts (M120_TOKENS, M120_EXPERTS, M120_PLAN_S), then the whole 120b on 12
 #            layers' weights beside group_m 32, same process (M120_VARIANTS, M120_AB_S)
 #   lin6     the fifty-first session's exp_lin 6 (5 with a fast step whose codes are all <= 0 skipping its PV and
-#            row-sum MMAs, the same bytes): its GPU tests (6 against 5 bit for bit, against the lin spec), then
-#            attn_variants beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7)
+#            row-sum MMAs) and 7 (5 with the fast step's PV issued before the warpgroup's largest code is known), both
+#            the same bytes as 5: their GPU tests (against 5 bit for bit, against the lin spec), then attn_variants
+#            beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -686,12 +687,12 @@ fi
 
 if has lin6; then
   [[ ${L6_TEST_S:-120} == 0 ]] || timeout -s INT ${L6_TEST_S:-120} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
-    -k "exp_lin_skip or (exp_lin_gpu and 6-)" > "$OUT/l6_tests.log" 2>&1
+    -k "exp_lin_same_bytes or (exp_lin_gpu and (6- or 7-))" > "$OUT/l6_tests.log" 2>&1
   tail -4 "$OUT/l6_tests.log"
   [[ ${L6_VAR_S:-120} == 0 ]] || timeout ${L6_VAR_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
-    --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 | tee "$OUT/l6_variants.log"
+    --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6,fp8-lin7}" 2>&1 | grep -v Warn | tail -6 | tee "$OUT/l6_variants.log"
   [[ ${L6_WIDE_S:-120} == 0 ]] || timeout ${L6_WIDE_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
-    --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 \
+    --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6,fp8-lin7}" 2>&1 | grep -v Warn | tail -6 \
     | tee "$OUT/l6_wide.log"
 fi
 
