@@ -99,6 +99,9 @@
 #            row-sum MMAs) and 7 (5 with the fast step's PV issued before the warpgroup's largest code is known), both
 #            the same bytes as 5: their GPU tests (against 5 bit for bit, against the lin spec), then attn_variants
 #            beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7)
+#   must51   the fifty-first session's must-show call (H200, ~550 s): bench prefill --attention fp8-lin on the 120b at
+#            128000 (exp_lin 5, the default form), lin6's GPU tests, the 120b again with exp_lin 7 where they passed,
+#            the 20b at 128000 with 5 beside 7 (same process), bench prefill on the 20b at 32768 and 128000 (M51_FORM)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -694,6 +697,18 @@ if has lin6; then
   [[ ${L6_WIDE_S:-120} == 0 ]] || timeout ${L6_WIDE_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
     --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6,fp8-lin7}" 2>&1 | grep -v Warn | tail -6 \
     | tee "$OUT/l6_wide.log"
+fi
+
+if has must51; then
+  OUT="$OUT" LIN_SPECS="120b 128000" LIN_KOPT=attention_exp_lin=5 LIN_RUNS=${M51_RUNS:-3} PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
+  OUT="$OUT" L6_TEST_S=${M51_TEST_S:-100} L6_VAR_S=0 L6_WIDE_S=0 bash "$0" lin6
+  if grep -q " passed" "$OUT/l6_tests.log" && ! grep -q "failed\|error" "$OUT/l6_tests.log"; then
+    OUT="$OUT" LIN_SPECS="120b 128000" LIN_KOPT=attention_exp_lin=7 LIN_RUNS=${M51_RUNS:-3} PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
+    [[ ${M51_AB_S:-120} == 0 ]] || timeout ${M51_AB_S:-120} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 \
+      --runs 3 --variants default,attn-fp8-lin7 --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/m51_ab.log"
+  fi
+  OUT="$OUT" LIN_SPECS="${M51_SPECS:-20b 32768;20b 128000}" LIN_KOPT=attention_exp_lin=${M51_FORM:-5} LIN_RUNS=${M51_RUNS:-3} \
+    PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
 fi
 
 if has quant-out-fp8; then
