@@ -89,8 +89,6 @@ VARIANTS = {
     "fp8-lin4n": dict(fp8=True, exp_lin=5),
     # 5 with the fast steps whose codes are all <= 0 skipping their PV and row-sum MMAs (51st session; the same bytes)
     "fp8-lin6": dict(fp8=True, exp_lin=6),
-    # 5 with the fast step's PV issued before its codes' warpgroup maximum is known (51st session; the same bytes)
-    "fp8-lin7": dict(fp8=True, exp_lin=7),
     "fp8-lin16-lanemax": dict(fp8=True, exp_lin=2, lane_max=True),
     "fp8-lin16-qreg": dict(fp8=True, exp_lin=2, q_in_registers=True),
     "fp8-lin16-2st": dict(fp8=True, exp_lin=2, stages=2),

@@ -96,12 +96,10 @@
 #            64 back to back at 128 and 32 experts (M120_TOKENS, M120_EXPERTS, M120_PLAN_S), then the whole 120b on 12
 #            layers' weights beside group_m 32, same process (M120_VARIANTS, M120_AB_S)
 #   lin6     the fifty-first session's exp_lin 6 (5 with a fast step whose codes are all <= 0 skipping its PV and
-#            row-sum MMAs) and 7 (5 with the fast step's PV issued before the warpgroup's largest code is known), both
-#            the same bytes as 5: their GPU tests (against 5 bit for bit, against the lin spec), then attn_variants
-#            beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7)
-#   must51   the fifty-first session's must-show call (H200, ~550 s): bench prefill --attention fp8-lin on the 120b at
-#            128000 (exp_lin 5, the default form), lin6's GPU tests, the 120b again with exp_lin 7 where they passed,
-#            the 20b at 128000 with 5 beside 7 (same process), bench prefill on the 20b at 32768 and 128000 (M51_FORM)
+#            row-sum MMAs, the same bytes): its GPU tests (6 against 5 bit for bit, against the lin spec), then
+#            attn_variants beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7)
+#   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 5, the default form) on the
+#            120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS, M51_RUNS)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -690,24 +688,17 @@ fi
 
 if has lin6; then
   [[ ${L6_TEST_S:-120} == 0 ]] || timeout -s INT ${L6_TEST_S:-120} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
-    -k "exp_lin_same_bytes or (exp_lin_gpu and (6- or 7-))" > "$OUT/l6_tests.log" 2>&1
+    -k "exp_lin_skip or (exp_lin_gpu and 6-)" > "$OUT/l6_tests.log" 2>&1
   tail -4 "$OUT/l6_tests.log"
   [[ ${L6_VAR_S:-120} == 0 ]] || timeout ${L6_VAR_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
-    --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6,fp8-lin7}" 2>&1 | grep -v Warn | tail -6 | tee "$OUT/l6_variants.log"
+    --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 | tee "$OUT/l6_variants.log"
   [[ ${L6_WIDE_S:-120} == 0 ]] || timeout ${L6_WIDE_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
-    --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6,fp8-lin7}" 2>&1 | grep -v Warn | tail -6 \
+    --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 \
     | tee "$OUT/l6_wide.log"
 fi
 
 if has must51; then
-  OUT="$OUT" LIN_SPECS="120b 128000" LIN_KOPT=attention_exp_lin=5 LIN_RUNS=${M51_RUNS:-3} PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
-  OUT="$OUT" L6_TEST_S=${M51_TEST_S:-100} L6_VAR_S=0 L6_WIDE_S=0 bash "$0" lin6
-  if grep -q " passed" "$OUT/l6_tests.log" && ! grep -q "failed\|error" "$OUT/l6_tests.log"; then
-    OUT="$OUT" LIN_SPECS="120b 128000" LIN_KOPT=attention_exp_lin=7 LIN_RUNS=${M51_RUNS:-3} PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
-    [[ ${M51_AB_S:-120} == 0 ]] || timeout ${M51_AB_S:-120} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 \
-      --runs 3 --variants default,attn-fp8-lin7 --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/m51_ab.log"
-  fi
-  OUT="$OUT" LIN_SPECS="${M51_SPECS:-20b 32768;20b 128000}" LIN_KOPT=attention_exp_lin=${M51_FORM:-5} LIN_RUNS=${M51_RUNS:-3} \
+  OUT="$OUT" LIN_SPECS="${M51_SPECS:-120b 128000;20b 128000;20b 32768}" LIN_KOPT=attention_exp_lin=5 LIN_RUNS=${M51_RUNS:-3} \
     PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
 fi
 

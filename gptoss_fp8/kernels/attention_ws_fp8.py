@@ -385,79 +385,58 @@ if HAS_GLUON:
                                          pack=4)
 
     @gluon.jit
-    def _lin_fast_codes(sa, sb, ca, cb, m_i, p_layout: gl.constexpr):
-        """``_lin_cmax``'s fast step, its first half: blocks a, a + 1's codes against the running max m (as
-        ``_lin_pack16``'s) and their row maxima c on the packed halves (a tree of ``max.u16x2``, the quad's lanes
-        reduced; not yet across the warpgroup)."""
-        bias = gl.expand_dims(_lin_bias(m_i) + 32768.0, 1)
-        ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
-        hb = _lin_pack16(sb * (cb * 8.0) + bias, p_layout)
-        c = _halves_umax(gl.reduce(_umax16(ha, hb), 1, _umax16)) - 32768
-        return ha, hb, c
-
-    @gluon.jit
-    def _lin_raise(c, ha, hb, m_i, acc, lacc, orow_layout: gl.constexpr, lrow_layout: gl.constexpr):
-        """``_lin_cmax``'s fast step where a code passes 126: m raised by d = ceil((c - 126) / 8) (0 for a row whose
-        codes do not), the codes shifted by 8 d and the accumulators scaled by 2^-d."""
-        d = gl.maximum(c - 119, 0) >> 3
-        # (u - 8 d in each half by one 32-bit subtract: the bound keeps each code - 8 d above -32768, so no half
-        # borrows)
-        d8 = gl.expand_dims(d * (8 * 65537), 1)
-        ha = ha - d8
-        hb = hb - d8
-        df = d.to(gl.float32)
-        m_i = m_i + gl.convert_layout(df, m_i.type.layout)
-        alpha = _pow2(0.0 - df)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-        lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
-        return ha, hb, m_i, acc, lacc
-
-    @gluon.jit
-    def _lin_exact(sa, sb, ca, cb, m_i, rows, a, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                   lrow_layout: gl.constexpr):
-        """``_lin_cmax``'s other step (masked, or clamped as floats): the fp32 row max and the spec's rule, as
-        ``exp_lin`` 2 -> (the codes as ``_lin_pack16``'s, acc and lacc rescaled, m)."""
-        BN: gl.constexpr = sa.type.shape[1]
-        cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
-        xa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
-        xb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
-        m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
-        m_new = gl.maximum(m_i, _ceil(m_blk - 0.75))
-        bias = gl.expand_dims(_lin_bias(m_new) + 32768.0, 1)
-        ha = _lin_pack16(_lin_floor(xa * 8.0 + bias, True), p_layout)
-        hb = _lin_pack16(_lin_floor(xb * 8.0 + bias, True), p_layout)
-        alpha = _pow2(m_i - m_new)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-        lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
-        return ha, hb, acc, lacc, m_new
-
-    @gluon.jit
     def _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
                   lrow_layout: gl.constexpr):
-        """``exp_lin`` 4-6's softmax step (FMA 6 / 7 / 8) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
-        acc and lacc rescaled, m, the codes' largest for the warpgroup or 127). fast (no mask, the 16-bit bound
-        holds: a uniform scalar): the codes against the running max m first, their row maxima c on the packed halves
-        (``_lin_fast_codes``); only where one exceeds 126 (P * 256 past e4m3's 448: a score about 13/16 above m) is m
-        raised, by d = ceil((c - 126) / 8), the codes shifted by 8 d (exact integers; one subtract a register) and
-        the accumulators scaled by 2^-d (``_lin_raise``): no fp32 row max and mostly no rescale at all. m then stays
-        one below the spec's max(ceil(sink), ceil(row max - 3/4)) where the row max lies 3/4 to 13/16 above it: the
-        same P up to a factor 2 that the row sum cancels, but for the codes that reach the clamp at 0 (below 2^-7
-        of the row's largest P). Otherwise (masked, or clamped as floats) ``_lin_exact``."""
+        """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
+        acc and lacc rescaled, m). fast (no mask, the 16-bit bound holds: a uniform scalar): the codes against the
+        running max m first, their row maxima c on the packed halves (a tree of ``max.u16x2``); only where one
+        exceeds 126 (P * 256 past e4m3's 448: a score about 13/16 above m) is m raised, by d = ceil((c - 126) / 8),
+        the codes shifted by 8 d (exact integers; one subtract a register) and the accumulators scaled by 2^-d: no
+        fp32 row max and mostly no rescale at all. m then stays one below the spec's max(ceil(sink), ceil(row max -
+        3/4)) where the row max lies 3/4 to 13/16 above it: the same P up to a factor 2 that the row sum cancels,
+        but for the codes that reach the clamp at 0 (below 2^-7 of the row's largest P). Otherwise (masked, or
+        clamped as floats) the fp32 row max and the spec's rule, as ``exp_lin`` 2."""
         if fast:
-            ha, hb, c = _lin_fast_codes(sa, sb, ca, cb, m_i, p_layout)
+            bias = gl.expand_dims(_lin_bias(m_i) + 32768.0, 1)
+            ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
+            hb = _lin_pack16(sb * (cb * 8.0) + bias, p_layout)
+            c = _halves_umax(gl.reduce(_umax16(ha, hb), 1, _umax16)) - 32768
             cm = gl.max(c, 0)
             if cm > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
-                ha, hb, m_i, acc, lacc = _lin_raise(c, ha, hb, m_i, acc, lacc, orow_layout, lrow_layout)
+                d = gl.maximum(c - 119, 0) >> 3
+                # (u - 8 d in each half by one 32-bit subtract: the bound keeps each code - 8 d above -32768, so
+                # no half borrows)
+                d8 = gl.expand_dims(d * (8 * 65537), 1)
+                ha = ha - d8
+                hb = hb - d8
+                df = d.to(gl.float32)
+                m_i = m_i + gl.convert_layout(df, m_i.type.layout)
+                alpha = _pow2(0.0 - df)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+                lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
         else:
             cm = a * 0 + 127  # (a code may be live: the PV product taken)
-            ha, hb, acc, lacc, m_i = _lin_exact(sa, sb, ca, cb, m_i, rows, a, acc, lacc, p_layout, orow_layout,
-                                                lrow_layout)
+            BN: gl.constexpr = sa.type.shape[1]
+            cols = a * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sa.type.layout))
+            xa = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), sa * ca, float("-inf"))
+            xb = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols + BN, 0), sb * cb, float("-inf"))
+            m_blk = gl.maximum(_row_reduce(xa, False, True), _row_reduce(xb, False, True))
+            m_new = gl.maximum(m_i, _ceil(m_blk - 0.75))
+            bias = gl.expand_dims(_lin_bias(m_new) + 32768.0, 1)
+            ha = _lin_pack16(_lin_floor(xa * 8.0 + bias, True), p_layout)
+            hb = _lin_pack16(_lin_floor(xb * 8.0 + bias, True), p_layout)
+            alpha = _pow2(m_i - m_new)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
         return ha, hb, acc, lacc, m_i, cm
 
     @gluon.jit
-    def _lin_issue(ha, hb, va, vb, ones, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
-        """The two blocks' codes (``_lin_pack16``'s) as e4m3 P8, and the MMAs of P8 V over their 128 keys and of P8
-        times the tile of ones (the row sum) issued into fresh fp32 accumulators -> (their tokens)."""
+    def _lin_pv(ha, hb, va, vb, ones, acc, lacc, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
+        """``exp_lin`` 4-6's PV step: the two blocks' codes (``_lin_cmax``) as e4m3 P8, P8 V over their 128 keys and
+        P8 times the tile of ones (the row sum), fresh fp32 accumulators each step added to acc / lacc (the FP8
+        wgmma's accumulation keeps too few bits to run over thousands of keys in place, 1.6% off the spec at 4096
+        tokens on the H100)."""
         p8a = _lin_bytes(ha, p_layout)
         p8b = _lin_bytes(hb, p_layout)
         pv = warpgroup_mma(p8a, va, zero_o, use_acc=False, is_async=True)
@@ -465,41 +444,8 @@ if HAS_GLUON:
         lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones, zero_l, use_acc=False,
                            is_async=True)
         lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones, lp, is_async=True)
-        return pv, lp
-
-    @gluon.jit
-    def _lin_pv(ha, hb, va, vb, ones, acc, lacc, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
-        """``exp_lin`` 4-6's PV step (``_lin_issue``'s products waited for), fresh fp32 accumulators each step added
-        to acc / lacc (the FP8 wgmma's accumulation keeps too few bits to run over thousands of keys in place, 1.6%
-        off the spec at 4096 tokens on the H100)."""
-        pv, lp = _lin_issue(ha, hb, va, vb, ones, zero_o, zero_l, p_layout, pl_layout)
         pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
         return acc + pv, lacc + lp
-
-    @gluon.jit
-    def _lin_speculate(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, va, vb, ones, zero_o, zero_l,
-                       p_layout: gl.constexpr, pl_layout: gl.constexpr, orow_layout: gl.constexpr,
-                       lrow_layout: gl.constexpr):
-        """``exp_lin`` 7's step (FMA 9): ``_lin_cmax`` and ``_lin_pv`` with the fast step's PV issued before its
-        codes' warpgroup maximum is known (that reduction's shuffles and barriers then run under the MMAs); in the
-        rare step where a code passed 126 the products are dropped (those codes' bytes are not P's) and taken again
-        after ``_lin_raise``. The same bytes as 5 -> (acc, lacc, m)."""
-        if fast:
-            ha, hb, c = _lin_fast_codes(sa, sb, ca, cb, m_i, p_layout)
-            pv, lp = _lin_issue(ha, hb, va, vb, ones, zero_o, zero_l, p_layout, pl_layout)
-            cm = gl.max(c, 0)
-            pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-            if cm > 126:
-                ha, hb, m_i, acc, lacc = _lin_raise(c, ha, hb, m_i, acc, lacc, orow_layout, lrow_layout)
-                pv, lp = _lin_issue(ha, hb, va, vb, ones, zero_o, zero_l, p_layout, pl_layout)
-                pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
-            acc = acc + pv
-            lacc = lacc + lp
-        else:
-            ha, hb, acc, lacc, m_i = _lin_exact(sa, sb, ca, cb, m_i, rows, a, acc, lacc, p_layout, orow_layout,
-                                                lrow_layout)
-            acc, lacc = _lin_pv(ha, hb, va, vb, ones, acc, lacc, zero_o, zero_l, p_layout, pl_layout)
-        return acc, lacc, m_i
 
     @gluon.jit
     def _e4m3h(x):
@@ -604,7 +550,7 @@ if HAS_GLUON:
         trace_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's; no trace then). FMA 6 / 7 (``exp_lin`` 4 /
         5): ``_lin_cmax``'s step, with FMA 4's bound (6) or one bound for the whole pass in qn (7: the launcher's, a
         Q tile's scores' in log2 units); FMA 8 (``exp_lin`` 6): 7, a fast step whose codes are all <= 0 skipping its
-        PV and row-sum MMAs (``_lin_pv``); FMA 9 (``exp_lin`` 7): ``_lin_speculate``'s step. -> (acc, l)."""
+        PV and row-sum MMAs (``_lin_pv``). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -654,29 +600,22 @@ if HAS_GLUON:
                                     is_async=True)
                 sa, sb = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
             _stamp(trace_ptr, m_i, rows, 2, i, W, TRACE)
-            if FMA >= 6:  # (exp_lin 4-7: the codes against the running max first, ``_lin_cmax``; the accumulators
+            if FMA >= 6:  # (exp_lin 4 / 5: the codes against the running max first, ``_lin_cmax``; the accumulators
                 # rescaled only in the steps that raise m)
                 # (16 bits hold every code: from below as for exp_lin 2, from above as m >= ceil(sink))
                 fast = (a + 1 < n_full) & lin_lo & (mb - sink <= 4000.0)
-                if FMA == 9:  # (exp_lin 7: the fast step's PV issued before its codes' warpgroup maximum is known)
-                    va = v_bufs.index(r % S).permute((1, 0))
-                    vb = v_bufs.index((r + 1) % S).permute((1, 0))
-                    acc, lacc, m_i = _lin_speculate(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, va, vb,
-                                                    ones.permute((1, 0)), zero_o, zero_l, p_layout, pl_layout,
-                                                    orow_layout, lrow_layout)
+                ha, hb, acc, lacc, m_i, cm = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
+                                                       orow_layout, lrow_layout)
+                va = v_bufs.index(r % S).permute((1, 0))
+                vb = v_bufs.index((r + 1) % S).permute((1, 0))
+                if FMA == 8:  # (exp_lin 6: a fast step whose codes are all <= 0 for the warpgroup has P8 = 0: its PV
+                    # and row-sum products are zeros, and adding them changes no bit, so they are skipped)
+                    if cm > 0:
+                        acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
+                                            pl_layout)
                 else:
-                    ha, hb, acc, lacc, m_i, cm = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
-                                                           orow_layout, lrow_layout)
-                    va = v_bufs.index(r % S).permute((1, 0))
-                    vb = v_bufs.index((r + 1) % S).permute((1, 0))
-                    if FMA == 8:  # (exp_lin 6: a fast step whose codes are all <= 0 for the warpgroup has P8 = 0: its
-                        # PV and row-sum products are zeros, and adding them changes no bit, so they are skipped)
-                        if cm > 0:
-                            acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l,
-                                                p_layout, pl_layout)
-                    else:
-                        acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l,
-                                            p_layout, pl_layout)
+                    acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
+                                        pl_layout)
                 if not PAIR_RELEASE:
                     mbarrier.arrive(empty.index(r % S), count=1)
                 mbarrier.arrive(empty.index((r + 1) % S), count=1)
@@ -1222,7 +1161,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     program holds two heads (one 128-column group) and makes a pass over the keys for each (``_fp8_consume``'s
     QOUT), so the bf16 rows are neither written nor read again (out unused). two_heads (measurement only, with
     quant_out's conditions, not quant_out): the same two heads a program, each head's bf16 rows into out as without
-    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 to 7, with
+    it, nothing quantized: what the program structure alone costs. exp_lin (opt-in, forty-fifth session; 1 to 6, with
     pairs and ones; ``spec.attention_fp8(p_code="lin")``'s numerics, not the default's): no 2^x; each P * 256 is the
     e4m3 byte whose bits are round(8 (x - m + 8) + 56) clamped at 0 (x the score, m the running max, log2 units):
     2^x's exponent exact, its 3 mantissa bits read linearly from x's fraction (Schraudolph's trick in e4m3; at most
@@ -1238,9 +1177,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     a code passes 126 (``_lin_cmax``; one uniform branch a step, a warpgroup's flag reduced across its warps); 5: 4
     with 3's bound from row norms (K's from its quantization pass, ``attn_quant.quantize_qk(norms=True)``); 6 (fifty-first
     session): 5 with a fast step whose codes are all <= 0 for the warpgroup (P8 = 0, its products zeros) skipping its
-    PV and row-sum MMAs (``_lin_pv``), the same bytes as 5: one compare and branch a step more; 7 (fifty-first session):
-    5 with the fast step's PV issued before the warpgroup's largest code is known (``_lin_speculate``: that
-    reduction's shuffles and barriers under the MMAs), the products taken again in a step that raises m. All of them
+    PV and row-sum MMAs (``_lin_pv``), the same bytes as 5: one compare and branch a step more. All of them
     compute ``spec.attention_fp8(p_code="lin")`` (m = ceil(max - 3/4); 4 / 5 keep m one lower where a row's max lies 3/4
     to 13/16 above it: the same P up to the factor the row sum cancels)."""
     T, hq, d = q.shape
@@ -1254,9 +1191,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
-    assert exp_lin in range(8) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
-        f"exp_lin {exp_lin}: 0 to 7; with pairs and ones, no exp_fma, s16 or probe")
-    assert exp_lin not in (3, 5, 6, 7) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
+    assert exp_lin in (0, 1, 2, 3, 4, 5, 6) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
+        f"exp_lin {exp_lin}: 0 to 6; with pairs and ones, no exp_fma, s16 or probe")
+    assert exp_lin not in (3, 5, 6) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
@@ -1276,7 +1213,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert exp_lin < 5 or not q_fused, f"exp_lin {exp_lin}: not with q_fused (its bound wants the Q tiles' norms first)"
     q8, sq, k8, sk, vt, svs, kn, qn = fp8_operands(
         q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX, with_q=not q_fused and q_scale is None,
-        k_norms=exp_lin == 3 or exp_lin >= 5, q_norms=exp_lin >= 5 and q_scale is None)
+        k_norms=exp_lin in (3, 5, 6), q_norms=exp_lin >= 5 and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
         if exp_lin >= 5:

@@ -316,10 +316,7 @@ class KernelConfig:
     # 2.9393 s (5) against 2.9805 (2), 2.9897 (4), 3.2432 with ``--attention fp8``. 1 / 3: measurement forms. 6
     # (fifty-first session, opt-in until timed on a GPU): 5 with the fast steps whose codes are all <= 0 for the
     # warpgroup (P8 = 0: scores ~17 log2 units under the running max) skipping their PV and row-sum MMAs, the same
-    # bytes; peaked attention (a trained model's) gains, the random benchmark's barely has such steps. 7 (fifty-first
-    # session, opt-in until timed): 5 with the fast step's PV MMAs issued before its codes' warpgroup maximum is known
-    # (that reduction's shuffles and two barriers then run under the MMAs; the products taken again in the rare step
-    # that raises m), the same bytes
+    # bytes; peaked attention (a trained model's) gains, the random benchmark's barely has such steps
     attention_exp_lin: int = 5
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
@@ -404,8 +401,8 @@ class KernelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"KernelConfig.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.attention_exp_lin not in range(1, 8):
-            raise ValueError(f"KernelConfig.attention_exp_lin must be 1 to 7 (the FP8 kernel's exp_lin forms), got "
+        if self.attention_exp_lin not in (1, 2, 3, 4, 5, 6):
+            raise ValueError(f"KernelConfig.attention_exp_lin must be 1 to 6 (the FP8 kernel's exp_lin forms), got "
                              f"{self.attention_exp_lin!r}")
 
     def gluon_on(self, device: torch.device) -> bool:
