@@ -314,9 +314,11 @@ class KernelConfig:
     # form 2's (the forty-fifth session's: fp32 row max first, the bound from amax) 187.4 / 207.1 (its 16-bit fast
     # path lost to the float clamp) and form 4's (5 with 2's bound) 185.3 / 342.8; the whole 20b in one process
     # 2.9393 s (5) against 2.9805 (2), 2.9897 (4), 3.2432 with ``--attention fp8``. 1 / 3: measurement forms. 6
-    # (fifty-first session, opt-in until timed on a GPU): 5 with the fast steps whose codes are all <= 0 for the
-    # warpgroup (P8 = 0: scores ~17 log2 units under the running max) skipping their PV and row-sum MMAs, the same
-    # bytes; peaked attention (a trained model's) gains, the random benchmark's barely has such steps
+    # (fifty-first session, opt-in): 5 with the fast steps whose codes are all <= 0 for the warpgroup (P8 = 0: scores
+    # ~17 log2 units under the running max) skipping their PV and row-sum MMAs, the same bytes. H100, alone at 128000:
+    # 188.6 ms against 5's 179.6 on random inputs (no such steps: the branch costs 5%), 157.2 against 180.0 on Q / K
+    # at a trained model's amax (-13%); the whole random 20b 3.0348 s against 2.9800. A trained model's long prompts
+    # lie between; not yet measured
     attention_exp_lin: int = 5
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
