@@ -7,7 +7,8 @@ then ``cuobjdump -sass``) and counts opcodes:
         the FP8 Gluon attention (kernels/attention_ws_fp8.py, the launcher's default tile plus OPTS): the whole
         kernel's counts, and one consumer warp's 128-key step (consumer 0's loop, its unmasked and masked paths
         followed through the branches; exp_lin 4 / 5, FMA 6 / 7, branch three ways, fast / m raised / exact: the
-        "unmasked" path is not their fast one, which "fast step (no rescale)" follows)
+        "unmasked" path is not their fast one, which "fast step (no rescale)" follows; exp_lin 6, FMA 8: also "dead
+        step (PV skipped)")
     python benchmarks/sass_counts.py quant
         the quantizing Triton kernels at the 20b's shapes, as a launch specializes them (whole-kernel totals)
 
@@ -94,10 +95,11 @@ def walk(ins: list[str], start: int, back: int, taken: list[bool]) -> list[int]:
     return path
 
 
-def fast_step(ins: list[str]) -> list[int]:
+def fast_step(ins: list[str], dead: bool | None = None) -> list[int]:
     """exp_lin 4 / 5 (FMA 6 / 7): consumer 0's 128-key step down its fast path: past the branch to the masked / exact
-    path (not taken), then the branch over the rescale taken (no code passes 126)."""
-    return walk(ins, *_step_loop(ins), [False, True])
+    path (not taken), then the branch over the rescale taken (no code passes 126); exp_lin 6 (FMA 8, dead given):
+    then its branch to the PV taken (a live step) or not (dead: every code <= 0, the PV skipped)."""
+    return walk(ins, *_step_loop(ins), [False, True] + ([] if dead is None else [not dead]))
 
 
 def attention(opts: dict) -> dict:
@@ -110,7 +112,10 @@ def attention(opts: dict) -> dict:
     k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
     ins = instructions(sass_of(k["ptx"]))
     unmasked, masked = step_paths(ins)
-    fast = {"fast step (no rescale)": counts([ins[i] for i in fast_step(ins)])} if consts.get("FMA") in (6, 7, 8) else {}
+    fast = {"fast step (no rescale)": counts([ins[i] for i in fast_step(ins)])} if consts.get("FMA") in (6, 7) else {}
+    if consts.get("FMA") == 8:
+        fast = {"fast step (no rescale)": counts([ins[i] for i in fast_step(ins, dead=False)]),
+                "dead step (PV skipped)": counts([ins[i] for i in fast_step(ins, dead=True)])}
     return {"opts": consts, "kernel": counts(ins), "unmasked step": counts([ins[i] for i in unmasked]),
             "masked step": counts([ins[i] for i in masked]), **fast, "spill_stores": k.get("spill_stores")}
 

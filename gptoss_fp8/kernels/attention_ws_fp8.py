@@ -432,11 +432,10 @@ if HAS_GLUON:
         return ha, hb, acc, lacc, m_i, cm
 
     @gluon.jit
-    def _lin_pv(ha, hb, va, vb, ones, acc, lacc, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
-        """``exp_lin`` 4-6's PV step: the two blocks' codes (``_lin_cmax``) as e4m3 P8, P8 V over their 128 keys and
-        P8 times the tile of ones (the row sum), fresh fp32 accumulators each step added to acc / lacc (the FP8
-        wgmma's accumulation keeps too few bits to run over thousands of keys in place, 1.6% off the spec at 4096
-        tokens on the H100)."""
+    def _lin_products(ha, hb, va, vb, ones, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
+        """``exp_lin`` 4-6's PV products: the two blocks' codes (``_lin_cmax``) as e4m3 P8, P8 V over their 128 keys
+        and P8 times the tile of ones (the row sum), each into a fresh fp32 accumulator (the FP8 wgmma's accumulation
+        keeps too few bits to run over thousands of keys in place, 1.6% off the spec at 4096 tokens on the H100)."""
         p8a = _lin_bytes(ha, p_layout)
         p8b = _lin_bytes(hb, p_layout)
         pv = warpgroup_mma(p8a, va, zero_o, use_acc=False, is_async=True)
@@ -444,8 +443,20 @@ if HAS_GLUON:
         lp = warpgroup_mma(gl.convert_layout(p8a, pl_layout, assert_trivial=True), ones, zero_l, use_acc=False,
                            is_async=True)
         lp = warpgroup_mma(gl.convert_layout(p8b, pl_layout, assert_trivial=True), ones, lp, is_async=True)
-        pv, lp = warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+        return warpgroup_mma_wait(num_outstanding=0, deps=(pv, lp))
+
+    @gluon.jit
+    def _lin_pv(ha, hb, va, vb, ones, acc, lacc, zero_o, zero_l, p_layout: gl.constexpr, pl_layout: gl.constexpr):
+        """``exp_lin`` 4-5's PV step: ``_lin_products`` added to acc / lacc."""
+        pv, lp = _lin_products(ha, hb, va, vb, ones, zero_o, zero_l, p_layout, pl_layout)
         return acc + pv, lacc + lp
+
+    @gluon.jit
+    def _release_step(empty, r, S: gl.constexpr, PAIR_RELEASE: gl.constexpr):
+        """A 128-key step's two ring stages released (one arrive with ``pair_release``)."""
+        if not PAIR_RELEASE:
+            mbarrier.arrive(empty.index(r % S), count=1)
+        mbarrier.arrive(empty.index((r + 1) % S), count=1)
 
     @gluon.jit
     def _e4m3h(x):
@@ -609,16 +620,20 @@ if HAS_GLUON:
                 va = v_bufs.index(r % S).permute((1, 0))
                 vb = v_bufs.index((r + 1) % S).permute((1, 0))
                 if FMA == 8:  # (exp_lin 6: a fast step whose codes are all <= 0 for the warpgroup has P8 = 0: its PV
-                    # and row-sum products are zeros, and adding them changes no bit, so they are skipped)
+                    # and row-sum products are zeros, and adding them changes no bit, so they are skipped; the stages
+                    # released in each branch, before the adds, as 5's arrive goes among them)
                     if cm > 0:
-                        acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
-                                            pl_layout)
+                        pv, lp = _lin_products(ha, hb, va, vb, ones.permute((1, 0)), zero_o, zero_l, p_layout,
+                                               pl_layout)
+                        _release_step(empty, r, S, PAIR_RELEASE)
+                        acc = acc + pv
+                        lacc = lacc + lp
+                    else:
+                        _release_step(empty, r, S, PAIR_RELEASE)
                 else:
                     acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
                                         pl_layout)
-                if not PAIR_RELEASE:
-                    mbarrier.arrive(empty.index(r % S), count=1)
-                mbarrier.arrive(empty.index((r + 1) % S), count=1)
+                    _release_step(empty, r, S, PAIR_RELEASE)
             else:
                 if PROBE == 1:  # timing probe, the MMAs alone: P = the scaled scores, no max, no 2^x
                     pa = sa * ca

@@ -318,7 +318,8 @@ class KernelConfig:
     # ~17 log2 units under the running max) skipping their PV and row-sum MMAs, the same bytes. H100, alone at 128000:
     # 188.6 ms against 5's 179.6 on random inputs (no such steps: the branch costs 5%), 157.2 against 180.0 on Q / K
     # at a trained model's amax (-13%); the whole random 20b 3.0348 s against 2.9800. A trained model's long prompts
-    # lie between; not yet measured
+    # lie between; not yet measured. (Those timings had the stages' release after the adds; it is now back where 5
+    # has it, among them, not yet timed)
     attention_exp_lin: int = 5
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
