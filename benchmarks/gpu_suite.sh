@@ -97,7 +97,8 @@
 #            layers' weights beside group_m 32, same process (M120_VARIANTS, M120_AB_S)
 #   lin6     the fifty-first session's exp_lin 6 (5 with a fast step whose codes are all <= 0 skipping its PV and
 #            row-sum MMAs, the same bytes): its GPU tests (6 against 5 bit for bit, against the lin spec), then
-#            attn_variants beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7)
+#            attn_variants beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7),
+#            the whole 20b at 128000 beside 5 (same process, L6_AB_S)
 #   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 5, the default form) on the
 #            120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS, M51_RUNS)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
@@ -695,6 +696,8 @@ if has lin6; then
   [[ ${L6_WIDE_S:-120} == 0 ]] || timeout ${L6_WIDE_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
     --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 \
     | tee "$OUT/l6_wide.log"
+  [[ ${L6_AB_S:-150} == 0 ]] || timeout ${L6_AB_S:-150} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
+    --variants default,attn-fp8-lin6 --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/l6_ab.log"
 fi
 
 if has must51; then
