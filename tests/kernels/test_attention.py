@@ -1468,7 +1468,7 @@ def test_fp8_operands_rotate_a_later_chunk_at_its_positions():
     assert k8.shape == (P + T, 2, D) and vt.shape == (2 * D, 64)
 
 
-@pytest.mark.slow  # ~15 s on the 2-core box (compile only); the GPU tests run it: test_prefill_ws_fp8_gpu
+@pytest.mark.slow  # ~60 s on the 2-core box (compile only: 14 forms); the GPU tests run it: test_prefill_ws_fp8_gpu
 def test_prefill_ws_fp8_compiles_for_sm90():
     """Without a GPU: the FP8 Gluon attention compiles for sm_90 into e4m3 wgmma (QK^T from shared memory,
     PV with P from registers), P packed four values a register right before its wgmma (no e4m3 tensor
