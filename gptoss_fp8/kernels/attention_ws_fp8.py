@@ -674,9 +674,7 @@ if HAS_GLUON:
                     lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1) + lp
                 else:
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                if not PAIR_RELEASE:
-                    mbarrier.arrive(empty.index(r % S), count=1)
-                mbarrier.arrive(empty.index((r + 1) % S), count=1)
+                _release_step(empty, r, S, PAIR_RELEASE)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1) + pv
         if TURN > 0:
             for i in range(gl.cdiv(my_blocks, 2), n_turns):
