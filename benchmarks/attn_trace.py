@@ -9,10 +9,14 @@ warpgroups of a program are in their exponential phase at once. Slots (a step's 
     4 the MUFU turn taken    5 the turn passed on           6 PV issued          7 PV waited for
 
 (2, 5, 6, 7 sit where ptxas placed the clock read: after the wgmma wait, the arrive, the PV wgmmas, the
-wait; 3 and 4 depend on their values.) The clock reads and stores cost a few percent: the traced
+wait; 3 and 4 depend on their values.) fp8-lin's forms with codes first (``exp_lin`` 4-6: no exponential, no
+turn) stamp 3 to 6 at one point, once the step's codes and m are known (the warpgroup's flag reduced), and 7
+once the PV and row-sum products are waited for and added: their "row max" is the codes' phase, "PV wait" the
+packing, the PV's issue and its wait. The clock reads and stores cost a few percent: the traced
 kernel's time is printed beside the untraced one. Usage (GPU):
 
     python3 benchmarks/attn_trace.py [--tokens 32768] [--variant turns=0,...] [--json out.json]
+    python3 benchmarks/attn_trace.py --tokens 32768 --variant exp_lin=5,turns=0   (fp8-lin's default form)
 """
 
 from __future__ import annotations

@@ -107,8 +107,6 @@ def attention(opts: dict) -> dict:
 
     types = attention_ws_fp8.compile_types()
     consts = dict(GROUP=8, STAGES=4, PAIRS=True, ONES=True, TURN=2, REL=2) | opts  # the launcher's default
-    if consts.get("FMA") in (5, 7, 8):  # (exp_lin 3 / 5 / 6: the norms' or the bounds' pointer in trace_ptr's place)
-        types = types | {"trace_ptr": "*fp32"}
     k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types, consts)
     ins = instructions(sass_of(k["ptx"]))
     unmasked, masked = step_paths(ins)

@@ -541,7 +541,8 @@ if HAS_GLUON:
     def _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full, my_blocks,
                    n_blocks, zero_s, zero_o, p_layout: gl.constexpr, orow_layout: gl.constexpr, ONES: gl.constexpr,
                    FMA: gl.constexpr, turn, zrow, W: gl.constexpr, n_turns, TURN: gl.constexpr,
-                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, TRACE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
+                   PAIR_RELEASE: gl.constexpr, trace_ptr=None, bound_ptr=None, TRACE: gl.constexpr = 0,
+                   PROBE: gl.constexpr = 0,
                    LMAX: gl.constexpr = False, S16: gl.constexpr = False, c0=0, k0=0, sink=0.0, qn=0.0):
         """Two 64-key blocks a step (128 keys: FlashAttention-3's tile at head dim 64), each step's MMAs waited
         for within it: QK^T of both, one softmax step, PV over the 128 keys in one accumulation; the other
@@ -558,7 +559,7 @@ if HAS_GLUON:
         far (or the sink, its log2 units here), so a code stays above -32768 while that bound mb obeys mb + max(sink,
         mb + 1) <= 4000; past it (a uniform branch) the codes are clamped as floats first. FMA 5 (``exp_lin`` 3): FMA 4
         with a tighter bound, |q8 . k8| <= |q8| |k8|: qn the Q tile's largest row norm, each key block's from
-        trace_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's; no trace then). FMA 6 / 7 (``exp_lin`` 4 /
+        bound_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's). FMA 6 / 7 (``exp_lin`` 4 /
         5): ``_lin_cmax``'s step, with FMA 4's bound (6) or one bound for the whole pass in qn (7: the launcher's, a
         Q tile's scores' in log2 units); FMA 8 (``exp_lin`` 6): 7, a fast step whose codes are all <= 0 skipping its
         PV and row-sum MMAs (``_lin_products``). -> (acc, l)."""
@@ -596,8 +597,8 @@ if HAS_GLUON:
             if FMA >= 4 and FMA < 7:  # (exp_lin 2-4: the scores' bound so far, here so that its loads overlap the
                 # QK^T MMAs)
                 if FMA == 5:  # (the norms', a little wider for the fp32 sums' roundings)
-                    nka = gl.load(trace_ptr + kv * nbk + a)
-                    nkb = gl.load(trace_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
+                    nka = gl.load(bound_ptr + kv * nbk + a)
+                    nkb = gl.load(bound_ptr + kv * nbk + gl.minimum(a + 1, nbk - 1))
                     mb = gl.maximum(mb, gl.maximum(ca * nka, cb * nkb) * qn * 1.001 + 1.0)
                 else:
                     mb = gl.maximum(mb, gl.maximum(ca, cb) * _LIN_BOUND)
@@ -617,6 +618,8 @@ if HAS_GLUON:
                 fast = (a + 1 < n_full) & lin_lo & (mb - sink <= 4000.0)
                 ha, hb, acc, lacc, m_i, cm = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
                                                        orow_layout, lrow_layout)
+                for slot in gl.static_range(3, 7):  # (TRACE: no exponential, no turn: slots 3 to 6 all here)
+                    _stamp(trace_ptr, m_i, rows, slot, i, W, TRACE)
                 va = v_bufs.index(r % S).permute((1, 0))
                 vb = v_bufs.index((r + 1) % S).permute((1, 0))
                 if FMA == 8:  # (exp_lin 6: a fast step whose codes are all <= 0 for the warpgroup has P8 = 0: its PV
@@ -634,6 +637,8 @@ if HAS_GLUON:
                     acc, lacc = _lin_pv(ha, hb, va, vb, ones.permute((1, 0)), acc, lacc, zero_o, zero_l, p_layout,
                                         pl_layout)
                     _release_step(empty, r, S, PAIR_RELEASE)
+                if TRACE > 0:  # (the step's products waited for and added)
+                    _stamp(trace_ptr, gl.convert_layout(gl.max(lacc, 1), m_i.type.layout), rows, 7, i, W, TRACE)
             else:
                 if PROBE == 1:  # timing probe, the MMAs alone: P = the scaled scores, no max, no 2^x
                     pa = sa * ca
@@ -712,7 +717,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_head(W: gl.constexpr, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow, q, ready,
-                  empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset,
+                  empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                  T, nbq, nbk, q_offset,
                   GROUP: gl.constexpr, PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                   REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr,
                   LMAX: gl.constexpr, S16: gl.constexpr, qsrc, QB16: gl.constexpr, ROPE: gl.constexpr,
@@ -756,13 +762,13 @@ if HAS_GLUON:
             qt = q.load(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])).to(gl.float32)
             qn = gl.sqrt(gl.max(gl.sum(qt * qt, 1), 0))
         elif FMA >= 7:  # (exp_lin 5 / 6: the launcher's bound on every score of this Q tile, log2 units)
-            qn = gl.load(trace_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
+            qn = gl.load(bound_ptr + head * nbq + gl.minimum(r0 // R, nbq - 1))
         if QREG:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
         if PAIRS:
             acc, l_i = _fp8_pairs(q, k_bufs, v_bufs, ones, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows,
                                   n_full, my_blocks, n_blocks, zero_s, zero_o, p_layout, orow_layout, ONES, FMA, turn,
-                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, TRACE, PROBE, LMAX, S16,
+                                  zrow.slice(W * R, R), W, n_turns, TURN, REL, trace_ptr, bound_ptr, TRACE, PROBE, LMAX, S16,
                                   c0, k0, sink, qn)
         else:
             acc, l_i = _fp8_blocks(q, k_bufs, v_bufs, ready, empty, sk_ptr, cq, kv, nbk, m_i, l_i, acc, rows, n_full,
@@ -773,7 +779,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_consume(W: gl.constexpr, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
+                     sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                     T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                      PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                      REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
@@ -819,7 +826,7 @@ if HAS_GLUON:
             for hh in range(2):
                 y = _fp8_head(W, 2 * pair + hh, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bars.index(hh), turn,
                               zrow, q_smem.index(NW * hh + W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                              sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
+                              sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
                               REL, TRACE, PROBE, QREG, LMAX, S16, qsrc, QB16, ROPE, False, hh * 2 * gl.cdiv(n_blocks, 2),
                               hh * n_turns)
                 yb = bf16_round(y)  # (the bf16 rows act_quant would read)
@@ -853,8 +860,8 @@ if HAS_GLUON:
         else:
             out = _fp8_head(W, head, r0, rows, n_blocks, n_full, my_blocks, n_turns, q_bar, turn, zrow,
                             q_smem.index(W), ready, empty, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr,
-                            trace_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE, QREG,
-                            LMAX, S16, qsrc, QB16, ROPE)
+                            trace_ptr, bound_ptr, T, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
+                            QREG, LMAX, S16, qsrc, QB16, ROPE)
             o = o_smem.index(W)
             o.store(out.to(gl.bfloat16))
             fence_async_shared()
@@ -864,33 +871,36 @@ if HAS_GLUON:
     # The worker partitions take the same arguments (a warp_specialize requirement).
     @gluon.jit
     def _fp8_consumer1(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                       T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
                      qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
                      QOUT: gl.constexpr = 0):
         _fp8_consume(1, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
-                     PROBE,
+                     sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                     T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
                      QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)
 
     @gluon.jit
     def _fp8_consumer2(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
+                       sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                       T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                        PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                        REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
                      qsrc=None, QB16: gl.constexpr = False, ROPE: gl.constexpr = False, qout=None,
                      QOUT: gl.constexpr = 0):
         _fp8_consume(2, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr, sq_ptr,
-                     sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE,
-                     PROBE,
+                     sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                     T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL, TRACE, PROBE,
                      QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)
 
     @gluon.jit
     def _fp8_producer(q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem,
-                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
+                      sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                      T, num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr,
                       PAIRS: gl.constexpr, ONES: gl.constexpr, FMA: gl.constexpr, TURN: gl.constexpr,
                       REL: gl.constexpr, TRACE: gl.constexpr, PROBE: gl.constexpr, QREG: gl.constexpr = False,
                      OFFSET: gl.constexpr = False, LMAX: gl.constexpr = False, S16: gl.constexpr = False,
@@ -954,7 +964,7 @@ if HAS_GLUON:
     # Triton specializes an integer argument equal to 1, the 128-key step returned wrong rows for every
     # T <= 192 on the H200 while the same program's work inside a larger grid was right: 2026-12-04)
     @gluon.jit(do_not_specialize=["T", "num_pid_m", "nbq", "nbk", "q_offset"])
-    def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T,
+    def _ws_attention_fp8_kernel(q_desc, k_desc, v_desc, o_desc, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr, T,
                                  num_pid_m, nbq, nbk, q_offset, GROUP: gl.constexpr, STAGES: gl.constexpr,
                                  PAIRS: gl.constexpr = False,
                                  ONES: gl.constexpr = False, FMA: gl.constexpr = 0, TURN: gl.constexpr = 0,
@@ -1001,20 +1011,20 @@ if HAS_GLUON:
         qsrc = (q_ptr, cos_ptr, sin_ptr, stride_qt, qk_scale)
         gl.warp_specialize([
             (_fp8_consume, (0, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs, ones_smem, sinks_ptr,
-                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN,
-                            REL,
+                            sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                            T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS, ONES, FMA, TURN, REL,
                             TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
             (_fp8_consumer1, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
-                              PAIRS,
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                              T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS,
                               ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
             (_fp8_consumer2, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
-                              PAIRS,
+                              ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                              T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS,
                               ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
             (_fp8_producer, (q_desc, k_desc, v_desc, o_desc, q_bar, ready, empty, turn, zrow, q_smem, o_smem, k_bufs, v_bufs,
-                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, T, num_pid_m, nbq, nbk, q_offset, GROUP,
-                             PAIRS,
+                             ones_smem, sinks_ptr, sq_ptr, sk_ptr, sv_ptr, trace_ptr, bound_ptr,
+                             T, num_pid_m, nbq, nbk, q_offset, GROUP, PAIRS,
                              ONES, FMA, TURN, REL, TRACE, PROBE, QREG, OFFSET, LMAX, S16, qsrc, QB16, ROPE, qout, QOUT)),
         ], [4, 4, 1], [160, 160, 40])
 
@@ -1027,7 +1037,7 @@ def compile_types() -> dict[str, str]:
                 "fp4_padded=False, cga_layout=[])")
     types = {n: f"tensordesc<fp8e4nv[64, 64],{lay(8, 64)}>" for n in ("q_desc", "k_desc", "v_desc")}
     return types | dict(o_desc=f"tensordesc<bf16[64, 64],{lay(16, 128)}>", sinks_ptr="*fp32", sq_ptr="*fp32",
-                        sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32")
+                        sk_ptr="*fp32", sv_ptr="*fp32", trace_ptr="*i32", bound_ptr="*fp32")
 
 
 def key_order(device=None) -> torch.Tensor:
@@ -1207,7 +1217,6 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
     assert exp_lin in (0, 1, 2, 3, 4, 5, 6) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
         f"exp_lin {exp_lin}: 0 to 6; with pairs and ones, no exp_fma, s16 or probe")
-    assert exp_lin not in (3, 5, 6) or trace is None, f"exp_lin {exp_lin}: no trace (its pointer carries the K norms)"
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
@@ -1232,7 +1241,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
         if exp_lin >= 5:
             qn = key_norms(q8)
-    # (exp_lin 3: the K norms K's quantization pass wrote; 5 / 6: the Q tiles' bounds; in trace_ptr's place)
+    # (exp_lin 3: the K norms K's quantization pass wrote; 5 / 6: the Q tiles' bounds; bound_ptr)
     norms = lin_bounds(sq, qn, sk, kn) if exp_lin >= 5 else kn
     fused = {}
     if q_fused:  # (a 64-row e4m3 stand-in gives the Q tiles' type; sk stands in for the unread Q scales)
@@ -1255,8 +1264,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _ws_attention_fp8_kernel[(hq // 2 if qout else hq, num_pid_m)](
         descriptor(_rows2d(q8), [WG_ROWS, d]), descriptor(_rows2d(k8), [BLOCK_N, d]), descriptor(vt, [d, BLOCK_N]),
         descriptor(_rows2d(out if out is not None else q.new_empty((WG_ROWS, hq, d), dtype=torch.bfloat16)),
-                   [WG_ROWS, d]), sinks, sq, sk, svs, norms if norms is not None else sinks if trace is None else trace,
-        T, num_pid_m,
+                   [WG_ROWS, d]), sinks, sq, sk, svs, sinks if trace is None else trace,
+        norms if norms is not None else sinks, T, num_pid_m,
         sq.shape[1], sk.shape[1], q_offset,
         GROUP=hq // hkv, STAGES=stages, PAIRS=pairs, ONES=ones, FMA=2 + exp_lin if exp_lin else exp_fma, TURN=turns,
         REL=int(pair_release) + int(pair_ready),

@@ -1221,6 +1221,34 @@ def test_ws_fp8_exp_lin_skip_gpu(T, live):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exp_lin", [0, 5, 6])
+def test_ws_fp8_trace_keeps_bits_gpu(exp_lin):
+    """``trace=`` (benchmarks/attn_trace.py's clock stamps) with the default form and fp8-lin's forms 5 / 6, whose
+    bounds now travel in their own pointer: the output is the untraced launch's bit for bit, and every steady step
+    of head 0's longest program has its eight stamps in order (unsigned, modulo 2^32)."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import NWG, WG_ROWS, cdiv, ws_attention_prefill_fp8
+
+    T, hq, hkv = 2000, 16, 2
+    gen = torch.Generator().manual_seed(40 + exp_lin)
+    q, k, v = _qkv(T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    kw = dict(exp_lin=exp_lin, turns=0) if exp_lin else {}
+    npm, steps = cdiv(T, NWG * WG_ROWS), cdiv(cdiv(T, 64), 2)
+    trace = torch.zeros(npm, NWG, steps + 1, 8, dtype=torch.int32, device="cuda")
+    plain = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, **kw)
+    traced = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, trace=trace, **kw)
+    assert torch.equal(plain, traced)
+    # (program 0 holds the last rows; its warpgroup 0 starts at row r0 = (npm - 1) * 192 and runs n steps: attn_trace's
+    # count; the first and last two left out, as its analysis does)
+    r0 = (npm - 1) * NWG * WG_ROWS
+    n = cdiv(min(r0 // 64 + 1, cdiv(T, 64)), 2)
+    rec = trace[0, 0, 2:n - 2].cpu().numpy().astype("uint32")
+    assert rec.shape[0] >= 10 and (rec != 0).all(), "a step's stamp missing"
+    gaps = (rec[:, 1:].astype("int64") - rec[:, :-1].astype("int64")) % 2**32
+    assert (gaps < 2**20).all(), "stamps out of order"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,q_offset", [(1, 0), (63, 0), (65, 0), (1000, 0), (4099, 0), (65, 63), (777, 64), (300, 8192)])
 @pytest.mark.parametrize("rope", [True, False])
 def test_ws_fp8_q_fused_gpu(T, q_offset, rope):
@@ -1316,7 +1344,7 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
                       (dict(pair_release=False, pair_ready=True), "pair_ready"), (dict(stages=3, pair_release=True),
                                                                                    "even ring"),
                       (dict(exp_lin=2, turns=2), "turns 0 or 1"), (dict(exp_lin=1, ones=False), "exp_lin"),
-                      (dict(exp_lin=7), "exp_lin"), (dict(exp_lin=3, trace=torch.zeros(1)), "no trace"),
+                      (dict(exp_lin=7), "exp_lin"),
                       (dict(exp_lin=5, q_fused=True), "not with q_fused"),
                       (dict(exp_lin=6, q_fused=True), "not with q_fused")):
         with pytest.raises(AssertionError, match=msg):
@@ -1325,10 +1353,11 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
 
 @pytest.mark.parametrize("exp_lin,given_q", [(0, False), (3, False), (5, False), (5, True), (6, False)])
 def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q):
-    """ws_attention_prefill_fp8's host side on the CPU, the kernel stood in (its launch is the GPU's): the pointer in
-    trace_ptr's place carries exp_lin 3's K norms (``key_norms(k8)``), exp_lin 5 / 6's Q tiles' bounds (``lin_bounds``
-    of the operands' scales and norms; with a given e4m3 q, its norms taken from it), else the sinks (no trace); the
-    FMA form is 2 + exp_lin; the Q / K scales are ``fp8_operands``'."""
+    """ws_attention_prefill_fp8's host side on the CPU, the kernel stood in (its launch is the GPU's): bound_ptr carries
+    exp_lin 3's K norms (``key_norms(k8)``), exp_lin 5 / 6's Q tiles' bounds (``lin_bounds`` of the operands' scales
+    and norms; with a given e4m3 q, its norms taken from it), else the sinks; trace_ptr the trace buffer where one is
+    given (every form: the bounds no longer travel in its place), else the sinks; the FMA form is 2 + exp_lin; the
+    Q / K scales are ``fp8_operands``'."""
     from gptoss_fp8.kernels import attention_ws_fp8 as ws
 
     gen = torch.Generator().manual_seed(21 + exp_lin)
@@ -1349,19 +1378,22 @@ def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q
     if given_q:  # (q already e4m3, the q / k / v GEMM's epilogue's: its scales given, not sm_scale-folded)
         kw = dict(q_scale=ops.sq / (D ** -0.5 * ws.LOG2E))
         q = ops.q8
-    ws.ws_attention_prefill_fp8(q, k, v, sinks, torch.empty(200, 8, D, dtype=torch.bfloat16), D ** -0.5,
-                                exp_lin=exp_lin, **kw)
-    args, consts = got["args"], got["kw"]
-    assert consts["FMA"] == (2 + exp_lin if exp_lin else 0) and got["grid"] == (8, ws.cdiv(200, 3 * 64))
-    assert torch.allclose(args[5], ops.sq) and torch.equal(args[6], ops.sk)  # (sq, sk)
     bounds = ws.lin_bounds(ops.sq, ops.q_norms, ops.sk, ops.k_norms)
     want = {0: sinks, 3: ops.k_norms, 5: bounds, 6: bounds}[exp_lin]
-    assert args[8].shape == want.shape and torch.allclose(args[8], want), exp_lin
+    for trace in (None, torch.zeros(ws.cdiv(200, 3 * 64), 3, 3, 8, dtype=torch.int32)):
+        ws.ws_attention_prefill_fp8(q, k, v, sinks, torch.empty(200, 8, D, dtype=torch.bfloat16), D ** -0.5,
+                                    exp_lin=exp_lin, trace=trace, **kw)
+        args, consts = got["args"], got["kw"]
+        assert consts["FMA"] == (2 + exp_lin if exp_lin else 0) and got["grid"] == (8, ws.cdiv(200, 3 * 64))
+        assert consts["TRACE"] == (0 if trace is None else 3)
+        assert torch.allclose(args[5], ops.sq) and torch.equal(args[6], ops.sk)  # (sq, sk)
+        assert args[8] is (sinks if trace is None else trace)  # (trace_ptr)
+        assert args[9].shape == want.shape and torch.allclose(args[9], want), exp_lin  # (bound_ptr)
     if exp_lin == 5:  # (every score of a tile within its bound)
         x = torch.einsum("qhd,khd->hqk", ops.q8.float(), ops.k8.float().repeat_interleave(4, 1))
         x = x * ops.sq.repeat_interleave(64, 1)[:, :200, None] * ops.sk.repeat_interleave(64, 1)[:, None, :200] \
             .repeat_interleave(4, 0)
-        assert (x.abs().amax(2) <= args[8].repeat_interleave(64, 1)[:, :200]).all()
+        assert (x.abs().amax(2) <= args[9].repeat_interleave(64, 1)[:, :200]).all()
 
 
 def test_lin_e4m3_reads_the_mantissa_linearly():
@@ -1503,8 +1535,7 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=8), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
-        norms = {"trace_ptr": "*fp32"} if opts.get("FMA") in (5, 7, 8) else {}  # (exp_lin 3 / 5 / 6: the norms' pointer)
-        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused | norms,
+        k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused,
                                     dict(GROUP=8, STAGES=4, **opts))
         ptx = k["ptx"]
         ops = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
