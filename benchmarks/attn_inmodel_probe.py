@@ -11,6 +11,7 @@ quantization, ``fp8_operands``, apart) in one process, five ways:
   model-sinks  the captured q / k / v with randn's sinks (does the softmax's data move the time?)
 
 Usage (GPU machine): python3 benchmarks/attn_inmodel_probe.py [--model 20b] [--tokens 32768] [--reps 10]
+[--attention fp8-lin] (the model's FP8 attention kind: fp8, the default, or fp8-lin, whose forms now trace too)
 Prints one line a way: median ms a call (kernel, operands), min / max, and the SM clock / board power
 where pynvml reads them. Then one traced call of model / captured / heated (``ws_attention_prefill_fp8(trace=)``,
 benchmarks/attn_trace.py's analysis of head 0's longest programs): SM cycles a 128-key step. The same cycles a step
@@ -97,13 +98,14 @@ def main() -> None:
     p.add_argument("--model", default="20b")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--attention", default="fp8", choices=("fp8", "fp8-lin"))
     a = p.parse_args()
     timer = Timer()
     ws8.ws_attention_prefill_fp8, ws8.fp8_operands = timer.kernel, timer.operands
     read = _nvml()
     cfg = preset_config(a.model)
     model = random_model(cfg, "cuda")
-    ops = TritonOps(config=KernelConfig()).with_attention("fp8")
+    ops = TritonOps(config=KernelConfig()).with_attention(a.attention)
     tokens = torch.randint(0, cfg.vocab_size, (a.tokens,), device="cuda")
     prefill_logits(model, tokens, ops)  # compile; capture the first full layer's inputs
     assert timer.first is not None, "no full-attention call on the Gluon FP8 kernel in the forward"
@@ -118,7 +120,7 @@ def main() -> None:
     rsinks = torch.rand(hq, device="cuda", generator=g) * 20 - 10
     heat_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     heat_b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    print(f"# {a.model} {a.tokens} tokens: q {tuple(q.shape)}, |q| mean {q.float().abs().mean():.3f}, "
+    print(f"# {a.model} {a.tokens} tokens, --attention {a.attention}: q {tuple(q.shape)}, |q| mean {q.float().abs().mean():.3f}, "
           f"|k| mean {k.float().abs().mean():.3f}, sinks {sinks.float().min():.2f}..{sinks.float().max():.2f}, "
           f"kwargs {sorted(kw)}", flush=True)
 
