@@ -19,7 +19,8 @@
 #            A/B at 32768: exact, 0.5% slower; the fixed tests and the 128000 A/B not yet run): its GPU tests, then the
 #            20b beside the default, same process, 32768 / 128000
 #   attn-inmodel  benchmarks/attn_inmodel_probe.py: the FP8 full attention inside the 20b's forward against alone on
-#            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone)
+#            the same captured inputs, on random ones, after a heating GEMM (why 16.4 ms a layer in the model, ~14.0 alone;
+#            INMODEL_ATTN=fp8-lin: fp8-lin's form 5, traced too)
 #   rope-diag  benchmarks/fused_rope_diag.py: the FP8 attention's fused q rope against rotating first, byte by byte
 #   quant    the quantizing kernels' hardware e4m3 cast (thirty-third session): their GPU tests (act_quant, the norm,
 #            attn_quant, the MoE's, the decode kernels'), then benchmarks/quant_ab.py with it and with the old
@@ -628,8 +629,8 @@ if has pending40; then
 fi
 
 if has attn-inmodel; then
-  timeout 300 python3 benchmarks/attn_inmodel_probe.py --model 20b --tokens ${INMODEL_TOKENS:-32768} --reps 10 2>&1 \
-    | grep -v Warn | tee "$OUT/attn_inmodel.log"
+  timeout 300 python3 benchmarks/attn_inmodel_probe.py --model 20b --tokens ${INMODEL_TOKENS:-32768} --reps 10 \
+    --attention ${INMODEL_ATTN:-fp8} 2>&1 | grep -v Warn | tee "$OUT/attn_inmodel.log"
 fi
 
 if has prefill-fp8; then
