@@ -1160,7 +1160,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     a model run): probe ("mma": P = the scaled scores, no max or 2^x, no turns; "softmax": no MMA, the scores
     taken from the output tile; "nosum": the row-sum MMAs skipped: wrong values, for time and power), trace (int32
     [programs, 3, steps + 1, 8]: the SM clock at eight points of each step of head 0's programs, ``_stamp``;
-    benchmarks/attn_trace.py). rope = (cos, sin): q not yet rotated, rotated in its quantization's pass
+    benchmarks/attn_trace.py; any form, exp_lin's too, whose bounds have a pointer of their own). rope = (cos,
+    sin): q not yet rotated, rotated in its quantization's pass
     (``fp8_operands``: the rotated bf16 q is never written). q_in_registers (opt-in, built without a GPU in the
     twenty-eighth session, unmeasured): each warpgroup's Q tile loaded into registers once, QK^T's A operand
     from there (the bf16 kernel's 3% win), not re-read from shared memory by every QK^T wgmma. lane_max (opt-in,
