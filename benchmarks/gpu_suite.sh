@@ -99,10 +99,11 @@
 #   lin6     the fifty-first session's exp_lin 6 (5 with a fast step whose codes are all <= 0 skipping its PV and
 #            row-sum MMAs, the same bytes): its GPU tests (6 against 5 bit for bit, against the lin spec), then
 #            attn_variants beside 5 at 128000 on random inputs and on Q / K at a trained model's amax (--qk-scale 7),
-#            the whole 20b at 128000 beside 5 (same process, L6_AB_S)
+#            the whole 20b at 128000 beside 5 (same process, L6_AB_S); L6_K: the tests' -k; L6_TRACE_S: form 5's trace
 #   lin52    the fifty-second session's call (either card, ~300 s): form 6's GPU tests and the traced launches' (the
 #            bounds in their own pointer), attn_variants 5 beside 6 at 128000 on random inputs (did the release fix
-#            take 6's 5% away?), then form 5's step traced phase by phase at 32768 (attn_trace.py, its first trace)
+#            take 6's 5% away?), then form 5's step traced phase by phase at 32768 (attn_trace.py, its first trace):
+#            lin6 with those settings (its logs l6_*)
 #   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 5, the default form) on the
 #            120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS, M51_RUNS)
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
@@ -693,7 +694,7 @@ fi
 
 if has lin6; then
   [[ ${L6_TEST_S:-120} == 0 ]] || timeout -s INT ${L6_TEST_S:-120} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
-    -k "exp_lin_skip or (exp_lin_gpu and 6-)" > "$OUT/l6_tests.log" 2>&1
+    -k "${L6_K:-exp_lin_skip or (exp_lin_gpu and 6-)}" > "$OUT/l6_tests.log" 2>&1
   tail -4 "$OUT/l6_tests.log"
   [[ ${L6_VAR_S:-120} == 0 ]] || timeout ${L6_VAR_S:-120} python3 benchmarks/attn_variants.py --tokens ${L6_TOKENS:-128000} \
     --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 | tee "$OUT/l6_variants.log"
@@ -702,16 +703,15 @@ if has lin6; then
     | tee "$OUT/l6_wide.log"
   [[ ${L6_AB_S:-150} == 0 ]] || timeout ${L6_AB_S:-150} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
     --variants default,attn-fp8-lin6 --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/l6_ab.log"
+  # (L6_TRACE_S: form 5's step traced phase by phase, attn_trace.py)
+  [[ ${L6_TRACE_S:-0} == 0 ]] || timeout ${L6_TRACE_S} python3 benchmarks/attn_trace.py --tokens ${L6_TRACE_TOKENS:-32768} \
+    --variant "exp_lin=5,turns=0" --json "$OUT/l6_trace.json" 2>&1 | grep -v Warn | tee "$OUT/l6_trace.log"
 fi
 
-if has lin52; then
-  [[ ${L52_TEST_S:-130} == 0 ]] || timeout -s INT ${L52_TEST_S:-130} python3 -m pytest -q -rf -n 4 tests/kernels/test_attention.py \
-    -k "exp_lin_skip or (exp_lin_gpu and 6-) or trace_keeps" > "$OUT/l52_tests.log" 2>&1
-  tail -4 "$OUT/l52_tests.log"
-  [[ ${L52_VAR_S:-110} == 0 ]] || timeout ${L52_VAR_S:-110} python3 benchmarks/attn_variants.py --tokens ${L52_TOKENS:-128000} \
-    --variants "${L52_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 | tee "$OUT/l52_variants.log"
-  [[ ${L52_TRACE_S:-90} == 0 ]] || timeout ${L52_TRACE_S:-90} python3 benchmarks/attn_trace.py --tokens ${L52_TRACE_TOKENS:-32768} \
-    --variant "exp_lin=5,turns=0" --json "$OUT/l52_trace.json" 2>&1 | grep -v Warn | tee "$OUT/l52_trace.log"
+if has lin52; then  # (lin6 with the traced launches' GPU test, no --qk-scale 7 or whole-model A/B, and the trace)
+  OUT="$OUT" L6_K="exp_lin_skip or (exp_lin_gpu and 6-) or trace_keeps" L6_TEST_S=${L52_TEST_S:-130} \
+    L6_VAR_S=${L52_VAR_S:-110} L6_WIDE_S=0 L6_AB_S=0 L6_TRACE_S=${L52_TRACE_S:-90} \
+    L6_TRACE_TOKENS=${L52_TRACE_TOKENS:-32768} L6_TOKENS=${L52_TOKENS:-128000} bash "$0" lin6
 fi
 
 if has must51; then
