@@ -9,7 +9,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.runtime.engine import Engine
 from gptoss_fp8.runtime.runner import ModelRunner
-from gptoss_fp8.runtime.sampling import SamplingParams, nucleus
+from gptoss_fp8.runtime.sampling import SamplingParams, draw, nucleus, penalize
 from gptoss_fp8.runtime.scheduler import QueueFull, Scheduler
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
@@ -105,6 +105,71 @@ def test_stop_tokens_and_nucleus():
     assert torch.equal(nucleus(probs, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]))
     assert torch.equal(nucleus(probs, 0.5), torch.tensor([1.0, 0, 0, 0]))
     assert torch.equal(nucleus(probs, 1.0), probs)
+
+
+def _penalized_ref(row: list[float], out: list[int], presence: float, frequency: float) -> list[float]:
+    """OpenAI's rule, one logit at a time: logit[j] - frequency * count[j] - presence * (count[j] > 0)."""
+    return [v - frequency * out.count(j) - presence * (out.count(j) > 0) for j, v in enumerate(row)]
+
+
+def test_penalties_follow_openais_rule_on_the_generated_ids():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 40, generator=g) * 3
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.5), SamplingParams(),
+              SamplingParams(presence_penalty=-1.25), SamplingParams(frequency_penalty=2.0)]
+    outputs = [[5, 5, 9, 31, 5], [1, 2], [0, 39, 39], []]
+    got = penalize(logits, params, outputs)
+    for i, p in enumerate(params):
+        want = _penalized_ref(logits[i].tolist(), outputs[i], p.presence_penalty, p.frequency_penalty)
+        assert torch.allclose(got[i], torch.tensor(want), rtol=0, atol=1e-6), i
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[3], logits[3])  # no penalty / nothing generated yet
+    assert not torch.equal(got[0], logits[0]) and torch.equal(penalize(logits, [SamplingParams()] * 4, outputs), logits)
+    toks, lps, tops = draw(logits, params, [None] * 4, outputs).get()  # greedy on the penalized rows
+    assert toks == [int(torch.tensor(_penalized_ref(logits[i].tolist(), outputs[i], p.presence_penalty,
+                                                    p.frequency_penalty)).argmax()) for i, p in enumerate(params)]
+    assert lps is None and tops is None
+    with pytest.raises(GptOssFp8Error, match="generated ids"):
+        draw(logits, params, [None] * 4)
+
+
+def test_top_logprobs_are_the_models_own_distribution():
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 64, generator=g) * 4).bfloat16()
+    params = [SamplingParams(logprobs=True, top_logprobs=5, temperature=0.7, seed=1, frequency_penalty=1.0),
+              SamplingParams(logprobs=True), SamplingParams(logprobs=True, top_logprobs=2)]
+    gens = [p.generator(torch.device("cpu")) for p in params]
+    toks, lps, tops = draw(logits, params, gens, [[3, 3], [], []]).get()
+    logp = torch.log_softmax(logits.float(), dim=-1)  # before temperature, penalties and top_p
+    for i in range(3):
+        assert lps[i] == pytest.approx(float(logp[i, toks[i]]), abs=1e-6)
+        order = logp[i].argsort(descending=True)[:5]
+        assert [t for t, _ in tops[i]] == order.tolist()  # every row gets the largest k asked: 5
+        assert [v for _, v in tops[i]] == pytest.approx(logp[i, order].tolist(), abs=1e-6)
+    assert toks[1] == tops[1][0][0] and toks[2] == tops[2][0][0]  # greedy rows: the most likely token
+    for bad, msg in ((dict(top_logprobs=3), "needs logprobs"), (dict(logprobs=True, top_logprobs=21), "0 to 20"),
+                     (dict(presence_penalty=2.5), "presence_penalty 2.5"),
+                     (dict(frequency_penalty=float("nan")), "frequency_penalty nan")):
+        with pytest.raises(GptOssFp8Error, match=msg):
+            SamplingParams(**bad).check()
+
+
+def test_the_engine_keeps_each_requests_own_alternatives(model):
+    eng = _engine(model, slots=2, ctx=32)  # (the penalties: a request's own reply, replayed)
+    a = eng.add([3, 4, 5], SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3))
+    b = eng.add([7, 8], SamplingParams(max_tokens=12, logprobs=True, frequency_penalty=2.0, presence_penalty=2.0))
+    eng.run_until_done()
+    c = eng.add([7, 8], SamplingParams(max_tokens=12))
+    eng.run_until_done()
+    assert b.tokens != c.tokens and len(set(c.tokens)) < 12  # (this model repeats itself unpenalized)
+    assert len(a.top_logprobs) == 6 and all(len(t) == 3 for t in a.top_logprobs) and b.top_logprobs == []
+    assert [t[0][0] for t in a.top_logprobs] == a.tokens  # greedy: the most likely token each step
+    assert [t[0][1] for t in a.top_logprobs] == pytest.approx(a.logprobs, abs=1e-6)
+    # b's choices, replayed from one forward over its prompt and reply: each the argmax of its penalized logits
+    logits = model(torch.tensor([7, 8] + b.tokens), get_ops("weights")).float()[1:]
+    for k, tok in enumerate(b.tokens):
+        row = _penalized_ref(logits[k].tolist(), b.tokens[:k], 2.0, 2.0)
+        assert row[tok] >= max(row) - 1e-3, k
+        assert b.logprobs[k] == pytest.approx(float(torch.log_softmax(logits[k], -1)[tok]), abs=2e-2)
 
 
 def test_stop_token_ends_the_reply(model):

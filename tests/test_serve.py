@@ -50,7 +50,8 @@ def script(server, monkeypatch):
                     going[s.id] = iter(ids)
                     prompts.append(list(s.prompt))
                 out.append(next(going[s.id], 0))
-            return out, ([-0.5] * len(seqs) if any(s.params.logprobs for s in seqs) else None)
+            lps = [-0.5] * len(seqs) if any(s.params.logprobs for s in seqs) else None
+            return out, lps, [[(t, -0.5), (t + 1, -1.5), (t + 2, -2.5)] for t in out]  # (each token's alternatives)
 
         monkeypatch.setattr(engine, "sampler", sampler)
         return prompts
@@ -92,6 +93,40 @@ def test_chat_reasoning_content_plain_and_streamed(client, script):
                                                  stream=True))
     lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
     assert "".join(lp.token for lp in lps) == "2 + 2 = 4." == "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_chat_top_logprobs_and_penalties_reach_the_engine(server, client, script, monkeypatch):
+    script(REASONED)
+    seen = []
+    add = server.served.engine.add
+    monkeypatch.setattr(server.served.engine, "add", lambda prompt, params, *a: seen.append(params) or add(prompt, params, *a))
+    r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True, top_logprobs=2,
+                                       presence_penalty=0.5, frequency_penalty=-1.0)
+    lps = r.choices[0].logprobs.content
+    assert "".join(lp.token for lp in lps) == "2 + 2 = 4." and all(len(lp.top_logprobs) == 2 for lp in lps)
+    enc = gen._encoding()
+    for lp in lps:  # the request's first 2 of the sampler's 3, with their texts and bytes
+        tok = enc.encode(lp.token, allowed_special="all")[0]
+        assert [(t.token, t.logprob) for t in lp.top_logprobs] == [(lp.token, -0.5), (enc.decode([tok + 1]), -1.5)]
+        assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in lp.top_logprobs)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True,
+                                                 top_logprobs=1, stream=True))
+    lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert [[t.token for t in lp.top_logprobs] for lp in lps] == [[lp.token] for lp in lps] and lps
+    assert [(p.top_logprobs, p.presence_penalty, p.frequency_penalty) for p in seen] == [(2, 0.5, -1.0), (1, 0, 0)]
+
+
+def test_completions_top_logprobs_are_the_models(client):
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):  # greedy: the chosen token is the likeliest
+        values = list(top.values())
+        assert 1 <= len(top) <= 3 and values == sorted(values, reverse=True) and values[0] == pytest.approx(chosen)
+    chunks = list(client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, logprobs=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs] == lp.top_logprobs
 
 
 def test_chat_length_limit(client, script):
@@ -193,6 +228,9 @@ def test_bad_requests_are_one_line_400s(server):
         ({"model": MODEL, "messages": _user("hi"), "temprature": 0.5}, "temprature: unknown field"),
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": _user("hi"), "n": 2}, "n:"),
+        ({"model": MODEL, "messages": _user("hi"), "top_logprobs": 2}, "top_logprobs 2 needs logprobs"),
+        ({"model": MODEL, "messages": _user("hi"), "logprobs": True, "top_logprobs": 21}, "top_logprobs:"),
+        ({"model": MODEL, "messages": _user("hi"), "presence_penalty": 2.5}, "presence_penalty:"),
         ({"model": MODEL, "messages": _user("hi"), "max_tokens": CTX}, f"exceed the context of {CTX} tokens"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "message role 'robot'"),
     ]

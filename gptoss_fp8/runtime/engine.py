@@ -32,13 +32,15 @@ from gptoss_fp8.runtime.scheduler import Scheduler, Step
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
 
-# The batched token choice: (logits [n, V], the n sequences) -> (tokens, log-probabilities or None) as
-# host lists, or a ``Drawn`` that reads them (the default: chosen on the device, read after a GIL-free wait).
-Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple[list[int], list[float] | None] | Drawn"]
+# The batched token choice: (logits [n, V], the n sequences) -> (tokens, log-probabilities or None[, each
+# row's alternatives or None]) as host lists, or a ``Drawn`` that reads them (the default: chosen on the
+# device, read after a GIL-free wait).
+Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple | Drawn"]
 
 
 def default_sampler(logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
-    return draw(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                [s.tokens for s in seqs] if any(s.params.penalized for s in seqs) else None)
 
 
 class Engine:
@@ -202,7 +204,8 @@ class Engine:
         """Wait for the step's tokens (GIL released on CUDA), append them, apply the stops."""
         t0 = time.perf_counter()
         try:
-            toks, lps = result.get() if isinstance(result, Drawn) else result
+            toks, lps, *tops = result.get() if isinstance(result, Drawn) else result
+            tops = tops[0] if tops else None
         except Exception as e:  # noqa: BLE001 - the step failed on the device: its sequences fail
             for seq in seqs:
                 self._fail(seq, e, touched)
@@ -211,7 +214,7 @@ class Engine:
             self.metrics.model_seconds += time.perf_counter() - t0
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
-            self._append(seq, toks[i], None if lps is None else lps[i], now)
+            self._append(seq, toks[i], None if lps is None else lps[i], now, None if tops is None else tops[i])
             touched.setdefault(seq, []).append(toks[i])
 
     def _prefill(self, prefills: list[tuple[Sequence, int, int]], touched: dict):
@@ -235,10 +238,12 @@ class Engine:
                 self._fail(seq, e, touched)
         return done
 
-    def _append(self, seq: Sequence, tok: int, lp: float | None, now: float) -> None:
+    def _append(self, seq: Sequence, tok: int, lp: float | None, now: float, top: list | None = None) -> None:
         seq.tokens.append(tok)
         if lp is not None:
             seq.logprobs.append(lp)
+        if seq.params.top_logprobs:
+            seq.top_logprobs.append(top[:seq.params.top_logprobs] if top is not None else [])
         self.metrics.generated_tokens += 1
         if seq.first_token_at is None:
             seq.first_token_at = now

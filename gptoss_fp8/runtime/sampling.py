@@ -3,9 +3,11 @@
 Greedy at temperature 0 (the argmax), else a sample from softmax(logits / T), restricted to the
 smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus sampling), drawn
 with the request's own seeded ``torch.Generator``: the same seed gives the same tokens whatever
-else runs in the batch (each row draws from its own generator, in its own order). ``draw`` makes
+else runs in the batch (each row draws from its own generator, in its own order). Presence and
+frequency penalties (OpenAI's rule) first lower the logits of the tokens the request has generated so
+far: ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``. ``draw`` makes
 the choice on the logits' device; one host read per step for the whole batch (``Drawn.get``:
-tokens and, when asked, their log-probabilities).
+tokens and, when asked, their log-probabilities and each row's most likely alternatives).
 """
 
 from __future__ import annotations
@@ -20,13 +22,20 @@ from gptoss_fp8.errors import GptOssFp8Error
 
 # A stop rule: the tokens generated so far -> why the reply ends after the last one, or None.
 StopRule = Callable[[list[int]], str | None]
+# The most alternatives a step returns (OpenAI's limit for chat's top_logprobs).
+MAX_TOP_LOGPROBS = 20
+# A step's alternatives for one row: (token id, log-probability), most likely first.
+TopLogprobs = list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks for. ``stop_token_ids``: tokens that end the reply (kept as its last
     token); ``stop_rule``: a further rule on the generated ids (generate's Harmony ``<|end|>``
-    rule); ``logprobs``: return each chosen token's log-probability (of the unscaled logits)."""
+    rule); ``logprobs``: return each chosen token's log-probability, and ``top_logprobs`` (0 to
+    MAX_TOP_LOGPROBS) the most likely tokens with theirs, at each step (the model's distribution:
+    before temperature, penalties and top_p); ``presence_penalty`` / ``frequency_penalty`` (-2 to 2):
+    the module docstring's rule over the generated tokens."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -34,6 +43,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop_rule: StopRule | None = field(default=None, compare=False)
 
     def check(self) -> None:
@@ -44,6 +56,18 @@ class SamplingParams:
             raise GptOssFp8Error(f"temperature {self.temperature}: give a finite number >= 0 (0: greedy)")
         if not (0 < self.top_p <= 1):
             raise GptOssFp8Error(f"top_p {self.top_p}: give a number in (0, 1]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise GptOssFp8Error(f"top_logprobs {self.top_logprobs}: give 0 to {MAX_TOP_LOGPROBS}")
+        if self.top_logprobs and not self.logprobs:
+            raise GptOssFp8Error(f"top_logprobs {self.top_logprobs} needs logprobs: ask for both")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise GptOssFp8Error(f"{name} {v}: give a number in [-2, 2]")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """This request's generator (None when greedy): seeded with ``seed``, or a fresh random seed."""
@@ -66,14 +90,21 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class Drawn:
-    """A step's chosen tokens (int64 [n]) and log-probabilities (float [n] or None) on their way to
-    the host. On CUDA the copy into pinned memory is queued behind the step and an event recorded:
-    ``get`` waits on the event with the GIL released (torch's ``Event.synchronize``), so the
-    server's event-loop thread runs while the GPU finishes the step, then reads the pinned copy."""
+    """A step's chosen tokens (int64 [n]), log-probabilities (float [n] or None) and alternatives
+    (ids int64 [n, k] and their log-probabilities [n, k], or None) on their way to the host. On CUDA
+    the copy into pinned memory is queued behind the step and an event recorded: ``get`` waits on
+    the event with the GIL released (torch's ``Event.synchronize``), so the server's event-loop
+    thread runs while the GPU finishes the step, then reads the pinned copy."""
 
-    def __init__(self, toks: torch.Tensor, lps: torch.Tensor | None):
-        both = toks.double()[None] if lps is None else torch.stack([toks.double(), lps.double()])  # ids exact
-        self._logprobs, self.event = lps is not None, None
+    def __init__(self, toks: torch.Tensor, lps: torch.Tensor | None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None):
+        cols = [toks.double()[:, None]]  # (ids exact in float64)
+        if lps is not None:
+            cols.append(lps.double()[:, None])
+        if top is not None:
+            cols += [top[0].double(), top[1].double()]
+        both = torch.cat(cols, dim=1)
+        self._logprobs, self._k, self.event = lps is not None, 0 if top is None else top[0].shape[1], None
         if both.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
@@ -82,31 +113,68 @@ class Drawn:
             both = host
         self._both = both
 
-    def get(self) -> tuple[list[int], list[float] | None]:
-        """(tokens, log-probabilities or None) as host lists: the step's one host read."""
+    def get(self) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+        """(tokens, log-probabilities or None, each row's k alternatives or None) as host lists: the
+        step's one host read."""
         if self.event is not None:
             self.event.synchronize()
-        rows = self._both.tolist()
-        return [int(t) for t in rows[0]], (rows[1] if self._logprobs else None)
+        rows, k = self._both.tolist(), self._k
+        toks = [int(r[0]) for r in rows]
+        lps = [r[1] for r in rows] if self._logprobs else None
+        tops = [[(int(t), v) for t, v in zip(r[2:2 + k], r[2 + k:], strict=True)] for r in rows] if k else None
+        return toks, lps, tops
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> Drawn:
-    """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i]; and,
-    if any row asked for them, every row's chosen-token log-probability. All on the logits' device,
-    no host synchronisation: ``Drawn.get`` reads them."""
-    rows = logits.float()
+def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """rows [n, V] float32 with each penalized row's presence / frequency penalty applied over the
+    tokens in outputs[i] (its generated ids so far); rows itself when no row asks for one."""
+    which = [i for i, p in enumerate(params) if p.penalized and outputs[i]]
+    if not which:
+        return rows
+    ids = torch.tensor([t for i in which for t in outputs[i]], dtype=torch.int64)
+    at = torch.tensor([j for j, i in enumerate(which) for _ in outputs[i]], dtype=torch.int64)
+    pen = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in which], dtype=torch.float32)
+    if rows.is_cuda:
+        ids, at, pen = (t.pin_memory().to(rows.device, non_blocking=True) for t in (ids, at, pen))
+    counts = torch.zeros(len(which), rows.shape[1], dtype=torch.float32, device=rows.device)
+    counts.index_put_((at, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    out = rows.clone()
+    sel = torch.tensor(which, dtype=torch.int64, device=rows.device)
+    out[sel] = rows[sel] - pen[:, :1] * counts - pen[:, 1:] * (counts > 0).float()
+    return out
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
+         outputs: list[list[int]] | None = None) -> Drawn:
+    """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i] (after
+    its penalties over outputs[i], its generated ids so far); and, if any row asked for them,
+    every row's chosen-token log-probability and its k most likely tokens (k the largest
+    top_logprobs asked; ``Drawn.get``'s rows hold k each, a request keeps its own first ones). All
+    on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
+    raw = logits.float()
+    if any(p.penalized for p in params):
+        if outputs is None:
+            raise GptOssFp8Error("draw: a request asks for penalties; pass each row's generated ids (outputs)")
+        rows = penalize(raw, params, outputs)
+    else:
+        rows = raw
     toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
     for i, p in enumerate(params):
         if p.temperature > 0:
             probs = nucleus(torch.softmax(rows[i] / p.temperature, dim=-1), p.top_p)
             toks[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
-    lp = None
+    lp = top = None
     if any(p.logprobs for p in params):
-        lp = torch.log_softmax(rows, dim=-1).gather(1, toks[:, None])[:, 0]
-    return Drawn(toks, lp)
+        logp = torch.log_softmax(raw, dim=-1)
+        lp = logp.gather(1, toks[:, None])[:, 0]
+        k = max(p.top_logprobs for p in params)
+        if k:
+            vals, ids = logp.topk(k, dim=-1)
+            top = ids, vals
+    return Drawn(toks, lp, top)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           gens: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
-    """``draw`` read at once: (tokens, log-probabilities or None) as host lists."""
-    return draw(logits, params, gens).get()
+def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
+           outputs: list[list[int]] | None = None) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+    """``draw`` read at once: (tokens, log-probabilities or None, alternatives or None) as host lists."""
+    return draw(logits, params, gens, outputs).get()

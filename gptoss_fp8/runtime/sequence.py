@@ -40,6 +40,7 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (params.top_logprobs > 0)
     state: State = State.WAITING
     slot: int | None = None
     prefilled: int = 0

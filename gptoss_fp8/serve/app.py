@@ -60,8 +60,8 @@ def _error(status: int, message: str, kind: str, headers: dict | None = None) ->
 @dataclass
 class Event:
     """What a request got since its handler last looked: the new token ids (several when the
-    handler was behind: they go out together), their log-probabilities (when asked), and whether
-    it finished (and how)."""
+    handler was behind: they go out together), their log-probabilities and each one's most likely
+    alternatives (when asked), and whether it finished (and how)."""
 
     new: list[int]
     finished: bool
@@ -69,6 +69,7 @@ class Event:
     stop: str | None
     error: str | None
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Outbox:
@@ -122,6 +123,7 @@ class Listener:
         self.outbox = outbox
         self.new: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[list[tuple[int, float]]] = []
         self.end: tuple[str | None, str | None, str | None] | None = None  # (finish, stop, error) once finished
         self.waiter: asyncio.Future | None = None
 
@@ -131,6 +133,8 @@ class Listener:
             self.new.extend(new)
             if seq.params.logprobs and new:
                 self.logprobs.extend(seq.logprobs[len(seq.logprobs) - len(new):])
+            if seq.params.top_logprobs and new:
+                self.tops.extend(seq.top_logprobs[len(seq.top_logprobs) - len(new):])
             if seq.finished:
                 self.end = (seq.finish, seq.stop, seq.error)
             ob.ready.append(self)
@@ -140,8 +144,8 @@ class Listener:
         with self.outbox.lock:
             if not self.new and self.end is None:
                 return None
-            ev = Event(self.new, self.end is not None, *(self.end or (None, None, None)), self.logprobs)
-            self.new, self.logprobs = [], []
+            ev = Event(self.new, self.end is not None, *(self.end or (None, None, None)), self.logprobs, self.tops)
+            self.new, self.logprobs, self.tops = [], [], []
             return ev
 
     async def wait(self) -> bool:
@@ -216,7 +220,8 @@ def create_app(served: Served) -> FastAPI:
     async def metrics():
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
-    def submit(prompt: list[int], req, stop_ids: tuple[int, ...], logprobs: bool) -> tuple[Sequence, Listener]:
+    def submit(prompt: list[int], req, stop_ids: tuple[int, ...], logprobs: bool,
+               top_logprobs: int) -> tuple[Sequence, Listener]:
         if req.model != served.model_name:
             raise HttpError(404, f"model {req.model!r} is not served here; this server serves {served.model_name!r}",
                             "not_found_error")
@@ -224,7 +229,9 @@ def create_app(served: Served) -> FastAPI:
         if max_tokens is None:
             max_tokens = max(1, engine.max_context - len(prompt))
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs)
+                                stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs,
+                                top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
+                                frequency_penalty=req.frequency_penalty)
         listener = Listener(outbox())
         try:
             seq = engine.add(prompt, params, listener)
@@ -322,7 +329,7 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
-        seq, listener = submit(prompt, req, harmony.STOP_IDS, req.logprobs)
+        seq, listener = submit(prompt, req, harmony.STOP_IDS, req.logprobs, req.top_logprobs or 0)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, seq, listener, _ChatReply(req.stop or [], req.logprobs), head)
 
@@ -334,10 +341,11 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(400, str(e)) from None
         prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
         prompt = list(prompt)
-        seq, listener = submit(prompt, req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None)
+        seq, listener = submit(prompt, req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None,
+                               req.logprobs or 0)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
-        return await reply(request, req, prompt, seq, listener, _CompletionReply(req.stop or [], req.logprobs is not None),
-                           head)
+        return await reply(request, req, prompt, seq, listener,
+                           _CompletionReply(req.stop or [], req.logprobs is not None, req.logprobs or 0), head)
 
     return app
 
@@ -358,15 +366,17 @@ class _Reply:
 
 class _CompletionReply(_Reply):
     """/v1/completions: ids -> text (stop ids are not text), stop sequences applied; a chunk per
-    event with all its text and, when asked, each token's piece and log-probability."""
+    event with all its text and, when asked, each token's piece and log-probability, and its ``top``
+    most likely tokens ({token text: log-probability}, the legacy API's ``top_logprobs``)."""
 
     OBJECT = CHUNK = "text_completion"
     STOP_IDS = frozenset((harmony.RETURN, harmony.CALL, harmony.ENDOFTEXT))
 
-    def __init__(self, stops: list[str], logprobs: bool):
-        self.text, self.stop, self.logprobs = harmony.TextStream(), harmony.StopText(stops), logprobs
+    def __init__(self, stops: list[str], logprobs: bool, top: int = 0):
+        self.text, self.stop, self.logprobs, self.top = harmony.TextStream(), harmony.StopText(stops), logprobs, top
         self.pieces: list[str] = []
         self.lps: list[float] = []
+        self.tops: list[dict[str, float]] = []
         self.sent = 0  # pieces already in a chunk
 
     def feed(self, ev: Event) -> None:
@@ -375,6 +385,8 @@ class _CompletionReply(_Reply):
             self.pieces.append(piece)
             if ev.logprobs:
                 self.lps.append(ev.logprobs[i])
+            if self.top:
+                self.tops.append(_top_dict(ev.top_logprobs[i] if ev.top_logprobs else []))
             self.n_out += 1
             if self.hit:
                 break
@@ -382,10 +394,12 @@ class _CompletionReply(_Reply):
     def choices(self) -> list[dict]:
         if self.sent == len(self.pieces):
             return []
-        pieces, lps = self.pieces[self.sent:], self.lps[self.sent:]
+        pieces, lps, tops = self.pieces[self.sent:], self.lps[self.sent:], self.tops[self.sent:]
         self.sent = len(self.pieces)
-        return [{"index": 0, "text": "".join(pieces), "finish_reason": None,
-                 "logprobs": {"tokens": pieces, "token_logprobs": lps} if lps else None}]
+        logprobs = {"tokens": pieces, "token_logprobs": lps} if lps else None
+        if logprobs is not None and self.top:
+            logprobs["top_logprobs"] = tops
+        return [{"index": 0, "text": "".join(pieces), "finish_reason": None, "logprobs": logprobs}]
 
     def _tail(self) -> str:
         return "" if self.hit else self.text.flush() + self.stop.flush()
@@ -399,6 +413,8 @@ class _CompletionReply(_Reply):
     def whole(self, ev: Event) -> dict:
         text = "".join(self.pieces) + self._tail()
         logprobs = {"tokens": None, "token_logprobs": self.lps} if self.logprobs else None
+        if logprobs is not None and self.top:
+            logprobs["top_logprobs"] = self.tops
         return {"index": 0, "text": text, "finish_reason": self._reason(ev), "logprobs": logprobs}
 
 
@@ -431,11 +447,12 @@ class _ChatReply(_Reply):
         for i, tok in enumerate(ev.new):
             self.n_out += 1
             lp = ev.logprobs[i] if ev.logprobs else None
+            top = ev.top_logprobs[i] if ev.top_logprobs else []
             for d in self.reply.push(tok):
                 if d.kind == "content":
                     text, self.hit = self.stop.push(d.text)
                     if text:
-                        self._text("content", text, None if lp is None else _token_logprob(tok, lp))
+                        self._text("content", text, None if lp is None else _token_logprob(tok, lp, top))
                     if self.hit:
                         break
                 elif d.kind == "reasoning":
@@ -491,9 +508,25 @@ class _ChatReply(_Reply):
                 "logprobs": {"content": self.lps} if self.logprobs else None}
 
 
-def _token_logprob(tok: int, lp: float) -> dict:
-    text = harmony.token_text(tok)
-    return {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+def _token_logprob(tok: int, lp: float, top: list[tuple[int, float]] = ()) -> dict:
+    """Chat's entry for one token: its text, log-probability and bytes (the token's own: part of a
+    character too), with its alternatives the same way."""
+    entry = _token_entry(tok, lp)
+    entry["top_logprobs"] = [_token_entry(t, v) for t, v in top]
+    return entry
+
+
+def _token_entry(tok: int, lp: float) -> dict:
+    return {"token": harmony.token_text(tok), "logprob": lp, "bytes": list(harmony.token_bytes(tok))}
+
+
+def _top_dict(top: list[tuple[int, float]]) -> dict[str, float]:
+    """The legacy completions' alternatives: {token text: log-probability}, most likely first (two ids of
+    one text, e.g. bytes of a character: the likelier)."""
+    out: dict[str, float] = {}
+    for t, v in top:
+        out.setdefault(harmony.token_text(t), v)
+    return out
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API this server takes (pydantic): unknown fields are refused, so
 a misspelt parameter is a 400 rather than silently ignored. Fields the OpenAI API has but this
-server does not implement are accepted only at their neutral value (``n`` 1, penalties 0)."""
+server does not implement are accepted only at their neutral value (``n`` 1, ``echo`` false)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the stop tokens (benchmarks)
 
@@ -52,7 +52,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: bool = False
-    top_logprobs: Literal[0] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("messages")
     @classmethod
@@ -73,7 +73,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=0)  # the chosen token's only
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's, and that many alternatives
     echo: Literal[False] = False
 
     @field_validator("prompt")
