@@ -181,6 +181,36 @@ def test_stop_sequences_cut_the_reply_and_free_the_slot(server, client, script):
     _wait_idle(server)
 
 
+def test_n_choices_are_the_requests_with_seeds_seed_plus_i(server, client):
+    kw = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, seed=7, logprobs=0, **kw)
+    alone = [client.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == alone and len(set(alone)) == 3
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 30
+    assert all(len(c.logprobs.token_logprobs) == 10 for c in r.choices)
+    chunks = list(client.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kw))
+    texts, ends = ["", "", ""], [[], [], []]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            ends[ch.index] += [ch.finish_reason] if ch.finish_reason else []
+    assert texts == alone and ends == [["length"]] * 3 and chunks[-1].usage.completion_tokens == 30
+    _wait_idle(server)
+
+
+def test_n_choices_stop_each_on_its_own(server, client, script):
+    script("<|channel|>final<|message|>Hello world. STOP and more text<|return|>")
+    r = client.chat.completions.create(model=MODEL, messages=_user("hi"), stop="STOP", n=2, max_tokens=64)
+    assert [(c.index, c.message.content, c.finish_reason) for c in r.choices] == [(i, "Hello world. ", "stop")
+                                                                                 for i in range(2)]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("hi"), stop="STOP", n=2, stream=True))
+    for i in range(2):
+        mine = [ch for c in chunks for ch in c.choices if ch.index == i]
+        assert mine[0].delta.role == "assistant" and [ch.finish_reason for ch in mine if ch.finish_reason] == ["stop"]
+        assert "".join(ch.delta.content or "" for ch in mine) == "Hello world. "
+    _wait_idle(server)
+
+
 def _wait_idle(server, timeout=10.0):
     import time
 
@@ -227,7 +257,8 @@ def test_bad_requests_are_one_line_400s(server):
         (b"{not json", "not valid JSON"),
         ({"model": MODEL, "messages": _user("hi"), "temprature": 0.5}, "temprature: unknown field"),
         ({"model": MODEL, "messages": []}, "messages"),
-        ({"model": MODEL, "messages": _user("hi"), "n": 2}, "n:"),
+        ({"model": MODEL, "messages": _user("hi"), "n": 5}, "n 5: this server runs at most 4 sequences"),
+        ({"model": MODEL, "messages": _user("hi"), "n": 0}, "n:"),
         ({"model": MODEL, "messages": _user("hi"), "top_logprobs": 2}, "top_logprobs 2 needs logprobs"),
         ({"model": MODEL, "messages": _user("hi"), "logprobs": True, "top_logprobs": 21}, "top_logprobs:"),
         ({"model": MODEL, "messages": _user("hi"), "presence_penalty": 2.5}, "presence_penalty:"),

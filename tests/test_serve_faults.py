@@ -1,4 +1,4 @@
-"""Faults under load: 200 requests, some cancelled by their clients mid-stream or while waiting,
+"""Faults under load: 200 requests (some of 2 or 3 choices), some cancelled by their clients mid-stream or while waiting,
 some with bad bodies, a few too long; afterwards every KV slot is free (read from /metrics), no
 request is left running or waiting, and a new request is served with the same reply as before."""
 
@@ -42,7 +42,7 @@ def test_random_cancellations_and_bad_bodies_leave_every_slot_free(server):
         kind = rng.choice(["ok", "ok", "stream", "cancel-stream", "cancel-stream", "cancel-wait", "bad", "long"])
         prompt = [rng.randrange(1000, 200000) for _ in range(rng.randrange(1, 40))]
         body = {"model": MODEL, "prompt": prompt, "max_tokens": rng.randrange(1, 7), "temperature": rng.choice([0, 0.8]),
-                "seed": i}
+                "seed": i, "n": rng.choice([1, 1, 1, 2, 3])}  # (n: that many sequences, cancelled together)
         async with sem:
             if kind == "bad":
                 raw = rng.choice([b"{", b"[]", json.dumps({**body, "bogus": 1}).encode(),

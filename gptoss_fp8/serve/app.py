@@ -221,25 +221,34 @@ def create_app(served: Served) -> FastAPI:
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
     def submit(prompt: list[int], req, stop_ids: tuple[int, ...], logprobs: bool,
-               top_logprobs: int) -> tuple[Sequence, Listener]:
+               top_logprobs: int) -> list[tuple[Sequence, Listener]]:
+        """The request's ``n`` choices, each a sequence of its own (choice i's seed: ``seed + i``)."""
         if req.model != served.model_name:
             raise HttpError(404, f"model {req.model!r} is not served here; this server serves {served.model_name!r}",
                             "not_found_error")
+        if req.n > engine.slots.total:
+            raise HttpError(400, f"n {req.n}: this server runs at most {engine.slots.total} sequences at once "
+                                 "(--max-batch); ask for fewer choices")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, engine.max_context - len(prompt))
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs,
-                                top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
-                                frequency_penalty=req.frequency_penalty)
-        listener = Listener(outbox())
+        added: list[tuple[Sequence, Listener]] = []
         try:
-            seq = engine.add(prompt, params, listener)
-        except QueueFull as e:
-            raise HttpError(429, str(e), "rate_limit_error", {"Retry-After": "1"}) from None
-        except GptOssFp8Error as e:
+            for i in range(req.n):
+                params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                        seed=None if req.seed is None else req.seed + i,
+                                        stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs,
+                                        top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
+                                        frequency_penalty=req.frequency_penalty)
+                listener = Listener(outbox())
+                added.append((engine.add(prompt, params, listener), listener))
+        except (QueueFull, GptOssFp8Error) as e:
+            for seq, _ in added:  # (all of the request's choices or none)
+                engine.cancel(seq)
+            if isinstance(e, QueueFull):
+                raise HttpError(429, str(e), "rate_limit_error", {"Retry-After": "1"}) from None
             raise HttpError(400, str(e)) from None
-        return seq, listener
+        return added
 
     async def events(seq: Sequence, listener: Listener, request: Request):
         """The request's events until it finishes, each carrying every token since the last (so a
@@ -261,39 +270,86 @@ def create_app(served: Served) -> FastAPI:
             if not done:
                 engine.cancel(seq)
 
-    async def reply(request: Request, req, prompt: list[int], seq: Sequence, listener: Listener, out: _Reply,
-                    head: dict):
-        """The reply of a request (chat or completion, ``out`` renders it): streamed as SSE, one
-        write per engine event (every token it carries, one chunk per kind of delta), or whole."""
-        gen = events(seq, listener, request)
-        if not req.stream:
-            last = None
+    async def choices(choice: list[tuple[Sequence, Listener]], request: Request, stopped: set[int]):
+        """(i, event) of the choices' events as they come (one choice: its own stream as it is). A choice i
+        put in ``stopped`` (a stop sequence ended it) is cancelled and gives no more events."""
+        gens = [events(seq, listener, request) for seq, listener in choice]
+        if len(gens) == 1:
             try:
-                async for ev in gen:
-                    last = ev
-                    out.feed(ev)
-                    if out.hit:
-                        break
+                async for ev in gens[0]:
+                    yield 0, ev
+                    if stopped:
+                        return
+            finally:
+                await gens[0].aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for ev in gens[i]:
+                    await queue.put((i, ev))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(gens))]
+        left = len(gens)
+        try:
+            while left:
+                i, ev = await queue.get()
+                if ev is None:
+                    left -= 1
+                elif i not in stopped:
+                    yield i, ev
+                    for j in stopped:
+                        tasks[j].cancel()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for g in gens:
+                await g.aclose()
+
+    async def reply(request: Request, req, prompt: list[int], choice: list[tuple[Sequence, Listener]],
+                    outs: list[_Reply], head: dict):
+        """The reply of a request (chat or completion, ``outs`` render its choices): streamed as SSE, one
+        write per engine event (every token it carries, one chunk per kind of delta), or whole."""
+        for i, out in enumerate(outs):
+            out.index = i
+        stopped: set[int] = set()
+        gen = choices(choice, request, stopped)
+        if not req.stream:
+            last: list[Event | None] = [None] * len(outs)
+            try:
+                async for i, ev in gen:
+                    last[i] = ev
+                    outs[i].feed(ev)
+                    if outs[i].hit:
+                        stopped.add(i)
             finally:
                 await gen.aclose()
-            if last is None or (not last.finished and not out.hit):
+            if any(ev is None or (not ev.finished and not out.hit) for ev, out in zip(last, outs, strict=True)):
                 return _error(499, "client closed the request", "cancelled")
-            if last.finish == "error":
-                raise HttpError(500, last.error or "the request failed", "server_error")
-            return {**head, "object": out.OBJECT, "choices": [out.whole(last)], "usage": _usage(len(prompt), out.n_out)}
+            failed = next((ev for ev in last if ev.finish == "error"), None)
+            if failed is not None:
+                raise HttpError(500, failed.error or "the request failed", "server_error")
+            return {**head, "object": outs[0].OBJECT, "choices": [out.whole(ev) for out, ev in zip(outs, last, strict=True)],
+                    "usage": _usage(len(prompt), sum(out.n_out for out in outs))}
 
-        first = await anext(gen)  # an engine failure before any output is a plain 500
+        i0, first = await anext(gen)  # an engine failure before any output is a plain 500
         if first.finish == "error" and not first.new:
             await gen.aclose()
             raise HttpError(500, first.error or "the request failed", "server_error")
-        chunk = _Chunk({**head, "object": out.CHUNK})
+        chunk = _Chunk({**head, "object": outs[0].CHUNK})
         usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def sse():
-            ev = first
+            i, ev = i0, first
+            ended: set[int] = set()
             try:
-                parts = [chunk(c) for c in out.opening()]
+                parts = [chunk(c) for out in outs for c in out.opening()]
                 while True:
+                    out = outs[i]
                     out.feed(ev)
                     parts.extend(chunk(c) for c in out.choices())
                     if ev.finish == "error":
@@ -302,20 +358,25 @@ def create_app(served: Served) -> FastAPI:
                         return
                     if out.hit or ev.finished:
                         parts.extend(chunk(c) for c in out.closing(ev))
+                        ended.add(i)
+                        if out.hit:
+                            stopped.add(i)
+                    if len(ended) == len(outs):
                         if usage:
                             parts.append(_sse({**head, "object": out.CHUNK, "choices": [],
-                                               "usage": _usage(len(prompt), out.n_out)}))
+                                               "usage": _usage(len(prompt), sum(o.n_out for o in outs))}))
                         parts.append("data: [DONE]\n\n")
                         yield "".join(parts)
                         return
                     if parts:
                         yield "".join(parts)
                     parts = []
-                    ev = await anext(gen)
+                    i, ev = await anext(gen)
             finally:
                 await gen.aclose()
-                if not seq.finished:
-                    engine.cancel(seq)
+                for seq, _ in choice:
+                    if not seq.finished:
+                        engine.cancel(seq)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
@@ -329,9 +390,9 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
-        seq, listener = submit(prompt, req, harmony.STOP_IDS, req.logprobs, req.top_logprobs or 0)
+        choice = submit(prompt, req, harmony.STOP_IDS, req.logprobs, req.top_logprobs or 0)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
-        return await reply(request, req, prompt, seq, listener, _ChatReply(req.stop or [], req.logprobs), head)
+        return await reply(request, req, prompt, choice, [_ChatReply(req.stop or [], req.logprobs) for _ in choice], head)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -341,11 +402,11 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(400, str(e)) from None
         prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
         prompt = list(prompt)
-        seq, listener = submit(prompt, req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None,
-                               req.logprobs or 0)
+        choice = submit(prompt, req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None, req.logprobs or 0)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
-        return await reply(request, req, prompt, seq, listener,
-                           _CompletionReply(req.stop or [], req.logprobs is not None, req.logprobs or 0), head)
+        return await reply(request, req, prompt, choice,
+                           [_CompletionReply(req.stop or [], req.logprobs is not None, req.logprobs or 0) for _ in choice],
+                           head)
 
     return app
 
@@ -359,6 +420,7 @@ class _Reply:
     OBJECT = CHUNK = ""
     hit = False
     n_out = 0
+    index = 0  # the choice's
 
     def opening(self) -> list[dict]:
         return []
@@ -399,7 +461,7 @@ class _CompletionReply(_Reply):
         logprobs = {"tokens": pieces, "token_logprobs": lps} if lps else None
         if logprobs is not None and self.top:
             logprobs["top_logprobs"] = tops
-        return [{"index": 0, "text": "".join(pieces), "finish_reason": None, "logprobs": logprobs}]
+        return [{"index": self.index, "text": "".join(pieces), "finish_reason": None, "logprobs": logprobs}]
 
     def _tail(self) -> str:
         return "" if self.hit else self.text.flush() + self.stop.flush()
@@ -408,14 +470,14 @@ class _CompletionReply(_Reply):
         return "stop" if self.hit or ev.finish == "stop" else "length"
 
     def closing(self, ev: Event) -> list[dict]:
-        return [{"index": 0, "text": self._tail(), "finish_reason": self._reason(ev), "logprobs": None}]
+        return [{"index": self.index, "text": self._tail(), "finish_reason": self._reason(ev), "logprobs": None}]
 
     def whole(self, ev: Event) -> dict:
         text = "".join(self.pieces) + self._tail()
         logprobs = {"tokens": None, "token_logprobs": self.lps} if self.logprobs else None
         if logprobs is not None and self.top:
             logprobs["top_logprobs"] = self.tops
-        return {"index": 0, "text": text, "finish_reason": self._reason(ev), "logprobs": logprobs}
+        return {"index": self.index, "text": text, "finish_reason": self._reason(ev), "logprobs": logprobs}
 
 
 class _ChatReply(_Reply):
@@ -470,13 +532,13 @@ class _ChatReply(_Reply):
                 break
 
     def opening(self) -> list[dict]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        return [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
 
     def choices(self) -> list[dict]:
         out = []
         for d in self.deltas:
             lps = d.pop("lps", None)
-            choice = {"index": 0, "delta": d, "finish_reason": None}
+            choice = {"index": self.index, "delta": d, "finish_reason": None}
             if lps:
                 choice["logprobs"] = {"content": lps}
             out.append(choice)
@@ -492,8 +554,8 @@ class _ChatReply(_Reply):
 
     def closing(self, ev: Event) -> list[dict]:
         tail = "" if self.hit else self.stop.flush()
-        out = [{"index": 0, "delta": {"content": tail}, "finish_reason": None}] if tail else []
-        return out + [{"index": 0, "delta": {}, "finish_reason": self._reason(ev)}]
+        out = [{"index": self.index, "delta": {"content": tail}, "finish_reason": None}] if tail else []
+        return out + [{"index": self.index, "delta": {}, "finish_reason": self._reason(ev)}]
 
     def whole(self, ev: Event) -> dict:
         if not self.hit:
@@ -504,7 +566,7 @@ class _ChatReply(_Reply):
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                       "function": {"name": c["name"], "arguments": c["arguments"]}}
                                      for c in self.reply.tool_calls]
-        return {"index": 0, "message": message, "finish_reason": self._reason(ev),
+        return {"index": self.index, "message": message, "finish_reason": self._reason(ev),
                 "logprobs": {"content": self.lps} if self.logprobs else None}
 
 

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API this server takes (pydantic): unknown fields are refused, so
 a misspelt parameter is a 400 rather than silently ignored. Fields the OpenAI API has but this
-server does not implement are accepted only at their neutral value (``n`` 1, ``echo`` false)."""
+server does not implement are accepted only at their neutral value (``echo`` false)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=128)  # choices, each a sequence of its own (at most the server's slots)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
