@@ -130,6 +130,15 @@ def test_penalties_follow_openais_rule_on_the_generated_ids():
     assert lps is None and tops is None
     with pytest.raises(GptOssFp8Error, match="generated ids"):
         draw(logits, params, [None] * 4)
+    bias = [SamplingParams(logit_bias=((int(logits[0].argmin()), 100.0), (7, -3.5))), SamplingParams(frequency_penalty=1.0,
+            logit_bias=((39, 0.25),))]
+    got = penalize(logits[:2], bias, [[], [39, 39]])
+    want = logits[:2].clone()
+    want[0, logits[0].argmin()] += 100
+    want[0, 7] -= 3.5
+    want[1, 39] += 0.25 - 2.0
+    assert torch.allclose(got, want, rtol=0, atol=1e-5) and draw(logits[:1], bias[:1], [None]).get()[0] == [
+        int(logits[0].argmin())]  # (no generated ids needed for a bias alone)
 
 
 def test_top_logprobs_are_the_models_own_distribution():
@@ -148,7 +157,8 @@ def test_top_logprobs_are_the_models_own_distribution():
     assert toks[1] == tops[1][0][0] and toks[2] == tops[2][0][0]  # greedy rows: the most likely token
     for bad, msg in ((dict(top_logprobs=3), "needs logprobs"), (dict(logprobs=True, top_logprobs=21), "0 to 20"),
                      (dict(presence_penalty=2.5), "presence_penalty 2.5"),
-                     (dict(frequency_penalty=float("nan")), "frequency_penalty nan")):
+                     (dict(frequency_penalty=float("nan")), "frequency_penalty nan"),
+                     (dict(logit_bias=((5, 101.0),)), "logit_bias of token 5: 101.0")):
         with pytest.raises(GptOssFp8Error, match=msg):
             SamplingParams(**bad).check()
 

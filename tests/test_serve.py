@@ -129,6 +129,18 @@ def test_completions_top_logprobs_are_the_models(client):
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs] == lp.top_logprobs
 
 
+def test_logit_bias_moves_the_greedy_choice(client):
+    kw = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(logprobs=1, **kw).choices[0]
+    first = gen._encoding().encode(greedy.text, allowed_special="all")[0]
+    forced = client.completions.create(logit_bias={"42": 100}, **kw).choices[0].text
+    assert forced == gen._encoding().decode([42] * 6)
+    banned = client.completions.create(logit_bias={str(first): -100}, logprobs=1, **kw).choices[0]
+    assert not banned.text.startswith(gen._encoding().decode([first]))
+    # the reported log-probabilities stay the model's: its first choice there is the banned token
+    assert list(banned.logprobs.top_logprobs[0]) == [gen._encoding().decode([first])]
+
+
 def test_chat_length_limit(client, script):
     script(REASONED)
     r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), max_tokens=3)
@@ -262,6 +274,9 @@ def test_bad_requests_are_one_line_400s(server):
         ({"model": MODEL, "messages": _user("hi"), "top_logprobs": 2}, "top_logprobs 2 needs logprobs"),
         ({"model": MODEL, "messages": _user("hi"), "logprobs": True, "top_logprobs": 21}, "top_logprobs:"),
         ({"model": MODEL, "messages": _user("hi"), "presence_penalty": 2.5}, "presence_penalty:"),
+        ({"model": MODEL, "messages": _user("hi"), "logit_bias": {"x": 1}}, "logit_bias.x"),
+        ({"model": MODEL, "messages": _user("hi"), "logit_bias": {"10000000": 1}}, "logit_bias token id 10000000 is outside"),
+        ({"model": MODEL, "messages": _user("hi"), "logit_bias": {"5": -101}}, "logit_bias of token 5: -101"),
         ({"model": MODEL, "messages": _user("hi"), "max_tokens": CTX}, f"exceed the context of {CTX} tokens"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "message role 'robot'"),
     ]

@@ -40,7 +40,7 @@ Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple | Drawn"]
 
 def default_sampler(logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
     return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                [s.tokens for s in seqs] if any(s.params.penalized for s in seqs) else None)
+                [s.tokens for s in seqs] if any(s.params.penalized for s in seqs) else None)  # (the penalties' counts)
 
 
 class Engine:
@@ -87,6 +87,9 @@ class Engine:
         bad = None if fast else next((t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab)), None)
         if bad is not None:
             raise GptOssFp8Error(f"prompt token id {bad} is outside the vocabulary (vocab_size {self.vocab})")
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise GptOssFp8Error(f"logit_bias token id {bad} is outside the vocabulary (vocab_size {self.vocab})")
         ctx = self.max_context
         if len(prompt) >= ctx:
             raise GptOssFp8Error(f"the prompt has {len(prompt)} tokens; the context is {ctx} tokens "

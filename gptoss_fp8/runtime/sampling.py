@@ -5,7 +5,8 @@ smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus 
 with the request's own seeded ``torch.Generator``: the same seed gives the same tokens whatever
 else runs in the batch (each row draws from its own generator, in its own order). Presence and
 frequency penalties (OpenAI's rule) first lower the logits of the tokens the request has generated so
-far: ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``. ``draw`` makes
+far: ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``, and a request's
+``logit_bias`` adds its value to its tokens' logits (-100 bans a token, 100 all but forces it). ``draw`` makes
 the choice on the logits' device; one host read per step for the whole batch (``Drawn.get``:
 tokens and, when asked, their log-probabilities and each row's most likely alternatives).
 """
@@ -35,7 +36,8 @@ class SamplingParams:
     rule); ``logprobs``: return each chosen token's log-probability, and ``top_logprobs`` (0 to
     MAX_TOP_LOGPROBS) the most likely tokens with theirs, at each step (the model's distribution:
     before temperature, penalties and top_p); ``presence_penalty`` / ``frequency_penalty`` (-2 to 2):
-    the module docstring's rule over the generated tokens."""
+    the module docstring's rule over the generated tokens; ``logit_bias``: (token id, -100 to 100)
+    pairs added to those logits at every step."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -46,6 +48,7 @@ class SamplingParams:
     top_logprobs: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop_rule: StopRule | None = field(default=None, compare=False)
 
     def check(self) -> None:
@@ -64,10 +67,13 @@ class SamplingParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and -2 <= v <= 2):
                 raise GptOssFp8Error(f"{name} {v}: give a number in [-2, 2]")
+        for tok, v in self.logit_bias:
+            if not (math.isfinite(v) and -100 <= v <= 100):
+                raise GptOssFp8Error(f"logit_bias of token {tok}: {v}; give a number in [-100, 100]")
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """This request's generator (None when greedy): seeded with ``seed``, or a fresh random seed."""
@@ -127,8 +133,17 @@ class Drawn:
 
 def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
     """rows [n, V] float32 with each penalized row's presence / frequency penalty applied over the
-    tokens in outputs[i] (its generated ids so far); rows itself when no row asks for one."""
-    which = [i for i, p in enumerate(params) if p.penalized and outputs[i]]
+    tokens in outputs[i] (its generated ids so far) and its logit_bias added; rows itself when no row
+    asks for either."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        at = torch.tensor([j for j in biased for _ in params[j].logit_bias], dtype=torch.int64)
+        ids = torch.tensor([t for j in biased for t, _ in params[j].logit_bias], dtype=torch.int64)
+        vals = torch.tensor([v for j in biased for _, v in params[j].logit_bias], dtype=torch.float32)
+        if rows.is_cuda:
+            at, ids, vals = (t.pin_memory().to(rows.device, non_blocking=True) for t in (at, ids, vals))
+        rows = rows.clone().index_put_((at, ids), vals, accumulate=True)
+    which = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
     if not which:
         return rows
     ids = torch.tensor([t for i in which for t in outputs[i]], dtype=torch.int64)
@@ -153,9 +168,9 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Ge
     on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
     raw = logits.float()
     if any(p.penalized for p in params):
-        if outputs is None:
+        if outputs is None and any(p.presence_penalty or p.frequency_penalty for p in params):
             raise GptOssFp8Error("draw: a request asks for penalties; pass each row's generated ids (outputs)")
-        rows = penalize(raw, params, outputs)
+        rows = penalize(raw, params, outputs or [[] for _ in params])
     else:
         rows = raw
     toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them

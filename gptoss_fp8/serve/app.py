@@ -239,7 +239,8 @@ def create_app(served: Served) -> FastAPI:
                                         seed=None if req.seed is None else req.seed + i,
                                         stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs,
                                         top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
-                                        frequency_penalty=req.frequency_penalty)
+                                        frequency_penalty=req.frequency_penalty,
+                                        logit_bias=tuple(sorted((req.logit_bias or {}).items())))
                 listener = Listener(outbox())
                 added.append((engine.add(prompt, params, listener), listener))
         except (QueueFull, GptOssFp8Error) as e:

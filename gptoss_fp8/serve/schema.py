@@ -31,8 +31,16 @@ class _Sampling(_Strict):
     n: int = Field(default=1, ge=1, le=128)  # choices, each a sequence of its own (at most the server's slots)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[int, float] | None = None  # token id (a JSON key: its digits) -> -100 to 100
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the stop tokens (benchmarks)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is not None and len(v) > 300:
+            raise ValueError("at most 300 tokens")
+        return v
 
     @field_validator("stop")
     @classmethod
