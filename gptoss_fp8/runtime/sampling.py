@@ -136,26 +136,28 @@ def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[lis
     tokens in outputs[i] (its generated ids so far) and its logit_bias added; rows itself when no row
     asks for either."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
+    which = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
+    if not biased and not which:
+        return rows
+    out = rows.clone()
     if biased:
         at = torch.tensor([j for j in biased for _ in params[j].logit_bias], dtype=torch.int64)
         ids = torch.tensor([t for j in biased for t, _ in params[j].logit_bias], dtype=torch.int64)
         vals = torch.tensor([v for j in biased for _, v in params[j].logit_bias], dtype=torch.float32)
         if rows.is_cuda:
             at, ids, vals = (t.pin_memory().to(rows.device, non_blocking=True) for t in (at, ids, vals))
-        rows = rows.clone().index_put_((at, ids), vals, accumulate=True)
-    which = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
-    if not which:
-        return rows
-    ids = torch.tensor([t for i in which for t in outputs[i]], dtype=torch.int64)
-    at = torch.tensor([j for j, i in enumerate(which) for _ in outputs[i]], dtype=torch.int64)
-    pen = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in which], dtype=torch.float32)
-    if rows.is_cuda:
-        ids, at, pen = (t.pin_memory().to(rows.device, non_blocking=True) for t in (ids, at, pen))
-    counts = torch.zeros(len(which), rows.shape[1], dtype=torch.float32, device=rows.device)
-    counts.index_put_((at, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-    out = rows.clone()
-    sel = torch.tensor(which, dtype=torch.int64, device=rows.device)
-    out[sel] = rows[sel] - pen[:, :1] * counts - pen[:, 1:] * (counts > 0).float()
+        out.index_put_((at, ids), vals, accumulate=True)
+    if which:
+        ids = torch.tensor([t for i in which for t in outputs[i]], dtype=torch.int64)
+        at = torch.tensor([j for j, i in enumerate(which) for _ in outputs[i]], dtype=torch.int64)
+        pen = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in which],
+                           dtype=torch.float32)
+        if rows.is_cuda:
+            ids, at, pen = (t.pin_memory().to(rows.device, non_blocking=True) for t in (ids, at, pen))
+        counts = torch.zeros(len(which), rows.shape[1], dtype=torch.float32, device=rows.device)
+        counts.index_put_((at, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        sel = torch.tensor(which, dtype=torch.int64, device=rows.device)
+        out[sel] -= pen[:, :1] * counts + pen[:, 1:] * (counts > 0).float()
     return out
 
 
