@@ -8,6 +8,7 @@ import torch
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.runtime.engine import Engine
+from gptoss_fp8.runtime.prefix import HOLD_MIN, Placement, PrefixCache, reusable
 from gptoss_fp8.runtime.runner import ModelRunner
 from gptoss_fp8.runtime.sampling import SamplingParams, draw, nucleus, penalize
 from gptoss_fp8.runtime.scheduler import QueueFull, Scheduler
@@ -256,3 +257,74 @@ def test_deferred_events_arrive_one_step_late_and_complete(model):
     assert cancelled.finish == "cancelled" and got[cancelled.id][-1] == "end"
     assert got[cancelled.id][:-1] == cancelled.tokens[:len(got[cancelled.id]) - 1]  # a prefix, in order
     assert ref_got[ref_seqs[2].id][:-1] == ref_seqs[2].tokens  # delivered at once, a cancel loses nothing
+
+
+def test_prefix_cache_reuses_whole_prompts_and_places_requests():
+    assert reusable([1, 2, 3], [1, 2, 3, 4]) == 3  # a longer prompt: all of it
+    assert reusable([1, 2, 3], [1, 2, 3]) == 2  # the same: all but the last (its logits are needed)
+    assert reusable([1, 2, 3], [1, 2, 9, 4]) == 2
+    assert reusable([1, 2, 3], [1, 9, 3, 4]) == reusable([1, 2, 3], [1, 2]) == 0  # a part, or a shorter one: none
+    pc = PrefixCache()
+    pc.record(2, [1, 2, 3])
+    pc.record(0, [5, 6, 7, 8])
+    assert pc.place([1, 2, 3, 4], [0, 1, 2]) == Placement(2, 3, 2) and set(pc.entries) == {0}  # in place: dropped
+    assert pc.place([9, 9], [0, 1]) == Placement(1)  # no match: a slot without an entry before one with
+    pc.record(1, [4, 4, 4])
+    assert pc.place([5, 6, 7, 8, 1], [1, 3]) == Placement(3, 4, 0) and set(pc.entries) == {0, 1}  # busy: copied
+    pc.record(3, [6, 6, 6])
+    assert pc.place([2, 2], [1, 3]) == Placement(1) and set(pc.entries) == {0, 3}  # the least recently used goes
+    assert pc.pending(list(range(100)), [list(range(HOLD_MIN + 1))])
+    assert not pc.pending(list(range(100)), [list(range(HOLD_MIN - 1))])  # too little to wait for
+
+
+def _replies(eng, prompts, **kw):
+    seqs = [eng.add(p, SamplingParams(max_tokens=6, logprobs=True, **kw)) for p in prompts]
+    eng.run_until_done()
+    return seqs
+
+
+def test_a_prompt_that_starts_with_a_cached_one_prefills_the_rest_and_gets_the_cold_reply(model):
+    """A conversation's next turn (in place, after decode riders wrote over the free slot's position 0 and its
+    rings were overwritten by the reply), the same prompt again, a copy from a slot still running, and identical
+    prompts held for one another: each reply equals a cold engine's bit for bit (the weights mode)."""
+    warm = Engine(ModelRunner(model, get_ops("weights"), 3, 160, prefix_cache=True), chunk=16)
+    cold = Engine(ModelRunner(model, get_ops("weights"), 3, 160), chunk=16)
+
+    def same(seq, prompt):
+        ref, = _replies(cold, [prompt])
+        assert seq.tokens == ref.tokens and seq.logprobs == ref.logprobs, len(prompt)
+
+    p1 = list(range(30, 70))  # 40 tokens: the sliding window's 8-row ring wraps
+    a = warm.add(p1, SamplingParams(max_tokens=6, logprobs=True))
+    other = warm.add(list(range(200, 210)), SamplingParams(max_tokens=30))
+    while not a.finished:
+        warm.step()
+    for _ in range(4):
+        warm.step()  # slot 0 free: it rides along other's decode steps at length 0
+    assert not other.finished and warm.stats()["cached_prompts"] == 2
+    p2 = p1 + a.tokens + [5, 6, 7]
+    b = warm.add(p2, SamplingParams(max_tokens=6, logprobs=True))
+    warm.step()
+    assert b.slot == 0 and b.cached == 40 and b.prefilled == 48  # in place, from 40 to the chunks' next cut
+    warm.run_until_done()
+    same(b, p2)
+    again, = _replies(warm, [p2])
+    assert again.cached == len(p2) - 1
+    same(again, p2)
+    long = warm.add(p2, SamplingParams(max_tokens=20))  # keeps slot 0 busy
+    warm.step()
+    ext = warm.add(p2 + [11, 12], SamplingParams(max_tokens=6, logprobs=True))
+    warm.step()
+    assert long.slot == 0 and ext.slot == 2 and ext.cached == len(p2)  # copied from the running slot 0 (1 keeps its entry)
+    warm.run_until_done()
+    same(ext, p2 + [11, 12])
+    p3 = list(range(300, 380))  # 80 >= HOLD_MIN: the second waits for the first instead of prefilling beside it
+    f, g = (warm.add(p3, SamplingParams(max_tokens=6, logprobs=True)) for _ in range(2))
+    warm.step()
+    assert f.state is State.PREFILL and g.state is State.WAITING and warm.slots.available == 2
+    warm.run_until_done()
+    assert (f.cached, g.cached) == (0, len(p3) - 1)
+    same(f, p3)
+    same(g, p3)
+    assert long.cached == len(p2) - 1
+    assert warm.metrics.cached_tokens == 40 + 2 * (len(p2) - 1) + len(p2) + len(p3) - 1

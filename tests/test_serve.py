@@ -223,6 +223,22 @@ def test_n_choices_stop_each_on_its_own(server, client, script):
     _wait_idle(server)
 
 
+def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
+    seen = script("<|channel|>final<|message|>Four.<|return|>")
+    turn = [{"role": "user", "content": "What is two plus two, in words?"}]
+    before = metric(httpx.get(server.url + "/metrics").text, "gptoss_prompt_cached_tokens_total")
+    r = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=16)
+    assert r.choices[0].message.content == "Four." and r.usage.prompt_tokens_details.cached_tokens == 0
+    turn += [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three plus three?"}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=turn, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}))
+    first, second = seen
+    assert second[:len(first)] == first  # Harmony renders the first turn's prompt again, then the reply and the question
+    assert chunks[-1].usage.prompt_tokens == len(second) and chunks[-1].usage.prompt_tokens_details.cached_tokens == len(first)
+    m = _wait_idle(server)
+    assert metric(m, "gptoss_prompt_cached_tokens_total") == before + len(first)
+
+
 def _wait_idle(server, timeout=10.0):
     import time
 

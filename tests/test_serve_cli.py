@@ -61,7 +61,8 @@ def _greedy(url, prompts, n=6):
                                                                         "temperature": 0, "ignore_eos": True,
                                                                         "logprobs": 0}) for p in prompts))
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-        return [(r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"]) for r in rs]
+        return [(r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"],
+                 r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]) for r in rs]
 
     return asyncio.run(main())
 
@@ -91,14 +92,16 @@ def test_serve_a_sharded_checkpoint_gives_the_unsharded_replies(harmony_ckpt, tm
     port = _free_port()
     cmd = _Command([str(tmp_path / "tp2"), "--max-batch", "2", "--max-context", "64", "--model-name", "m",
                     "--prefill-chunk", "8"], port)
+    later = [PROMPTS[2] + [7, 8, 9]]  # starts with the last placed prompt: every rank restores its keys
     try:
         cmd.wait_healthy()
-        sharded = _greedy(cmd.url, PROMPTS)
+        sharded = _greedy(cmd.url, PROMPTS) + _greedy(cmd.url, later)
     finally:
         out, err = cmd.ctrl_c()
     assert "KV cache: 2 slots per rank x 64 tokens" in out and "tp 2 ep 1 over gloo" in out, out + err
+    assert sharded[-1][2] == len(PROMPTS[2])
     with running_server(harmony_ckpt, max_batch=2, max_context=64, chunk=8, model_name="m") as s:
-        assert _greedy(s.url, PROMPTS) == sharded
+        assert _greedy(s.url, PROMPTS) + _greedy(s.url, later) == sharded
 
 
 def _one_line_error(args):

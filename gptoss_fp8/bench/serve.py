@@ -341,8 +341,10 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
             n = requests or max(8, 2 * c)
             before = engine_counters(url, headers)
             k = client_procs(c) if procs is None else procs
-            # text prompts new at every case: transformers' paged cache shares the blocks of a prefix it saw
-            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed, api_key, k, prompts(p, n, c + 1))
+            # prompts new at every case: transformers' paged cache shares the blocks of a prefix it saw, and our
+            # prefix cache reuses a prompt seen whole (runtime/prefix.py)
+            timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed + 7919 * (c + 1) + p, api_key, k,
+                                     prompts(p, n, c + 1))
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
             row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)

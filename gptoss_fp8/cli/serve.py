@@ -30,6 +30,9 @@ def serve(
     api_key: Annotated[str | None, typer.Option(help="Bearer key every route but /health requires.")] = None,
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the directory name).")] = None,
     attention: AttentionOption = Attention.bf16,
+    prefix_cache: Annotated[bool, typer.Option(
+        help="Keep each prompt's keys for requests that start with the whole of it (a conversation's next turn, the "
+             "same prompt again, n choices): they prefill only what follows. A few MB a slot.")] = True,
 ) -> None:
     """Serve the OpenAI chat / completions API with continuous batching: /v1/chat/completions,
     /v1/completions, /v1/models, /health, /metrics. A checkpoint converted with --tp T runs one
@@ -38,4 +41,4 @@ def serve(
 
     run(ckpt, host=host, port=port, device=device.value, mode=mode.value, max_batch=max_batch, max_context=max_context,
         chunk=prefill_chunk, max_waiting=max_waiting, api_key=api_key, model_name=model_name, echo=typer.echo,
-        attention=attention.value)
+        attention=attention.value, prefix_cache=prefix_cache)

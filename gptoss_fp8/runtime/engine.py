@@ -26,6 +26,7 @@ import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.runtime.metrics import Metrics
+from gptoss_fp8.runtime.prefix import PrefixCache
 from gptoss_fp8.runtime.runner import ModelRunner
 from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, draw
 from gptoss_fp8.runtime.scheduler import Scheduler, Step
@@ -58,8 +59,10 @@ class Engine:
         self.runner = runner
         self.vocab = runner.model.cfg.vocab_size
         self.slots = SlotManager(runner.slots)
+        # a runner made with prefix_cache keeps prompts for later requests (runtime/prefix.py)
+        self.prefix = PrefixCache() if getattr(runner, "prefix_cache", False) else None
         self.scheduler = Scheduler(self.slots, chunk=chunk, token_budget=token_budget or runner.slots + chunk,
-                                   max_waiting=max_waiting)
+                                   max_waiting=max_waiting, prefix=self.prefix)
         self.sampler = sampler or default_sampler
         self.log_errors = log_errors  # print the traceback of a failed request (a server's log)
         self.metrics = Metrics()
@@ -124,7 +127,7 @@ class Engine:
         with self.lock:
             s = self.scheduler
             return {"running": len(s.running), "waiting": len(s.waiting), "slots_used": self.slots.used,
-                    "slots_total": self.slots.total}
+                    "slots_total": self.slots.total, "cached_prompts": len(self.prefix.entries) if self.prefix else 0}
 
     # --- the loop (one thread) -------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -177,13 +180,24 @@ class Engine:
         t0 = time.perf_counter()  # the runner's calls and the sampler's: the model's time (metrics.model_seconds)
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
         rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
-        for seq, start, end, logits in self._prefill(work.prefills, touched):
+        for seq, src, n in work.restores:
+            try:
+                self.runner.restore(seq.slot, src, n)
+            except Exception as e:  # noqa: BLE001 - its request fails, the step goes on
+                self._fail(seq, e, touched)
+            else:
+                self.metrics.cached_tokens += n
+        for seq, start, end, logits in self._prefill([p for p in work.prefills if not p[0].finished], touched):
             seq.prefilled = end
             self.metrics.prompt_tokens += end - start
             if end == len(seq.prompt):
                 seq.state = State.DECODE
                 seqs.append(seq)
                 rows.append(logits)
+        if self.prefix is not None and seqs:  # the prompts now in: saved before this step's decode writes
+            self.runner.snapshot([s.slot for s in seqs])
+            for seq in seqs:
+                self.prefix.record(seq.slot, seq.prompt)
         if work.decodes:
             try:
                 logits = self.runner.decode([s.slot for s in work.decodes], [s.tokens[-1] for s in work.decodes])

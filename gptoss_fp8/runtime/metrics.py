@@ -37,6 +37,7 @@ class Histogram:
 @dataclass
 class Metrics:
     prompt_tokens: int = 0  # prompt tokens prefilled
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead (runtime/prefix.py)
     generated_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     steps: int = 0

@@ -1,6 +1,7 @@
 """A model that costs nothing: the host path of serving measured alone (``bench serve --null-model``).
 
-``NullRunner`` has ``ModelRunner``'s interface (slots, ``prefill``, ``decode``, ``release``) and
+``NullRunner`` has ``ModelRunner``'s interface (slots, ``prefill``, ``decode``, ``release``, the
+prefix cache's ``snapshot`` / ``restore``) and
 no weights: a decode step sleeps ``step_s`` seconds (``time.sleep`` lets go of the GIL, as a
 host waiting on a GPU step does; 0: no sleep) and returns an empty [n, 0] tensor, and
 ``ScriptSampler`` gives every request the same preset reply, token by token (a request's i-th
@@ -33,8 +34,9 @@ class NullRunner:
     graphs = None
 
     def __init__(self, slots: int, max_context: int, *, vocab: int = 201088, step_s: float = 0.0,
-                 prefill_s: float = 0.0):
+                 prefill_s: float = 0.0, prefix_cache: bool = True):
         self.slots, self.max_context, self.step_s, self.prefill_s = slots, max_context, step_s, prefill_s
+        self.prefix_cache = prefix_cache
         self.model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=vocab))
         self.device = torch.device("cpu")
         self.buckets = list(range(1, slots + 1))
@@ -62,6 +64,12 @@ class NullRunner:
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
+
+    def snapshot(self, slots: list[int]) -> None:
+        pass
+
+    def restore(self, slot: int, src: int, n: int) -> None:
+        self.lengths[slot] = n
 
 
 class ScriptSampler:

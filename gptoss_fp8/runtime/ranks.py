@@ -4,10 +4,11 @@ A checkpoint converted for tp / ep > 1 runs one process per rank, each with its 
 its own ``ModelRunner`` (the same slots, the same KV cache layout over its local kv heads). Rank
 0 owns the scheduler and the sampling: its ``Leader`` is the runner the engine sees, and before
 each model call it broadcasts the call (``("prefill", slot, tokens, start)``, ``("decode", slots,
-tokens)``, ``("release", slot)``, ``("capture",)``, ``("stop",)``) to the other ranks, whose
-``follow`` loop makes the same call; the model's all-reduces inside each call keep the ranks in
-step, and the logits (replicated by the model) are used on rank 0 only. Every model call happens
-on rank 0's engine thread, so the order is the one the engine runs.
+tokens)``, ``("release", slot)``, ``("snapshot", slots)``, ``("restore", slot, src, n)``, ``("capture",)``,
+``("stop",)``) to the other ranks, whose ``follow`` loop makes the same call; the model's
+all-reduces inside each call keep the ranks in step, and the logits (replicated by the model)
+are used on rank 0 only. Every model call happens on rank 0's engine thread, so the order is the
+one the engine runs.
 
 A call that raises on rank 0 would leave the followers inside the call's collectives, so it is
 not one request's failure here: ``RankFailure`` (a BaseException, which the engine does not catch
@@ -40,6 +41,7 @@ class Leader:
         self.runner, self.par = runner, par
         self.slots, self.max_context, self.device = runner.slots, runner.max_context, runner.device
         self.model, self.cache, self.graphs, self.buckets = runner.model, runner.cache, runner.graphs, runner.buckets
+        self.prefix_cache = runner.prefix_cache
 
     def _both(self, cmd: tuple):
         share(cmd, self.par)
@@ -60,6 +62,12 @@ class Leader:
     def release(self, slot: int) -> None:
         self._both(("release", slot))
 
+    def snapshot(self, slots: list[int]) -> None:
+        self._both(("snapshot", list(slots)))
+
+    def restore(self, slot: int, src: int, n: int) -> None:
+        self._both(("restore", slot, src, n))
+
     def capture_all(self) -> None:
         self._both(("capture",))
 
@@ -68,7 +76,7 @@ class Leader:
 
 
 _METHODS = {"prefill": "prefill", "prefill_many": "prefill_many", "decode": "decode", "release": "release",
-            "capture": "capture_all"}
+            "capture": "capture_all", "snapshot": "snapshot", "restore": "restore"}
 
 
 def follow(runner: ModelRunner, par) -> int:

@@ -8,6 +8,10 @@ their next chunk, and their lengths are put back after the step; a free slot hol
 each bucket's step is a CUDA graph (model/graph.py), captured once per bucket (``capture_all`` at
 start, or at its first use); buckets are the powers of two up to the slot count, and the slot
 count. Without graphs (CPU) a bucket is exactly the highest slot + 1.
+
+With ``prefix_cache`` the runner keeps, per slot, a copy of each sliding-window layer's ring and
+each full layer's position 0 as they were when its prompt was all in (``snapshot``), and
+``restore`` puts a cached prompt's keys in a slot (runtime/prefix.py says why these parts).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from gptoss_fp8.model.cache import KVCache, device_ints
 class ModelRunner:
     """``model`` (one rank's GptOss) with ``ops``, ``slots`` sequences of up to ``max_context`` tokens."""
 
-    def __init__(self, model, ops, slots: int, max_context: int, *, cuda_graph: bool | None = None):
+    def __init__(self, model, ops, slots: int, max_context: int, *, cuda_graph: bool | None = None,
+                 prefix_cache: bool = False):
         from gptoss_fp8.model.graph import DecodeGraphs, capturable
 
         self.model, self.ops, self.slots, self.max_context = model, ops, slots, max_context
@@ -39,6 +44,10 @@ class ModelRunner:
             self.buckets = list(range(1, slots + 1))
         self._views: dict[int, KVCache] = {}
         self._pinned: dict[int, torch.Tensor] = {}
+        self.prefix_cache = prefix_cache
+        c = self.cache  # saved per slot: a ring whole, a full layer's position 0
+        self._saved = [[t.new_empty(t.shape if c.is_ring(i) else (t.shape[0], *t.shape[2:])) for i, t in enumerate(kv)]
+                       for kv in (c.k, c.v)] if prefix_cache else None
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -115,6 +124,35 @@ class ModelRunner:
             pin = self._pinned[b] = torch.empty((len(rows), b), dtype=torch.long, pin_memory=True)
         pin.copy_(t)
         return pin.to(self.device, non_blocking=True)
+
+    def snapshot(self, slots: list[int]) -> None:
+        """Save ``slots``' rings and full layers' position 0 (their prompts are all in, nothing
+        of this step's decode written yet), in one multi-tensor copy."""
+        c, dst, src = self.cache, [], []
+        for slot in slots:
+            for saved, live in zip(self._saved, (c.k, c.v), strict=True):
+                for i, t in enumerate(live):
+                    dst.append(saved[i][slot])
+                    src.append(t[slot] if c.is_ring(i) else t[slot, 0])
+        torch._foreach_copy_(dst, src)
+
+    def restore(self, slot: int, src: int, n: int) -> None:
+        """Slot ``slot`` holds the first ``n`` keys of the prompt saved for slot ``src`` (its rows 1..n-1
+        of the full layers copied unless src is slot itself, the rest from src's snapshot); length n."""
+        c, dst, frm = self.cache, [], []
+        for saved, live in zip(self._saved, (c.k, c.v), strict=True):
+            for i, t in enumerate(live):
+                if c.is_ring(i):
+                    dst.append(t[slot])
+                    frm.append(saved[i][src])
+                    continue
+                if src != slot and n > 1:
+                    dst.append(t[slot, 1:n])
+                    frm.append(t[src, 1:n])
+                dst.append(t[slot, 0])
+                frm.append(saved[i][src])
+        torch._foreach_copy_(dst, frm)
+        c.set_length(slot, n)
 
     def release(self, slot: int) -> None:
         """A slot's sequence left: its length back to 0 (it may ride along in decode steps)."""

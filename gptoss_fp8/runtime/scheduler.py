@@ -8,6 +8,11 @@ take a free slot as soon as one is free; a request leaves at the step it finishe
 cancelled, and its slot is free for the next step. A long prompt therefore never freezes the
 running streams: each step still decodes everyone, and carries at most ``budget - decodes``
 prompt tokens (at least one chunk when nothing decodes).
+
+With a prefix cache (runtime/prefix.py) a request taking a slot may start past its prompt's
+beginning: the step's ``restores`` put the cached keys in place before its forwards, and a
+request whose prompt a running prompt will give once it is in (the other choices of an ``n``
+request) waits for it, while those behind it go on.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.runtime.prefix import PrefixCache
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
 
@@ -26,11 +32,13 @@ class QueueFull(GptOssFp8Error):
 
 @dataclass
 class Step:
-    """One step's work: the sequences that decode one token each (in slot order) and the prompt
-    chunks (sequence, start, end) to prefill."""
+    """One step's work: the sequences that decode one token each (in slot order), the prompt
+    chunks (sequence, start, end) to prefill, and before them the cached prompts to restore
+    (sequence, the entry's slot, tokens: ``ModelRunner.restore``)."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    restores: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -38,13 +46,16 @@ class Step:
 
 
 class Scheduler:
-    """Waiting queue (bounded by ``max_waiting``) and running set over ``slots``."""
+    """Waiting queue (bounded by ``max_waiting``) and running set over ``slots``; ``prefix``: the
+    prompt cache that places requests (None: lowest free slot, every prompt prefilled whole)."""
 
-    def __init__(self, slots: SlotManager, *, chunk: int, token_budget: int, max_waiting: int):
+    def __init__(self, slots: SlotManager, *, chunk: int, token_budget: int, max_waiting: int,
+                 prefix: PrefixCache | None = None):
         if chunk < 1 or token_budget < 1 or max_waiting < 0:
             raise GptOssFp8Error(f"scheduler: chunk {chunk}, token budget {token_budget}, max waiting {max_waiting}: "
                                  "give positive numbers")
         self.slots, self.chunk, self.budget, self.max_waiting = slots, chunk, token_budget, max_waiting
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
 
@@ -67,11 +78,9 @@ class Scheduler:
             seq.slot = None
 
     def schedule(self) -> Step:
-        while self.waiting and self.slots.available:
-            seq = self.waiting.popleft()
-            seq.slot, seq.state = self.slots.alloc(), State.PREFILL
-            self.running.append(seq)
-        step = Step(decodes=sorted((s for s in self.running if s.state is State.DECODE), key=lambda s: s.slot))
+        restores = self._admit() if self.waiting and self.slots.available else []
+        step = Step(decodes=sorted((s for s in self.running if s.state is State.DECODE), key=lambda s: s.slot),
+                    restores=restores)
         left = self.budget - len(step.decodes)
         for seq in self.running:
             if seq.state is not State.PREFILL:
@@ -83,3 +92,25 @@ class Scheduler:
             step.prefills.append((seq, start, end))
             left -= end - start
         return step
+
+    def _admit(self) -> list[tuple[Sequence, int, int]]:
+        """Waiting requests into free slots, oldest first -> the restores their placements need."""
+        restores, held = [], deque()
+        while self.waiting and self.slots.available:
+            seq = self.waiting.popleft()
+            if self.prefix is None:
+                seq.slot = self.slots.alloc()
+            else:
+                if self.prefix.pending(seq.prompt, [s.prompt for s in self.running if s.state is State.PREFILL]):
+                    held.append(seq)
+                    continue
+                place = self.prefix.place(seq.prompt, self.slots.free_slots)
+                self.slots.take(place.slot)
+                seq.slot = place.slot
+                if place.start:
+                    seq.prefilled = seq.cached = place.start
+                    restores.append((seq, place.src, place.start))
+            seq.state = State.PREFILL
+            self.running.append(seq)
+        self.waiting.extendleft(reversed(held))
+        return restores

@@ -44,6 +44,7 @@ class Sequence:
     state: State = State.WAITING
     slot: int | None = None
     prefilled: int = 0
+    cached: int = 0  # prompt tokens whose keys came from the prefix cache (runtime/prefix.py), not prefilled
     finish: str | None = None
     stop: str | None = None
     error: str | None = None

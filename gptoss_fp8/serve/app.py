@@ -335,7 +335,7 @@ def create_app(served: Served) -> FastAPI:
             if failed is not None:
                 raise HttpError(500, failed.error or "the request failed", "server_error")
             return {**head, "object": outs[0].OBJECT, "choices": [out.whole(ev) for out, ev in zip(outs, last, strict=True)],
-                    "usage": _usage(len(prompt), sum(out.n_out for out in outs))}
+                    "usage": _usage(len(prompt), sum(out.n_out for out in outs), choice[0][0].cached)}
 
         i0, first = await anext(gen)  # an engine failure before any output is a plain 500
         if first.finish == "error" and not first.new:
@@ -365,7 +365,7 @@ def create_app(served: Served) -> FastAPI:
                     if len(ended) == len(outs):
                         if usage:
                             parts.append(_sse({**head, "object": out.CHUNK, "choices": [],
-                                               "usage": _usage(len(prompt), sum(o.n_out for o in outs))}))
+                                               "usage": _usage(len(prompt), sum(o.n_out for o in outs), choice[0][0].cached)}))
                         parts.append("data: [DONE]\n\n")
                         yield "".join(parts)
                         return
@@ -610,8 +610,10 @@ class _Chunk:
         return f"{self.prefix}{_JSON.encode(choice)}]}}\n\n"
 
 
-def _usage(prompt: int, out: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+def _usage(prompt: int, out: int, cached: int) -> dict:
+    """OpenAI's usage; ``cached``: the prompt's tokens the prefix cache gave (its first choice's)."""
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def prometheus(engine: Engine) -> str:
@@ -627,6 +629,9 @@ def prometheus(engine: Engine) -> str:
     gauge("gptoss_kv_slots_used", s["slots_used"], "KV cache slots in use.")
     gauge("gptoss_kv_slots_total", s["slots_total"], "KV cache slots (sized at start).")
     gauge("gptoss_prompt_tokens_total", m.prompt_tokens, "Prompt tokens prefilled.", "counter")
+    gauge("gptoss_prompt_cached_tokens_total", m.cached_tokens,
+          "Prompt tokens taken from the prefix cache instead of prefilled.", "counter")
+    gauge("gptoss_prefix_cache_prompts", s["cached_prompts"], "Prompts held in the KV cache for reuse.")
     gauge("gptoss_generation_tokens_total", m.generated_tokens, "Tokens generated.", "counter")
     gauge("gptoss_engine_steps_total", m.steps, "Engine steps run.", "counter")
     gauge("gptoss_engine_model_seconds_total", round(m.model_seconds, 6),

@@ -13,7 +13,7 @@ INSTALL = "pip install 'gptoss-fp8[serve]'"
 def serve(ckpt_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
           device: str = "cpu", mode: str = "auto", max_batch: int = 8, max_context: int | None = None,
           chunk: int | None = None, max_waiting: int | None = None, api_key: str | None = None,
-          model_name: str | None = None, attention: str = "bf16") -> None:
+          model_name: str | None = None, attention: str = "bf16", prefix_cache: bool = True) -> None:
     """Serve ``ckpt_path`` until Ctrl-C (server.build's options): in this process for a one-rank
     checkpoint, else one process per rank (also under torchrun), rank 0 serving."""
     try:
@@ -29,10 +29,10 @@ def serve(ckpt_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, e
     opts = {"max_waiting": max_waiting, "api_key": api_key, "model_name": model_name or Path(ckpt.path).name}
     if ckpt.tp == 1 and ckpt.ep == 1 and not under_torchrun():
         server.serve(ckpt, host=host, port=port, echo=echo, device=device, mode=mode, max_batch=max_batch,
-                     max_context=max_context, chunk=chunk, attention=attention, **opts)
+                     max_context=max_context, chunk=chunk, attention=attention, prefix_cache=prefix_cache, **opts)
         return
     from gptoss_fp8.serve.sharded import run_sharded
 
     job = server.check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context,
-                               chunk=chunk, attention=attention)
+                               chunk=chunk, attention=attention, prefix_cache=prefix_cache)
     run_sharded(ckpt, {**job, "host": host, "port": port, **opts})

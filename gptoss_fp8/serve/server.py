@@ -16,9 +16,9 @@ GRACE_S = 5  # on Ctrl-C, open streams get this long before the server closes th
 
 
 def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
-                  chunk: int | None, attention: str = "bf16") -> dict:
+                  chunk: int | None, attention: str = "bf16", prefix_cache: bool = True) -> dict:
     """serve's options on an opened checkpoint, checked (one line each) and resolved -> the job
-    dict every rank builds from (mode, max_context, chunk, max_batch, device, attention)."""
+    dict every rank builds from (mode, max_context, chunk, max_batch, device, attention, prefix_cache)."""
     from gptoss_fp8.verify.generate import context_of, resolve_mode
 
     cfg = ckpt.config
@@ -39,13 +39,13 @@ def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: 
 
     check_attention_kind(attention)  # a bad kind: one line now, before the weights load
     return {"device": device, "mode": resolve_mode(mode, device), "max_batch": max_batch, "max_context": max_context,
-            "chunk": chunk, "attention": attention}
+            "chunk": chunk, "attention": attention, "prefix_cache": prefix_cache}
 
 
 def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
           max_context: int | None = None, chunk: int | None = None, max_waiting: int | None = None,
           api_key: str | None = None, model_name: str | None = None,
-          echo: Callable[[str], None] = print, attention: str = "bf16") -> Served:
+          echo: Callable[[str], None] = print, attention: str = "bf16", prefix_cache: bool = True) -> Served:
     """Load ``ckpt_path`` (tp 1) and start its engine thread -> what ``create_app`` serves.
 
     ``max_context``: tokens per request, prompt and reply (default min(model context, 8192));
@@ -53,7 +53,8 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
     ``chunk``: prompt tokens per prefill chunk (default 256 on CPU, 8192 on CUDA: smaller chunks
     measured slower under load, docs/serve.md); ``max_waiting``: requests queued beyond the free
     slots before 429 (default 4 x slots); ``attention``: prefill attention's numerics, "bf16" or
-    "fp8" (model/ops.py ``with_attention``). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
+    "fp8" (model/ops.py ``with_attention``); ``prefix_cache``: keep prompts' keys for requests that
+    start with them (runtime/prefix.py). A tp / ep > 1 checkpoint: ``serve`` (its ranks)."""
     import torch
 
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint
@@ -65,7 +66,7 @@ def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int 
         raise GptOssFp8Error(f"{ckpt.path}: converted for tp {ckpt.tp} / ep {ckpt.ep}: serve it with `gptoss-fp8 serve` "
                              "(one process per rank); build() runs one-rank checkpoints in this process")
     opts = check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context, chunk=chunk,
-                         attention=attention)
+                         attention=attention, prefix_cache=prefix_cache)
     dev = torch.device(device_for(device, 0))
     t0 = time.perf_counter()
     model = load_model(ckpt, Parallel(), dev)
@@ -100,9 +101,12 @@ def start_model(model, opts: dict, max_waiting: int | None, api_key: str | None,
     from gptoss_fp8.runtime.slots import slots_for_memory
     from gptoss_fp8.verify.backends import ops_for
 
-    slots, line = slots_for_memory(model, opts["max_context"], opts["max_batch"], model.model.embed_tokens.weight.device)
-    echo(line)
-    runner = ModelRunner(model, ops_for(opts["mode"], attention=opts["attention"]), slots, opts["max_context"])
+    keep = opts.get("prefix_cache", True)
+    slots, line = slots_for_memory(model, opts["max_context"], opts["max_batch"], model.model.embed_tokens.weight.device,
+                                   prefix_cache=keep)
+    echo(line + ("" if keep else "; no prefix cache"))
+    runner = ModelRunner(model, ops_for(opts["mode"], attention=opts["attention"]), slots, opts["max_context"],
+                         prefix_cache=keep)
     return start_engine(runner, opts["chunk"], max_waiting, api_key, name, echo)
 
 

@@ -64,10 +64,11 @@ def run_rank(job: dict) -> None:
         par = model.par
         import torch
 
-        slots, line = slots_for_memory(model, job["max_context"], job["max_batch"], torch.device(dev))
+        keep = job.get("prefix_cache", True)
+        slots, line = slots_for_memory(model, job["max_context"], job["max_batch"], torch.device(dev), prefix_cache=keep)
         slots = share(slots, par)
         runner = ModelRunner(model, ops_for(job["mode"], attention=job.get("attention", "bf16")), slots,
-                             job["max_context"])
+                             job["max_context"], prefix_cache=keep)
         if rank != 0:
             follow(runner, par)
             return
