@@ -109,7 +109,7 @@ def test_sampler_on_cuda_matches_the_cpu():
         got[dev] = sample(logits.to(dev), params, gens, outputs)
     (tc, lc, kc), (tg, lg, kg) = got["cpu"], got["cuda"]
     assert tc[:3] == tg[:3] and tg[1] == 17 and tg[0] != outputs[0][0]  # greedy rows; the penalty moved row 0
-    assert lg == pytest.approx(lc, abs=1e-5)
+    assert lg[:3] == pytest.approx(lc[:3], abs=1e-5)  # (row 3's seeded sample differs between the devices)
     assert [[t for t, _ in r] for r in kg] == [[t for t, _ in r] for r in kc]
     assert 0 <= tg[3] < 1000  # (a seeded sample: the generators of the two devices differ)
 
@@ -117,9 +117,11 @@ def test_sampler_on_cuda_matches_the_cpu():
 def test_prefix_cache_on_cuda_gives_the_cold_reply(trained):
     """The prefix cache in kernels mode with CUDA graphs: a conversation's next turn restored in place (after decode
     riders wrote over its free slot) and copied into another slot gives the reply of an engine without the cache.
-    The kernels are not batch invariant (a chunk that starts at the cached prompt's end takes other tiles), so the
-    bound is the batching test's: >= 99% of the tokens before the first divergence, and the first token's logprob
-    within 0.05."""
+    The kernels are not batch invariant (a chunk that starts at the cached prompt's end takes other tiles), so a near
+    tie may flip: each reply's first 16 tokens at least equal the cold ones, the first one's logprob (the restored
+    keys' own effect; later ones also carry the decode batches' other tiles: printed) within 0.01, and at a
+    divergence the cold run's two tokens within 0.25 of a logit (a tie, not a wrong key). Measured on an H100
+    (2026-12-07): 40 of 40 and 53 of 96 tokens equal, then a tie 0.062 apart; the first logprobs 1.6e-5 apart."""
     from gptoss_fp8.model.load import load_model
     from gptoss_fp8.runtime.engine import Engine
     from gptoss_fp8.runtime.runner import ModelRunner
@@ -146,16 +148,23 @@ def test_prefix_cache_on_cuda_gives_the_cold_reply(trained):
     for _ in range(8):
         warm.step()  # first's slot free, riding other's decode steps
     p2 = p1 + first.tokens + tok.encode("\n\ndef second(x):\n")
-    busy = warm.add(p2, SamplingParams(max_tokens=40))  # p1's slot, in place
+    busy = warm.add(p2, SamplingParams(max_tokens=40, logprobs=True))  # p1's slot, in place
     warm.step()
     ext = warm.add(p2 + tok.encode("    return"), SamplingParams(max_tokens=NEW, logprobs=True))  # copied from busy's
     warm.run_until_done()
     assert not other.error and busy.cached == len(p1) and ext.cached == len(p2) and ext.slot is None
-    agreed, total, lines = 0, 0, []
+    lines = []
     for seq, prompt in ((busy, p2), (ext, p2 + tok.encode("    return"))):
         ref = run(cold, prompt, len(seq.tokens))
         d = next((j for j, (x, y) in enumerate(zip(seq.tokens, ref.tokens, strict=True)) if x != y), len(ref.tokens))
-        agreed, total = agreed + d, total + len(ref.tokens)
-        lines.append(f"{len(prompt)}-token prompt ({seq.cached} cached): first divergence at {d} of {len(ref.tokens)}")
+        drift = max((abs(x - y) for x, y in zip(seq.logprobs[:d], ref.logprobs[:d], strict=True)), default=0.0)
+        line = (f"{len(prompt)}-token prompt ({seq.cached} cached): {d} of {len(ref.tokens)} tokens equal, logprobs "
+                f"within {drift:.2e}")
+        if d < len(ref.tokens):  # the cold run's logits there, teacher-forced: a near tie, or not
+            logits = model.forward(torch.tensor(prompt + ref.tokens[:d], device="cuda"), ops, last_only=True)[0].float()
+            gap = float(logits[ref.tokens[d]] - logits[seq.tokens[d]])
+            line += f"; then cold {ref.tokens[d]}, warm {seq.tokens[d]}: logit gap {gap:.3f}"
+            assert gap < 0.25, line
+        lines.append(line)
+        assert d >= 16 and abs(seq.logprobs[0] - ref.logprobs[0]) < 0.01, line
     print("\n" + "\n".join(lines))
-    assert abs(ext.logprobs[0] - ref.logprobs[0]) < 0.05 and agreed >= 0.99 * total, lines
