@@ -106,6 +106,9 @@
 #            lin6 with those settings (its logs l6_*)
 #   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 5, the default form) on the
 #            120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS, M51_RUNS)
+#   prefix   the fifty-fourth session's prefix cache: its GPU test (tests/test_runtime_gpu.py -k prefix, .whl carried on
+#            PYTHONPATH for the trained fixture), then benchmarks/prefix_turns.py: a next turn's first token with the
+#            cache (in place, copied) and without, the 20b at PT_LENGTHS earlier tokens (+PT_NEW), same process
 #   quant-out-fp8  the forty-third session's FP8 attention writing o_proj's quantization (two heads a program,
 #            KernelConfig.attention_fp8_quant_out): its GPU tests (act_quant's bytes), the kernel beside rows +
 #            act_quant (quant_out_bench.py --full), the 20b beside the default, same process, 32768 / 128000
@@ -712,6 +715,14 @@ if has lin52; then  # (lin6 with the traced launches' GPU test, no --qk-scale 7 
   OUT="$OUT" L6_K="exp_lin_skip or (exp_lin_gpu and 6-) or trace_keeps" L6_TEST_S=${L52_TEST_S:-130} \
     L6_VAR_S=${L52_VAR_S:-110} L6_WIDE_S=0 L6_AB_S=0 L6_TRACE_S=${L52_TRACE_S:-90} \
     L6_TRACE_TOKENS=${L52_TRACE_TOKENS:-32768} L6_TOKENS=${L52_TOKENS:-128000} bash "$0" lin6
+fi
+
+if has prefix; then
+  [[ ${PT_TEST_S:-90} == 0 ]] || timeout -s INT ${PT_TEST_S:-90} python3 -m pytest -q -rf -s tests/test_runtime_gpu.py \
+    -k prefix > "$OUT/pt_tests.log" 2>&1
+  tail -4 "$OUT/pt_tests.log"
+  timeout ${PT_S:-150} python3 benchmarks/prefix_turns.py --model 20b --lengths ${PT_LENGTHS:-2048,8192,32768} \
+    --new ${PT_NEW:-256} --runs ${PT_RUNS:-3} 2>&1 | grep -v Warn | tee "$OUT/prefix_turns.log"
 fi
 
 if has must51; then

@@ -1,0 +1,89 @@
+"""What the prefix cache saves: the time to the first token of a conversation's next turn, with and without it.
+
+On a synthetic model (random weights, ``bench prefill``'s ``random_model``; kernels mode, decode steps as CUDA
+graphs), for each earlier prompt length N: a request of N tokens runs (1 token out), then a next turn of N + NEW tokens
+that starts with it, timed from ``add`` to its first token, on an engine with the prefix cache (restored in place: the
+first request's slot is free) and on one without (the whole prompt prefilled), both in this process. Then the copy
+path: the next turn arrives while the first request still decodes, so its keys are copied from that slot.
+
+    python benchmarks/prefix_turns.py --model 20b --lengths 2048,8192,32768 --new 256
+
+Prints one row per length: cold / in place / copied ms, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from gptoss_fp8.bench.prefill import check_fits, random_model
+from gptoss_fp8.config import preset_config
+from gptoss_fp8.runtime.engine import Engine
+from gptoss_fp8.runtime.runner import ModelRunner
+from gptoss_fp8.runtime.sampling import SamplingParams
+from gptoss_fp8.verify.backends import ops_for
+
+
+def first_token_s(engine: Engine, prompt: list[int]) -> float:
+    """Seconds from add to the request's first token (the engine otherwise idle but for running decodes)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    seq = engine.add(prompt, SamplingParams(max_tokens=1))
+    while not seq.tokens:
+        engine.step()
+    dt = time.perf_counter() - t0
+    engine.run_until_done()
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="20b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--lengths", default="2048,8192,32768")
+    ap.add_argument("--new", type=int, default=256, help="tokens the next turn adds")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cpu: the weights mode, a smoke run of this script")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    cfg = preset_config(a.model, layers=a.layers)
+    if a.device == "cuda":
+        check_fits(cfg, a.model)
+    model = random_model(cfg, a.device)
+    ops = ops_for("kernels" if a.device == "cuda" else "weights")
+    ctx = max(lengths) + a.new + 64
+    warm = Engine(ModelRunner(model, ops, 3, ctx, prefix_cache=True), chunk=a.chunk)
+    cold = Engine(ModelRunner(model, ops, 3, ctx), chunk=a.chunk)
+    for eng in (warm, cold):
+        eng.runner.capture_all()
+    g = torch.Generator().manual_seed(0)
+    print(f"# {a.model} ({cfg.num_hidden_layers} layers, random weights), {ops.name}, chunk {a.chunk}, next turn +{a.new} "
+          f"tokens; ms to the first token, median of {a.runs}")
+    print("| earlier prompt | cold | in place | copied | cold / in place |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in [lengths[0]] + lengths:  # (the first length twice: its first pass warms the kernels up)
+        times = {"cold": [], "place": [], "copy": []}
+        before = warm.metrics.cached_tokens
+        for _ in range(a.runs):
+            p1, q1 = (torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(2))
+            more = torch.randint(0, cfg.vocab_size, (a.new,), generator=g).tolist()
+            first_token_s(cold, p1)
+            times["cold"].append(first_token_s(cold, p1 + more))
+            first_token_s(warm, p1)
+            times["place"].append(first_token_s(warm, p1 + more))  # p1's slot is free: restored in place
+            busy = warm.add(q1, SamplingParams(max_tokens=64))
+            while not busy.tokens:
+                warm.step()
+            times["copy"].append(first_token_s(warm, q1 + more))  # q1's slot still decodes: its rows copied
+        assert warm.metrics.cached_tokens - before == 2 * n * a.runs, "a next turn did not reuse its prompt"
+        ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"| {n} | {ms['cold']:.1f} | {ms['place']:.1f} | {ms['copy']:.1f} | {ms['cold'] / ms['place']:.1f}x |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
