@@ -54,8 +54,9 @@ is the default since); "full-last-layer" (the last layer on every row past its K
 ``GptOss.prune_last_layer`` off, before the twenty-ninth session); "chunked" (the prompt prefilled into a KV cache in
 chunks of 8192, as the serving engine's default feeds a long one: every chunk after the first attends to cached keys)
 "attn-fp8-lin" / "attn-fp8" (``--attention fp8-lin`` / ``fp8`` whatever ``--attention`` says: other numerics, logits
-not equal; forty-fifth session; "attn-fp8-lin4" / "attn-fp8-lin5" / "attn-fp8-lin6": fp8-lin on
-``KernelConfig.attention_exp_lin`` 4 / 5 / 6, the forty-sixth and fifty-first sessions' forms, the same spec) and
+not equal; forty-fifth session; "attn-fp8-lin4" / "attn-fp8-lin5" / "attn-fp8-lin6" / "attn-fp8-lin8": fp8-lin on
+``KernelConfig.attention_exp_lin`` 4 / 5 / 6 / 8, the forty-sixth, fifty-first and fifty-fourth sessions' forms, the
+same spec) and
 "chunked-gluon" (the same with those chunks on the Gluon attention kernels,
 ``KernelConfig.attention_gluon_offset`` / ``attention_gluon_fp8_offset``, twenty-ninth session). ``--attention fp8``:
 every variant with the FP8 prefill attention. (Removed with the code they switched: "ws-down", the Gluon down GEMM,
@@ -291,6 +292,8 @@ def main() -> None:
             "attn-fp8-lin5": lambda: _forward(model, TritonOps(config=replace(ops.config, attention_exp_lin=5))
                                               .with_attention("fp8-lin")),
             "attn-fp8-lin6": lambda: _forward(model, TritonOps(config=replace(ops.config, attention_exp_lin=6))
+                                              .with_attention("fp8-lin")),
+            "attn-fp8-lin8": lambda: _forward(model, TritonOps(config=replace(ops.config, attention_exp_lin=8))
                                               .with_attention("fp8-lin")),
             "full-last-layer": lambda: _full_last_layer(model, ops),
             "chunked": lambda: _chunked(model, ops),

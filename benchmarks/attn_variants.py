@@ -89,6 +89,9 @@ VARIANTS = {
     "fp8-lin4n": dict(fp8=True, exp_lin=5),
     # 5 with the fast steps whose codes are all <= 0 skipping their PV and row-sum MMAs (51st session; the same bytes)
     "fp8-lin6": dict(fp8=True, exp_lin=6),
+    # 5 with the fast step's rescale made every step (d = 0 where none is needed): no warpgroup-wide maximum and branch
+    # (54th session; the same bytes)
+    "fp8-lin8": dict(fp8=True, exp_lin=8),
     "fp8-lin16-lanemax": dict(fp8=True, exp_lin=2, lane_max=True),
     "fp8-lin16-qreg": dict(fp8=True, exp_lin=2, q_in_registers=True),
     "fp8-lin16-2st": dict(fp8=True, exp_lin=2, stages=2),

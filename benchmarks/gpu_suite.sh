@@ -106,6 +106,8 @@
 #            lin6 with those settings (its logs l6_*)
 #   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 5, the default form) on the
 #            120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS, M51_RUNS)
+#   lin8     the fifty-fourth session's exp_lin 8 (5 with the fast step's rescale unbranched: no warpgroup-wide
+#            maximum, the same bytes): lin6's steps beside 5 (its logs l6_*; L8_TEST_S, L8_VAR_S, L8_WIDE_S, L8_AB_S)
 #   prefix   the fifty-fourth session's prefix cache: its GPU test (tests/test_runtime_gpu.py -k prefix, .whl carried on
 #            PYTHONPATH for the trained fixture), then benchmarks/prefix_turns.py: a next turn's first token with the
 #            cache (in place, copied) and without, the 20b at PT_LENGTHS earlier tokens (+PT_NEW), same process
@@ -705,7 +707,7 @@ if has lin6; then
     --qk-scale 7 --skip-check --variants "${L6_VARIANTS:-fp8-lin4n,fp8-lin6}" 2>&1 | grep -v Warn | tail -6 \
     | tee "$OUT/l6_wide.log"
   [[ ${L6_AB_S:-150} == 0 ]] || timeout ${L6_AB_S:-150} python3 benchmarks/ab_prefill.py --model 20b --tokens 128000 --runs 3 \
-    --variants default,attn-fp8-lin6 --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/l6_ab.log"
+    --variants ${L6_AB_VARIANTS:-default,attn-fp8-lin6} --attention fp8-lin 2>&1 | grep -v Warn | tee "$OUT/l6_ab.log"
   # (L6_TRACE_S: form 5's step traced phase by phase, attn_trace.py)
   [[ ${L6_TRACE_S:-0} == 0 ]] || timeout ${L6_TRACE_S} python3 benchmarks/attn_trace.py --tokens ${L6_TRACE_TOKENS:-32768} \
     --variant "exp_lin=5,turns=0" --json "$OUT/l6_trace.json" 2>&1 | grep -v Warn | tee "$OUT/l6_trace.log"
@@ -723,6 +725,12 @@ if has prefix; then
   tail -4 "$OUT/pt_tests.log"
   timeout ${PT_S:-150} python3 benchmarks/prefix_turns.py --model 20b --lengths ${PT_LENGTHS:-2048,8192,32768} \
     --new ${PT_NEW:-256} --runs ${PT_RUNS:-3} 2>&1 | grep -v Warn | tee "$OUT/prefix_turns.log"
+fi
+
+if has lin8; then  # (lin6's steps on form 8 beside 5: its GPU tests, attn_variants at 128000 random and x7, the 20b A/B)
+  OUT="$OUT" L6_K="nobranch or (trace_keeps and 8)" L6_TEST_S=${L8_TEST_S:-100} L6_VAR_S=${L8_VAR_S:-100} \
+    L6_WIDE_S=${L8_WIDE_S:-90} L6_AB_S=${L8_AB_S:-0} L6_AB_VARIANTS=default,attn-fp8-lin8 L6_VARIANTS=fp8-lin4n,fp8-lin8 \
+    L6_TOKENS=${L8_TOKENS:-128000} bash "$0" lin6
 fi
 
 if has must51; then

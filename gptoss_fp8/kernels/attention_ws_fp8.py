@@ -385,8 +385,21 @@ if HAS_GLUON:
                                          pack=4)
 
     @gluon.jit
+    def _lin_raise(c, ha, hb, m_i, acc, lacc, orow_layout: gl.constexpr, lrow_layout: gl.constexpr):
+        """``_lin_cmax``'s fast-step rescale: each row whose largest code c passed 126 gets m raised by d = ceil((c -
+        126) / 8), its codes shifted by 8 d and its accumulators scaled by 2^-d (d = 0 elsewhere: the same bits)."""
+        d = gl.maximum(c - 119, 0) >> 3
+        # (u - 8 d in each half by one 32-bit subtract: the bound keeps each code - 8 d above -32768, so no half
+        # borrows)
+        d8 = gl.expand_dims(d * (8 * 65537), 1)
+        df = d.to(gl.float32)
+        alpha = _pow2(0.0 - df)
+        return (ha - d8, hb - d8, acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1),
+                lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1), m_i + gl.convert_layout(df, m_i.type.layout))
+
+    @gluon.jit
     def _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout: gl.constexpr, orow_layout: gl.constexpr,
-                  lrow_layout: gl.constexpr):
+                  lrow_layout: gl.constexpr, NOBRANCH: gl.constexpr = False):
         """``exp_lin`` 4 / 5's softmax step (FMA 6 / 7) for blocks a, a + 1 -> (their codes as ``_lin_pack16``'s,
         acc and lacc rescaled, m). fast (no mask, the 16-bit bound holds: a uniform scalar): the codes against the
         running max m first, their row maxima c on the packed halves (a tree of ``max.u16x2``); only where one
@@ -395,25 +408,21 @@ if HAS_GLUON:
         fp32 row max and mostly no rescale at all. m then stays one below the spec's max(ceil(sink), ceil(row max -
         3/4)) where the row max lies 3/4 to 13/16 above it: the same P up to a factor 2 that the row sum cancels,
         but for the codes that reach the clamp at 0 (below 2^-7 of the row's largest P). Otherwise (masked, or
-        clamped as floats) the fp32 row max and the spec's rule, as ``exp_lin`` 2."""
+        clamped as floats) the fp32 row max and the spec's rule, as ``exp_lin`` 2. NOBRANCH (``exp_lin`` 8): the fast
+        step's rescale made every step, by d = 0 in the rows that need none (codes shifted by 0, alpha 1: the same
+        bits), so no warpgroup-wide maximum of the rows' codes and no branch on it."""
         if fast:
             bias = gl.expand_dims(_lin_bias(m_i) + 32768.0, 1)
             ha = _lin_pack16(sa * (ca * 8.0) + bias, p_layout)
             hb = _lin_pack16(sb * (cb * 8.0) + bias, p_layout)
             c = _halves_umax(gl.reduce(_umax16(ha, hb), 1, _umax16)) - 32768
-            cm = gl.max(c, 0)
-            if cm > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
-                d = gl.maximum(c - 119, 0) >> 3
-                # (u - 8 d in each half by one 32-bit subtract: the bound keeps each code - 8 d above -32768, so
-                # no half borrows)
-                d8 = gl.expand_dims(d * (8 * 65537), 1)
-                ha = ha - d8
-                hb = hb - d8
-                df = d.to(gl.float32)
-                m_i = m_i + gl.convert_layout(df, m_i.type.layout)
-                alpha = _pow2(0.0 - df)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-                lacc = lacc * gl.expand_dims(gl.convert_layout(alpha, lrow_layout), 1)
+            if NOBRANCH:
+                cm = a * 0 + 127
+                ha, hb, acc, lacc, m_i = _lin_raise(c, ha, hb, m_i, acc, lacc, orow_layout, lrow_layout)
+            else:
+                cm = gl.max(c, 0)
+                if cm > 126:  # (a warpgroup-uniform scalar: one row past 448 takes the warpgroup here)
+                    ha, hb, acc, lacc, m_i = _lin_raise(c, ha, hb, m_i, acc, lacc, orow_layout, lrow_layout)
         else:
             cm = a * 0 + 127  # (a code may be live: the PV product taken)
             BN: gl.constexpr = sa.type.shape[1]
@@ -562,7 +571,8 @@ if HAS_GLUON:
         bound_ptr (the K norms, [Hkv, nbk], e4m3 units: the launcher's). FMA 6 / 7 (``exp_lin`` 4 /
         5): ``_lin_cmax``'s step, with FMA 4's bound (6) or one bound for the whole pass in qn (7: the launcher's, a
         Q tile's scores' in log2 units); FMA 8 (``exp_lin`` 6): 7, a fast step whose codes are all <= 0 skipping its
-        PV and row-sum MMAs (``_lin_products``). -> (acc, l)."""
+        PV and row-sum MMAs (``_lin_products``); FMA 10 (``exp_lin`` 8): 7 with the fast step's rescale unbranched
+        (``_lin_cmax``'s NOBRANCH). -> (acc, l)."""
         S: gl.constexpr = k_bufs.type.shape[0]
         R: gl.constexpr = acc.type.shape[0]
         if ONES:
@@ -617,7 +627,7 @@ if HAS_GLUON:
                 # (16 bits hold every code: from below as for exp_lin 2, from above as m >= ceil(sink))
                 fast = (a + 1 < n_full) & lin_lo & (mb - sink <= 4000.0)
                 ha, hb, acc, lacc, m_i, cm = _lin_cmax(sa, sb, ca, cb, m_i, rows, a, fast, acc, lacc, p_layout,
-                                                       orow_layout, lrow_layout)
+                                                       orow_layout, lrow_layout, FMA == 10)
                 for slot in gl.static_range(3, 7):  # (TRACE: no exponential, no turn: slots 3 to 6 all here)
                     _stamp(trace_ptr, m_i, rows, slot, i, W, TRACE)
                 va = v_bufs.index(r % S).permute((1, 0))
@@ -1202,7 +1212,9 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     with 3's bound from row norms (K's from its quantization pass, ``attn_quant.quantize_qk(norms=True)``); 6 (fifty-first
     session): 5 with a fast step whose codes are all <= 0 for the warpgroup (P8 = 0, its products zeros) skipping its
     PV and row-sum MMAs (``_lin_products``), the same bytes as 5: one compare and branch a step more (H100, 128000
-    tokens: 5% slower than 5 where no step is dead, 13% faster on Q / K at a trained model's amax). All of them
+    tokens: 5% slower than 5 where no step is dead, 13% faster on Q / K at a trained model's amax); 8 (fifty-fourth
+    session): 5 with the fast step's rescale made every step by d = 0 where none is needed (``_lin_cmax``'s NOBRANCH:
+    no warpgroup-wide maximum and branch a step, ~70 instructions a step more), the same bytes as 5. All of them
     compute ``spec.attention_fp8(p_code="lin")`` (m = ceil(max - 3/4); 4 / 5 keep m one lower where a row's max lies 3/4
     to 13/16 above it: the same P up to the factor the row sum cancels)."""
     T, hq, d = q.shape
@@ -1216,8 +1228,8 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert stages >= 2 or not pairs, f"stages {stages}: a 128-key step holds two key blocks"
     assert probe in (None, "mma", "softmax", "nosum") and (probe is None or pairs), (
         f"probe {probe!r}: None, 'mma', 'softmax' or 'nosum'")
-    assert exp_lin in (0, 1, 2, 3, 4, 5, 6) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
-        f"exp_lin {exp_lin}: 0 to 6; with pairs and ones, no exp_fma, s16 or probe")
+    assert exp_lin in (0, 1, 2, 3, 4, 5, 6, 8) and (not exp_lin or (ones and exp_fma == 0 and not s16 and probe is None)), (
+        f"exp_lin {exp_lin}: 0 to 6 or 8; with pairs and ones, no exp_fma, s16 or probe")
     turns = (2 if pairs and probe != "mma" and not exp_lin else 0) if turns is None else turns
     assert not exp_lin or turns in (0, 1), f"exp_lin: turns 0 or 1 (no 2^x to pass a turn after), not {turns}"
     pair_release = (pairs and stages % 2 == 0) if pair_release is None else pair_release
@@ -1237,7 +1249,7 @@ def ws_attention_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert exp_lin < 5 or not q_fused, f"exp_lin {exp_lin}: not with q_fused (its bound wants the Q tiles' norms first)"
     q8, sq, k8, sk, vt, svs, kn, qn = fp8_operands(
         q, k, v, sm_scale, rope, q_offset, S16_Q_MAX if s16 else FP8_MAX, with_q=not q_fused and q_scale is None,
-        k_norms=exp_lin in (3, 5, 6), q_norms=exp_lin >= 5 and q_scale is None)
+        k_norms=exp_lin in (3, 5, 6, 8), q_norms=exp_lin >= 5 and q_scale is None)
     if q_scale is not None:  # (fp8_operands' sq: the scales times sm_scale * log2 e)
         q8, sq = q, (q_scale * (sm_scale * LOG2E)).contiguous()
         if exp_lin >= 5:

@@ -404,8 +404,8 @@ class KernelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"KernelConfig.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.attention_exp_lin not in (1, 2, 3, 4, 5, 6):
-            raise ValueError(f"KernelConfig.attention_exp_lin must be 1 to 6 (the FP8 kernel's exp_lin forms), got "
+        if self.attention_exp_lin not in (1, 2, 3, 4, 5, 6, 8):
+            raise ValueError(f"KernelConfig.attention_exp_lin must be 1 to 6 or 8 (the FP8 kernel's exp_lin forms), got "
                              f"{self.attention_exp_lin!r}")
 
     def gluon_on(self, device: torch.device) -> bool:

@@ -1221,7 +1221,31 @@ def test_ws_fp8_exp_lin_skip_gpu(T, live):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exp_lin", [0, 5, 6])
+@pytest.mark.parametrize("T", [200, 4099])
+@pytest.mark.parametrize("spread", ["unit", "rise", "sink"])
+def test_ws_fp8_exp_lin_nobranch_gpu(T, spread):
+    """``exp_lin`` 8 (5 with the fast step's rescale made every step, by d = 0 in the rows that need none: no
+    warpgroup-wide maximum and branch) gives exactly form 5's bytes: on random inputs, with K's rows rising along the
+    keys (m raised in many steps, some rows only), and under sinks of 15 (most steps' codes far under m)."""
+    from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
+
+    hq, hkv = 16, 2
+    gen = torch.Generator().manual_seed(T + len(spread))
+    q, k, v = _qkv(T, hq, hkv, gen)
+    sinks = _sinks(hq, gen)
+    if spread == "rise":
+        rise = 1 + 4 * torch.arange(T, device=k.device).float() / T
+        q, k = (q.float() * 3).bfloat16(), (k.float() * rise[:, None, None]).bfloat16()
+    elif spread == "sink":
+        sinks = torch.full((hq,), 15.0, dtype=torch.bfloat16, device=q.device)
+    _poison(T, hq, D)
+    out8 = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=8)
+    out5 = ws_attention_prefill_fp8(q, k, v, sinks, torch.empty_like(q), D ** -0.5, exp_lin=5)
+    assert torch.isfinite(out8.float()).all() and torch.equal(out8, out5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exp_lin", [0, 5, 6, 8])
 def test_ws_fp8_trace_keeps_bits_gpu(exp_lin):
     """``trace=`` (benchmarks/attn_trace.py's clock stamps) with the default form and fp8-lin's forms 5 / 6, whose
     bounds now travel in their own pointer: the output is the untraced launch's bit for bit, and every steady step
@@ -1351,7 +1375,7 @@ def test_ws_fp8_refuses_option_mixes_before_any_work():
             ws_attention_prefill_fp8(q, k, v, _sinks(8, gen), out, D ** -0.5, **opts)
 
 
-@pytest.mark.parametrize("exp_lin,given_q", [(0, False), (3, False), (5, False), (5, True), (6, False)])
+@pytest.mark.parametrize("exp_lin,given_q", [(0, False), (3, False), (5, False), (5, True), (6, False), (8, False)])
 def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q):
     """ws_attention_prefill_fp8's host side on the CPU, the kernel stood in (its launch is the GPU's): bound_ptr carries
     exp_lin 3's K norms (``key_norms(k8)``), exp_lin 5 / 6's Q tiles' bounds (``lin_bounds`` of the operands' scales
@@ -1379,7 +1403,7 @@ def test_ws_fp8_launcher_hands_each_form_its_bound(monkeypatch, exp_lin, given_q
         kw = dict(q_scale=ops.sq / (D ** -0.5 * ws.LOG2E))
         q = ops.q8
     bounds = ws.lin_bounds(ops.sq, ops.q_norms, ops.sk, ops.k_norms)
-    want = {0: sinks, 3: ops.k_norms, 5: bounds, 6: bounds}[exp_lin]
+    want = {0: sinks, 3: ops.k_norms, 5: bounds, 6: bounds, 8: bounds}[exp_lin]
     for trace in (None, torch.zeros(ws.cdiv(200, 3 * 64), 3, 3, 8, dtype=torch.int32)):
         ws.ws_attention_prefill_fp8(q, k, v, sinks, torch.empty(200, 8, D, dtype=torch.bfloat16), D ** -0.5,
                                     exp_lin=exp_lin, trace=trace, **kw)
@@ -1533,7 +1557,8 @@ def test_prefill_ws_fp8_compiles_for_sm90():
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=5), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=6), 12),
                                (dict(PAIRS=True, ONES=True, REL=2, FMA=7), 12),
-                               (dict(PAIRS=True, ONES=True, REL=2, FMA=8), 12)):
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=8), 12),
+                               (dict(PAIRS=True, ONES=True, REL=2, FMA=10), 12)):
         fused = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qk_scale": "fp32"} if opts.get("QB16") else {}
         k = _gluon.compile_for_sm90(attention_ws_fp8._ws_attention_fp8_kernel, types | fused,
                                     dict(GROUP=8, STAGES=4, **opts))
