@@ -55,8 +55,8 @@ def reusable(tokens: list[int], prompt: list[int]) -> int:
     ``prompt`` is longer and starts with them, all but the last when it is as long or longer and
     starts with all but the last (at least one prompt token is always prefilled)."""
     n = len(tokens)
-    if n < 2 or len(prompt) < n:
-        return 0
+    if n < 2 or len(prompt) < n or prompt[n - 2] != tokens[n - 2] or prompt[(n - 2) // 2] != tokens[(n - 2) // 2]:
+        return 0  # (two tokens first: most prompts differ there, and a whole compare copies both slices)
     if prompt[:n - 1] != tokens[:n - 1]:
         return 0
     return n if len(prompt) > n and prompt[n - 1] == tokens[n - 1] else n - 1
