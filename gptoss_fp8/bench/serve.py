@@ -329,7 +329,7 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
                                  prompts(p, warm, 1))
         # and one request alone per prompt length: a lone prompt's forward has other GEMM shapes (their JIT)
         for q in prompt_lens:
-            alone, w1 = run_case(url, model, q, 1, 1, out, vocab, seed + 2, api_key, 1, prompts(q, 1, 2))
+            alone, w1 = run_case(url, model, q, 1, 1, out, vocab, seed + 2 + q, api_key, 1, prompts(q, 1, 2))
             timings, wall = timings + alone, wall + w1
         bad = sorted({t.error for t in timings if t.error})
         echo(f"warm-up: {warm} requests at once, {p} + {out} tokens, then one alone per prompt length, {wall:.1f} s"
