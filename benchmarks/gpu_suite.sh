@@ -104,8 +104,9 @@
 #            bounds in their own pointer), attn_variants 5 beside 6 at 128000 on random inputs (did the release fix
 #            take 6's 5% away?), then form 5's step traced phase by phase at 32768 (attn_trace.py, its first trace):
 #            lin6 with those settings (its logs l6_*)
-#   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 5, the default form) on the
-#            120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS, M51_RUNS)
+#   must51   the must-show call (H200, ~330 s): bench prefill --attention fp8-lin (exp_lin 8, the default form since
+#            the fifty-fourth session; M51_FORM) on the 120b at 128000, then the 20b at 128000 and 32768 (M51_SPECS,
+#            M51_RUNS)
 #   lin8     the fifty-fourth session's exp_lin 8 (5 with the fast step's rescale unbranched: no warpgroup-wide
 #            maximum, the same bytes): lin6's steps beside 5 (its logs l6_*; L8_TEST_S, L8_VAR_S, L8_WIDE_S, L8_AB_S)
 #   prefix   the fifty-fourth session's prefix cache: its GPU test (tests/test_runtime_gpu.py -k prefix, .whl carried on
@@ -734,7 +735,7 @@ if has lin8; then  # (lin6's steps on form 8 beside 5: its GPU tests, attn_varia
 fi
 
 if has must51; then
-  OUT="$OUT" LIN_SPECS="${M51_SPECS:-120b 128000;20b 128000;20b 32768}" LIN_KOPT=attention_exp_lin=5 LIN_RUNS=${M51_RUNS:-3} \
+  OUT="$OUT" LIN_SPECS="${M51_SPECS:-120b 128000;20b 128000;20b 32768}" LIN_KOPT=attention_exp_lin=${M51_FORM:-8} LIN_RUNS=${M51_RUNS:-3} \
     PL_AB_S=0 PL_TEST_S=0 bash "$0" prefill-lin
 fi
 

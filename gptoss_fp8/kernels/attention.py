@@ -524,7 +524,7 @@ def attention_prefill(
         from gptoss_fp8.kernels.attention_ws_fp8 import ws_attention_prefill_fp8
 
         exp_lin = cfg.attention_exp_lin if p_code == "lin" else 0
-        # (exp_lin 5 / 6's bound wants each Q tile's norm before the launch: Q quantized first there, not by the kernel)
+        # (exp_lin 5 / 6 / 8's bound wants each Q tile's norm before the launch: Q quantized first there, not by the kernel)
         q_fused = (cfg.attention_fp8_q_fused and q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == D
                    and exp_lin < 5)
         # (quant_out in the kernel: two query heads of one KV head a 128-column group of o_proj's input)

@@ -319,8 +319,14 @@ class KernelConfig:
     # 188.6 ms against 5's 179.6 on random inputs (no such steps: the branch costs 5%), 157.2 against 180.0 on Q / K
     # at a trained model's amax (-13%); the whole random 20b 3.0348 s against 2.9800. A trained model's long prompts
     # lie between; not yet measured. (Those timings had the stages' release after the adds; it is now back where 5
-    # has it, among them, not yet timed)
-    attention_exp_lin: int = 5
+    # has it, among them: 4-7% slower than 5 on random inputs, 11% faster at x7, fifty-fourth session.) 8 (fifty-fourth
+    # session, the default): 5 with the fast step's rescale made every step by d = 0 where none is needed, so no
+    # warpgroup-wide maximum of the rows' codes and no branch (``_lin_cmax``'s NOBRANCH; 362 SASS instructions a
+    # step, the rescale fused into the PV adds), the same bytes as 5 (GPU test; the whole models' logits equal). H100,
+    # same process: alone at 128000 179.3 against 180.4 ms on random inputs, 172.0 against 178.3 at x7; the whole 20b
+    # 2.8948 against 2.9610 s at 128000, 0.3586 against 0.3694 at 32768; the 120b (12 layers' weights) 4.5378
+    # against 4.6389 s
+    attention_exp_lin: int = 8
     # The FP8 Gluon kernel's consumer warpgroups quantize their own Q tiles from q's bf16 rows (rotated first), no Q
     # quantization launch (``ws_attention_prefill_fp8(q_fused=True)``: attn_quant's bytes and scales; ~0.27 GB a full
     # layer at 32768 tokens not written and read back). Built without a GPU in the thirty-ninth session; its GPU tests
