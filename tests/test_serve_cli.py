@@ -92,16 +92,20 @@ def test_serve_a_sharded_checkpoint_gives_the_unsharded_replies(harmony_ckpt, tm
     port = _free_port()
     cmd = _Command([str(tmp_path / "tp2"), "--max-batch", "2", "--max-context", "64", "--model-name", "m",
                     "--prefill-chunk", "8"], port)
-    later = [PROMPTS[2] + [7, 8, 9]]  # starts with the last placed prompt: every rank restores its keys
+    alone = list(range(700, 720))
+
+    def turns(url):  # (a prompt alone, then one that starts with it: every rank restores its keys)
+        return _greedy(url, PROMPTS) + _greedy(url, [alone]) + _greedy(url, [alone + [7, 8, 9]])
+
     try:
         cmd.wait_healthy()
-        sharded = _greedy(cmd.url, PROMPTS) + _greedy(cmd.url, later)
+        sharded = turns(cmd.url)
     finally:
         out, err = cmd.ctrl_c()
     assert "KV cache: 2 slots per rank x 64 tokens" in out and "tp 2 ep 1 over gloo" in out, out + err
-    assert sharded[-1][2] == len(PROMPTS[2])
+    assert sharded[-1][2] == len(alone)
     with running_server(harmony_ckpt, max_batch=2, max_context=64, chunk=8, model_name="m") as s:
-        assert _greedy(s.url, PROMPTS) + _greedy(s.url, later) == sharded
+        assert turns(s.url) == sharded
 
 
 def _one_line_error(args):
