@@ -101,6 +101,3 @@ class PrefixCache:
     def record(self, slot: int, prompt: list[int]) -> None:
         """``slot``'s prompt is all in and its rings saved: an entry."""
         self.entries[slot] = Entry(slot, prompt, next(self._clock))
-
-    def drop(self, slot: int) -> None:
-        self.entries.pop(slot, None)
