@@ -1,15 +1,21 @@
-"""Faults under load: 200 requests (some of 2 or 3 choices), some cancelled by their clients mid-stream or while waiting,
-some with bad bodies, a few too long; afterwards every KV slot is free (read from /metrics), no
-request is left running or waiting, and a new request is served with the same reply as before."""
+"""Faults under load: 200 requests (some of 2 or 3 choices; half the prompts an earlier one again or extended, so the
+prefix cache restores, copies and holds among them), some cancelled by their clients mid-stream or while waiting,
+some with bad bodies, a few too long; afterwards every KV slot is free (read from /metrics), no request is left
+running or waiting, a new request is served with the same reply as before, and a cached prompt's next turn gets a
+cold prefill's reply."""
 
 import asyncio
 import json
+import logging
 import random
 import time
 
 import httpx
 import pytest
 from serve_util import MODEL, metric, running_server
+
+from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.verify import generate as gen
 
 pytest.importorskip("openai_harmony")
 
@@ -33,14 +39,23 @@ def test_random_cancellations_and_bad_bodies_leave_every_slot_free(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         before = _reference(c)
     rng = random.Random(0)
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logging.getLogger("uvicorn.error").addHandler(handler)  # (uvicorn's own logger: it does not reach the root's)
     outcomes: dict[str, int] = {}
+    pool: list[list[int]] = []
 
     def count(k):
         outcomes[k] = outcomes.get(k, 0) + 1
 
     async def one(c: httpx.AsyncClient, i: int, sem: asyncio.Semaphore):
         kind = rng.choice(["ok", "ok", "stream", "cancel-stream", "cancel-stream", "cancel-wait", "bad", "long"])
-        prompt = [rng.randrange(1000, 200000) for _ in range(rng.randrange(1, 40))]
+        if pool and rng.random() < 0.5:  # an earlier prompt again, or its next turn
+            prompt = (rng.choice(pool) + [rng.randrange(1000, 200000) for _ in range(rng.choice([0, 0, 5, 30]))])[:100]
+        else:
+            prompt = [rng.randrange(1000, 200000) for _ in range(rng.randrange(1, 70))]
+        pool.append(prompt)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": rng.randrange(1, 7), "temperature": rng.choice([0, 0.8]),
                 "seed": i, "n": rng.choice([1, 1, 1, 2, 3])}  # (n: that many sequences, cancelled together)
         async with sem:
@@ -58,8 +73,8 @@ def test_random_cancellations_and_bad_bodies_leave_every_slot_free(server):
                 kind = "ok" if r.status_code == 200 else "429"
             elif kind == "cancel-wait":  # the client gives up before the reply: a disconnect while waiting
                 try:
-                    await c.post("/v1/completions", json={**body, "max_tokens": 16, "ignore_eos": True},
-                                 timeout=rng.uniform(0.01, 0.2))
+                    await c.post("/v1/completions", json={**body, "max_tokens": 16, "ignore_eos": True,
+                                                          "stream": rng.random() < 0.5}, timeout=rng.uniform(0.01, 0.2))
                 except httpx.TimeoutException:
                     pass
             else:
@@ -82,7 +97,10 @@ def test_random_cancellations_and_bad_bodies_leave_every_slot_free(server):
             await asyncio.gather(*(one(c, i, sem) for i in range(N)))
 
     t0 = time.time()
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
     print(f"{N} requests in {time.time() - t0:.1f} s: {outcomes}")
     t0 = time.time()
     assert sum(outcomes.values()) == N and outcomes.get("cancel-stream", 0) > 10, outcomes
@@ -98,5 +116,14 @@ def test_random_cancellations_and_bad_bodies_leave_every_slot_free(server):
     engine = server.served.engine
     assert engine.slots.available == 6 and engine.runner.cache.host_lengths == [0] * 6
     assert engine.runner.cache.lengths.tolist() == [0] * 6
+    assert metric(m, "gptoss_prompt_cached_tokens_total") > 0, m
+    assert not errors, errors[0].getMessage()  # (a client gone before or during its stream: no traceback logged)
     with httpx.Client(base_url=server.url, timeout=60) as c:
         assert _reference(c) == before
+        turn = max(pool, key=len)[:90]
+        greedy = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        c.post("/v1/completions", json={**greedy, "prompt": turn}).raise_for_status()
+        r = c.post("/v1/completions", json={**greedy, "prompt": turn + [7, 8]}).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(turn)
+    alone = gen.generate(engine.runner.model, turn + [7, 8], get_ops("weights"), max_new_tokens=8)
+    assert r["choices"][0]["text"] == gen._encoding().decode(alone.tokens)

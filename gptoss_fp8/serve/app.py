@@ -337,7 +337,10 @@ def create_app(served: Served) -> FastAPI:
             return {**head, "object": outs[0].OBJECT, "choices": [out.whole(ev) for out, ev in zip(outs, last, strict=True)],
                     "usage": _usage(len(prompt), sum(out.n_out for out in outs), choice[0][0].cached)}
 
-        i0, first = await anext(gen)  # an engine failure before any output is a plain 500
+        try:
+            i0, first = await anext(gen)  # an engine failure before any output is a plain 500
+        except StopAsyncIteration:  # the client left before the first token (its choices cancelled)
+            return _error(499, "client closed the request", "cancelled")
         if first.finish == "error" and not first.new:
             await gen.aclose()
             raise HttpError(500, first.error or "the request failed", "server_error")
@@ -372,7 +375,10 @@ def create_app(served: Served) -> FastAPI:
                     if parts:
                         yield "".join(parts)
                     parts = []
-                    i, ev = await anext(gen)
+                    try:
+                        i, ev = await anext(gen)
+                    except StopAsyncIteration:  # the client left mid-stream: nothing more to write
+                        return
             finally:
                 await gen.aclose()
                 for seq, _ in choice:
