@@ -267,12 +267,20 @@ def test_prefix_cache_reuses_whole_prompts_and_places_requests():
     pc = PrefixCache()
     pc.record(2, [1, 2, 3])
     pc.record(0, [5, 6, 7, 8])
-    assert pc.place([1, 2, 3, 4], [0, 1, 2]) == Placement(2, 3, 2) and set(pc.entries) == {0}  # in place: dropped
-    assert pc.place([9, 9], [0, 1]) == Placement(1)  # no match: a slot without an entry before one with
+    assert pc.place([1, 2, 3, 4], [0, 1, 2]) == Placement(2, 3, 2)  # in place, from its end: the entry stays valid
+    assert pc.place([1, 2, 9], [0, 1]) == Placement(1, 2, 2)  # (slot 2 now busy: copied from it, one token short)
+    assert pc.place([9, 9], [0]) == Placement(0) and set(pc.entries) == {(2, 0)}  # no slot without one: 0's evicted
     pc.record(1, [4, 4, 4])
-    assert pc.place([5, 6, 7, 8, 1], [1, 3]) == Placement(3, 4, 0) and set(pc.entries) == {0, 1}  # busy: copied
     pc.record(3, [6, 6, 6])
-    assert pc.place([2, 2], [1, 3]) == Placement(1) and set(pc.entries) == {0, 3}  # the least recently used goes
+    assert pc.place([2, 2], [1, 3]) == Placement(1) and set(pc.entries) == {(2, 0), (3, 0)}  # least recently used
+    # a head (kind 1) beside its prompt in one slot: another conversation with that head reuses it in place, and
+    # the slot's longer prompt goes; a third copies the head from the slot then busy
+    pc = PrefixCache()
+    pc.record(4, [1, 2, 3, 4, 5, 6], kind=0)
+    pc.record(4, [1, 2, 3], kind=1)
+    assert pc.place([1, 2, 3, 7, 7], [4, 5]) == Placement(4, 3, 4, 1) and set(pc.entries) == {(4, 1)}
+    assert pc.place([1, 2, 3, 8], [5]) == Placement(5, 3, 4, 1)
+    assert pc.place([1, 2, 3, 4, 5, 6, 9], [6]) == Placement(6, 3, 4, 1)  # (the prompt entry went with slot 4's reuse)
     assert pc.pending(list(range(100)), [list(range(HOLD_MIN + 1))])
     assert not pc.pending(list(range(100)), [list(range(HOLD_MIN - 1))])  # too little to wait for
 
@@ -328,3 +336,28 @@ def test_a_prompt_that_starts_with_a_cached_one_prefills_the_rest_and_gets_the_c
     same(g, p3)
     assert long.cached == len(p2) - 1
     assert warm.metrics.cached_tokens == 40 + 2 * (len(p2) - 1) + len(p2) + len(p3) - 1
+
+
+def test_a_shared_head_is_kept_and_another_conversation_prefills_only_what_follows(model):
+    """A request's ``keep`` (a chat's system and developer messages): its prefill cuts a chunk there and the rings are
+    saved; a later prompt with the same head and another question reuses it, in place or copied from a running slot,
+    and gets the cold engine's reply bit for bit (the weights mode)."""
+    warm = Engine(ModelRunner(model, get_ops("weights"), 3, 160, prefix_cache=True), chunk=16)
+    cold = Engine(ModelRunner(model, get_ops("weights"), 3, 160), chunk=16)
+    head = list(range(400, 440))  # 40 tokens: past the 8-row ring; not a multiple of the chunk
+    first = warm.add(head + [1, 2, 3], SamplingParams(max_tokens=4), keep=len(head))
+    while first.prefilled < len(head):
+        warm.step()
+    assert first.prefilled == len(head) and (first.slot, 1) in warm.prefix.entries  # cut at the head, saved
+    warm.run_until_done()
+    runs = []
+    for question, busy in (([4, 5], False), ([6, 7, 8, 9], True)):
+        if busy:  # the head's slot taken by a long reply: copied from it
+            long = warm.add(head + [1], SamplingParams(max_tokens=30), keep=len(head))
+            warm.step()
+        seq = warm.add(head + question, SamplingParams(max_tokens=6, logprobs=True), keep=len(head))
+        warm.run_until_done()
+        ref, = _replies(cold, [head + question])
+        assert seq.cached == len(head) and (seq.tokens, seq.logprobs) == (ref.tokens, ref.logprobs), question
+        runs.append(seq)
+    assert long.cached == len(head)

@@ -99,7 +99,8 @@ def test_chat_top_logprobs_and_penalties_reach_the_engine(server, client, script
     script(REASONED)
     seen = []
     add = server.served.engine.add
-    monkeypatch.setattr(server.served.engine, "add", lambda prompt, params, *a: seen.append(params) or add(prompt, params, *a))
+    monkeypatch.setattr(server.served.engine, "add",
+                        lambda prompt, params, *a, **kw: seen.append(params) or add(prompt, params, *a, **kw))
     r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True, top_logprobs=2,
                                        presence_penalty=0.5, frequency_penalty=-1.0)
     lps = r.choices[0].logprobs.content
@@ -228,7 +229,8 @@ def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
     turn = [{"role": "user", "content": "What is two plus two, in words?"}]
     before = metric(httpx.get(server.url + "/metrics").text, "gptoss_prompt_cached_tokens_total")
     r = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=16)
-    assert r.choices[0].message.content == "Four." and r.usage.prompt_tokens_details.cached_tokens == 0
+    # (the system message alone is a head every chat without instructions shares: an earlier test's kept it)
+    assert r.choices[0].message.content == "Four." and r.usage.prompt_tokens_details.cached_tokens in (0, _SYSTEM)
     turn += [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three plus three?"}]
     chunks = list(client.chat.completions.create(model=MODEL, messages=turn, max_tokens=16, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -236,8 +238,31 @@ def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
     assert second[:len(first)] == first  # Harmony renders the first turn's prompt again, then the reply and the question
     assert chunks[-1].usage.prompt_tokens == len(second) and chunks[-1].usage.prompt_tokens_details.cached_tokens == len(first)
     m = _wait_idle(server)
-    assert metric(m, "gptoss_prompt_cached_tokens_total") == before + len(first)
+    assert metric(m, "gptoss_prompt_cached_tokens_total") == before + r.usage.prompt_tokens_details.cached_tokens + len(first)
 
+
+def test_conversations_with_the_same_instructions_share_their_head(server, client, script):
+    system = {"role": "system", "content": "You answer in one word, about the tides of the North Sea only."}
+    seen = script("<|channel|>final<|message|>Yes.<|return|>")
+    r1 = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Is it high tide?"}],
+                                        max_tokens=8)
+    r2 = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "And at noon?"}],
+                                        max_tokens=8)
+    head = len(harmony_head(system))
+    assert seen[1][:head] == seen[0][:head] and seen[1][head:] != seen[0][head:]
+    assert r1.usage.prompt_tokens_details.cached_tokens in (0, _SYSTEM)  # (the system message alone: another's head)
+    assert r2.usage.prompt_tokens_details.cached_tokens == head and r2.choices[0].message.content == "Yes."
+    _wait_idle(server)
+
+
+def harmony_head(*system: dict) -> list[int]:
+    from gptoss_fp8.serve.harmony import render_chat_head
+
+    prompt, head = render_chat_head([*system, {"role": "user", "content": "x"}])
+    return prompt[:head]
+
+
+_SYSTEM = len(harmony_head())  # Harmony's system message, the head of a chat without instructions
 
 def _wait_idle(server, timeout=10.0):
     import time

@@ -35,8 +35,8 @@ def test_concurrent_greedy_replies_equal_each_alone(server, monkeypatch):
     seqs, batches, mixed = [], [], []
     real_add, real_decode, real_schedule = engine.add, runner.decode, engine.scheduler.schedule
 
-    def add(prompt, params, on_event=None):
-        seq = real_add(prompt, params, on_event)
+    def add(prompt, params, on_event=None, **kw):
+        seq = real_add(prompt, params, on_event, **kw)
         seqs.append(seq)
         return seq
 

@@ -31,8 +31,9 @@ def serve(
     model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: the directory name).")] = None,
     attention: AttentionOption = Attention.bf16,
     prefix_cache: Annotated[bool, typer.Option(
-        help="Keep each prompt's keys for requests that start with the whole of it (a conversation's next turn, the "
-             "same prompt again, n choices): they prefill only what follows. A few MB a slot.")] = True,
+        help="Keep each prompt's keys, and each chat's system and developer messages', for requests that start with the "
+             "whole of them (a conversation's next turn, the same instructions, n choices): they prefill only what "
+             "follows. A few MB a slot.")] = True,
 ) -> None:
     """Serve the OpenAI chat / completions API with continuous batching: /v1/chat/completions,
     /v1/completions, /v1/models, /health, /metrics. A checkpoint converted with --tp T runs one

@@ -102,11 +102,13 @@ class Engine:
                                  f"the context of {ctx} tokens (--max-context); ask for at most {ctx - len(prompt)}")
 
     def add(self, prompt: list[int], params: SamplingParams,
-            on_event: Callable[[Sequence, list[int]], None] | None = None) -> Sequence:
+            on_event: Callable[[Sequence, list[int]], None] | None = None, keep: int = 0) -> Sequence:
         """Queue a request -> its Sequence. One line (GptOssFp8Error) if it cannot fit; QueueFull
-        when the waiting queue is at its bound."""
+        when the waiting queue is at its bound. ``keep``: a prompt position whose keys the prefix
+        cache keeps for other requests that start with the same tokens (a chat's head)."""
         self.check(prompt, params)
         seq = Sequence(list(prompt), params, on_event)
+        seq.keep = keep if self.prefix is not None and 0 < keep < len(prompt) else 0
         seq.generator = params.generator(self.runner.device)
         with self.lock:
             self.scheduler.add(seq)
@@ -180,24 +182,29 @@ class Engine:
         t0 = time.perf_counter()  # the runner's calls and the sampler's: the model's time (metrics.model_seconds)
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
         rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
-        for seq, src, n in work.restores:
+        for seq, src, n, kind in work.restores:
             try:
-                self.runner.restore(seq.slot, src, n)
+                self.runner.restore(seq.slot, src, n, kind)
             except Exception as e:  # noqa: BLE001 - its request fails, the step goes on
                 self._fail(seq, e, touched)
             else:
                 self.metrics.cached_tokens += n
+        heads = []  # prefilled up to their keep in this step
         for seq, start, end, logits in self._prefill([p for p in work.prefills if not p[0].finished], touched):
             seq.prefilled = end
             self.metrics.prompt_tokens += end - start
+            if end == seq.keep:
+                heads.append(seq)
             if end == len(seq.prompt):
                 seq.state = State.DECODE
                 seqs.append(seq)
                 rows.append(logits)
-        if self.prefix is not None and seqs:  # the prompts now in: saved before this step's decode writes
-            self.runner.snapshot([s.slot for s in seqs])
-            for seq in seqs:
-                self.prefix.record(seq.slot, seq.prompt)
+        if self.prefix is not None:  # the heads and prompts now in: saved before this step's decode writes
+            for kind, done in ((1, heads), (0, seqs)):
+                if done:
+                    self.runner.snapshot([s.slot for s in done], kind)
+                    for seq in done:
+                        self.prefix.record(seq.slot, seq.prompt if kind == 0 else seq.prompt[:seq.keep], kind)
         if work.decodes:
             try:
                 logits = self.runner.decode([s.slot for s in work.decodes], [s.tokens[-1] for s in work.decodes])

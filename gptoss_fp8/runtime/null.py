@@ -65,10 +65,10 @@ class NullRunner:
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
 
-    def snapshot(self, slots: list[int]) -> None:
+    def snapshot(self, slots: list[int], kind: int = 0) -> None:
         pass
 
-    def restore(self, slot: int, src: int, n: int) -> None:
+    def restore(self, slot: int, src: int, n: int, kind: int = 0) -> None:
         self.lengths[slot] = n
 
 

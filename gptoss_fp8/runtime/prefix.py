@@ -12,15 +12,19 @@ again, the other choices of an ``n`` request) then starts at its end: ``restore`
 rings and position 0 back (and copies the full layers' rows when the entry's slot is not the
 one the request gets), and prefill goes on from there.
 
-The rings are saved at the prompt's end only, so a prompt is reused whole or not at all: from
-position P (the new prompt is longer) or P - 1 (it is as long: its last token is prefilled again,
-for its logits). A prompt that shares only a part of an earlier one (a common system prompt)
+The rings are saved at the prompt's end, so a prompt is reused whole or not at all: from position
+P (the new prompt is longer) or P - 1 (it is as long: its last token is prefilled again, for its
+logits). And at one more point a request may name, its ``keep`` (a chat's head: the system and
+developer messages, which requests with the same instructions and tools share): its prefill cuts a
+chunk there, the rings are saved in a second buffer (kind 1), and the head is an entry of its own,
+so another conversation with the same head prefills only what follows it. Any other shared part
 prefills in full. Reuse gives the same keys as a cold prefill (in the exact weights mode, the same
 bits: a prompt prefilled in chunks gives the whole prefill's bits, tests/test_model_chunks.py).
 
-An entry lives while its rows are intact: while its sequence runs, and after it leaves until its
-slot is given to a request that does not start with it; free slots without an entry go first,
-then the least recently used entry's slot.
+An entry lives while its rows and its saved rings are intact: while its sequence runs, and after it
+leaves until its slot is given to a request that does not start with it (a request that reuses a
+slot's entry in place keeps that slot's entries no longer than what it reuses); free slots without
+an entry go first, then the least recently used slot.
 """
 
 from __future__ import annotations
@@ -33,21 +37,24 @@ HOLD_MIN = 64  # a request waits a step or more for a running prompt that gives 
 
 @dataclass
 class Entry:
-    """Slot ``slot`` holds the keys of ``tokens`` (the whole prompt; its rings saved at its end)."""
+    """Slot ``slot`` holds the keys of ``tokens``, its rings saved at their end in the slot's buffer ``kind`` (0: a
+    whole prompt, 1: a request's ``keep``, its head)."""
 
     slot: int
     tokens: list[int]
     used: int = 0  # the last time (PrefixCache's clock) it was made or reused
+    kind: int = 0
 
 
 @dataclass
 class Placement:
     """Where a new request goes: ``slot``, and the keys it reuses: ``start`` prompt tokens from the
-    entry of slot ``src`` (``src == slot``: in place; None: a cold prefill, start 0)."""
+    entry of slot ``src`` (``src == slot``: in place; None: a cold prefill, start 0), its rings in buffer ``kind``."""
 
     slot: int
     start: int = 0
     src: int | None = None
+    kind: int = 0
 
 
 def reusable(tokens: list[int], prompt: list[int]) -> int:
@@ -64,9 +71,9 @@ def reusable(tokens: list[int], prompt: list[int]) -> int:
 
 @dataclass
 class PrefixCache:
-    """The entries by slot (module docstring) and a clock for least-recently-used eviction."""
+    """The entries by (slot, kind) (module docstring) and a clock for least-recently-used eviction."""
 
-    entries: dict[int, Entry] = field(default_factory=dict)
+    entries: dict[tuple[int, int], Entry] = field(default_factory=dict)
     _clock: itertools.count = field(default_factory=itertools.count)
 
     def best(self, prompt: list[int]) -> tuple[Entry | None, int]:
@@ -80,24 +87,36 @@ class PrefixCache:
 
     def place(self, prompt: list[int], free: list[int]) -> Placement:
         """A slot among ``free`` (not empty) for ``prompt``: the best entry's own slot when it is free,
-        else a free slot without an entry (lowest first), else the least recently used entry's.
-        The slot's own entry, unless reused in place, is dropped (its rows will be overwritten)."""
+        else a free slot without an entry (lowest first), else the least recently used one. The slot's
+        entries longer than what the request reuses there are dropped (its rows from there on will be
+        overwritten)."""
         entry, n = self.best(prompt)
         if entry is not None:
             entry.used = next(self._clock)
-            if entry.slot in free:
-                del self.entries[entry.slot]  # in place: the new prompt writes from n on
-                return Placement(entry.slot, n, entry.slot)
-        empty = [s for s in free if s not in self.entries]
-        slot = min(empty) if empty else min(free, key=lambda s: self.entries[s].used)
-        self.entries.pop(slot, None)
-        return Placement(slot, n, entry.slot) if entry is not None else Placement(slot)
+            if entry.slot in free:  # in place: the new prompt writes from n on
+                self._overwrite(entry.slot, n)
+                return Placement(entry.slot, n, entry.slot, entry.kind)
+        held = {s for s, _ in self.entries}
+        empty = [s for s in free if s not in held]
+        slot = min(empty) if empty else min(free, key=lambda s: max(e.used for e in self._of(s)))
+        self._overwrite(slot, 0)
+        return Placement(slot, n, entry.slot, entry.kind) if entry is not None else Placement(slot)
+
+    def _of(self, slot: int) -> list[Entry]:
+        return [e for (s, _), e in self.entries.items() if s == slot]
+
+    def _overwrite(self, slot: int, n: int) -> None:
+        """``slot``'s rows from n on will be written: its entries longer than n go."""
+        for e in self._of(slot):
+            if len(e.tokens) > n:
+                del self.entries[(slot, e.kind)]
 
     def pending(self, prompt: list[int], prefilling: list[list[int]]) -> bool:
         """Whether a running prompt, not yet all in, would give ``prompt`` at least ``HOLD_MIN`` tokens
         once it is: then the request waits for it rather than prefilling the same tokens beside it."""
         return any(reusable(p, prompt) >= HOLD_MIN for p in prefilling)
 
-    def record(self, slot: int, prompt: list[int]) -> None:
-        """``slot``'s prompt is all in and its rings saved: an entry."""
-        self.entries[slot] = Entry(slot, prompt, next(self._clock))
+    def record(self, slot: int, tokens: list[int], kind: int = 0) -> None:
+        """``slot`` holds ``tokens`` (a whole prompt, kind 0; a head, kind 1) and its rings at their end are saved in
+        its buffer ``kind``: an entry (replacing the slot's entry of that kind)."""
+        self.entries[(slot, kind)] = Entry(slot, tokens, next(self._clock), kind)

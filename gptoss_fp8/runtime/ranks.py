@@ -4,7 +4,7 @@ A checkpoint converted for tp / ep > 1 runs one process per rank, each with its 
 its own ``ModelRunner`` (the same slots, the same KV cache layout over its local kv heads). Rank
 0 owns the scheduler and the sampling: its ``Leader`` is the runner the engine sees, and before
 each model call it broadcasts the call (``("prefill", slot, tokens, start)``, ``("decode", slots,
-tokens)``, ``("release", slot)``, ``("snapshot", slots)``, ``("restore", slot, src, n)``, ``("capture",)``,
+tokens)``, ``("release", slot)``, ``("snapshot", slots, kind)``, ``("restore", slot, src, n, kind)``, ``("capture",)``,
 ``("stop",)``) to the other ranks, whose ``follow`` loop makes the same call; the model's
 all-reduces inside each call keep the ranks in step, and the logits (replicated by the model)
 are used on rank 0 only. Every model call happens on rank 0's engine thread, so the order is the
@@ -62,11 +62,11 @@ class Leader:
     def release(self, slot: int) -> None:
         self._both(("release", slot))
 
-    def snapshot(self, slots: list[int]) -> None:
-        self._both(("snapshot", list(slots)))
+    def snapshot(self, slots: list[int], kind: int = 0) -> None:
+        self._both(("snapshot", list(slots), kind))
 
-    def restore(self, slot: int, src: int, n: int) -> None:
-        self._both(("restore", slot, src, n))
+    def restore(self, slot: int, src: int, n: int, kind: int = 0) -> None:
+        self._both(("restore", slot, src, n, kind))
 
     def capture_all(self) -> None:
         self._both(("capture",))

@@ -9,9 +9,10 @@ each bucket's step is a CUDA graph (model/graph.py), captured once per bucket (`
 start, or at its first use); buckets are the powers of two up to the slot count, and the slot
 count. Without graphs (CPU) a bucket is exactly the highest slot + 1.
 
-With ``prefix_cache`` the runner keeps, per slot, a copy of each sliding-window layer's ring and
-each full layer's position 0 as they were when its prompt was all in (``snapshot``), and
-``restore`` puts a cached prompt's keys in a slot (runtime/prefix.py says why these parts).
+With ``prefix_cache`` the runner keeps, per slot, two copies of each sliding-window layer's ring and
+each full layer's position 0: as they were when its prompt was all in (buffer 0) and when its
+prefill passed the request's ``keep`` (buffer 1, a chat's head) (``snapshot``); ``restore`` puts
+a cached prompt's keys in a slot (runtime/prefix.py says why these parts).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class ModelRunner:
         self._views: dict[int, KVCache] = {}
         self._pinned: dict[int, torch.Tensor] = {}
         self.prefix_cache = prefix_cache
-        c = self.cache  # saved per slot: a ring whole, a full layer's position 0
-        self._saved = [[t.new_empty(t.shape if c.is_ring(i) else (t.shape[0], *t.shape[2:])) for i, t in enumerate(kv)]
-                       for kv in (c.k, c.v)] if prefix_cache else None
+        c = self.cache  # saved per slot and buffer (a prompt's end, a head's): a ring whole, a full layer's position 0
+        self._saved = [[[t.new_empty(t.shape if c.is_ring(i) else (t.shape[0], *t.shape[2:])) for i, t in enumerate(kv)]
+                        for kv in (c.k, c.v)] for _ in range(2)] if prefix_cache else None
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -125,22 +126,22 @@ class ModelRunner:
         pin.copy_(t)
         return pin.to(self.device, non_blocking=True)
 
-    def snapshot(self, slots: list[int]) -> None:
-        """Save ``slots``' rings and full layers' position 0 (their prompts are all in, nothing
-        of this step's decode written yet), in one multi-tensor copy."""
+    def snapshot(self, slots: list[int], kind: int = 0) -> None:
+        """Save ``slots``' rings and full layers' position 0 in their buffer ``kind`` (their prompts, or heads,
+        are in, nothing of this step's decode written yet), in one multi-tensor copy."""
         c, dst, src = self.cache, [], []
         for slot in slots:
-            for saved, live in zip(self._saved, (c.k, c.v), strict=True):
+            for saved, live in zip(self._saved[kind], (c.k, c.v), strict=True):
                 for i, t in enumerate(live):
                     dst.append(saved[i][slot])
                     src.append(t[slot] if c.is_ring(i) else t[slot, 0])
         torch._foreach_copy_(dst, src)
 
-    def restore(self, slot: int, src: int, n: int) -> None:
-        """Slot ``slot`` holds the first ``n`` keys of the prompt saved for slot ``src`` (its rows 1..n-1
-        of the full layers copied unless src is slot itself, the rest from src's snapshot); length n."""
+    def restore(self, slot: int, src: int, n: int, kind: int = 0) -> None:
+        """Slot ``slot`` holds the first ``n`` keys of what slot ``src`` saved in its buffer ``kind`` (its rows
+        1..n-1 of the full layers copied unless src is slot itself, the rest from that buffer); length n."""
         c, dst, frm = self.cache, [], []
-        for saved, live in zip(self._saved, (c.k, c.v), strict=True):
+        for saved, live in zip(self._saved[kind], (c.k, c.v), strict=True):
             for i, t in enumerate(live):
                 if c.is_ring(i):
                     dst.append(t[slot])

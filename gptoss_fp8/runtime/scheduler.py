@@ -34,11 +34,11 @@ class QueueFull(GptOssFp8Error):
 class Step:
     """One step's work: the sequences that decode one token each (in slot order), the prompt
     chunks (sequence, start, end) to prefill, and before them the cached prompts to restore
-    (sequence, the entry's slot, tokens: ``ModelRunner.restore``)."""
+    (sequence, the entry's slot, tokens, its buffer: ``ModelRunner.restore``)."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    restores: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    restores: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -87,13 +87,15 @@ class Scheduler:
                 continue
             start = seq.prefilled
             end = min(len(seq.prompt), (start // self.chunk + 1) * self.chunk)
+            if start < seq.keep < end:  # (one more cut, at the head the prefix cache keeps)
+                end = seq.keep
             if end - start > left and not step.empty:
                 break
             step.prefills.append((seq, start, end))
             left -= end - start
         return step
 
-    def _admit(self) -> list[tuple[Sequence, int, int]]:
+    def _admit(self) -> list[tuple[Sequence, int, int, int]]:
         """Waiting requests into free slots, oldest first -> the restores their placements need."""
         restores, held = [], deque()
         while self.waiting and self.slots.available:
@@ -109,7 +111,7 @@ class Scheduler:
                 seq.slot = place.slot
                 if place.start:
                     seq.prefilled = seq.cached = place.start
-                    restores.append((seq, place.src, place.start))
+                    restores.append((seq, place.src, place.start, place.kind))
             seq.state = State.PREFILL
             self.running.append(seq)
         self.waiting.extendleft(reversed(held))

@@ -45,6 +45,7 @@ class Sequence:
     slot: int | None = None
     prefilled: int = 0
     cached: int = 0  # prompt tokens whose keys came from the prefix cache (runtime/prefix.py), not prefilled
+    keep: int = 0  # a prompt position whose keys the prefix cache keeps for other requests (a chat's head), 0: none
     finish: str | None = None
     stop: str | None = None
     error: str | None = None

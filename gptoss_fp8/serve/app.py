@@ -221,8 +221,9 @@ def create_app(served: Served) -> FastAPI:
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
     def submit(prompt: list[int], req, stop_ids: tuple[int, ...], logprobs: bool,
-               top_logprobs: int) -> list[tuple[Sequence, Listener]]:
-        """The request's ``n`` choices, each a sequence of its own (choice i's seed: ``seed + i``)."""
+               top_logprobs: int, keep: int = 0) -> list[tuple[Sequence, Listener]]:
+        """The request's ``n`` choices, each a sequence of its own (choice i's seed: ``seed + i``); ``keep``: the
+        prompt's head the prefix cache keeps for other requests (a chat's system and developer messages)."""
         if req.model != served.model_name:
             raise HttpError(404, f"model {req.model!r} is not served here; this server serves {served.model_name!r}",
                             "not_found_error")
@@ -242,7 +243,7 @@ def create_app(served: Served) -> FastAPI:
                                         frequency_penalty=req.frequency_penalty,
                                         logit_bias=tuple(sorted((req.logit_bias or {}).items())))
                 listener = Listener(outbox())
-                added.append((engine.add(prompt, params, listener), listener))
+                added.append((engine.add(prompt, params, listener, keep=keep), listener))
         except (QueueFull, GptOssFp8Error) as e:
             for seq, _ in added:  # (all of the request's choices or none)
                 engine.cancel(seq)
@@ -391,13 +392,13 @@ def create_app(served: Served) -> FastAPI:
     async def chat(request: Request):
         try:
             req = parse(ChatRequest, await request.body())
-            prompt = harmony.render_chat(req.messages, None if req.tool_choice == "none" else req.tools,
-                                         req.reasoning_effort)
+            prompt, head = harmony.render_chat_head(req.messages, None if req.tool_choice == "none" else req.tools,
+                                                    req.reasoning_effort)
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
-        choice = submit(prompt, req, harmony.STOP_IDS, req.logprobs, req.top_logprobs or 0)
+        choice = submit(prompt, req, harmony.STOP_IDS, req.logprobs, req.top_logprobs or 0, keep=head)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, choice, [_ChatReply(req.stop or [], req.logprobs) for _ in choice], head)
 

@@ -57,6 +57,13 @@ def _text(content) -> str:
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None, reasoning_effort: str | None = None) -> list[int]:
     """OpenAI chat messages (dicts) -> prompt token ids ending with ``<|start|>assistant``."""
+    return render_chat_head(messages, tools, reasoning_effort)[0]
+
+
+def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
+                     reasoning_effort: str | None = None) -> tuple[list[int], int]:
+    """``render_chat`` -> (prompt ids, the length of its head: the system and developer messages, which requests with
+    the same instructions and tools share; 0 if the rendering does not start with them on its own)."""
     from openai_harmony import (
         Author,
         Conversation,
@@ -111,7 +118,9 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, reasoning
                        .with_channel("commentary").with_recipient("assistant"))
         else:
             raise GptOssFp8Error(f"message role {role!r}: use system, developer, user, assistant or tool")
-    return list(enc.render_conversation_for_completion(Conversation.from_messages(out), Role.ASSISTANT))
+    prompt = list(enc.render_conversation_for_completion(Conversation.from_messages(out), Role.ASSISTANT))
+    head = list(enc.render_conversation(Conversation.from_messages(out[:2 if instructions or tools else 1])))
+    return prompt, len(head) if prompt[:len(head)] == head else 0
 
 
 @lru_cache(maxsize=1 << 16)
