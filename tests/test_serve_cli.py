@@ -72,15 +72,17 @@ PROMPTS = [[1, 2, 3], list(range(100, 130)), list(range(5000, 5011))]
 
 def test_serve_command_starts_answers_and_stops(harmony_ckpt):
     port = _free_port()
-    cmd = _Command([str(harmony_ckpt), "--max-batch", "2", "--max-context", "64", "--model-name", "m"], port)
+    cmd = _Command([str(harmony_ckpt), "--max-batch", "2", "--max-context", "64", "--model-name", "m",
+                    "--no-prefix-cache"], port)
     try:
         cmd.wait_healthy()
-        replies = _greedy(cmd.url, PROMPTS)
+        replies = _greedy(cmd.url, PROMPTS) + _greedy(cmd.url, [PROMPTS[1] + [4]])
     finally:
         out, err = cmd.ctrl_c()
     assert "KV cache: 2 slots x 64 tokens" in out and f"serving 'm' on http://127.0.0.1:{port}" in out, out + err
+    assert "; no prefix cache" in out and replies[-1][2] == 0  # (a whole earlier prompt, not reused)
     assert "Traceback" not in err, err
-    assert len({r[0] for r in replies}) == 3
+    assert len({r[0] for r in replies[:3]}) == 3
 
 
 def test_serve_a_sharded_checkpoint_gives_the_unsharded_replies(harmony_ckpt, tmp_path):
