@@ -1,6 +1,6 @@
 """Harmony for the chat API: OpenAI messages and tools -> prompt token ids, reply ids -> deltas.
 
-Rendering (``render_chat``): the system message carries ``reasoning_effort``; the request's
+Rendering (``render_chat_head``): the system message carries ``reasoning_effort``; the request's
 system / developer messages become the developer message's instructions, and ``tools`` (function
 definitions) its ``functions`` namespace; user turns as they are; an assistant turn's content on
 the ``final`` channel, its reasoning (``reasoning_content``) on ``analysis``, each of its tool
@@ -55,15 +55,11 @@ def _text(content) -> str:
     return "".join(out)
 
 
-def render_chat(messages: list[dict], tools: list[dict] | None = None, reasoning_effort: str | None = None) -> list[int]:
-    """OpenAI chat messages (dicts) -> prompt token ids ending with ``<|start|>assistant``."""
-    return render_chat_head(messages, tools, reasoning_effort)[0]
-
-
 def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
                      reasoning_effort: str | None = None) -> tuple[list[int], int]:
-    """``render_chat`` -> (prompt ids, the length of its head: the system and developer messages, which requests with
-    the same instructions and tools share; 0 if the rendering does not start with them on its own)."""
+    """OpenAI chat messages (dicts) -> (prompt token ids ending with ``<|start|>assistant``, the length of its head: the
+    system and developer messages, which requests with the same instructions and tools share; 0 if the rendering does
+    not start with them on its own)."""
     from openai_harmony import (
         Author,
         Conversation,
