@@ -725,7 +725,7 @@ if has prefix; then
     -k prefix > "$OUT/pt_tests.log" 2>&1
   tail -4 "$OUT/pt_tests.log"
   timeout ${PT_S:-150} python3 benchmarks/prefix_turns.py --model 20b --lengths ${PT_LENGTHS:-2048,8192,32768} \
-    --new ${PT_NEW:-256} --runs ${PT_RUNS:-3} 2>&1 | grep -v Warn | tee "$OUT/prefix_turns.log"
+    --new ${PT_NEW:-256} --runs ${PT_RUNS:-3} --profile ${PT_PROFILE:-0} 2>&1 | grep -v Warn | tee "$OUT/prefix_turns.log"
 fi
 
 if has lin8; then  # (lin6's steps on form 8 beside 5: its GPU tests, attn_variants at 128000 random and x7, the 20b A/B)

@@ -8,7 +8,7 @@ import torch
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.runtime.engine import Engine
-from gptoss_fp8.runtime.prefix import HOLD_MIN, Placement, PrefixCache, reusable
+from gptoss_fp8.runtime.prefix import HOLD_MIN, MIN_SHARED, Placement, PrefixCache, reusable
 from gptoss_fp8.runtime.runner import ModelRunner
 from gptoss_fp8.runtime.sampling import SamplingParams, draw, nucleus, penalize
 from gptoss_fp8.runtime.scheduler import QueueFull, Scheduler
@@ -24,6 +24,19 @@ def model(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("runtime")
     write_synthetic(root / "src", "tiny", layers=2, seed=2, layout="hf", sliding_window=8)
+    convert_checkpoint(root / "src", root / "fp8")
+    return load_model(root / "fp8")
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    """Four layers: two sliding (window 8) under two full, so a ring rebuild must cover both (14 tokens)."""
+    from gptoss_fp8.convert.convert import convert_checkpoint
+    from gptoss_fp8.convert.synth import write_synthetic
+    from gptoss_fp8.model.load import load_model
+
+    root = tmp_path_factory.mktemp("runtime4")
+    write_synthetic(root / "src", "tiny", layers=4, seed=4, layout="hf", sliding_window=8)
     convert_checkpoint(root / "src", root / "fp8")
     return load_model(root / "fp8")
 
@@ -285,6 +298,22 @@ def test_prefix_cache_reuses_whole_prompts_and_places_requests():
     assert not pc.pending(list(range(100)), [list(range(HOLD_MIN - 1))])  # too little to wait for
 
 
+def test_prefix_cache_places_a_shared_part_with_its_ring_rebuild():
+    pc = PrefixCache(rebuild=10)
+    doc = list(range(1000, 1200))
+    pc.record(0, doc)
+    pc.record(1, doc[:100])
+    # the first 150 of slot 0's tokens, then others: its full layers' rows of 150, prefill from 140 (in place)
+    assert pc.place(doc[:150] + [7] * 5, [0, 2]) == Placement(0, 140, 0, 0, 150)
+    assert set(pc.entries) == {(1, 0)}  # slot 0's longer entry goes (its rows from 150 on will be written)
+    pc.record(0, doc)
+    assert pc.place(doc[:100] + [7], [2]) == Placement(2, 100, 1, 0)  # a whole entry skips more: copied from slot 1
+    assert pc.place(doc[:120], [3]) == Placement(3, 109, 0, 0, 120)  # the start of an entry: its last 11 prefilled
+    short = 10 + MIN_SHARED - 1  # it would skip fewer than MIN_SHARED tokens: a cold prefill
+    assert pc.place([5] + doc[1:short] + [7], [4]) == Placement(4)
+    assert PrefixCache().place(doc[:150] + [7], [5]) == Placement(5)  # no rebuild offered: whole entries only
+
+
 def _replies(eng, prompts, **kw):
     seqs = [eng.add(p, SamplingParams(max_tokens=6, logprobs=True, **kw)) for p in prompts]
     eng.run_until_done()
@@ -361,3 +390,50 @@ def test_a_shared_head_is_kept_and_another_conversation_prefills_only_what_follo
         assert seq.cached == len(head) and (seq.tokens, seq.logprobs) == (ref.tokens, ref.logprobs), question
         runs.append(seq)
     assert long.cached == len(head)
+
+
+def test_a_prompt_sharing_part_of_a_cached_one_rebuilds_its_rings_and_gets_the_cold_reply(model4):
+    """A document asked about again with another question: the full layers' rows of the shared part come from the
+    cache and the two sliding layers' rings are rebuilt by one chunk of the last 14 shared tokens: in place (its
+    chunk waiting behind another prompt's while decode steps ride over the slot), copied from a running slot, and a
+    prompt that is the start of a cached one. Each reply equals a cold engine's bit for bit (the weights mode)."""
+    warm = Engine(ModelRunner(model4, get_ops("weights"), 4, 256, prefix_cache=True), chunk=16)
+    cold = Engine(ModelRunner(model4, get_ops("weights"), 3, 256), chunk=16)
+    assert warm.runner.rebuild == 14 and warm.prefix.rebuild == 14
+
+    def same(seq, prompt):
+        ref, = _replies(cold, [prompt])
+        assert seq.tokens == ref.tokens and seq.logprobs == ref.logprobs, len(prompt)
+
+    doc = list(range(100, 200))  # 100 shared tokens
+    a, = _replies(warm, [doc + [1, 2, 3]])
+    assert a.slot is None and a.cached == 0
+    busy = warm.add(list(range(300, 310)), SamplingParams(max_tokens=40))  # decodes in slot 1
+    while not busy.tokens:
+        warm.step()
+    other = warm.add(list(range(400, 440)), SamplingParams(max_tokens=2))  # slot 2: a 40-token prompt, older
+    b = warm.add(doc + [4, 5, 6, 7], SamplingParams(max_tokens=6, logprobs=True))
+    warm.step()
+    assert b.slot == 0 and b.cached == 86 and b.kept == 100 and b.prefilled == 86  # in place; its chunk waits
+    assert other.prefilled == 16  # (the older prompt's chunk took the budget)
+    warm.step()
+    assert b.prefilled == 86 and not busy.finished  # slot 0 rode this step's decode at its kept end
+    while b.prefilled == 86:
+        warm.step()
+    assert b.prefilled == 100  # the rebuild, one chunk
+    while not b.finished:
+        warm.step()
+    same(b, doc + [4, 5, 6, 7])
+    long = warm.add(doc + [4, 5, 6, 7] + b.tokens + [8], SamplingParams(max_tokens=30))  # keeps slot 0 busy
+    warm.step()
+    d = warm.add([7, 8, 9], SamplingParams(max_tokens=6, logprobs=True))
+    c = warm.add(doc + [9, 9], SamplingParams(max_tokens=6, logprobs=True))
+    warm.step()
+    assert long.slot == 0 and c.slot != 0 and c.cached == 86  # copied from the running slot 0
+    assert c.prefilled == 100 and d.prefilled == 3  # (the rebuild in one forward with another prompt's chunk)
+    start = warm.add(doc[:90], SamplingParams(max_tokens=6, logprobs=True))  # the start of a cached prompt
+    warm.run_until_done()
+    assert start.cached == 75 and start.kept == 90  # (its last row reads one more position)
+    same(c, doc + [9, 9])
+    same(d, [7, 8, 9])
+    same(start, doc[:90])

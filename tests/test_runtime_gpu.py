@@ -135,11 +135,6 @@ def test_prefix_cache_on_cuda_gives_the_cold_reply(trained):
     cold = Engine(ModelRunner(model, ops, 4, 1024), chunk=64)
     assert warm.runner.graphs is not None
 
-    def run(eng, prompt, n=NEW):
-        seq = eng.add(prompt, SamplingParams(max_tokens=n, logprobs=True))
-        eng.run_until_done()
-        return seq
-
     p1 = tok.encode(SOURCE[:300])
     first = warm.add(p1, SamplingParams(max_tokens=24))
     other = warm.add(tok.encode(SOURCE[300:]), SamplingParams(max_tokens=60))
@@ -153,9 +148,18 @@ def test_prefix_cache_on_cuda_gives_the_cold_reply(trained):
     ext = warm.add(p2 + tok.encode("    return"), SamplingParams(max_tokens=NEW, logprobs=True))  # copied from busy's
     warm.run_until_done()
     assert not other.error and busy.cached == len(p1) and ext.cached == len(p2) and ext.slot is None
+    _versus_cold(model, ops, cold, [(busy, p2), (ext, p2 + tok.encode("    return"))])
+
+
+def _versus_cold(model, ops, cold, runs) -> None:
+    """Each (warm sequence, its prompt) of ``runs`` against the same prompt on ``cold``: at least 16 tokens equal,
+    the first logprob within 0.01, and at a divergence a near tie (the previous test's docstring); printed."""
+    from gptoss_fp8.runtime.sampling import SamplingParams
+
     lines = []
-    for seq, prompt in ((busy, p2), (ext, p2 + tok.encode("    return"))):
-        ref = run(cold, prompt, len(seq.tokens))
+    for seq, prompt in runs:
+        ref = cold.add(prompt, SamplingParams(max_tokens=len(seq.tokens), logprobs=True))
+        cold.run_until_done()
         d = next((j for j, (x, y) in enumerate(zip(seq.tokens, ref.tokens, strict=True)) if x != y), len(ref.tokens))
         drift = max((abs(x - y) for x, y in zip(seq.logprobs[:d], ref.logprobs[:d], strict=True)), default=0.0)
         line = (f"{len(prompt)}-token prompt ({seq.cached} cached): {d} of {len(ref.tokens)} tokens equal, logprobs "
@@ -168,3 +172,35 @@ def test_prefix_cache_on_cuda_gives_the_cold_reply(trained):
         lines.append(line)
         assert d >= 16 and abs(seq.logprobs[0] - ref.logprobs[0]) < 0.01, line
     print("\n" + "\n".join(lines))
+
+
+def test_prefix_cache_shared_part_on_cuda_gives_the_cold_reply(trained):
+    """A prompt that shares only its first 400 tokens with a cached one (another ending): the full layers' rows come
+    from the cache and the two sliding layers' rings are rebuilt by one chunk of the last 126 shared tokens (kernels
+    mode, CUDA graphs), in place after riders wrote over the free slot, then copied from that slot while it runs.
+    The replies agree with an engine without the cache as the previous test's do."""
+    from gptoss_fp8.model.load import load_model
+    from gptoss_fp8.runtime.engine import Engine
+    from gptoss_fp8.runtime.runner import ModelRunner
+    from gptoss_fp8.runtime.sampling import SamplingParams
+    from gptoss_fp8.tokenizer import ByteTokenizer
+    from gptoss_fp8.verify.backends import ops_for
+
+    model = load_model(trained[0], device="cuda")
+    ops, tok = ops_for("kernels"), ByteTokenizer()
+    warm = Engine(ModelRunner(model, ops, 4, 1024, prefix_cache=True), chunk=256)
+    cold = Engine(ModelRunner(model, ops, 4, 1024), chunk=256)
+    assert warm.prefix.rebuild == 126 and warm.runner.graphs is not None
+    doc = tok.encode(SOURCE[:400])
+    first = warm.add(doc + tok.encode("one = 1\n"), SamplingParams(max_tokens=8))
+    other = warm.add(tok.encode(SOURCE[400:]), SamplingParams(max_tokens=60))
+    while not first.finished:
+        warm.step()
+    for _ in range(4):
+        warm.step()  # first's slot free, riding other's decode steps
+    a = warm.add(doc + tok.encode("two = 2\n"), SamplingParams(max_tokens=40, logprobs=True))  # in place
+    warm.step()
+    b = warm.add(doc + tok.encode("\n\ndef third(x):\n"), SamplingParams(max_tokens=NEW, logprobs=True))  # copied
+    warm.run_until_done()
+    assert not other.error and a.cached == b.cached == 400 - 126 and a.kept == b.kept == 400
+    _versus_cold(model, ops, cold, [(a, doc + tok.encode("two = 2\n")), (b, doc + tok.encode("\n\ndef third(x):\n"))])

@@ -210,7 +210,7 @@ class GptOss(nn.Module):
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, ops: ReferenceOps | None = None, *, max_len: int | None = None,
                 moe_chunk: int | None = None, cache: KVCache | None = None,
-                row: int = 0, start: int = 0) -> tuple[KVCache, torch.Tensor]:
+                row: int = 0, start: int = 0, kept: bool = False) -> tuple[KVCache, torch.Tensor]:
         """Run the prompt tokens int [T] (positions 0..T-1) as ``forward`` does, keeping every
         layer's K and V -> (a cache for up to ``max_len`` tokens, default T + 1024, holding T;
         bf16 logits [1, V] of the last position: the first generated token's).
@@ -222,7 +222,9 @@ class GptOss(nn.Module):
         A prompt in chunks (runtime/: a long prompt interleaved with other sequences' decode
         steps): ``start`` > 0 continues sequence ``row``, which holds exactly ``start`` tokens: the
         chunk sits at positions start..start + T - 1, its queries attend to the cached keys and to
-        the chunk's own (``ops.attention_chunk``), and the sequence then holds start + T tokens."""
+        the chunk's own (``ops.attention_chunk``), and the sequence then holds start + T tokens. ``kept``: the full
+        layers' rows of the chunk already hold its keys (the prefix cache's ring rebuild, runtime/prefix.py): only
+        the sliding-window layers write theirs, and the full layers attend to the kept ones."""
         ops = ops or ReferenceOps()
         n = tokens.shape[0]
         if cache is None:
@@ -231,30 +233,36 @@ class GptOss(nn.Module):
             cache = self.new_cache(max_len or n + 1024)
         _check_chunk(cache, row, n, start)
         cos, sin = cache.rope_rows(start, n)
+        if kept and not start:
+            raise GptOssFp8Error("prefill: kept full-layer rows are for a chunk after cached keys (start > 0)")
         logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache, row=row,
-                           start=start)
+                           start=start, kept=kept)
         cache.set_length(row, start + n)
         return cache, logits
 
     @torch.inference_mode()
     def prefill_many(self, chunks: list[tuple[int, torch.Tensor, int]], ops: ReferenceOps, cache: KVCache,
-                     ) -> torch.Tensor:
+                     kept: frozenset[int] = frozenset()) -> torch.Tensor:
         """Several sequences' prompt chunks in one forward: ``chunks`` (row, tokens int [T_i], start)
         as ``prefill(tokens, ops, cache=cache, row=row, start=start)`` would take each -> bf16 logits
         [len(chunks), V], each chunk's last position. The rows of every chunk go through the
         projections, the norms and the MoE together (one GEMM per weight for all of them: the
         serving engine's prompts of one step); the attention runs per chunk on its own sequence's
         keys. Each row's arithmetic is the one-chunk prefill's wherever an op's result for a row does
-        not depend on the other rows (the CPU reference ops: bit for bit, tests/test_model_chunks.py)."""
+        not depend on the other rows (the CPU reference ops: bit for bit, tests/test_model_chunks.py). ``kept``: the
+        rows whose chunk is ``prefill``'s ``kept`` one (its full layers' rows not written)."""
         if not chunks:
             raise GptOssFp8Error("prefill_many: no chunks")
         rows = [row for row, _, _ in chunks]
         if len(set(rows)) != len(rows):
             raise GptOssFp8Error(f"prefill_many: sequences {rows} repeat; one chunk per sequence")
         segs = _Segments()
+        segs.kept = frozenset(kept)
         for row, tokens, start in chunks:
             n = tokens.shape[0]
             _check_chunk(cache, row, n, start)
+            if row in kept and not start:
+                raise GptOssFp8Error(f"prefill_many: sequence {row}'s kept rows are for a chunk after cached keys")
             segs.append((row, start, n))
         tokens = torch.cat([t for _, t, _ in chunks])
         cos, sin = (torch.cat(parts) for parts in zip(*(cache.rope_rows(start, n) for _, start, n in segs),
@@ -313,14 +321,14 @@ class GptOss(nn.Module):
              last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
              row: int = 0, step: DecodeStep | None = None, start: int = 0,
              force: dict[str, torch.Tensor] | None = None,
-             segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+             segments: list[tuple[int, int, int]] | None = None, kept: bool = False) -> torch.Tensor:
         """The one forward pass (cos / sin: the tokens' RoPE rows). Without ``step``: tokens [T] of
         one sequence at positions start..start + T - 1 (start > 0: a prompt chunk after the
         cached ones), with a cache written to its sequence ``row``. With a
         decode ``step``: tokens [B], one per sequence of the cache at the step's positions, their
         K / V appended and the attention reading the cached keys. ``force``: see ``decode``.
         ``segments`` (row, start, n): tokens are several sequences' chunks one after another
-        (``prefill_many``); the logits are each chunk's last row's."""
+        (``prefill_many``); the logits are each chunk's last row's. ``kept``: ``prefill``'s."""
         eps = self.cfg.rms_norm_eps
         x = self.embed(tokens, ops)  # [T, H] bf16
         layers = self.model.layers
@@ -342,7 +350,7 @@ class GptOss(nn.Module):
             last_rows = prune and i == len(layers) - 1
             # (the post-attention norm's bf16 rows only where the MoE reads them: ``ops.moe_needs_rows``)
             x, h = self._attention(layer, h, cos, sin, ops, cache, row, step, start, segments,
-                                   last_rows=ends if last_rows else None,
+                                   last_rows=ends if last_rows else None, kept=kept,
                                    post=(_take(x, ends) if last_rows else x, layer.post_attention_layernorm.weight,
                                          force is not None or self._moe_rows(layer, ops)))
             if capture is not None:
@@ -431,7 +439,7 @@ class GptOss(nn.Module):
                    row: int = 0, step: DecodeStep | None = None, start: int = 0,
                    segments: list[tuple[int, int, int]] | None = None,
                    last_rows: slice | torch.Tensor | None = None,
-                   post: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+                   post: tuple[torch.Tensor, torch.Tensor, bool] | None = None, kept: bool = False,
                    ) -> torch.Tensor | tuple[torch.Tensor, Normed]:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
@@ -447,7 +455,7 @@ class GptOss(nn.Module):
         (``prefill_many``), each attending as one chunk of its sequence would. ``last_rows`` (a
         prefill's last layer, ``prune_last_layer``: each sequence's last row, a slice or int rows):
         every row's K / V as without it, but the queries, the attention and o_proj of those rows only
-        -> [sequences, H]."""
+        -> [sequences, H]. ``kept``: ``prefill``'s."""
         a, d = layer.self_attn, self.cfg.head_dim
         n = t.n
         projs = self._qkv_projs(layer)  # (t.y is None where ops.needs_rows(projs) said so: the GEMMs take t.quant)
@@ -474,7 +482,7 @@ class GptOss(nn.Module):
             last = last_rows is not None
             if segments is None:  # (a Normed: o_proj may read its quantization alone, ``attention_out``)
                 o = self._prefill_attention(layer, q, k, v, ops, cache, row, start, (cos, sin), last,
-                                            ops.needs_rows([(a.o_proj.weight, a.o_proj.weight_scale_inv, None)]))
+                                            ops.needs_rows([(a.o_proj.weight, a.o_proj.weight_scale_inv, None)]), kept)
             elif not last:  # each sequence's chunk on its own keys, one ``ops.attention_segments``
                 o = self._segments_attention(layer, q, k, v, ops, cache, segments, (cos, sin))
             else:  # the last layer's: each sequence's last row, as a decode step over the cache
@@ -497,7 +505,7 @@ class GptOss(nn.Module):
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
                            start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,
-                           rows: bool = True) -> torch.Tensor | Normed:
+                           rows: bool = True, kept: bool = False) -> torch.Tensor | Normed:
         """One sequence's prompt rows (q [T, KV, M, D] before RoPE, or at start 0 a ``QuantQ`` from ``linears_q8``;
         k / v [T, KV, D], k after it) at
         positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
@@ -505,12 +513,14 @@ class GptOss(nn.Module):
         -> its attention over every key, [1, Hl * D] (a full layer's: the decode attention, split over the
         keys, ``ops.attention_cached`` on them as a one-sequence cache). A whole prompt's (start 0, not
         ``last_row``): ``ops.attention_out``'s Normed, its rows left out where ``rows`` is False and the backend
-        wrote their quantization instead."""
+        wrote their quantization instead. ``kept`` (a chunk after cached keys): a full layer's rows already hold the
+        chunk's keys, and it attends to those (k / v unused)."""
         a, d = layer.self_attn, self.cfg.head_dim
         if start or last_row:
             if start and not cache.is_ring(layer.idx):  # a full layer's rows hold positions in order: the chunk
                 # written after the cached keys, all of them are one view (no copy of the cached keys per chunk)
-                cache.write(layer.idx, row, start, k, v)
+                if not kept:
+                    cache.write(layer.idx, row, start, k, v)
                 ka, va, first = cache.read(layer.idx, row, start + k.shape[0])
             elif start:  # a ring: the keys before the chunk, copied out before the chunk's own overwrite its rows
                 pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
@@ -586,7 +596,7 @@ class GptOss(nn.Module):
         key = cache.rows(i) if cache.is_ring(i) else 0
         got = segments.keys.get(key)
         if got is None:
-            plan = cache.chunk_rows(i, list(segments))
+            plan = cache.chunk_rows(i, list(segments), segments.kept)
             rows = [0]
             for _, _, c in segments:
                 rows.append(rows[-1] + c)
@@ -672,6 +682,7 @@ class _Segments(list):
     def __init__(self):
         super().__init__()
         self.keys: dict = {}  # ring rows (0: full) -> (ChunkRows, ChunkKeys); "last": the pruned layer's slots
+        self.kept: frozenset[int] = frozenset()  # rows whose full layers hold their chunk's keys (``prefill``'s kept)
 
 
 def _take(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

@@ -59,10 +59,14 @@ class Engine:
         self.runner = runner
         self.vocab = runner.model.cfg.vocab_size
         self.slots = SlotManager(runner.slots)
-        # a runner made with prefix_cache keeps prompts for later requests (runtime/prefix.py)
-        self.prefix = PrefixCache() if getattr(runner, "prefix_cache", False) else None
-        self.scheduler = Scheduler(self.slots, chunk=chunk, token_budget=token_budget or runner.slots + chunk,
-                                   max_waiting=max_waiting, prefix=self.prefix)
+        # a runner made with prefix_cache keeps prompts for later requests (runtime/prefix.py); a shared part's ring
+        # rebuild is one chunk (of up to rebuild + 1 tokens), offered when it fits beside a decode step of every slot
+        budget = token_budget or runner.slots + chunk
+        rebuild = getattr(runner, "rebuild", None)
+        self.prefix = PrefixCache(rebuild=rebuild if rebuild is not None and rebuild < budget - runner.slots else None
+                                  ) if getattr(runner, "prefix_cache", False) else None
+        self.scheduler = Scheduler(self.slots, chunk=chunk, token_budget=budget, max_waiting=max_waiting,
+                                   prefix=self.prefix)
         self.sampler = sampler or default_sampler
         self.log_errors = log_errors  # print the traceback of a failed request (a server's log)
         self.metrics = Metrics()
@@ -182,13 +186,13 @@ class Engine:
         t0 = time.perf_counter()  # the runner's calls and the sampler's: the model's time (metrics.model_seconds)
         seqs: list[Sequence] = []  # to sample for, in the order of the rows of their logits
         rows: list[torch.Tensor] = []  # logits [1, V] of each finished prompt, then the decode step's [B, V]
-        for seq, src, n, kind in work.restores:
+        for seq, src, n, kind, start in work.restores:
             try:
-                self.runner.restore(seq.slot, src, n, kind)
+                self.runner.restore(seq.slot, src, n, kind, start)
             except Exception as e:  # noqa: BLE001 - its request fails, the step goes on
                 self._fail(seq, e, touched)
             else:
-                self.metrics.cached_tokens += n
+                self.metrics.cached_tokens += start
         heads = []  # prefilled up to their keep in this step
         for seq, start, end, logits in self._prefill([p for p in work.prefills if not p[0].finished], touched):
             seq.prefilled = end

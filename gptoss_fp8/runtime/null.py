@@ -42,6 +42,7 @@ class NullRunner:
         self.buckets = list(range(1, slots + 1))
         self.lengths = [0] * slots
         self.decode_steps = 0
+        self.rebuild = None  # (no model: a prompt is reused whole or not at all)
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         if self.prefill_s:
@@ -68,8 +69,8 @@ class NullRunner:
     def snapshot(self, slots: list[int], kind: int = 0) -> None:
         pass
 
-    def restore(self, slot: int, src: int, n: int, kind: int = 0) -> None:
-        self.lengths[slot] = n
+    def restore(self, slot: int, src: int, n: int, kind: int = 0, start: int | None = None) -> None:
+        self.lengths[slot] = n if start is None else start
 
 
 class ScriptSampler:

@@ -12,14 +12,28 @@ again, the other choices of an ``n`` request) then starts at its end: ``restore`
 rings and position 0 back (and copies the full layers' rows when the entry's slot is not the
 one the request gets), and prefill goes on from there.
 
-The rings are saved at the prompt's end, so a prompt is reused whole or not at all: from position
+The rings are saved at the prompt's end, so a prompt is reused whole from there: from position
 P (the new prompt is longer) or P - 1 (it is as long: its last token is prefilled again, for its
 logits). And at one more point a request may name, its ``keep`` (a chat's head: the system and
 developer messages, which requests with the same instructions and tools share): its prefill cuts a
 chunk there, the rings are saved in a second buffer (kind 1), and the head is an entry of its own,
-so another conversation with the same head prefills only what follows it. Any other shared part
-prefills in full. Reuse gives the same keys as a cold prefill (in the exact weights mode, the same
-bits: a prompt prefilled in chunks gives the whole prefill's bits, tests/test_model_chunks.py).
+so another conversation with the same head prefills only what follows it.
+
+Any other shared part: a prompt whose first S tokens are an entry's (a document asked about again
+with another question, a conversation whose last message was edited, a prompt that is the start of
+an earlier one) gets the full layers' rows of those S tokens, and its rings are rebuilt by
+prefilling the last R of them again (``ModelRunner.rebuild``: R = the sum over sliding layers of
+window - 1, 1524 tokens for the 20b, 2286 for the 120b) in one chunk that leaves the full layers'
+rows as they are. Why R is enough: that chunk starts with wrong rings, so its first positions come
+out wrong, but a sliding layer's output at position p reads only positions p - window + 1..p of the
+layer below, and a full layer's reads its own row and the kept rows, which are right: each sliding
+layer moves the first right position at most window - 1 further, so every position of the last
+window - 1 before S is right in every layer, which is what the next query's window reads. The prompt
+then starts at S - R (``Placement.kept``), or S - R - 1 when the shared part is the whole prompt
+(its last row, which gives the first token's logits, reads one more), when that skips at least
+``MIN_SHARED`` tokens and more than a whole entry would. Reuse gives the
+same keys as a cold prefill (in the exact weights mode, the same bits: a prompt prefilled in chunks
+gives the whole prefill's bits, tests/test_model_chunks.py).
 
 An entry lives while its rows and its saved rings are intact: while its sequence runs, and after it
 leaves until its slot is given to a request that does not start with it (a request that reuses a
@@ -32,7 +46,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 HOLD_MIN = 64  # a request waits a step or more for a running prompt that gives it at least this many tokens
+MIN_SHARED = 64  # a shared part that is not a whole entry is reused when that skips at least this many tokens
 
 
 @dataclass
@@ -44,17 +61,29 @@ class Entry:
     tokens: list[int]
     used: int = 0  # the last time (PrefixCache's clock) it was made or reused
     kind: int = 0
+    _array: np.ndarray | None = field(default=None, repr=False)
+
+    def shared(self, prompt: np.ndarray) -> int:
+        """How many first tokens ``prompt`` (an int64 array) has in common with this entry."""
+        if self._array is None:
+            self._array = np.asarray(self.tokens, dtype=np.int64)
+        m = min(len(prompt), len(self._array))
+        differ = np.flatnonzero(prompt[:m] != self._array[:m])
+        return int(differ[0]) if differ.size else m
 
 
 @dataclass
 class Placement:
     """Where a new request goes: ``slot``, and the keys it reuses: ``start`` prompt tokens from the
-    entry of slot ``src`` (``src == slot``: in place; None: a cold prefill, start 0), its rings in buffer ``kind``."""
+    entry of slot ``src`` (``src == slot``: in place; None: a cold prefill, start 0), its rings in buffer ``kind``.
+    ``kept`` > start: a shared part, not the whole entry: the full layers' rows of ``kept`` tokens, the rings rebuilt
+    by prefilling start..kept - 1 in one chunk (module docstring)."""
 
     slot: int
     start: int = 0
     src: int | None = None
     kind: int = 0
+    kept: int = 0
 
 
 def reusable(tokens: list[int], prompt: list[int]) -> int:
@@ -71,36 +100,52 @@ def reusable(tokens: list[int], prompt: list[int]) -> int:
 
 @dataclass
 class PrefixCache:
-    """The entries by (slot, kind) (module docstring) and a clock for least-recently-used eviction."""
+    """The entries by (slot, kind) (module docstring) and a clock for least-recently-used eviction. ``rebuild``:
+    the tokens a shared part's ring rebuild prefills again (``ModelRunner.rebuild``; None: whole entries only)."""
 
     entries: dict[tuple[int, int], Entry] = field(default_factory=dict)
+    rebuild: int | None = None
     _clock: itertools.count = field(default_factory=itertools.count)
 
-    def best(self, prompt: list[int]) -> tuple[Entry | None, int]:
-        """The entry that gives ``prompt`` the most tokens -> (entry, tokens), (None, 0) if none."""
-        best, most = None, 0
+    def best(self, prompt: list[int]) -> tuple[Entry | None, int, int]:
+        """The entry that lets ``prompt`` skip the most tokens -> (entry, tokens skipped, kept: the shared tokens
+        when they are not the whole entry, else 0), (None, 0, 0) if none."""
+        best, most, kept = None, 0, 0
         for e in self.entries.values():
             n = reusable(e.tokens, prompt)
             if n > most:
                 best, most = e, n
-        return best, most
+        if self.rebuild is None:
+            return best, most, kept
+        array = None
+        for e in self.entries.values():
+            need = self.rebuild + max(most + 1, MIN_SHARED)  # shared tokens that would skip more
+            if min(len(e.tokens), len(prompt)) < need or e.tokens[need - 1] != prompt[need - 1]:
+                continue  # (one token first: most entries differ there, and a whole compare makes an array)
+            if array is None:
+                array = np.asarray(prompt, dtype=np.int64)
+            shared = e.shared(array)
+            skip = shared - self.rebuild - (shared == len(prompt))  # (the whole prompt: its last row reads one more)
+            if skip > most and skip >= MIN_SHARED:
+                best, most, kept = e, skip, shared
+        return best, most, kept
 
     def place(self, prompt: list[int], free: list[int]) -> Placement:
         """A slot among ``free`` (not empty) for ``prompt``: the best entry's own slot when it is free,
         else a free slot without an entry (lowest first), else the least recently used one. The slot's
         entries longer than what the request reuses there are dropped (its rows from there on will be
         overwritten)."""
-        entry, n = self.best(prompt)
+        entry, n, kept = self.best(prompt)
         if entry is not None:
             entry.used = next(self._clock)
-            if entry.slot in free:  # in place: the new prompt writes from n on
-                self._overwrite(entry.slot, n)
-                return Placement(entry.slot, n, entry.slot, entry.kind)
+            if entry.slot in free:  # in place: the new prompt writes from n on (its full layers from kept on)
+                self._overwrite(entry.slot, kept or n)
+                return Placement(entry.slot, n, entry.slot, entry.kind, kept)
         held = {s for s, _ in self.entries}
         empty = [s for s in free if s not in held]
         slot = min(empty) if empty else min(free, key=lambda s: max(e.used for e in self._of(s)))
         self._overwrite(slot, 0)
-        return Placement(slot, n, entry.slot, entry.kind) if entry is not None else Placement(slot)
+        return Placement(slot, n, entry.slot, entry.kind, kept) if entry is not None else Placement(slot)
 
     def _of(self, slot: int) -> list[Entry]:
         return [e for (s, _), e in self.entries.items() if s == slot]

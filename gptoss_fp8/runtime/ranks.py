@@ -4,7 +4,7 @@ A checkpoint converted for tp / ep > 1 runs one process per rank, each with its 
 its own ``ModelRunner`` (the same slots, the same KV cache layout over its local kv heads). Rank
 0 owns the scheduler and the sampling: its ``Leader`` is the runner the engine sees, and before
 each model call it broadcasts the call (``("prefill", slot, tokens, start)``, ``("decode", slots,
-tokens)``, ``("release", slot)``, ``("snapshot", slots, kind)``, ``("restore", slot, src, n, kind)``, ``("capture",)``,
+tokens)``, ``("release", slot)``, ``("snapshot", slots, kind)``, ``("restore", slot, src, n, kind, start)``, ``("capture",)``,
 ``("stop",)``) to the other ranks, whose ``follow`` loop makes the same call; the model's
 all-reduces inside each call keep the ranks in step, and the logits (replicated by the model)
 are used on rank 0 only. Every model call happens on rank 0's engine thread, so the order is the
@@ -41,7 +41,7 @@ class Leader:
         self.runner, self.par = runner, par
         self.slots, self.max_context, self.device = runner.slots, runner.max_context, runner.device
         self.model, self.cache, self.graphs, self.buckets = runner.model, runner.cache, runner.graphs, runner.buckets
-        self.prefix_cache = runner.prefix_cache
+        self.prefix_cache, self.rebuild = runner.prefix_cache, runner.rebuild
 
     def _both(self, cmd: tuple):
         share(cmd, self.par)
@@ -65,8 +65,8 @@ class Leader:
     def snapshot(self, slots: list[int], kind: int = 0) -> None:
         self._both(("snapshot", list(slots), kind))
 
-    def restore(self, slot: int, src: int, n: int, kind: int = 0) -> None:
-        self._both(("restore", slot, src, n, kind))
+    def restore(self, slot: int, src: int, n: int, kind: int = 0, start: int | None = None) -> None:
+        self._both(("restore", slot, src, n, kind, start))
 
     def capture_all(self) -> None:
         self._both(("capture",))

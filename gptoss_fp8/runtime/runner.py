@@ -12,13 +12,16 @@ count. Without graphs (CPU) a bucket is exactly the highest slot + 1.
 With ``prefix_cache`` the runner keeps, per slot, two copies of each sliding-window layer's ring and
 each full layer's position 0: as they were when its prompt was all in (buffer 0) and when its
 prefill passed the request's ``keep`` (buffer 1, a chat's head) (``snapshot``); ``restore`` puts
-a cached prompt's keys in a slot (runtime/prefix.py says why these parts).
+a cached prompt's keys in a slot (runtime/prefix.py says why these parts). A prompt that shares only part of
+a cached one gets the full layers' rows of the shared part, and its rings are rebuilt by one chunk that prefills
+the last ``rebuild`` shared tokens without writing the full layers (``restore``'s ``start``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import KVCache, device_ints
 
 
@@ -49,6 +52,10 @@ class ModelRunner:
         c = self.cache  # saved per slot and buffer (a prompt's end, a head's): a ring whole, a full layer's position 0
         self._saved = [[[t.new_empty(t.shape if c.is_ring(i) else (t.shape[0], *t.shape[2:])) for i, t in enumerate(kv)]
                         for kv in (c.k, c.v)] for _ in range(2)] if prefix_cache else None
+        self._kept: dict[int, int] = {}  # slot -> end of its full layers' kept rows, while its rings are rebuilt
+        # the tokens a ring rebuild prefills again: each sliding layer's rows depend on window - 1 earlier positions
+        # of the layer before (runtime/prefix.py)
+        self.rebuild = sum(w - 1 for w in c.windows if w > 0)
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -70,8 +77,22 @@ class ModelRunner:
     def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """Prompt tokens at positions start.. of sequence ``slot`` -> logits bf16 [1, V] of the last."""
         t = device_ints(tokens, self.device)  # (no host sync: the step's decode may still run)
-        _, logits = self.model.prefill(t, self.ops, cache=self.cache, row=slot, start=start)
+        kept = self._kept_chunk(slot, start, len(tokens))
+        _, logits = self.model.prefill(t, self.ops, cache=self.cache, row=slot, start=start, kept=kept)
+        if kept:
+            del self._kept[slot]
         return logits
+
+    def _kept_chunk(self, slot: int, start: int, n: int) -> bool:
+        """Whether the chunk start..start + n of ``slot`` is its ring rebuild (``restore`` with a start): then it
+        must be that whole rebuild, in one chunk (riders write at its end meanwhile: ``restore``)."""
+        end = self._kept.get(slot)
+        if end is None:
+            return False
+        if start + n != end or self.cache.host_lengths[slot] != start:
+            raise GptOssFp8Error(f"slot {slot} rebuilds its rings over positions {self.cache.host_lengths[slot]}.."
+                                 f"{end - 1} in one chunk; got positions {start}..{start + n - 1}")
+        return True
 
     @torch.inference_mode()
     def prefill_many(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
@@ -85,7 +106,11 @@ class ModelRunner:
         for slot, tokens, start in chunks:
             parts.append((slot, flat[r0:r0 + len(tokens)], start))
             r0 += len(tokens)
-        return self.model.prefill_many(parts, self.ops, self.cache)
+        kept = frozenset(slot for slot, tokens, start in chunks if self._kept_chunk(slot, start, len(tokens)))
+        logits = self.model.prefill_many(parts, self.ops, self.cache, kept)
+        for slot in kept:
+            del self._kept[slot]
+        return logits
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
@@ -137,15 +162,27 @@ class ModelRunner:
                     src.append(t[slot] if c.is_ring(i) else t[slot, 0])
         torch._foreach_copy_(dst, src)
 
-    def restore(self, slot: int, src: int, n: int, kind: int = 0) -> None:
+    def restore(self, slot: int, src: int, n: int, kind: int = 0, start: int | None = None) -> None:
         """Slot ``slot`` holds the first ``n`` keys of what slot ``src`` saved in its buffer ``kind`` (its rows
-        1..n-1 of the full layers copied unless src is slot itself, the rest from that buffer); length n."""
+        1..n-1 of the full layers copied unless src is slot itself, the rest from that buffer); length n.
+
+        ``start`` < n (at least ``rebuild`` before it): a prompt that shares n tokens with src's, not at the end of
+        its saved rings. The full layers' rows alone are restored, the length set to ``start``, and the slot's next
+        chunk must be start..n - 1: it rebuilds the rings and leaves the full layers' rows as they are (``prefill``'s
+        ``kept``). Until it runs the slot rides in decode steps at position n (the device length), which that
+        chunk does not read (a ring's row there holds position n - window, out of every later query's window) and
+        the prompt's next chunk, or its first decode step, writes: never at a kept row."""
         c, dst, frm = self.cache, [], []
+        rebuild = start is not None and start < n
+        if rebuild and (start < 1 or n - start < self.rebuild or n >= self.max_context):
+            raise GptOssFp8Error(f"restore of slot {slot}: a ring rebuild from {start} to {n} must cover at least "
+                                 f"{self.rebuild} tokens after position 0 and end inside the context")
         for saved, live in zip(self._saved[kind], (c.k, c.v), strict=True):
             for i, t in enumerate(live):
                 if c.is_ring(i):
-                    dst.append(t[slot])
-                    frm.append(saved[i][src])
+                    if not rebuild:
+                        dst.append(t[slot])
+                        frm.append(saved[i][src])
                     continue
                 if src != slot and n > 1:
                     dst.append(t[slot, 1:n])
@@ -154,7 +191,12 @@ class ModelRunner:
                 frm.append(saved[i][src])
         torch._foreach_copy_(dst, frm)
         c.set_length(slot, n)
+        self._kept.pop(slot, None)
+        if rebuild:
+            c.host_lengths[slot] = start
+            self._kept[slot] = n
 
     def release(self, slot: int) -> None:
         """A slot's sequence left: its length back to 0 (it may ride along in decode steps)."""
+        self._kept.pop(slot, None)
         self.cache.set_length(slot, 0)

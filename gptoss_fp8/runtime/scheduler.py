@@ -12,7 +12,9 @@ prompt tokens (at least one chunk when nothing decodes).
 With a prefix cache (runtime/prefix.py) a request taking a slot may start past its prompt's
 beginning: the step's ``restores`` put the cached keys in place before its forwards, and a
 request whose prompt a running prompt will give once it is in (the other choices of an ``n``
-request) waits for it, while those behind it go on.
+request) waits for it, while those behind it go on. A request that reuses a shared part rebuilds
+its rings in one chunk (start..kept, whatever ``chunk`` is: the prefix cache offers it only when
+it fits the budget's room beside a full decode step), then goes on at the fixed cuts.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ class QueueFull(GptOssFp8Error):
 class Step:
     """One step's work: the sequences that decode one token each (in slot order), the prompt
     chunks (sequence, start, end) to prefill, and before them the cached prompts to restore
-    (sequence, the entry's slot, tokens, its buffer: ``ModelRunner.restore``)."""
+    (sequence, the entry's slot, tokens, its buffer, the sequence's start: ``ModelRunner.restore``)."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    restores: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    restores: list[tuple[Sequence, int, int, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -87,7 +89,9 @@ class Scheduler:
                 continue
             start = seq.prefilled
             end = min(len(seq.prompt), (start // self.chunk + 1) * self.chunk)
-            if start < seq.keep < end:  # (one more cut, at the head the prefix cache keeps)
+            if start < seq.kept:  # a shared part's ring rebuild: one chunk
+                end = seq.kept
+            elif start < seq.keep < end:  # (one more cut, at the head the prefix cache keeps)
                 end = seq.keep
             if end - start > left and not step.empty:
                 break
@@ -95,7 +99,7 @@ class Scheduler:
             left -= end - start
         return step
 
-    def _admit(self) -> list[tuple[Sequence, int, int, int]]:
+    def _admit(self) -> list[tuple[Sequence, int, int, int, int]]:
         """Waiting requests into free slots, oldest first -> the restores their placements need."""
         restores, held = [], deque()
         while self.waiting and self.slots.available:
@@ -111,7 +115,10 @@ class Scheduler:
                 seq.slot = place.slot
                 if place.start:
                     seq.prefilled = seq.cached = place.start
-                    restores.append((seq, place.src, place.start, place.kind))
+                    seq.kept = place.kept
+                    if seq.keep <= place.kept:  # (a head inside the rebuilt part: its rings are never saved there)
+                        seq.keep = 0
+                    restores.append((seq, place.src, place.kept or place.start, place.kind, place.start))
             seq.state = State.PREFILL
             self.running.append(seq)
         self.waiting.extendleft(reversed(held))

@@ -46,6 +46,7 @@ class Sequence:
     prefilled: int = 0
     cached: int = 0  # prompt tokens whose keys came from the prefix cache (runtime/prefix.py), not prefilled
     keep: int = 0  # a prompt position whose keys the prefix cache keeps for other requests (a chat's head), 0: none
+    kept: int = 0  # a shared part's end whose full layers came from the prefix cache, its rings rebuilt from cached
     finish: str | None = None
     stop: str | None = None
     error: str | None = None
