@@ -14,6 +14,7 @@ import pytest
 from serve_util import MODEL, metric, running_server
 
 from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.runtime.prefix import MIN_SHARED
 from gptoss_fp8.verify import generate as gen
 
 pytest.importorskip("openai_harmony")
@@ -252,6 +253,18 @@ def test_conversations_with_the_same_instructions_share_their_head(server, clien
     assert seen[1][:head] == seen[0][:head] and seen[1][head:] != seen[0][head:]
     assert r1.usage.prompt_tokens_details.cached_tokens in (0, _SYSTEM)  # (the system message alone: another's head)
     assert r2.usage.prompt_tokens_details.cached_tokens == head and r2.choices[0].message.content == "Yes."
+    _wait_idle(server)
+
+
+def test_a_document_asked_about_again_reuses_the_shared_part(server, client, script):
+    doc = "The tides of the North Sea rise and fall twice a day, as the moon pulls. " * 8
+    seen = script("<|channel|>final<|message|>Yes.<|return|>")
+    r1 = client.chat.completions.create(model=MODEL, messages=_user(doc + "Is that so?"), max_tokens=8)
+    r2 = client.chat.completions.create(model=MODEL, messages=_user(doc + "Why twice?"), max_tokens=8)
+    shared = next(i for i, (x, y) in enumerate(zip(*seen, strict=False)) if x != y)
+    rebuild = 15  # the ring of the one sliding layer (window 16) rebuilt from the last 15 shared tokens
+    assert shared - rebuild > max(_SYSTEM, MIN_SHARED) and r1.choices[0].message.content == "Yes."
+    assert r2.usage.prompt_tokens_details.cached_tokens == shared - rebuild and r2.choices[0].message.content == "Yes."
     _wait_idle(server)
 
 
