@@ -394,9 +394,11 @@ def test_a_shared_head_is_kept_and_another_conversation_prefills_only_what_follo
 
 def test_a_prompt_sharing_part_of_a_cached_one_rebuilds_its_rings_and_gets_the_cold_reply(model4):
     """A document asked about again with another question: the full layers' rows of the shared part come from the
-    cache and the two sliding layers' rings are rebuilt by one chunk of the last 14 shared tokens: in place (its
-    chunk waiting behind another prompt's while decode steps ride over the slot), copied from a running slot, and a
-    prompt that is the start of a cached one. Each reply equals a cold engine's bit for bit (the weights mode)."""
+    cache and the two sliding layers' rings are rebuilt by a chunk that prefills the last 14 shared tokens again
+    (and goes on with the new ones to the chunks' next cut): in place (that chunk waiting behind another prompt's
+    while decode steps ride over the slot), copied from a running slot (in one forward with another prompt's
+    chunk), and a prompt that is the start of a cached one (its rebuild chunk ends with it). Each reply equals a
+    cold engine's bit for bit (the weights mode)."""
     warm = Engine(ModelRunner(model4, get_ops("weights"), 4, 256, prefix_cache=True), chunk=16)
     cold = Engine(ModelRunner(model4, get_ops("weights"), 3, 256), chunk=16)
     assert warm.runner.rebuild == 14 and warm.prefix.rebuild == 14
@@ -405,7 +407,7 @@ def test_a_prompt_sharing_part_of_a_cached_one_rebuilds_its_rings_and_gets_the_c
         ref, = _replies(cold, [prompt])
         assert seq.tokens == ref.tokens and seq.logprobs == ref.logprobs, len(prompt)
 
-    doc = list(range(100, 200))  # 100 shared tokens
+    doc = list(range(100, 210))  # 110 shared tokens: the rebuild from 96 and the chunk's cut at 112
     a, = _replies(warm, [doc + [1, 2, 3]])
     assert a.slot is None and a.cached == 0
     busy = warm.add(list(range(300, 310)), SamplingParams(max_tokens=40))  # decodes in slot 1
@@ -414,23 +416,25 @@ def test_a_prompt_sharing_part_of_a_cached_one_rebuilds_its_rings_and_gets_the_c
     other = warm.add(list(range(400, 440)), SamplingParams(max_tokens=2))  # slot 2: a 40-token prompt, older
     b = warm.add(doc + [4, 5, 6, 7], SamplingParams(max_tokens=6, logprobs=True))
     warm.step()
-    assert b.slot == 0 and b.cached == 86 and b.kept == 100 and b.prefilled == 86  # in place; its chunk waits
+    assert b.slot == 0 and b.cached == 96 and b.kept == 110 and b.prefilled == 96  # in place; its chunk waits
     assert other.prefilled == 16  # (the older prompt's chunk took the budget)
     warm.step()
-    assert b.prefilled == 86 and not busy.finished  # slot 0 rode this step's decode at its kept end
-    while b.prefilled == 86:
+    assert b.prefilled == 96 and not busy.finished  # slot 0 rode this step's decode at its kept end
+    while b.prefilled == 96:
         warm.step()
-    assert b.prefilled == 100  # the rebuild, one chunk
+    assert b.prefilled == 112  # the rebuild and two new tokens, one chunk
     while not b.finished:
         warm.step()
     same(b, doc + [4, 5, 6, 7])
+    while not busy.finished:
+        warm.step()
     long = warm.add(doc + [4, 5, 6, 7] + b.tokens + [8], SamplingParams(max_tokens=30))  # keeps slot 0 busy
     warm.step()
     d = warm.add([7, 8, 9], SamplingParams(max_tokens=6, logprobs=True))
     c = warm.add(doc + [9, 9], SamplingParams(max_tokens=6, logprobs=True))
     warm.step()
-    assert long.slot == 0 and c.slot != 0 and c.cached == 86  # copied from the running slot 0
-    assert c.prefilled == 100 and d.prefilled == 3  # (the rebuild in one forward with another prompt's chunk)
+    assert long.slot == 0 and c.slot != 0 and c.cached == 96  # copied from the running slot 0
+    assert c.prefilled == 112 and d.prefilled == 3  # (the rebuild in one forward with another prompt's chunk)
     start = warm.add(doc[:90], SamplingParams(max_tokens=6, logprobs=True))  # the start of a cached prompt
     warm.run_until_done()
     assert start.cached == 75 and start.kept == 90  # (its last row reads one more position)

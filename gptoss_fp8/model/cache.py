@@ -205,19 +205,21 @@ class KVCache:
         return self.cos[pos0:pos0 + n], self.sin[pos0:pos0 + n]
 
     # --- several sequences' prompt chunks at once (``GptOss.prefill_many``) ----------------------------
-    def chunk_rows(self, i: int, chunks: list[tuple[int, int, int]], kept: frozenset[int] = frozenset()) -> ChunkRows:
+    def chunk_rows(self, i: int, chunks: list[tuple[int, int, int]], kept: dict[int, int] | None = None) -> ChunkRows:
         """Where chunks (sequence b, start, rows; their rows one after another) go in layer i's rows and where their
         attention finds its keys, as device indices made once (the same for every layer of this one's rows): the
         writes and reads of ``write`` / ``read`` on each chunk, a few launches a layer instead of a few a chunk.
-        ``kept``: sequences whose full layers already hold their chunk's keys (the prefix cache's ring rebuild,
-        runtime/prefix.py): a full layer writes none of their rows."""
+        ``kept``: sequence b -> the position up to which its full layers already hold the keys (the prefix cache's
+        ring rebuild, runtime/prefix.py): a full layer writes its chunk's rows from there on only."""
         rows, ring = self.rows(i), self.is_ring(i)
         dst, src, prev_src, prev_dst, new_dst, starts, offsets = [], [], [], [], [], [], []
         r0 = kn = 0
         for b, pos0, n in chunks:
             if pos0 + n > self.max_len:
                 raise GptOssFp8Error(f"KV cache full: {pos0 + n} tokens, max_len {self.max_len}")
-            keep = 0 if b in kept and not ring else min(n, rows)  # a ring keeps the last rows of a chunk longer than itself
+            keep = min(n, rows)  # a ring keeps the last rows of a chunk longer than itself
+            if kept and not ring:
+                keep = min(keep, max(0, pos0 + n - kept.get(b, 0)))
             dst += [b * rows + p % rows for p in range(pos0 + n - keep, pos0 + n)]
             src += range(r0 + n - keep, r0 + n)
             first = max(0, pos0 - rows) if ring else 0  # a ring: the keys before the chunk it still holds

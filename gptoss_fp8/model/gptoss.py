@@ -210,7 +210,7 @@ class GptOss(nn.Module):
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, ops: ReferenceOps | None = None, *, max_len: int | None = None,
                 moe_chunk: int | None = None, cache: KVCache | None = None,
-                row: int = 0, start: int = 0, kept: bool = False) -> tuple[KVCache, torch.Tensor]:
+                row: int = 0, start: int = 0, kept: int = 0) -> tuple[KVCache, torch.Tensor]:
         """Run the prompt tokens int [T] (positions 0..T-1) as ``forward`` does, keeping every
         layer's K and V -> (a cache for up to ``max_len`` tokens, default T + 1024, holding T;
         bf16 logits [1, V] of the last position: the first generated token's).
@@ -222,9 +222,9 @@ class GptOss(nn.Module):
         A prompt in chunks (runtime/: a long prompt interleaved with other sequences' decode
         steps): ``start`` > 0 continues sequence ``row``, which holds exactly ``start`` tokens: the
         chunk sits at positions start..start + T - 1, its queries attend to the cached keys and to
-        the chunk's own (``ops.attention_chunk``), and the sequence then holds start + T tokens. ``kept``: the full
-        layers' rows of the chunk already hold its keys (the prefix cache's ring rebuild, runtime/prefix.py): only
-        the sliding-window layers write theirs, and the full layers attend to the kept ones."""
+        the chunk's own (``ops.attention_chunk``), and the sequence then holds start + T tokens. ``kept`` > start:
+        the full layers' rows of positions start..kept - 1 already hold their keys (the prefix cache's ring rebuild,
+        runtime/prefix.py): the full layers write the chunk's rows from kept on only, and attend to the kept ones."""
         ops = ops or ReferenceOps()
         n = tokens.shape[0]
         if cache is None:
@@ -235,6 +235,7 @@ class GptOss(nn.Module):
         cos, sin = cache.rope_rows(start, n)
         if kept and not start:
             raise GptOssFp8Error("prefill: kept full-layer rows are for a chunk after cached keys (start > 0)")
+        kept = max(kept, start)
         logits = self._run(tokens, ops, cos, sin, None, last_only=True, moe_chunk=moe_chunk, cache=cache, row=row,
                            start=start, kept=kept)
         cache.set_length(row, start + n)
@@ -242,26 +243,26 @@ class GptOss(nn.Module):
 
     @torch.inference_mode()
     def prefill_many(self, chunks: list[tuple[int, torch.Tensor, int]], ops: ReferenceOps, cache: KVCache,
-                     kept: frozenset[int] = frozenset()) -> torch.Tensor:
+                     kept: dict[int, int] | None = None) -> torch.Tensor:
         """Several sequences' prompt chunks in one forward: ``chunks`` (row, tokens int [T_i], start)
         as ``prefill(tokens, ops, cache=cache, row=row, start=start)`` would take each -> bf16 logits
         [len(chunks), V], each chunk's last position. The rows of every chunk go through the
         projections, the norms and the MoE together (one GEMM per weight for all of them: the
         serving engine's prompts of one step); the attention runs per chunk on its own sequence's
         keys. Each row's arithmetic is the one-chunk prefill's wherever an op's result for a row does
-        not depend on the other rows (the CPU reference ops: bit for bit, tests/test_model_chunks.py). ``kept``: the
-        rows whose chunk is ``prefill``'s ``kept`` one (its full layers' rows not written)."""
+        not depend on the other rows (the CPU reference ops: bit for bit, tests/test_model_chunks.py). ``kept``: row
+        -> ``prefill``'s ``kept`` of its chunk."""
         if not chunks:
             raise GptOssFp8Error("prefill_many: no chunks")
         rows = [row for row, _, _ in chunks]
         if len(set(rows)) != len(rows):
             raise GptOssFp8Error(f"prefill_many: sequences {rows} repeat; one chunk per sequence")
         segs = _Segments()
-        segs.kept = frozenset(kept)
+        segs.kept = dict(kept or {})
         for row, tokens, start in chunks:
             n = tokens.shape[0]
             _check_chunk(cache, row, n, start)
-            if row in kept and not start:
+            if segs.kept.get(row) and not start:
                 raise GptOssFp8Error(f"prefill_many: sequence {row}'s kept rows are for a chunk after cached keys")
             segs.append((row, start, n))
         tokens = torch.cat([t for _, t, _ in chunks])
@@ -321,7 +322,7 @@ class GptOss(nn.Module):
              last_only: bool, moe_chunk: int | None = None, cache: KVCache | None = None,
              row: int = 0, step: DecodeStep | None = None, start: int = 0,
              force: dict[str, torch.Tensor] | None = None,
-             segments: list[tuple[int, int, int]] | None = None, kept: bool = False) -> torch.Tensor:
+             segments: list[tuple[int, int, int]] | None = None, kept: int = 0) -> torch.Tensor:
         """The one forward pass (cos / sin: the tokens' RoPE rows). Without ``step``: tokens [T] of
         one sequence at positions start..start + T - 1 (start > 0: a prompt chunk after the
         cached ones), with a cache written to its sequence ``row``. With a
@@ -439,7 +440,7 @@ class GptOss(nn.Module):
                    row: int = 0, step: DecodeStep | None = None, start: int = 0,
                    segments: list[tuple[int, int, int]] | None = None,
                    last_rows: slice | torch.Tensor | None = None,
-                   post: tuple[torch.Tensor, torch.Tensor, bool] | None = None, kept: bool = False,
+                   post: tuple[torch.Tensor, torch.Tensor, bool] | None = None, kept: int = 0,
                    ) -> torch.Tensor | tuple[torch.Tensor, Normed]:
         """Attention block on the normed stream t (rows [T, H]; cos / sin their RoPE rows) -> its
         residual delta (bf16, or float32 partial sums over ranks reduced here: the caller rounds
@@ -505,7 +506,7 @@ class GptOss(nn.Module):
 
     def _prefill_attention(self, layer: Layer, q, k, v, ops: ReferenceOps, cache: KVCache | None, row: int,
                            start: int, rope: tuple[torch.Tensor, torch.Tensor], last_row: bool = False,
-                           rows: bool = True, kept: bool = False) -> torch.Tensor | Normed:
+                           rows: bool = True, kept: int = 0) -> torch.Tensor | Normed:
         """One sequence's prompt rows (q [T, KV, M, D] before RoPE, or at start 0 a ``QuantQ`` from ``linears_q8``;
         k / v [T, KV, D], k after it) at
         positions start.. (rope: their cos / sin rows): written to the cache's sequence ``row`` (if a
@@ -513,14 +514,15 @@ class GptOss(nn.Module):
         -> its attention over every key, [1, Hl * D] (a full layer's: the decode attention, split over the
         keys, ``ops.attention_cached`` on them as a one-sequence cache). A whole prompt's (start 0, not
         ``last_row``): ``ops.attention_out``'s Normed, its rows left out where ``rows`` is False and the backend
-        wrote their quantization instead. ``kept`` (a chunk after cached keys): a full layer's rows already hold the
-        chunk's keys, and it attends to those (k / v unused)."""
+        wrote their quantization instead. ``kept`` (a chunk after cached keys, ``prefill``'s): a full layer's rows of
+        positions before it already hold their keys: the chunk's rows from there on are written."""
         a, d = layer.self_attn, self.cfg.head_dim
         if start or last_row:
             if start and not cache.is_ring(layer.idx):  # a full layer's rows hold positions in order: the chunk
                 # written after the cached keys, all of them are one view (no copy of the cached keys per chunk)
-                if not kept:
-                    cache.write(layer.idx, row, start, k, v)
+                if kept < start + k.shape[0]:
+                    skip = max(0, kept - start)
+                    cache.write(layer.idx, row, start + skip, k[skip:], v[skip:])
                 ka, va, first = cache.read(layer.idx, row, start + k.shape[0])
             elif start:  # a ring: the keys before the chunk, copied out before the chunk's own overwrite its rows
                 pk, pv, first = cache.read(layer.idx, row, start)  # positions first..start - 1 (views)
@@ -682,7 +684,7 @@ class _Segments(list):
     def __init__(self):
         super().__init__()
         self.keys: dict = {}  # ring rows (0: full) -> (ChunkRows, ChunkKeys); "last": the pruned layer's slots
-        self.kept: frozenset[int] = frozenset()  # rows whose full layers hold their chunk's keys (``prefill``'s kept)
+        self.kept: dict[int, int] = {}  # row -> where its full layers' kept rows end (``prefill``'s kept)
 
 
 def _take(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ With ``prefix_cache`` the runner keeps, per slot, two copies of each sliding-win
 each full layer's position 0: as they were when its prompt was all in (buffer 0) and when its
 prefill passed the request's ``keep`` (buffer 1, a chat's head) (``snapshot``); ``restore`` puts
 a cached prompt's keys in a slot (runtime/prefix.py says why these parts). A prompt that shares only part of
-a cached one gets the full layers' rows of the shared part, and its rings are rebuilt by one chunk that prefills
-the last ``rebuild`` shared tokens without writing the full layers (``restore``'s ``start``).
+a cached one gets the full layers' rows of the shared part, and its rings are rebuilt by its next chunk, which
+prefills the last ``rebuild`` shared tokens again without writing their full layers' rows (``restore``'s ``start``)
+and may go on past them.
 """
 
 from __future__ import annotations
@@ -79,20 +80,20 @@ class ModelRunner:
         t = device_ints(tokens, self.device)  # (no host sync: the step's decode may still run)
         kept = self._kept_chunk(slot, start, len(tokens))
         _, logits = self.model.prefill(t, self.ops, cache=self.cache, row=slot, start=start, kept=kept)
-        if kept:
-            del self._kept[slot]
+        self._kept.pop(slot, None)
         return logits
 
-    def _kept_chunk(self, slot: int, start: int, n: int) -> bool:
-        """Whether the chunk start..start + n of ``slot`` is its ring rebuild (``restore`` with a start): then it
-        must be that whole rebuild, in one chunk (riders write at its end meanwhile: ``restore``)."""
+    def _kept_chunk(self, slot: int, start: int, n: int) -> int:
+        """Where ``slot``'s kept full-layer rows end when the chunk start..start + n is its ring rebuild (``restore``
+        with a start), else 0. The rebuild is one chunk, from the restored start to that end or past it (riders
+        write at the end meanwhile: ``restore``)."""
         end = self._kept.get(slot)
         if end is None:
-            return False
-        if start + n != end or self.cache.host_lengths[slot] != start:
+            return 0
+        if start + n < end or self.cache.host_lengths[slot] != start:
             raise GptOssFp8Error(f"slot {slot} rebuilds its rings over positions {self.cache.host_lengths[slot]}.."
                                  f"{end - 1} in one chunk; got positions {start}..{start + n - 1}")
-        return True
+        return end
 
     @torch.inference_mode()
     def prefill_many(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
@@ -106,7 +107,7 @@ class ModelRunner:
         for slot, tokens, start in chunks:
             parts.append((slot, flat[r0:r0 + len(tokens)], start))
             r0 += len(tokens)
-        kept = frozenset(slot for slot, tokens, start in chunks if self._kept_chunk(slot, start, len(tokens)))
+        kept = {slot: end for slot, tokens, start in chunks if (end := self._kept_chunk(slot, start, len(tokens)))}
         logits = self.model.prefill_many(parts, self.ops, self.cache, kept)
         for slot in kept:
             del self._kept[slot]
@@ -168,10 +169,11 @@ class ModelRunner:
 
         ``start`` < n (at least ``rebuild`` before it): a prompt that shares n tokens with src's, not at the end of
         its saved rings. The full layers' rows alone are restored, the length set to ``start``, and the slot's next
-        chunk must be start..n - 1: it rebuilds the rings and leaves the full layers' rows as they are (``prefill``'s
-        ``kept``). Until it runs the slot rides in decode steps at position n (the device length), which that
-        chunk does not read (a ring's row there holds position n - window, out of every later query's window) and
-        the prompt's next chunk, or its first decode step, writes: never at a kept row."""
+        chunk must cover start..n - 1: it rebuilds the rings and leaves the full layers' rows before n as they are
+        (``prefill``'s ``kept``). Until it runs the slot rides in decode steps at position n (the device length),
+        which that chunk writes in every layer if it goes on past n (a ring's row there holds position n - window
+        until then, which no query of the chunk from n on reads), or else the prompt's next chunk or its first decode
+        step does: never at a kept row."""
         c, dst, frm = self.cache, [], []
         rebuild = start is not None and start < n
         if rebuild and (start < 1 or n - start < self.rebuild or n >= self.max_context):

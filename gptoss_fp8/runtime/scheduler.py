@@ -13,8 +13,9 @@ With a prefix cache (runtime/prefix.py) a request taking a slot may start past i
 beginning: the step's ``restores`` put the cached keys in place before its forwards, and a
 request whose prompt a running prompt will give once it is in (the other choices of an ``n``
 request) waits for it, while those behind it go on. A request that reuses a shared part rebuilds
-its rings in one chunk (start..kept, whatever ``chunk`` is: the prefix cache offers it only when
-it fits the budget's room beside a full decode step), then goes on at the fixed cuts.
+its rings in its first chunk, which reaches the shared part's end (``kept``) whatever ``chunk`` is
+(the prefix cache offers it only when that fits the budget's room beside a full decode step), and
+the fixed cut after its start when that is further.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Scheduler:
             start = seq.prefilled
             end = min(len(seq.prompt), (start // self.chunk + 1) * self.chunk)
             if start < seq.kept:  # a shared part's ring rebuild: one chunk
-                end = seq.kept
+                end = max(end, seq.kept)
             elif start < seq.keep < end:  # (one more cut, at the head the prefix cache keeps)
                 end = seq.keep
             if end - start > left and not step.empty:
