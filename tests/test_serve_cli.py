@@ -87,26 +87,28 @@ def test_serve_command_starts_answers_and_stops(harmony_ckpt):
 
 def test_serve_a_sharded_checkpoint_gives_the_unsharded_replies(harmony_ckpt, tmp_path):
     """tp 2 (one process per rank over gloo, rank 0 leading the steps) in the weights mode: the
-    same greedy tokens, and log-probabilities, as the one-rank checkpoint."""
+    same greedy tokens, and log-probabilities, as the one-rank checkpoint; the prefix cache's restores (a whole
+    prompt, and a shared part whose ring is rebuilt) on every rank."""
     from gptoss_fp8.convert.convert import convert_checkpoint
 
     convert_checkpoint(harmony_ckpt.parent / "src", tmp_path / "tp2", tp=2)
     port = _free_port()
-    cmd = _Command([str(tmp_path / "tp2"), "--max-batch", "2", "--max-context", "64", "--model-name", "m",
-                    "--prefill-chunk", "8"], port)
-    alone = list(range(700, 720))
+    cmd = _Command([str(tmp_path / "tp2"), "--max-batch", "2", "--max-context", "128", "--model-name", "m",
+                    "--prefill-chunk", "16"], port)
+    alone = list(range(700, 790))
 
-    def turns(url):  # (a prompt alone, then one that starts with it: every rank restores its keys)
-        return _greedy(url, PROMPTS) + _greedy(url, [alone]) + _greedy(url, [alone + [7, 8, 9]])
+    def turns(url):  # (a prompt alone, then one that starts with it, then one that shares 85 of its tokens)
+        return (_greedy(url, PROMPTS) + _greedy(url, [alone]) + _greedy(url, [alone + [7, 8, 9]])
+                + _greedy(url, [alone[:85] + [5, 6]]))
 
     try:
         cmd.wait_healthy()
         sharded = turns(cmd.url)
     finally:
         out, err = cmd.ctrl_c()
-    assert "KV cache: 2 slots per rank x 64 tokens" in out and "tp 2 ep 1 over gloo" in out, out + err
-    assert sharded[-1][2] == len(alone)
-    with running_server(harmony_ckpt, max_batch=2, max_context=64, chunk=8, model_name="m") as s:
+    assert "KV cache: 2 slots per rank x 128 tokens" in out and "tp 2 ep 1 over gloo" in out, out + err
+    assert sharded[-2][2] == len(alone) and sharded[-1][2] == 85 - 15  # (the ring of window 16 rebuilt)
+    with running_server(harmony_ckpt, max_batch=2, max_context=128, chunk=16, model_name="m") as s:
         assert turns(s.url) == sharded
 
 
