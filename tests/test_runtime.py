@@ -16,29 +16,26 @@ from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def _tiny(root, layers: int, seed: int):
+    """A converted synthetic tiny model of ``layers`` layers (sliding window 8, then full, alternating), loaded."""
     from gptoss_fp8.convert.convert import convert_checkpoint
     from gptoss_fp8.convert.synth import write_synthetic
     from gptoss_fp8.model.load import load_model
 
-    root = tmp_path_factory.mktemp("runtime")
-    write_synthetic(root / "src", "tiny", layers=2, seed=2, layout="hf", sliding_window=8)
+    write_synthetic(root / "src", "tiny", layers=layers, seed=seed, layout="hf", sliding_window=8)
     convert_checkpoint(root / "src", root / "fp8")
     return load_model(root / "fp8")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _tiny(tmp_path_factory.mktemp("runtime"), 2, 2)
 
 
 @pytest.fixture(scope="module")
 def model4(tmp_path_factory):
-    """Four layers: two sliding (window 8) under two full, so a ring rebuild must cover both (14 tokens)."""
-    from gptoss_fp8.convert.convert import convert_checkpoint
-    from gptoss_fp8.convert.synth import write_synthetic
-    from gptoss_fp8.model.load import load_model
-
-    root = tmp_path_factory.mktemp("runtime4")
-    write_synthetic(root / "src", "tiny", layers=4, seed=4, layout="hf", sliding_window=8)
-    convert_checkpoint(root / "src", root / "fp8")
-    return load_model(root / "fp8")
+    """Four layers: two sliding under two full, so a ring rebuild must cover both (14 tokens)."""
+    return _tiny(tmp_path_factory.mktemp("runtime4"), 4, 4)
 
 
 def _engine(model, slots=3, ctx=64, **kw):
