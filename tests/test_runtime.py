@@ -335,11 +335,11 @@ def test_a_prompt_that_starts_with_a_cached_one_prefills_the_rest_and_gets_the_c
         warm.step()
     for _ in range(4):
         warm.step()  # slot 0 free: it rides along other's decode steps at length 0
-    assert not other.finished and warm.stats()["cached_prompts"] == 2
+    assert not other.finished and warm.stats()["cached_prompts"] == 3  # a's prompt, a's prompt and reply, other's prompt
     p2 = p1 + a.tokens + [5, 6, 7]
     b = warm.add(p2, SamplingParams(max_tokens=6, logprobs=True))
     warm.step()
-    assert b.slot == 0 and b.cached == 40 and b.prefilled == 48  # in place, from 40 to the chunks' next cut
+    assert b.slot == 0 and b.cached == 45 and b.prefilled == 48  # in place: a's prompt and reply but its last token
     warm.run_until_done()
     same(b, p2)
     again, = _replies(warm, [p2])
@@ -361,7 +361,35 @@ def test_a_prompt_that_starts_with_a_cached_one_prefills_the_rest_and_gets_the_c
     same(f, p3)
     same(g, p3)
     assert long.cached == len(p2) - 1
-    assert warm.metrics.cached_tokens == 40 + 2 * (len(p2) - 1) + len(p2) + len(p3) - 1
+    assert warm.metrics.cached_tokens == 45 + 2 * (len(p2) - 1) + len(p2) + len(p3) - 1
+
+
+def test_a_prompt_that_goes_on_from_an_ended_reply_reuses_it(model):
+    """A request that ends (here cancelled mid-reply) leaves its prompt's and reply's keys but the last token's, its
+    rings saved then: a prompt that goes on from the reply prefills only what follows, in place after riders wrote over
+    the free slot, and copied from that slot while it runs. Each reply equals a cold engine's bit for bit."""
+    warm = Engine(ModelRunner(model, get_ops("weights"), 3, 200, prefix_cache=True), chunk=16)
+    cold = Engine(ModelRunner(model, get_ops("weights"), 3, 200), chunk=16)
+    p1 = list(range(30, 70))
+    a = warm.add(p1, SamplingParams(max_tokens=30))
+    other = warm.add(list(range(200, 210)), SamplingParams(max_tokens=60))
+    for _ in range(8):
+        warm.step()
+    slot = a.slot
+    warm.cancel(a)
+    for _ in range(4):
+        warm.step()  # a's slot free, riding other's decode steps
+    assert a.finish == "cancelled" and 2 < len(a.tokens) < 30 and not other.finished
+    n = len(p1) + len(a.tokens) - 1  # (the last token's keys were never written)
+    b = warm.add(p1 + a.tokens + [5, 6], SamplingParams(max_tokens=6, logprobs=True))
+    warm.step()
+    c = warm.add(p1 + a.tokens + [7], SamplingParams(max_tokens=6, logprobs=True))
+    warm.step()
+    assert b.slot == slot and c.slot not in (None, slot) and b.cached == c.cached == n  # in place, then copied
+    warm.run_until_done()
+    for seq in (b, c):
+        ref, = _replies(cold, [seq.prompt])
+        assert (seq.tokens, seq.logprobs) == (ref.tokens, ref.logprobs)
 
 
 def test_a_shared_head_is_kept_and_another_conversation_prefills_only_what_follows(model):

@@ -226,6 +226,8 @@ def test_n_choices_stop_each_on_its_own(server, client, script):
 
 
 def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
+    from gptoss_fp8.serve.harmony import encoding
+
     seen = script("<|channel|>final<|message|>Four.<|return|>")
     turn = [{"role": "user", "content": "What is two plus two, in words?"}]
     before = metric(httpx.get(server.url + "/metrics").text, "gptoss_prompt_cached_tokens_total")
@@ -236,10 +238,15 @@ def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
     chunks = list(client.chat.completions.create(model=MODEL, messages=turn, max_tokens=16, stream=True,
                                                  stream_options={"include_usage": True}))
     first, second = seen
-    assert second[:len(first)] == first  # Harmony renders the first turn's prompt again, then the reply and the question
-    assert chunks[-1].usage.prompt_tokens == len(second) and chunks[-1].usage.prompt_tokens_details.cached_tokens == len(first)
+    reply = encoding().encode("<|channel|>final<|message|>Four.", allowed_special="all")  # (then <|return|>)
+    # Harmony renders the first turn's prompt again, then the reply (<|end|> for its <|return|>) and the question: the
+    # prompt and the reply's tokens but the last are reused (the first request's end was saved)
+    assert second[:len(first) + len(reply)] == first + reply
+    assert chunks[-1].usage.prompt_tokens == len(second)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(first) + len(reply)
     m = _wait_idle(server)
-    assert metric(m, "gptoss_prompt_cached_tokens_total") == before + r.usage.prompt_tokens_details.cached_tokens + len(first)
+    assert metric(m, "gptoss_prompt_cached_tokens_total") == (before + r.usage.prompt_tokens_details.cached_tokens
+                                                              + len(first) + len(reply))
 
 
 def test_conversations_with_the_same_instructions_share_their_head(server, client, script):

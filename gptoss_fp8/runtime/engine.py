@@ -26,7 +26,7 @@ import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.runtime.metrics import Metrics
-from gptoss_fp8.runtime.prefix import PrefixCache
+from gptoss_fp8.runtime.prefix import HEAD, PROMPT, REPLY, PrefixCache
 from gptoss_fp8.runtime.runner import ModelRunner
 from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, draw
 from gptoss_fp8.runtime.scheduler import Scheduler, Step
@@ -204,11 +204,11 @@ class Engine:
                 seqs.append(seq)
                 rows.append(logits)
         if self.prefix is not None:  # the heads and prompts now in: saved before this step's decode writes
-            for kind, done in ((1, heads), (0, seqs)):
+            for kind, done in ((HEAD, heads), (PROMPT, seqs)):
                 if done:
                     self.runner.snapshot([s.slot for s in done], kind)
                     for seq in done:
-                        self.prefix.record(seq.slot, seq.prompt if kind == 0 else seq.prompt[:seq.keep], kind)
+                        self.prefix.record(seq.slot, seq.prompt if kind == PROMPT else seq.prompt[:seq.keep], kind)
         if work.decodes:
             try:
                 logits = self.runner.decode([s.slot for s in work.decodes], [s.tokens[-1] for s in work.decodes])
@@ -307,6 +307,10 @@ class Engine:
         if seq.finished:
             return
         slot = seq.slot
+        if (self.prefix is not None and slot is not None and reason != "error" and seq.state is State.DECODE
+                and len(seq.tokens) > 1):  # its prompt and reply's keys (but the last token's), kept: runtime/prefix.py
+            self.runner.snapshot([slot], REPLY)
+            self.prefix.record(slot, seq.prompt + seq.tokens[:-1], REPLY)
         self.scheduler.remove(seq)
         if slot is not None:
             self.runner.release(slot)

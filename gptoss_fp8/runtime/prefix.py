@@ -17,7 +17,11 @@ P (the new prompt is longer) or P - 1 (it is as long: its last token is prefille
 logits). And at one more point a request may name, its ``keep`` (a chat's head: the system and
 developer messages, which requests with the same instructions and tools share): its prefill cuts a
 chunk there, the rings are saved in a second buffer (kind 1), and the head is an entry of its own,
-so another conversation with the same head prefills only what follows it.
+so another conversation with the same head prefills only what follows it. And when a request ends
+(finished or cancelled, after its prompt), its slot holds the keys of its prompt and all but the last
+of its reply tokens: the rings are saved then too (kind 2, before a rider writes over them), so a
+prompt that goes on from the reply (a completion continued, a tool call's result after its call, a
+stopped reply sent back with the next message) prefills only what follows it.
 
 Any other shared part: a prompt whose first S tokens are an entry's (a document asked about again
 with another question, a conversation whose last message was edited, a prompt that is the start of
@@ -48,14 +52,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+PROMPT, HEAD, REPLY = 0, 1, 2  # the points a slot's rings are saved at (its buffers): a prompt's end, its head's, its reply's
+KINDS = 3
 HOLD_MIN = 64  # a request waits a step or more for a running prompt that gives it at least this many tokens
 MIN_SHARED = 64  # a shared part that is not a whole entry is reused when that skips at least this many tokens
 
 
 @dataclass
 class Entry:
-    """Slot ``slot`` holds the keys of ``tokens``, its rings saved at their end in the slot's buffer ``kind`` (0: a
-    whole prompt, 1: a request's ``keep``, its head)."""
+    """Slot ``slot`` holds the keys of ``tokens``, its rings saved at their end in the slot's buffer ``kind`` (PROMPT:
+    a whole prompt, HEAD: a request's ``keep``, its head, REPLY: a prompt and all but the last token of its reply)."""
 
     slot: int
     tokens: list[int]
@@ -162,6 +168,6 @@ class PrefixCache:
         return any(reusable(p, prompt) >= HOLD_MIN for p in prefilling)
 
     def record(self, slot: int, tokens: list[int], kind: int = 0) -> None:
-        """``slot`` holds ``tokens`` (a whole prompt, kind 0; a head, kind 1) and its rings at their end are saved in
-        its buffer ``kind``: an entry (replacing the slot's entry of that kind)."""
+        """``slot`` holds ``tokens`` (a whole prompt, a head or a prompt and reply: ``kind``) and its rings at their end
+        are saved in its buffer ``kind``: an entry (replacing the slot's entry of that kind)."""
         self.entries[(slot, kind)] = Entry(slot, tokens, next(self._clock), kind)

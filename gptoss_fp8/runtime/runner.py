@@ -9,9 +9,10 @@ each bucket's step is a CUDA graph (model/graph.py), captured once per bucket (`
 start, or at its first use); buckets are the powers of two up to the slot count, and the slot
 count. Without graphs (CPU) a bucket is exactly the highest slot + 1.
 
-With ``prefix_cache`` the runner keeps, per slot, two copies of each sliding-window layer's ring and
-each full layer's position 0: as they were when its prompt was all in (buffer 0) and when its
-prefill passed the request's ``keep`` (buffer 1, a chat's head) (``snapshot``); ``restore`` puts
+With ``prefix_cache`` the runner keeps, per slot, three copies of each sliding-window layer's ring and
+each full layer's position 0: as they were when its prompt was all in (buffer 0), when its
+prefill passed the request's ``keep`` (buffer 1, a chat's head) and when the request ended (buffer 2,
+its reply's keys in too) (``snapshot``); ``restore`` puts
 a cached prompt's keys in a slot (runtime/prefix.py says why these parts). A prompt that shares only part of
 a cached one gets the full layers' rows of the shared part, and its rings are rebuilt by its next chunk, which
 prefills the last ``rebuild`` shared tokens again without writing their full layers' rows (``restore``'s ``start``)
@@ -24,6 +25,7 @@ import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import KVCache, device_ints
+from gptoss_fp8.runtime.prefix import KINDS
 
 
 class ModelRunner:
@@ -52,7 +54,7 @@ class ModelRunner:
         self.prefix_cache = prefix_cache
         c = self.cache  # saved per slot and buffer (a prompt's end, a head's): a ring whole, a full layer's position 0
         self._saved = [[[t.new_empty(t.shape if c.is_ring(i) else (t.shape[0], *t.shape[2:])) for i, t in enumerate(kv)]
-                        for kv in (c.k, c.v)] for _ in range(2)] if prefix_cache else None
+                        for kv in (c.k, c.v)] for _ in range(KINDS)] if prefix_cache else None
         self._kept: dict[int, int] = {}  # slot -> end of its full layers' kept rows, while its rings are rebuilt
         # the tokens a ring rebuild prefills again: each sliding layer's rows depend on window - 1 earlier positions
         # of the layer before (runtime/prefix.py)

@@ -16,6 +16,7 @@ import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.model.cache import KVCache
+from gptoss_fp8.runtime.prefix import KINDS
 
 
 class SlotManager:
@@ -55,13 +56,13 @@ class SlotManager:
 
 def slot_bytes(model, max_context: int, prefix_cache: bool = False) -> int:
     """KV cache bytes of one slot of ``max_context`` tokens for ``model`` (bf16 K and V, every layer),
-    with ``prefix_cache`` its two saved copies of the rings and full layers' position 0 too (runtime/prefix.py)."""
+    with ``prefix_cache`` its saved copies of the rings and full layers' position 0 too (runtime/prefix.py's KINDS)."""
     windows = [layer.window for layer in model.model.layers]
     n_kv, d = model.model.layers[0].self_attn.n_kv, model.cfg.head_dim
     per = KVCache.bytes_for(windows, n_kv, d, max_context)
     if prefix_cache:
-        per += 2 * KVCache.bytes_for([w for w in windows if w > 0], n_kv, d, max_context)
-        per += 2 * KVCache.bytes_for([0] * sum(w == 0 for w in windows), n_kv, d, 1)
+        per += KINDS * KVCache.bytes_for([w for w in windows if w > 0], n_kv, d, max_context)
+        per += KINDS * KVCache.bytes_for([0] * sum(w == 0 for w in windows), n_kv, d, 1)
     return per
 
 
