@@ -147,7 +147,9 @@ def test_prefix_cache_on_cuda_gives_the_cold_reply(trained):
     warm.step()
     ext = warm.add(p2 + tok.encode("    return"), SamplingParams(max_tokens=NEW, logprobs=True))  # copied from busy's
     warm.run_until_done()
-    assert not other.error and busy.cached == len(p1) and ext.cached == len(p2) and ext.slot is None
+    # (busy reuses first's prompt and reply but its last token, saved when first ended; ext busy's prompt)
+    assert not other.error and busy.cached == len(p1) + len(first.tokens) - 1 and ext.cached == len(p2)
+    assert ext.slot is None
     _versus_cold(model, ops, cold, [(busy, p2), (ext, p2 + tok.encode("    return"))])
 
 
