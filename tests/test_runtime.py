@@ -10,7 +10,7 @@ from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.runtime.engine import Engine
 from gptoss_fp8.runtime.prefix import HOLD_MIN, MIN_SHARED, Placement, PrefixCache, reusable
 from gptoss_fp8.runtime.runner import ModelRunner
-from gptoss_fp8.runtime.sampling import SamplingParams, draw, nucleus, penalize
+from gptoss_fp8.runtime.sampling import SamplingParams, TokenCounts, draw, nucleus, penalize
 from gptoss_fp8.runtime.scheduler import QueueFull, Scheduler
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
@@ -150,6 +150,26 @@ def test_penalties_follow_openais_rule_on_the_generated_ids():
     want[1, 39] += 0.25 - 2.0
     assert torch.allclose(got, want, rtol=0, atol=1e-5) and draw(logits[:1], bias[:1], [None]).get()[0] == [
         int(logits[0].argmin())]  # (no generated ids needed for a bias alone)
+
+
+def test_token_counts_count_each_steps_new_ids_per_slot():
+    """TokenCounts over steps (each request's new ids only), a slot taken by another request (its row starts over), and
+    draw with those counts equals draw with the whole replies."""
+    counts, g = TokenCounts(3), torch.Generator().manual_seed(5)
+    replies = {1: [], 2: [], 3: []}
+    for step in range(6):
+        live = [(0, 1), (2, 2)] if step < 4 else [(0, 3), (2, 2)]  # request 3 takes request 1's slot at step 4
+        for _, rid in live:
+            replies[rid] += torch.randint(0, 9, (1 + step % 2,), generator=g).tolist()
+        got = counts.rows([(slot, rid, replies[rid]) for slot, rid in live], 9, torch.device("cpu"))
+        want = torch.stack([torch.bincount(torch.tensor(replies[rid], dtype=torch.long), minlength=9).float()
+                            for _, rid in live])
+        assert torch.equal(got, want), step
+    logits = torch.randn(2, 9, generator=g)
+    params = [SamplingParams(frequency_penalty=1.5, presence_penalty=0.5), SamplingParams(presence_penalty=-1.0)]
+    outs = [replies[3], replies[2]]
+    assert torch.equal(penalize(logits, params, None, counts.rows([(0, 3, outs[0]), (2, 2, outs[1])], 9, logits.device)),
+                       penalize(logits, params, outs))
 
 
 def test_top_logprobs_are_the_models_own_distribution():

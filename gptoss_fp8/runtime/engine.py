@@ -28,7 +28,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.runtime.metrics import Metrics
 from gptoss_fp8.runtime.prefix import HEAD, PROMPT, REPLY, PrefixCache
 from gptoss_fp8.runtime.runner import ModelRunner
-from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, draw
+from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, TokenCounts, draw
 from gptoss_fp8.runtime.scheduler import Scheduler, Step
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
@@ -39,9 +39,16 @@ from gptoss_fp8.runtime.slots import SlotManager
 Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple | Drawn"]
 
 
-def default_sampler(logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
-    return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                [s.tokens for s in seqs] if any(s.params.penalized for s in seqs) else None)  # (the penalties' counts)
+class DefaultSampler:
+    """Each request's SamplingParams (``draw``), the penalized ones' counts kept per slot (``TokenCounts``)."""
+
+    def __init__(self, slots: int):
+        self.counts = TokenCounts(slots)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
+        pen = [(s.slot, s.id, s.tokens) for s in seqs if s.params.presence_penalty or s.params.frequency_penalty]
+        return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                    counts=self.counts.rows(pen, logits.shape[1], logits.device) if pen else None)
 
 
 class Engine:
@@ -67,7 +74,7 @@ class Engine:
                                   ) if getattr(runner, "prefix_cache", False) else None
         self.scheduler = Scheduler(self.slots, chunk=chunk, token_budget=budget, max_waiting=max_waiting,
                                    prefix=self.prefix)
-        self.sampler = sampler or default_sampler
+        self.sampler = sampler or DefaultSampler(runner.slots)
         self.log_errors = log_errors  # print the traceback of a failed request (a server's log)
         self.metrics = Metrics()
         self.lock = threading.RLock()  # a listener may cancel from inside on_event

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.kernels import device_ints
 
 # A stop rule: the tokens generated so far -> why the reply ends after the last one, or None.
 StopRule = Callable[[list[int]], str | None]
@@ -131,12 +132,49 @@ class Drawn:
         return toks, lps, tops
 
 
-def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+class TokenCounts:
+    """The penalties' counts of each running request's generated ids, on the device, one row per slot: each step
+    counts only the ids a request got since its last step, so the host's work does not grow with the replies
+    (building the counts from whole replies every step did, a penalized reply of L tokens costing O(L^2) in all)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.table: torch.Tensor | None = None  # float32 [slots, V] (counts are exact in float32 up to 2^24)
+        self.owner: list[tuple[int, int] | None] = [None] * slots  # slot -> (request id, its ids counted)
+
+    def rows(self, requests: list[tuple[int, int, list[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+        """requests (slot, request id, its generated ids so far) -> float32 [len(requests), vocab]: row i request
+        i's count of each id."""
+        if self.table is None or self.table.shape[1] != vocab or self.table.device != device:
+            self.table = torch.zeros(self.slots, vocab, dtype=torch.float32, device=device)
+            self.owner = [None] * self.slots
+        fresh, at, ids = [], [], []
+        for slot, rid, out in requests:
+            had = self.owner[slot]
+            done = had[1] if had is not None and had[0] == rid and had[1] <= len(out) else None
+            if done is None:  # the slot's first count for this request: its row starts from zero
+                fresh.append(slot)
+                done = 0
+            at += [slot] * (len(out) - done)
+            ids += out[done:]
+            self.owner[slot] = (rid, len(out))
+        if fresh:
+            self.table.index_fill_(0, device_ints(fresh, device), 0.0)
+        if ids:
+            self.table.index_put_((device_ints(at, device), device_ints(ids, device)),
+                                  torch.ones(len(ids), dtype=torch.float32, device=device), accumulate=True)
+        return self.table.index_select(0, device_ints([slot for slot, _, _ in requests], device))
+
+
+def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None,
+             counts: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, V] float32 with each penalized row's presence / frequency penalty applied over the
     tokens in outputs[i] (its generated ids so far) and its logit_bias added; rows itself when no row
-    asks for either."""
+    asks for either. ``counts`` (instead of outputs): float32 [rows with a penalty, V], those rows' counts
+    of each id in order (``TokenCounts``)."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
-    which = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
+    which = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
+             and (counts is not None or outputs[i])]
     if not biased and not which:
         return rows
     out = rows.clone()
@@ -148,31 +186,36 @@ def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[lis
             at, ids, vals = (t.pin_memory().to(rows.device, non_blocking=True) for t in (at, ids, vals))
         out.index_put_((at, ids), vals, accumulate=True)
     if which:
-        ids = torch.tensor([t for i in which for t in outputs[i]], dtype=torch.int64)
-        at = torch.tensor([j for j, i in enumerate(which) for _ in outputs[i]], dtype=torch.int64)
         pen = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in which],
                            dtype=torch.float32)
         if rows.is_cuda:
-            ids, at, pen = (t.pin_memory().to(rows.device, non_blocking=True) for t in (ids, at, pen))
-        counts = torch.zeros(len(which), rows.shape[1], dtype=torch.float32, device=rows.device)
-        counts.index_put_((at, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+            pen = pen.pin_memory().to(rows.device, non_blocking=True)
+        if counts is None:
+            ids = device_ints([t for i in which for t in outputs[i]], rows.device)
+            at = device_ints([j for j, i in enumerate(which) for _ in outputs[i]], rows.device)
+            counts = torch.zeros(len(which), rows.shape[1], dtype=torch.float32, device=rows.device)
+            counts.index_put_((at, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        elif counts.shape != (len(which), rows.shape[1]):
+            raise GptOssFp8Error(f"penalize: counts {tuple(counts.shape)} for {len(which)} penalized rows of "
+                                 f"{rows.shape[1]} logits")
         sel = torch.tensor(which, dtype=torch.int64, device=rows.device)
         out[sel] -= pen[:, :1] * counts + pen[:, 1:] * (counts > 0).float()
     return out
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
-         outputs: list[list[int]] | None = None) -> Drawn:
+         outputs: list[list[int]] | None = None, counts: torch.Tensor | None = None) -> Drawn:
     """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i] (after
-    its penalties over outputs[i], its generated ids so far); and, if any row asked for them,
+    its penalties over outputs[i], its generated ids so far, or their ``counts``: ``penalize``); and, if any row
+    asked for them,
     every row's chosen-token log-probability and its k most likely tokens (k the largest
     top_logprobs asked; ``Drawn.get``'s rows hold k each, a request keeps its own first ones). All
     on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
     raw = logits.float()
     if any(p.penalized for p in params):
-        if outputs is None and any(p.presence_penalty or p.frequency_penalty for p in params):
+        if outputs is None and counts is None and any(p.presence_penalty or p.frequency_penalty for p in params):
             raise GptOssFp8Error("draw: a request asks for penalties; pass each row's generated ids (outputs)")
-        rows = penalize(raw, params, outputs or [[] for _ in params])
+        rows = penalize(raw, params, outputs or [[] for _ in params], counts)
     else:
         rows = raw
     toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
