@@ -303,14 +303,17 @@ def test_prefix_cache_reuses_whole_prompts_and_places_requests():
     pc.record(1, [4, 4, 4])
     pc.record(3, [6, 6, 6])
     assert pc.place([2, 2], [1, 3]) == Placement(1) and set(pc.entries) == {(2, 0), (3, 0)}  # least recently used
-    # a head (kind 1) beside its prompt in one slot: another conversation with that head reuses it in place, and
-    # the slot's longer prompt goes; a third copies the head from the slot then busy
+    # a head (kind 1) beside its prompt in one slot: another conversation with that head copies it into a free slot
+    # without an entry, so the slot keeps its longer prompt (for that conversation's next turn)
     pc = PrefixCache()
     pc.record(4, [1, 2, 3, 4, 5, 6], kind=0)
     pc.record(4, [1, 2, 3], kind=1)
-    assert pc.place([1, 2, 3, 7, 7], [4, 5]) == Placement(4, 3, 4, 1) and set(pc.entries) == {(4, 1)}
-    assert pc.place([1, 2, 3, 8], [5]) == Placement(5, 3, 4, 1)
-    assert pc.place([1, 2, 3, 4, 5, 6, 9], [6]) == Placement(6, 3, 4, 1)  # (the prompt entry went with slot 4's reuse)
+    assert pc.place([1, 2, 3, 7, 7], [4, 5]) == Placement(5, 3, 4, 1) and set(pc.entries) == {(4, 0), (4, 1)}
+    pc.record(5, [1, 2, 3, 7, 7])
+    assert pc.place([1, 2, 3, 4, 5, 6, 9], [4, 6]) == Placement(4, 6, 4, 0)  # (all of slot 4's entries kept there)
+    pc.record(4, [1, 2, 3, 4, 5, 6, 9])
+    assert pc.place([1, 2, 3, 8], [4, 5]) == Placement(4, 3, 4, 1)  # no free slot without an entry: in place
+    assert set(pc.entries) == {(4, 1), (5, 0)}  # (slot 4's prompt went: its rows from 3 on will be written)
     assert pc.pending(list(range(100)), [list(range(HOLD_MIN + 1))])
     assert not pc.pending(list(range(100)), [list(range(HOLD_MIN - 1))])  # too little to wait for
 
@@ -320,9 +323,12 @@ def test_prefix_cache_places_a_shared_part_with_its_ring_rebuild():
     doc = list(range(1000, 1200))
     pc.record(0, doc)
     pc.record(1, doc[:100])
-    # the first 150 of slot 0's tokens, then others: its full layers' rows of 150, prefill from 140 (in place)
+    # the first 150 of slot 0's tokens, then others: its full layers' rows of 150, prefill from 140 (copied into a
+    # free slot without an entry, so slot 0 keeps its whole entry; in place when there is none)
+    assert pc.place(doc[:150] + [7] * 5, [0, 2]) == Placement(2, 140, 0, 0, 150)
+    pc.record(2, [9])
     assert pc.place(doc[:150] + [7] * 5, [0, 2]) == Placement(0, 140, 0, 0, 150)
-    assert set(pc.entries) == {(1, 0)}  # slot 0's longer entry goes (its rows from 150 on will be written)
+    assert set(pc.entries) == {(1, 0), (2, 0)}  # slot 0's longer entry goes (its rows from 150 on will be written)
     pc.record(0, doc)
     assert pc.place(doc[:100] + [7], [2]) == Placement(2, 100, 1, 0)  # a whole entry skips more: copied from slot 1
     assert pc.place(doc[:120], [3]) == Placement(3, 109, 0, 0, 120)  # the start of an entry: its last 11 prefilled
@@ -453,8 +459,8 @@ def test_a_prompt_sharing_part_of_a_cached_one_rebuilds_its_rings_and_gets_the_c
         assert seq.tokens == ref.tokens and seq.logprobs == ref.logprobs, len(prompt)
 
     doc = list(range(100, 210))  # 110 shared tokens: the rebuild from 96 and the chunk's cut at 112
-    a, = _replies(warm, [doc + [1, 2, 3]])
-    assert a.slot is None and a.cached == 0
+    a, *_ = _replies(warm, [doc + [1, 2, 3], [50, 51], [60, 61], [70, 71]])  # (every slot holds an entry)
+    assert a.cached == 0 and len({s for s, _ in warm.prefix.entries}) == 4
     busy = warm.add(list(range(300, 310)), SamplingParams(max_tokens=40))  # decodes in slot 1
     while not busy.tokens:
         warm.step()
