@@ -337,6 +337,18 @@ def test_prefix_cache_places_a_shared_part_with_its_ring_rebuild():
     assert PrefixCache().place(doc[:150] + [7], [5]) == Placement(5)  # no rebuild offered: whole entries only
 
 
+def test_a_ring_rebuild_is_one_chunk_to_the_shared_end_and_a_head_past_it_is_still_cut():
+    sched = Scheduler(SlotManager(1), chunk=16, token_budget=40, max_waiting=1)
+    seq = Sequence(list(range(60)), SamplingParams())
+    seq.slot, seq.state, seq.prefilled, seq.kept = 0, State.PREFILL, 20, 37  # rebuild 20..36, its cut at 32 is not
+    sched.running.append(seq)
+    assert [(a, b) for _, a, b in sched.schedule().prefills] == [(20, 37)]
+    seq.kept = 30  # the shared part ends before the cut: one chunk to the cut, or to a head between them
+    assert [(a, b) for _, a, b in sched.schedule().prefills] == [(20, 32)]
+    seq.keep = 31
+    assert [(a, b) for _, a, b in sched.schedule().prefills] == [(20, 31)]
+
+
 def _replies(eng, prompts, **kw):
     seqs = [eng.add(p, SamplingParams(max_tokens=6, logprobs=True, **kw)) for p in prompts]
     eng.run_until_done()

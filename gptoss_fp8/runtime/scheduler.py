@@ -92,7 +92,7 @@ class Scheduler:
             end = min(len(seq.prompt), (start // self.chunk + 1) * self.chunk)
             if start < seq.kept:  # a shared part's ring rebuild: one chunk
                 end = max(end, seq.kept)
-            elif start < seq.keep < end:  # (one more cut, at the head the prefix cache keeps)
+            if max(start, seq.kept) < seq.keep < end:  # (one more cut, at the head the prefix cache keeps)
                 end = seq.keep
             if end - start > left and not step.empty:
                 break
