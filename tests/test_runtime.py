@@ -172,6 +172,34 @@ def test_token_counts_count_each_steps_new_ids_per_slot():
                        penalize(logits, params, outs))
 
 
+def _repeated_ref(row: list[float], seen: set[int], r: float) -> list[float]:
+    """The repetition penalty, one logit at a time: a seen token's positive logit / r, its negative one * r."""
+    return [(v / r if v > 0 else v * r) if j in seen else v for j, v in enumerate(row)]
+
+
+def test_repetition_penalty_covers_the_prompt_and_the_reply():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 30, generator=g) * 3
+    counts = TokenCounts(4)
+    reqs = [(3, 7, [1, 2, 2, 29], [5, 9]), (1, 8, [0], [])]  # (slot, id, prompt, reply so far)
+    seen = counts.seen_rows(reqs, 30, logits.device)
+    assert [set(torch.nonzero(r).flatten().tolist()) for r in seen] == [{1, 2, 29, 5, 9}, {0}]
+    reqs[0][3].append(12)  # the next step: its new id only
+    seen = counts.seen_rows(reqs, 30, logits.device)
+    assert set(torch.nonzero(seen[0]).flatten().tolist()) == {1, 2, 29, 5, 9, 12}
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5), SamplingParams(),
+              SamplingParams(repetition_penalty=0.8)]
+    got = penalize(logits, params, [[5, 9, 12], [], []], seen=seen)
+    want0 = torch.tensor(_repeated_ref(logits[0].tolist(), {1, 2, 29, 5, 9, 12}, 1.3))
+    want0[[5, 9, 12]] -= 0.5  # (then the presence penalty over the reply)
+    assert torch.allclose(got[0], want0, rtol=0, atol=1e-6) and torch.equal(got[1], logits[1])
+    assert torch.allclose(got[2], torch.tensor(_repeated_ref(logits[2].tolist(), {0}, 0.8)), rtol=0, atol=1e-6)
+    with pytest.raises(GptOssFp8Error, match="repetition_penalty; pass seen"):
+        penalize(logits, params, [[], [], []])
+    with pytest.raises(GptOssFp8Error, match="repetition_penalty 0.0"):
+        SamplingParams(repetition_penalty=0.0).check()
+
+
 def test_top_logprobs_are_the_models_own_distribution():
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(3, 64, generator=g) * 4).bfloat16()
@@ -211,6 +239,19 @@ def test_the_engine_keeps_each_requests_own_alternatives(model):
         row = _penalized_ref(logits[k].tolist(), b.tokens[:k], 2.0, 2.0)
         assert row[tok] >= max(row) - 1e-3, k
         assert b.logprobs[k] == pytest.approx(float(torch.log_softmax(logits[k], -1)[tok]), abs=2e-2)
+
+
+def test_the_engine_applies_a_repetition_penalty_over_prompt_and_reply(model):
+    eng = _engine(model, slots=2, ctx=32)
+    prompt = [7, 8, 9, 7]
+    a = eng.add(prompt, SamplingParams(max_tokens=10, logprobs=True, repetition_penalty=1.8))
+    b = eng.add(prompt, SamplingParams(max_tokens=10))
+    eng.run_until_done()
+    assert a.tokens != b.tokens
+    logits = model(torch.tensor(prompt + a.tokens), get_ops("weights")).float()[len(prompt) - 1:]
+    for k, tok in enumerate(a.tokens):  # each choice the argmax of its penalized logits
+        row = _repeated_ref(logits[k].tolist(), set(prompt + a.tokens[:k]), 1.8)
+        assert row[tok] >= max(row) - 1e-3, k
 
 
 def test_stop_token_ends_the_reply(model):

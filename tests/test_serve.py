@@ -103,7 +103,8 @@ def test_chat_top_logprobs_and_penalties_reach_the_engine(server, client, script
     monkeypatch.setattr(server.served.engine, "add",
                         lambda prompt, params, *a, **kw: seen.append(params) or add(prompt, params, *a, **kw))
     r = client.chat.completions.create(model=MODEL, messages=_user("What is 2+2?"), logprobs=True, top_logprobs=2,
-                                       presence_penalty=0.5, frequency_penalty=-1.0)
+                                       presence_penalty=0.5, frequency_penalty=-1.0,
+                                       extra_body={"repetition_penalty": 1.2})
     lps = r.choices[0].logprobs.content
     assert "".join(lp.token for lp in lps) == "2 + 2 = 4." and all(len(lp.top_logprobs) == 2 for lp in lps)
     enc = gen._encoding()
@@ -115,7 +116,8 @@ def test_chat_top_logprobs_and_penalties_reach_the_engine(server, client, script
                                                  top_logprobs=1, stream=True))
     lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
     assert [[t.token for t in lp.top_logprobs] for lp in lps] == [[lp.token] for lp in lps] and lps
-    assert [(p.top_logprobs, p.presence_penalty, p.frequency_penalty) for p in seen] == [(2, 0.5, -1.0), (1, 0, 0)]
+    assert [(p.top_logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in seen] == [
+        (2, 0.5, -1.0, 1.2), (1, 0, 0, 1)]
 
 
 def test_completions_top_logprobs_are_the_models(client):

@@ -40,15 +40,19 @@ Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple | Drawn"]
 
 
 class DefaultSampler:
-    """Each request's SamplingParams (``draw``), the penalized ones' counts kept per slot (``TokenCounts``)."""
+    """Each request's SamplingParams (``draw``), the penalized ones' counts (and the ids a repetition penalty sees)
+    kept per slot (``TokenCounts``)."""
 
     def __init__(self, slots: int):
         self.counts = TokenCounts(slots)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
+        v, dev = logits.shape[1], logits.device
         pen = [(s.slot, s.id, s.tokens) for s in seqs if s.params.presence_penalty or s.params.frequency_penalty]
+        again = [(s.slot, s.id, s.prompt, s.tokens) for s in seqs if s.params.repetition_penalty != 1]
         return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                    counts=self.counts.rows(pen, logits.shape[1], logits.device) if pen else None)
+                    counts=self.counts.rows(pen, v, dev) if pen else None,
+                    seen=self.counts.seen_rows(again, v, dev) if again else None)
 
 
 class Engine:

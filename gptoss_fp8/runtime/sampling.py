@@ -6,7 +6,10 @@ with the request's own seeded ``torch.Generator``: the same seed gives the same 
 else runs in the batch (each row draws from its own generator, in its own order). Presence and
 frequency penalties (OpenAI's rule) first lower the logits of the tokens the request has generated so
 far: ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``, and a request's
-``logit_bias`` adds its value to its tokens' logits (-100 bans a token, 100 all but forces it). ``draw`` makes
+``logit_bias`` adds its value to its tokens' logits (-100 bans a token, 100 all but forces it). A
+``repetition_penalty`` r (vLLM's and transformers' rule, after the bias and before the other two) divides
+the positive logits of every token in the prompt or the reply so far by r and multiplies the negative ones
+by r. ``draw`` makes
 the choice on the logits' device; one host read per step for the whole batch (``Drawn.get``:
 tokens and, when asked, their log-probabilities and each row's most likely alternatives).
 """
@@ -38,7 +41,8 @@ class SamplingParams:
     MAX_TOP_LOGPROBS) the most likely tokens with theirs, at each step (the model's distribution:
     before temperature, penalties and top_p); ``presence_penalty`` / ``frequency_penalty`` (-2 to 2):
     the module docstring's rule over the generated tokens; ``logit_bias``: (token id, -100 to 100)
-    pairs added to those logits at every step."""
+    pairs added to those logits at every step; ``repetition_penalty`` (0 to 2, 1: none): the module
+    docstring's rule over the prompt's and the generated tokens."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -50,6 +54,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
     stop_rule: StopRule | None = field(default=None, compare=False)
 
     def check(self) -> None:
@@ -68,13 +73,16 @@ class SamplingParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and -2 <= v <= 2):
                 raise GptOssFp8Error(f"{name} {v}: give a number in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise GptOssFp8Error(f"repetition_penalty {self.repetition_penalty}: give a number in (0, 2] (1: none)")
         for tok, v in self.logit_bias:
             if not (math.isfinite(v) and -100 <= v <= 100):
                 raise GptOssFp8Error(f"logit_bias of token {tok}: {v}; give a number in [-100, 100]")
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)
+                or self.repetition_penalty != 1)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """This request's generator (None when greedy): seeded with ``seed``, or a fresh random seed."""
@@ -141,6 +149,7 @@ class TokenCounts:
         self.slots = slots
         self.table: torch.Tensor | None = None  # float32 [slots, V] (counts are exact in float32 up to 2^24)
         self.owner: list[tuple[int, int] | None] = [None] * slots  # slot -> (request id, its ids counted)
+        self.seen: TokenCounts | None = None  # the prompts' and replies' ids (repetition_penalty), as counts too
 
     def rows(self, requests: list[tuple[int, int, list[int]]], vocab: int, device: torch.device) -> torch.Tensor:
         """requests (slot, request id, its generated ids so far) -> float32 [len(requests), vocab]: row i request
@@ -165,17 +174,46 @@ class TokenCounts:
                                   torch.ones(len(ids), dtype=torch.float32, device=device), accumulate=True)
         return self.table.index_select(0, device_ints([slot for slot, _, _ in requests], device))
 
+    def seen_rows(self, requests: list[tuple[int, int, list[int], list[int]]], vocab: int,
+                  device: torch.device) -> torch.Tensor:
+        """requests (slot, request id, its prompt, its generated ids so far) -> bool [len(requests), vocab]: whether
+        each id is in the request's prompt or reply (its prompt counted once, at its first step)."""
+        if self.seen is None:
+            self.seen = TokenCounts(self.slots)
+        # (a request's ids as one list: the prompt, then the reply; the prompt's copy made on its first step only)
+        return self.seen.rows([(slot, rid, _Joined(prompt, out)) for slot, rid, prompt, out in requests],
+                              vocab, device) > 0
+
+
+class _Joined:
+    """A prompt and a reply read as one list by ``TokenCounts.rows`` (its length and its tail), without a copy."""
+
+    def __init__(self, head: list[int], tail: list[int]):
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        a = s.start or 0
+        return self.head[a:] + self.tail if a < len(self.head) else self.tail[a - len(self.head):]
+
 
 def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None,
-             counts: torch.Tensor | None = None) -> torch.Tensor:
+             counts: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, V] float32 with each penalized row's presence / frequency penalty applied over the
     tokens in outputs[i] (its generated ids so far) and its logit_bias added; rows itself when no row
     asks for either. ``counts`` (instead of outputs): float32 [rows with a penalty, V], those rows' counts
-    of each id in order (``TokenCounts``)."""
+    of each id in order (``TokenCounts``). ``seen``: bool [rows with a repetition_penalty, V], whether each id
+    is in that row's prompt or reply (``TokenCounts.seen_rows``; needed for those rows)."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     which = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
              and (counts is not None or outputs[i])]
-    if not biased and not which:
+    again = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    if again and (seen is None or seen.shape != (len(again), rows.shape[1])):
+        raise GptOssFp8Error(f"penalize: {len(again)} rows ask for a repetition_penalty; pass seen, bool "
+                             f"[{len(again)}, {rows.shape[1]}] (got {None if seen is None else tuple(seen.shape)})")
+    if not biased and not which and not again:
         return rows
     out = rows.clone()
     if biased:
@@ -185,6 +223,12 @@ def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[lis
         if rows.is_cuda:
             at, ids, vals = (t.pin_memory().to(rows.device, non_blocking=True) for t in (at, ids, vals))
         out.index_put_((at, ids), vals, accumulate=True)
+    if again:
+        r = torch.tensor([[params[i].repetition_penalty] for i in again], dtype=torch.float32)
+        sel = device_ints(again, rows.device)
+        r = r.pin_memory().to(rows.device, non_blocking=True) if rows.is_cuda else r
+        part = out.index_select(0, sel)
+        out.index_copy_(0, sel, torch.where(seen, torch.where(part > 0, part / r, part * r), part))
     if which:
         pen = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in which],
                            dtype=torch.float32)
@@ -204,10 +248,11 @@ def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[lis
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
-         outputs: list[list[int]] | None = None, counts: torch.Tensor | None = None) -> Drawn:
+         outputs: list[list[int]] | None = None, counts: torch.Tensor | None = None,
+         seen: torch.Tensor | None = None) -> Drawn:
     """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i] (after
-    its penalties over outputs[i], its generated ids so far, or their ``counts``: ``penalize``); and, if any row
-    asked for them,
+    its penalties over outputs[i], its generated ids so far, or their ``counts``, and its repetition penalty over
+    ``seen``: ``penalize``); and, if any row asked for them,
     every row's chosen-token log-probability and its k most likely tokens (k the largest
     top_logprobs asked; ``Drawn.get``'s rows hold k each, a request keeps its own first ones). All
     on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
@@ -215,7 +260,7 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Ge
     if any(p.penalized for p in params):
         if outputs is None and counts is None and any(p.presence_penalty or p.frequency_penalty for p in params):
             raise GptOssFp8Error("draw: a request asks for penalties; pass each row's generated ids (outputs)")
-        rows = penalize(raw, params, outputs or [[] for _ in params], counts)
+        rows = penalize(raw, params, outputs or [[] for _ in params], counts, seen)
     else:
         rows = raw
     toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them

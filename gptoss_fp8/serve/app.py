@@ -241,7 +241,8 @@ def create_app(served: Served) -> FastAPI:
                                         stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs,
                                         top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
-                                        logit_bias=tuple(sorted((req.logit_bias or {}).items())))
+                                        logit_bias=tuple(sorted((req.logit_bias or {}).items())),
+                                        repetition_penalty=req.repetition_penalty)
                 listener = Listener(outbox())
                 added.append((engine.add(prompt, params, listener, keep=keep), listener))
         except (QueueFull, GptOssFp8Error) as e:

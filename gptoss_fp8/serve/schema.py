@@ -32,6 +32,7 @@ class _Sampling(_Strict):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[int, float] | None = None  # token id (a JSON key: its digits) -> -100 to 100
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)  # vLLM's extension (1: none)
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the stop tokens (benchmarks)
 
