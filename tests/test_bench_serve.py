@@ -50,8 +50,26 @@ def test_bench_launch_and_bad_arguments(harmony_ckpt, monkeypatch):
     assert "KV cache: 2 slots x 8 tokens" in r.output and "\n5 | 2 | 2 | 0 | " in r.output
     r = CliRunner().invoke(app, ["bench", "serve"])
     assert r.exit_code != 0
+    with pytest.raises(GptOssFp8Error, match="--shared-prefix 8: give fewer tokens than the shortest --prompt-len"):
+        bs.bench("http://127.0.0.1:9", model="m", concurrency=[1], prompt_lens=[8, 16], output_len=1, requests=1,
+                 shared_prefix=8)
     summary = bs.summarize([bs.Timing(0.0, error="HTTP 429")], 1.0, prompt_len=1, concurrency=1)
     assert summary["failed"] == 1 and summary["tokens_per_s"] == 0
+
+
+def test_bench_a_shared_prefix_reports_what_the_prefix_cache_reused(harmony_ckpt):
+    """--shared-prefix: a case's prompts share their first tokens (the same in every load-generator process), and the
+    row's cached_pct is the share of prompt tokens the server reported cached: none without the shared part, some with
+    it (the one sliding layer's ring rebuilt from 15 tokens: 90 - 15 of a later prompt's 100)."""
+    ps = bs.token_prompts(3, 100, 5000, seed=1, shared=90, shared_seed=7)
+    assert len({tuple(p[:90]) for p in ps}) == 1 and len({tuple(p[90:]) for p in ps}) == 3
+    assert bs.token_prompts(1, 100, 5000, seed=2, shared=90, shared_seed=7)[0][:90] == ps[0][:90]
+    with running_server(harmony_ckpt, max_batch=2, max_context=128, chunk=16) as s:
+        rows = [bs.bench(s.url, model=None, concurrency=[1], prompt_lens=[100], output_len=2, requests=4, procs=1,
+                         echo=lambda _: None, shared_prefix=n)[0] for n in (0, 90)]
+    assert rows[0]["failed"] == rows[1]["failed"] == 0 and rows[0]["cached_pct"] == 0
+    # one at a time: the first request prefills the shared part, each later one reuses 75 of its 100 tokens
+    assert rows[1]["cached_pct"] == pytest.approx(100 * 3 * 75 / (4 * 100))
 
 
 def test_bench_serve_synthetic_options(monkeypatch):

@@ -12,7 +12,10 @@ case: output tokens/s in total (all output tokens over the case's wall time) and
 over requests of tokens after the first / time after the first), TTFT and ITL p50 / p99, $ per
 1M output tokens at ``usd_per_gpu_hour`` x ``gpus``, and the server's engine steps per second
 with the model's and the host's ms per step (``step_rates``, from our /metrics; nan against
-another server).
+another server), and ``cached_pct``: the share of the prompt tokens the server reported as cached
+(``prompt_tokens_details.cached_tokens``; nan where it reports none). Each case's prompts are new (a
+prefix cache reuses none of an earlier case's), and with ``shared_prefix`` their first tokens are
+the same within the case (a shared system prompt or document).
 
 The gaps are between network reads that carried tokens (SSE events that came in one read count
 as one arrival: a server that is behind and writes several events at once shows fewer, longer
@@ -54,6 +57,7 @@ class Timing:
     tokens: int = 0
     error: str | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens (the server's prefix cache)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -112,6 +116,7 @@ async def _one(client, url: str, model: str | None, prompt: list[int] | str, out
         t.tokens = chunks
         return t
     t.tokens, t.prompt_tokens = usage.get("completion_tokens", chunks), usage.get("prompt_tokens")
+    t.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if t.prompt_tokens is not None and t.prompt_tokens != prompt_len:
         t.error = f"the server read {t.prompt_tokens} prompt tokens, not {prompt_len}"
     elif t.tokens != output_len:
@@ -119,20 +124,28 @@ async def _one(client, url: str, model: str | None, prompt: list[int] | str, out
     return t
 
 
+def token_prompts(n: int, prompt_len: int, vocab: int, seed: int, shared: int = 0, shared_seed: int = 0) -> list[list[int]]:
+    """n random prompts of ``prompt_len`` token ids (from ``seed``), their first ``shared`` the same in all of them
+    (from ``shared_seed``: the same in every load-generator process of a case)."""
+    head = random.Random(shared_seed)
+    common = [head.randrange(1000, vocab - 1000) for _ in range(shared)]
+    rng = random.Random(seed)
+    return [common + [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len - shared)] for _ in range(n)]
+
+
 async def _case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
                 seed: int, api_key: str | None, texts: list[str] | None = None,
-                go=None) -> tuple[list[Timing], float, float]:
+                go=None, shared: int = 0, shared_seed: int = 0) -> tuple[list[Timing], float, float]:
     """n requests, ``concurrency`` at a time -> their timings, and when the first was sent and the
     last ended (perf_counter). ``texts``: the prompts as text (n of them, each ``prompt_len``
-    tokens in the server's tokenizer) instead of random token ids. ``go``: called once the
-    requests are ready, before the clock starts."""
+    tokens in the server's tokenizer) instead of random token ids (``token_prompts``, their first ``shared``
+    ids common). ``go``: called once the requests are ready, before the clock starts."""
     import httpx
 
     if texts is not None:
         prompts = texts[:n]
     else:
-        rng = random.Random(seed)
-        prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in range(n)]
+        prompts = token_prompts(n, prompt_len, vocab, seed, shared, shared_seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -157,14 +170,14 @@ def client_procs(concurrency: int) -> int:
 
 def run_case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
              seed: int, api_key: str | None, procs: int = 1,
-             texts: list[str] | None = None) -> tuple[list[Timing], float]:
+             texts: list[str] | None = None, shared: int = 0) -> tuple[list[Timing], float]:
     """``_case`` in ``procs`` processes of their own (``python -m gptoss_fp8.bench.serve``: the job
     as a JSON line on stdin, "ready" back once loaded, then a line on stdin starts all of them
     together; the timings as JSON on stdout), the streams and requests split between them: the
     load generator's own Python (httpx, a JSON parse per SSE event) never shares a GIL with a
     server launched in this process, as a real client never does. -> (timings, wall seconds from
     the first request sent to the last one ended). ``texts``: text prompts (``_case``), split
-    between the processes."""
+    between the processes. ``shared``: the token-id prompts' first ``shared`` ids common to all of them."""
     from gptoss_fp8.errors import GptOssFp8Error
 
     k = max(1, min(procs, concurrency, n))
@@ -177,7 +190,8 @@ def run_case(url: str, model: str | None, prompt_len: int, concurrency: int, n: 
             share = n // k + (i < n % k)
             job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency // k + (i < concurrency % k),
                    "n": share, "output_len": output_len, "vocab": vocab, "seed": seed + i,
-                   "api_key": api_key, "texts": None if texts is None else texts[start:start + share]}
+                   "api_key": api_key, "texts": None if texts is None else texts[start:start + share],
+                   "shared": shared, "shared_seed": seed}
             start += share
             c = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.bench.serve"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -232,8 +246,10 @@ def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrenc
     gaps = [g for t in ok for g in t.gaps]
     ttft = [t.first - t.sent for t in ok]
     usd = usd_per_gpu_hour * gpus / 3600 / total * 1e6 if total > 0 else float("nan")
+    told = [t for t in ok if t.prompt_tokens and t.cached_tokens is not None]
+    cached = (100 * sum(t.cached_tokens for t in told) / sum(t.prompt_tokens for t in told)) if told else float("nan")
     return {"prompt_len": prompt_len, "concurrency": concurrency, "requests": len(timings),
-            "failed": len(timings) - len(ok), "output_tokens": tokens, "seconds": wall,
+            "failed": len(timings) - len(ok), "cached_pct": cached, "output_tokens": tokens, "seconds": wall,
             "tokens_per_s": total, "tokens_per_s_per_user": statistics.median(per_user) if per_user else float("nan"),
             "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
             "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99),
@@ -241,9 +257,9 @@ def summarize(timings: list[Timing], wall: float, *, prompt_len: int, concurrenc
             "errors": sorted({t.error for t in timings if t.error})[:3]}
 
 
-COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "tokens_per_s", "tokens_per_s_per_user", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens", "steps_per_s", "model_ms_per_step",
-           "host_ms_per_step")
+COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "cached_pct", "tokens_per_s", "tokens_per_s_per_user",
+           "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "usd_per_1m_tokens", "steps_per_s",
+           "model_ms_per_step", "host_ms_per_step")
 
 
 def engine_counters(url: str, headers: dict) -> tuple[float, float] | None:
@@ -281,7 +297,7 @@ def step_rates(before: tuple[float, float] | None, after: tuple[float, float] | 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
           requests: int | None, api_key: str | None = None, vocab: int = 201088, gpus: int = 1, seed: int = 0,
           procs: int | None = None, peer: str = "gptoss", tokenizer=None, warmup: int | None = None,
-          echo: Callable[[str], None] = print) -> list[dict]:
+          echo: Callable[[str], None] = print, shared_prefix: int = 0) -> list[dict]:
     """Every (prompt length, concurrency) case against the server at ``url`` -> rows (printed as
     they come). ``model``: the id to send (None: the server's first /v1/models entry; against
     transformers' server, which may list none, none sent: it serves the model it was started on);
@@ -290,7 +306,10 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     "transformers" (module docstring), with ``tokenizer`` its tokenizer (a checkpoint directory
     or a tokenizer.json: the text prompts). ``warmup``: requests sent at once before the cases,
     unmeasured (the first prompt length, up to 16 output tokens; None: the largest concurrency
-    against transformers, none against ours), then one request alone per prompt length."""
+    against transformers, none against ours), then one request alone per prompt length. ``shared_prefix``: every
+    case's prompts start with the same that many token ids (new at each case), the rest their own: a system prompt
+    or a document many requests share, for a server's prefix cache (the rows' ``cached_pct``: the prompt tokens
+    the server reported cached)."""
     import httpx
 
     from gptoss_fp8.bench.serve_peer import PEERS, load_tokenizer, text_prompts
@@ -299,6 +318,10 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     if peer not in PEERS:
         raise GptOssFp8Error(f"--peer {peer!r}: choose from {', '.join(PEERS)}")
     text = peer == "transformers"
+    if shared_prefix and (text or shared_prefix >= min(prompt_lens)):
+        raise GptOssFp8Error(f"--shared-prefix {shared_prefix}: give fewer tokens than the shortest --prompt-len "
+                             f"({min(prompt_lens)})" if not text else
+                             "--shared-prefix is for token-id prompts; --peer transformers sends text")
     if text and tokenizer is None:
         raise GptOssFp8Error("--peer transformers needs --tokenizer (the checkpoint directory the server loaded)")
     tok = load_tokenizer(tokenizer) if text else None
@@ -344,7 +367,7 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
             # prompts new at every case: transformers' paged cache shares the blocks of a prefix it saw, and our
             # prefix cache reuses a prompt seen whole (runtime/prefix.py)
             timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed + 7919 * (c + 1) + p, api_key, k,
-                                     prompts(p, n, c + 1))
+                                     prompts(p, n, c + 1), shared_prefix)
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
             row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)

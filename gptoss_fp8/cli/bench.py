@@ -344,6 +344,9 @@ def serve(
     warmup: Annotated[int | None, typer.Option(
         min=0, help="Requests sent at once before the cases, unmeasured (default: the largest concurrency with "
                     "--peer transformers, none with ours).")] = None,
+    shared_prefix: Annotated[int, typer.Option(
+        min=0, help="Every case's prompts start with the same this many token ids (a shared system prompt or "
+                    "document: the server's prefix cache; the cached_pct column).")] = 0,
     attention: Annotated[Attention, typer.Option(
         help="--launch / --synthetic: the launched server's prefill attention numerics (as `serve --attention`: bf16, "
              "fp8 or fp8-lin; a server at URL keeps its own).")] = Attention.bf16,
@@ -411,7 +414,7 @@ def serve(
     try:
         rows = run_bench(url.rstrip("/"), model=model_name, concurrency=conc, prompt_lens=lens, output_len=output_len,
                          requests=requests, api_key=api_key, gpus=gpus, procs=client_procs, peer=peer,
-                         tokenizer=tokenizer, warmup=warmup, echo=typer.echo)
+                         tokenizer=tokenizer, warmup=warmup, echo=typer.echo, shared_prefix=shared_prefix)
     finally:
         if server is not None:
             server.stop()
