@@ -545,3 +545,21 @@ def test_a_prompt_sharing_part_of_a_cached_one_rebuilds_its_rings_and_gets_the_c
     same(c, doc + [9, 9])
     same(d, [7, 8, 9])
     same(start, doc[:90])
+
+
+def test_requests_that_arrive_together_with_a_shared_part_wait_for_the_first(model4):
+    """A burst with one document: the second request waits while the first prefills the shared part (it would give
+    the second 100 - 14 tokens once it is in), then reuses it; both replies equal a cold engine's bit for bit."""
+    warm = Engine(ModelRunner(model4, get_ops("weights"), 3, 256, prefix_cache=True), chunk=16)
+    cold = Engine(ModelRunner(model4, get_ops("weights"), 3, 256), chunk=16)
+    doc = list(range(250, 350))
+    first = warm.add(doc + [1, 2], SamplingParams(max_tokens=6, logprobs=True))
+    second = warm.add(doc + [3, 4, 5], SamplingParams(max_tokens=6, logprobs=True))
+    other = warm.add([7, 8, 9], SamplingParams(max_tokens=6, logprobs=True))  # (no share: not held)
+    warm.step()
+    assert first.state is State.PREFILL and second.state is State.WAITING and other.slot is not None
+    warm.run_until_done()
+    assert (first.cached, second.cached, other.cached) == (0, 100 - 14, 0)
+    for seq in (first, second, other):
+        ref, = _replies(cold, [seq.prompt])
+        assert (seq.tokens, seq.logprobs) == (ref.tokens, ref.logprobs)

@@ -112,6 +112,7 @@ class PrefixCache:
     entries: dict[tuple[int, int], Entry] = field(default_factory=dict)
     rebuild: int | None = None
     _clock: itertools.count = field(default_factory=itertools.count)
+    _arrays: dict[int, tuple[list[int], np.ndarray]] = field(default_factory=dict)  # (``pending``'s)
 
     def best(self, prompt: list[int]) -> tuple[Entry | None, int, int]:
         """The entry that lets ``prompt`` skip the most tokens -> (entry, tokens skipped, kept: the shared tokens
@@ -165,8 +166,28 @@ class PrefixCache:
 
     def pending(self, prompt: list[int], prefilling: list[list[int]]) -> bool:
         """Whether a running prompt, not yet all in, would give ``prompt`` at least ``HOLD_MIN`` tokens
-        once it is: then the request waits for it rather than prefilling the same tokens beside it."""
-        return any(reusable(p, prompt) >= HOLD_MIN for p in prefilling)
+        once it is (whole, or a shared part past its ring rebuild): then the request waits for it rather than
+        prefilling the same tokens beside it (a burst of requests with one document or system prompt)."""
+        if any(reusable(p, prompt) >= HOLD_MIN for p in prefilling):
+            return True
+        if self.rebuild is None:
+            return False
+        need = self.rebuild + max(HOLD_MIN, MIN_SHARED) + 1  # (+1: the shared part may be the whole prompt)
+        near = [p for p in prefilling if min(len(p), len(prompt)) >= need and p[need - 1] == prompt[need - 1]]
+        if not near:
+            return False
+        mine = self._array(prompt)
+        return any(Entry(-1, p, _array=self._array(p)).shared(mine) >= need for p in near)
+
+    def _array(self, tokens: list[int]) -> np.ndarray:
+        """``tokens`` as an int64 array, kept for the lists asked about lately (a waiting request is asked about at
+        every step while it waits)."""
+        got = self._arrays.get(id(tokens))
+        if got is None or got[0] is not tokens:
+            got = self._arrays[id(tokens)] = (tokens, np.asarray(tokens, dtype=np.int64))
+            while len(self._arrays) > 256:
+                del self._arrays[next(iter(self._arrays))]
+        return got[1]
 
     def record(self, slot: int, tokens: list[int], kind: int = 0) -> None:
         """``slot`` holds ``tokens`` (a whole prompt, a head or a prompt and reply: ``kind``) and its rings at their end
