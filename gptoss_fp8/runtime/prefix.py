@@ -73,9 +73,14 @@ class Entry:
         """How many first tokens ``prompt`` (an int64 array) has in common with this entry."""
         if self._array is None:
             self._array = np.asarray(self.tokens, dtype=np.int64)
-        m = min(len(prompt), len(self._array))
-        differ = np.flatnonzero(prompt[:m] != self._array[:m])
-        return int(differ[0]) if differ.size else m
+        return common(prompt, self._array)
+
+
+def common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first tokens the int arrays a and b have in common."""
+    m = min(len(a), len(b))
+    differ = np.flatnonzero(a[:m] != b[:m])
+    return int(differ[0]) if differ.size else m
 
 
 @dataclass
@@ -177,7 +182,7 @@ class PrefixCache:
         if not near:
             return False
         mine = self._array(prompt)
-        return any(Entry(-1, p, _array=self._array(p)).shared(mine) >= need for p in near)
+        return any(common(self._array(p), mine) >= need for p in near)
 
     def _array(self, tokens: list[int]) -> np.ndarray:
         """``tokens`` as an int64 array, kept for the lists asked about lately (a waiting request is asked about at
