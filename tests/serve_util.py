@@ -42,3 +42,45 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def scripted(engine, monkeypatch):
+    """-> script(text): every request then gets text's ids as its reply (the engine's sampler replaced: the synthetic
+    weights give noise, so a test of the Harmony mechanics scripts the model's choices, each token with log-probability
+    -0.5 and alternatives t + 1, t + 2 at -1.5, -2.5); it returns the list of the prompts the engine saw, which fills
+    as requests come."""
+    from gptoss_fp8.serve.harmony import encoding
+
+    def set_script(text: str) -> list[list[int]]:
+        ids = encoding().encode(text, allowed_special="all")
+        going, prompts = {}, []
+
+        def sampler(logits, seqs):
+            out = []
+            for s in seqs:
+                if s.id not in going:
+                    going[s.id] = iter(ids)
+                    prompts.append(list(s.prompt))
+                out.append(next(going[s.id], 0))
+            lps = [-0.5] * len(seqs) if any(s.params.logprobs for s in seqs) else None
+            return out, lps, [[(t, -0.5), (t + 1, -1.5), (t + 2, -2.5)] for t in out]  # (each token's alternatives)
+
+        monkeypatch.setattr(engine, "sampler", sampler)
+        return prompts
+
+    return set_script
+
+
+def wait_idle(server, timeout=10.0) -> str:
+    """Until no request runs and no KV slot is in use (-> the /metrics text then); AssertionError after ``timeout``."""
+    import time
+
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        m = httpx.get(server.url + "/metrics").text
+        if metric(m, "gptoss_kv_slots_used") == 0 and metric(m, "gptoss_requests_running") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("KV slots still in use:\n" + m)

@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from serve_util import MODEL, metric, running_server
+from serve_util import MODEL, metric, running_server, scripted, wait_idle
 
 from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.runtime.prefix import MIN_SHARED
@@ -36,28 +36,7 @@ def client(server):
 @pytest.fixture
 def script(server, monkeypatch):
     """script(text) -> the prompts the engine saw; every request then gets text's ids as its reply."""
-    from gptoss_fp8.serve.harmony import encoding
-
-    engine = server.served.engine
-
-    def set_script(text: str) -> list[list[int]]:
-        ids = encoding().encode(text, allowed_special="all")
-        going, prompts = {}, []
-
-        def sampler(logits, seqs):
-            out = []
-            for s in seqs:
-                if s.id not in going:
-                    going[s.id] = iter(ids)
-                    prompts.append(list(s.prompt))
-                out.append(next(going[s.id], 0))
-            lps = [-0.5] * len(seqs) if any(s.params.logprobs for s in seqs) else None
-            return out, lps, [[(t, -0.5), (t + 1, -1.5), (t + 2, -2.5)] for t in out]  # (each token's alternatives)
-
-        monkeypatch.setattr(engine, "sampler", sampler)
-        return prompts
-
-    return set_script
+    return scripted(server.served.engine, monkeypatch)
 
 
 def _user(text):
@@ -194,7 +173,7 @@ def test_stop_sequences_cut_the_reply_and_free_the_slot(server, client, script):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world. "
     r = client.completions.create(model=MODEL, prompt="Say hello", stop=[" world"], max_tokens=64)
     assert r.choices[0].text == "<|channel|>final<|message|>Hello" and r.choices[0].finish_reason == "stop"
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_n_choices_are_the_requests_with_seeds_seed_plus_i(server, client):
@@ -211,7 +190,7 @@ def test_n_choices_are_the_requests_with_seeds_seed_plus_i(server, client):
             texts[ch.index] += ch.text
             ends[ch.index] += [ch.finish_reason] if ch.finish_reason else []
     assert texts == alone and ends == [["length"]] * 3 and chunks[-1].usage.completion_tokens == 30
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_n_choices_stop_each_on_its_own(server, client, script):
@@ -224,7 +203,7 @@ def test_n_choices_stop_each_on_its_own(server, client, script):
         mine = [ch for c in chunks for ch in c.choices if ch.index == i]
         assert mine[0].delta.role == "assistant" and [ch.finish_reason for ch in mine if ch.finish_reason] == ["stop"]
         assert "".join(ch.delta.content or "" for ch in mine) == "Hello world. "
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
@@ -246,7 +225,7 @@ def test_a_conversations_next_turn_reuses_its_prompt(server, client, script):
     assert second[:len(first) + len(reply)] == first + reply
     assert chunks[-1].usage.prompt_tokens == len(second)
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(first) + len(reply)
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert metric(m, "gptoss_prompt_cached_tokens_total") == (before + r.usage.prompt_tokens_details.cached_tokens
                                                               + len(first) + len(reply))
 
@@ -262,7 +241,7 @@ def test_conversations_with_the_same_instructions_share_their_head(server, clien
     assert seen[1][:head] == seen[0][:head] and seen[1][head:] != seen[0][head:]
     assert r1.usage.prompt_tokens_details.cached_tokens in (0, _SYSTEM)  # (the system message alone: another's head)
     assert r2.usage.prompt_tokens_details.cached_tokens == head and r2.choices[0].message.content == "Yes."
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_a_document_asked_about_again_reuses_the_shared_part(server, client, script):
@@ -274,7 +253,7 @@ def test_a_document_asked_about_again_reuses_the_shared_part(server, client, scr
     rebuild = 15  # the ring of the one sliding layer (window 16) rebuilt from the last 15 shared tokens
     assert shared - rebuild > max(_SYSTEM, MIN_SHARED) and r1.choices[0].message.content == "Yes."
     assert r2.usage.prompt_tokens_details.cached_tokens == shared - rebuild and r2.choices[0].message.content == "Yes."
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def harmony_head(*system: dict) -> list[int]:
@@ -285,18 +264,6 @@ def harmony_head(*system: dict) -> list[int]:
 
 
 _SYSTEM = len(harmony_head())  # Harmony's system message, the head of a chat without instructions
-
-def _wait_idle(server, timeout=10.0):
-    import time
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        m = httpx.get(server.url + "/metrics").text
-        if metric(m, "gptoss_kv_slots_used") == 0 and metric(m, "gptoss_requests_running") == 0:
-            return m
-        time.sleep(0.05)
-    raise AssertionError("KV slots still in use:\n" + m)
-
 
 def test_completions_from_token_ids_equal_generate(server, client):
     model = server.served.engine.runner.model
@@ -366,7 +333,7 @@ def test_queue_full_is_429_with_retry_after(server, monkeypatch):
         r = c.post("/v1/completions", json={**body, "stream": False})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert "all 4 KV slots are taken" in r.json()["error"]["message"]
-    _wait_idle(server)  # the 4 streams closed: cancelled, their slots free
+    wait_idle(server)  # the 4 streams closed: cancelled, their slots free
 
 
 def test_a_request_that_raises_fails_alone(server, monkeypatch):
@@ -397,7 +364,7 @@ def test_a_request_that_raises_fails_alone(server, monkeypatch):
     good, bad = asyncio.run(main())
     assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 20
-    assert 'reason="error"' in _wait_idle(server)
+    assert 'reason="error"' in wait_idle(server)
 
 
 def test_api_key_guards_every_route_but_health(harmony_ckpt):

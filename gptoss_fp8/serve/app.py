@@ -6,7 +6,8 @@ fit, 429 when the queue is full), then the engine's events for it: the engine's 
 each step's new ids with the request's ``Listener`` and wakes the event loop once per step for
 all requests (``Outbox``); the handler takes every id it got since it last looked (one SSE
 write per wake-up, however many tokens), ids in, text / reasoning / tool-call deltas out
-(``_CompletionReply``, ``_ChatReply``; one SSE generator for both). A client that goes away (a
+(``_CompletionReply``, ``_ChatReply``; one SSE generator for both; the Responses API's items and events:
+serve/responses.py, with its stored responses). A client that goes away (a
 failed send, or ``is_disconnected`` polled while waiting) cancels its request, which frees its
 KV slot at the next step boundary. A request the engine
 failed is a 500 for it alone (or an error event mid-stream).
@@ -15,10 +16,12 @@ failed is a 500 for it alone (or an error event mid-stream).
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -30,7 +33,8 @@ from gptoss_fp8.runtime.sampling import SamplingParams
 from gptoss_fp8.runtime.scheduler import QueueFull
 from gptoss_fp8.runtime.sequence import Sequence
 from gptoss_fp8.serve import harmony
-from gptoss_fp8.serve.schema import ChatRequest, CompletionRequest, parse
+from gptoss_fp8.serve.responses import ResponseReply, ResponseStore, chat_tools, input_messages, new_response
+from gptoss_fp8.serve.schema import ChatRequest, CompletionRequest, ResponsesRequest, parse
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -220,31 +224,35 @@ def create_app(served: Served) -> FastAPI:
     async def metrics():
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
-    def submit(prompt: list[int], req, stop_ids: tuple[int, ...], logprobs: bool,
-               top_logprobs: int, keep: int = 0) -> list[tuple[Sequence, Listener]]:
-        """The request's ``n`` choices, each a sequence of its own (choice i's seed: ``seed + i``); ``keep``: the
-        prompt's head the prefix cache keeps for other requests (a chat's system and developer messages)."""
-        if req.model != served.model_name:
-            raise HttpError(404, f"model {req.model!r} is not served here; this server serves {served.model_name!r}",
-                            "not_found_error")
-        if req.n > engine.slots.total:
-            raise HttpError(400, f"n {req.n}: this server runs at most {engine.slots.total} sequences at once "
-                                 "(--max-batch); ask for fewer choices")
+    def sampling(req, prompt: list[int], stop_ids: tuple[int, ...], logprobs: bool,
+                 top_logprobs: int) -> Callable[[int], SamplingParams]:
+        """A chat or completions request's ``SamplingParams`` of choice i (its seed: ``seed + i``)."""
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, engine.max_context - len(prompt))
-        added: list[tuple[Sequence, Listener]] = []
-        try:
-            for i in range(req.n):
-                params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        return lambda i: SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                         seed=None if req.seed is None else req.seed + i,
                                         stop_token_ids=() if req.ignore_eos else stop_ids, logprobs=logprobs,
                                         top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
                                         logit_bias=tuple(sorted((req.logit_bias or {}).items())),
                                         repetition_penalty=req.repetition_penalty)
+
+    def submit(prompt: list[int], model: str, n: int, params: Callable[[int], SamplingParams],
+               keep: int = 0) -> list[tuple[Sequence, Listener]]:
+        """A request's ``n`` choices, each a sequence of its own with ``params(i)``; ``keep``: the prompt's head the
+        prefix cache keeps for other requests (a chat's system and developer messages)."""
+        if model != served.model_name:
+            raise HttpError(404, f"model {model!r} is not served here; this server serves {served.model_name!r}",
+                            "not_found_error")
+        if n > engine.slots.total:
+            raise HttpError(400, f"n {n}: this server runs at most {engine.slots.total} sequences at once "
+                                 "(--max-batch); ask for fewer choices")
+        added: list[tuple[Sequence, Listener]] = []
+        try:
+            for i in range(n):
                 listener = Listener(outbox())
-                added.append((engine.add(prompt, params, listener, keep=keep), listener))
+                added.append((engine.add(prompt, params(i), listener, keep=keep), listener))
         except (QueueFull, GptOssFp8Error) as e:
             for seq, _ in added:  # (all of the request's choices or none)
                 engine.cancel(seq)
@@ -399,7 +407,8 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
-        choice = submit(prompt, req, harmony.STOP_IDS, req.logprobs, req.top_logprobs or 0, keep=head)
+        choice = submit(prompt, req.model, req.n, sampling(req, prompt, harmony.STOP_IDS, req.logprobs,
+                                                           req.top_logprobs or 0), keep=head)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, choice, [_ChatReply(req.stop or [], req.logprobs) for _ in choice], head)
 
@@ -411,11 +420,101 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(400, str(e)) from None
         prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
         prompt = list(prompt)
-        choice = submit(prompt, req, (*harmony.STOP_IDS, harmony.ENDOFTEXT), req.logprobs is not None, req.logprobs or 0)
+        choice = submit(prompt, req.model, req.n, sampling(req, prompt, (*harmony.STOP_IDS, harmony.ENDOFTEXT),
+                                                           req.logprobs is not None, req.logprobs or 0))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, choice,
                            [_CompletionReply(req.stop or [], req.logprobs is not None, req.logprobs or 0) for _ in choice],
                            head)
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        try:
+            req = parse(ResponsesRequest, await request.body())
+        except GptOssFp8Error as e:
+            raise HttpError(400, str(e)) from None
+        previous = []
+        if req.previous_response_id is not None:
+            got = stored.get(req.previous_response_id)
+            if got is None:
+                raise HttpError(404, f"previous_response_id {req.previous_response_id!r}: no such response is stored "
+                                     f"here (this server keeps the latest {stored.limit} responses made with store "
+                                     "true, in memory); send the whole conversation as input instead",
+                                "not_found_error")
+            previous = got[1]
+        try:
+            conversation = [*previous, *input_messages(req.input)]
+            head = [{"role": "developer", "content": req.instructions}] if req.instructions else []
+            prompt, keep = harmony.render_chat_head(head + conversation,
+                                                    None if req.tool_choice == "none" else chat_tools(req.tools),
+                                                    req.reasoning.effort if req.reasoning else None)
+        except GptOssFp8Error as e:
+            raise HttpError(400, str(e)) from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise HttpError(400, f"input: cannot be rendered as a Harmony conversation ({e})") from None
+        include = set(req.include or ())
+        logprobs = "message.output_text.logprobs" in include
+        max_tokens = req.max_output_tokens or max(1, engine.max_context - len(prompt))
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                stop_token_ids=harmony.STOP_IDS, logprobs=logprobs,
+                                top_logprobs=(req.top_logprobs or 0) if logprobs else 0)
+        ((seq, listener),) = submit(prompt, req.model, 1, lambda i: params, keep=keep)
+        out = ResponseReply(new_response(req, served.model_name), logprobs, req.top_logprobs or 0,
+                            "reasoning.encrypted_content" in include)
+
+        def done(ev: Event) -> dict:
+            response = out.finish(ev, len(prompt), seq.cached)
+            if req.store and ev.finish != "error":
+                stored.put(response, conversation + out.conversation())
+            return response
+
+        gen = events(seq, listener, request)
+        if not req.stream:
+            last = None
+            try:
+                async for ev in gen:
+                    out.feed(ev)
+                    last = ev
+            finally:
+                await gen.aclose()
+            if last is None or not last.finished:
+                return _error(499, "client closed the request", "cancelled")
+            if last.finish == "error":
+                raise HttpError(500, last.error or "the request failed", "server_error")
+            return done(last)
+
+        async def sse():  # (created at once: a failure after it is a response.failed event)
+            out.emit("response.created", response=copy.deepcopy(out.response))
+            out.emit("response.in_progress", response=copy.deepcopy(out.response))
+            try:
+                yield "".join(f"event: {e['type']}\ndata: {_JSON.encode(e)}\n\n" for e in out.take())
+                async for ev in gen:
+                    out.feed(ev)
+                    if ev.finished:
+                        done(ev)
+                    yield "".join(f"event: {e['type']}\ndata: {_JSON.encode(e)}\n\n" for e in out.take())
+            finally:
+                await gen.aclose()
+                if not seq.finished:  # (the client left, maybe before the events began)
+                    engine.cancel(seq)
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        got = stored.get(rid)
+        if got is None:
+            raise HttpError(404, f"response {rid!r} is not stored here (kept in memory: the latest {stored.limit} "
+                                 "made with store true)", "not_found_error")
+        return got[0]
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        if not stored.pop(rid):
+            raise HttpError(404, f"response {rid!r} is not stored here", "not_found_error")
+        return {"id": rid, "object": "response.deleted", "deleted": True}
 
     return app
 
@@ -523,7 +622,7 @@ class _ChatReply(_Reply):
                 if d.kind == "content":
                     text, self.hit = self.stop.push(d.text)
                     if text:
-                        self._text("content", text, None if lp is None else _token_logprob(tok, lp, top))
+                        self._text("content", text, None if lp is None else harmony.token_logprob(tok, lp, top))
                     if self.hit:
                         break
                 elif d.kind == "reasoning":
@@ -531,7 +630,7 @@ class _ChatReply(_Reply):
                 elif d.kind == "tool_call":
                     self.deltas.append({"tool_calls": [{"index": d.index, "id": f"call_{uuid.uuid4().hex[:24]}",
                                                         "type": "function", "function": {"name": d.name, "arguments": ""}}]})
-                else:
+                elif d.kind == "tool_args":
                     last = self.deltas[-1]["tool_calls"][0] if self.deltas and "tool_calls" in self.deltas[-1] else None
                     if last is not None and last["index"] == d.index and "id" not in last:
                         last["function"]["arguments"] += d.text
@@ -577,18 +676,6 @@ class _ChatReply(_Reply):
                                      for c in self.reply.tool_calls]
         return {"index": self.index, "message": message, "finish_reason": self._reason(ev),
                 "logprobs": {"content": self.lps} if self.logprobs else None}
-
-
-def _token_logprob(tok: int, lp: float, top: list[tuple[int, float]] = ()) -> dict:
-    """Chat's entry for one token: its text, log-probability and bytes (the token's own: part of a
-    character too), with its alternatives the same way."""
-    entry = _token_entry(tok, lp)
-    entry["top_logprobs"] = [_token_entry(t, v) for t, v in top]
-    return entry
-
-
-def _token_entry(tok: int, lp: float) -> dict:
-    return {"token": harmony.token_text(tok), "logprob": lp, "bytes": list(harmony.token_bytes(tok))}
 
 
 def _top_dict(top: list[tuple[int, float]]) -> dict[str, float]:

@@ -131,6 +131,18 @@ def token_text(tok: int) -> str:
     return encoding().decode([tok])
 
 
+def token_logprob(tok: int, lp: float, top: list[tuple[int, float]] = ()) -> dict:
+    """The chat and Responses APIs' entry for one token: its text, log-probability and bytes (the token's own: part of
+    a character too), with its alternatives the same way."""
+    entry = _token_entry(tok, lp)
+    entry["top_logprobs"] = [_token_entry(t, v) for t, v in top]
+    return entry
+
+
+def _token_entry(tok: int, lp: float) -> dict:
+    return {"token": token_text(tok), "logprob": lp, "bytes": list(token_bytes(tok))}
+
+
 class TextStream:
     """Generated ids -> text pieces, one id at a time, in O(1) per id: each id's bytes through an
     incremental UTF-8 decoder, so a character split across ids comes out with its last byte and
@@ -150,12 +162,14 @@ class TextStream:
 @dataclass
 class Delta:
     """One piece of a reply: ``kind`` content / reasoning / tool_call (a new call: ``name``) /
-    tool_args (more of call ``index``'s arguments)."""
+    tool_args (more of call ``index``'s arguments) / end (the Harmony message the pieces before it belong to ended:
+    the Responses API makes each message an output item of its own)."""
 
     kind: str
     text: str = ""
     index: int = 0
     name: str = ""
+    channel: str | None = None  # content: the Harmony channel it came on (final, commentary; None: no channel)
 
 
 @dataclass
@@ -166,6 +180,7 @@ class ReplyStream:
     raw: TextStream | None = None  # not Harmony: the ids since the switch, decoded as plain text
     calls: int = 0
     _in_call: bool = False
+    _ended: int = 0  # Harmony messages ended so far
     _recipient: str | None = None
     tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments"} in order
 
@@ -201,7 +216,10 @@ class ReplyStream:
             elif self.parser.current_channel == "analysis":
                 out.append(Delta("reasoning", piece))
             elif rec is None or rec == "assistant" or rec == "user":
-                out.append(Delta("content", piece))
+                out.append(Delta("content", piece, channel=self.parser.current_channel))
+        if len(self.parser.messages) > self._ended:
+            self._ended = len(self.parser.messages)
+            out.append(Delta("end"))
         return out
 
     def _raw(self, tok: int) -> list[Delta]:

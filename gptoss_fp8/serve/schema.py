@@ -115,3 +115,89 @@ def parse(cls: type[_Strict], body: bytes) -> _Strict:
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
         raise GptOssFp8Error(f"{where}: {msg}{more}".replace("\n", " ")) from None
+
+
+class Reasoning(_Strict):
+    effort: Literal["low", "medium", "high"] | None = None
+    # (accepted for the clients that send one, Codex among them: the model writes no summaries, so ``summary`` stays
+    # [] and its raw reasoning comes as the reasoning item's ``content``, as OpenAI specifies for open-weight models)
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"] = "text"
+
+
+class TextConfig(_Strict):
+    format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: bool = True
+
+
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``: OpenAI's Responses API, the one gpt-oss was made for (serve/responses.py).
+    Accepted at their neutral value only: ``background`` false, ``truncation`` disabled, ``text.format`` text."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    reasoning: Reasoning | None = None
+    text: TextConfig | None = None
+    include: list[Literal[INCLUDABLE]] | None = None  # type: ignore[valid-type]
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    truncation: Literal["disabled"] | None = None
+    background: Literal[False] = False
+    service_tier: Literal["auto", "default"] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # (the prefix cache needs no key: any earlier prompt's start is found)
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the input is empty")
+            for i, item in enumerate(v):
+                kind = item.get("type", "message")
+                if kind == "message" and "role" not in item:
+                    raise ValueError(f"item {i} is a message without a role")
+                if kind not in ("message", "reasoning", "function_call", "function_call_output"):
+                    raise ValueError(f"item {i} of type {kind!r}: give message, reasoning, function_call or "
+                                     "function_call_output items")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        for i, t in enumerate(v or []):
+            if t.get("type") != "function" or "name" not in t:
+                raise ValueError(f"tool {i}: only function tools are served, as {{'type': 'function', 'name': ..., "
+                                 "'parameters': ...}} (built-in tools such as web search run in the client)")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is not None and len(v) > 16:
+            raise ValueError("at most 16 keys")
+        return v

@@ -1,0 +1,274 @@
+"""OpenAI's Responses API (``POST /v1/responses``; ``GET`` / ``DELETE /v1/responses/{id}``): the API gpt-oss was
+trained for, over the same engine as the chat API.
+
+Input (``messages``): ``instructions`` become the developer message's, then a stored previous response's
+conversation (``previous_response_id``: its input and output items; its ``instructions`` are not carried over, as
+OpenAI's API does), then the request's items: messages (system / developer text joins the instructions), reasoning
+items (their ``reasoning_text`` content, or the ``encrypted_content`` this server wrote), function calls and their
+outputs. They become chat messages for ``harmony.render_chat_head``, so the prompt is the one a chat request with the
+same conversation gets (and the prefix cache reuses a previous turn's prompt and reply the same way).
+
+Output (``ResponseReply``): the reply's ids through Harmony (``harmony.ReplyStream``), each Harmony message an output
+item: the ``analysis`` channel a ``reasoning`` item (its text as ``content`` of ``reasoning_text``: the model writes no
+summaries, so ``summary`` is []), text on the ``final`` or ``commentary`` channel a ``message`` item (``phase``
+``final_answer`` / ``commentary``: a preamble before tool calls), a message to ``functions.NAME`` a ``function_call``
+item. Streamed, the events are OpenAI's: ``response.created``, ``response.in_progress``, then per item
+``response.output_item.added``, its content part's ``added``, the text's ``delta`` events, their ``done``,
+``response.output_item.done``, and at the end ``response.completed`` (``response.incomplete`` with
+``incomplete_details.reason`` ``max_output_tokens`` at the token limit, ``response.failed`` if the engine failed the
+request), each with a ``sequence_number``.
+
+Stored responses (``store``, OpenAI's default true) are kept in this process's memory (``ResponseStore``: the latest
+``STORED`` of them), not on disk: a restarted server has none, and an unknown ``previous_response_id`` is a 404.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import time
+import uuid
+from collections import OrderedDict
+
+from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.serve import harmony
+
+STORED = 4096  # responses kept for previous_response_id / GET, least recently stored dropped first
+_OPAQUE = "gptoss-fp8:"  # encrypted_content's prefix: the reasoning's text, base64, not encrypted (module docstring)
+
+
+def _text(content, where: str) -> str:
+    """An item's content: a string or a list of text parts (input_text, output_text, text, refusal)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for part in content:
+        kind = part.get("type")
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            raise GptOssFp8Error(f"{where}: a content part of type {kind!r}; only text is supported")
+        out.append(part.get("refusal" if kind == "refusal" else "text") or "")
+    return "".join(out)
+
+
+def _reasoning(item: dict, where: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else the ``encrypted_content`` this server wrote,
+    else its summary's text."""
+    if item.get("content"):
+        return "".join(part.get("text", "") for part in item["content"])
+    sealed = item.get("encrypted_content")
+    if sealed:
+        if not sealed.startswith(_OPAQUE):
+            raise GptOssFp8Error(f"{where}: encrypted_content this server did not write (another provider's): send "
+                                 "the item's content instead, or leave the item out")
+        return base64.b64decode(sealed[len(_OPAQUE):]).decode()
+    return "".join(part.get("text", "") for part in item.get("summary") or [])
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """A request's input (a string: one user message) -> chat messages (``harmony.render_chat_head``'s form); one line
+    naming the item when one cannot be."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out = []
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input item {i}"
+        try:
+            if kind == "message":
+                out.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            elif kind == "reasoning":
+                text = _reasoning(item, where)
+                if text:
+                    out.append({"role": "assistant", "reasoning_content": text})
+            elif kind == "function_call":
+                out.append({"role": "assistant", "tool_calls": [
+                    {"id": item["call_id"], "function": {"name": item["name"], "arguments": item.get("arguments", "")}}]})
+            else:  # function_call_output
+                output = item["output"]
+                out.append({"role": "tool", "tool_call_id": item["call_id"],
+                            "content": output if isinstance(output, str) else _text(output, where)})
+        except KeyError as e:
+            raise GptOssFp8Error(f"{where} ({kind}) has no {e.args[0]!r}") from None
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """The Responses API's function tools (flat) in the chat API's form (``{"function": {...}}``)."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+            for t in tools]
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseReply:
+    """One response under construction: ``feed`` each engine Event; ``take`` returns the stream events since the
+    last take; ``finish`` closes the open item and returns the whole response. ``logprobs`` / ``top``: each output
+    text token's log-probability and that many alternatives (``include`` message.output_text.logprobs)."""
+
+    def __init__(self, response: dict, logprobs: bool, top: int, seal: bool):
+        self.response, self.logprobs, self.top, self.seal = response, logprobs, top, seal
+        self.reply = harmony.ReplyStream()
+        self.items: list[dict] = []
+        self.open: dict | None = None
+        self.events: list[dict] = []
+        self.seq = 0  # the next event's sequence_number
+        self.n_out = self.reasoning_tokens = 0
+
+    # --- events ---------------------------------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        self.events.append({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+
+    def take(self) -> list[dict]:
+        out, self.events = self.events, []
+        return out
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _start(self, item: dict) -> None:
+        self._close()
+        item["status"] = "in_progress"
+        self.items.append(item)
+        self.open = item
+        self.emit("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))
+        if item["type"] == "message":
+            self.open["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        elif item["type"] == "reasoning":
+            self.open["content"].append({"type": "reasoning_text", "text": ""})
+        else:
+            return
+        self.emit("response.content_part.added", **self._where(), content_index=0,
+                  part={**self.open["content"][0], "text": ""})
+
+    def _close(self, status: str = "completed") -> None:
+        item = self.open
+        if item is None:
+            return
+        where = self._where()
+        if item["type"] == "function_call":
+            self.emit("response.function_call_arguments.done", **where, arguments=item["arguments"], name=item["name"])
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                self.emit("response.output_text.done", **where, content_index=0, text=part["text"],
+                          logprobs=part["logprobs"])
+            else:
+                self.emit("response.reasoning_text.done", **where, content_index=0, text=part["text"])
+                if self.seal:
+                    item["encrypted_content"] = _OPAQUE + base64.b64encode(part["text"].encode()).decode()
+            self.emit("response.content_part.done", **where, content_index=0, part=copy.deepcopy(part))
+        item["status"] = status
+        self.emit("response.output_item.done", output_index=where["output_index"], item=copy.deepcopy(item))
+        self.open = None
+
+    def _is_open(self, kind: str, phase: str | None = None) -> bool:
+        return self.open is not None and self.open["type"] == kind and self.open.get("phase") == phase
+
+    # --- the engine's tokens --------------------------------------------------------------------
+    def feed(self, ev) -> None:
+        for i, tok in enumerate(ev.new):
+            self.n_out += 1
+            lp = None
+            if self.logprobs and ev.logprobs:
+                lp = harmony.token_logprob(tok, ev.logprobs[i], (ev.top_logprobs[i] if ev.top_logprobs else [])[:self.top])
+            for d in self.reply.push(tok):
+                if d.kind == "reasoning":
+                    if not self._is_open("reasoning"):
+                        self._start({"type": "reasoning", "id": _id("rs"), "summary": [], "content": []})
+                    self.open["content"][0]["text"] += d.text
+                    self.reasoning_tokens += 1
+                    self.emit("response.reasoning_text.delta", **self._where(), content_index=0, delta=d.text)
+                elif d.kind == "content":
+                    phase = "commentary" if d.channel == "commentary" else "final_answer"
+                    if not self._is_open("message", phase):
+                        self._start({"type": "message", "id": _id("msg"), "role": "assistant", "phase": phase,
+                                     "content": []})
+                    part = self.open["content"][0]
+                    part["text"] += d.text
+                    if lp is not None:
+                        part["logprobs"].append(lp)
+                    self.emit("response.output_text.delta", **self._where(), content_index=0, delta=d.text,
+                              logprobs=[lp] if lp is not None else [])
+                    lp = None  # (a token's entry goes with its first piece)
+                elif d.kind == "tool_call":
+                    self._start({"type": "function_call", "id": _id("fc"), "call_id": _id("call"), "name": d.name,
+                                 "arguments": ""})
+                elif d.kind == "tool_args":
+                    self.open["arguments"] += d.text
+                    self.emit("response.function_call_arguments.delta", **self._where(), delta=d.text)
+                elif d.kind == "end":
+                    self._close()
+
+    def finish(self, ev, prompt_tokens: int, cached: int) -> dict:
+        """The response once the engine finished the request (``ev``: its last Event): status completed, or
+        incomplete at the token limit (its open item too), or failed; the closing event queued."""
+        length = ev.finish == "length"
+        self._close("incomplete" if length or ev.finish == "error" else "completed")
+        r = self.response
+        r["output"] = self.items
+        r["completed_at"] = int(time.time())
+        r["usage"] = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": self.n_out, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                      "total_tokens": prompt_tokens + self.n_out}
+        if ev.finish == "error":
+            r["status"], r["error"] = "failed", {"code": "server_error", "message": ev.error or "the request failed"}
+            self.emit("response.failed", response=copy.deepcopy(r))
+        elif length:
+            r["status"], r["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            self.emit("response.incomplete", response=copy.deepcopy(r))
+        else:
+            r["status"] = "completed"
+            self.emit("response.completed", response=copy.deepcopy(r))
+        return r
+
+    def conversation(self) -> list[dict]:
+        """The output items as chat messages: what a next request with ``previous_response_id`` renders after the
+        input."""
+        out = []
+        for item in self.items:
+            if item["type"] == "reasoning":
+                out.append({"role": "assistant", "reasoning_content": item["content"][0]["text"]})
+            elif item["type"] == "message":
+                out.append({"role": "assistant", "content": item["content"][0]["text"]})
+            else:
+                out.append({"role": "assistant", "tool_calls": [
+                    {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}]})
+        return out
+
+
+def new_response(req, model: str) -> dict:
+    """A response object at its start (status in_progress, no output), echoing the request's settings."""
+    return {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "model": model, "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+            "top_logprobs": req.top_logprobs, "truncation": "disabled", "user": req.user, "background": False,
+            "service_tier": "default", "usage": None}
+
+
+class ResponseStore:
+    """Stored responses by id (the event loop's thread only): the response object and its whole conversation (chat
+    messages, instructions left out), the latest ``limit`` of them."""
+
+    def __init__(self, limit: int = STORED):
+        self.limit = limit
+        self._kept: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._kept[response["id"]] = (response, conversation)
+        while len(self._kept) > self.limit:
+            self._kept.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        return self._kept.get(rid)
+
+    def pop(self, rid: str) -> bool:
+        return self._kept.pop(rid, None) is not None

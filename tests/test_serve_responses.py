@@ -1,0 +1,219 @@
+"""gptoss-fp8 serve's Responses API (POST /v1/responses, GET / DELETE /v1/responses/{id}) through the official openai
+client against a real uvicorn server on loopback: output items from Harmony (reasoning, messages with their phase,
+function calls), OpenAI's stream events (checked by the client's own stream accumulator), a tool-call round trip
+through previous_response_id, the token limit, stored responses, logprobs, reasoning passed back, bad input.
+
+The synthetic weights give noise, so the model's choices are scripted (serve_util.scripted); the rendering, parsing,
+streaming and storing are real."""
+
+import json
+
+import httpx
+import openai
+import pytest
+from serve_util import MODEL, metric, running_server, scripted, wait_idle
+
+from gptoss_fp8.serve import harmony
+from gptoss_fp8.verify import generate as gen
+
+pytest.importorskip("openai_harmony")
+
+REASONED = ("<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>2 + 2 = 4.<|return|>")
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+        "Checking the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+        '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+@pytest.fixture(scope="module")
+def server(harmony_ckpt):
+    with running_server(harmony_ckpt, max_batch=2, max_context=512, chunk=64) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def script(server, monkeypatch):
+    return scripted(server.served.engine, monkeypatch)
+
+
+def _ids(text):
+    return gen._encoding().encode(text, allowed_special="all")
+
+
+def test_reasoning_and_answer_plain_and_streamed(server, client, script):
+    seen = script(REASONED)
+    r = client.responses.create(model=MODEL, input="What is 2+2?", instructions="Be brief.",
+                                reasoning={"effort": "low"}, max_output_tokens=64)
+    assert r.status == "completed" and r.output_text == "2 + 2 = 4." and r.error is None
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [c.text for c in reasoning.content] == ["User asks 2+2. Answer 4."] and reasoning.encrypted_content is None
+    assert message.type == "message" and message.phase == "final_answer" and message.status == "completed"
+    assert r.usage.input_tokens == len(seen[0]) and r.usage.output_tokens == len(_ids(REASONED))
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the prompt is the chat API's rendering of the same conversation
+    want, _ = harmony.render_chat_head([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "What is 2+2?"}], None, "low")
+    assert seen[0] == want and "Reasoning: low" in gen._encoding().decode(seen[0])
+
+    with client.responses.stream(model=MODEL, input="What is 2+2?", instructions="Be brief.",
+                                 reasoning={"effort": "low"}, max_output_tokens=64) as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # the client's own accumulation of the events
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "User asks 2+2. Answer 4."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "2 + 2 = 4."
+    assert final.output_text == "2 + 2 = 4." and final.usage.output_tokens == r.usage.output_tokens
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.id != r.id
+
+
+def test_a_tool_call_round_trip_through_previous_response_id(server, client, script):
+    seen = script(CALL)
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", instructions="Answer in Celsius.", tools=TOOLS)
+    assert [item.type for item in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[1].phase == "commentary" and r.output[1].content[0].text == "Checking the weather."
+    call = r.output[2]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and r.status == "completed" and r.output_text == "Checking the weather."
+    first = seen[0]
+    assert "type get_weather = (_: {" in gen._encoding().decode(first)
+
+    seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
+    r2 = client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS,
+                                 input=[{"type": "function_call_output", "call_id": call.call_id,
+                                         "output": '{"celsius": 21}'}])
+    assert r2.output_text == "It is 21 C in Paris." and r2.previous_response_id == r.id
+    prompt = seen[0]
+    # the stored conversation's rendering: the first turn's input (its instructions not carried over, as OpenAI's API
+    # does), its output items, then the call's output
+    want, _ = harmony.render_chat_head([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "Need the weather."},
+        {"role": "assistant", "content": "Checking the weather."},
+        {"role": "assistant", "tool_calls": [{"id": call.call_id, "function": {"name": "get_weather",
+                                                                            "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 21}'}],
+        [{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}])
+    assert prompt == want
+    text = gen._encoding().decode(prompt)
+    assert "Answer in Celsius." not in text and '{"celsius": 21}' in text and "Need the weather." in text
+    # the same conversation sent whole (the client's items back as input) renders the same prompt
+    seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
+    items = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True) for item in r.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}]
+    r3 = client.responses.create(model=MODEL, input=items, tools=TOOLS, store=False)
+    assert seen[0] == prompt and r3.output_text == r2.output_text
+
+    # streamed: the call's arguments as deltas, then done with the whole of them
+    script(CALL)
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=TOOLS) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    args = [e for e in events if e.type.startswith("response.function_call_arguments")]
+    assert "".join(e.delta for e in args[:-1]) == args[-1].arguments == call.arguments
+    assert final.output[2].arguments == call.arguments and final.output[2].status == "completed"
+
+
+def test_the_token_limit_is_an_incomplete_response(client, script):
+    script(REASONED)
+    r = client.responses.create(model=MODEL, input="What is 2+2?", max_output_tokens=4)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 4 and r.output[-1].status == "incomplete"
+    script(REASONED)
+    events = list(client.responses.create(model=MODEL, input="What is 2+2?", max_output_tokens=4, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
+
+
+def test_stored_responses_get_delete_and_store_false(server, client, script):
+    script(REASONED)
+    r = client.responses.create(model=MODEL, input="What is 2+2?", metadata={"k": "v"})
+    got = client.responses.retrieve(r.id)
+    assert got.output_text == r.output_text and got.metadata == {"k": "v"} and got.usage == r.usage
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError, match="not stored here"):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        client.responses.create(model=MODEL, input="and 3+3?", previous_response_id=r.id)
+    script(REASONED)
+    r = client.responses.create(model=MODEL, input="What is 2+2?", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def test_output_text_logprobs_and_reasoning_passed_back_sealed(client, script):
+    script(REASONED)
+    r = client.responses.create(model=MODEL, input="What is 2+2?", top_logprobs=2,
+                                include=["message.output_text.logprobs", "reasoning.encrypted_content"])
+    lps = r.output[1].content[0].logprobs  # one per token of the answer, the sampler's first 2 alternatives
+    assert "".join(lp.token for lp in lps) == "2 + 2 = 4." and {lp.logprob for lp in lps} == {-0.5}
+    assert all(len(lp.top_logprobs) == 2 for lp in lps)
+    sealed = r.output[0].encrypted_content
+    assert sealed and "User asks" not in sealed
+    # a client that keeps nothing but the sealed reasoning (store false, Codex's way) sends it back
+    seen = script(CALL)
+    item = {"type": "reasoning", "id": r.output[0].id, "summary": [], "encrypted_content": sealed}
+    client.responses.create(model=MODEL, store=False, input=[
+        {"role": "user", "content": "What is 2+2?"}, item,
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}], tools=TOOLS)
+    assert "User asks 2+2. Answer 4." in gen._encoding().decode(seen[0])
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "temprature": 1}, "temprature: unknown field"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "tool_call_id 'nope'"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]}, "another provider"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "has no 'call_id'"),
+])
+def test_bad_requests_are_one_line_400s(server, body, where):
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert where in msg and "\n" not in msg, msg
+
+
+def test_a_failed_request_and_a_client_that_leaves(server, client, script, monkeypatch):
+    runner = server.served.engine.runner
+
+    def fault(*a, **kw):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(runner, "prefill", fault)
+    monkeypatch.setattr(runner, "prefill_many", fault)
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        client.responses.create(model=MODEL, input="hi")
+    events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert "injected fault" in events[-1].response.error.message and events[-1].response.status == "failed"
+    monkeypatch.undo()
+    script("<|channel|>final<|message|>" + "la " * 400 + "<|return|>")
+    before = _cancelled(wait_idle(server))
+    with httpx.stream("POST", server.url + "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}) as r:
+        assert next(r.iter_lines()) == "event: response.created"  # then the client leaves
+    m = wait_idle(server)  # its request was cancelled, not run to its 400 tokens
+    assert _cancelled(m) == before + 1
+
+
+def _cancelled(metrics: str) -> float:
+    try:
+        return metric(metrics, 'gptoss_requests_finished_total{reason="cancelled"}')
+    except KeyError:
+        return 0
