@@ -90,29 +90,37 @@ def test_a_tool_call_round_trip_through_previous_response_id(server, client, scr
     assert "type get_weather = (_: {" in gen._encoding().decode(first)
 
     seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
-    r2 = client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS,
+    r2 = client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, instructions="Answer in Celsius.",
                                  input=[{"type": "function_call_output", "call_id": call.call_id,
                                          "output": '{"celsius": 21}'}])
     assert r2.output_text == "It is 21 C in Paris." and r2.previous_response_id == r.id
     prompt = seen[0]
-    # the stored conversation's rendering: the first turn's input (its instructions not carried over, as OpenAI's API
-    # does), its output items, then the call's output
+    # the stored conversation's rendering: the first turn's input, its output items, then the call's output
     want, _ = harmony.render_chat_head([
+        {"role": "system", "content": "Answer in Celsius."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "reasoning_content": "Need the weather."},
-        {"role": "assistant", "content": "Checking the weather."},
+        {"role": "assistant", "content": "Checking the weather.", "channel": "commentary"},
         {"role": "assistant", "tool_calls": [{"id": call.call_id, "function": {"name": "get_weather",
                                                                             "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 21}'}],
         [{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}])
-    assert prompt == want
     text = gen._encoding().decode(prompt)
-    assert "Answer in Celsius." not in text and '{"celsius": 21}' in text and "Need the weather." in text
+    assert prompt == want and '{"celsius": 21}' in text
+    assert "<|channel|>commentary<|message|>Checking the weather.<|end|>" in text  # the preamble stays one
+    # the prefix cache gave back the first turn's prompt and its reply up to where Harmony's rendering of the call
+    # differs from the model's own tokens (the recipient before the channel)
+    assert len(first) < r2.usage.input_tokens_details.cached_tokens < len(prompt)
+    # the first turn's instructions are not carried over (as in OpenAI's API)
+    seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
+    client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS,
+                            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}])
+    assert "Answer in Celsius." not in gen._encoding().decode(seen[0]) and seen[0] != prompt
     # the same conversation sent whole (the client's items back as input) renders the same prompt
     seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
     items = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True) for item in r.output],
              {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}]
-    r3 = client.responses.create(model=MODEL, input=items, tools=TOOLS, store=False)
+    r3 = client.responses.create(model=MODEL, input=items, tools=TOOLS, store=False, instructions="Answer in Celsius.")
     assert seen[0] == prompt and r3.output_text == r2.output_text
 
     # streamed: the call's arguments as deltas, then done with the whole of them

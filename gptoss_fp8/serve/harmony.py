@@ -103,8 +103,9 @@ def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
                 out.append(Message.from_role_and_content(Role.ASSISTANT, call["function"].get("arguments", ""))
                            .with_channel("commentary").with_recipient(f"functions.{name}")
                            .with_content_type("<|constrain|>json"))
-            if _text(m.get("content")):
-                out.append(Message.from_role_and_content(Role.ASSISTANT, _text(m.get("content"))).with_channel("final"))
+            if _text(m.get("content")):  # (``channel``: the Responses API's commentary preamble, serve/responses.py)
+                out.append(Message.from_role_and_content(Role.ASSISTANT, _text(m.get("content")))
+                           .with_channel(m.get("channel", "final")))
         elif role == "tool":
             name = m.get("name") or call_names.get(m.get("tool_call_id", ""))
             if name is None:

@@ -75,6 +75,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         try:
             if kind == "message":
                 out.append({"role": item["role"], "content": _text(item.get("content"), where)})
+                if item["role"] == "assistant" and item.get("phase") == "commentary":  # a preamble stays one
+                    out[-1]["channel"] = "commentary"
             elif kind == "reasoning":
                 text = _reasoning(item, where)
                 if text:
@@ -233,7 +235,8 @@ class ResponseReply:
             if item["type"] == "reasoning":
                 out.append({"role": "assistant", "reasoning_content": item["content"][0]["text"]})
             elif item["type"] == "message":
-                out.append({"role": "assistant", "content": item["content"][0]["text"]})
+                out.append({"role": "assistant", "content": item["content"][0]["text"],
+                            "channel": "commentary" if item["phase"] == "commentary" else "final"})
             else:
                 out.append({"role": "assistant", "tool_calls": [
                     {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}]})
