@@ -183,8 +183,7 @@ def test_output_text_logprobs_and_reasoning_passed_back_sealed(client, script):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "temprature": 1}, "temprature: unknown field"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "tool_call_id 'nope'"),
@@ -225,3 +224,75 @@ def _cancelled(metrics: str) -> float:
         return metric(metrics, 'gptoss_requests_finished_total{reason="cancelled"}')
     except KeyError:
         return 0
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "color": {"enum": ["red", "green"]}},
+          "required": ["n", "color"], "additionalProperties": False}
+
+
+@pytest.fixture
+def ending(server, monkeypatch):
+    """The real sampler (the grammar's masks applied) on logits favouring <|end|>, so that the random weights' reasoning
+    and preambles end and the reply reaches its final message or call."""
+    engine = server.served.engine
+    real = engine.sampler
+
+    def sampler(logits, seqs):
+        logits = logits.float().clone()
+        logits[:, 200007] += 1e4  # (the random weights' logits are large)
+        return real(logits, seqs)
+
+    monkeypatch.setattr(engine, "sampler", sampler)
+
+
+def _fits(text):
+    body = json.loads(text)
+    assert set(body) == {"n", "color"} and 0 <= body["n"] <= 99 and body["color"] in ("red", "green"), text
+
+
+def test_structured_output_through_both_apis(server, client, ending):
+    fmt = {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model=MODEL, input="Pick one.", text={"format": fmt}, temperature=1,
+                                max_output_tokens=300)
+    assert r.status == "completed" and r.output[-1].phase == "final_answer" and r.text.format.type == "json_schema"
+    _fits(r.output_text)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick one."}], n=2,
+                                          response_format={"type": "json_schema", "json_schema": {"name": "pick",
+                                                                                                  "schema": SCHEMA}},
+                                          temperature=1, seed=3, max_tokens=300)
+    for choice in chat.choices:  # each choice its own matcher
+        assert choice.finish_reason == "stop"
+        _fits(choice.message.content)
+    # a named function with strict arguments: a call must come, its arguments fit
+    tools = [{**TOOLS[0], "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}]
+    r = client.responses.create(model=MODEL, input="Weather?", tools=tools, temperature=1, max_output_tokens=300,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    call = r.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                          tools=chat_tools, tool_choice="required", temperature=1, max_tokens=300)
+    assert chat.choices[0].finish_reason == "tool_calls"
+    assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "needs its schema"),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "needs tools"),
+    ("/v1/responses", {"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "not among the tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     "give text, json_object or json_schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1,
+                                                          "x-guidance": {"lenient": 7}}}}}, "cannot be enforced"),
+])
+def test_bad_formats_are_one_line_400s(server, path, body, where):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert where in msg and "\n" not in msg, msg

@@ -28,7 +28,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.runtime.metrics import Metrics
 from gptoss_fp8.runtime.prefix import HEAD, PROMPT, REPLY, PrefixCache
 from gptoss_fp8.runtime.runner import ModelRunner
-from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, TokenCounts, draw
+from gptoss_fp8.runtime.sampling import Drawn, SamplingParams, TokenCounts, allowed_mask, draw
 from gptoss_fp8.runtime.scheduler import Scheduler, Step
 from gptoss_fp8.runtime.sequence import Sequence, State
 from gptoss_fp8.runtime.slots import SlotManager
@@ -50,9 +50,11 @@ class DefaultSampler:
         v, dev = logits.shape[1], logits.device
         pen = [(s.slot, s.id, s.tokens) for s in seqs if s.params.presence_penalty or s.params.frequency_penalty]
         again = [(s.slot, s.id, s.prompt, s.tokens) for s in seqs if s.params.repetition_penalty != 1]
+        ruled = [i for i, s in enumerate(seqs) if s.constraint is not None]
         return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
                     counts=self.counts.rows(pen, v, dev) if pen else None,
-                    seen=self.counts.seen_rows(again, v, dev) if again else None)
+                    seen=self.counts.seen_rows(again, v, dev) if again else None,
+                    allowed=(ruled, allowed_mask([seqs[i].constraint for i in ruled], v, dev)) if ruled else None)
 
 
 class Engine:
@@ -125,6 +127,7 @@ class Engine:
         seq = Sequence(list(prompt), params, on_event)
         seq.keep = keep if self.prefix is not None and 0 < keep < len(prompt) else 0
         seq.generator = params.generator(self.runner.device)
+        seq.constraint = params.constraint() if params.constraint is not None else None
         with self.lock:
             self.scheduler.add(seq)
             self.wake.notify_all()
@@ -279,6 +282,10 @@ class Engine:
 
     def _append(self, seq: Sequence, tok: int, lp: float | None, now: float, top: list | None = None) -> None:
         seq.tokens.append(tok)
+        if seq.constraint is not None and not seq.constraint.consume(tok):  # (a sampler that ignored its mask)
+            self._fail(seq, GptOssFp8Error(f"token {tok} breaks the request's output format: "
+                                           f"{seq.constraint.error or 'not allowed there'}"), {})
+            return
         if lp is not None:
             seq.logprobs.append(lp)
         if seq.params.top_logprobs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -31,6 +32,20 @@ StopRule = Callable[[list[int]], str | None]
 MAX_TOP_LOGPROBS = 20
 # A step's alternatives for one row: (token id, log-probability), most likely first.
 TopLogprobs = list[tuple[int, float]]
+
+
+class Constraint(Protocol):
+    """One request's rule on which tokens may come next (structured output: serve/grammar.py's grammar over the
+    reply). ``allow(row)``: write the next token's allowed ids into ``row`` (int32 [ceil(V / 32)] on the host, bit
+    j % 32 of word j // 32 set for an allowed id j); ``consume(tok)``: the chosen token, False when it breaks the
+    rule; ``error``: why it broke (empty when it did not)."""
+
+    def allow(self, row: torch.Tensor) -> None: ...
+
+    def consume(self, tok: int) -> bool: ...
+
+    @property
+    def error(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
     stop_rule: StopRule | None = field(default=None, compare=False)
+    # structured output: makes each of the request's sequences its own ``Constraint`` (the engine calls it once a
+    # sequence); every token is then chosen among the ones it allows
+    constraint: Callable[[], Constraint] | None = field(default=None, compare=False)
 
     def check(self) -> None:
         """One line per bad value."""
@@ -247,15 +265,33 @@ def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[lis
     return out
 
 
+def allowed_mask(rows: list[Constraint], vocab: int, device: torch.device) -> torch.Tensor:
+    """Each constraint's allowed next tokens -> bool [len(rows), vocab] on ``device``: the packed bits made on the
+    host (``Constraint.allow``), one copy, unpacked there."""
+    words = (vocab + 31) // 32
+    packed = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+    for i, c in enumerate(rows):
+        c.allow(packed[i])
+    table = _BITS.get(device)
+    if table is None:  # byte -> its 8 bits, lowest first (a little-endian int32's bytes hold bits 0-7, 8-15, ...)
+        table = _BITS[device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().to(device)
+    flat = packed.view(torch.uint8).to(device, non_blocking=True).long()  # [n, 4 * words]
+    return table.index_select(0, flat.view(-1)).view(len(rows), words * 32)[:, :vocab]
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
          outputs: list[list[int]] | None = None, counts: torch.Tensor | None = None,
-         seen: torch.Tensor | None = None) -> Drawn:
+         seen: torch.Tensor | None = None, allowed: tuple[list[int], torch.Tensor] | None = None) -> Drawn:
     """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i] (after
     its penalties over outputs[i], its generated ids so far, or their ``counts``, and its repetition penalty over
     ``seen``: ``penalize``); and, if any row asked for them,
     every row's chosen-token log-probability and its k most likely tokens (k the largest
-    top_logprobs asked; ``Drawn.get``'s rows hold k each, a request keeps its own first ones). All
-    on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
+    top_logprobs asked; ``Drawn.get``'s rows hold k each, a request keeps its own first ones). ``allowed``: (rows,
+    bool [len(rows), V]) those rows' tokens chosen among the allowed ones only (``allowed_mask``; the log-probabilities
+    stay the model's). All on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
     raw = logits.float()
     if any(p.penalized for p in params):
         if outputs is None and counts is None and any(p.presence_penalty or p.frequency_penalty for p in params):
@@ -263,6 +299,9 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Ge
         rows = penalize(raw, params, outputs or [[] for _ in params], counts, seen)
     else:
         rows = raw
+    if allowed is not None:
+        sel = device_ints(allowed[0], rows.device)
+        rows = rows.index_copy(0, sel, rows.index_select(0, sel).masked_fill(~allowed[1], float("-inf")))
     toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
     for i, p in enumerate(params):
         if p.temperature > 0:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptoss_fp8.runtime.sampling import SamplingParams
+from gptoss_fp8.runtime.sampling import Constraint, SamplingParams
 
 _ids = itertools.count()
 
@@ -52,6 +52,7 @@ class Sequence:
     error: str | None = None
     exception: BaseException | None = None
     generator: torch.Generator | None = None
+    constraint: Constraint | None = None  # (params.constraint's, made when the request is added)
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None

@@ -32,7 +32,7 @@ from gptoss_fp8.runtime.engine import Engine, EngineThread
 from gptoss_fp8.runtime.sampling import SamplingParams
 from gptoss_fp8.runtime.scheduler import QueueFull
 from gptoss_fp8.runtime.sequence import Sequence
-from gptoss_fp8.serve import harmony
+from gptoss_fp8.serve import grammar, harmony
 from gptoss_fp8.serve.responses import ResponseReply, ResponseStore, chat_tools, input_messages, new_response
 from gptoss_fp8.serve.schema import ChatRequest, CompletionRequest, ResponsesRequest, parse
 
@@ -225,8 +225,9 @@ def create_app(served: Served) -> FastAPI:
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
     def sampling(req, prompt: list[int], stop_ids: tuple[int, ...], logprobs: bool,
-                 top_logprobs: int) -> Callable[[int], SamplingParams]:
-        """A chat or completions request's ``SamplingParams`` of choice i (its seed: ``seed + i``)."""
+                 top_logprobs: int, constraint=None) -> Callable[[int], SamplingParams]:
+        """A chat or completions request's ``SamplingParams`` of choice i (its seed: ``seed + i``); ``constraint``: its
+        output format's (serve/grammar.py)."""
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, engine.max_context - len(prompt))
@@ -236,7 +237,7 @@ def create_app(served: Served) -> FastAPI:
                                         top_logprobs=top_logprobs, presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
                                         logit_bias=tuple(sorted((req.logit_bias or {}).items())),
-                                        repetition_penalty=req.repetition_penalty)
+                                        repetition_penalty=req.repetition_penalty, constraint=constraint)
 
     def submit(prompt: list[int], model: str, n: int, params: Callable[[int], SamplingParams],
                keep: int = 0) -> list[tuple[Sequence, Listener]]:
@@ -403,12 +404,14 @@ def create_app(served: Served) -> FastAPI:
             req = parse(ChatRequest, await request.body())
             prompt, head = harmony.render_chat_head(req.messages, None if req.tool_choice == "none" else req.tools,
                                                     req.reasoning_effort)
+            rule = grammar.constraint(grammar.request_format(
+                grammar.schema_of(req.response_format, "response_format"), req.tools, req.tool_choice), engine.vocab)
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
         choice = submit(prompt, req.model, req.n, sampling(req, prompt, harmony.STOP_IDS, req.logprobs,
-                                                           req.top_logprobs or 0), keep=head)
+                                                           req.top_logprobs or 0, rule), keep=head)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, choice, [_ChatReply(req.stop or [], req.logprobs) for _ in choice], head)
 
@@ -447,9 +450,12 @@ def create_app(served: Served) -> FastAPI:
         try:
             conversation = [*previous, *input_messages(req.input)]
             head = [{"role": "developer", "content": req.instructions}] if req.instructions else []
-            prompt, keep = harmony.render_chat_head(head + conversation,
-                                                    None if req.tool_choice == "none" else chat_tools(req.tools),
+            tools = chat_tools(req.tools)
+            prompt, keep = harmony.render_chat_head(head + conversation, None if req.tool_choice == "none" else tools,
                                                     req.reasoning.effort if req.reasoning else None)
+            rule = grammar.constraint(grammar.request_format(
+                grammar.schema_of(req.text.format.as_dict() if req.text else None, "text.format"), tools,
+                req.tool_choice), engine.vocab)
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
@@ -459,7 +465,7 @@ def create_app(served: Served) -> FastAPI:
         max_tokens = req.max_output_tokens or max(1, engine.max_context - len(prompt))
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                 stop_token_ids=harmony.STOP_IDS, logprobs=logprobs,
-                                top_logprobs=(req.top_logprobs or 0) if logprobs else 0)
+                                top_logprobs=(req.top_logprobs or 0) if logprobs else 0, constraint=rule)
         ((seq, listener),) = submit(prompt, req.model, 1, lambda i: params, keep=keep)
         out = ResponseReply(new_response(req, served.model_name), logprobs, req.top_logprobs or 0,
                             "reasoning.encrypted_content" in include)

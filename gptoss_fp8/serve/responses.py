@@ -97,7 +97,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """The Responses API's function tools (flat) in the chat API's form (``{"function": {...}}``)."""
     if not tools:
         return None
-    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}}
             for t in tools]
 
 
@@ -252,7 +252,9 @@ def new_response(req, model: str) -> dict:
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
-            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+            "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text
+                     else {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_logprobs": req.top_logprobs, "truncation": "disabled", "user": req.user, "background": False,
             "service_tier": "default", "usage": None}
 

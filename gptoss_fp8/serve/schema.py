@@ -57,9 +57,12 @@ class ChatRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    # auto, none, required, or {"type": "function", "function": {"name": ...}} (serve/grammar.py)
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -126,7 +129,14 @@ class Reasoning(_Strict):
 
 
 class TextFormat(_Strict):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None  # (json_schema's)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def as_dict(self) -> dict:
+        return {"type": self.type, "schema": self.schema_}
 
 
 class TextConfig(_Strict):
@@ -143,7 +153,7 @@ INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``: OpenAI's Responses API, the one gpt-oss was made for (serve/responses.py).
-    Accepted at their neutral value only: ``background`` false, ``truncation`` disabled, ``text.format`` text."""
+    Accepted at their neutral value only: ``background`` false, ``truncation`` disabled."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -153,7 +163,7 @@ class ResponsesRequest(_Strict):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None  # or {"type": "function", "name"}
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
     reasoning: Reasoning | None = None
