@@ -4,6 +4,9 @@
 #   tests    GPU tests (pytest -m gpu), then the kernels' CPU tests run on the GPU (compiled kernels
 #            instead of the interpreter)
 #   pending-tests  the GPU tests of the code changed since the last GPU run (start here)
+#   pending56  the fifty-sixth session's structured output on the GPU (allowed_mask / draw(allowed=) there:
+#            tests/test_grammar.py, llguidance needed), then the runtime's GPU tests (tests/test_runtime_gpu.py, .whl
+#            carried on PYTHONPATH for the trained fixture)
 #   pending36  the thirty-sixth session's fixes: GluonTile.stage_scales' TMA boxes 16-byte aligned (and, 37th session,
 #            128 bytes a stage's box), GluonTile.gather's row offsets once a tile: their GPU tests, then the 20b at
 #            32768 beside the default, same process (run in the thirty-seventh session; stage scales now the default,
@@ -193,6 +196,12 @@ if has pending-tests; then
       tests/test_decode.py tests/test_verify_decode.py -k "not wide_gpu" > "$OUT/pending_tests_moe.log" 2>&1
   fi
   tail -4 "$OUT"/pending_tests*.log
+fi
+
+if has pending56; then
+  timeout -s INT ${P56_TEST_S:-240} python3 -m pytest -q -rf tests/test_grammar.py tests/test_runtime_gpu.py \
+    > "$OUT/pending56.log" 2>&1
+  tail -4 "$OUT/pending56.log"
 fi
 
 if has pending36; then

@@ -142,3 +142,19 @@ def test_bad_formats_are_one_line():
     with pytest.raises(GptOssFp8Error, match="cannot be enforced"):
         grammar.constraint(grammar.Format({"type": "integer", "minimum": 5, "maximum": 1, "x-guidance": {"lenient": 7}}),
                            V)
+
+
+@pytest.mark.gpu
+def test_allowed_mask_and_draw_on_the_gpu():
+    dev = torch.device("cuda")
+    ids = [[0, 5, 31, 32, 63, 64, 200007, V - 1], [7, 123456]]
+    m = allowed_mask([_Ids(i) for i in ids], V, dev)
+    assert m.device.type == "cuda" and [r.nonzero().flatten().tolist() for r in m] == ids
+    logits = torch.randn(3, V, device=dev).bfloat16()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, logprobs=True), SamplingParams()]
+    gens = [None, torch.Generator(device=dev).manual_seed(1), None]
+    for _ in range(10):
+        toks, lps, _ = draw(logits, params, gens, allowed=([0, 1], allowed_mask([_Ids(i) for i in ids], V, dev))).get()
+        assert toks[0] == max(ids[0], key=lambda t: float(logits[0, t])) and toks[1] in ids[1]
+        assert toks[2] == int(logits[2].float().argmax())
+        assert lps[1] == pytest.approx(float(torch.log_softmax(logits.float(), -1)[1, toks[1]]), abs=1e-4)
