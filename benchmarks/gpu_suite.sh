@@ -198,7 +198,12 @@ if has pending-tests; then
   tail -4 "$OUT"/pending_tests*.log
 fi
 
-if has pending56; then
+if has pending56; then  # (.whl/w: llguidance, openai-harmony, bpe-openai wheels for the machine's Python 3.12)
+  if [[ -d .whl/w ]]; then
+    [[ -d /tmp/site/llguidance ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      .whl/w/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
   timeout -s INT ${P56_TEST_S:-240} python3 -m pytest -q -rf tests/test_grammar.py tests/test_runtime_gpu.py \
     > "$OUT/pending56.log" 2>&1
   tail -4 "$OUT/pending56.log"
