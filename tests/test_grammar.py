@@ -158,3 +158,18 @@ def test_allowed_mask_and_draw_on_the_gpu():
         assert toks[0] == max(ids[0], key=lambda t: float(logits[0, t])) and toks[1] in ids[1]
         assert toks[2] == int(logits[2].float().argmax())
         assert lps[1] == pytest.approx(float(torch.log_softmax(logits.float(), -1)[1, toks[1]]), abs=1e-4)
+
+
+def test_several_grammars_masks_at_once_equal_one_at_a_time():
+    enc = harmony.encoding()
+    make = grammar.constraint(grammar.Format(SCHEMA), V)
+    rules = [make() for _ in range(3)]
+    steps = ["", "<|channel|>analysis<|message|>Hm", '<|channel|>final<|message|>{"n":4,"ok":']
+    for r, text in zip(rules, steps, strict=True):
+        assert all(r.consume(t) for t in enc.encode(text, allowed_special="all"))
+    both = allowed_mask([_Ids([9]), *rules], V, torch.device("cpu"))  # (the grammars through allow_many)
+    for i, r in enumerate(rules):
+        alone = allowed_mask([r], V, torch.device("cpu"))[0]
+        assert torch.equal(both[i + 1], alone) and 0 < int(alone.sum()) < V
+    assert both[0].nonzero().flatten().tolist() == [9]
+    assert not torch.equal(both[1], both[2]) and not torch.equal(both[2], both[3])

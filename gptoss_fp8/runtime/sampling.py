@@ -38,7 +38,9 @@ class Constraint(Protocol):
     """One request's rule on which tokens may come next (structured output: serve/grammar.py's grammar over the
     reply). ``allow(row)``: write the next token's allowed ids into ``row`` (int32 [ceil(V / 32)] on the host, bit
     j % 32 of word j // 32 set for an allowed id j); ``consume(tok)``: the chosen token, False when it breaks the
-    rule; ``error``: why it broke (empty when it did not)."""
+    rule; ``error``: why it broke (empty when it did not). A kind may also have ``allow_many(rules, packed, at)``:
+    rules[k]'s allowed ids into row at[k] of ``packed`` for every k, at once (``allowed_mask`` uses it for 2 or
+    more)."""
 
     def allow(self, row: torch.Tensor) -> None: ...
 
@@ -270,8 +272,16 @@ def allowed_mask(rows: list[Constraint], vocab: int, device: torch.device) -> to
     host (``Constraint.allow``), one copy, unpacked there."""
     words = (vocab + 31) // 32
     packed = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+    kinds: dict[type, list[int]] = {}
     for i, c in enumerate(rows):
-        c.allow(packed[i])
+        kinds.setdefault(type(c), []).append(i)
+    for kind, at in kinds.items():
+        many = getattr(kind, "allow_many", None)  # (a kind that fills several rows at once: in parallel threads)
+        if many is not None and len(at) > 1:
+            many([rows[i] for i in at], packed, at)
+        else:
+            for i in at:
+                rows[i].allow(packed[i])
     table = _BITS.get(device)
     if table is None:  # byte -> its 8 bits, lowest first (a little-endian int32's bytes hold bits 0-7, 8-15, ...)
         table = _BITS[device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().to(device)

@@ -74,6 +74,11 @@ def _compact(schema: dict) -> str:
     return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}})
 
 
+@lru_cache(maxsize=1)
+def _executor():
+    return _llguidance().LLExecutor()
+
+
 def _quote(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: JSON's quoting is valid there
 
@@ -123,6 +128,14 @@ class Grammar:
 
     def allow(self, row: torch.Tensor) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    @staticmethod
+    def allow_many(rules: list[Grammar], packed: torch.Tensor, at: list[int]) -> None:
+        """Several sequences' masks in llguidance's threads (the GIL released): rules[k]'s into row at[k]."""
+        if not packed.is_contiguous():
+            raise GptOssFp8Error("allow_many: the packed masks must be contiguous")
+        _executor().unsafe_compute_mask_ptr([(r.matcher, i) for r, i in zip(rules, at, strict=True)],
+                                            packed.data_ptr(), packed.shape[1] * packed.element_size(), packed.shape[0])
 
     def consume(self, tok: int) -> bool:
         return self.matcher.consume_token(tok)
