@@ -224,6 +224,11 @@ def create_app(served: Served) -> FastAPI:
     async def metrics():
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
+    async def format_rule(fmt: grammar.Format):
+        """``grammar.constraint`` of fmt, compiled in a worker thread (the first builds llguidance's tokenizer, ~1 s;
+        a large schema's grammar can take a while): the event loop serves the other streams meanwhile."""
+        return await asyncio.to_thread(grammar.constraint, fmt, engine.vocab) if fmt.needed else None
+
     def sampling(req, prompt: list[int], stop_ids: tuple[int, ...], logprobs: bool,
                  top_logprobs: int, constraint=None) -> Callable[[int], SamplingParams]:
         """A chat or completions request's ``SamplingParams`` of choice i (its seed: ``seed + i``); ``constraint``: its
@@ -404,8 +409,9 @@ def create_app(served: Served) -> FastAPI:
             req = parse(ChatRequest, await request.body())
             prompt, head = harmony.render_chat_head(req.messages, None if req.tool_choice == "none" else req.tools,
                                                     req.reasoning_effort)
-            rule = grammar.constraint(grammar.request_format(
-                grammar.schema_of(req.response_format, "response_format"), req.tools, req.tool_choice), engine.vocab)
+            fmt = grammar.request_format(grammar.schema_of(req.response_format, "response_format"), req.tools,
+                                         req.tool_choice)
+            rule = await format_rule(fmt)
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:
@@ -453,9 +459,9 @@ def create_app(served: Served) -> FastAPI:
             tools = chat_tools(req.tools)
             prompt, keep = harmony.render_chat_head(head + conversation, None if req.tool_choice == "none" else tools,
                                                     req.reasoning.effort if req.reasoning else None)
-            rule = grammar.constraint(grammar.request_format(
+            rule = await format_rule(grammar.request_format(
                 grammar.schema_of(req.text.format.as_dict() if req.text else None, "text.format"), tools,
-                req.tool_choice), engine.vocab)
+                req.tool_choice))
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError) as e:

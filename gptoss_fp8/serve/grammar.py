@@ -147,7 +147,8 @@ class Grammar:
 
 def constraint(fmt: Format, vocab: int):
     """``SamplingParams.constraint`` for ``fmt`` (None where it rules nothing out): the grammar compiled and checked
-    once here (one line if a schema cannot be: 400), each sequence then a matcher of its own."""
+    once here (one line if a schema cannot be: 400) into a matcher that each sequence's copies (the engine makes them
+    as requests are added: a copy costs far less than a compile)."""
     if not fmt.needed:
         return None
     llg = _llguidance()
@@ -156,7 +157,10 @@ def constraint(fmt: Format, vocab: int):
     bad = llg.LLMatcher.validate_grammar(grammar, tok)
     if bad:
         raise GptOssFp8Error(f"the output format cannot be enforced: {bad.splitlines()[0]}")
-    return lambda: Grammar(llg.LLMatcher(tok, grammar, log_level=0))
+    first = llg.LLMatcher(tok, grammar, log_level=0)
+    if first.is_error():
+        raise GptOssFp8Error(f"the output format cannot be enforced: {first.get_error().splitlines()[0]}")
+    return lambda: Grammar(first.deep_copy())
 
 
 def schema_of(fmt: dict | None, where: str) -> dict | None:
