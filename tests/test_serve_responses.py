@@ -95,7 +95,21 @@ def test_a_tool_call_round_trip_through_previous_response_id(server, client, scr
                                          "output": '{"celsius": 21}'}])
     assert r2.output_text == "It is 21 C in Paris." and r2.previous_response_id == r.id
     prompt = seen[0]
-    # the stored conversation's rendering: the first turn's input, its output items, then the call's output
+    # the model ended the first turn with a call: the next prompt goes on from its own ids (the first prompt, the
+    # reply as generated, then the tool's output and <|start|>assistant), and the prefix cache gives back all of the
+    # first prompt and reply but the <|call|> (the reply's last token is not in the KV cache)
+    tool = harmony.render_after_call([{"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 21}'}],
+                                     {call.call_id: "get_weather"})
+    assert prompt == first + _ids(CALL) + tool
+    assert gen._encoding().decode(tool) == ('<|start|>functions.get_weather to=assistant<|channel|>commentary'
+                                            '<|message|>{"celsius": 21}<|end|><|start|>assistant')
+    assert r2.usage.input_tokens_details.cached_tokens == len(first) + len(_ids(CALL)) - 1
+    # the same conversation sent whole (the client's items back as input): Harmony's rendering of it, the preamble on
+    # its channel (its call header as Harmony writes it, so the cache gives back less)
+    seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
+    items = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True) for item in r.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}]
+    r3 = client.responses.create(model=MODEL, input=items, tools=TOOLS, store=False, instructions="Answer in Celsius.")
     want, _ = harmony.render_chat_head([
         {"role": "system", "content": "Answer in Celsius."},
         {"role": "user", "content": "Weather in Paris?"},
@@ -105,23 +119,25 @@ def test_a_tool_call_round_trip_through_previous_response_id(server, client, scr
                                                                             "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 21}'}],
         [{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}])
-    text = gen._encoding().decode(prompt)
-    assert prompt == want and '{"celsius": 21}' in text
+    text = gen._encoding().decode(seen[0])
+    assert seen[0] == want and r3.output_text == r2.output_text and '{"celsius": 21}' in text
     assert "<|channel|>commentary<|message|>Checking the weather.<|end|>" in text  # the preamble stays one
-    # the prefix cache gave back the first turn's prompt and its reply up to where Harmony's rendering of the call
-    # differs from the model's own tokens (the recipient before the channel)
-    assert len(first) < r2.usage.input_tokens_details.cached_tokens < len(prompt)
-    # the first turn's instructions are not carried over (as in OpenAI's API)
+    assert len(first) < r3.usage.input_tokens_details.cached_tokens < len(want)
+    # the first turn's instructions are not carried over (as in OpenAI's API): another header, so the stored
+    # conversation is rendered again without them
     seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
     client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS,
                             input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}])
-    assert "Answer in Celsius." not in gen._encoding().decode(seen[0]) and seen[0] != prompt
-    # the same conversation sent whole (the client's items back as input) renders the same prompt
-    seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
-    items = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True) for item in r.output],
-             {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}]
-    r3 = client.responses.create(model=MODEL, input=items, tools=TOOLS, store=False, instructions="Answer in Celsius.")
-    assert seen[0] == prompt and r3.output_text == r2.output_text
+    text = gen._encoding().decode(seen[0])
+    assert "Answer in Celsius." not in text and '{"celsius": 21}' in text and "Need the weather." in text
+    # a response that ended with a final answer keeps no ids: the next turn is Harmony's rendering (it drops the
+    # finished turn's reasoning)
+    seen = script("<|channel|>final<|message|>Anything else?<|return|>")
+    r4 = client.responses.create(model=MODEL, previous_response_id=r2.id, tools=TOOLS, instructions="Answer in Celsius.",
+                                 input="Thanks.")
+    text = gen._encoding().decode(seen[0])
+    assert r4.output_text == "Anything else?" and text.endswith("<|start|>user<|message|>Thanks.<|end|><|start|>assistant")
+    assert "It is 21 C in Paris.<|end|>" in text
 
     # streamed: the call's arguments as deltas, then done with the whole of them
     script(CALL)

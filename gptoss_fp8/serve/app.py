@@ -21,6 +21,7 @@ import json
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,7 +34,15 @@ from gptoss_fp8.runtime.sampling import SamplingParams
 from gptoss_fp8.runtime.scheduler import QueueFull
 from gptoss_fp8.runtime.sequence import Sequence
 from gptoss_fp8.serve import grammar, harmony
-from gptoss_fp8.serve.responses import ResponseReply, ResponseStore, chat_tools, input_messages, new_response
+from gptoss_fp8.serve.responses import (
+    ResponseReply,
+    ResponseStore,
+    Stored,
+    chat_tools,
+    header_key,
+    input_messages,
+    new_response,
+)
 from gptoss_fp8.serve.schema import ChatRequest, CompletionRequest, ResponsesRequest, parse
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
@@ -444,7 +453,7 @@ def create_app(served: Served) -> FastAPI:
             req = parse(ResponsesRequest, await request.body())
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
-        previous = []
+        got = None
         if req.previous_response_id is not None:
             got = stored.get(req.previous_response_id)
             if got is None:
@@ -452,13 +461,23 @@ def create_app(served: Served) -> FastAPI:
                                      f"here (this server keeps the latest {stored.limit} responses made with store "
                                      "true, in memory); send the whole conversation as input instead",
                                 "not_found_error")
-            previous = got[1]
         try:
-            conversation = [*previous, *input_messages(req.input)]
+            new = input_messages(req.input)
+            conversation = [*(got.conversation if got else []), *new]
             head = [{"role": "developer", "content": req.instructions}] if req.instructions else []
             tools = chat_tools(req.tools)
-            prompt, keep = harmony.render_chat_head(head + conversation, None if req.tool_choice == "none" else tools,
-                                                    req.reasoning.effort if req.reasoning else None)
+            effort = req.reasoning.effort if req.reasoning else None
+            header = header_key(req.instructions, None if req.tool_choice == "none" else tools, effort)
+            prompt = None
+            if got is not None and got.tokens is not None and got.header == header:  # on from the model's own ids
+                try:
+                    prompt = [*got.tokens, *harmony.render_after_call(new, harmony.call_names(got.conversation))]
+                    keep = got.keep
+                except GptOssFp8Error:  # (a system message now: the whole conversation rendered again)
+                    prompt = None
+            if prompt is None:
+                prompt, keep = harmony.render_chat_head(head + conversation, None if req.tool_choice == "none" else tools,
+                                                        effort)
             rule = await format_rule(grammar.request_format(
                 grammar.schema_of(req.text.format.as_dict() if req.text else None, "text.format"), tools,
                 req.tool_choice))
@@ -479,7 +498,9 @@ def create_app(served: Served) -> FastAPI:
         def done(ev: Event) -> dict:
             response = out.finish(ev, len(prompt), seq.cached)
             if req.store and ev.finish != "error":
-                stored.put(response, conversation + out.conversation())
+                called = ev.finish == "stop" and out.ids[-1:] == [harmony.CALL]
+                stored.put(Stored(response, conversation + out.conversation(),
+                                  array("i", prompt + out.ids) if called else None, header, keep))
             return response
 
         gen = events(seq, listener, request)
@@ -520,7 +541,7 @@ def create_app(served: Served) -> FastAPI:
         if got is None:
             raise HttpError(404, f"response {rid!r} is not stored here (kept in memory: the latest {stored.limit} "
                                  "made with store true)", "not_found_error")
-        return got[0]
+        return got.response
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str):

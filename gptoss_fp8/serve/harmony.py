@@ -61,7 +61,6 @@ def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
     system and developer messages, which requests with the same instructions and tools share; 0 if the rendering does
     not start with them on its own)."""
     from openai_harmony import (
-        Author,
         Conversation,
         DeveloperContent,
         Message,
@@ -87,7 +86,18 @@ def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
                                                                parameters=t["function"].get("parameters"))
                                            for t in tools])
         out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
-    call_names: dict[str, str] = {}
+    out += _turns(messages, {})
+    prompt = list(enc.render_conversation_for_completion(Conversation.from_messages(out), Role.ASSISTANT))
+    head = list(enc.render_conversation(Conversation.from_messages(out[:2 if instructions or tools else 1])))
+    return prompt, len(head) if prompt[:len(head)] == head else 0
+
+
+def _turns(messages: list[dict], call_names: dict[str, str]) -> list:
+    """The chat messages past the system and developer ones as Harmony messages (``call_names``: tool call id ->
+    function name, filled from the assistant turns' calls, for the tool messages that answer them)."""
+    from openai_harmony import Author, Message, Role
+
+    out = []
     for m in messages:
         role = m["role"]
         if role in ("system", "developer"):
@@ -115,9 +125,25 @@ def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
                        .with_channel("commentary").with_recipient("assistant"))
         else:
             raise GptOssFp8Error(f"message role {role!r}: use system, developer, user, assistant or tool")
-    prompt = list(enc.render_conversation_for_completion(Conversation.from_messages(out), Role.ASSISTANT))
-    head = list(enc.render_conversation(Conversation.from_messages(out[:2 if instructions or tools else 1])))
-    return prompt, len(head) if prompt[:len(head)] == head else 0
+    return out
+
+
+def call_names(messages: list[dict]) -> dict[str, str]:
+    """Tool call id -> function name of the assistant turns' calls in chat messages."""
+    return {call.get("id", ""): call["function"]["name"] for m in messages if m["role"] == "assistant"
+            for call in m.get("tool_calls") or []}
+
+
+def render_after_call(messages: list[dict], names: dict[str, str]) -> list[int]:
+    """Token ids of chat messages that follow a reply the model ended with a tool call (``<|call|>``), then
+    ``<|start|>assistant``: the next prompt is that prompt, the reply's own ids, then these (the Responses API's
+    ``previous_response_id``; ``names``: the earlier calls' function names by id). Harmony keeps a tool chain's
+    reasoning, so nothing before it changes; system or developer messages cannot come here (one line)."""
+    if any(m["role"] in ("system", "developer") for m in messages):
+        raise GptOssFp8Error("a system or developer message after a tool call: render the whole conversation")
+    enc = encoding()
+    ids = [t for m in _turns(messages, dict(names)) for t in enc.render(m)]
+    return ids + enc.encode("<|start|>assistant", allowed_special="all")
 
 
 @lru_cache(maxsize=1 << 16)

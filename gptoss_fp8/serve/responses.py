@@ -20,20 +20,28 @@ request), each with a ``sequence_number``.
 
 Stored responses (``store``, OpenAI's default true) are kept in this process's memory (``ResponseStore``: the latest
 ``STORED`` of them), not on disk: a restarted server has none, and an unknown ``previous_response_id`` is a 404.
+A response the model ended with a tool call also keeps its prompt's and reply's token ids: a next request with the
+same instructions, tools and effort then goes on from the model's own tokens (the call's header as the model wrote
+it, which Harmony's renderer writes another way), so its prompt starts with the whole earlier prompt and reply and
+the prefix cache gives all of it back (an agent's tool loop prefills only each tool's output).
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import json
 import time
 import uuid
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve import harmony
 
 STORED = 4096  # responses kept for previous_response_id / GET, least recently stored dropped first
+STORED_TOKENS = 1 << 25  # their token ids kept, in all (4 bytes each: 128 MiB)
 _OPAQUE = "gptoss-fp8:"  # encrypted_content's prefix: the reasoning's text, base64, not encrypted (module docstring)
 
 
@@ -118,6 +126,7 @@ class ResponseReply:
         self.events: list[dict] = []
         self.seq = 0  # the next event's sequence_number
         self.n_out = self.reasoning_tokens = 0
+        self.ids: list[int] = []  # the reply's token ids
 
     # --- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -172,6 +181,7 @@ class ResponseReply:
 
     # --- the engine's tokens --------------------------------------------------------------------
     def feed(self, ev) -> None:
+        self.ids += ev.new
         for i, tok in enumerate(ev.new):
             self.n_out += 1
             lp = None
@@ -259,21 +269,45 @@ def new_response(req, model: str) -> dict:
             "service_tier": "default", "usage": None}
 
 
+@dataclass
+class Stored:
+    """A stored response: the response object, its whole conversation (chat messages, instructions left out), and
+    when the model ended it with a tool call, the prompt's and the reply's token ids (``tokens``, int32) with the
+    header they were rendered under (``header``: instructions, tools, effort) and its length (``keep``): a next
+    request with the same header goes on from those very ids (``harmony.render_after_call``)."""
+
+    response: dict
+    conversation: list[dict]
+    tokens: array | None = None
+    header: tuple = ()
+    keep: int = 0
+
+
+def header_key(instructions: str | None, tools: list[dict] | None, effort: str | None) -> tuple:
+    """What a request's system and developer messages are rendered from."""
+    return instructions or "", json.dumps(tools or [], sort_keys=True), effort
+
+
 class ResponseStore:
-    """Stored responses by id (the event loop's thread only): the response object and its whole conversation (chat
-    messages, instructions left out), the latest ``limit`` of them."""
+    """Stored responses by id (the event loop's thread only), the latest ``limit`` of them, and their token ids up to
+    ``max_tokens`` in all (the oldest dropped first)."""
 
-    def __init__(self, limit: int = STORED):
-        self.limit = limit
-        self._kept: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, limit: int = STORED, max_tokens: int = STORED_TOKENS):
+        self.limit, self.max_tokens = limit, max_tokens
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._tokens = 0
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._kept[response["id"]] = (response, conversation)
-        while len(self._kept) > self.limit:
-            self._kept.popitem(last=False)
+    def put(self, entry: Stored) -> None:
+        self._kept[entry.response["id"]] = entry
+        self._tokens += len(entry.tokens or ())
+        while len(self._kept) > self.limit or self._tokens > self.max_tokens:
+            _, old = self._kept.popitem(last=False)
+            self._tokens -= len(old.tokens or ())
 
-    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+    def get(self, rid: str) -> Stored | None:
         return self._kept.get(rid)
 
     def pop(self, rid: str) -> bool:
-        return self._kept.pop(rid, None) is not None
+        old = self._kept.pop(rid, None)
+        self._tokens -= len(old.tokens or ()) if old is not None else 0
+        return old is not None
