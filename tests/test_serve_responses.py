@@ -165,6 +165,17 @@ def test_stored_responses_get_delete_and_store_false(server, client, script):
     r = client.responses.create(model=MODEL, input="What is 2+2?", metadata={"k": "v"})
     got = client.responses.retrieve(r.id)
     assert got.output_text == r.output_text and got.metadata == {"k": "v"} and got.usage == r.usage
+    assert [(i.type, i.role, i.content[0].text) for i in client.responses.input_items.list(r.id)] == [
+        ("message", "user", "What is 2+2?")]
+    r2 = client.responses.create(model=MODEL, previous_response_id=r.id, input=[
+        {"role": "user", "content": "and 3+3?"}, {"role": "user", "content": [{"type": "input_text", "text": "and 4+4?"}]},
+        {"role": "user", "content": "and 5+5?"}])
+    items = client.responses.input_items.list(r2.id)  # this response's own input, newest first
+    assert [i.content[0].text for i in items.data] == ["and 5+5?", "and 4+4?", "and 3+3?"] and not items.has_more
+    first = client.responses.input_items.list(r2.id, order="asc", limit=2)
+    assert [i.content[0].text for i in first.data] == ["and 3+3?", "and 4+4?"] and first.has_more
+    rest = client.responses.input_items.list(r2.id, order="asc", after=first.last_id)
+    assert [i.content[0].text for i in rest.data] == ["and 5+5?"] and len({i.id for i in items.data}) == 3
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError, match="not stored here"):
         client.responses.retrieve(r.id)

@@ -40,8 +40,10 @@ from gptoss_fp8.serve.responses import (
     Stored,
     chat_tools,
     header_key,
+    input_items,
     input_messages,
     new_response,
+    page,
 )
 from gptoss_fp8.serve.schema import ChatRequest, CompletionRequest, ResponsesRequest, parse
 
@@ -500,7 +502,7 @@ def create_app(served: Served) -> FastAPI:
             if req.store and ev.finish != "error":
                 called = ev.finish == "stop" and out.ids[-1:] == [harmony.CALL]
                 stored.put(Stored(response, conversation + out.conversation(),
-                                  array("i", prompt + out.ids) if called else None, header, keep))
+                                  array("i", prompt + out.ids) if called else None, header, keep, input_items(req.input)))
             return response
 
         gen = events(seq, listener, request)
@@ -542,6 +544,18 @@ def create_app(served: Served) -> FastAPI:
             raise HttpError(404, f"response {rid!r} is not stored here (kept in memory: the latest {stored.limit} "
                                  "made with store true)", "not_found_error")
         return got.response
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def list_input_items(rid: str, after: str | None = None, limit: int = 20, order: str = "desc"):
+        got = stored.get(rid)
+        if got is None:
+            raise HttpError(404, f"response {rid!r} is not stored here", "not_found_error")
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            raise HttpError(400, f"limit {limit} / order {order!r}: give limit 1 to 100 and order asc or desc")
+        try:
+            return page(got.items, after, limit, order)
+        except GptOssFp8Error as e:
+            raise HttpError(400, str(e)) from None
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str):

@@ -35,7 +35,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve import harmony
@@ -99,6 +99,37 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         except KeyError as e:
             raise GptOssFp8Error(f"{where} ({kind}) has no {e.args[0]!r}") from None
     return out
+
+
+def input_items(items: str | list[dict]) -> list[dict]:
+    """A request's input as the items ``GET /v1/responses/{id}/input_items`` lists: a string as one user message,
+    a message's text content as a part, every item with an id."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out = []
+    for item in items:
+        item = {"type": "message", **item} if "type" not in item else dict(item)
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                kind = "output_text" if item["role"] == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _id({"message": "msg", "reasoning": "rs", "function_call": "fc"}.get(item["type"], "fco")))
+        out.append(item)
+    return out
+
+
+def page(items: list[dict], after: str | None, limit: int, order: str) -> dict:
+    """One page of a list endpoint (OpenAI's cursor form: ``after`` an item id, ``has_more``)."""
+    items = items[::-1] if order == "desc" else items
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise GptOssFp8Error(f"after: no input item {after!r} in this response")
+        items = items[at + 1:]
+    got = items[:limit]
+    return {"object": "list", "data": got, "first_id": got[0]["id"] if got else None,
+            "last_id": got[-1]["id"] if got else None, "has_more": len(items) > limit}
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -281,6 +312,7 @@ class Stored:
     tokens: array | None = None
     header: tuple = ()
     keep: int = 0
+    items: list[dict] = field(default_factory=list)  # the request's input items, each with an id (input_items)
 
 
 def header_key(instructions: str | None, tools: list[dict] | None, effort: str | None) -> tuple:
