@@ -78,6 +78,23 @@ def harmony_ckpt(tmp_path_factory):
     return make_harmony_checkpoint(tmp_path_factory.mktemp("harmony"))
 
 
+@pytest.fixture
+def client(server):
+    """The official openai client on the requesting module's ``server`` (a serve_util.running_server)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def script(server, monkeypatch):
+    """script(text) -> the prompts the engine of the module's ``server`` saw; every request then gets text's ids as
+    its reply (serve_util.scripted)."""
+    from serve_util import scripted
+
+    return scripted(server.served.engine, monkeypatch)
+
+
 # The trained fixture (golden/trained: a 4-layer gpt-oss trained on Python source, byte-level) on a
 # fixed piece of Python, 125 bytes: longer than its sliding window (64), so the window matters.
 TRAINED_TEXT = '''def fib(n):

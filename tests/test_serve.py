@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from serve_util import MODEL, metric, running_server, scripted, wait_idle
+from serve_util import MODEL, metric, running_server, wait_idle
 
 from gptoss_fp8.model.backends import get_ops
 from gptoss_fp8.runtime.prefix import MIN_SHARED
@@ -26,17 +26,6 @@ CTX = 384
 def server(harmony_ckpt):
     with running_server(harmony_ckpt, max_batch=4, max_context=CTX, chunk=16) as s:
         yield s
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def script(server, monkeypatch):
-    """script(text) -> the prompts the engine saw; every request then gets text's ids as its reply."""
-    return scripted(server.served.engine, monkeypatch)
 
 
 def _user(text):

@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from serve_util import MODEL, metric, running_server, scripted, wait_idle
+from serve_util import MODEL, metric, running_server, wait_idle
 
 from gptoss_fp8.serve import harmony
 from gptoss_fp8.verify import generate as gen
@@ -31,16 +31,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Current wea
 def server(harmony_ckpt):
     with running_server(harmony_ckpt, max_batch=2, max_context=512, chunk=64) as s:
         yield s
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def script(server, monkeypatch):
-    return scripted(server.served.engine, monkeypatch)
 
 
 def _ids(text):

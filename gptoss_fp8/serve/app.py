@@ -414,10 +414,17 @@ def create_app(served: Served) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    async def body(request: Request, cls):
+        """The request's body as ``cls`` (schema.py), or a one-line 400."""
+        try:
+            return parse(cls, await request.body())
+        except GptOssFp8Error as e:
+            raise HttpError(400, str(e)) from None
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        req = await body(request, ChatRequest)
         try:
-            req = parse(ChatRequest, await request.body())
             prompt, head = harmony.render_chat_head(req.messages, None if req.tool_choice == "none" else req.tools,
                                                     req.reasoning_effort)
             fmt = grammar.request_format(grammar.schema_of(req.response_format, "response_format"), req.tools,
@@ -434,10 +441,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            req = parse(CompletionRequest, await request.body())
-        except GptOssFp8Error as e:
-            raise HttpError(400, str(e)) from None
+        req = await body(request, CompletionRequest)
         prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
         prompt = list(prompt)
         choice = submit(prompt, req.model, req.n, sampling(req, prompt, (*harmony.STOP_IDS, harmony.ENDOFTEXT),
@@ -451,10 +455,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        try:
-            req = parse(ResponsesRequest, await request.body())
-        except GptOssFp8Error as e:
-            raise HttpError(400, str(e)) from None
+        req = await body(request, ResponsesRequest)
         got = None
         if req.previous_response_id is not None:
             got = stored.get(req.previous_response_id)
