@@ -139,6 +139,8 @@ def test_bad_formats_are_one_line():
         grammar.request_format(None, [], {"type": "function", "name": "nope"})
     with pytest.raises(GptOssFp8Error, match="needs tools"):
         grammar.request_format(None, None, "required")
+    with pytest.raises(GptOssFp8Error, match="needs the o200k_harmony vocabulary.*this model has 512"):
+        grammar.constraint(grammar.Format(SCHEMA), 512)
     with pytest.raises(GptOssFp8Error, match="cannot be enforced"):
         grammar.constraint(grammar.Format({"type": "integer", "minimum": 5, "maximum": 1, "x-guidance": {"lenient": 7}}),
                            V)

@@ -50,6 +50,9 @@ def tokenizer(vocab: int):
     """llguidance's tokenizer of the o200k_harmony vocabulary (``vocab`` ids: the model's): each id's bytes (the
     special tokens' names), the special ids, and harmony's encoder for text."""
     llg = _llguidance()
+    if vocab < harmony.CALL + 1:
+        raise GptOssFp8Error(f"structured output needs the o200k_harmony vocabulary (gpt-oss's 201088 ids); this model "
+                             f"has {vocab}")
     enc = harmony.encoding()
 
     class _Vocab:
