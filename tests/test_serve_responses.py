@@ -120,6 +120,13 @@ def test_a_tool_call_round_trip_through_previous_response_id(server, client, scr
                             input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}])
     text = gen._encoding().decode(seen[0])
     assert "Answer in Celsius." not in text and '{"celsius": 21}' in text and "Need the weather." in text
+    # a developer message after the call changes the header: the conversation rendered again, the message in it
+    seen = script("<|channel|>final<|message|>21 C.<|return|>")
+    client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, instructions="Answer in Celsius.",
+                            input=[{"role": "developer", "content": "Be terse."},
+                                   {"type": "function_call_output", "call_id": call.call_id, "output": "21"}])
+    text = gen._encoding().decode(seen[0])
+    assert "Answer in Celsius.\n\nBe terse." in text and seen[0][:len(first)] != first
     # a response that ended with a final answer keeps no ids: the next turn is Harmony's rendering (it drops the
     # finished turn's reasoning)
     seen = script("<|channel|>final<|message|>Anything else?<|return|>")

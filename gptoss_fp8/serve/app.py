@@ -471,14 +471,11 @@ def create_app(served: Served) -> FastAPI:
             tools = chat_tools(req.tools)
             effort = req.reasoning.effort if req.reasoning else None
             header = header_key(req.instructions, None if req.tool_choice == "none" else tools, effort)
-            prompt = None
-            if got is not None and got.tokens is not None and got.header == header:  # on from the model's own ids
-                try:
-                    prompt = [*got.tokens, *harmony.render_after_call(new, harmony.call_names(got.conversation))]
-                    keep = got.keep
-                except GptOssFp8Error:  # (a system message now: the whole conversation rendered again)
-                    prompt = None
-            if prompt is None:
+            if (got is not None and got.tokens is not None and got.header == header  # on from the model's own ids
+                    and not any(m["role"] in ("system", "developer") for m in new)):  # (else: all rendered again)
+                prompt = [*got.tokens, *harmony.render_after_call(new, harmony.call_names(got.conversation))]
+                keep = got.keep
+            else:
                 prompt, keep = harmony.render_chat_head(head + conversation, None if req.tool_choice == "none" else tools,
                                                         effort)
             rule = await format_rule(grammar.request_format(
