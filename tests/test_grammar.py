@@ -175,3 +175,34 @@ def test_several_grammars_masks_at_once_equal_one_at_a_time():
         assert torch.equal(both[i + 1], alone) and 0 < int(alone.sum()) < V
     assert both[0].nonzero().flatten().tolist() == [9]
     assert not torch.equal(both[1], both[2]) and not torch.equal(both[2], both[3])
+
+
+def test_the_engine_feeds_each_token_to_its_sequences_rule_and_fails_one_it_breaks():
+    from gptoss_fp8.runtime.engine import Engine
+    from gptoss_fp8.runtime.null import NullRunner, ScriptSampler
+
+    class _Refuse:
+        """Allows all; its sequence's tokens recorded; ``bad`` refused."""
+
+        def __init__(self, bad, log):
+            self.bad, self.log, self.error = bad, log, ""
+
+        def allow(self, row):
+            row.fill_(-1)
+
+        def consume(self, tok):
+            self.log.append(tok)
+            self.error = "no 7 here" if tok == self.bad else ""
+            return tok != self.bad
+
+    logs = [[], []]
+    made = iter(logs)
+    eng = Engine(NullRunner(3, 64, vocab=1000), sampler=ScriptSampler([5, 6, 7, 8]), chunk=16)
+    ruled = eng.add([1, 2, 3], SamplingParams(max_tokens=6, constraint=lambda: _Refuse(7, next(made))))
+    fine = eng.add([1, 2, 3], SamplingParams(max_tokens=6, constraint=lambda: _Refuse(99, next(made))))
+    free = eng.add([4, 5], SamplingParams(max_tokens=6))
+    eng.run_until_done()
+    assert ruled.finish == "error" and "breaks the request's output format: no 7 here" in ruled.error
+    assert ruled.tokens == [5, 6, 7] and logs[0] == [5, 6, 7]  # each token fed once, in order; none after the break
+    assert fine.finish == "length" and logs[1] == fine.tokens == [5, 6, 7, 8, 5, 6]
+    assert free.finish == "length" and free.constraint is None and len(free.tokens) == 6
