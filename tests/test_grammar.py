@@ -57,6 +57,11 @@ def test_draw_chooses_among_the_allowed_only_and_reports_the_models_logprobs():
         want = torch.log_softmax(logits.float(), -1)[1, toks[1]]  # the model's, not the masked distribution's
         assert lps[1] == pytest.approx(float(want), abs=1e-5)
     assert int(logits[0].argmax()) not in ok  # (so the mask did something on row 0)
+    # a rule that allows nothing (a broken one) leaves its row free rather than failing the step's draw
+    none = allowed_mask([_Ids([]), _Ids(ok)], 1000, torch.device("cpu"))
+    assert bool(none[0].all()) and none[1].nonzero().flatten().tolist() == ok
+    toks, _, _ = draw(logits, params, gens, allowed=([1, 0], none)).get()
+    assert toks[1] in range(1000) and toks[0] in ok
 
 
 def _run(fmt, seed, steps=400, end_bias=30.0):

@@ -269,7 +269,7 @@ def penalize(rows: torch.Tensor, params: list[SamplingParams], outputs: list[lis
 
 def allowed_mask(rows: list[Constraint], vocab: int, device: torch.device) -> torch.Tensor:
     """Each constraint's allowed next tokens -> bool [len(rows), vocab] on ``device``: the packed bits made on the
-    host (``Constraint.allow``), one copy, unpacked there."""
+    host (``Constraint.allow``), one copy, unpacked there; a row that allows nothing comes back all True."""
     words = (vocab + 31) // 32
     packed = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
     kinds: dict[type, list[int]] = {}
@@ -286,7 +286,10 @@ def allowed_mask(rows: list[Constraint], vocab: int, device: torch.device) -> to
     if table is None:  # byte -> its 8 bits, lowest first (a little-endian int32's bytes hold bits 0-7, 8-15, ...)
         table = _BITS[device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().to(device)
     flat = packed.view(torch.uint8).to(device, non_blocking=True).long()  # [n, 4 * words]
-    return table.index_select(0, flat.view(-1)).view(len(rows), words * 32)[:, :vocab]
+    mask = table.index_select(0, flat.view(-1)).view(len(rows), words * 32)[:, :vocab]
+    # a rule that allows nothing (broken) leaves its row free: its next token then breaks it and its request fails
+    # alone, where an all -inf row would fail the whole step's sampling (no host read here)
+    return mask | ~mask.any(dim=1, keepdim=True)
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}
