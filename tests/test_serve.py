@@ -125,23 +125,30 @@ TOOLS = [{"type": "function", "function": {
 
 
 def test_tool_call_round_trip(client, script):
-    seen = script('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
-                  'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    seen = script('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary'
+                  '<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather '
+                  '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
     messages = [{"role": "system", "content": "Answer in Celsius."}, *_user("Weather in Paris?")]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, reasoning_effort="low", max_tokens=64)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Need the weather."
+    assert choice.message.content == "Checking."  # (the preamble before the call)
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     prompt = gen._encoding().decode(seen[0])  # tools in the developer message, effort in the system one
     assert "type get_weather = (_: {" in prompt and "Reasoning: low" in prompt and "Answer in Celsius." in prompt
 
     seen = script("<|channel|>final<|message|>It is 21 C in Paris.<|return|>")
-    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+    messages += [{"role": "assistant", "content": "Checking.", "reasoning_content": "Need the weather.",
+                  "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=64)
     assert r.choices[0].message.content == "It is 21 C in Paris." and r.choices[0].finish_reason == "stop"
     prompt = gen._encoding().decode(seen[0])
+    # the turn rendered back as it came: its reasoning, its preamble on commentary before the call (not a final answer)
+    assert ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Checking.<|end|><|start|>assistant to=functions.get_weather" in prompt), prompt
+    assert "<|channel|>final<|message|>Checking." not in prompt
     assert ('to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}' in prompt
             or 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}' in prompt), prompt
     assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"celsius": 21}' in prompt

@@ -107,15 +107,21 @@ def _turns(messages: list[dict], call_names: dict[str, str]) -> list:
         elif role == "assistant":
             if m.get("reasoning_content"):
                 out.append(Message.from_role_and_content(Role.ASSISTANT, m["reasoning_content"]).with_channel("analysis"))
-            for call in m.get("tool_calls") or []:
+            calls = m.get("tool_calls") or []
+            text = _text(m.get("content"))
+            # the text of a turn that calls a tool is the preamble the model wrote before its call (a reply ends at a
+            # call, so no final answer comes with one): on the commentary channel, before the calls, as it came
+            # (``channel``: the Responses API's message items say which)
+            if text and calls:
+                out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(m.get("channel", "commentary")))
+            for call in calls:
                 name = call["function"]["name"]
                 call_names[call.get("id", "")] = name
                 out.append(Message.from_role_and_content(Role.ASSISTANT, call["function"].get("arguments", ""))
                            .with_channel("commentary").with_recipient(f"functions.{name}")
                            .with_content_type("<|constrain|>json"))
-            if _text(m.get("content")):  # (``channel``: the Responses API's commentary preamble, serve/responses.py)
-                out.append(Message.from_role_and_content(Role.ASSISTANT, _text(m.get("content")))
-                           .with_channel(m.get("channel", "final")))
+            if text and not calls:
+                out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(m.get("channel", "final")))
         elif role == "tool":
             name = m.get("name") or call_names.get(m.get("tool_call_id", ""))
             if name is None:
