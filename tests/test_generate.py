@@ -73,18 +73,28 @@ def test_same_seed_same_tokens_other_seed_other_tokens(tiny, monkeypatch):
 def test_stops_at_a_harmony_stop_token(tiny, monkeypatch, stop):
     _, cfg, model = tiny
     stop_id = special_token_ids(cfg.vocab_size)[stop]
-    real = GptOss.decode
+    stops = list(gen.stop_tokens(cfg.vocab_size))
+    real, real_prefill, real_many = GptOss.decode, GptOss.prefill, GptOss.prefill_many
     calls = []
 
-    def decode(self, cache, token, ops=None, **kw):  # the second decode step's logits favour the stop token
-        logits = real(self, cache, token, ops, **kw)
-        calls.append(int(token))
-        if len(calls) == 2:
-            logits = logits.clone()
-            logits[0, stop_id] = logits.max() + 10
+    def steer(logits, favour: bool):  # no stop id before the second decode step's, which is favoured
+        logits = logits.clone()
+        logits[..., stops] = logits.min() - 10
+        if favour:
+            logits[..., stop_id] = logits.max() + 10
         return logits
 
+    def decode(self, cache, token, ops=None, **kw):
+        calls.append(int(token))
+        return steer(real(self, cache, token, ops, **kw), len(calls) == 2)
+
+    def prefill(self, *a, **kw):  # (a random prompt's first token may be a stop id on this tiny model)
+        cache, logits = real_prefill(self, *a, **kw)
+        return cache, steer(logits, False)
+
     monkeypatch.setattr(GptOss, "decode", decode)
+    monkeypatch.setattr(GptOss, "prefill", prefill)
+    monkeypatch.setattr(GptOss, "prefill_many", lambda self, *a, **kw: steer(real_many(self, *a, **kw), False))
     g = gen.generate(model, _prompt(cfg), get_ops("weights"), max_new_tokens=20)
     assert len(g.tokens) == 3 and g.tokens[-1] == stop_id and stop_id not in g.tokens[:-1]
     assert g.stop == {"eos": "<|return|>", "call": "<|call|>"}[stop]
