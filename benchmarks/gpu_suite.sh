@@ -424,6 +424,8 @@ if has serve; then
   # prefill` of the same model for the must-show ratios. The server's packages (fastapi, uvicorn, pydantic,
   # openai-harmony) travel as wheels in .whl/w, the o200k tokenizer file in .whl/cache. SERVE_SHARED=N: every case's
   # prompts share their first N tokens (bench serve --shared-prefix: the prefix cache under load, its cached_pct).
+  # SERVE_STRUCTURED=1: every completion through a JSON-string grammar (bench serve --structured: structured output's
+  # host cost under load; llguidance from .whl/w, benchmarks/gpu_carry.sh).
   if [[ -d .whl/w ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/w/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
@@ -432,7 +434,8 @@ if has serve; then
   lens=${SERVE_PROMPTS:-1024,8192} conc=${SERVE_CONC:-1,16,64}
   if [[ -z ${SERVE_CKPT:-} ]]; then
     timeout ${SERVE_S:-300} python3 -m gptoss_fp8.cli.main bench serve --synthetic 20b --layers $sl --concurrency $conc \
-      --prompt-len $lens --output-len 256 --warmup 64 --shared-prefix ${SERVE_SHARED:-0} --json "$OUT/bench_serve.json" \
+      --prompt-len $lens --output-len 256 --warmup 64 --shared-prefix ${SERVE_SHARED:-0} \
+      $([[ -n ${SERVE_STRUCTURED:-} ]] && echo --structured) --json "$OUT/bench_serve.json" \
       2>&1 | grep -v Warn | tail -14 | tee -a "$OUT/bench_serve.log"
   else
     port=8123 t0=$SECONDS

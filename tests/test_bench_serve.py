@@ -103,3 +103,23 @@ def test_bench_serve_synthetic_options(monkeypatch):
         r = CliRunner().invoke(app, ["bench", "serve", "http://127.0.0.1:1", *extra])
         assert r.exit_code == 1 and why in r.output, r.output
     assert len(built) == 2
+
+
+def test_bench_structured_holds_every_completion_to_a_long_json_string(harmony_ckpt, monkeypatch):
+    """--structured: each request's response_format a JSON string that cannot close within the output, so every
+    step's token is drawn through a grammar mask (the host's cost of structured output under load)."""
+    pytest.importorskip("llguidance")
+    fmt = bs.structured_format(5)
+    assert fmt["json_schema"]["schema"] == {"type": "string", "minLength": 80}
+    with running_server(harmony_ckpt, max_batch=2, max_context=64, chunk=16) as s:
+        engine, seen = s.served.engine, []
+        real = engine.add
+        monkeypatch.setattr(engine, "add", lambda prompt, params, *a, **kw: seen.append(params) or real(prompt, params,
+                                                                                                         *a, **kw))
+        (row,) = bs.bench(s.url, model=None, concurrency=[2], prompt_lens=[8], output_len=5, requests=2, procs=1,
+                          echo=lambda _: None, structured=True)
+    assert row["failed"] == 0 and row["output_tokens"] == 2 * 5
+    assert len(seen) == 2 and all(p.constraint is not None and p.stop_token_ids == () for p in seen)
+    with pytest.raises(GptOssFp8Error, match="--structured is for our server"):
+        bs.bench("http://127.0.0.1:9", model="m", concurrency=[1], prompt_lens=[8], output_len=1, requests=1,
+                 peer="transformers", tokenizer="x", structured=True)

@@ -288,6 +288,12 @@ def test_structured_output_through_both_apis(server, client, ending):
     for choice in chat.choices:  # each choice its own matcher
         assert choice.finish_reason == "stop"
         _fits(choice.message.content)
+    # completions (vLLM's extension): the text itself is the JSON, then <|endoftext|>
+    done = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=60, temperature=1, seed=1,
+                                     extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"schema": SCHEMA}}})
+    assert done.choices[0].finish_reason == "stop"
+    _fits(done.choices[0].text)
     # a named function with strict arguments: a call must come, its arguments fit
     tools = [{**TOOLS[0], "strict": True, "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],

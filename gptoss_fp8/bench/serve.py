@@ -68,10 +68,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def _one(client, url: str, model: str | None, prompt: list[int] | str, output_len: int, headers: dict,
-               prompt_len: int | None = None) -> Timing:
+               prompt_len: int | None = None, structured: bool = False) -> Timing:
     """One streamed request -> its timing. ``prompt``: token ids (our server: ``ignore_eos``) or
     text (transformers' server: ``serve_peer.peer_body``). ``prompt_len``: the prompt tokens its
-    ``usage`` must report (None: len(prompt))."""
+    ``usage`` must report (None: len(prompt)). ``structured``: the completion held to a JSON string too long to
+    close within ``output_len`` tokens (``structured_format``)."""
     if isinstance(prompt, str):
         from gptoss_fp8.bench.serve_peer import peer_body
 
@@ -79,6 +80,8 @@ async def _one(client, url: str, model: str | None, prompt: list[int] | str, out
     else:
         body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if structured:
+            body["response_format"] = structured_format(output_len)
     prompt_len = len(prompt) if prompt_len is None else prompt_len
     t = Timing(time.perf_counter())
     chunks = 0
@@ -124,6 +127,14 @@ async def _one(client, url: str, model: str | None, prompt: list[int] | str, out
     return t
 
 
+def structured_format(output_len: int) -> dict:
+    """``--structured``'s response_format: a JSON string of at least 16 characters a token asked for, so that it does
+    not close within the output and every step's mask is inside a JSON string (llguidance's costliest state here:
+    BENCHMARKS.md "Structured output's host cost per step")."""
+    return {"type": "json_schema", "json_schema": {"name": "long", "schema": {"type": "string",
+                                                                             "minLength": 16 * output_len}}}
+
+
 def token_prompts(n: int, prompt_len: int, vocab: int, seed: int, shared: int = 0, shared_seed: int = 0) -> list[list[int]]:
     """n random prompts of ``prompt_len`` token ids (from ``seed``), their first ``shared`` the same in all of them
     (from ``shared_seed``: the same in every load-generator process of a case)."""
@@ -135,7 +146,8 @@ def token_prompts(n: int, prompt_len: int, vocab: int, seed: int, shared: int = 
 
 async def _case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
                 seed: int, api_key: str | None, texts: list[str] | None = None,
-                go=None, shared: int = 0, shared_seed: int = 0) -> tuple[list[Timing], float, float]:
+                go=None, shared: int = 0, shared_seed: int = 0, structured: bool = False
+                ) -> tuple[list[Timing], float, float]:
     """n requests, ``concurrency`` at a time -> their timings, and when the first was sent and the
     last ended (perf_counter). ``texts``: the prompts as text (n of them, each ``prompt_len``
     tokens in the server's tokenizer) instead of random token ids (``token_prompts``, their first ``shared``
@@ -153,7 +165,7 @@ async def _case(url: str, model: str | None, prompt_len: int, concurrency: int, 
 
         async def one(p):
             async with sem:
-                return await _one(client, url, model, p, output_len, headers, prompt_len)
+                return await _one(client, url, model, p, output_len, headers, prompt_len, structured)
 
         if go is not None:
             go()
@@ -170,7 +182,7 @@ def client_procs(concurrency: int) -> int:
 
 def run_case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
              seed: int, api_key: str | None, procs: int = 1,
-             texts: list[str] | None = None, shared: int = 0) -> tuple[list[Timing], float]:
+             texts: list[str] | None = None, shared: int = 0, structured: bool = False) -> tuple[list[Timing], float]:
     """``_case`` in ``procs`` processes of their own (``python -m gptoss_fp8.bench.serve``: the job
     as a JSON line on stdin, "ready" back once loaded, then a line on stdin starts all of them
     together; the timings as JSON on stdout), the streams and requests split between them: the
@@ -191,7 +203,7 @@ def run_case(url: str, model: str | None, prompt_len: int, concurrency: int, n: 
             job = {"url": url, "model": model, "prompt_len": prompt_len, "concurrency": concurrency // k + (i < concurrency % k),
                    "n": share, "output_len": output_len, "vocab": vocab, "seed": seed + i,
                    "api_key": api_key, "texts": None if texts is None else texts[start:start + share],
-                   "shared": shared, "shared_seed": seed}
+                   "shared": shared, "shared_seed": seed, "structured": structured}
             start += share
             c = subprocess.Popen([sys.executable, "-m", "gptoss_fp8.bench.serve"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -297,7 +309,7 @@ def step_rates(before: tuple[float, float] | None, after: tuple[float, float] | 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
           requests: int | None, api_key: str | None = None, vocab: int = 201088, gpus: int = 1, seed: int = 0,
           procs: int | None = None, peer: str = "gptoss", tokenizer=None, warmup: int | None = None,
-          echo: Callable[[str], None] = print, shared_prefix: int = 0) -> list[dict]:
+          echo: Callable[[str], None] = print, shared_prefix: int = 0, structured: bool = False) -> list[dict]:
     """Every (prompt length, concurrency) case against the server at ``url`` -> rows (printed as
     they come). ``model``: the id to send (None: the server's first /v1/models entry; against
     transformers' server, which may list none, none sent: it serves the model it was started on);
@@ -309,7 +321,8 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
     against transformers, none against ours), then one request alone per prompt length. ``shared_prefix``: every
     case's prompts start with the same that many token ids (new at each case), the rest their own: a system prompt
     or a document many requests share, for a server's prefix cache (the rows' ``cached_pct``: the prompt tokens
-    the server reported cached)."""
+    the server reported cached). ``structured``: every completion held to a JSON string (``structured_format``:
+    structured output's host cost under load; our server only)."""
     import httpx
 
     from gptoss_fp8.bench.serve_peer import PEERS, load_tokenizer, text_prompts
@@ -322,6 +335,9 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         raise GptOssFp8Error(f"--shared-prefix {shared_prefix}: give fewer tokens than the shortest --prompt-len "
                              f"({min(prompt_lens)})" if not text else
                              "--shared-prefix is for token-id prompts; --peer transformers sends text")
+    if structured and text:
+        raise GptOssFp8Error("--structured is for our server (response_format on completions); --peer transformers "
+                             "has none")
     if text and tokenizer is None:
         raise GptOssFp8Error("--peer transformers needs --tokenizer (the checkpoint directory the server loaded)")
     tok = load_tokenizer(tokenizer) if text else None
@@ -367,7 +383,7 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
             # prompts new at every case: transformers' paged cache shares the blocks of a prefix it saw, and our
             # prefix cache reuses a prompt seen whole (runtime/prefix.py)
             timings, wall = run_case(url, model, p, c, n, output_len, vocab, seed + 7919 * (c + 1) + p, api_key, k,
-                                     prompts(p, n, c + 1), shared_prefix)
+                                     prompts(p, n, c + 1), shared_prefix, structured)
             row = summarize(timings, wall, prompt_len=p, concurrency=c, gpus=gpus)
             row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)

@@ -347,6 +347,9 @@ def serve(
     shared_prefix: Annotated[int, typer.Option(
         min=0, help="Every case's prompts start with the same this many token ids (a shared system prompt or "
                     "document: the server's prefix cache; the cached_pct column).")] = 0,
+    structured: Annotated[bool, typer.Option(
+        help="Every completion held to a JSON string (response_format) that does not close within --output-len: "
+             "each step's mask at structured output's costliest state, its host cost under load (our server).")] = False,
     attention: Annotated[Attention, typer.Option(
         help="--launch / --synthetic: the launched server's prefill attention numerics (as `serve --attention`: bf16, "
              "fp8 or fp8-lin; a server at URL keeps its own).")] = Attention.bf16,
@@ -414,7 +417,8 @@ def serve(
     try:
         rows = run_bench(url.rstrip("/"), model=model_name, concurrency=conc, prompt_lens=lens, output_len=output_len,
                          requests=requests, api_key=api_key, gpus=gpus, procs=client_procs, peer=peer,
-                         tokenizer=tokenizer, warmup=warmup, echo=typer.echo, shared_prefix=shared_prefix)
+                         tokenizer=tokenizer, warmup=warmup, echo=typer.echo, shared_prefix=shared_prefix,
+                         structured=structured)
     finally:
         if server is not None:
             server.stop()

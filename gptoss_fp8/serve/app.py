@@ -444,8 +444,13 @@ def create_app(served: Served) -> FastAPI:
         req = await body(request, CompletionRequest)
         prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
         prompt = list(prompt)
+        try:
+            schema = grammar.schema_of(req.response_format, "response_format")
+            rule = await format_rule(grammar.Format(schema, raw=True)) if schema is not None else None
+        except GptOssFp8Error as e:
+            raise HttpError(400, str(e)) from None
         choice = submit(prompt, req.model, req.n, sampling(req, prompt, (*harmony.STOP_IDS, harmony.ENDOFTEXT),
-                                                           req.logprobs is not None, req.logprobs or 0))
+                                                           req.logprobs is not None, req.logprobs or 0, rule))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, choice,
                            [_CompletionReply(req.stop or [], req.logprobs is not None, req.logprobs or 0) for _ in choice],

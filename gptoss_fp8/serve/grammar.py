@@ -90,11 +90,13 @@ def _quote(text: str) -> str:
 class Format:
     """What a request holds its reply to: ``schema`` the final message's JSON schema (None: free text; ``{}`` or
     ``{"type": "object"}`` for any object), ``final`` whether a final message may end the reply, ``calls`` (name,
-    schema or None: free arguments) the functions it may call instead."""
+    schema or None: free arguments) the functions it may call instead; ``raw``: the reply is the JSON alone (the
+    completions API, whose prompts are not Harmony conversations)."""
 
     schema: dict | None = None
     final: bool = True
     calls: tuple[tuple[str, str | None], ...] = ()
+    raw: bool = False  # the completions API: the text itself is the JSON (no Harmony around it)
 
     @property
     def needed(self) -> bool:
@@ -102,6 +104,8 @@ class Format:
         return self.schema is not None or not self.final or any(s is not None for _, s in self.calls)
 
     def lark(self) -> str:
+        if self.raw:  # (then the end: <|endoftext|>, the tokenizer's end, allowed once the JSON is whole)
+            return f"start: %json {_compact(self.schema)}\n"
         body = "TEXT" if self.schema is None else f"%json {_compact(self.schema)}"
         last = []
         rules = ["start: pre* last", "pre: analysis | preamble" if self.calls else "pre: analysis",

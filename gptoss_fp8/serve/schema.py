@@ -87,6 +87,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's, and that many alternatives
     echo: Literal[False] = False
+    response_format: dict[str, Any] | None = None  # (vLLM's extension: the completion is that JSON, serve/grammar.py)
 
     @field_validator("prompt")
     @classmethod
