@@ -38,7 +38,6 @@ INSTALL = "pip install -e '.[serve]'"
 def _llguidance():
     try:
         import llguidance
-        import llguidance.torch  # noqa: F401 - (its bitmask helpers)
     except ImportError:
         raise GptOssFp8Error(f"structured output (response_format, tool_choice required) needs llguidance; run: {INSTALL}"
                              ) from None
