@@ -1,5 +1,8 @@
 import os
+import random
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +17,48 @@ if not HAS_CUDA:
 # workers' torch thread pools do not oversubscribe the box.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+# Each test's random draws come from a seed of its own: the run's seed (fresh each run, printed in the
+# header; GPTOSS_TEST_SEED=N repeats it) mixed with the test's id. A failure on rare inputs then repeats
+# with `GPTOSS_TEST_SEED=N pytest NODEID`, whatever the order or the worker the test ran in.
+_SEED_ENV = "GPTOSS_TEST_SEED"
+
+
+def _run_seed(config) -> int:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller's seed
+        return int(config.workerinput[_SEED_ENV])
+    if not hasattr(config, "_gptoss_seed"):
+        env = os.environ.get(_SEED_ENV)
+        config._gptoss_seed = int(env) if env else random.SystemRandom().randrange(2**31)
+    return config._gptoss_seed
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # xdist controller, once per worker
+    node.workerinput[_SEED_ENV] = str(_run_seed(node.config))
+
+
+def _seed_line(config) -> str:
+    seed = _run_seed(config)
+    return f"test seed: {seed} (to repeat a failure: {_SEED_ENV}={seed} pytest NODEID)"
+
+
+def pytest_report_header(config):
+    return _seed_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # also under -q, where the header is not
+    if exitstatus not in (0, 5):  # 5: nothing collected
+        terminalreporter.write_line(_seed_line(config))
+
+
+def pytest_runtest_setup(item):
+    # before the item's fixtures are set up, so a fixture it builds first draws from this seed too
+    s = (_run_seed(item.config) * 1_000_003 + zlib.crc32(item.nodeid.encode())) % 2**32
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
 
 
 def pytest_collection_modifyitems(config, items):
