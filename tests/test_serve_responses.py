@@ -212,6 +212,8 @@ def test_output_text_logprobs_and_reasoning_passed_back_sealed(client, script):
     ({"input": "hi", "temprature": 1}, "temprature: unknown field"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "tool_call_id 'nope'"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]}, "another provider"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gptoss-fp8:abc"}]}, "is damaged"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gptoss-fp8:/w=="}]}, "is damaged"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "has no 'call_id'"),
 ])
 def test_bad_requests_are_one_line_400s(server, body, where):

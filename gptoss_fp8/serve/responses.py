@@ -68,7 +68,11 @@ def _reasoning(item: dict, where: str) -> str:
         if not sealed.startswith(_OPAQUE):
             raise GptOssFp8Error(f"{where}: encrypted_content this server did not write (another provider's): send "
                                  "the item's content instead, or leave the item out")
-        return base64.b64decode(sealed[len(_OPAQUE):]).decode()
+        try:
+            return base64.b64decode(sealed[len(_OPAQUE):], validate=True).decode()
+        except (ValueError, UnicodeDecodeError):  # (binascii.Error is a ValueError)
+            raise GptOssFp8Error(f"{where}: encrypted_content is damaged (not this server's base64 text): send it as "
+                                 "this server returned it, or leave the item out") from None
     return "".join(part.get("text", "") for part in item.get("summary") or [])
 
 
