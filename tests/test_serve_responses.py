@@ -215,6 +215,12 @@ def test_output_text_logprobs_and_reasoning_passed_back_sealed(client, script):
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gptoss-fp8:abc"}]}, "is damaged"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gptoss-fp8:/w=="}]}, "is damaged"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "has no 'call_id'"),
+    ({"input": [{"role": "user", "content": [5]}]}, "content must be a string or a list of content parts"),
+    ({"input": [{"type": "reasoning", "content": [5]}]}, "content must be a list of parts"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": 5}]}, "encrypted_content must be a string"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]},
+     "arguments must be a string"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "output must be a string or a list"),
 ])
 def test_bad_requests_are_one_line_400s(server, body, where):
     r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body})

@@ -432,7 +432,7 @@ def create_app(served: Served) -> FastAPI:
             rule = await format_rule(fmt)
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # (a malformed part)
             raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
         choice = submit(prompt, req.model, req.n, sampling(req, prompt, harmony.STOP_IDS, req.logprobs,
                                                            req.top_logprobs or 0, rule), keep=head)
@@ -488,7 +488,7 @@ def create_app(served: Served) -> FastAPI:
                 req.tool_choice))
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # (a malformed part)
             raise HttpError(400, f"input: cannot be rendered as a Harmony conversation ({e})") from None
         include = set(req.include or ())
         logprobs = "message.output_text.logprobs" in include

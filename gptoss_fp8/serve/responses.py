@@ -45,10 +45,12 @@ STORED_TOKENS = 1 << 25  # their token ids kept, in all (4 bytes each: 128 MiB)
 _OPAQUE = "gptoss-fp8:"  # encrypted_content's prefix: the reasoning's text, base64, not encrypted (module docstring)
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, name: str = "content") -> str:
     """An item's content: a string or a list of text parts (input_text, output_text, text, refusal)."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise GptOssFp8Error(f"{where}: {name} must be a string or a list of content parts (objects with a type)")
     out = []
     for part in content:
         kind = part.get("type")
@@ -62,9 +64,11 @@ def _reasoning(item: dict, where: str) -> str:
     """A reasoning item's text: its ``reasoning_text`` content, else the ``encrypted_content`` this server wrote,
     else its summary's text."""
     if item.get("content"):
-        return "".join(part.get("text", "") for part in item["content"])
+        return "".join(_parts(item["content"], "content", where))
     sealed = item.get("encrypted_content")
     if sealed:
+        if not isinstance(sealed, str):
+            raise GptOssFp8Error(f"{where}: encrypted_content must be a string")
         if not sealed.startswith(_OPAQUE):
             raise GptOssFp8Error(f"{where}: encrypted_content this server did not write (another provider's): send "
                                  "the item's content instead, or leave the item out")
@@ -73,7 +77,20 @@ def _reasoning(item: dict, where: str) -> str:
         except (ValueError, UnicodeDecodeError):  # (binascii.Error is a ValueError)
             raise GptOssFp8Error(f"{where}: encrypted_content is damaged (not this server's base64 text): send it as "
                                  "this server returned it, or leave the item out") from None
-    return "".join(part.get("text", "") for part in item.get("summary") or [])
+    return "".join(_parts(item.get("summary") or [], "summary", where))
+
+
+def _strings(item: dict, keys: tuple[str, ...], where: str) -> None:
+    bad = next((k for k in keys if k in item and not isinstance(item[k], str)), None)
+    if bad is not None:
+        raise GptOssFp8Error(f"{where} ({item.get('type')}): {bad} must be a string, got {type(item[bad]).__name__}")
+
+
+def _parts(parts, name: str, where: str) -> list[str]:
+    """A reasoning item's content or summary: a list of {"type", "text"} parts -> their texts."""
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+        raise GptOssFp8Error(f"{where}: {name} must be a list of parts with a text string each")
+    return [p.get("text", "") for p in parts]
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -94,12 +111,14 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 if text:
                     out.append({"role": "assistant", "reasoning_content": text})
             elif kind == "function_call":
+                _strings(item, ("call_id", "name", "arguments"), where)
                 out.append({"role": "assistant", "tool_calls": [
                     {"id": item["call_id"], "function": {"name": item["name"], "arguments": item.get("arguments", "")}}]})
             else:  # function_call_output
+                _strings(item, ("call_id",), where)
                 output = item["output"]
                 out.append({"role": "tool", "tool_call_id": item["call_id"],
-                            "content": output if isinstance(output, str) else _text(output, where)})
+                            "content": output if isinstance(output, str) else _text(output, where, "output")})
         except KeyError as e:
             raise GptOssFp8Error(f"{where} ({kind}) has no {e.args[0]!r}") from None
     return out
