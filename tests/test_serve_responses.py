@@ -328,9 +328,29 @@ def test_structured_output_through_both_apis(server, client, ending):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
         "type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1,
                                                           "x-guidance": {"lenient": 7}}}}}, "cannot be enforced"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": 5}}, "response_format: a json_schema format needs its schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [5]}]}, "content must be a string or a list"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "reasoning_content": 5}]},
+     "reasoning_content must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+     "function.arguments must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "a"}]}]},
+     "tool_calls must be a list of"),
 ])
-def test_bad_formats_are_one_line_400s(server, path, body, where):
+def test_bad_formats_and_messages_are_one_line_400s(server, path, body, where):
     r = httpx.post(server.url + path, json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert where in msg and "\n" not in msg, msg
+
+
+def test_models_and_unknown_routes_answer_in_openai_form(server, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+        client.models.retrieve("gpt-4")
+    for method, path, status, where in (("GET", "/v1/nope", 404, "no route GET /v1/nope"),
+                                        ("GET", "/v1/chat/completions", 405, "GET is not allowed")):
+        r = httpx.request(method, server.url + path)
+        assert r.status_code == status and where in r.json()["error"]["message"], r.text

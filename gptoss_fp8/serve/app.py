@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.runtime.engine import Engine, EngineThread
@@ -216,6 +217,13 @@ def create_app(served: Served) -> FastAPI:
     async def _http_error(request: Request, e: HttpError):
         return _error(e.status, e.message, e.kind, e.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, e: StarletteHTTPException):  # no such route / method: OpenAI's form
+        what = {404: f"no route {request.method} {request.url.path} here (see /docs)",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return _error(e.status_code, what, "not_found_error" if e.status_code == 404 else "invalid_request_error",
+                      getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
@@ -226,10 +234,20 @@ def create_app(served: Served) -> FastAPI:
             return _error(503, f"the engine stopped: {served.thread.error}", "server_error")
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "gptoss-fp8",
+                "max_model_len": engine.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
-                                            "owned_by": "gptoss-fp8", "max_model_len": engine.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # (a model id may hold slashes: openai/gpt-oss-20b)
+    async def model(model: str):
+        if model != served.model_name:
+            raise HttpError(404, f"model {model!r} is not served here; this server serves {served.model_name!r}",
+                            "not_found_error")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():

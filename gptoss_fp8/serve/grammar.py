@@ -177,7 +177,7 @@ def schema_of(fmt: dict | None, where: str) -> dict | None:
         return {"type": "object"}
     if fmt.get("type") == "json_schema":
         inner = fmt.get("json_schema", fmt)  # chat nests it, Responses does not
-        schema = inner.get("schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
         if not isinstance(schema, dict):
             raise GptOssFp8Error(f"{where}: a json_schema format needs its schema, a JSON object")
         return schema

@@ -47,12 +47,31 @@ def _text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise GptOssFp8Error("a message's content must be a string or a list of content parts ({'type': 'text', "
+                             "'text': ...})")
     out = []
     for part in content:
         if part.get("type") != "text":
             raise GptOssFp8Error(f"message content part of type {part.get('type')!r}: only text is supported")
+        if not isinstance(part.get("text", ""), str):
+            raise GptOssFp8Error("a message's text content part has a text that is not a string")
         out.append(part.get("text", ""))
     return "".join(out)
+
+
+def _calls(m: dict) -> list[dict]:
+    """An assistant message's tool calls, checked: each {"id", "function": {"name", "arguments": the JSON text}}."""
+    calls = m.get("tool_calls") or []
+    for call in calls if isinstance(calls, list) else [None]:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise GptOssFp8Error("an assistant message's tool_calls must be a list of {'id': ..., 'function': {'name': "
+                                 "..., 'arguments': ...}}")
+        if not isinstance(fn.get("arguments", ""), str):
+            raise GptOssFp8Error(f"tool call of {fn['name']!r}: function.arguments must be a string (the arguments' JSON "
+                                 f"text), got {type(fn['arguments']).__name__}")
+    return calls
 
 
 def render_chat_head(messages: list[dict], tools: list[dict] | None = None,
@@ -106,8 +125,10 @@ def _turns(messages: list[dict], call_names: dict[str, str]) -> list:
             out.append(Message.from_role_and_content(Role.USER, _text(m.get("content"))))
         elif role == "assistant":
             if m.get("reasoning_content"):
+                if not isinstance(m["reasoning_content"], str):
+                    raise GptOssFp8Error("an assistant message's reasoning_content must be a string")
                 out.append(Message.from_role_and_content(Role.ASSISTANT, m["reasoning_content"]).with_channel("analysis"))
-            calls = m.get("tool_calls") or []
+            calls = _calls(m)
             text = _text(m.get("content"))
             # the text of a turn that calls a tool is the preamble the model wrote before its call (a reply ends at a
             # call, so no final answer comes with one): on the commentary channel, before the calls, as it came
@@ -137,7 +158,7 @@ def _turns(messages: list[dict], call_names: dict[str, str]) -> list:
 def call_names(messages: list[dict]) -> dict[str, str]:
     """Tool call id -> function name of the assistant turns' calls in chat messages."""
     return {call.get("id", ""): call["function"]["name"] for m in messages if m["role"] == "assistant"
-            for call in m.get("tool_calls") or []}
+            for call in _calls(m)}
 
 
 def render_after_call(messages: list[dict], names: dict[str, str]) -> list[int]:
