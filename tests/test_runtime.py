@@ -217,7 +217,9 @@ def test_top_logprobs_are_the_models_own_distribution():
     for bad, msg in ((dict(top_logprobs=3), "needs logprobs"), (dict(logprobs=True, top_logprobs=21), "0 to 20"),
                      (dict(presence_penalty=2.5), "presence_penalty 2.5"),
                      (dict(frequency_penalty=float("nan")), "frequency_penalty nan"),
-                     (dict(logit_bias=((5, 101.0),)), "logit_bias of token 5: 101.0")):
+                     (dict(logit_bias=((5, 101.0),)), "logit_bias of token 5: 101.0"),
+                     (dict(seed=2**64), "seed 18446744073709551616: give an integer that fits in 64 bits"),
+                     (dict(seed=-2**63 - 1), "fits in 64 bits")):
         with pytest.raises(GptOssFp8Error, match=msg):
             SamplingParams(**bad).check()
 

@@ -305,6 +305,7 @@ def test_bad_requests_are_one_line_400s(server):
         ({"model": MODEL, "messages": _user("hi"), "logit_bias": {"5": -101}}, "logit_bias of token 5: -101"),
         ({"model": MODEL, "messages": _user("hi"), "max_tokens": CTX}, f"exceed the context of {CTX} tokens"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "message role 'robot'"),
+        ({"model": MODEL, "messages": _user("hi"), "seed": 2**70}, "seed: Input should be less than or equal to"),
     ]
     for body, want in cases:
         r = _post(server, "/v1/chat/completions", body)

@@ -87,6 +87,8 @@ class SamplingParams:
             raise GptOssFp8Error(f"top_p {self.top_p}: give a number in (0, 1]")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise GptOssFp8Error(f"top_logprobs {self.top_logprobs}: give 0 to {MAX_TOP_LOGPROBS}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # (what torch.Generator.manual_seed takes)
+            raise GptOssFp8Error(f"seed {self.seed}: give an integer that fits in 64 bits")
         if self.top_logprobs and not self.logprobs:
             raise GptOssFp8Error(f"top_logprobs {self.top_logprobs} needs logprobs: ask for both")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -24,7 +24,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # (an int64; choice i draws with seed + i)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
