@@ -315,6 +315,9 @@ def test_bad_requests_are_one_line_400s(server):
     assert r.status_code == 400 and f"the context is {CTX} tokens" in r.json()["error"]["message"]
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 10**7]})
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    for prompt in ([True, 2], [1.0], [["a"]], ["a", 5], None):
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and "give a string or a list of token ids" in r.json()["error"]["message"], prompt
     r = _post(server, "/v1/completions", {"model": "gpt-4", "prompt": [1]})
     assert r.status_code == 404 and MODEL in r.json()["error"]["message"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -84,10 +84,20 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (token ids: true is not 1)
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's, and that many alternatives
     echo: Literal[False] = False
     response_format: dict[str, Any] | None = None  # (vLLM's extension: the completion is that JSON, serve/grammar.py)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if not (isinstance(v, str) or ids(v) or (isinstance(v, list) and all(isinstance(x, str) or ids(x) for x in v))):
+            raise ValueError("give a string or a list of token ids (integers), or a list holding one of those")
+        return v
 
     @field_validator("prompt")
     @classmethod
