@@ -219,7 +219,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing_error(request: Request, e: StarletteHTTPException):  # no such route / method: OpenAI's form
-        what = {404: f"no route {request.method} {request.url.path} here (see /docs)",
+        what = {404: f"no route {request.method} {request.url.path} here (docs/serve.md lists the endpoints)",
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
         return _error(e.status_code, what, "not_found_error" if e.status_code == 404 else "invalid_request_error",
                       getattr(e, "headers", None))
