@@ -47,6 +47,7 @@ from gptoss_fp8.serve.responses import (
     page,
 )
 from gptoss_fp8.serve.schema import ChatRequest, CompletionRequest, ResponsesRequest, parse
+from gptoss_fp8.serve.vocab import Vocab, harmony_vocab
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -60,6 +61,7 @@ class Served:
     model_name: str
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    vocab: Vocab = field(default_factory=harmony_vocab)  # the model's text (serve/vocab.py)
 
 
 class HttpError(Exception):
@@ -233,6 +235,11 @@ def create_app(served: Served) -> FastAPI:
         if served.thread.error is not None or not served.thread.thread.is_alive():
             return _error(503, f"the engine stopped: {served.thread.error}", "server_error")
         return {"status": "ok"}
+
+    def chat_only(route: str) -> None:
+        if not served.vocab.chat:
+            raise HttpError(400, f"{route}: this model's vocabulary is {served.vocab.name}, which has no chat format "
+                                 "(Harmony); use /v1/completions, which continues text")
 
     def model_card() -> dict:
         return {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "gptoss-fp8",
@@ -442,6 +449,7 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await body(request, ChatRequest)
+        chat_only("/v1/chat/completions")
         try:
             prompt, head = harmony.render_chat_head(req.messages, None if req.tool_choice == "none" else req.tools,
                                                     req.reasoning_effort)
@@ -460,25 +468,25 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await body(request, CompletionRequest)
-        prompt = req.prompt if isinstance(req.prompt, list) else harmony.encoding().encode(req.prompt, allowed_special="all")
-        prompt = list(prompt)
+        prompt = list(req.prompt) if isinstance(req.prompt, list) else served.vocab.encode(req.prompt)
         try:
             schema = grammar.schema_of(req.response_format, "response_format")
             rule = await format_rule(grammar.Format(schema, raw=True)) if schema is not None else None
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
-        choice = submit(prompt, req.model, req.n, sampling(req, prompt, (*harmony.STOP_IDS, harmony.ENDOFTEXT),
+        choice = submit(prompt, req.model, req.n, sampling(req, prompt, tuple(sorted(served.vocab.stops)),
                                                            req.logprobs is not None, req.logprobs or 0, rule))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
         return await reply(request, req, prompt, choice,
-                           [_CompletionReply(req.stop or [], req.logprobs is not None, req.logprobs or 0) for _ in choice],
-                           head)
+                           [_CompletionReply(served.vocab, req.stop or [], req.logprobs is not None, req.logprobs or 0)
+                            for _ in choice], head)
 
     stored = ResponseStore()
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         req = await body(request, ResponsesRequest)
+        chat_only("/v1/responses")
         got = None
         if req.previous_response_id is not None:
             got = stored.get(req.previous_response_id)
@@ -608,10 +616,10 @@ class _CompletionReply(_Reply):
     most likely tokens ({token text: log-probability}, the legacy API's ``top_logprobs``)."""
 
     OBJECT = CHUNK = "text_completion"
-    STOP_IDS = frozenset((harmony.RETURN, harmony.CALL, harmony.ENDOFTEXT))
 
-    def __init__(self, stops: list[str], logprobs: bool, top: int = 0):
-        self.text, self.stop, self.logprobs, self.top = harmony.TextStream(), harmony.StopText(stops), logprobs, top
+    def __init__(self, vocab: Vocab, stops: list[str], logprobs: bool, top: int = 0):
+        self.vocab, self.stop_ids = vocab, vocab.stops
+        self.text, self.stop, self.logprobs, self.top = vocab.stream(), harmony.StopText(stops), logprobs, top
         self.pieces: list[str] = []
         self.lps: list[float] = []
         self.tops: list[dict[str, float]] = []
@@ -619,12 +627,12 @@ class _CompletionReply(_Reply):
 
     def feed(self, ev: Event) -> None:
         for i, tok in enumerate(ev.new):
-            piece, self.hit = self.stop.push("" if tok in self.STOP_IDS else self.text.push(tok))
+            piece, self.hit = self.stop.push("" if tok in self.stop_ids else self.text.push(tok))
             self.pieces.append(piece)
             if ev.logprobs:
                 self.lps.append(ev.logprobs[i])
             if self.top:
-                self.tops.append(_top_dict(ev.top_logprobs[i] if ev.top_logprobs else []))
+                self.tops.append(_top_dict(self.vocab, ev.top_logprobs[i] if ev.top_logprobs else []))
             self.n_out += 1
             if self.hit:
                 break
@@ -746,12 +754,12 @@ class _ChatReply(_Reply):
                 "logprobs": {"content": self.lps} if self.logprobs else None}
 
 
-def _top_dict(top: list[tuple[int, float]]) -> dict[str, float]:
+def _top_dict(vocab: Vocab, top: list[tuple[int, float]]) -> dict[str, float]:
     """The legacy completions' alternatives: {token text: log-probability}, most likely first (two ids of
     one text, e.g. bytes of a character: the likelier)."""
     out: dict[str, float] = {}
     for t, v in top:
-        out.setdefault(harmony.token_text(t), v)
+        out.setdefault(vocab.token_text(t), v)
     return out
 
 

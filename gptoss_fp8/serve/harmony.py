@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -201,13 +202,14 @@ class TextStream:
     """Generated ids -> text pieces, one id at a time, in O(1) per id: each id's bytes through an
     incremental UTF-8 decoder, so a character split across ids comes out with its last byte and
     bytes that are not UTF-8 come out as U+FFFD (the text of all pieces and ``flush`` is
-    ``encoding().decode(ids)``)."""
+    ``encoding().decode(ids)``). ``id_bytes``: another vocabulary's (serve/vocab.py)."""
 
-    def __init__(self):
+    def __init__(self, id_bytes: Callable[[int], bytes] | None = None):
+        self._bytes = id_bytes or token_bytes
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, tok: int) -> str:
-        return self._dec.decode(token_bytes(tok))
+        return self._dec.decode(self._bytes(tok))
 
     def flush(self) -> str:
         return self._dec.decode(b"", True)

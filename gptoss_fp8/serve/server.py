@@ -10,36 +10,34 @@ from pathlib import Path
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve.app import Served, create_app
+from gptoss_fp8.serve.vocab import HARMONY_VOCAB
 
-HARMONY_VOCAB = 201088
 GRACE_S = 5  # on Ctrl-C, open streams get this long before the server closes them
 
 
 def check_options(ckpt, *, device: str, mode: str, max_batch: int, max_context: int | None,
                   chunk: int | None, attention: str = "bf16", prefix_cache: bool = True) -> dict:
     """serve's options on an opened checkpoint, checked (one line each) and resolved -> the job
-    dict every rank builds from (mode, max_context, chunk, max_batch, device, attention, prefix_cache)."""
+    dict every rank builds from (mode, max_context, chunk, max_batch, device, attention, prefix_cache, vocab: the
+    text's, serve/vocab.py)."""
+    from gptoss_fp8.serve.vocab import vocab_of
     from gptoss_fp8.verify.generate import context_of, resolve_mode
 
     cfg = ckpt.config
-    if cfg.vocab_size != HARMONY_VOCAB:
-        raise GptOssFp8Error(f"{ckpt.path}: vocab_size {cfg.vocab_size} is not the o200k_harmony tokenizer's "
-                             f"{HARMONY_VOCAB}; serve speaks text (a synthetic checkpoint needs --vocab-size {HARMONY_VOCAB})")
+    # the text's vocabulary (o200k_harmony's encoding made now: a missing package is one line before the weights load)
+    vocab = vocab_of(ckpt.path, cfg.vocab_size)
     if max_batch < 1:
         raise GptOssFp8Error(f"--max-batch {max_batch}: give at least 1")
     ctx = context_of(cfg)
     max_context = max_context or min(ctx, 8192)
     if not 2 <= max_context <= ctx:
         raise GptOssFp8Error(f"--max-context {max_context}: give 2..{ctx} (the model's context)")
-    from gptoss_fp8.serve.harmony import encoding
-
-    encoding()  # the tokenizer now: a missing package is one line before the weights load
     chunk = chunk or (8192 if device.startswith("cuda") else 256)
     from gptoss_fp8.model.ops import check_attention_kind
 
     check_attention_kind(attention)  # a bad kind: one line now, before the weights load
     return {"device": device, "mode": resolve_mode(mode, device), "max_batch": max_batch, "max_context": max_context,
-            "chunk": chunk, "attention": attention, "prefix_cache": prefix_cache}
+            "chunk": chunk, "attention": attention, "prefix_cache": prefix_cache, "vocab": vocab.name}
 
 
 def build(ckpt_path, *, device: str = "cpu", mode: str = "auto", max_batch: int = 8,
@@ -107,13 +105,15 @@ def start_model(model, opts: dict, max_waiting: int | None, api_key: str | None,
     echo(line + ("" if keep else "; no prefix cache"))
     runner = ModelRunner(model, ops_for(opts["mode"], attention=opts["attention"]), slots, opts["max_context"],
                          prefix_cache=keep)
-    return start_engine(runner, opts["chunk"], max_waiting, api_key, name, echo)
+    return start_engine(runner, opts["chunk"], max_waiting, api_key, name, echo, vocab=opts.get("vocab"))
 
 
 def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | None, name: str,
-                 echo: Callable[[str], None], sampler=None) -> Served:
-    """Capture the decode graphs (if any), start the engine thread -> Served."""
+                 echo: Callable[[str], None], sampler=None, vocab: str | None = None) -> Served:
+    """Capture the decode graphs (if any), start the engine thread -> Served (``vocab``: its text's, by name; None:
+    o200k_harmony)."""
     from gptoss_fp8.runtime.engine import Engine, EngineThread
+    from gptoss_fp8.serve.vocab import vocab_named
 
     if runner.graphs is not None:
         t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def start_engine(runner, chunk: int, max_waiting: int | None, api_key: str | Non
     slots = runner.slots
     engine = Engine(runner, chunk=chunk, max_waiting=max_waiting if max_waiting is not None else 4 * slots,
                     sampler=sampler)
-    return Served(engine, EngineThread(engine).start(), name, api_key)
+    return Served(engine, EngineThread(engine).start(), name, api_key, vocab=vocab_named(vocab or "o200k_harmony"))
 
 
 def say_serving(served: Served, host: str, port: int, echo: Callable[[str], None]) -> None:

@@ -90,7 +90,7 @@ def run_leader(runner, par, job: dict, line: str) -> None:
     leader = Leader(runner, par)
     print(line, flush=True)
     served = start_engine(leader, job["chunk"], job.get("max_waiting"), job.get("api_key"), job["model_name"],
-                          lambda t: print(t, flush=True))
+                          lambda t: print(t, flush=True), vocab=job.get("vocab"))
     say_serving(served, job["host"], job["port"], lambda t: print(t, flush=True))
     try:
         uvicorn.run(create_app(served), host=job["host"], port=job["port"], log_level="warning",

@@ -1,0 +1,62 @@
+"""gptoss-fp8 serve on a byte-level model, the trained fixture (golden/trained, ByT5's ids): /v1/completions
+continues text as generate does, through the official openai client on a real server; the chat APIs, which need
+Harmony's vocabulary, are one-line 400s."""
+
+import httpx
+import openai
+import pytest
+from serve_util import running_server
+
+from gptoss_fp8.model.backends import get_ops
+from gptoss_fp8.tokenizer import ByteTokenizer
+from gptoss_fp8.verify import generate as gen
+
+pytest.importorskip("fastapi")
+
+MODEL = "trained"
+PROMPT = "import sys\n\n\ndef main():\n"
+
+
+@pytest.fixture(scope="module")
+def server(trained):
+    with running_server(trained[0], model_name=MODEL, max_batch=2, max_context=256, chunk=64) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def test_completions_continue_text_as_generate_does(server, client):
+    tok = ByteTokenizer()
+    alone = gen.generate(server.served.engine.runner.model, tok.encode(PROMPT), get_ops("weights"), max_new_tokens=24)
+    assert len(alone.tokens) == 24 and tok.eos not in alone.tokens  # (the trained model writes on here)
+    want = tok.decode(alone.tokens)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=2)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(PROMPT.encode()) and r.usage.completion_tokens == 24
+    tops = r.choices[0].logprobs.top_logprobs  # each token's alternatives, keyed by their one-byte text
+    assert len(tops) == 24 and all(len(t) == 2 and max(t, key=t.get) == c for t, c in zip(tops, want, strict=True))
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    ids = client.completions.create(model=MODEL, prompt=tok.encode(PROMPT), max_tokens=24, temperature=0)
+    assert ids.choices[0].text == want  # the same prompt as token ids
+    cut = want[12:15]  # a stop sequence from within the reply: the text ends before its first match
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[cut])
+    assert r.choices[0].text == want[:want.index(cut)] and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, logit_bias={str(tok.eos): 100})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)  # eos ends it
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "no chat format"),
+    ("/v1/responses", {"input": "hi"}, "no chat format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "o200k_harmony vocabulary"),
+    ("/v1/completions", {"prompt": [300]}, "token id 300 is outside the vocabulary (vocab_size 259)"),
+])
+def test_what_a_byte_level_model_refuses(server, path, body, where):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and where in msg and "\n" not in msg, msg
