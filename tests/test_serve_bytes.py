@@ -60,3 +60,13 @@ def test_what_a_byte_level_model_refuses(server, path, body, where):
     r = httpx.post(server.url + path, json={"model": MODEL, **body})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and where in msg and "\n" not in msg, msg
+
+
+def test_bench_serve_sends_ids_of_the_served_vocabulary(server, client):
+    from gptoss_fp8.bench import serve as bs
+
+    assert client.models.list().data[0].model_extra["vocab_size"] == 259
+    assert all(3 <= t < 259 for p in bs.token_prompts(4, 64, 259, seed=1) for t in p)  # bytes, not the specials
+    (row,) = bs.bench(server.url, model=None, concurrency=[2], prompt_lens=[16], output_len=3, requests=2, procs=1,
+                      echo=lambda *_: None)  # (the default vocab is o200k's: its ids would all be refused)
+    assert row["failed"] == 0 and row["requests"] == 2

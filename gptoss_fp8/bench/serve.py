@@ -138,10 +138,12 @@ def structured_format(output_len: int) -> dict:
 def token_prompts(n: int, prompt_len: int, vocab: int, seed: int, shared: int = 0, shared_seed: int = 0) -> list[list[int]]:
     """n random prompts of ``prompt_len`` token ids (from ``seed``), their first ``shared`` the same in all of them
     (from ``shared_seed``: the same in every load-generator process of a case)."""
+    # ids clear of a large vocabulary's special ones at both ends; a byte-level one's bytes (its specials are 0-2)
+    lo, hi = (1000, vocab - 1000) if vocab > 4000 else (3, vocab)
     head = random.Random(shared_seed)
-    common = [head.randrange(1000, vocab - 1000) for _ in range(shared)]
+    common = [head.randrange(lo, hi) for _ in range(shared)]
     rng = random.Random(seed)
-    return [common + [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len - shared)] for _ in range(n)]
+    return [common + [rng.randrange(lo, hi) for _ in range(prompt_len - shared)] for _ in range(n)]
 
 
 async def _case(url: str, model: str | None, prompt_len: int, concurrency: int, n: int, output_len: int, vocab: int,
@@ -355,6 +357,9 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e}){hint}") from None
     if model is None and listed:
         model = listed[0]["id"]
+    mine = next((m for m in listed if m.get("id") == model), {})
+    if isinstance(mine.get("vocab_size"), int):  # (our server lists its vocabulary: the random ids stay in it)
+        vocab = mine["vocab_size"]
     elif model is None and not text:
         raise GptOssFp8Error(f"{url}/v1/models lists no model; name one with --model-name")
 

@@ -243,7 +243,7 @@ def create_app(served: Served) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "gptoss-fp8",
-                "max_model_len": engine.max_context}
+                "max_model_len": engine.max_context, "vocab_size": engine.vocab}  # (bench serve's random ids)
 
     @app.get("/v1/models")
     async def models():
