@@ -35,8 +35,9 @@ def serve(
              "whole of them (a conversation's next turn, the same instructions, n choices): they prefill only what "
              "follows. A few MB a slot.")] = True,
 ) -> None:
-    """Serve the OpenAI chat / completions API with continuous batching: /v1/chat/completions,
-    /v1/completions, /v1/models, /health, /metrics. A checkpoint converted with --tp T runs one
+    """Serve the OpenAI API with continuous batching: /v1/chat/completions, /v1/responses,
+    /v1/completions, /v1/models, /health, /metrics. A byte-level model (the trained fixture) serves
+    /v1/completions only (it has no chat format). A checkpoint converted with --tp T runs one
     process per rank: started for you, or each process of torchrun --nproc-per-node T is one."""
     from gptoss_fp8.serve.launch import serve as run
 
