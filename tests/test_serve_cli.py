@@ -130,3 +130,8 @@ def test_what_serve_refuses(tmp_path, harmony_ckpt):
     assert "--max-context 1000000: give 2..131072" in _one_line_error(
         ["serve", str(harmony_ckpt), "--max-context", "1000000"])
     assert str(tmp_path / "nope") in _one_line_error(["serve", str(tmp_path / "nope")])
+    with socket.socket() as taken:  # a port another process listens on: one line, before the weights load
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert f"--port {port}: cannot listen there" in _one_line_error(["serve", str(harmony_ckpt), "--port", str(port)])

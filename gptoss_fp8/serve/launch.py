@@ -35,4 +35,5 @@ def serve(ckpt_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, e
 
     job = server.check_options(ckpt, device=device, mode=mode, max_batch=max_batch, max_context=max_context,
                                chunk=chunk, attention=attention, prefix_cache=prefix_cache)
+    server.bind(host, port).close()  # (rank 0 listens there once every rank has loaded: a taken port, one line now)
     run_sharded(ckpt, {**job, "host": host, "port": port, **opts})

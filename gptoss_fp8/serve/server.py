@@ -3,6 +3,8 @@ foreground (``serve``), or in a thread (``Server``: tests, ``bench serve --launc
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -165,16 +167,42 @@ class Server:
         self.served.thread.stop()
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now, before any weights load: an address that cannot be listened on (a port another
+    process holds) is one line instead of a traceback after the load."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise GptOssFp8Error(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own: a restart reuses the port at once)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = "another process is listening there: stop it or pick another --port" if e.errno == errno.EADDRINUSE \
+            else "pick another --host / --port"
+        raise GptOssFp8Error(f"--host {host} --port {port}: cannot listen there ({e.strerror}); {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(ckpt_path, *, host: str = "127.0.0.1", port: int = 8000, echo: Callable[[str], None] = print,
           **kw) -> None:
-    """One process: ``build`` (its options), then serve until Ctrl-C (serve/launch.py picks this or
-    the ranks)."""
+    """One process: the socket bound (``bind``), ``build`` (its options), then serve until Ctrl-C (serve/launch.py
+    picks this or the ranks)."""
     import uvicorn
 
-    served = build(ckpt_path, echo=echo, **kw)
-    say_serving(served, host, port, echo)
+    sock = bind(host, port)
     try:
-        uvicorn.run(create_app(served), host=host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=GRACE_S)
+        served = build(ckpt_path, echo=echo, **kw)
+    except BaseException:
+        sock.close()
+        raise
+    say_serving(served, host, sock.getsockname()[1], echo)
+    try:
+        uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", timeout_graceful_shutdown=GRACE_S)
+                       ).run(sockets=[sock])
     finally:
+        sock.close()
         served.thread.stop()
