@@ -46,6 +46,8 @@ def test_completions_continue_text_as_generate_does(server, client):
     cut = want[12:15]  # a stop sequence from within the reply: the text ends before its first match
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[cut])
     assert r.choices[0].text == want[:want.index(cut)] and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0)  # no max_tokens: OpenAI's default, 16
+    assert r.choices[0].text == want[:16] and r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, logit_bias={str(tok.eos): 100})
     assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)  # eos ends it
 

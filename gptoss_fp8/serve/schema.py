@@ -84,6 +84,8 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    # OpenAI's legacy default (the chat APIs' is the rest of the context); null asks for the rest of the context
+    max_tokens: int | None = Field(default=16, ge=1)
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (token ids: true is not 1)
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's, and that many alternatives
     echo: Literal[False] = False
