@@ -357,11 +357,11 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
         raise GptOssFp8Error(f"{url}/v1/models: no OpenAI-compatible server answers there ({e}){hint}") from None
     if model is None and listed:
         model = listed[0]["id"]
+    elif model is None and not text:
+        raise GptOssFp8Error(f"{url}/v1/models lists no model; name one with --model-name")
     mine = next((m for m in listed if m.get("id") == model), {})
     if isinstance(mine.get("vocab_size"), int):  # (our server lists its vocabulary: the random ids stay in it)
         vocab = mine["vocab_size"]
-    elif model is None and not text:
-        raise GptOssFp8Error(f"{url}/v1/models lists no model; name one with --model-name")
 
     def prompts(p: int, n: int, salt: int) -> list[str] | None:
         return text_prompts(tok, n, p, seed + 7919 * salt + p) if text else None
