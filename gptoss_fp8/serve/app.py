@@ -618,7 +618,7 @@ class _CompletionReply(_Reply):
     OBJECT = CHUNK = "text_completion"
 
     def __init__(self, vocab: Vocab, stops: list[str], logprobs: bool, top: int = 0):
-        self.vocab, self.stop_ids = vocab, vocab.stops
+        self.vocab = vocab
         self.text, self.stop, self.logprobs, self.top = vocab.stream(), harmony.StopText(stops), logprobs, top
         self.pieces: list[str] = []
         self.lps: list[float] = []
@@ -627,7 +627,7 @@ class _CompletionReply(_Reply):
 
     def feed(self, ev: Event) -> None:
         for i, tok in enumerate(ev.new):
-            piece, self.hit = self.stop.push("" if tok in self.stop_ids else self.text.push(tok))
+            piece, self.hit = self.stop.push("" if tok in self.vocab.stops else self.text.push(tok))
             self.pieces.append(piece)
             if ev.logprobs:
                 self.lps.append(ev.logprobs[i])

@@ -15,8 +15,7 @@ from functools import lru_cache
 
 from gptoss_fp8.errors import GptOssFp8Error
 from gptoss_fp8.serve import harmony
-
-HARMONY_VOCAB = 201088
+from gptoss_fp8.verify.prompt import HARMONY_VOCAB
 
 
 @dataclass(frozen=True)
