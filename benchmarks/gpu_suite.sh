@@ -204,6 +204,7 @@ if has pending56; then  # (.whl/w: llguidance, openai-harmony, bpe-openai wheels
       .whl/w/*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
+  if [[ -d .whl/cache ]]; then export XDG_CACHE_HOME=$(pwd)/.whl/cache; fi
   timeout -s INT ${P56_TEST_S:-240} python3 -m pytest -q -rf tests/test_grammar.py tests/test_runtime_gpu.py \
     > "$OUT/pending56.log" 2>&1
   tail -4 "$OUT/pending56.log"
