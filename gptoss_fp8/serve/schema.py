@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -16,7 +16,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(_Strict):
@@ -26,7 +26,7 @@ class _Sampling(_Strict):
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # (an int64; choice i draws with seed + i)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=128)  # choices, each a sequence of its own (at most the server's slots)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -34,7 +34,7 @@ class _Sampling(_Strict):
     logit_bias: dict[int, float] | None = None  # token id (a JSON key: its digits) -> -100 to 100
     repetition_penalty: float = Field(default=1.0, gt=0, le=2)  # vLLM's extension (1: none)
     user: str | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the stop tokens (benchmarks)
+    ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the stop tokens (benchmarks)
 
     @field_validator("logit_bias")
     @classmethod
@@ -59,11 +59,11 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     # auto, none, required, or {"type": "function", "function": {"name": ...}} (serve/grammar.py)
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("messages")
@@ -72,6 +72,8 @@ class ChatRequest(_Sampling):
         for i, m in enumerate(v):
             if "role" not in m:
                 raise ValueError(f"message {i} has no role")
+            if m["role"] in ("system", "developer", "user", "tool") and m.get("content") is None:
+                raise ValueError(f"message {i} ({m['role']}) has no content")
         return v
 
     @field_validator("tools")
@@ -146,7 +148,7 @@ class TextFormat(_Strict):
     name: str | None = None  # (json_schema's)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     def as_dict(self) -> dict:
         return {"type": self.type, "schema": self.schema_}
@@ -158,7 +160,7 @@ class TextConfig(_Strict):
 
 
 class ResponsesStreamOptions(_Strict):
-    include_obfuscation: bool = True
+    include_obfuscation: StrictBool = True
 
 
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
@@ -177,14 +179,14 @@ class ResponsesRequest(_Strict):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None  # or {"type": "function", "name"}
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
     reasoning: Reasoning | None = None
     text: TextConfig | None = None
     include: list[Literal[INCLUDABLE]] | None = None  # type: ignore[valid-type]
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: ResponsesStreamOptions | None = None
-    store: bool = True
+    store: StrictBool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["disabled"] | None = None
