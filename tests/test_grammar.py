@@ -24,15 +24,25 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 
 class _Ids:
-    """A Constraint allowing a fixed set of ids."""
+    """A Constraint allowing a fixed set of ids (its masks and checks counted)."""
 
     def __init__(self, ids):
-        self.ids = ids
+        self.ids, self.masks, self.checks = ids, 0, 0
 
     def allow(self, row):
+        self.masks += 1
         bits = torch.zeros(row.numel() * 32, dtype=torch.bool)
         bits[self.ids] = True
         row.copy_((bits.view(-1, 32).long() << torch.arange(32)).sum(1).to(torch.int64).to(torch.int32))
+
+    def check(self, tok):
+        self.checks += 1
+        return tok in self.ids
+
+    def consume(self, tok):
+        return tok in self.ids
+
+    error = ""
 
 
 def test_allowed_mask_unpacks_each_bit():
@@ -64,9 +74,10 @@ def test_draw_chooses_among_the_allowed_only_and_reports_the_models_logprobs():
     assert toks[1] in range(1000) and toks[0] in ok
 
 
-def _run(fmt, seed, steps=400, end_bias=30.0):
+def _run(fmt, seed, steps=400, end_bias=30.0, lazy=False):
     """Random logits drawn through the grammar (temperature 1, <|end|> favoured where allowed so reasoning and
-    preambles end) -> the reply's ids; each draw's token must be one the matcher then accepts."""
+    preambles end) -> the reply's ids; each draw's token must be one the matcher then accepts. ``lazy``: drawn
+    freely, checked, drawn again through the mask when refused (``draw(lazy=)``; random logits are refused often)."""
     rule = grammar.constraint(fmt, V)()
     g = torch.Generator().manual_seed(seed)
     p = SamplingParams(temperature=1.0)
@@ -74,7 +85,8 @@ def _run(fmt, seed, steps=400, end_bias=30.0):
     for _ in range(steps):
         logits = torch.randn(1, V, generator=g)
         logits[0, END] += end_bias
-        tok = draw(logits, [p], [g], allowed=([0], allowed_mask([rule], V, torch.device("cpu")))).get()[0][0]
+        how = {"lazy": ([0], [rule])} if lazy else {"allowed": ([0], allowed_mask([rule], V, torch.device("cpu")))}
+        tok = draw(logits, [p], [g], **how).get()[0][0]
         assert rule.consume(tok), rule.error
         out.append(tok)
         if tok in (RETURN, CALL):
@@ -88,9 +100,9 @@ def _messages(ids):
     return harmony.encoding().parse_messages_from_completion_tokens(ids, Role.ASSISTANT)
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_a_json_schema_holds_the_final_message(seed):
-    ids = _run(grammar.Format(SCHEMA), seed)
+@pytest.mark.parametrize("seed, lazy", [(0, False), (1, True)])
+def test_a_json_schema_holds_the_final_message(seed, lazy):
+    ids = _run(grammar.Format(SCHEMA), seed, lazy=lazy)
     assert ids[-1] == RETURN
     last = _messages(ids)[-1]
     assert last.channel == "final"
@@ -135,6 +147,94 @@ def test_the_grammar_accepts_a_real_harmony_reply_and_refuses_the_wrong_ending()
         assert rule().matcher.validate_tokens(ids) < len(ids), bad
 
 
+def test_lazy_rows_choose_what_their_masks_choose():
+    """draw(lazy=): greedy rows take the allowed argmax bit for bit, a mask made only for a refused row, the
+    log-probabilities the model's; the rules that refused are reported."""
+    n, v = 6, 1000
+    logits = torch.randn(n, v) * 3
+    oks = [torch.randperm(v)[:k].tolist() for k in (1, 5, 40, 400, 900, 999)]
+    oks[2].append(int(logits[2].argmax()))  # (one row whose free choice is allowed: no mask for it)
+    params = [SamplingParams(temperature=0, logprobs=True)] * n
+    rules = [_Ids(ok) for ok in oks]
+    told = []
+    toks, lps, _ = draw(logits, params, [None] * n, lazy=(list(range(n)), rules), refused=told.extend).get()
+    want, _, _ = draw(logits, params, [None] * n, allowed=(list(range(n)), allowed_mask([_Ids(o) for o in oks], v,
+                                                                                        torch.device("cpu")))).get()
+    assert toks == want and all(t in ok for t, ok in zip(toks, oks, strict=True))
+    logp = torch.log_softmax(logits, -1)
+    assert lps == pytest.approx([float(logp[i, t]) for i, t in enumerate(toks)], abs=1e-6)
+    free = [int(r.argmax()) in ok for r, ok in zip(logits, oks, strict=True)]
+    assert free[2] and not all(free)
+    assert [r.masks for r in rules] == [0 if f else 1 for f in free] and all(r.checks == 1 for r in rules)
+    assert told == [r for r, f in zip(rules, free, strict=True) if not f]
+    with pytest.raises(GptOssFp8Error, match="row 0 has top_p 0.9; a lazy rule needs top_p 1"):
+        draw(logits[:1], [SamplingParams(temperature=1.0, top_p=0.9)], [torch.Generator()], lazy=([0], rules[:1]))
+
+
+def test_a_lazy_rows_samples_follow_the_masked_distribution():
+    """Sampled: a free draw kept when allowed, else one from the masked distribution, gives each allowed token its
+    probability over the allowed mass (p / A), as the mask does; 4000 draws each way, within 5 standard errors."""
+    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0, 0.0, 1.0]])
+    ok = [1, 3, 4, 5]
+    p = torch.softmax(logits[0], -1)
+    want = torch.zeros(6)
+    want[ok] = p[ok] / p[ok].sum()
+    params, g, draws = [SamplingParams(temperature=1.0)], torch.Generator().manual_seed(5), 4000
+    for how in ("lazy", "allowed"):
+        seen = torch.zeros(6)
+        for _ in range(draws):
+            rule = _Ids(ok)
+            kw = {"lazy": ([0], [rule])} if how == "lazy" else {"allowed": ([0], allowed_mask([rule], 6,
+                                                                                            torch.device("cpu")))}
+            seen[draw(logits, params, [g], **kw).get()[0][0]] += 1
+        freq = seen / draws
+        assert freq.tolist() == pytest.approx(want.tolist(), abs=float(5 * (want * (1 - want) / draws).sqrt().max())), how
+        assert freq[[0, 2]].sum() == 0
+
+
+def test_the_default_sampler_masks_a_rule_for_a_while_after_it_refused():
+    from gptoss_fp8.runtime.engine import DefaultSampler
+    from gptoss_fp8.runtime.sequence import Sequence
+
+    v = 50
+    logits = torch.zeros(3, v)
+    logits[:, 7] = 5.0  # every row's free choice: 7
+    made = [_Ids([7, 9]), _Ids([9]), _Ids([9])]  # the second refuses 7; the third's row samples at top_p 0.5
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, top_p=0.5, seed=1)]
+    seqs = []
+    for i, (rule, p) in enumerate(zip(made, params, strict=True)):
+        s = Sequence([1, 2], p, slot=i, constraint=rule, generator=p.generator(torch.device("cpu")))
+        seqs.append(s)
+    sampler = DefaultSampler(3, masked_after_refusal=3)
+    history = []
+    for _ in range(6):
+        toks = sampler(logits, seqs).get()[0]
+        assert toks[:2] == [7, 9] and toks[2] == 9
+        history.append([(r.checks, r.masks) for r in made])
+    # row 0: checked each step, never masked; row 1: refused at step 1 (checked, then masked), masked first for
+    # steps 2-4, then lazy again (refused: masked again); row 2 (top_p < 1): masked first every step, never checked
+    assert [h[0] for h in history] == [(k, 0) for k in range(1, 7)]
+    assert [h[1] for h in history] == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 5), (2, 6)]
+    assert [h[2] for h in history] == [(0, k) for k in range(1, 7)]
+    eager = DefaultSampler(3, lazy=False)
+    made[0].masks = made[0].checks = 0
+    eager(logits, seqs).get()
+    assert (made[0].checks, made[0].masks) == (0, 1)
+
+
+def test_a_grammars_check_agrees_with_its_mask():
+    enc = harmony.encoding()
+    rule = grammar.constraint(grammar.Format(SCHEMA), V)()
+    g = torch.Generator().manual_seed(3)
+    for text in ("", "<|channel|>analysis<|message|>Hm", "<|end|><|start|>assistant<|channel|>final<|message|>{",
+                 '"n":4,"ok":'):
+        assert all(rule.consume(t) for t in enc.encode(text, allowed_special="all"))
+        mask = allowed_mask([rule], V, torch.device("cpu"))[0]
+        some = torch.cat([mask.nonzero().flatten()[:50], torch.randint(0, V, (300,), generator=g)]).tolist()
+        assert [rule.check(t) for t in some] == [bool(mask[t]) for t in some], text
+        assert 0 < int(mask.sum()) < V
+
+
 def test_bad_formats_are_one_line():
     with pytest.raises(GptOssFp8Error, match="json_schema format needs its schema"):
         grammar.schema_of({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format")
@@ -165,6 +265,10 @@ def test_allowed_mask_and_draw_on_the_gpu():
         assert toks[0] == max(ids[0], key=lambda t: float(logits[0, t])) and toks[1] in ids[1]
         assert toks[2] == int(logits[2].float().argmax())
         assert lps[1] == pytest.approx(float(torch.log_softmax(logits.float(), -1)[1, toks[1]]), abs=1e-4)
+        rules = [_Ids(i) for i in ids]  # lazy: the same choice, the refused rows' masks made after the read
+        again, lps2, _ = draw(logits, params, gens, lazy=([0, 1], rules)).get()
+        assert again[0] == toks[0] and again[1] in ids[1] and again[2] == toks[2]
+        assert lps2[1] == pytest.approx(float(torch.log_softmax(logits.float(), -1)[1, again[1]]), abs=1e-4)
 
 
 def test_several_grammars_masks_at_once_equal_one_at_a_time():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -41,20 +42,44 @@ Sampler = Callable[[torch.Tensor, list[Sequence]], "tuple | Drawn"]
 
 class DefaultSampler:
     """Each request's SamplingParams (``draw``), the penalized ones' counts (and the ids a repetition penalty sees)
-    kept per slot (``TokenCounts``)."""
+    kept per slot (``TokenCounts``).
 
-    def __init__(self, slots: int):
+    Structured output: a rule that can check a token (``Constraint.check``) on a row at top_p 1 is lazy (``draw``'s
+    ``lazy``): its token drawn freely and checked, its mask made only when refused. A grammar's mask costs ~1 ms a
+    sequence inside a JSON string (llguidance, BENCHMARKS.md), its check ~1 us, and a model that follows its format
+    is rarely refused, so a step of many structured streams is not held up by their masks. A rule that refused draws
+    through its mask for its next ``masked_after_refusal`` steps (refusals come in runs: a format the model does not
+    take to), made while the step's forward runs. ``lazy=False``: every rule's mask first (the A/B's other side)."""
+
+    def __init__(self, slots: int, lazy: bool = True, masked_after_refusal: int = 8):
         self.counts = TokenCounts(slots)
+        self.lazy, self.masked_after_refusal = lazy, masked_after_refusal
+        self._masked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> steps left to draw masked
+
+    def _refused(self, rules: list) -> None:
+        for r in rules:
+            self._masked[r] = self.masked_after_refusal
+
+    def _is_lazy(self, seq: Sequence) -> bool:
+        if not self.lazy or seq.params.top_p < 1 or not hasattr(seq.constraint, "check"):
+            return False
+        left = self._masked.get(seq.constraint, 0)
+        if left:
+            self._masked[seq.constraint] = left - 1
+        return not left
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
         v, dev = logits.shape[1], logits.device
         pen = [(s.slot, s.id, s.tokens) for s in seqs if s.params.presence_penalty or s.params.frequency_penalty]
         again = [(s.slot, s.id, s.prompt, s.tokens) for s in seqs if s.params.repetition_penalty != 1]
         ruled = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        lazy = [i for i in ruled if self._is_lazy(seqs[i])]
+        masked = sorted(set(ruled) - set(lazy))
         return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
                     counts=self.counts.rows(pen, v, dev) if pen else None,
                     seen=self.counts.seen_rows(again, v, dev) if again else None,
-                    allowed=(ruled, allowed_mask([seqs[i].constraint for i in ruled], v, dev)) if ruled else None)
+                    allowed=(masked, allowed_mask([seqs[i].constraint for i in masked], v, dev)) if masked else None,
+                    lazy=(lazy, [seqs[i].constraint for i in lazy]) if lazy else None, refused=self._refused)
 
 
 class Engine:

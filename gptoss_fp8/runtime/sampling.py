@@ -40,7 +40,8 @@ class Constraint(Protocol):
     j % 32 of word j // 32 set for an allowed id j); ``consume(tok)``: the chosen token, False when it breaks the
     rule; ``error``: why it broke (empty when it did not). A kind may also have ``allow_many(rules, packed, at)``:
     rules[k]'s allowed ids into row at[k] of ``packed`` for every k, at once (``allowed_mask`` uses it for 2 or
-    more)."""
+    more), and ``check(tok)``: whether ``tok`` may come next, without taking it (``draw(lazy=)`` uses it: a check
+    costs a grammar far less than a mask)."""
 
     def allow(self, row: torch.Tensor) -> None: ...
 
@@ -134,7 +135,8 @@ class Drawn:
     thread runs while the GPU finishes the step, then reads the pinned copy."""
 
     def __init__(self, toks: torch.Tensor, lps: torch.Tensor | None,
-                 top: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 again: Callable[[list[int], list[float] | None], None] | None = None):
         cols = [toks.double()[:, None]]  # (ids exact in float64)
         if lps is not None:
             cols.append(lps.double()[:, None])
@@ -142,6 +144,7 @@ class Drawn:
             cols += [top[0].double(), top[1].double()]
         both = torch.cat(cols, dim=1)
         self._logprobs, self._k, self.event = lps is not None, 0 if top is None else top[0].shape[1], None
+        self._again = again  # draw's lazy rows: checked once read, a refused one's token drawn again
         if both.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
@@ -152,13 +155,15 @@ class Drawn:
 
     def get(self) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
         """(tokens, log-probabilities or None, each row's k alternatives or None) as host lists: the
-        step's one host read."""
+        step's one host read (a second where a lazy row's rule refused its token: ``draw``)."""
         if self.event is not None:
             self.event.synchronize()
         rows, k = self._both.tolist(), self._k
         toks = [int(r[0]) for r in rows]
         lps = [r[1] for r in rows] if self._logprobs else None
         tops = [[(int(t), v) for t, v in zip(r[2:2 + k], r[2 + k:], strict=True)] for r in rows] if k else None
+        if self._again is not None:
+            self._again(toks, lps)
         return toks, lps, tops
 
 
@@ -299,14 +304,22 @@ _BITS: dict[torch.device, torch.Tensor] = {}
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
          outputs: list[list[int]] | None = None, counts: torch.Tensor | None = None,
-         seen: torch.Tensor | None = None, allowed: tuple[list[int], torch.Tensor] | None = None) -> Drawn:
+         seen: torch.Tensor | None = None, allowed: tuple[list[int], torch.Tensor] | None = None,
+         lazy: tuple[list[int], list[Constraint]] | None = None,
+         refused: Callable[[list[Constraint]], None] | None = None) -> Drawn:
     """Row i of logits [n, V] (bf16 or float32) -> row i's token by params[i] and gens[i] (after
     its penalties over outputs[i], its generated ids so far, or their ``counts``, and its repetition penalty over
     ``seen``: ``penalize``); and, if any row asked for them,
     every row's chosen-token log-probability and its k most likely tokens (k the largest
     top_logprobs asked; ``Drawn.get``'s rows hold k each, a request keeps its own first ones). ``allowed``: (rows,
     bool [len(rows), V]) those rows' tokens chosen among the allowed ones only (``allowed_mask``; the log-probabilities
-    stay the model's). All on the logits' device, no host synchronisation: ``Drawn.get`` reads them."""
+    stay the model's). ``lazy``: (rows, their rules) held to their rules without a mask made first: each row draws
+    freely, ``Drawn.get`` checks its token (``Constraint.check``), and only a refused row's mask is made and its token
+    drawn again among the allowed ones (``refused`` is told which rules refused). That is the mask's choice: greedy,
+    the allowed argmax; sampled, each allowed token with its probability over the allowed mass (a free draw kept with
+    probability p, else one from the masked distribution: p + (1 - A) p / A = p / A). So only rows at top_p 1 may be
+    lazy: a nucleus cut before the mask is not the cut after it. All on the logits' device, no host synchronisation:
+    ``Drawn.get`` reads them (a refused lazy row costs its mask and a second read there)."""
     raw = logits.float()
     if any(p.penalized for p in params):
         if outputs is None and counts is None and any(p.presence_penalty or p.frequency_penalty for p in params):
@@ -317,12 +330,11 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Ge
     if allowed is not None:
         sel = device_ints(allowed[0], rows.device)
         rows = rows.index_copy(0, sel, rows.index_select(0, sel).masked_fill(~allowed[1], float("-inf")))
-    toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
-    for i, p in enumerate(params):
-        if p.temperature > 0:
-            probs = nucleus(torch.softmax(rows[i] / p.temperature, dim=-1), p.top_p)
-            toks[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
-    lp = top = None
+    cut = [i for i in (lazy[0] if lazy else []) if params[i].top_p < 1]
+    if cut:
+        raise GptOssFp8Error(f"draw: row {cut[0]} has top_p {params[cut[0]].top_p}; a lazy rule needs top_p 1 (mask it)")
+    toks = _choose(rows, params, gens)
+    lp = top = logp = None
     if any(p.logprobs for p in params):
         logp = torch.log_softmax(raw, dim=-1)
         lp = logp.gather(1, toks[:, None])[:, 0]
@@ -330,7 +342,49 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Ge
         if k:
             vals, ids = logp.topk(k, dim=-1)
             top = ids, vals
-    return Drawn(toks, lp, top)
+    again = _Recheck(lazy[0], lazy[1], rows, logp, params, gens, refused) if lazy and lazy[0] else None
+    return Drawn(toks, lp, top, again)
+
+
+def _choose(rows: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
+    """Row i's token of rows [n, V] (float32 logits, penalties and masks in) by params[i] with gens[i] -> int64 [n]."""
+    toks = rows.argmax(dim=-1)  # [n]: the greedy rows' tokens, one launch for all of them
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            probs = nucleus(torch.softmax(rows[i] / p.temperature, dim=-1), p.top_p)
+            toks[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
+    return toks
+
+
+class _Recheck:
+    """``draw``'s lazy rows, checked once their tokens are on the host (``Drawn.get``): a refused row's token drawn
+    again among its rule's allowed ones (its mask made only now), its log-probability the model's."""
+
+    def __init__(self, at: list[int], rules: list[Constraint], rows: torch.Tensor, logp: torch.Tensor | None,
+                 params: list[SamplingParams], gens: list[torch.Generator | None],
+                 refused: Callable[[list[Constraint]], None] | None):
+        self.at, self.rules, self.rows, self.logp = at, rules, rows, logp
+        self.params, self.gens, self.refused = params, gens, refused
+
+    def __call__(self, toks: list[int], lps: list[float] | None) -> None:
+        """Mends toks (and lps) in place."""
+        bad = [k for k, i in enumerate(self.at) if not self.rules[k].check(toks[i])]
+        if not bad:
+            return
+        at, rules = [self.at[k] for k in bad], [self.rules[k] for k in bad]
+        if self.refused is not None:
+            self.refused(rules)
+        sel = device_ints(at, self.rows.device)
+        mask = allowed_mask(rules, self.rows.shape[1], self.rows.device)
+        new = _choose(self.rows.index_select(0, sel).masked_fill(~mask, float("-inf")), [self.params[i] for i in at],
+                      [self.gens[i] for i in at])
+        cols = [new.double()[:, None]]  # (ids exact in float64)
+        if self.logp is not None:
+            cols.append(self.logp.index_select(0, sel).gather(1, new[:, None]).double())
+        for i, row in zip(at, torch.cat(cols, dim=1).tolist(), strict=True):  # (the second read: refusals only)
+            toks[i] = int(row[0])
+            if lps is not None:
+                lps[i] = row[1]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],

@@ -143,6 +143,9 @@ class Grammar:
         _executor().unsafe_compute_mask_ptr([(r.matcher, i) for r, i in zip(rules, at, strict=True)],
                                             packed.data_ptr(), packed.shape[1] * packed.element_size(), packed.shape[0])
 
+    def check(self, tok: int) -> bool:
+        return self.matcher.validate_tokens([tok]) == 1
+
     def consume(self, tok: int) -> bool:
         return self.matcher.consume_token(tok)
 
