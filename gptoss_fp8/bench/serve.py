@@ -129,8 +129,8 @@ async def _one(client, url: str, model: str | None, prompt: list[int] | str, out
 
 def structured_format(output_len: int) -> dict:
     """``--structured``'s response_format: a JSON string of at least 16 characters a token asked for, so that it does
-    not close within the output and every step's mask is inside a JSON string (llguidance's costliest state here:
-    BENCHMARKS.md "Structured output's host cost per step")."""
+    not close within the output and every step is inside a JSON string (llguidance's costliest state here, where a
+    refused token's mask is made: BENCHMARKS.md "Structured output's host cost per step")."""
     return {"type": "json_schema", "json_schema": {"name": "long", "schema": {"type": "string",
                                                                              "minLength": 16 * output_len}}}
 

@@ -349,7 +349,8 @@ def serve(
                     "document: the server's prefix cache; the cached_pct column).")] = 0,
     structured: Annotated[bool, typer.Option(
         help="Every completion held to a JSON string (response_format) that does not close within --output-len: "
-             "each step's mask at structured output's costliest state, its host cost under load (our server).")] = False,
+             "each step inside a JSON string, structured output's costliest state (a token checked, masked where refused), "
+             "its host cost under load (our server).")] = False,
     attention: Annotated[Attention, typer.Option(
         help="--launch / --synthetic: the launched server's prefill attention numerics (as `serve --attention`: bf16, "
              "fp8 or fp8-lin; a server at URL keeps its own).")] = Attention.bf16,
