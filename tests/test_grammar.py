@@ -246,6 +246,10 @@ def test_bad_formats_are_one_line():
         grammar.request_format(None, None, "required")
     with pytest.raises(GptOssFp8Error, match="needs the o200k_harmony vocabulary.*this model has 512"):
         grammar.constraint(grammar.Format(SCHEMA), 512)
+    with pytest.raises(GptOssFp8Error, match="the byte-level vocabulary has no Harmony"):
+        grammar.constraint(grammar.Format(SCHEMA), 259, "byte-level")
+    with pytest.raises(GptOssFp8Error, match="a byte-level vocabulary has 259 ids; this model has 300"):
+        grammar.constraint(grammar.Format(SCHEMA, raw=True), 300, "byte-level")
     with pytest.raises(GptOssFp8Error, match="cannot be enforced"):
         grammar.constraint(grammar.Format({"type": "integer", "minimum": 5, "maximum": 1, "x-guidance": {"lenient": 7}}),
                            V)

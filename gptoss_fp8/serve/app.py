@@ -263,7 +263,7 @@ def create_app(served: Served) -> FastAPI:
     async def format_rule(fmt: grammar.Format):
         """``grammar.constraint`` of fmt, compiled in a worker thread (the first builds llguidance's tokenizer, ~1 s;
         a large schema's grammar can take a while): the event loop serves the other streams meanwhile."""
-        return await asyncio.to_thread(grammar.constraint, fmt, engine.vocab) if fmt.needed else None
+        return await asyncio.to_thread(grammar.constraint, fmt, engine.vocab, served.vocab.name) if fmt.needed else None
 
     def sampling(req, prompt: list[int], stop_ids: tuple[int, ...], logprobs: bool,
                  top_logprobs: int, constraint=None) -> Callable[[int], SamplingParams]:

@@ -16,7 +16,9 @@ final message (a call must come), ``none`` the calls, and a tool whose definitio
 held to its parameters' schema (the others' arguments are free text, as without a grammar). The engine asks a
 request's ``Grammar`` for the allowed next tokens before each choice (runtime/sampling.py ``Constraint``, one packed
 bit per token id) and feeds it the chosen one; llguidance computes a mask in well under a millisecond once warm.
-The tokenizer it needs is the o200k_harmony vocabulary's token bytes (``tokenizer``, made once, ~1 s).
+The tokenizer it needs is the o200k_harmony vocabulary's token bytes (``tokenizer``, made once, ~1 s). A byte-level
+model (the trained fixture: serve/vocab.py) has no Harmony, so its only grammar is the completions API's raw JSON
+(``Format.raw``), over its 256 byte ids and its three specials (``</s>`` ends the reply once the JSON is whole).
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def _llguidance():
 
 
 @lru_cache(maxsize=2)
-def tokenizer(vocab: int):
-    """llguidance's tokenizer of the o200k_harmony vocabulary (``vocab`` ids: the model's): each id's bytes (the
-    special tokens' names), the special ids, and harmony's encoder for text."""
+def tokenizer(vocab: int, name: str = "o200k_harmony"):
+    """llguidance's tokenizer of the served vocabulary (``name``, serve/vocab.py; ``vocab`` ids: the model's): each
+    id's bytes (the special tokens' names), the special ids, and the vocabulary's encoder for text."""
     llg = _llguidance()
+    if name == "byte-level":
+        return llg.LLTokenizer(llg.TokenizerWrapper(_byte_tokens(vocab)), n_vocab=vocab)
     if vocab < harmony.CALL + 1:
         raise GptOssFp8Error(f"structured output needs the o200k_harmony vocabulary (gpt-oss's 201088 ids); this model "
                              f"has {vocab}")
@@ -66,6 +70,30 @@ def tokenizer(vocab: int):
             return enc.encode(text, allowed_special=set())
 
     return llg.LLTokenizer(llg.TokenizerWrapper(_Vocab()), n_vocab=vocab)
+
+
+def _byte_tokens(vocab: int):
+    """The byte-level vocabulary (ByT5's convention, gptoss_fp8/tokenizer.py) as llguidance's TokenizerWrapper takes it."""
+    from gptoss_fp8.tokenizer import BYT5_IDS, ByteTokenizer
+
+    bt = ByteTokenizer()
+    if vocab != bt.vocab_size:
+        raise GptOssFp8Error(f"a byte-level vocabulary has {bt.vocab_size} ids; this model has {vocab}")
+    off = BYT5_IDS["offset"]
+    names = {i: k for k, i in BYT5_IDS.items() if k != "offset"}
+
+    class _Bytes:
+        eos_token_id = BYT5_IDS["eos"]
+        bos_token_id = None
+        tokens = [f"<{names[i]}>".encode() for i in range(off)] + [bytes([b]) for b in range(256)]
+        special_token_ids = list(range(off))
+
+        def __call__(self, text):
+            if not isinstance(text, str):
+                raise TypeError("text only")
+            return bt.encode(text)
+
+    return _Bytes()
 
 
 def _compact(schema: dict) -> str:
@@ -154,14 +182,17 @@ class Grammar:
         return self.matcher.get_error()
 
 
-def constraint(fmt: Format, vocab: int):
-    """``SamplingParams.constraint`` for ``fmt`` (None where it rules nothing out): the grammar compiled and checked
-    once here (one line if a schema cannot be: 400) into a matcher that each sequence's copies (the engine makes them
-    as requests are added: a copy costs far less than a compile)."""
+def constraint(fmt: Format, vocab: int, name: str = "o200k_harmony"):
+    """``SamplingParams.constraint`` for ``fmt`` over the vocabulary ``name`` of ``vocab`` ids (None where it rules
+    nothing out): the grammar compiled and checked once here (one line if a schema cannot be: 400) into a matcher that
+    each sequence's copies (the engine makes them as requests are added: a copy costs far less than a compile)."""
     if not fmt.needed:
         return None
+    if name != "o200k_harmony" and not fmt.raw:
+        raise GptOssFp8Error(f"the {name} vocabulary has no Harmony: its only output format is the completions API's "
+                             "JSON")
     llg = _llguidance()
-    tok = tokenizer(vocab)
+    tok = tokenizer(vocab, name)
     grammar = llg.LLMatcher.grammar_from_lark(fmt.lark())
     bad = llg.LLMatcher.validate_grammar(grammar, tok)
     if bad:
