@@ -107,7 +107,8 @@ def test_bench_serve_synthetic_options(monkeypatch):
 
 def test_bench_structured_holds_every_completion_to_a_long_json_string(harmony_ckpt, monkeypatch):
     """--structured: each request's response_format a JSON string that cannot close within the output, so every
-    step's token is drawn through a grammar mask (the host's cost of structured output under load)."""
+    step's token is checked inside a JSON string, masked where refused (the host's cost of structured output under
+    load); the row says what share the grammar refused."""
     pytest.importorskip("llguidance")
     fmt = bs.structured_format(5)
     assert fmt["json_schema"]["schema"] == {"type": "string", "minLength": 80}
@@ -119,6 +120,7 @@ def test_bench_structured_holds_every_completion_to_a_long_json_string(harmony_c
         (row,) = bs.bench(s.url, model=None, concurrency=[2], prompt_lens=[8], output_len=5, requests=2, procs=1,
                           echo=lambda _: None, structured=True)
     assert row["failed"] == 0 and row["output_tokens"] == 2 * 5
+    assert 0 <= row["refused_pct"] <= 100  # (the server's own counters over the case: some tokens were checked)
     assert len(seen) == 2 and all(p.constraint is not None and p.stop_token_ids == () for p in seen)
     with pytest.raises(GptOssFp8Error, match="--structured is for our server"):
         bs.bench("http://127.0.0.1:9", model="m", concurrency=[1], prompt_lens=[8], output_len=1, requests=1,

@@ -216,6 +216,8 @@ def test_the_default_sampler_masks_a_rule_for_a_while_after_it_refused():
     assert [h[0] for h in history] == [(k, 0) for k in range(1, 7)]
     assert [h[1] for h in history] == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 5), (2, 6)]
     assert [h[2] for h in history] == [(0, k) for k in range(1, 7)]
+    m = sampler.metrics
+    assert (m.structured_checked, m.structured_refused, m.structured_masked) == (6 + 2, 2, 4 + 6)
     eager = DefaultSampler(3, lazy=False)
     made[0].masks = made[0].checks = 0
     eager(logits, seqs).get()

@@ -284,6 +284,11 @@ def _fits(text):
 
 
 def test_structured_output_through_both_apis(server, client, ending):
+    def counts():
+        m = httpx.get(server.url + "/metrics").text
+        return [metric(m, f"gptoss_structured_{k}_tokens_total") for k in ("checked", "refused", "masked")]
+
+    before = counts()
     fmt = {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}
     r = client.responses.create(model=MODEL, input="Pick one.", text={"format": fmt}, temperature=1,
                                 max_output_tokens=300)
@@ -316,6 +321,10 @@ def test_structured_output_through_both_apis(server, client, ending):
                                           tools=chat_tools, tool_choice="required", temperature=1, max_tokens=300)
     assert chat.choices[0].finish_reason == "tool_calls"
     assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    # the fixture's <|end|> wins every free draw and is refused almost everywhere: checked, refused, then masks made
+    # first for the next 8 steps
+    checked, refused, masked = (a - b for a, b in zip(counts(), before, strict=True))
+    assert checked >= refused > 0 and masked > 0, (checked, refused, masked)
 
 
 @pytest.mark.parametrize("path, body, where", [

@@ -276,9 +276,13 @@ COLUMNS = ("prompt_len", "concurrency", "requests", "failed", "cached_pct", "tok
            "model_ms_per_step", "host_ms_per_step")
 
 
-def engine_counters(url: str, headers: dict) -> tuple[float, float] | None:
-    """The server's engine steps so far and their seconds in the model (our /metrics'
-    gptoss_engine_steps_total and gptoss_engine_model_seconds_total; None elsewhere)."""
+_COUNTERS = ("gptoss_engine_steps_total", "gptoss_engine_model_seconds_total", "gptoss_structured_checked_tokens_total",
+             "gptoss_structured_refused_tokens_total")
+
+
+def engine_counters(url: str, headers: dict) -> tuple[float, ...] | None:
+    """The server's engine steps so far, their seconds in the model, and structured output's tokens checked and refused
+    (our /metrics' ``_COUNTERS``; None elsewhere)."""
     import httpx
 
     try:
@@ -288,24 +292,26 @@ def engine_counters(url: str, headers: dict) -> tuple[float, float] | None:
     found = {}
     for line in r.text.splitlines() if r.status_code == 200 else ():
         name, _, value = line.partition(" ")
-        if name in ("gptoss_engine_steps_total", "gptoss_engine_model_seconds_total"):
+        if name in _COUNTERS:
             found[name] = float(value)
-    if len(found) != 2:
+    if len(found) != len(_COUNTERS):
         return None
-    return found["gptoss_engine_steps_total"], found["gptoss_engine_model_seconds_total"]
+    return tuple(found[k] for k in _COUNTERS)
 
 
-def step_rates(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float) -> dict:
+def step_rates(before: tuple[float, ...] | None, after: tuple[float, ...] | None, wall: float) -> dict:
     """The engine's steps per second over a case, the model's ms per step (its calls and the
     sampler: on a GPU the steps and their waits) and the host's (the rest of the wall time per
     step: the engine's own work and the HTTP side's that did not overlap the model, and any idle
-    time: at a concurrency the server keeps busy, the host's cost per step); nan against a server
+    time: at a concurrency the server keeps busy, the host's cost per step), and the share of structured output's
+    checked tokens that their grammar refused (``refused_pct``; nan without structured output); nan against a server
     without our /metrics."""
+    nan = float("nan")
     if before is None or after is None or after[0] <= before[0] or wall <= 0:
-        return {"steps_per_s": float("nan"), "model_ms_per_step": float("nan"), "host_ms_per_step": float("nan")}
-    steps, model = after[0] - before[0], after[1] - before[1]
+        return {"steps_per_s": nan, "model_ms_per_step": nan, "host_ms_per_step": nan, "refused_pct": nan}
+    steps, model, checked, refused = (a - b for a, b in zip(after, before, strict=True))
     return {"steps_per_s": steps / wall, "model_ms_per_step": 1e3 * model / steps,
-            "host_ms_per_step": 1e3 * (wall - model) / steps}
+            "host_ms_per_step": 1e3 * (wall - model) / steps, "refused_pct": 100 * refused / checked if checked else nan}
 
 
 def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: list[int], output_len: int,
@@ -393,6 +399,7 @@ def bench(url: str, *, model: str | None, concurrency: list[int], prompt_lens: l
             row.update(step_rates(before, engine_counters(url, headers) if before is not None else None, wall))
             rows.append(row)
             echo(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS)
+                 + (f"  refused: {row['refused_pct']:.3g}% of checked tokens" if structured else "")
                  + (f"  errors: {row['errors']}" if row["errors"] else ""))
     return rows
 

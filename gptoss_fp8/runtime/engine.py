@@ -49,14 +49,17 @@ class DefaultSampler:
     sequence inside a JSON string (llguidance, BENCHMARKS.md), its check ~1 us, and a model that follows its format
     is rarely refused, so a step of many structured streams is not held up by their masks. A rule that refused draws
     through its mask for its next ``masked_after_refusal`` steps (refusals come in runs: a format the model does not
-    take to), made while the step's forward runs. ``lazy=False``: every rule's mask first (the A/B's other side)."""
+    take to), made while the step's forward runs. ``lazy=False``: every rule's mask first (the A/B's other side).
+    ``metrics``: where the checked, refused and masked tokens are counted (the engine's)."""
 
-    def __init__(self, slots: int, lazy: bool = True, masked_after_refusal: int = 8):
+    def __init__(self, slots: int, lazy: bool = True, masked_after_refusal: int = 8, metrics: Metrics | None = None):
         self.counts = TokenCounts(slots)
         self.lazy, self.masked_after_refusal = lazy, masked_after_refusal
+        self.metrics = metrics or Metrics()
         self._masked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> steps left to draw masked
 
     def _refused(self, rules: list) -> None:
+        self.metrics.structured_refused += len(rules)
         for r in rules:
             self._masked[r] = self.masked_after_refusal
 
@@ -75,6 +78,8 @@ class DefaultSampler:
         ruled = [i for i, s in enumerate(seqs) if s.constraint is not None]
         lazy = [i for i in ruled if self._is_lazy(seqs[i])]
         masked = sorted(set(ruled) - set(lazy))
+        self.metrics.structured_checked += len(lazy)
+        self.metrics.structured_masked += len(masked)
         return draw(logits, [s.params for s in seqs], [s.generator for s in seqs],
                     counts=self.counts.rows(pen, v, dev) if pen else None,
                     seen=self.counts.seen_rows(again, v, dev) if again else None,
@@ -105,9 +110,9 @@ class Engine:
                                   ) if getattr(runner, "prefix_cache", False) else None
         self.scheduler = Scheduler(self.slots, chunk=chunk, token_budget=budget, max_waiting=max_waiting,
                                    prefix=self.prefix)
-        self.sampler = sampler or DefaultSampler(runner.slots)
-        self.log_errors = log_errors  # print the traceback of a failed request (a server's log)
         self.metrics = Metrics()
+        self.sampler = sampler or DefaultSampler(runner.slots, metrics=self.metrics)
+        self.log_errors = log_errors  # print the traceback of a failed request (a server's log)
         self.lock = threading.RLock()  # a listener may cancel from inside on_event
         self.wake = threading.Condition(self.lock)
         self._cancel: set[Sequence] = set()

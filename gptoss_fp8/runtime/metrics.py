@@ -42,5 +42,10 @@ class Metrics:
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     steps: int = 0
     model_seconds: float = 0.0  # in the runner's calls and the sampler (on a GPU: the steps and their waits)
+    # structured output (engine.DefaultSampler): tokens drawn freely and checked against their rule, those of them the
+    # rule refused (drawn again through its mask), and tokens drawn through their rule's mask made first
+    structured_checked: int = 0
+    structured_refused: int = 0
+    structured_masked: int = 0
     ttft: Histogram = field(default_factory=Histogram)  # arrival -> first token, seconds
     itl: Histogram = field(default_factory=Histogram)  # between a request's successive tokens, seconds

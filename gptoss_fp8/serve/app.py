@@ -808,6 +808,13 @@ def prometheus(engine: Engine) -> str:
     gauge("gptoss_engine_model_seconds_total", round(m.model_seconds, 6),
           "Seconds of engine steps in the model's calls and the sampler (the rest of a step's time is the host's).",
           "counter")
+    gauge("gptoss_structured_checked_tokens_total", m.structured_checked,
+          "Structured output's tokens drawn freely and checked against their grammar.", "counter")
+    gauge("gptoss_structured_refused_tokens_total", m.structured_refused,
+          "Of the checked tokens, those the grammar refused (drawn again through its mask).", "counter")
+    gauge("gptoss_structured_masked_tokens_total", m.structured_masked,
+          "Structured output's tokens drawn through their grammar's mask made first (top_p < 1, or after a refusal).",
+          "counter")
     lines.extend(["# HELP gptoss_requests_finished_total Requests finished, by reason.",
                   "# TYPE gptoss_requests_finished_total counter"])
     for reason, n in sorted(m.requests_finished.items()):
