@@ -224,6 +224,27 @@ def test_the_default_sampler_masks_a_rule_for_a_while_after_it_refused():
     assert (made[0].checks, made[0].masks) == (0, 1)
 
 
+def test_a_lazy_rows_tokens_do_not_depend_on_its_batch():
+    """Same seed, same tokens whatever else runs: a sampled lazy row alone and beside rows that are refused (their
+    masks made and tokens drawn again) takes the same 20 tokens."""
+    v, g = 300, torch.Generator().manual_seed(11)
+    steps = [torch.randn(4, v, generator=g) * 2 for _ in range(20)]
+    ok = torch.randperm(v, generator=g)[:120].tolist()
+
+    def run(rows):
+        gens = [torch.Generator().manual_seed(100 + i) for i in range(4)]
+        params = [SamplingParams(temperature=1.0, seed=100 + i) for i in range(4)]
+        out = []
+        for logits in steps:
+            toks = draw(logits[rows], [params[i] for i in rows], [gens[i] for i in rows],
+                        lazy=(list(range(len(rows))), [_Ids(ok if i == 0 else [7]) for i in rows])).get()[0]
+            out.append(toks[0])
+        return out
+
+    alone, beside = run([0]), run([0, 1, 2, 3])
+    assert alone == beside and all(t in ok for t in alone)
+
+
 def test_a_grammars_check_agrees_with_its_mask():
     enc = harmony.encoding()
     rule = grammar.constraint(grammar.Format(SCHEMA), V)()
