@@ -308,6 +308,8 @@ def test_bad_requests_are_one_line_400s(server):
         ({"model": MODEL, "messages": _user("hi"), "seed": 2**70}, "seed: Input should be less than or equal to"),
         ({"model": MODEL, "messages": [{"role": "user"}]}, "message 0 (user) has no content"),
         ({"model": MODEL, "messages": _user("hi") + [{"role": "tool", "tool_call_id": "c"}]}, "message 1 (tool) has no"),
+        ({"model": MODEL, "messages": _user("hi") + [{"role": "assistant"}] + _user("hi")},
+         "message 1 (assistant) has neither content nor tool_calls"),
         ({"model": MODEL, "messages": _user("hi"), "stream": "yes"}, "stream: Input should be a valid boolean"),
         ({"model": MODEL, "messages": _user("hi"), "logprobs": 1}, "logprobs: Input should be a valid boolean"),
     ]

@@ -74,6 +74,9 @@ class ChatRequest(_Sampling):
                 raise ValueError(f"message {i} has no role")
             if m["role"] in ("system", "developer", "user", "tool") and m.get("content") is None:
                 raise ValueError(f"message {i} ({m['role']}) has no content")
+            if m["role"] == "assistant" and not any(m.get(k) is not None for k in ("content", "tool_calls",
+                                                                                  "reasoning_content")):
+                raise ValueError(f"message {i} (assistant) has neither content nor tool_calls")
         return v
 
     @field_validator("tools")
