@@ -106,7 +106,7 @@ def sampler_steps(ids: list[int], batches: list[int], dev: torch.device, rounds:
     """The module docstring's second table."""
     print(f"sampler: {len(ids) - 1} steps a reply, the next token's lead {lead}; ms per step, median / p90 / max over "
           f"{rounds} rounds")
-    print(f"{'B':>4s} {'checks alone':>22s} {'lazy (default)':>22s} {'masks first':>22s} {'refused':>8s}")
+    print(f"{'B':>4s} {'checks alone':>22s} {'lazy (default)':>22s} {'masks first':>22s} {'refused of checked':>19s}")
     gen = torch.Generator(device=dev).manual_seed(0)
     for b in batches:
         cols, refused, drawn = {"check": [], True: [], False: []}, 0, 0
@@ -115,13 +115,6 @@ def sampler_steps(ids: list[int], batches: list[int], dev: torch.device, rounds:
                 make = grammar.constraint(grammar.Format({**SCHEMA, "description": f"{b} {r} {lazy}"}), V)
                 seqs = [Sequence([1], SamplingParams(temperature=0), slot=i, constraint=make()) for i in range(b)]
                 sampler = DefaultSampler(b, lazy=lazy)
-                told, mark = [], sampler._refused
-
-                def count(rules, told=told, mark=mark):  # (then the rule is masked first for a while, as in use)
-                    told.extend(rules)
-                    mark(rules)
-
-                sampler._refused = count
                 for tok in ids[:-1]:
                     logits = torch.randn(b, V, device=dev, generator=gen)
                     logits[:, tok] += lead
@@ -134,14 +127,14 @@ def sampler_steps(ids: list[int], batches: list[int], dev: torch.device, rounds:
                     t0 = time.perf_counter()
                     got = sampler(logits, seqs).get()[0]
                     cols[lazy].append((time.perf_counter() - t0) * 1e3)
-                    drawn += b if lazy else 0
                     for s, t in zip(seqs, got, strict=True):  # (each rule takes its own token: the walk stays on
                         assert s.constraint.consume(t), s.constraint.error  # the reply only while lead rules)
                     if any(s.constraint.matcher.is_stopped() for s in seqs):
                         break  # (a reply of random tokens that ended early)
-                refused += len(told)
+                if lazy:  # (its counters: the tokens checked, and refused)
+                    drawn, refused = drawn + sampler.metrics.structured_checked, refused + sampler.metrics.structured_refused
         print(f"{b:4d} {_fmt(cols['check']):>22s} {_fmt(cols[True]):>22s} {_fmt(cols[False]):>22s} "
-              f"{refused / drawn:8.1%}")
+              f"{refused / max(drawn, 1):19.1%}")
 
 
 if __name__ == "__main__":
