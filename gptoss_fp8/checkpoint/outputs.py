@@ -145,24 +145,26 @@ def atomic_output(path: str | Path, *, overwrite: bool = False) -> Iterator[Path
     if it raises, ``tmp`` is removed and ``path`` is untouched. Missing parent directories are
     created."""
     path = Path(path)
-    try:
+    tmp = None
+    try:  # from the temporary file's creation on, whatever stops us (a Ctrl-C too) removes it
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = _create_temp(path)
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 less the umask: what a new file gets
-        os.close(fd)
-    except OSError as e:
-        raise _write_error(path, e) from None
-    try:
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 less the umask: what a new file gets
+        finally:
+            os.close(fd)
         yield tmp
         with open(tmp, "rb+") as f:  # the body may have written through its own handle: flush it to disk
             os.fchmod(f.fileno(), mode)  # a writer that recreated the file (safetensors: 0o600) gets the usual mode
             os.fsync(f.fileno())
         _commit(tmp, path, overwrite)
     except OSError as e:
-        _unlink_quietly(tmp)
+        if tmp is not None:
+            _unlink_quietly(tmp)
         raise _write_error(path, e) from None
     except BaseException:
-        _unlink_quietly(tmp)
+        if tmp is not None:
+            _unlink_quietly(tmp)
         raise
     _fsync_dir(path.parent)
 

@@ -199,9 +199,16 @@ def create_temp(path: Path) -> tuple[int, Path]:
     followed or reused); rename it onto path with os.replace, which replaces a symlink itself,
     not its target. Permissions are the usual 0666 & ~umask (mkstemp would give 0600).
     """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
-    os.fchmod(fd, 0o666 & ~_UMASK)
-    return fd, Path(tmp)
+    tmp = None
+    try:  # (a Ctrl-C once the file exists: removed)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        return fd, Path(tmp)
+    except BaseException:
+        if tmp is not None:
+            os.close(fd)
+            os.unlink(tmp)
+        raise
 
 
 def read_tensor(info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
@@ -249,28 +256,54 @@ class StreamingWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.total_bytes = 8 + len(raw) + off
-        try:
-            fd, self.tmp = create_temp(path)
-        except OSError as e:
-            raise GptOssFp8Error(f"cannot create a file in {path.parent}: {e.strerror}; fix that and {retry}") from None
-        self._f = os.fdopen(fd, "wb")
-        self.sha256 = hashlib.sha256()
-        self._idx = 0
-        self._written_in_tensor = 0
         self._error: OSError | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=self.QUEUE_CHUNKS)
-        self._thread = threading.Thread(target=self._drain, name=f"write {path.name}", daemon=True)
-        self._thread.start()
-        self._write(struct.pack("<Q", len(raw)) + raw)
+        self._starting = self._launched = self._stopped = self._thread_done = False
+        self.tmp: Path | None = None
+        self._f = None
+        try:  # from the temporary file's creation on, whatever stops us (a Ctrl-C too) removes it
+            try:
+                fd, self.tmp = create_temp(path)
+            except OSError as e:
+                raise GptOssFp8Error(f"cannot create a file in {path.parent}: {e.strerror}; fix that and {retry}") from None
+            self._f = os.fdopen(fd, "wb")
+            self.sha256 = hashlib.sha256()
+            self._idx = 0
+            self._written_in_tensor = 0
+            # The thread is fed and waited for through SimpleQueues (C, reentrant: a get() a Ctrl-C
+            # interrupts loses nothing), never queue.Queue or Thread.join, which a KeyboardInterrupt
+            # raised inside them breaks (3.11): Queue.put's condition variable could lose the
+            # thread's wake-up, and abort() then waited for ever (1 run in ~150 with Ctrl-C 0.2-3.5 s
+            # into a tiny convert); an interrupted join() or is_alive() marks the thread stopped
+            # while it still runs (bpo-45274's handling releases the lock the running thread holds).
+            # The bound: a chunk is queued once a slot is free; the thread frees its slot as it
+            # takes the chunk (QUEUE_CHUNKS waiting, one being written).
+            self._items: queue.SimpleQueue = queue.SimpleQueue()
+            self._slots: queue.SimpleQueue = queue.SimpleQueue()
+            for _ in range(self.QUEUE_CHUNKS):
+                self._slots.put(True)
+            self._ended: queue.SimpleQueue = queue.SimpleQueue()  # the thread's last act: a put here
+            self._thread = threading.Thread(target=self._drain, name=f"write {path.name}", daemon=True)
+            self._starting = True
+            self._thread.start()
+            self._launched = True
+            self._write(struct.pack("<Q", len(raw)) + raw)
+        except BaseException:  # (the caller holds no writer to abort yet)
+            self.abort()
+            raise
 
     def _drain(self) -> None:
-        while (data := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._f.write(data)
-                    self.sha256.update(data)
-                except OSError as e:
-                    self._error = e
+        try:
+            while (data := self._items.get()) is not None:
+                self._slots.put(True)
+                if self._error is None:
+                    try:
+                        self._f.write(data)
+                        self.sha256.update(data)
+                    except OSError as e:
+                        self._error = e
+        finally:
+            self._thread_done = True
+            self._ended.put(True)
 
     def _fail(self, e: OSError) -> GptOssFp8Error:
         self.abort()
@@ -283,7 +316,8 @@ class StreamingWriter:
     def _write(self, data) -> None:
         if self._error is not None:
             raise self._fail(self._error)
-        self._queue.put(data)
+        self._slots.get()
+        self._items.put(data)
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """Append a tensor, or the next row chunk of it, in header order."""
@@ -297,28 +331,51 @@ class StreamingWriter:
             self._idx += 1
             self._written_in_tensor = 0
 
-    def _stop_thread(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+    def _stop_thread(self) -> bool:
+        """Let the thread write what is queued and end; wait for it. A Ctrl-C meanwhile is held until
+        it has ended (returns True then): the thread must not outlive the file, nor run at
+        interpreter exit, where torch code on a daemon thread aborts the process ("terminate called
+        without an active exception", pytorch/pytorch#38228)."""
+        if self._stopped or not self._starting:
+            return False
+        self._items.put(None)
+        interrupted = False
+        while not self._thread_done:  # (the flag, not the item: a Ctrl-C just after get() returned)
+            # (a start() a Ctrl-C cut short may not have made the thread; if it did, the thread has no work
+            # but the None and touches no file once _error is set: a short wait, then it may end on its own)
+            try:
+                self._ended.get(timeout=None if self._launched else 0.25)
+            except queue.Empty:
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        self._stopped = True
+        return interrupted
 
     def commit(self) -> None:
-        assert self._idx == len(self._order), f"{self.path}: {len(self._order) - self._idx} tensors not written"
-        self._stop_thread()
+        """Write what is queued, fsync, and rename the file to its name; on any failure, a Ctrl-C
+        included, nothing is left (``abort``)."""
         try:
+            assert self._idx == len(self._order), f"{self.path}: {len(self._order) - self._idx} tensors not written"
+            if self._stop_thread():
+                raise KeyboardInterrupt
             if self._error is not None:
                 raise self._error
             self._f.flush()
             os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.tmp, self.path)
         except OSError as e:
             raise self._fail(e) from None
-        self._f.close()
-        os.replace(self.tmp, self.path)
+        except BaseException:  # a Ctrl-C: no temporary file left behind
+            self.abort()
+            raise
 
     def abort(self) -> None:
-        if self._thread.is_alive():
-            self._error = self._error or OSError("aborted")  # the thread drops what is still queued
-            self._stop_thread()
-        if not self._f.closed:
+        """Stop the thread (what is still queued dropped), close and remove the temporary file."""
+        self._error = self._error or OSError("aborted")  # the thread drops what is still queued
+        self._stop_thread()  # (a Ctrl-C meanwhile: the caller is already on its way out)
+        if self._f is not None and not self._f.closed:
             self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)

@@ -66,10 +66,26 @@ def failure_line(e: BaseException) -> str:
                      f"gptoss-fp8 does not check yet; {DEBUG_HINT}", limit=600)
 
 
+def _after_ctrl_c(e: BaseException) -> bool:
+    """``e`` is a Ctrl-C, or was raised while one was on its way up: Python's locks are not safe
+    against a KeyboardInterrupt raised inside them (3.11: Condition.wait cut between releasing its
+    lock and its try leaves ``with cond:`` releasing an unlocked lock), so a Ctrl-C can come out as
+    ``RuntimeError: release unlocked lock`` with the KeyboardInterrupt as its context."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        if isinstance(x, KeyboardInterrupt):
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False
+
+
 def report_failure(e: BaseException) -> int:
-    """Show ``e`` as one line on stderr; return the exit status (130 for Ctrl-C, 1 otherwise).
-    With --debug / GPTOSS_FP8_DEBUG=1 the caller re-raises instead (the traceback)."""
-    if isinstance(e, KeyboardInterrupt):
+    """Show ``e`` as one line on stderr; return the exit status (130 for Ctrl-C, or an error a
+    Ctrl-C caused; 1 otherwise). With --debug / GPTOSS_FP8_DEBUG=1 the caller re-raises instead
+    (the traceback)."""
+    if _after_ctrl_c(e):
         _stderr_line("interrupted")
         return INTERRUPTED
     _stderr_line(f"error: {failure_line(e)}")

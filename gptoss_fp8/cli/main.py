@@ -99,6 +99,20 @@ def _hold_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _exit_interrupted() -> None:
+    """End an interrupted process now, skipping interpreter shutdown. The command's own clean-up
+    (temporary files, writer threads) has run on the way up; what may still run is a worker a
+    second Ctrl-C cut loose (Python's Thread.join, interrupted, takes a running thread for ended),
+    and torch code on a thread at interpreter shutdown aborts the process ("terminate called
+    without an active exception", exit -6, pytorch/pytorch#38228) instead of the status 130."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(INTERRUPTED)
+
+
 class _App(typer.Typer):
     def __call__(self, *args, **kwargs):
         # The console script: the process ends with the command, so once its status is decided the
@@ -109,11 +123,15 @@ class _App(typer.Typer):
         try:  # building the click command from the signatures happens here, before _Root.main
             return super().__call__(*args, **kwargs)
         except KeyboardInterrupt:
-            sys.exit(report_failure(KeyboardInterrupt()))
-        except SystemExit:  # _Root.main's status: the process ends with it
+            report_failure(KeyboardInterrupt())
             _hold_ctrl_c()
+            _exit_interrupted()
+        except SystemExit as e:  # _Root.main's status: the process ends with it
+            _hold_ctrl_c()
+            if e.code == INTERRUPTED:
+                _exit_interrupted()
             raise
-        finally:  # (an in-process caller that catches the SystemExit goes on as before)
+        finally:  # (a caller that catches the SystemExit goes on as before; an interrupted one ends)
             mark_process_exit(False)
 
 

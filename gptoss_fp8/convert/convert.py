@@ -275,8 +275,9 @@ def _run_jobs(src: SourceCheckpoint, jobs: list[Job], plans: list[dict], all_fil
             for r, _ in holders:
                 f = file_of_job[(r, cur)]
                 if f.jobs[-1] == cur:  # the file is complete
-                    w = writers.pop(f.rel)
-                    w.commit()
+                    w = writers[f.rel]
+                    w.commit()  # (left in ``writers`` until it has: a Ctrl-C meanwhile aborts it below)
+                    del writers[f.rel]
                     rec = {"bytes": w.total_bytes, "sha256": w.sha256.hexdigest(),
                            "stats": {n: stats[r].tensors[n] for n in
                                      (t.name for t in f.tensors) if n in stats[r].tensors}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -198,12 +199,13 @@ def run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], o
             ranges = [(a, min(rows, a + step)) for a in range(0, rows, step)]
             reads = (lambda a=a, b=b: src.read(job.source, a, b) if info.shape else src.read(job.source) for a, b in ranges)
             own = [(r, _dim_range(sl, 0, rows)) for r, sl in holders]
-            for (a, b), t in zip(ranges, _read_ahead(reads), strict=True):
-                for r, (r0, r1) in own:
-                    lo, hi = max(a, r0), min(b, r1)
-                    if lo < hi:
-                        write(r, wname, t if (lo, hi) == (a, b) else t[lo - a : hi - a])
-                progress(row_bytes * (b - a))
+            with _read_ahead(reads) as got:
+                for (a, b), t in zip(ranges, got, strict=True):
+                    for r, (r0, r1) in own:
+                        lo, hi = max(a, r0), min(b, r1)
+                        if lo < hi:
+                            write(r, wname, t if (lo, hi) == (a, b) else t[lo - a : hi - a])
+                    progress(row_bytes * (b - a))
             return
         full = src.read(job.source)  # sliced copies are small (biases, sinks)
         for r, sl in holders:
@@ -240,44 +242,52 @@ def run_job(src: SourceCheckpoint, job: Job, holders: list[tuple[int, Slice]], o
         if need:
             chunks.append((a, b, need))
     reads = (lambda a=a, b=b: (src.read(job.source, a, b), src.read(sinfo.name, a, b)) for a, b, _ in chunks)
-    for (a, b, need), (blocks, scales) in zip(chunks, _read_ahead(reads), strict=True):
-        blocks, scales = blocks.to(dev), scales.to(dev)
-        bad = nan_scale_count(scales)
-        if bad:
-            raise GptOssFp8Error(
-                f"{sinfo.file.name}: tensor {sinfo.name} has {bad} e8m0 scale(s) equal to 255 (NaN) in experts {a}..{b - 1}; "
-                "the checkpoint is corrupt: re-download it"
-            )
-        for r, sl in need:
-            e0, e1 = _dim_range(sl, 0, e)
-            lo, hi = max(a, e0), min(b, e1)
-            rows = _dim_range(sl, 1, None)
-            cols = _dim_range(sl, 2, None)
-            q, s, st = _experts_fp8(blocks[lo - a : hi - a], scales[lo - a : hi - a], rows, cols, mode)
-            acc[r].add(st)
-            scale_chunks[r].append(s.cpu())
-            write(r, wname, q)
-        del blocks, scales
-        progress(per_expert * (b - a))
+    with _read_ahead(reads) as got:
+        for (a, b, need), (blocks, scales) in zip(chunks, got, strict=True):
+            blocks, scales = blocks.to(dev), scales.to(dev)
+            bad = nan_scale_count(scales)
+            if bad:
+                raise GptOssFp8Error(
+                    f"{sinfo.file.name}: tensor {sinfo.name} has {bad} e8m0 scale(s) equal to 255 (NaN) in experts {a}..{b - 1}; "
+                    "the checkpoint is corrupt: re-download it"
+                )
+            for r, sl in need:
+                e0, e1 = _dim_range(sl, 0, e)
+                lo, hi = max(a, e0), min(b, e1)
+                rows = _dim_range(sl, 1, None)
+                cols = _dim_range(sl, 2, None)
+                q, s, st = _experts_fp8(blocks[lo - a : hi - a], scales[lo - a : hi - a], rows, cols, mode)
+                acc[r].add(st)
+                scale_chunks[r].append(s.cpu())
+                write(r, wname, q)
+            del blocks, scales
+            progress(per_expert * (b - a))
     for r, _ in holders:
         stats[r].add(wname, acc[r])
         write(r, sname, torch.cat(scale_chunks[r]))
 
 
-def _read_ahead(reads: Iterator[Callable[[], object]]) -> Iterator[object]:
+@contextmanager
+def _read_ahead(reads: Iterator[Callable[[], object]]) -> Iterator[Iterator[object]]:
     """Results of the read callables in order, the next one running on a thread meanwhile.
 
-    Disk reads then overlap the conversion and the writer thread; at most two chunks are held.
+    Disk reads then overlap the conversion and the writer thread; at most two chunks are held. A
+    context: leaving it (a Ctrl-C, an error) waits for the read in flight, so no thread runs
+    torch code once the caller has moved on.
     """
     with ThreadPoolExecutor(1) as ex:
-        pending = None
-        for fn in reads:
-            nxt = ex.submit(fn)
+
+        def results() -> Iterator[object]:
+            pending = None
+            for fn in reads:
+                nxt = ex.submit(fn)
+                if pending is not None:
+                    yield pending.result()
+                pending = nxt
             if pending is not None:
                 yield pending.result()
-            pending = nxt
-        if pending is not None:
-            yield pending.result()
+
+        yield results()
 
 
 def _dim_range(sl: Slice, dim: int, full: int | None) -> tuple[int, int] | None:

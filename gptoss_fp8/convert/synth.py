@@ -155,8 +155,9 @@ def _write_files(root: Path, names: list[str], specs_per_file: list[list[TensorS
         for s in specs:
             out_name, _, _ = make(s)
             entries.append((out_name, torch.uint8 if s.dtype == "uint8" else torch.bfloat16, s.shape))
-        w = StreamingWriter(root / fname, entries, metadata, retry=RETRY)
+        w = None
         try:
+            w = StreamingWriter(root / fname, entries, metadata, retry=RETRY)
             for s in specs:
                 out_name, produce, align = make(s)
                 for a, b in _row_chunks(s, CHUNK_BYTES, align):
@@ -164,7 +165,8 @@ def _write_files(root: Path, names: list[str], specs_per_file: list[list[TensorS
                     progress(spec_bytes(s) * (b - a) // max(s.shape[0], 1))
             w.commit()
         except BaseException:
-            w.abort()
+            if w is not None:  # (the constructor cleans up after itself)
+                w.abort()
             raise
 
 

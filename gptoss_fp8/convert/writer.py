@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,31 +91,39 @@ def layout_files(job_outputs: list[list[str]], plans: list[dict], tp: int, shard
 # Atomic writes
 
 
-def write_text_atomic(path: Path, text: str, retry: str = "rerun with --resume") -> None:
-    """Write text to path through a unique, exclusively created temporary file and a rename."""
+def _replace_atomic(path: Path, fill: Callable[[int], None], failure: Callable[[OSError], str]) -> None:
+    """``fill(fd)`` writes (and closes) a unique, exclusively created temporary file beside ``path``,
+    then it is renamed to ``path``. On any failure, a Ctrl-C included, the temporary file is removed;
+    an OSError is one line (``failure(e)``)."""
     tmp = None
     try:
         fd, tmp = create_temp(path)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        fill(fd)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise GptOssFp8Error(f"cannot write {path}: {e.strerror}; free space or fix permissions and {retry}") from None
+        if isinstance(e, OSError):
+            raise GptOssFp8Error(failure(e)) from None
+        raise
+
+
+def write_text_atomic(path: Path, text: str, retry: str = "rerun with --resume") -> None:
+    """Write text to path through a unique, exclusively created temporary file and a rename."""
+
+    def fill(fd: int) -> None:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    _replace_atomic(path, fill, lambda e: f"cannot write {path}: {e.strerror}; free space or fix permissions and {retry}")
 
 
 def copy_atomic(a: Path, b: Path) -> None:
-    tmp = None
-    try:
-        fd, tmp = create_temp(b)
+    def fill(fd: int) -> None:
         with open(a, "rb") as fa, os.fdopen(fd, "wb") as fb:
             shutil.copyfileobj(fa, fb)
-        os.replace(tmp, b)
-    except OSError as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise GptOssFp8Error(f"cannot copy {a.name} to {b}: {e.strerror}") from None
+
+    _replace_atomic(b, fill, lambda e: f"cannot copy {a.name} to {b}: {e.strerror}")
 
 
 def side_files(src_root: Path) -> list[Path]:
