@@ -39,6 +39,7 @@ import http.server
 import json
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -144,6 +145,7 @@ class HubServer:
         self._inflight = 0  # requests being handled right now
         self._drops: dict[tuple[str, str], int] = {}
         self._tampers: dict[tuple[str, str], TamperMode] = {}
+        self.chunk_delay = 0.0  # seconds before each 1 MiB of a file's body (a slow link; set it any time)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._httpd: _Server | None = None
@@ -509,6 +511,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     break
                 if pos <= flip_at < pos + len(chunk):
                     chunk[flip_at - pos] ^= 0xFF
+                if self.server.hub.chunk_delay:
+                    time.sleep(self.server.hub.chunk_delay)
                 self.wfile.write(chunk)
                 pos += len(chunk)
                 self._req.body_bytes += len(chunk)

@@ -31,11 +31,15 @@ import errno
 import hashlib
 import json
 import os
+import queue
 import re
 import sys
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import unquote
 
 import huggingface_hub
@@ -44,6 +48,8 @@ from huggingface_hub import utils as hf_errors  # the error types live here in e
 from huggingface_hub.utils import filter_repo_objects
 
 from gptoss_fp8.errors import GptOssFp8Error
+
+T = TypeVar("T")
 
 # What the converter reads, as huggingface_hub allow-patterns (fnmatch, matched against repo paths).
 CONVERTER_PATTERNS: tuple[str, ...] = (
@@ -331,7 +337,7 @@ class _Hub:
     ) -> Path:
         """The transfer itself (tqdm progress bars from huggingface_hub); returns the folder."""
         try:
-            path = huggingface_hub.snapshot_download(
+            path = _interruptible(_drop_partial_files, lambda: huggingface_hub.snapshot_download(
                 self.repo_id,
                 revision=sha,
                 cache_dir=self.cache_dir,
@@ -340,7 +346,7 @@ class _Hub:
                 ignore_patterns=ignore,
                 token=self.token,
                 endpoint=self.endpoint,
-            )
+            ))
         except hf_errors.HfHubHTTPError as e:
             raise self.http_error(e) from None
         except self.transport_errors as e:
@@ -469,6 +475,52 @@ class _Hub:
 
     def _has_token(self) -> bool:
         return bool(self.token) or huggingface_hub.get_token() is not None
+
+
+def _interruptible(on_interrupt: Callable[[], None], fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own, its result or exception handed back; a Ctrl-C ends the wait
+    (``on_interrupt()`` first).
+
+    huggingface_hub moves files on a thread pool whose shutdown waits for every transfer in flight,
+    so a Ctrl-C inside its snapshot_download was answered only once those files were done (20 s in
+    a hand-run on tests/test_download.py's slow link; minutes for a few 4 GB shards). Here the
+    KeyboardInterrupt comes at once; the transfers, left on their (daemon) threads, end with the
+    process (the CLI then exits without waiting for threads)."""
+    box: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            box.put((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box.put((False, e))
+
+    threading.Thread(target=run, name="hub transfer", daemon=True).start()
+    try:
+        ok, got = box.get()
+    except KeyboardInterrupt:
+        on_interrupt()
+        raise
+    if not ok:
+        raise got
+    return got
+
+
+def _drop_partial_files() -> None:
+    """Remove the partial files (``*.incomplete``) this process has open. huggingface_hub downloads
+    each file into a name of its own (a new one each run: nothing resumes across runs) and removes
+    it when the transfer fails, but a transfer a Ctrl-C leaves running ends with the process, not
+    in that clean-up. Linux (/proc/self/fd); elsewhere they stay, as after a crash."""
+    try:
+        fds = list(Path("/proc/self/fd").iterdir())
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            target = Path(os.readlink(fd))
+        except OSError:
+            continue
+        if target.name.endswith(".incomplete"):  # (an unlinked one reads "... (deleted)")
+            target.unlink(missing_ok=True)  # (the thread writes on into the unlinked file till the exit)
 
 
 def _scrub(text: str, token: str | None) -> str:
