@@ -136,6 +136,9 @@ class GptOssConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> GptOssConfig:
         """Validate a config.json dict; unknown keys are ignored (kept by whoever copies the file)."""
+        if "num_experts" in d and "model_type" not in d:  # (checkpoint.check_converted says it for a converted one)
+            raise GptOssFp8Error(f"{where}: OpenAI's original/ layout, which this tool does not read; give the Hugging "
+                                 "Face layout (the hub repo's root, the directory above original/)")
         if d.get("model_type") != "gpt_oss":
             raise GptOssFp8Error(
                 f"{where}: model_type is {d.get('model_type')!r}, not 'gpt_oss'; this tool converts gpt-oss checkpoints only"

@@ -63,6 +63,23 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path):
     assert dbg.returncode != 0 and "Traceback" in dbg.stderr
 
 
+def test_synth_vocab_size(tmp_path):
+    """--vocab-size replaces the preset's (201088 is how serve's refusal of a synthetic vocabulary says to make one);
+    out of range: a usage error, nothing written."""
+    r = runner.invoke(app, ["synth", str(tmp_path / "s"), "--layers", "1", "--vocab-size", "1031"])
+    assert r.exit_code == 0, r.output
+    assert "vocabulary 1031" in r.output
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["vocab_size"] == 1031 and cfg["eos_token_id"] < 1031
+    from safetensors import safe_open
+
+    names = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(tmp_path / "s" / names["model.embed_tokens.weight"]), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == 1031
+    r = runner.invoke(app, ["synth", str(tmp_path / "t"), "--vocab-size", "3"])
+    assert r.exit_code == 2 and not (tmp_path / "t").exists()
+
+
 def test_synth_refuses_non_empty_dst(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep").write_text("1")

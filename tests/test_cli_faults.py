@@ -470,6 +470,11 @@ def test_source_checkpoint_is_refused_where_checkpoints_are_opened(tmp_path):
         Checkpoint.open(tmp_path / "s")
     with pytest.raises(GptOssFp8Error, match="original/ layout, not a converted FP8 one"):
         Checkpoint.open(tmp_path / "s" / "original")
+    # convert and plan given original/: which layout it is and where the readable one is (not "model_type is None")
+    for cmd in (["convert", str(tmp_path / "s" / "original"), str(tmp_path / "d")], ["plan", str(tmp_path / "s" / "original")]):
+        one_line(runner.invoke(app, cmd), 1, "original/config.json: OpenAI's original/ layout",
+                 "the directory above original/")
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("command", ["generate", "verify-logits"])
@@ -534,6 +539,17 @@ def test_plot_without_matplotlib_fails_before_the_run(tiny, tmp_path, monkeypatc
     one_line(r, 1, "--plot", "matplotlib", "pip install")
     assert "PASSED" not in r.stdout and r.stdout == ""  # before the reference and the modes ran
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_serve_plot_without_matplotlib_fails_before_the_run(tmp_path, monkeypatch):
+    """bench serve checks --plot as verify-logits does: before any request (here a URL no server answers, which would
+    otherwise be the error), not after the whole load has run."""
+    for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    r = runner.invoke(app, ["bench", "serve", "http://127.0.0.1:9", "--plot", str(tmp_path / "s.png")])
+    one_line(r, 1, "--plot", "matplotlib", "pip install")
+    assert r.stdout == "" and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("name", ["p.txt", "p.json", "p.safetensors"])

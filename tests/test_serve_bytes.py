@@ -75,6 +75,23 @@ def test_a_completion_held_to_a_json_schema(client):
     assert "".join(c.choices[0].text for c in streamed) == texts[0]
 
 
+def test_the_docs_structured_example_closes(server):
+    """docs/serve.md's curl request held to a schema, as written there (its model name aside): the trained model's
+    reply is whole JSON that fits the schema, ended before max_tokens."""
+    pytest.importorskip("llguidance")
+    import json
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "serve.md").read_text()
+    (body,) = [json.loads(b) for b in re.findall(r"-d '(\{.*?\})'", doc, re.S) if "response_format" in b]
+    body["model"] = MODEL
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    (choice,) = r["choices"]
+    reply = json.loads(choice["text"])
+    assert choice["finish_reason"] == "stop" and set(reply) == {"name"} and len(reply["name"]) <= 20, choice
+
+
 @pytest.mark.parametrize("path, body, where", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "no chat format"),
     ("/v1/responses", {"input": "hi"}, "no chat format"),

@@ -125,8 +125,9 @@ def test_what_serve_refuses(tmp_path, harmony_ckpt):
 
     write_synthetic(tmp_path / "src", "tiny", layers=1, seed=1, layout="hf")
     convert_checkpoint(tmp_path / "src", tmp_path / "small")
-    assert "vocab_size 503 is neither the o200k_harmony tokenizer's 201088 nor a declared byte-level one" in _one_line_error(
-        ["serve", str(tmp_path / "small")])
+    err = _one_line_error(["serve", str(tmp_path / "small")])
+    assert "vocab_size 503 is neither the o200k_harmony tokenizer's 201088 nor a declared byte-level one" in err
+    assert "gptoss-fp8 synth DIR --vocab-size 201088" in err  # the way it names exists (test_cli.py: test_synth_vocab_size)
     assert "--max-context 1000000: give 2..131072" in _one_line_error(
         ["serve", str(harmony_ckpt), "--max-context", "1000000"])
     assert str(tmp_path / "nope") in _one_line_error(["serve", str(tmp_path / "nope")])

@@ -24,6 +24,7 @@ from gptoss_fp8.cli.common import (
     TpOption,
     check_one_gpu_distinct_layers,
     check_vocab_parallel,
+    plot_ready,
 )
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -378,6 +379,8 @@ def serve(
     for out, opt in ((json_out, "--json"), (plot_out, "--plot")):
         if out is not None:
             check_output_path(out, overwrite=overwrite_outputs, option=opt)
+    if plot_out is not None:
+        plot_ready(plot_out)
     decode_rows = None
     if decode_json is not None:
         try:

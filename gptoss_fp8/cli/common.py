@@ -232,7 +232,7 @@ class Attention(str, enum.Enum):
 AttentionOption = Annotated[Attention, typer.Option(
     help="Prefill attention numerics: bf16 (the reference's), or fp8 (the full-attention layers' Q, K, V and P in "
          "e4m3 with block scales, spec.attention_fp8; the FP8 kernels on the GPU), or fp8-lin (fp8 with P's e4m3 "
-         "codes made from the scores without exponentials: ~10% faster full layers, a further approximation the "
+         "codes made from the scores without exponentials: ~12% faster full layers, a further approximation the "
          "verdict measures; docs/verify.md). Sliding-window layers and decode attention stay bf16.")]
 
 
@@ -411,3 +411,16 @@ class LineProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def plot_ready(plot: Path) -> None:
+    """--plot: matplotlib importable and the file suffix a format it writes, checked before any model runs."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise GptOssFp8Error(f"--plot {plot}: needs matplotlib; run: pip install matplotlib (or drop --plot)") from None
+    fmt = plot.suffix.lower().removeprefix(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt and fmt not in formats:
+        raise GptOssFp8Error(f"--plot {plot}: matplotlib cannot write .{fmt} files; use one of "
+                             + ", ".join(f".{f}" for f in sorted(formats)))

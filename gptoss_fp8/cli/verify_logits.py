@@ -21,6 +21,7 @@ from gptoss_fp8.cli.common import (
     check_distinct,
     check_fraction,
     check_threshold,
+    plot_ready,
 )
 from gptoss_fp8.errors import GptOssFp8Error
 
@@ -75,19 +76,6 @@ def check_vocab(ids: list[int], vocab_size: int, where: str) -> None:
         shown = str(i) if len(str(i)) <= 24 else f"{str(i)[:12]}...({len(str(i))} digits)"
         raise GptOssFp8Error(f"{where}: token id {shown} at position {k} is outside the vocabulary (vocab_size "
                              f"{vocab_size}); use token ids the model has (--prompt needs the real 201088-token vocabulary)")
-
-
-def _plot_ready(plot: Path) -> None:
-    """--plot: matplotlib importable and the file suffix a format it writes, checked before any model runs."""
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        raise GptOssFp8Error(f"--plot {plot}: needs matplotlib; run: pip install matplotlib (or drop --plot)") from None
-    fmt = plot.suffix.lower().removeprefix(".")
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if fmt and fmt not in formats:
-        raise GptOssFp8Error(f"--plot {plot}: matplotlib cannot write .{fmt} files; use one of "
-                             + ", ".join(f".{f}" for f in sorted(formats)))
 
 
 def verify_logits(
@@ -168,7 +156,7 @@ def verify_logits(
         if p is not None:
             check_output_path(p, overwrite=overwrite_outputs, forbidden=inputs, option=option)
     if plot is not None:
-        _plot_ready(plot)
+        plot_ready(plot)
     import torch
 
     from gptoss_fp8.checkpoint.checkpoint import Checkpoint

@@ -68,7 +68,8 @@ def vocab_of(path, vocab_size: int) -> Vocab:
         return harmony_vocab()
     raise GptOssFp8Error(f"{path}: vocab_size {vocab_size} is neither the o200k_harmony tokenizer's {HARMONY_VOCAB} nor "
                          "a declared byte-level one (tokenizer_config.json: ByT5Tokenizer, 259 ids); serve speaks text "
-                         f"(a synthetic checkpoint needs --vocab-size {HARMONY_VOCAB})")
+                         f"(for a synthetic one to try the APIs on: gptoss-fp8 synth DIR --vocab-size {HARMONY_VOCAB}, "
+                         "then convert)")
 
 
 def vocab_named(name: str) -> Vocab:

@@ -349,7 +349,7 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"{mode:7s} {'PASS' if sec['passed'] else 'FAIL'} [{sec['backend']} ops on "
             f"{sec.get('backend_device', report['device'])}] "
-            f"({sec['profile']}, vs {sec['compared_with']}): KL mean {s['kl_mean']:.3g} "
+            f"(limits for {sec['profile']}, vs {sec['compared_with']}): KL mean {s['kl_mean']:.3g} "
             f"p95 {s['kl_p95']:.3g} max {s['kl_max']:.3g} | top-1 {s['top1_agreement']:.4f} "
             f"({s['top1_agreement_decisive']:.4f} without {s['ties']} near-ties) | "
             f"top-5 overlap {s['top5_overlap']:.4f} | max |dlogit| {s['max_abs_delta']:.3g} | cosine min {s['cosine_min']:.6f}"
