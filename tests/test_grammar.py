@@ -338,7 +338,10 @@ def test_the_engine_feeds_each_token_to_its_sequences_rule_and_fails_one_it_brea
     fine = eng.add([1, 2, 3], SamplingParams(max_tokens=6, constraint=lambda: _Refuse(99, next(made))))
     free = eng.add([4, 5], SamplingParams(max_tokens=6))
     eng.run_until_done()
-    assert ruled.finish == "error" and "breaks the request's output format: no 7 here" in ruled.error
+    assert ruled.finish == "error" and ruled.error == "the output format failed at token 7: no 7 here"
+    from gptoss_fp8.errors import OutputFormatError
+
+    assert isinstance(ruled.exception, OutputFormatError)  # (the server's 400: tests/test_serve_faults.py)
     assert ruled.tokens == [5, 6, 7] and logs[0] == [5, 6, 7]  # each token fed once, in order; none after the break
     assert fine.finish == "length" and logs[1] == fine.tokens == [5, 6, 7, 8, 5, 6]
     assert free.finish == "length" and free.constraint is None and len(free.tokens) == 6

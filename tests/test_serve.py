@@ -379,6 +379,10 @@ def test_api_key_guards_every_route_but_health(harmony_ckpt):
         for path in ("/v1/models", "/metrics"):
             assert httpx.get(s.url + path).status_code == 401
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        for header in ("bearer sekrit", "BEARER  sekrit"):  # (the scheme's case is free, RFC 9110)
+            assert httpx.get(s.url + "/v1/models", headers={"Authorization": header}).status_code == 200
+        for header in ("Bearer sekri", "Basic sekrit", "sekrit", "Bearer sekrit2"):
+            assert httpx.get(s.url + "/v1/models", headers={"Authorization": header}).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)

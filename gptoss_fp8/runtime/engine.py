@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.errors import GptOssFp8Error, OutputFormatError
 from gptoss_fp8.runtime.metrics import Metrics
 from gptoss_fp8.runtime.prefix import HEAD, PROMPT, REPLY, PrefixCache
 from gptoss_fp8.runtime.runner import ModelRunner
@@ -313,8 +313,8 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, lp: float | None, now: float, top: list | None = None) -> None:
         seq.tokens.append(tok)
         if seq.constraint is not None and not seq.constraint.consume(tok):  # (a sampler that ignored its mask)
-            self._fail(seq, GptOssFp8Error(f"token {tok} breaks the request's output format: "
-                                           f"{seq.constraint.error or 'not allowed there'}"), {})
+            why = (seq.constraint.error or "not allowed there").strip().splitlines() or ["not allowed there"]
+            self._fail(seq, OutputFormatError(f"the output format failed at token {tok}: {why[0][:300]}"), {})
             return
         if lp is not None:
             seq.logprobs.append(lp)

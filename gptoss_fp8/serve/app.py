@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 import threading
 import time
@@ -26,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gptoss_fp8.errors import GptOssFp8Error
+from gptoss_fp8.errors import GptOssFp8Error, OutputFormatError
 from gptoss_fp8.runtime.engine import Engine, EngineThread
 from gptoss_fp8.runtime.sampling import SamplingParams
 from gptoss_fp8.runtime.scheduler import QueueFull
@@ -68,6 +70,18 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+def _failed(seq: Sequence, ev: Event) -> HttpError:
+    """A request the engine failed: 400 where its output format did (the request's fault), else 500."""
+    if isinstance(seq.exception, OutputFormatError):
+        return HttpError(400, ev.error or str(seq.exception))
+    return HttpError(500, ev.error or "the request failed", "server_error")
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message, its first line (pydantic's add a link, llguidance's a grammar dump)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
@@ -186,12 +200,13 @@ class _Auth:
     starlette's ``BaseHTTPMiddleware`` would put each SSE chunk through a memory stream)."""
 
     def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode()
+        self.app, self.want = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if got != self.want:
+            scheme, _, token = got.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.want):  # (RFC 9110: any case)
                 response = _error(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                   "authentication_error")
                 await response(scope, receive, send)
@@ -200,7 +215,8 @@ class _Auth:
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="gptoss-fp8", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="gptoss-fp8", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # (a 307 to the route without its slash: clients drop POST bodies on it)
     engine = served.engine
     if served.api_key is not None:
         app.add_middleware(_Auth, key=served.api_key)
@@ -225,6 +241,12 @@ def create_app(served: Served) -> FastAPI:
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
         return _error(e.status_code, what, "not_found_error" if e.status_code == 404 else "invalid_request_error",
                       getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request: Request, e: RequestValidationError):  # (a query parameter: bodies go by parse())
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"][1:]) or "request"
+        return _error(400, f"{where}: {err['msg']}", "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
@@ -383,9 +405,9 @@ def create_app(served: Served) -> FastAPI:
                 await gen.aclose()
             if any(ev is None or (not ev.finished and not out.hit) for ev, out in zip(last, outs, strict=True)):
                 return _error(499, "client closed the request", "cancelled")
-            failed = next((ev for ev in last if ev.finish == "error"), None)
+            failed = next((i for i, ev in enumerate(last) if ev.finish == "error"), None)
             if failed is not None:
-                raise HttpError(500, failed.error or "the request failed", "server_error")
+                raise _failed(choice[failed][0], last[failed])
             return {**head, "object": outs[0].OBJECT, "choices": [out.whole(ev) for out, ev in zip(outs, last, strict=True)],
                     "usage": _usage(len(prompt), sum(out.n_out for out in outs), choice[0][0].cached)}
 
@@ -395,7 +417,7 @@ def create_app(served: Served) -> FastAPI:
             return _error(499, "client closed the request", "cancelled")
         if first.finish == "error" and not first.new:
             await gen.aclose()
-            raise HttpError(500, first.error or "the request failed", "server_error")
+            raise _failed(choice[i0][0], first)
         chunk = _Chunk({**head, "object": outs[0].CHUNK})
         usage = req.stream_options is not None and req.stream_options.include_usage
 
@@ -409,7 +431,8 @@ def create_app(served: Served) -> FastAPI:
                     out.feed(ev)
                     parts.extend(chunk(c) for c in out.choices())
                     if ev.finish == "error":
-                        parts.append(_sse({"error": {"message": ev.error, "type": "server_error", "code": 500}}))
+                        e = _failed(choice[i][0], ev)
+                        parts.append(_sse({"error": {"message": e.message, "type": e.kind, "code": e.status}}))
                         yield "".join(parts)
                         return
                     if out.hit or ev.finished:
@@ -439,6 +462,14 @@ def create_app(served: Served) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    def tokenizer_panic(e: BaseException) -> HttpError:
+        """openai-harmony's tokenizer panicking (a BaseException from Rust) on a text check_text let through: a 400,
+        not a dropped connection; anything else goes on up."""
+        if type(e).__name__ != "PanicException":
+            raise e
+        return HttpError(400, "the tokenizer could not take this text (openai-harmony: "
+                              f"{str(e).splitlines()[0][:200]}); break up its long runs of characters")
+
     async def body(request: Request, cls):
         """The request's body as ``cls`` (schema.py), or a one-line 400."""
         try:
@@ -459,7 +490,10 @@ def create_app(served: Served) -> FastAPI:
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # (a malformed part)
-            raise HttpError(400, f"messages: cannot be rendered as a Harmony conversation ({e})") from None
+            raise HttpError(400, "messages, tools or tool_choice: cannot be rendered as a Harmony conversation "
+                                 f"({_first_line(e)})") from None
+        except BaseException as e:
+            raise tokenizer_panic(e) from None
         choice = submit(prompt, req.model, req.n, sampling(req, prompt, harmony.STOP_IDS, req.logprobs,
                                                            req.top_logprobs or 0, rule), keep=head)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
@@ -468,7 +502,10 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await body(request, CompletionRequest)
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else served.vocab.encode(req.prompt)
+        try:
+            prompt = list(req.prompt) if isinstance(req.prompt, list) else served.vocab.encode(req.prompt)
+        except BaseException as e:
+            raise tokenizer_panic(e) from None
         try:
             schema = grammar.schema_of(req.response_format, "response_format")
             rule = await format_rule(grammar.Format(schema, raw=True)) if schema is not None else None
@@ -515,7 +552,10 @@ def create_app(served: Served) -> FastAPI:
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # (a malformed part)
-            raise HttpError(400, f"input: cannot be rendered as a Harmony conversation ({e})") from None
+            raise HttpError(400, f"input, tools or tool_choice: cannot be rendered as a Harmony conversation "
+                                 f"({_first_line(e)})") from None
+        except BaseException as e:
+            raise tokenizer_panic(e) from None
         include = set(req.include or ())
         logprobs = "message.output_text.logprobs" in include
         max_tokens = req.max_output_tokens or max(1, engine.max_context - len(prompt))
@@ -546,7 +586,7 @@ def create_app(served: Served) -> FastAPI:
             if last is None or not last.finished:
                 return _error(499, "client closed the request", "cancelled")
             if last.finish == "error":
-                raise HttpError(500, last.error or "the request failed", "server_error")
+                raise _failed(seq, last)
             return done(last)
 
         async def sse():  # (created at once: a failure after it is a response.failed event)

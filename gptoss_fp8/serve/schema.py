@@ -118,16 +118,67 @@ class CompletionRequest(_Sampling):
         return v
 
 
+MAX_BODY = 16 << 20  # bytes: far more than any context's text (131072 tokens of prose are ~0.5 MB)
+# The tokenizer (openai-harmony's tiktoken, which holds the GIL: the whole server waits) takes time in the square of a
+# piece's bytes, a piece being a run of letters, of whitespace or of punctuation (64 KB of "a": 1.4 s on the 2-core
+# box; ~1 MB: it panics). A request's runs of RUN_MIN or more characters may cost RUN_BUDGET bytes^2 in all (~1 s).
+RUN_MIN, RUN_BUDGET = 1024, 3 << 30
+_RUNS = None
+
+
+def _long_runs(text: str):
+    """(start, characters, bytes) of each run of RUN_MIN or more letters, whitespace or punctuation characters."""
+    global _RUNS
+    if _RUNS is None:
+        import re
+
+        # (each run matched from its first character only: the lookbehinds keep the scan linear)
+        _RUNS = re.compile(rf"(?<![^\W\d_])[^\W\d_]{{{RUN_MIN},}}|(?<!\s)\s{{{RUN_MIN},}}|(?<![^\w\s])[^\w\s]{{{RUN_MIN},}}")
+    for m in _RUNS.finditer(text):
+        yield m.start(), m.end() - m.start(), len(m.group().encode("utf-8", "surrogatepass"))
+
+
+def check_text(obj, where: str = "") -> None:
+    """Every string of a request's JSON is text the tokenizer can take: valid Unicode (no lone UTF-16 surrogate, which
+    JSON's \\ud800 escapes can make) and no runs of letters, whitespace or punctuation long enough to stall it
+    (RUN_BUDGET); else one line naming the field."""
+    stack, cost = [(obj, where)], 0
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((x, f"{at}.{k}" if at else str(k)) for k, x in v.items())
+            stack.extend((k, f"{at or 'body'} (a key)") for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise GptOssFp8Error(f"{at or 'body'}: character {e.start} is a lone UTF-16 surrogate ({v[e.start]!r}), not "
+                                     "Unicode text; send valid UTF-8") from None
+            for start, n, nbytes in _long_runs(v):
+                cost += nbytes * nbytes
+                if cost > RUN_BUDGET:
+                    raise GptOssFp8Error(f"{at or 'body'}: runs of characters without a break too long for the "
+                                         f"tokenizer to take in reasonable time (here {n} from character {start}; "
+                                         "letters, spaces or punctuation alike); break them up (a space, a newline)")
+
+
 def parse(cls: type[_Strict], body: bytes) -> _Strict:
     """The body as ``cls``, or GptOssFp8Error with one line: what is wrong, where."""
     import json
 
+    if len(body) > MAX_BODY:
+        raise GptOssFp8Error(f"the body has {len(body)} bytes; this server takes at most {MAX_BODY} (16 MiB)")
     try:
         obj = json.loads(body)
     except ValueError as e:
         raise GptOssFp8Error(f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise GptOssFp8Error("the body's JSON nests deeper than this server reads (about 1000 levels)") from None
     if not isinstance(obj, dict):
         raise GptOssFp8Error("the body must be a JSON object")
+    check_text(obj)
     try:
         return cls.model_validate(obj)
     except ValidationError as e:
