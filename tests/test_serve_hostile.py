@@ -102,3 +102,11 @@ def test_an_output_format_failing_mid_reply_is_a_400(server):
         msg = _refused(r, 400, "the output format failed at token")
         assert len(msg) < 500
         _served(c)
+
+
+def test_the_responses_token_limit_is_named_as_sent(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        _refused(c.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 10**9}), 400,
+                 "max_output_tokens 1000000000: the ", "ask for at most")
+        _refused(c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 10**9}), 400,
+                 "max_tokens 1000000000: the ")

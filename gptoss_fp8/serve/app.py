@@ -303,9 +303,10 @@ def create_app(served: Served) -> FastAPI:
                                         repetition_penalty=req.repetition_penalty, constraint=constraint)
 
     def submit(prompt: list[int], model: str, n: int, params: Callable[[int], SamplingParams],
-               keep: int = 0) -> list[tuple[Sequence, Listener]]:
+               keep: int = 0, limit: str = "max_tokens") -> list[tuple[Sequence, Listener]]:
         """A request's ``n`` choices, each a sequence of its own with ``params(i)``; ``keep``: the prompt's head the
-        prefix cache keeps for other requests (a chat's system and developer messages)."""
+        prefix cache keeps for other requests (a chat's system and developer messages); ``limit``: the request's name
+        for its token limit (the engine's errors say max_tokens)."""
         if model != served.model_name:
             raise HttpError(404, f"model {model!r} is not served here; this server serves {served.model_name!r}",
                             "not_found_error")
@@ -322,7 +323,8 @@ def create_app(served: Served) -> FastAPI:
                 engine.cancel(seq)
             if isinstance(e, QueueFull):
                 raise HttpError(429, str(e), "rate_limit_error", {"Retry-After": "1"}) from None
-            raise HttpError(400, str(e)) from None
+            msg = str(e)
+            raise HttpError(400, limit + msg.removeprefix("max_tokens") if msg.startswith("max_tokens ") else msg) from None
         return added
 
     async def events(seq: Sequence, listener: Listener, request: Request):
@@ -562,7 +564,7 @@ def create_app(served: Served) -> FastAPI:
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                 stop_token_ids=harmony.STOP_IDS, logprobs=logprobs,
                                 top_logprobs=(req.top_logprobs or 0) if logprobs else 0, constraint=rule)
-        ((seq, listener),) = submit(prompt, req.model, 1, lambda i: params, keep=keep)
+        ((seq, listener),) = submit(prompt, req.model, 1, lambda i: params, keep=keep, limit="max_output_tokens")
         out = ResponseReply(new_response(req, served.model_name), logprobs, req.top_logprobs or 0,
                             "reasoning.encrypted_content" in include)
 
