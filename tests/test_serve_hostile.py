@@ -40,12 +40,15 @@ def _served(c: httpx.Client) -> None:
      ("prompt: character 2 is a lone UTF-16 surrogate",)),
     ("surrogate-chat", "/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}',
      400, ("messages[0].content: character 0 is a lone UTF-16 surrogate",)),
-    ("run", "/v1/completions", b'{"model": "m", "prompt": "' + b"a" * 300000 + b'"}', 400,
-     ("prompt: runs of characters without a break", "here 300000 from character 0")),
+    ("run", "/v1/completions", b'{"model": "m", "prompt": "' + b"a" * 60000 + b'"}', 400,
+     ("prompt: runs of characters without a break", "here 60000 from character 0")),
     ("run-chat", "/v1/responses", b'{"model": "m", "input": "x ' + "中".encode() * 40000 + b'"}', 400,
      ("input: runs of characters", "here 40000 from character 2")),
-    ("runs", "/v1/completions", b'{"model": "m", "prompt": "' + (b"!" * 5000 + b" 1") * 200 + b'"}', 400,
+    ("runs", "/v1/completions", b'{"model": "m", "prompt": "' + (b"!" * 20000 + b" 1") * 9 + b'"}', 400,
      ("prompt: runs of characters",)),
+    ("context", "/v1/chat/completions",
+     b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a b " * 100000 + b'"}]}', 400,
+     ("the request holds 400", "more than a context of 128 tokens (--max-context) can")),
     ("huge", "/v1/completions", b'{"model": "m", "prompt": "' + b"ab " * (6 << 20) + b'"}', 400,
      ("at most 16777216",)),
     ("slash", "/v1/chat/completions/", b'{"model": "m", "messages": []}', 404, ("no route POST /v1/chat/completions/",)),
@@ -54,7 +57,7 @@ def test_hostile_bodies_are_400s_at_once(server, name, path, raw, status, needle
     with httpx.Client(base_url=server.url, timeout=60) as c:  # (one keep-alive connection: it must survive)
         t = time.perf_counter()
         _refused(c.post(path, content=raw, headers={"content-type": "application/json"}), status, *needles)
-        assert time.perf_counter() - t < 5  # (the tokenizer on "a" * 300000: ~33 s, every stream waiting)
+        assert time.perf_counter() - t < 5  # (the tokenizer on "a" * 300000 was ~33 s, every stream waiting)
         _served(c)
 
 
@@ -110,3 +113,13 @@ def test_the_responses_token_limit_is_named_as_sent(server):
                  "max_output_tokens 1000000000: the ", "ask for at most")
         _refused(c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 10**9}), 400,
                  "max_tokens 1000000000: the ")
+
+
+def test_max_token_bytes_holds_for_each_vocabulary():
+    """check_text's context rule rests on it: no id's text holds more bytes than its vocabulary says."""
+    from gptoss_fp8.serve.vocab import byte_vocab, harmony_vocab
+
+    for v in (harmony_vocab(), byte_vocab()):
+        ids = range(199998) if v.name == "o200k_harmony" else range(3, 259)  # (the text ids: specials aside)
+        assert max(len(v.token_bytes(i)) for i in ids) == v.max_token_bytes, v.name
+    assert len(harmony_vocab().encode(" " * 10000)) >= 10000 / 128

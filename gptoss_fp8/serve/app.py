@@ -475,7 +475,7 @@ def create_app(served: Served) -> FastAPI:
     async def body(request: Request, cls):
         """The request's body as ``cls`` (schema.py), or a one-line 400."""
         try:
-            return parse(cls, await request.body())
+            return parse(cls, await request.body(), (engine.max_context, served.vocab.max_token_bytes))
         except GptOssFp8Error as e:
             raise HttpError(400, str(e)) from None
 

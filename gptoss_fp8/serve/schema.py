@@ -123,6 +123,7 @@ MAX_BODY = 16 << 20  # bytes: far more than any context's text (131072 tokens of
 # piece's bytes, a piece being a run of letters, of whitespace or of punctuation (64 KB of "a": 1.4 s on the 2-core
 # box; ~1 MB: it panics). A request's runs of RUN_MIN or more characters may cost RUN_BUDGET bytes^2 in all (~1 s).
 RUN_MIN, RUN_BUDGET = 1024, 3 << 30
+TEXT_SLACK = 256 << 10  # (check_text's context rule)
 _RUNS = None
 
 
@@ -138,11 +139,14 @@ def _long_runs(text: str):
         yield m.start(), m.end() - m.start(), len(m.group().encode("utf-8", "surrogatepass"))
 
 
-def check_text(obj, where: str = "") -> None:
+def check_text(obj, where: str = "", context: tuple[int, int] | None = None) -> None:
     """Every string of a request's JSON is text the tokenizer can take: valid Unicode (no lone UTF-16 surrogate, which
     JSON's \\ud800 escapes can make) and no runs of letters, whitespace or punctuation long enough to stall it
-    (RUN_BUDGET); else one line naming the field."""
-    stack, cost = [(obj, where)], 0
+    (RUN_BUDGET); else one line naming the field. ``context``: (the server's context in tokens, the most bytes a token
+    of its vocabulary holds): strings of more bytes than that many tokens can hold are refused before any tokenizing
+    (beyond TEXT_SLACK bytes for what a prompt does not hold: the model's name, a schema, stop strings), whatever part of
+    them the prompt would take: such a request cannot fit."""
+    stack, texts, size = [(obj, where)], [], 0
     while stack:
         v, at = stack.pop()
         if isinstance(v, dict):
@@ -152,20 +156,27 @@ def check_text(obj, where: str = "") -> None:
             stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
         elif isinstance(v, str):
             try:
-                v.encode("utf-8")
+                size += len(v.encode("utf-8"))
             except UnicodeEncodeError as e:
                 raise GptOssFp8Error(f"{at or 'body'}: character {e.start} is a lone UTF-16 surrogate ({v[e.start]!r}), not "
                                      "Unicode text; send valid UTF-8") from None
-            for start, n, nbytes in _long_runs(v):
-                cost += nbytes * nbytes
-                if cost > RUN_BUDGET:
-                    raise GptOssFp8Error(f"{at or 'body'}: runs of characters without a break too long for the "
-                                         f"tokenizer to take in reasonable time (here {n} from character {start}; "
-                                         "letters, spaces or punctuation alike); break them up (a space, a newline)")
+            texts.append((v, at or "body"))
+    if context is not None and size > context[0] * context[1] + TEXT_SLACK:  # (first: the cheap bound)
+        raise GptOssFp8Error(f"the request holds {size} bytes of text, more than a context of {context[0]} tokens "
+                             f"(--max-context) can: a token holds at most {context[1]} bytes (and {TEXT_SLACK} bytes "
+                             "are allowed beside the prompt); send less")
+    cost = 0
+    for v, at in texts:
+        for start, n, nbytes in _long_runs(v):
+            cost += nbytes * nbytes
+            if cost > RUN_BUDGET:
+                raise GptOssFp8Error(f"{at}: runs of characters without a break too long for the tokenizer to take in "
+                                     f"reasonable time (here {n} from character {start}; letters, spaces or "
+                                     "punctuation alike); break them up (a space, a newline)")
 
 
-def parse(cls: type[_Strict], body: bytes) -> _Strict:
-    """The body as ``cls``, or GptOssFp8Error with one line: what is wrong, where."""
+def parse(cls: type[_Strict], body: bytes, context: tuple[int, int] | None = None) -> _Strict:
+    """The body as ``cls``, or GptOssFp8Error with one line: what is wrong, where (``context``: ``check_text``'s)."""
     import json
 
     if len(body) > MAX_BODY:
@@ -178,7 +189,7 @@ def parse(cls: type[_Strict], body: bytes) -> _Strict:
         raise GptOssFp8Error("the body's JSON nests deeper than this server reads (about 1000 levels)") from None
     if not isinstance(obj, dict):
         raise GptOssFp8Error("the body must be a JSON object")
-    check_text(obj)
+    check_text(obj, context=context)
     try:
         return cls.model_validate(obj)
     except ValidationError as e:

@@ -30,6 +30,7 @@ class Vocab:
     token_bytes: Callable[[int], bytes]
     stops: frozenset[int]
     text_of: Callable[[int], str] | None = None  # (one id's text, when the vocabulary has a faster way)
+    max_token_bytes: int = 128  # the most bytes one id's text holds (o200k_harmony: 128, a run of spaces; tested)
 
     def token_text(self, tok: int) -> str:
         """One id's text on its own (bytes that are part of a character: U+FFFD)."""
@@ -54,7 +55,7 @@ def byte_vocab() -> Vocab:
 
     tok = ByteTokenizer()
     return Vocab("byte-level", False, tok.encode, lambda t: tok.decode_bytes([t]),
-                 frozenset((BYT5_IDS["eos"],)))
+                 frozenset((BYT5_IDS["eos"],)), max_token_bytes=1)  # (text: one id a byte)
 
 
 def vocab_of(path, vocab_size: int) -> Vocab:
