@@ -123,3 +123,21 @@ def test_max_token_bytes_holds_for_each_vocabulary():
         ids = range(199998) if v.name == "o200k_harmony" else range(3, 259)  # (the text ids: specials aside)
         assert max(len(v.token_bytes(i)) for i in ids) == v.max_token_bytes, v.name
     assert len(harmony_vocab().encode(" " * 10000)) >= 10000 / 128
+
+
+@pytest.mark.parametrize("path, body, needles", [
+    ("/v1/responses", {"input": [{"type": "message", "role": "tool", "content": "x"}]},
+     ("input item 0: role 'tool'; use user, assistant, system or developer", "function_call_output")),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "zz", "output": "1"}]},
+     ("a tool result for call id 'zz'", "function_call_output's call_id", "answers no tool call before it")),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "zz", "content": "1"}]},
+     ("a tool result for call id 'zz'", "a tool message's tool_call_id")),
+    ("/v1/completions", {"prompt": "x", "temperature": float("nan")}, ("temperature: Input should be a finite number",)),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": float("inf")}}, ("logit_bias.5: Input should be a finite",)),
+])
+def test_messages_name_the_api_they_came_in(server, path, body, needles):
+    import json
+
+    with httpx.Client(base_url=server.url, timeout=60) as c:  # (json.dumps writes NaN / Infinity, as some clients do)
+        _refused(c.post(path, content=json.dumps({"model": MODEL, **body}), headers={"content-type": "application/json"}),
+                 400, *needles)

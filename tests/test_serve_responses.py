@@ -210,7 +210,7 @@ def test_output_text_logprobs_and_reasoning_passed_back_sealed(client, script):
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "temprature": 1}, "temprature: unknown field"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "tool_call_id 'nope'"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "a tool result for call id 'nope'"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]}, "another provider"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gptoss-fp8:abc"}]}, "is damaged"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gptoss-fp8:/w=="}]}, "is damaged"),

@@ -147,8 +147,9 @@ def _turns(messages: list[dict], call_names: dict[str, str]) -> list:
         elif role == "tool":
             name = m.get("name") or call_names.get(m.get("tool_call_id", ""))
             if name is None:
-                raise GptOssFp8Error(f"tool message with tool_call_id {m.get('tool_call_id')!r}: no assistant tool call "
-                                     "with that id precedes it")
+                raise GptOssFp8Error(f"a tool result for call id {m.get('tool_call_id')!r} (chat: a tool message's "
+                                     "tool_call_id; Responses: a function_call_output's call_id) answers no tool call "
+                                     "before it")
             out.append(Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"), _text(m.get("content")))
                        .with_channel("commentary").with_recipient("assistant"))
         else:

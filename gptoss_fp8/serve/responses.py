@@ -103,6 +103,9 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         kind, where = item.get("type", "message"), f"input item {i}"
         try:
             if kind == "message":
+                if item["role"] not in ("user", "assistant", "system", "developer"):
+                    raise GptOssFp8Error(f"{where}: role {item['role']!r}; use user, assistant, system or developer (a "
+                                         "tool's result is a function_call_output item)")
                 out.append({"role": item["role"], "content": _text(item.get("content"), where)})
                 if item["role"] == "assistant" and item.get("phase") == "commentary":  # a preamble stays one
                     out[-1]["channel"] = "commentary"

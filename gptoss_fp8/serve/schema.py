@@ -12,7 +12,7 @@ from gptoss_fp8.errors import GptOssFp8Error
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # (JSON has no NaN; Python's reader takes one)
 
 
 class StreamOptions(_Strict):
