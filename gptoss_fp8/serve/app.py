@@ -79,6 +79,15 @@ def _failed(seq: Sequence, ev: Event) -> HttpError:
     return HttpError(500, ev.error or "the request failed", "server_error")
 
 
+def tokenizer_panic(e: BaseException) -> HttpError:
+    """openai-harmony's tokenizer panicking (a BaseException from Rust) on a text check_text let through: a 400,
+    not a dropped connection; anything else goes on up."""
+    if type(e).__name__ != "PanicException":
+        raise e
+    return HttpError(400, "the tokenizer could not take this text (openai-harmony: "
+                          f"{str(e).splitlines()[0][:200]}); break up its long runs of characters")
+
+
 def _first_line(e: BaseException) -> str:
     """An exception's message, its first line (pydantic's add a link, llguidance's a grammar dump)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -463,14 +472,6 @@ def create_app(served: Served) -> FastAPI:
                         engine.cancel(seq)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
-
-    def tokenizer_panic(e: BaseException) -> HttpError:
-        """openai-harmony's tokenizer panicking (a BaseException from Rust) on a text check_text let through: a 400,
-        not a dropped connection; anything else goes on up."""
-        if type(e).__name__ != "PanicException":
-            raise e
-        return HttpError(400, "the tokenizer could not take this text (openai-harmony: "
-                              f"{str(e).splitlines()[0][:200]}); break up its long runs of characters")
 
     async def body(request: Request, cls):
         """The request's body as ``cls`` (schema.py), or a one-line 400."""

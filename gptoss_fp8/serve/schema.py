@@ -4,6 +4,7 @@ server does not implement are accepted only at their neutral value (``echo`` fal
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
@@ -124,17 +125,12 @@ MAX_BODY = 16 << 20  # bytes: far more than any context's text (131072 tokens of
 # box; ~1 MB: it panics). A request's runs of RUN_MIN or more characters may cost RUN_BUDGET bytes^2 in all (~1 s).
 RUN_MIN, RUN_BUDGET = 1024, 3 << 30
 TEXT_SLACK = 256 << 10  # (check_text's context rule)
-_RUNS = None
+# (each run matched from its first character only: the lookbehinds keep the scan linear)
+_RUNS = re.compile(rf"(?<![^\W\d_])[^\W\d_]{{{RUN_MIN},}}|(?<!\s)\s{{{RUN_MIN},}}|(?<![^\w\s])[^\w\s]{{{RUN_MIN},}}")
 
 
 def _long_runs(text: str):
     """(start, characters, bytes) of each run of RUN_MIN or more letters, whitespace or punctuation characters."""
-    global _RUNS
-    if _RUNS is None:
-        import re
-
-        # (each run matched from its first character only: the lookbehinds keep the scan linear)
-        _RUNS = re.compile(rf"(?<![^\W\d_])[^\W\d_]{{{RUN_MIN},}}|(?<!\s)\s{{{RUN_MIN},}}|(?<![^\w\s])[^\w\s]{{{RUN_MIN},}}")
     for m in _RUNS.finditer(text):
         yield m.start(), m.end() - m.start(), len(m.group().encode("utf-8", "surrogatepass"))
 
